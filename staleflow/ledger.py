@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from functools import cached_property
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -81,7 +82,7 @@ class LedgerParams:
         if self.batch_redundancy < 0 or self.group_redundancy < 0:
             raise ValueError("redundancy ratios must be >= 0")
 
-    @property
+    @cached_property
     def capacity(self) -> int:
         """Groups admitted per buffer window (B plus batch-level redundancy)."""
         return self.batch_size + math.floor(self.batch_size * self.batch_redundancy + 1e-9)
@@ -102,6 +103,9 @@ class Entry:
     occupied_seq: int | None = None
     completed: tuple[str, ...] = ()  # members completed so far (group-level redundancy)
 
+    def copy(self) -> Entry:
+        return Entry(self.group_id, self.v_traj, self.deadline, self.status, self.seq, self.occupied_seq, self.completed)
+
 
 # --- changes: what a transition did, for the durable store --------------------------------
 
@@ -109,6 +113,7 @@ class Entry:
 @dataclass(frozen=True)
 class PutEntry:
     entry: Entry
+    new: bool = False
 
 
 @dataclass(frozen=True)
@@ -244,7 +249,10 @@ class Ledger:
     def admissible(self, v_traj: int) -> int:
         """How many new reservations with this V_traj fit now (0 when none)."""
         self._check_version(v_traj)
-        return self._admission_counts().get(v_traj, 0)
+        k = v_traj + self.params.eta - self.train_version
+        if k < 0:
+            return 0
+        return max(0, min(self._prefix_slack()[k:]))
 
     def admission(self, versions: Iterable[int] | None = None) -> dict[int, int]:
         """Admissible reservation counts for each proposed V_traj, in one pass."""
@@ -285,8 +293,8 @@ class Ledger:
             occupied[d - t] += len(groups)
         return reserved, occupied
 
-    def _prefix_slack(self) -> list[int]:
-        reserved, occupied = self._class_counts()
+    def _prefix_slack(self, counts: tuple[list[int], list[int]] | None = None) -> list[int]:
+        reserved, occupied = counts or self._class_counts()
         slack, cap_sum, used = [], 0, 0
         for cap, r, o in zip(self._capacities(), reserved, occupied, strict=True):
             cap_sum += cap
@@ -367,15 +375,42 @@ class Ledger:
         e = self._entries[group_id]
         return BufferEntry(e.group_id, e.v_traj, e.status)
 
-    def _buffer_of_newest(self, status: EntryStatus, deadline: int) -> int:
-        """Buffer of the newest entry of a deadline class in the canonical placement."""
-        res_at, occ_at = self._placement()
+    def _buffer_of_newest(
+        self, status: EntryStatus, deadline: int, counts: tuple[list[int], list[int]] | None = None
+    ) -> int:
+        """Buffer of the newest entry of a deadline class in the canonical placement.
+
+        Reserved entries fill buffers back to front in descending deadline order, occupied ones
+        front to back in ascending order, so the newest entry of class k sits where the running
+        fill reaches the number of entries of classes >= k (reserved) or <= k (occupied).
+        """
+        caps = self._capacities()
+        reserved, occupied = counts or self._class_counts()
+        reserved_at = self._reserved_per_buffer(caps, reserved)
         k = deadline - self.train_version
-        if status is EntryStatus.RESERVED:  # newest reservation: earliest buffer of its class
-            buffers = [b for b in range(len(res_at)) if res_at[b].get(k)]
-            return self.train_version + buffers[0]
-        buffers = [b for b in range(len(occ_at)) if occ_at[b].get(k)]  # newest occupant: latest
-        return self.train_version + buffers[-1]
+        if status is EntryStatus.RESERVED:
+            target, filled = sum(reserved[k:]), 0
+            for b in range(len(caps) - 1, -1, -1):
+                filled += reserved_at[b]
+                if filled >= target:
+                    return self.train_version + b
+        else:
+            target, filled = sum(occupied[: k + 1]), 0
+            for b in range(len(caps)):
+                filled += caps[b] - reserved_at[b]
+                if filled >= target:
+                    return self.train_version + b
+        raise AssertionError("entry outside the canonical placement")
+
+    @staticmethod
+    def _reserved_per_buffer(caps: list[int], reserved: list[int]) -> list[int]:
+        """How many reserved entries each buffer holds when they are placed as late as possible."""
+        at, pool = [0] * len(caps), 0
+        for b in range(len(caps) - 1, -1, -1):
+            pool += reserved[b]
+            at[b] = min(caps[b], pool)
+            pool -= at[b]
+        return at
 
     def buffer_of(self, group_id: str) -> int:
         for view in self.buffers():
@@ -391,16 +426,21 @@ class Ledger:
     def reserve(self, group_id: str, v_traj: int) -> Transition:
         self._check_new_group(group_id)
         self._check_version(v_traj)
-        if self.admissible(v_traj) < 1:
-            raise self._not_admissible(v_traj)
         deadline = v_traj + self.params.eta
+        k = deadline - self.train_version
+        counts = self._class_counts()
+        if k < 0 or min(self._prefix_slack(counts)[k:]) < 1:
+            raise self._not_admissible(v_traj)
         entry = Entry(group_id, v_traj, deadline, EntryStatus.RESERVED, self._next_seq())
         self._entries[group_id] = entry
         self._reserved.setdefault(deadline, {})[group_id] = None
-        self._changes = [PutEntry(replace(entry))]
-        transition = self._finish(Transition("reserve", group_id))
-        transition.buffer = self._where(entry)
-        return transition
+        self._changes = [PutEntry(entry.copy(), new=True)]
+        if self.redundant:
+            transition = self._finish(Transition("reserve", group_id))
+            transition.buffer = self._where(entry)
+            return transition
+        counts[0][k] += 1
+        return self._finish(Transition("reserve", group_id, self._buffer_of_newest(EntryStatus.RESERVED, deadline, counts)))
 
     def occupy(self, group_id: str) -> Transition:
         entry = self._live(group_id)
@@ -425,7 +465,7 @@ class Ledger:
             if len(entry.completed) >= self.params.group_members:
                 raise LedgerError("invalid_member", f"group {group_id!r} has no room for member {member_id!r}")
             entry.completed = (*entry.completed, member_id)
-            self._changes.append(PutEntry(replace(entry)))
+            self._changes.append(PutEntry(entry.copy()))
         transition = Transition("complete_member", group_id, completed_members=list(entry.completed))
         if len(entry.completed) >= self.params.group_size:
             self._occupy(entry)
@@ -483,8 +523,10 @@ class Ledger:
         if self._sealed:
             return list(self._sealed)
         B = self.params.batch_size
-        res_at, occ_at = self._placement()
-        if sum(occ_at[0].values()) < B:
+        caps = self._capacities()
+        reserved, occupied = self._class_counts()
+        free_at_head = caps[0] - self._reserved_per_buffer(caps, reserved)[0]
+        if min(free_at_head, sum(occupied)) < B:
             return None
         return self._earliest_occupied(B)
 
@@ -503,8 +545,7 @@ class Ledger:
             return []
         batch = self._earliest_occupied(self.params.batch_size)
         for g in batch:
-            del self._occupied[self._entries[g].deadline][g]
-        self._drop_empty_classes()
+            self._discard(self._occupied, self._entries[g].deadline, g)
         self._sealed = batch
         self._changes.append(SetSealed(tuple(batch)))
         cancelled = []
@@ -537,12 +578,11 @@ class Ledger:
         raise AssertionError("ledger over capacity with nothing to abort")
 
     def _occupy(self, entry: Entry) -> None:
-        del self._reserved[entry.deadline][entry.group_id]
-        self._drop_empty_classes()
+        self._discard(self._reserved, entry.deadline, entry.group_id)
         entry.status = EntryStatus.OCCUPIED
         entry.occupied_seq = self._next_seq()
         self._occupied.setdefault(entry.deadline, {})[entry.group_id] = None
-        self._changes.append(PutEntry(replace(entry)))
+        self._changes.append(PutEntry(entry.copy()))
 
     def _where(self, entry: Entry) -> int | None:
         """Buffer of an entry that was just reserved or occupied (None if it is gone)."""
@@ -565,15 +605,16 @@ class Ledger:
         g = entry.group_id
         del self._entries[g]
         pool = self._reserved if entry.status is EntryStatus.RESERVED else self._occupied
-        del pool[entry.deadline][g]
-        self._drop_empty_classes()
+        self._discard(pool, entry.deadline, g)
         self._retired[g] = fate
         self._changes.append(RetireEntry(g, entry.v_traj, fate, self.train_version))
 
-    def _drop_empty_classes(self) -> None:
-        for pool in (self._reserved, self._occupied):
-            for d in [d for d, gs in pool.items() if not gs]:
-                del pool[d]
+    @staticmethod
+    def _discard(pool: dict[int, dict[str, None]], deadline: int, group_id: str) -> None:
+        groups = pool[deadline]
+        del groups[group_id]
+        if not groups:
+            del pool[deadline]
 
     def _live(self, group_id: str) -> Entry:
         entry = self._entries.get(group_id)

@@ -1,0 +1,3 @@
+from staleflow.cli.main import app
+
+app(prog_name="staleflow")

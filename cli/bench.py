@@ -1,0 +1,165 @@
+"""``staleflow bench ledger``: the ledger's speed, measured side by side in one run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import Progress
+from rich.table import Table
+
+from staleflow.cli.common import console
+from staleflow.config import LedgerConfig, ManagerConfig
+from staleflow.ledger import Ledger, LedgerParams
+
+
+def _fill_and_drain(ledger, params: LedgerParams, prefix: str, workers: int = 1) -> int:  # noqa: ANN001
+    """One training step in steady state: reserve what is admissible at the newest version,
+    occupy it, consume one buffer. Returns the number of transitions."""
+    t = ledger.train_version
+    n_new = ledger.admission([t])[t]
+    ids = [f"{prefix}-{t}-{i}" for i in range(n_new)]
+
+    def lifecycle(chunk: list[str]) -> None:
+        for g in chunk:
+            ledger.reserve(g, t)
+        for g in chunk:
+            ledger.occupy(g)
+
+    if workers == 1:
+        lifecycle(ids)
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lifecycle, [ids[i::workers] for i in range(workers)]))
+    ledger.consume()
+    return 2 * n_new + 1
+
+
+def bench_pure(params: LedgerParams, steps: int) -> dict:
+    ledger = Ledger(params)
+    ops, start = 0, time.perf_counter()
+    for _ in range(steps):
+        ops += _fill_and_drain(ledger, params, "p")
+    elapsed = time.perf_counter() - start
+    return {"transitions": ops, "seconds": elapsed, "per_second": ops / elapsed}
+
+
+def bench_durable(params: LedgerParams, steps: int, workers: int, synchronous: str, workdir: Path) -> dict:
+    from staleflow.servers.ledger_store import DurableLedger
+
+    ledger = DurableLedger.open(f"sqlite:///{workdir / f'durable-{workers}-{synchronous}.db'}", params, synchronous)
+    try:
+        ops, start = 0, time.perf_counter()
+        for _ in range(steps):
+            ops += _fill_and_drain(ledger, params, f"d{workers}", workers)
+        elapsed = time.perf_counter() - start
+    finally:
+        ledger.close()
+    return {"transitions": ops, "seconds": elapsed, "per_second": ops / elapsed, "workers": workers,
+            "synchronous": synchronous}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_http(params: LedgerParams, requests: int, workdir: Path) -> dict:
+    from staleflow.servers.clients import ManagerClient
+    from staleflow.servers.http import serve_in_thread
+    from staleflow.servers.manager import create_app
+
+    config = ManagerConfig(
+        ledger=LedgerConfig(eta=params.eta, batch_size=params.batch_size, group_size=params.group_size),
+        db_url=f"sqlite:///{workdir / 'http.db'}",
+    )
+    latencies: dict[str, list[float]] = {"reserve": [], "occupy": []}
+    with serve_in_thread(create_app(config)) as server, ManagerClient(server.url) as client:
+        client.health()  # waits for the lifespan (database open) to finish
+        done = 0
+        while done < requests:
+            t = client.buffers()["train_version"]
+            room = client.admission([t])[t]
+            ids = [f"h-{t}-{i}" for i in range(min(room, requests - done))]
+            for g in ids:
+                start = time.perf_counter()
+                client.reserve(g, t)
+                latencies["reserve"].append(time.perf_counter() - start)
+            for g in ids:
+                start = time.perf_counter()
+                client.occupy(g)
+                latencies["occupy"].append(time.perf_counter() - start)
+            done += len(ids)
+            if len(ids) == room:
+                client.consume()
+    return {
+        op: {"p50_ms": 1e3 * statistics.median(v), "p99_ms": 1e3 * _percentile(v, 0.99), "n": len(v)}
+        for op, v in latencies.items()
+    }
+
+
+def run_ledger_bench(eta: int, batch_size: int, steps: int, http_requests: int, workers: int) -> dict:
+    params = LedgerParams(eta=eta, batch_size=batch_size)
+    results: dict = {"params": {"eta": eta, "batch_size": batch_size, "steps": steps}}
+    with tempfile.TemporaryDirectory() as tmp, Progress(console=console, transient=True) as progress:
+        workdir = Path(tmp)
+        task = progress.add_task("ledger benchmark", total=5)
+        results["pure"] = bench_pure(params, steps)
+        progress.advance(task)
+        durable_steps = max(2, steps // 10)
+        results["durable_sequential"] = bench_durable(params, durable_steps, 1, "FULL", workdir)
+        progress.advance(task)
+        results["durable_concurrent"] = bench_durable(params, durable_steps, workers, "FULL", workdir)
+        progress.advance(task)
+        results["durable_concurrent_normal"] = bench_durable(params, durable_steps, workers, "NORMAL", workdir)
+        progress.advance(task)
+        results["http"] = bench_http(params, http_requests, workdir)
+        progress.advance(task)
+    results["threads_alive"] = threading.active_count()
+    return results
+
+
+def _print(results: dict) -> None:
+    table = Table(title=f"ledger benchmark (eta={results['params']['eta']}, B={results['params']['batch_size']})")
+    table.add_column("measurement")
+    table.add_column("result", justify="right")
+    table.add_column("goal", justify="right")
+    table.add_row("pure ledger transitions/s", f"{results['pure']['per_second']:,.0f}", ">= 100,000")
+    for key, label in (
+        ("durable_sequential", "durable transitions/s, 1 client, FULL sync"),
+        ("durable_concurrent", f"durable transitions/s, {results['durable_concurrent']['workers']} clients, FULL sync"),
+        ("durable_concurrent_normal", f"durable transitions/s, {results['durable_concurrent']['workers']} clients, NORMAL sync"),
+    ):
+        table.add_row(label, f"{results[key]['per_second']:,.0f}", ">= 5,000")
+    for op in ("reserve", "occupy"):
+        h = results["http"][op]
+        table.add_row(f"HTTP {op} latency p50 / p99 (ms)", f"{h['p50_ms']:.2f} / {h['p99_ms']:.2f}", "p50 <= 2")
+    console.print(table)
+
+
+def register(bench_app: typer.Typer) -> None:
+    @bench_app.command("ledger")
+    def ledger_cmd(
+        eta: Annotated[int, typer.Option(help="staleness bound")] = 3,
+        batch_size: Annotated[int, typer.Option(help="groups per buffer")] = 128,
+        steps: Annotated[int, typer.Option(help="training steps for the pure-ledger run")] = 400,
+        http_requests: Annotated[int, typer.Option(help="reserve+occupy pairs over HTTP")] = 1000,
+        workers: Annotated[int, typer.Option(help="concurrent clients for the durable run")] = 16,
+        as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+        output: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
+    ) -> None:
+        """Pure-ledger transitions/s, durable transitions/s through SQLite, HTTP latency."""
+        results = run_ledger_bench(eta, batch_size, steps, http_requests, workers)
+        if output:
+            output.write_text(json.dumps(results, indent=2))
+        if as_json:
+            console.print_json(json.dumps(results))
+        else:
+            _print(results)

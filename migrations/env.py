@@ -1,0 +1,35 @@
+"""Alembic environment. ``staleflow.servers.db.upgrade`` passes an open connection in
+``config.attributes["connection"]``; the ``alembic`` CLI can use ``sqlalchemy.url`` instead."""
+
+from alembic import context
+from sqlalchemy import engine_from_config, pool
+
+from staleflow.servers.schema import metadata
+
+config = context.config
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        context.configure(connection=connection, target_metadata=metadata, render_as_batch=True)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+    engine = engine_from_config(config.get_section(config.config_ini_section) or {}, prefix="sqlalchemy.", poolclass=pool.NullPool)
+    with engine.connect() as conn:
+        context.configure(connection=conn, target_metadata=metadata, render_as_batch=True)
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

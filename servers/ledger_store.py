@@ -1,0 +1,336 @@
+"""The durable staleness ledger: the pure ``Ledger`` plus a SQL store.
+
+One writer thread owns the database connection. Callers hand it transitions; it applies each to
+the in-memory ledger, writes the changes of everything queued so far in one database transaction
+(group commit: concurrent callers share one fsync), and only after that commit does any of those
+calls return. If the commit fails, the memory state is rebuilt from the database and every call in
+the batch fails, so memory and disk never diverge and nothing half-applied is visible: readers take
+the same lock the writer holds from the first apply to the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, update
+
+from staleflow.ledger import (
+    BufferView,
+    Entry,
+    EntryStatus,
+    Fate,
+    Ledger,
+    LedgerError,
+    LedgerParams,
+    PutEntry,
+    RetireEntry,
+    SetSealed,
+    SetTrainVersion,
+    Transition,
+)
+from staleflow.servers import db
+from staleflow.servers.schema import ledger_entries, ledger_events, ledger_retired, ledger_settings
+
+
+class StoreError(RuntimeError):
+    """The database refused a write; the transition was not applied."""
+
+
+class SettingsMismatch(ValueError):
+    """The database was created with other ledger parameters."""
+
+
+@dataclass
+class LedgerStats:
+    admitted: int = 0
+    occupied: int = 0
+    consumed_groups: int = 0
+    consumed_buffers: int = 0
+    aborted: int = 0
+    surplus: int = 0
+
+
+class DurableLedger:
+    max_batch = 512
+
+    def __init__(self, engine: Engine, params: LedgerParams):
+        self.engine = engine
+        self._lock = threading.Lock()
+        db.upgrade(engine)
+        self.params = params
+        self.ledger = self._load(params)
+        self.stats = self._load_stats()
+        self._update_entry = (
+            update(ledger_entries)
+            .where(ledger_entries.c.group_id == bindparam("key"))
+            .values({c: bindparam(c) for c in ("v_traj", "deadline", "status", "seq", "occupied_seq", "completed")})
+        )
+        self._delete_entry = delete(ledger_entries).where(ledger_entries.c.group_id == bindparam("key"))
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._writer = threading.Thread(target=self._writer_loop, name="ledger-writer", daemon=True)
+        self._writer.start()
+
+    @classmethod
+    def open(cls, url: str, params: LedgerParams, synchronous: str = "FULL") -> DurableLedger:
+        return cls(db.make_engine(url, synchronous), params)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._writer.join()
+            self.engine.dispose()
+
+    # ------------------------------------------------------------------ loading
+
+    def _load(self, params: LedgerParams) -> Ledger:
+        with self.engine.begin() as conn:
+            row = conn.execute(select(ledger_settings).where(ledger_settings.c.id == 1)).mappings().first()
+            if row is None:
+                conn.execute(
+                    insert(ledger_settings).values(
+                        id=1,
+                        eta=params.eta,
+                        batch_size=params.batch_size,
+                        batch_redundancy=params.batch_redundancy,
+                        group_size=params.group_size,
+                        group_redundancy=params.group_redundancy,
+                        train_version=0,
+                        sealed="[]",
+                        created_at=time.time(),
+                    )
+                )
+                return Ledger(params)
+            stored = LedgerParams(
+                eta=row["eta"],
+                batch_size=row["batch_size"],
+                batch_redundancy=row["batch_redundancy"],
+                group_size=row["group_size"],
+                group_redundancy=row["group_redundancy"],
+            )
+            if stored != params:
+                diffs = ", ".join(
+                    f"{k}={getattr(stored, k)} (asked {getattr(params, k)})"
+                    for k in ("eta", "batch_size", "batch_redundancy", "group_size", "group_redundancy")
+                    if getattr(stored, k) != getattr(params, k)
+                )
+                raise SettingsMismatch(
+                    f"this database holds a run created with {diffs}; pass the same settings to resume it, "
+                    "or point --db / --state-dir at a new location for a new run"
+                )
+            entries = [
+                Entry(
+                    group_id=r["group_id"],
+                    v_traj=r["v_traj"],
+                    deadline=r["deadline"],
+                    status=EntryStatus(r["status"]),
+                    seq=r["seq"],
+                    occupied_seq=r["occupied_seq"],
+                    completed=tuple(json.loads(r["completed"])),
+                )
+                for r in conn.execute(select(ledger_entries)).mappings()
+            ]
+            retired = {r.group_id: Fate(r.fate) for r in conn.execute(select(ledger_retired.c.group_id, ledger_retired.c.fate))}
+            return Ledger.restore(params, row["train_version"], entries, retired, json.loads(row["sealed"]))
+
+    def _load_stats(self) -> LedgerStats:
+        with self.engine.connect() as conn:
+            ops = dict(conn.execute(select(ledger_events.c.op, func.count()).group_by(ledger_events.c.op)).all())
+            fates = dict(conn.execute(select(ledger_retired.c.fate, func.count()).group_by(ledger_retired.c.fate)).all())
+        return LedgerStats(
+            admitted=ops.get("reserve", 0),
+            occupied=ops.get("occupy", 0),
+            consumed_groups=fates.get(Fate.CONSUMED.value, 0),
+            consumed_buffers=ops.get("consume", 0),
+            aborted=fates.get(Fate.ABORTED.value, 0),
+            surplus=fates.get(Fate.SURPLUS.value, 0),
+        )
+
+    # ------------------------------------------------------------------ transitions
+
+    TRANSITIONS = frozenset({"reserve", "occupy", "complete_member", "abort", "consume"})
+
+    def submit(self, name: str, *args: object) -> Future[Transition]:
+        """Queue a ledger transition; the future resolves once it is durable (or refused)."""
+        if name not in self.TRANSITIONS:
+            raise ValueError(f"unknown transition {name!r}")
+        future: Future[Transition] = Future()
+        if self._closed:
+            future.set_exception(StoreError("the ledger is closed"))
+            return future
+        self._queue.put((lambda: getattr(self.ledger, name)(*args), future))
+        return future
+
+    def reserve(self, group_id: str, v_traj: int) -> Transition:
+        return self.submit("reserve", group_id, v_traj).result()
+
+    def occupy(self, group_id: str) -> Transition:
+        return self.submit("occupy", group_id).result()
+
+    def complete_member(self, group_id: str, member_id: str) -> Transition:
+        return self.submit("complete_member", group_id, member_id).result()
+
+    def abort(self, group_id: str) -> Transition:
+        return self.submit("abort", group_id).result()
+
+    def consume(self) -> Transition:
+        return self.submit("consume").result()
+
+    def _writer_loop(self) -> None:
+        with self.engine.connect() as conn:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                batch = [item]
+                while len(batch) < self.max_batch:
+                    try:
+                        nxt = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is None:
+                        self._queue.put(None)  # finish this batch, then stop
+                        break
+                    batch.append(nxt)
+                self._commit_batch(conn, batch)
+
+    def _commit_batch(self, conn: Connection, batch: list[tuple[Callable[[], Transition], Future]]) -> None:
+        with self._lock:
+            done: list[tuple[Future, Transition]] = []
+            for op, future in batch:
+                try:
+                    done.append((future, op()))  # a refused op raises before touching state
+                except LedgerError as exc:
+                    future.set_exception(exc)
+                except Exception as exc:  # a bug must not kill the writer
+                    future.set_exception(exc)
+            if not done:
+                return
+            try:
+                with conn.begin():
+                    self._write(conn, [t for _, t in done])
+            except Exception as exc:
+                self.ledger = self._load(self.params)  # the database is the source of truth
+                for future, transition in done:
+                    future.set_exception(StoreError(f"could not persist {transition.op}: {exc}"))
+                return
+            for future, transition in done:
+                self._count(transition)
+                future.set_result(transition)
+
+    def _write(self, conn: Connection, transitions: list[Transition]) -> None:
+        now = time.time()
+        inserts, updates, retired, events = [], [], [], []
+        settings: dict[str, object] = {}
+        for transition in transitions:
+            for change in transition.changes:
+                if isinstance(change, PutEntry):
+                    e = change.entry
+                    row = {
+                        "v_traj": e.v_traj,
+                        "deadline": e.deadline,
+                        "status": e.status.value,
+                        "seq": e.seq,
+                        "occupied_seq": e.occupied_seq,
+                        "completed": json.dumps(list(e.completed)),
+                    }
+                    if change.new:
+                        inserts.append({"group_id": e.group_id, **row})
+                    else:
+                        self._flush(conn, inserts)  # an update may touch a row inserted in this batch
+                        updates.append({"key": e.group_id, **row})
+                elif isinstance(change, RetireEntry):
+                    self._flush(conn, inserts, updates)
+                    conn.execute(self._delete_entry, {"key": change.group_id})
+                    retired.append(
+                        {"group_id": change.group_id, "v_traj": change.v_traj, "fate": change.fate.value,
+                         "buffer": change.buffer, "retired_at": now}
+                    )
+                elif isinstance(change, SetTrainVersion):
+                    settings["train_version"] = change.train_version
+                elif isinstance(change, SetSealed):
+                    settings["sealed"] = json.dumps(list(change.group_ids))
+            detail: dict[str, object] = {"cancelled": transition.cancelled}
+            if transition.consumed is not None:
+                detail["consumed"] = transition.consumed
+            events.append(
+                {"at": now, "op": transition.op, "group_id": transition.group_id, "buffer": transition.buffer,
+                 "detail": json.dumps(detail)}
+            )
+        self._flush(conn, inserts, updates)
+        if retired:
+            conn.execute(insert(ledger_retired), retired)
+        conn.execute(insert(ledger_events), events)
+        if settings:
+            conn.execute(update(ledger_settings).where(ledger_settings.c.id == 1).values(**settings))
+
+    def _flush(self, conn: Connection, inserts: list[dict], updates: list[dict] | None = None) -> None:
+        if inserts:
+            conn.execute(insert(ledger_entries), inserts)
+            inserts.clear()
+        if updates:
+            conn.execute(self._update_entry, updates)
+            updates.clear()
+
+    def _count(self, transition: Transition) -> None:
+        s = self.stats
+        if transition.op == "reserve":
+            s.admitted += 1
+        elif transition.op == "occupy":
+            s.occupied += 1
+        elif transition.op == "consume":
+            s.consumed_buffers += 1
+            s.consumed_groups += len(transition.consumed or [])
+        fates = Counter(c.fate for c in transition.changes if isinstance(c, RetireEntry))
+        s.aborted += fates[Fate.ABORTED]
+        s.surplus += fates[Fate.SURPLUS]
+
+    # ------------------------------------------------------------------ queries
+
+    def buffers(self) -> list[BufferView]:
+        with self._lock:
+            return self.ledger.buffers()
+
+    def admission(self, versions: list[int] | None = None) -> dict[int, int]:
+        with self._lock:
+            return self.ledger.admission(versions)
+
+    def snapshot(self) -> tuple[int, list[BufferView], dict[str, int]]:
+        with self._lock:
+            return self.ledger.train_version, self.ledger.buffers(), self.ledger.counts()
+
+    def entry(self, group_id: str) -> Entry | None:
+        with self._lock:
+            return self.ledger.entry(group_id)
+
+    def fate(self, group_id: str) -> Fate | None:
+        with self._lock:
+            return self.ledger.fate(group_id)
+
+    @property
+    def train_version(self) -> int:
+        return self.ledger.train_version
+
+    def events(self, after: int = 0, limit: int = 100) -> list[dict]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(ledger_events).where(ledger_events.c.id > after).order_by(ledger_events.c.id).limit(limit)
+            ).mappings()
+            return [{**dict(r), "detail": json.loads(r["detail"])} for r in rows]
+
+    def consumed_batch(self, version: int) -> list[str]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(ledger_retired.c.group_id)
+                .where(ledger_retired.c.buffer == version, ledger_retired.c.fate == Fate.CONSUMED.value)
+                .order_by(ledger_retired.c.group_id)
+            )
+            return [r.group_id for r in rows]

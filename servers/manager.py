@@ -1,0 +1,221 @@
+"""The staleness manager service: the durable ledger behind REST (FastAPI app factory)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import FastAPI, Path, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, Field, StrictInt
+
+from staleflow.config import ManagerConfig
+from staleflow.ledger import BufferView, LedgerError, Transition
+from staleflow.servers.ledger_store import DurableLedger, StoreError
+
+log = logging.getLogger(__name__)
+
+GROUP_ID_PATTERN = r"^[A-Za-z0-9._:@+\-]{1,200}$"
+GroupId = Annotated[str, Path(pattern=GROUP_ID_PATTERN, description="prompt group id")]
+
+# HTTP status for each refusal code of the ledger
+ERROR_STATUS = {
+    "unknown_group": 404,
+    "retired_group": 409,
+    "duplicate_group": 409,
+    "not_admissible": 409,
+    "invalid_status": 409,
+    "group_complete": 409,
+    "invalid_member": 409,
+    "not_ready": 409,
+    "invalid_version": 422,
+    "invalid_group": 422,
+}
+
+
+class ReservationRequest(BaseModel):
+    group_id: str = Field(pattern=GROUP_ID_PATTERN, description="prompt group id (single use)")
+    v_traj: StrictInt = Field(ge=0, description="the group's trajectory version V_traj")
+
+
+def buffer_json(view: BufferView) -> dict:
+    return {
+        "version": view.version,
+        "state": view.state.value,
+        "capacity": view.capacity,
+        "entries": [{"group_id": e.group_id, "v_traj": e.v_traj, "status": e.status.value} for e in view.entries],
+    }
+
+
+def transition_json(t: Transition) -> dict:
+    body: dict = {"group_id": t.group_id, "buffer": t.buffer, "cancelled": t.cancelled}
+    if t.completed_members is not None:
+        body["completed_members"] = t.completed_members
+        body["occupied"] = t.op == "occupy"
+    return body
+
+
+class LedgerCollector:
+    """Prometheus view of the ledger, read at scrape time."""
+
+    def __init__(self, ledger: DurableLedger):
+        self.ledger = ledger
+
+    def collect(self):  # noqa: ANN201
+        version, buffers, counts = self.ledger.snapshot()
+        stats = self.ledger.stats
+        g = GaugeMetricFamily("staleflow_ledger_train_version", "buffers consumed so far (trainer version)")
+        g.add_metric([], version)
+        yield g
+        entries = GaugeMetricFamily("staleflow_ledger_entries", "live entries by status", labels=["status"])
+        entries.add_metric(["reserved"], counts["reserved"])
+        entries.add_metric(["occupied"], counts["occupied"])
+        yield entries
+        states = GaugeMetricFamily("staleflow_ledger_buffers", "live buffers by state", labels=["state"])
+        for state in ("waiting", "ready", "stuck"):
+            states.add_metric([state], sum(b.state.value == state for b in buffers))
+        yield states
+        for name, doc, value in (
+            ("staleflow_ledger_admitted", "groups admitted (reserved)", stats.admitted),
+            ("staleflow_ledger_occupied", "groups occupied", stats.occupied),
+            ("staleflow_ledger_consumed_groups", "groups consumed by the trainer", stats.consumed_groups),
+            ("staleflow_ledger_consumed_buffers", "buffers consumed by the trainer", stats.consumed_buffers),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        aborted = CounterMetricFamily("staleflow_ledger_aborted_groups", "groups aborted", labels=["reason"])
+        aborted.add_metric(["requested"], stats.aborted)
+        aborted.add_metric(["surplus"], stats.surplus)
+        yield aborted
+
+
+def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> FastAPI:
+    """The staleness manager. Owns ``ledger`` if given, else opens the configured database."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = ledger is None
+        app.state.ledger = ledger or DurableLedger.open(config.database_url(), config.ledger.params(), config.synchronous)
+        registry = CollectorRegistry()
+        registry.register(LedgerCollector(app.state.ledger))
+        app.state.registry = registry
+        log.info("staleness manager ready: eta=%d batch=%d db=%s", config.ledger.eta, config.ledger.batch_size,
+                 config.database_url())
+        try:
+            yield
+        finally:
+            if owned:
+                app.state.ledger.close()
+
+    app = FastAPI(title="StaleFlow staleness manager", version="1", lifespan=lifespan)
+
+    @app.exception_handler(LedgerError)
+    async def _ledger_error(_: Request, exc: LedgerError) -> JSONResponse:
+        return JSONResponse({"detail": exc.message, "code": exc.code, **exc.details}, status_code=ERROR_STATUS.get(exc.code, 409))
+
+    @app.exception_handler(StoreError)
+    async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "code": "store_unavailable"}, status_code=503)
+
+    def the_ledger(request: Request) -> DurableLedger:
+        return request.app.state.ledger
+
+    async def transition(request: Request, name: str, *args: object) -> Transition:
+        # awaited on the event loop: no worker-thread hop on the hot path
+        return await asyncio.wrap_future(the_ledger(request).submit(name, *args))
+
+    @app.get("/v1/health")
+    def health(request: Request) -> dict:
+        led = the_ledger(request)
+        return {"status": "ok", "train_version": led.train_version}
+
+    @app.get("/v1/buffers")
+    def buffers(request: Request) -> dict:
+        led = the_ledger(request)
+        version, views, _ = led.snapshot()
+        return {
+            "train_version": version,
+            "eta": led.params.eta,
+            "batch_size": led.params.batch_size,
+            "buffers": [buffer_json(v) for v in views],
+        }
+
+    @app.get("/v1/buffers/{version}")
+    def buffer(request: Request, version: Annotated[int, Path(ge=0)]) -> dict:
+        led = the_ledger(request)
+        current, views, _ = led.snapshot()
+        for view in views:
+            if view.version == version:
+                return buffer_json(view)
+        if version < current:
+            groups = led.consumed_batch(version)
+            return {"version": version, "state": "consumed", "capacity": led.params.batch_size,
+                    "entries": [{"group_id": g, "status": "consumed"} for g in groups]}
+        return JSONResponse(
+            {"detail": f"buffer {version} is not live yet: live buffers are {current}..{current + led.params.eta}"},
+            status_code=404,
+        )
+
+    @app.get("/v1/admission")
+    def admission(
+        request: Request,
+        versions: Annotated[list[int] | None, Query(description="V_traj values to ask about; default all live")] = None,
+    ) -> dict:
+        led = the_ledger(request)
+        table = led.admission(versions)
+        return {"train_version": led.train_version, "eta": led.params.eta,
+                "admissible": {str(v): n for v, n in table.items()}}
+
+    @app.post("/v1/reservations", status_code=201)
+    async def reserve(request: Request, body: ReservationRequest) -> dict:
+        return transition_json(await transition(request, "reserve", body.group_id, body.v_traj))
+
+    @app.post("/v1/reservations/{group_id}/occupy")
+    async def occupy(request: Request, group_id: GroupId) -> dict:
+        return transition_json(await transition(request, "occupy", group_id))
+
+    @app.post("/v1/reservations/{group_id}/members/{member_id}/complete")
+    async def complete_member(request: Request, group_id: GroupId, member_id: GroupId) -> dict:
+        return transition_json(await transition(request, "complete_member", group_id, member_id))
+
+    @app.delete("/v1/reservations/{group_id}")
+    async def abort(request: Request, group_id: GroupId) -> dict:
+        return transition_json(await transition(request, "abort", group_id))
+
+    @app.get("/v1/reservations/{group_id}")
+    def reservation(request: Request, group_id: GroupId) -> dict:
+        led = the_ledger(request)
+        entry = led.entry(group_id)
+        if entry is not None:
+            return {"group_id": group_id, "v_traj": entry.v_traj, "status": entry.status.value,
+                    "completed_members": list(entry.completed)}
+        fate = led.fate(group_id)
+        if fate is not None:
+            return {"group_id": group_id, "status": fate.value}
+        return JSONResponse({"detail": f"group {group_id!r} is not in the ledger"}, status_code=404)
+
+    @app.post("/v1/consume")
+    async def consume(request: Request) -> dict:
+        t = await transition(request, "consume")
+        return {"version": t.buffer, "group_ids": t.consumed, "cancelled": t.cancelled}
+
+    @app.get("/v1/events")
+    def events(
+        request: Request,
+        after: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> dict:
+        rows = the_ledger(request).events(after, limit)
+        return {"events": rows, "next": rows[-1]["id"] if rows else after}
+
+    @app.get("/metrics")
+    def metrics(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(request.app.state.registry), media_type="text/plain; version=0.0.4")
+
+    return app

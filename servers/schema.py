@@ -1,0 +1,56 @@
+"""Tables of the durable state (SQLAlchemy Core). Alembic migrations in ``migrations/`` create
+and upgrade them; this module is the code's view of the same schema."""
+
+from __future__ import annotations
+
+from sqlalchemy import Column, Float, Index, Integer, MetaData, String, Table, Text
+
+metadata = MetaData()
+
+ledger_settings = Table(
+    "ledger_settings",
+    metadata,
+    Column("id", Integer, primary_key=True),  # a single row, id = 1
+    Column("eta", Integer, nullable=False),
+    Column("batch_size", Integer, nullable=False),
+    Column("batch_redundancy", Float, nullable=False),
+    Column("group_size", Integer, nullable=False),
+    Column("group_redundancy", Float, nullable=False),
+    Column("train_version", Integer, nullable=False),
+    Column("sealed", Text, nullable=False),  # JSON list of group ids pinned to buffer t
+    Column("created_at", Float, nullable=False),
+)
+
+ledger_entries = Table(
+    "ledger_entries",
+    metadata,
+    Column("group_id", String(200), primary_key=True),
+    Column("v_traj", Integer, nullable=False),
+    Column("deadline", Integer, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("occupied_seq", Integer, nullable=True),
+    Column("completed", Text, nullable=False),  # JSON list of completed member ids
+)
+
+ledger_retired = Table(
+    "ledger_retired",
+    metadata,
+    Column("group_id", String(200), primary_key=True),  # the primary key makes "once" structural
+    Column("v_traj", Integer, nullable=False),
+    Column("fate", String(16), nullable=False),
+    Column("buffer", Integer, nullable=False),
+    Column("retired_at", Float, nullable=False),
+    Index("ix_ledger_retired_buffer", "buffer"),
+)
+
+ledger_events = Table(
+    "ledger_events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", Float, nullable=False),
+    Column("op", String(32), nullable=False),
+    Column("group_id", String(200), nullable=True),
+    Column("buffer", Integer, nullable=True),
+    Column("detail", Text, nullable=False),  # JSON
+)

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support import manager_config
+
+from staleflow.servers.clients import ManagerClient
+from staleflow.servers.http import serve_in_thread
+from staleflow.servers.manager import create_app
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[ManagerClient]:
+    """A staleness manager on a loopback port, with a client."""
+    with serve_in_thread(create_app(manager_config(tmp_path))) as server, ManagerClient(server.url) as client:
+        client.health()
+        yield client

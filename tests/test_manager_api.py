@@ -1,0 +1,118 @@
+"""The staleness manager's REST contract, over real HTTP on loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support import manager_config
+
+from staleflow.servers.clients import ManagerClient, ServiceError
+from staleflow.servers.http import serve_in_thread
+from staleflow.servers.ledger_store import DurableLedger, SettingsMismatch
+from staleflow.servers.manager import create_app
+
+
+def test_lifecycle_over_http(manager: ManagerClient) -> None:
+    assert manager.admission() == {0: 4}
+    assert manager.reserve("g1", 0) == {"group_id": "g1", "buffer": 1, "cancelled": []}
+    assert manager.reserve("g2", 0)["buffer"] == 1
+    assert manager.reserve("g3", 0)["buffer"] == 0
+    data = manager.buffers()
+    assert data["train_version"] == 0 and data["eta"] == 1 and data["batch_size"] == 2
+    assert [(b["version"], b["state"], b["capacity"]) for b in data["buffers"]] == [(0, "waiting", 2), (1, "stuck", 2)]
+    assert manager.occupy("g1")["buffer"] == 0
+    assert manager.occupy("g3")["buffer"] == 0
+    head = manager.http.get("/v1/buffers/0").json()
+    assert head["state"] == "ready" and {e["group_id"] for e in head["entries"]} == {"g1", "g3"}
+    consumed = manager.consume()
+    assert consumed["version"] == 0 and sorted(consumed["group_ids"]) == ["g1", "g3"]
+    assert manager.http.get("/v1/buffers/0").json()["state"] == "consumed"
+    assert manager.http.get("/v1/reservations/g1").json()["status"] == "consumed"
+    assert manager.abort("g2")["group_id"] == "g2"
+    assert manager.http.get("/v1/reservations/g2").json()["status"] == "aborted"
+    events = manager.events()["events"]
+    assert [e["op"] for e in events] == ["reserve"] * 3 + ["occupy"] * 2 + ["consume", "abort"]
+    assert manager.events(after=events[-2]["id"])["events"][0]["op"] == "abort"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("POST", "/v1/reservations", {"group_id": "x", "v_traj": -1}, 422),
+        ("POST", "/v1/reservations", {"group_id": "x", "v_traj": 5}, 422),  # newer than the trainer
+        ("POST", "/v1/reservations", {"group_id": "x", "v_traj": "0"}, 422),  # wrong type
+        ("POST", "/v1/reservations", {"group_id": "x", "v_traj": True}, 422),
+        ("POST", "/v1/reservations", {"group_id": "", "v_traj": 0}, 422),
+        ("POST", "/v1/reservations", {"group_id": "a b", "v_traj": 0}, 422),
+        ("POST", "/v1/reservations", {"v_traj": 0}, 422),
+        ("POST", "/v1/reservations", {"group_id": "taken", "v_traj": 0}, 409),  # duplicate
+        ("POST", "/v1/reservations", "not json", 422),
+        ("POST", "/v1/reservations/ghost/occupy", None, 404),
+        ("POST", "/v1/reservations/taken/occupy", None, 200),
+        ("DELETE", "/v1/reservations/ghost", None, 404),
+        ("POST", "/v1/consume", None, 409),
+        ("GET", "/v1/buffers/-1", None, 422),
+        ("GET", "/v1/buffers/99", None, 404),
+        ("GET", "/v1/admission?versions=-3", None, 422),
+        ("GET", "/v1/events?limit=0", None, 422),
+    ],
+)
+def test_bad_requests_get_4xx_and_leave_state_untouched(
+    manager: ManagerClient, method: str, path: str, body: object, status: int
+) -> None:
+    manager.reserve("taken", 0)
+    before = manager.buffers()
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body} if body is not None else {}
+    response = manager.http.request(method, path, **kwargs)
+    assert response.status_code == status, response.text
+    if status >= 400:
+        assert response.json()["detail"], "every refusal says why"
+        assert manager.buffers() == before
+
+
+def test_consume_refusal_reports_the_buffer_state(manager: ManagerClient) -> None:
+    manager.reserve("a", 0)
+    manager.reserve("b", 0)
+    manager.occupy("a")
+    with pytest.raises(ServiceError) as err:
+        manager.consume()
+    assert err.value.status == 409
+    assert err.value.body["state"] in ("waiting", "stuck") and err.value.body["occupied"] == 1
+
+
+def test_metrics_are_prometheus_text(manager: ManagerClient) -> None:
+    manager.reserve("a", 0)
+    manager.occupy("a")
+    manager.reserve("b", 0)
+    text = manager.http.get("/metrics").text
+    assert "staleflow_ledger_admitted_total 2.0" in text
+    assert "staleflow_ledger_occupied_total 1.0" in text
+    assert 'staleflow_ledger_entries{status="reserved"} 1.0' in text
+    assert 'staleflow_ledger_buffers{state="waiting"}' in text
+
+
+def test_state_survives_a_restart_on_the_same_database(tmp_path: Path) -> None:
+    config = manager_config(tmp_path)
+    with serve_in_thread(create_app(config)) as server, ManagerClient(server.url) as client:
+        client.reserve("a", 0)
+        client.reserve("b", 0)
+        client.occupy("a")
+        client.occupy("b")
+        client.consume()
+        client.reserve("c", 1)
+        before = client.buffers()
+    with serve_in_thread(create_app(config)) as server, ManagerClient(server.url) as client:
+        assert client.buffers() == before
+        assert "staleflow_ledger_consumed_groups_total 2.0" in client.http.get("/metrics").text
+        with pytest.raises(ServiceError) as dup:
+            client.reserve("a", 1)  # ids stay single-use across restarts
+        assert dup.value.status == 409
+
+
+def test_reopening_with_other_settings_is_refused(tmp_path: Path) -> None:
+    config = manager_config(tmp_path)
+    DurableLedger.open(config.database_url(), config.ledger.params()).close()
+    other = manager_config(tmp_path, eta=3)
+    with pytest.raises(SettingsMismatch, match=r"eta=1 \(asked 3\).*pass the same settings"):
+        DurableLedger.open(other.database_url(), other.ledger.params())
