@@ -1,0 +1,70 @@
+"""One decision pass of the snapshot-command cycle (paper Algorithm 1): synchronization, then
+migration, then routing, each seeing the effects of the ones before it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from staleflow.strategies.migration import plan_migrations
+from staleflow.strategies.routing import RouteDecision, route
+from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory, StrategyConfig
+from staleflow.strategies.sync import plan_syncs
+
+
+@dataclass
+class CyclePlan:
+    syncs: list[str] = field(default_factory=list)  # Interrupt everything on them, then Pull
+    interrupts: dict[str, list[str]] = field(default_factory=dict)  # by instance, syncs' included
+    routes: list[RouteDecision] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.syncs or self.interrupts or self.routes)
+
+
+def plan_cycle(
+    instances: Sequence[InstanceState],
+    pending: Sequence[PendingTrajectory],
+    ps_version: int,
+    admission: Mapping[int, int],
+    config: StrategyConfig,
+    on_instances: Mapping[str, PendingTrajectory] | None = None,
+    group_versions: Mapping[str, int] | None = None,
+) -> CyclePlan:
+    """Decide the commands of one cycle from validated snapshots. Inputs are not modified.
+
+    ``on_instances`` describes the trajectories currently on instances (group, V_traj, length
+    when routed) so that interrupted ones can be routed again in the same pass; the Route waits
+    for them to reach the trajectory server. ``admission`` is the ledger's answer for this cycle.
+    """
+    states = {inst.instance_id: inst.copy() for inst in instances}
+    budget = AdmissionBudget(dict(admission))
+    on_instances = on_instances or {}
+    group_versions = dict(group_versions or {})
+    waiting = list(pending)
+    plan = CyclePlan()
+
+    def hand_back(inst: InstanceState, traj_ids: list[str]) -> None:
+        plan.interrupts.setdefault(inst.instance_id, []).extend(traj_ids)
+        share = inst.kv_cache / len(inst.running) / inst.cost.k5 if inst.running else 0.0
+        running = set(inst.running)
+        for traj_id in traj_ids:
+            known = on_instances.get(traj_id)
+            if known is None:
+                continue  # unknown here: it returns to the trajectory server and waits a cycle
+            length = max(known.length, int(share)) if traj_id in running else known.length
+            waiting.append(PendingTrajectory(traj_id, known.group_id, known.v_traj, length, known.seq))
+        inst.discard(set(traj_ids))
+
+    plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions)
+    for instance_id in plan.syncs:
+        inst = states[instance_id]
+        if inst.trajectories:
+            hand_back(inst, inst.trajectories)
+        inst.version = ps_version
+        inst.kv_cache = 0.0
+    for instance_id, traj_ids in plan_migrations(list(states.values()), config).items():
+        hand_back(states[instance_id], traj_ids)
+    plan.routes = route(states.values(), waiting, budget, config, group_versions)
+    return plan

@@ -1,0 +1,131 @@
+"""What the coordination strategies reason about: instances, waiting trajectories, admission.
+
+Pure data; the coordinator builds these from validated snapshots, the trajectory server and the
+ledger's admission table (asked once per cycle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from staleflow.cost_model import CostModel
+
+
+@dataclass
+class InstanceState:
+    """The coordinator's working copy of one instance's snapshot (paper §5.2, Figure 11)."""
+
+    instance_id: str
+    version: int
+    kv_cache: float
+    running: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+    cost: CostModel = field(default_factory=CostModel)
+
+    @property
+    def trajectories(self) -> list[str]:
+        return self.running + self.waiting
+
+    def throughput(self) -> float:
+        return self.cost.throughput(self.kv_cache, len(self.running))
+
+    def marginal_gain(self, length: int) -> float:
+        return self.cost.marginal_gain(self.kv_cache, len(self.running), len(self.waiting), length)
+
+    def add(self, traj_id: str, length: int) -> None:
+        """Eq. 3's S': the trajectory runs if it fits and nothing queues before it, else it waits."""
+        if self.cost.runs_immediately(self.kv_cache, len(self.waiting), length):
+            self.running.append(traj_id)
+            self.kv_cache += self.cost.kv_units(length)
+        else:
+            self.waiting.append(traj_id)
+
+    def discard(self, traj_ids: set[str]) -> None:
+        """Remove trajectories; the snapshot has no per-trajectory KV, so the KV freed by
+        running ones is estimated as their share of the instance's KV cache."""
+        still_running = [t for t in self.running if t not in traj_ids]
+        if self.running:
+            self.kv_cache *= len(still_running) / len(self.running)
+        self.running = still_running
+        self.waiting = [t for t in self.waiting if t not in traj_ids]
+
+    def copy(self) -> InstanceState:
+        return InstanceState(self.instance_id, self.version, self.kv_cache, list(self.running), list(self.waiting), self.cost)
+
+
+@dataclass(frozen=True)
+class PendingTrajectory:
+    """A trajectory held by the trajectory server, waiting to be routed."""
+
+    traj_id: str
+    group_id: str
+    v_traj: int | None  # None: an initial trajectory whose group has no version yet
+    length: int  # tokens of context it brings: prompt plus what it generated so far
+    seq: int = 0  # arrival order: FIFO within a priority level
+
+
+class AdmissionBudget:
+    """The ledger's admission table, kept exact while a cycle hands out reservations.
+
+    ``admissible[v]`` is the number of new groups with V_traj = v the ledger accepts. It is the
+    minimum of the prefix slacks over the buffers a version-v group may use, so one reservation
+    at version v lowers the count of every v' >= v by one and caps every v' < v at
+    ``admissible[v] - 1``: exactly what the ledger would answer after that reservation.
+    """
+
+    def __init__(self, admissible: dict[int, int]):
+        self._admissible = dict(admissible)
+
+    def allows(self, v: int) -> bool:
+        return self._admissible.get(v, 0) > 0
+
+    def take(self, v: int) -> None:
+        if not self.allows(v):
+            raise ValueError(f"no admission left for v_traj {v}")
+        limit = self._admissible[v] - 1
+        for other in self._admissible:
+            if other >= v:
+                self._admissible[other] -= 1
+            else:
+                self._admissible[other] = min(self._admissible[other], limit)
+
+    def copy(self) -> AdmissionBudget:
+        return AdmissionBudget(self._admissible)
+
+    def as_dict(self) -> dict[int, int]:
+        return dict(self._admissible)
+
+
+class RoutingMode(StrEnum):
+    THROUGHPUT = "throughput"  # paper Algorithm 3: cost-model waterfall over a multi-level queue
+    VANILLA = "vanilla"  # fewest trajectories first, no threshold (§6.5 ablation)
+
+
+class SyncMode(StrEnum):
+    SELECTIVE = "selective"  # paper Algorithm 4: only when it lets routing place work
+    GREEDY = "greedy"  # as soon as the PS has a newer version (§6.5 ablation)
+    GLOBAL = "global"  # in-flight-limited baselines: all instances together
+
+
+class MigrationMode(StrEnum):
+    THROUGHPUT = "throughput"  # paper Algorithm 5
+    NONE = "none"  # trajectories move only when a sync interrupts them (§6.5 ablation)
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    routing: RoutingMode = RoutingMode.THROUGHPUT
+    sync: SyncMode = SyncMode.SELECTIVE
+    migration: MigrationMode = MigrationMode.THROUGHPUT
+    mu: float = 0.3  # route only when the gain is >= mu x the ideal gain (Eq. 4)
+    phi_wait: int = 3  # waiting trajectories tolerated per instance before migrating the excess
+    phi_throughput: float = 5.0  # max/min instance throughput ratio that triggers a migration
+    max_in_flight: int | None = None  # in-flight-limited baselines: cap on routed trajectories
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.mu <= 1:
+            raise ValueError(f"mu must be within [0, 1], got {self.mu}")
+        if self.phi_wait < 0:
+            raise ValueError(f"phi_wait must be >= 0, got {self.phi_wait}")
+        if self.phi_throughput < 1:
+            raise ValueError(f"phi_throughput must be >= 1, got {self.phi_throughput}")
