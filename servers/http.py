@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import uvicorn
@@ -70,12 +71,35 @@ class RunningServer:
         self.stop()
 
 
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> RunningServer:
-    """Serve ``app`` from a daemon thread; returns once the socket is listening."""
+class StartupFailed(RuntimeError):
+    """The app's lifespan raised: the server never served."""
+
+
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                    startup_timeout: float = 60.0) -> RunningServer:
+    """Serve ``app`` from a daemon thread; returns once its lifespan has started.
+
+    A lifespan that fails raises ``StartupFailed`` here instead of leaving a socket that never
+    answers."""
     sock = bind_socket(host, port)
     server = uvicorn.Server(_uvicorn_config(app, log_level))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"uvicorn-{url_for(sock)}")
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException as exc:  # uvicorn exits with SystemExit on a failed startup
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True, name=f"uvicorn-{url_for(sock)}")
     thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        thread.join(0.005)  # wakes as soon as the thread dies; otherwise re-checks the flag
+        if not thread.is_alive() or time.monotonic() > deadline:
+            sock.close()
+            reason = failure[0] if failure else "timed out"
+            raise StartupFailed(f"{app.title} did not start: {reason!r}; see the log above for the cause")
     return RunningServer(url_for(sock), server, thread)
 
 

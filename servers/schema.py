@@ -3,7 +3,7 @@ and upgrade them; this module is the code's view of the same schema."""
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, Index, Integer, MetaData, String, Table, Text
+from sqlalchemy import Column, Float, Index, Integer, LargeBinary, MetaData, String, Table, Text
 
 metadata = MetaData()
 
@@ -53,4 +53,48 @@ ledger_events = Table(
     Column("group_id", String(200), nullable=True),
     Column("buffer", Integer, nullable=True),
     Column("detail", Text, nullable=False),  # JSON
+)
+
+# --- trajectory server ------------------------------------------------------------------------
+
+ts_groups = Table(
+    "ts_groups",
+    metadata,
+    Column("group_id", String(200), primary_key=True),
+    Column("prompt_index", Integer, nullable=False),
+    Column("prompt_text", Text, nullable=False),
+    Column("answer", Text, nullable=False),
+    Column("prompt_ids", LargeBinary, nullable=False),  # int32 little-endian
+    Column("members", Integer, nullable=False),
+    Column("needed", Integer, nullable=False),
+    Column("v_traj", Integer, nullable=True),
+    Column("state", String(16), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Index("ix_ts_groups_state", "state"),
+)
+
+ts_trajectories = Table(
+    "ts_trajectories",
+    metadata,
+    Column("traj_id", String(200), primary_key=True),
+    Column("group_id", String(200), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("instance_id", String(200), nullable=True),
+    Column("tokens", LargeBinary, nullable=False),  # int32 little-endian
+    Column("logprobs", LargeBinary, nullable=False),  # float32 little-endian
+    Column("segments", Text, nullable=False),  # JSON [[version, start, end], ...]
+    Column("finish_reason", String(16), nullable=True),
+    Column("reward", Float, nullable=True),
+    Column("reward_reason", Text, nullable=True),
+    Column("seq", Integer, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Index("ix_ts_trajectories_group", "group_id"),
+)
+
+ts_meta = Table(
+    "ts_meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
 )
