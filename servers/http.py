@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -106,5 +107,6 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_le
 def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
     """Serve in the foreground until SIGINT/SIGTERM (uvicorn handles both gracefully)."""
     sock = bind_socket(host, port)
-    log.info("listening on %s", url_for(sock))
+    # printed at every log level: supervisors (staleflow up, tests) wait for this line
+    print(f"{app.title} listening on {url_for(sock)}", file=sys.stderr, flush=True)
     uvicorn.Server(_uvicorn_config(app, log_level)).run(sockets=[sock])

@@ -420,6 +420,11 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
     async def completed(request: Request, body: CompletedRequest) -> dict:
         return {"accepted": await ts(request).completed(body)}
 
+    @app.post("/v1/instances/{instance_id}/release")
+    async def release(request: Request, instance_id: str) -> dict:
+        """The coordinator declared the instance failed: its trajectories become routable again."""
+        return {"released": ts(request).store.release_instance(instance_id)}
+
     @app.get("/v1/cancellations")
     async def cancellations(request: Request) -> dict:
         return {"trajectories": [{"traj_id": t.traj_id, "instance_id": t.instance_id}

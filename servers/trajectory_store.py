@@ -290,6 +290,24 @@ class TrajectoryStore:
                 self._persist(trajs=changed)
             return outcome
 
+    def release_instance(self, instance_id: str) -> int:
+        """A failed instance: its trajectories return to pending with their last known partial
+        state and keep their V_traj; cancellations due there are void."""
+        with self.lock:
+            changed = []
+            for t in self.trajs.values():
+                if t.instance_id != instance_id:
+                    continue
+                if t.state is TrajState.ROUTED:
+                    t.state, t.instance_id = TrajState.PENDING, None
+                    changed.append(t)
+                elif t.state is TrajState.CANCELLING:
+                    t.state, t.instance_id = TrajState.ABORTED, None
+                    changed.append(t)
+            if changed:
+                self._persist(trajs=changed)
+            return len(changed)
+
     # ------------------------------------------------------------------ completion and rewards
 
     def completed(self, items: list[dict]) -> list[TrajRecord]:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import httpx
-from support import free_port
+from support import free_port, start_cli
 
 from staleflow.servers.clients import ManagerClient, ServiceError
 
@@ -19,18 +18,8 @@ ETA, BATCH = 2, 8
 
 
 def start_manager(state_dir: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "staleflow.cli", "serve", "manager", "--eta", str(ETA), "--batch-size", str(BATCH),
-         "--group-size", "1", "--state-dir", str(state_dir), "--port", str(port)],
-        stderr=subprocess.PIPE, text=True,
-    )
-    for line in proc.stderr:  # the socket listens before this line; requests queue until served
-        if "listening on" in line:
-            break
-    else:
-        raise AssertionError(f"manager exited early with {proc.wait()}")
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the pipe
-    return proc
+    return start_cli("serve", "manager", "--eta", str(ETA), "--batch-size", str(BATCH), "--group-size", "1",
+                     "--state-dir", str(state_dir), "--port", str(port))
 
 
 def test_acknowledged_transitions_survive_sigkill(tmp_path: Path) -> None:

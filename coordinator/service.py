@@ -1,0 +1,370 @@
+"""The rollout coordinator: the snapshot-command cycle (paper §5.2, Algorithm 1) over HTTP.
+
+Each cycle captures every instance's snapshot, keeps those that match the speculative state P
+(Eq. 1), asks the trajectory server what waits, the ledger what it admits (once) and the
+parameter server its newest version, runs the strategies, and issues the commands. Commands for
+one instance go through that instance's own queue, so they take effect in the order issued (an
+Interrupt before its Pull, a Route after a Pull in progress); queues of different instances run
+concurrently. A Route needs its trajectories in the trajectory server, so the partials an
+Interrupt returns are handed back before any checkout. A command that fails or times out is not
+retried blindly: the instance's P is reconciled from its next snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import httpx
+
+from staleflow.cost_model import CostModel
+from staleflow.servers.clients import AsyncManagerClient, async_http_client
+from staleflow.strategies import (
+    InstanceState,
+    PendingTrajectory,
+    SpeculativeState,
+    StrategyConfig,
+    SyncMode,
+    plan_cycle,
+)
+
+log = logging.getLogger(__name__)
+
+
+class InstanceStatus(StrEnum):
+    JOINING = "joining"  # registered, first snapshot not yet adopted
+    LIVE = "live"
+    SYNCING = "syncing"  # a Pull is in flight
+    FAILED = "failed"
+
+
+@dataclass
+class InstanceRecord:
+    instance_id: str
+    url: str
+    client: httpx.AsyncClient
+    cost: CostModel
+    status: InstanceStatus = InstanceStatus.JOINING
+    snapshot: dict | None = None
+    validated: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)
+    progress_mark: tuple | None = None
+    unvalidated_since: float | None = None
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    in_flight: int = 0  # commands queued or running
+    worker: asyncio.Task | None = None
+
+
+@dataclass
+class CommandRecord:
+    command_id: str
+    instance_id: str
+    kind: str
+    size: int
+    issued_at: float
+    completed_at: float | None = None
+    outcome: str = "pending"
+
+
+@dataclass
+class CoordinatorStats:
+    cycles: int = 0
+    accepted_snapshots: int = 0
+    discarded_snapshots: int = 0
+    last_decision_ms: float = 0.0
+    decision_ms_total: float = 0.0
+    routed: int = 0
+    interrupted: int = 0
+    pulls: int = 0
+    aborts: int = 0
+    failures: int = 0
+    released: int = 0  # trajectories of failed instances handed back to the trajectory server
+
+
+class Coordinator:
+    def __init__(self, manager_url: str, ts_url: str, strategy: StrategyConfig, *, params_url: str | None = None,
+                 cycle_period: float = 0.05, command_timeout: float = 30.0, failure_timeout: float = 10.0,
+                 stall_timeout: float = 30.0, reconcile_after: float = 5.0, sim_weights_bytes: int | None = None):
+        self.strategy = strategy
+        self.manager = AsyncManagerClient(manager_url)
+        self.ts = async_http_client(ts_url, timeout=command_timeout)
+        self.params = async_http_client(params_url) if params_url else None
+        self.cycle_period = cycle_period
+        self.command_timeout = command_timeout
+        self.failure_timeout = failure_timeout
+        self.stall_timeout = stall_timeout
+        self.reconcile_after = reconcile_after
+        self.sim_weights_bytes = sim_weights_bytes
+        self.instances: dict[str, InstanceRecord] = {}
+        self.p = SpeculativeState()
+        self.stats = CoordinatorStats()
+        self.commands: deque[CommandRecord] = deque(maxlen=2000)
+        self._ids = itertools.count(1)
+        self._run_id = f"{int(time.time() * 1000):x}"
+        self.ps_version = 0
+        self._stopping = False
+
+    # ------------------------------------------------------------------ membership
+
+    def add_instance(self, instance_id: str, url: str, cost: CostModel | None = None) -> InstanceRecord:
+        """Register an instance (at start or at runtime: elastic pool). It joins after its first
+        snapshot is adopted and it has pulled the newest version."""
+        old = self.instances.get(instance_id)
+        if old is not None:
+            if old.status is not InstanceStatus.FAILED:
+                raise ValueError(f"instance {instance_id!r} is already registered")
+            if old.worker:
+                old.worker.cancel()
+        record = InstanceRecord(instance_id, url, async_http_client(url, timeout=self.command_timeout), cost or CostModel())
+        record.worker = asyncio.create_task(self._command_worker(record))
+        self.instances[instance_id] = record
+        return record
+
+    async def close(self) -> None:
+        self._stopping = True
+        for record in self.instances.values():
+            if record.worker:
+                record.worker.cancel()
+            await record.client.aclose()
+        await self.manager.aclose()
+        await self.ts.aclose()
+        if self.params:
+            await self.params.aclose()
+
+    async def _declare_failed(self, record: InstanceRecord, why: str) -> None:
+        if record.status is InstanceStatus.FAILED:
+            return
+        record.status = InstanceStatus.FAILED
+        record.validated = False
+        self.p.forget(record.instance_id)
+        self.stats.failures += 1
+        try:
+            released = (await self.ts.post(f"/v1/instances/{record.instance_id}/release")).json()["released"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.error("instance %s declared failed (%s) but its trajectories could not be released yet: %s",
+                      record.instance_id, why, exc)
+            return
+        self.stats.released += released
+        log.warning("instance %s declared failed: %s; %d trajectories back to the trajectory server",
+                    record.instance_id, why, released)
+
+    # ------------------------------------------------------------------ the cycle
+
+    async def run(self) -> None:
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                await self.cycle()
+            except Exception:
+                log.exception("coordinator cycle failed; continuing")
+            await asyncio.sleep(max(0.0, self.cycle_period - (time.monotonic() - started)))  # cycle pacing
+
+    async def cycle(self) -> None:
+        self.stats.cycles += 1
+        await self._capture()
+        await self._cancel_surplus()
+        ready = [r for r in self.instances.values() if r.validated and r.status is InstanceStatus.LIVE and r.in_flight == 0]
+        if not ready:
+            return
+        pending_reply, routed_reply = await asyncio.gather(self.ts.get("/v1/pending"), self.ts.get("/v1/routed"))
+        admission = await self.manager.admission()
+        self.ps_version = await self._ps_version()
+        pending = [self._pending(t) for t in pending_reply.json()["trajectories"]]
+        on_instances = {t["traj_id"]: self._pending(t) for t in routed_reply.json()["trajectories"]}
+        states = [self._state(r) for r in ready]
+        if self.strategy.sync is SyncMode.GLOBAL and any(
+                r.status is not InstanceStatus.FAILED and not (r.validated and r in ready) for r in self.instances.values()):
+            states = [s for s in states if s.version >= self.ps_version]  # a global sync waits for everyone
+        started = time.perf_counter()
+        plan = plan_cycle(states, pending, self.ps_version, admission, self.strategy, on_instances)
+        elapsed = (time.perf_counter() - started) * 1e3
+        self.stats.last_decision_ms = elapsed
+        self.stats.decision_ms_total += elapsed
+        if not plan.empty:
+            await self._issue(plan)
+
+    @staticmethod
+    def _pending(t: dict) -> PendingTrajectory:
+        return PendingTrajectory(t["traj_id"], t["group_id"], t["v_traj"], t["length"], t["seq"])
+
+    def _state(self, record: InstanceRecord) -> InstanceState:
+        s = record.snapshot or {}
+        return InstanceState(record.instance_id, s.get("inst_version", 0), float(s.get("kv_cache", 0)),
+                             list(s.get("run_trajs", [])), list(s.get("wait_trajs", [])), record.cost)
+
+    async def _ps_version(self) -> int:
+        if self.params is None:  # no parameter server: a version exists once its buffer is consumed
+            return (await self.manager.buffers())["train_version"]
+        reply = await self.params.get("/v1/params/latest")
+        return reply.json()["version"] if reply.status_code == 200 else self.ps_version
+
+    async def _capture(self) -> None:
+        records = [r for r in self.instances.values() if r.status is not InstanceStatus.FAILED]
+        replies = await asyncio.gather(*(self._snapshot(r) for r in records), return_exceptions=True)
+        now = time.monotonic()
+        for record, reply in zip(records, replies, strict=True):
+            if isinstance(reply, BaseException) or reply is None:
+                record.validated = False
+                if now - record.last_seen > self.failure_timeout:
+                    await self._declare_failed(record, f"no snapshot for {now - record.last_seen:.1f}s")
+                continue
+            record.last_seen = now
+            self._observe(record, reply, now)
+            if record.status is not InstanceStatus.FAILED and self.stall_timeout and now - record.last_progress > self.stall_timeout:
+                await self._declare_failed(record, f"no progress for {now - record.last_progress:.1f}s with work in hand")
+
+    async def _snapshot(self, record: InstanceRecord) -> dict | None:
+        reply = await record.client.get("/v1/snapshot", timeout=min(self.command_timeout, self.failure_timeout))
+        return reply.json() if reply.status_code == 200 else None
+
+    def _observe(self, record: InstanceRecord, snap: dict, now: float) -> None:
+        record.snapshot = snap
+        run, wait, done = set(snap["run_trajs"]), set(snap["wait_trajs"]), set(snap["complete_trajs"])
+        mark = (snap["kv_cache"], len(run), len(wait), len(done), snap["inst_version"], snap.get("engine_time"))
+        if mark != record.progress_mark or not run:  # idle is not hung; changing KV or counts is progress
+            record.progress_mark, record.last_progress = mark, now
+        if record.status is InstanceStatus.JOINING:
+            self.p.adopt(record.instance_id, snap["inst_version"], len(run | wait | done))
+            record.status = InstanceStatus.LIVE
+            if snap["inst_version"] < self.ps_version and not (run or wait):
+                record.status = InstanceStatus.SYNCING  # a (re)joining instance starts from the newest weights
+                self.p.pulled(record.instance_id, self.ps_version)
+                self._enqueue(record, "pull", {"version": self.ps_version, **self._weights()}, 1)
+        if record.in_flight:
+            record.validated = False
+            return
+        record.validated = self.p.validates(record.instance_id, snap["inst_version"], run, wait, done)
+        if record.validated:
+            self.stats.accepted_snapshots += 1
+            record.unvalidated_since = None
+        else:
+            self.stats.discarded_snapshots += 1
+            record.unvalidated_since = record.unvalidated_since or now
+            if now - record.unvalidated_since > self.reconcile_after:
+                # nothing in flight and still no match: a command's effect was lost; trust the instance
+                log.info("reconciling %s from its snapshot", record.instance_id)
+                self.p.adopt(record.instance_id, snap["inst_version"], len(run | wait | done))
+                record.unvalidated_since = None
+
+    # ------------------------------------------------------------------ issuing commands
+
+    async def _issue(self, plan) -> None:  # noqa: ANN001
+        # 1. interrupts (syncs' and migrations'): partials go back to the trajectory server first
+        interrupted = await asyncio.gather(*(
+            self._command(self.instances[i], "interrupt", {"traj_ids": trajs}, len(trajs))
+            for i, trajs in plan.interrupts.items()))
+        for instance_id, reply in zip(plan.interrupts, interrupted, strict=True):
+            partials = (reply or {}).get("partials", [])
+            if partials:
+                await self.ts.post("/v1/return", json={"instance_id": instance_id, "partials": partials})
+        # 2. pulls: queued on their instance; routes to it wait behind them
+        for instance_id in plan.syncs:
+            record = self.instances[instance_id]
+            record.status = InstanceStatus.SYNCING
+            self.p.pulled(instance_id, self.ps_version)
+            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights()}, 1)
+        # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
+        by_instance: dict[str, list[dict]] = {}
+        for d in plan.routes:
+            by_instance.setdefault(d.instance_id, []).append({"traj_id": d.traj_id, "v_traj": d.v_traj})
+        for instance_id, assignments in by_instance.items():
+            reply = await self.ts.post("/v1/checkout", json={"instance_id": instance_id, "assignments": assignments})
+            trajectories = reply.json().get("trajectories", []) if reply.status_code == 200 else []
+            if trajectories:
+                self.p.routed(instance_id, len(trajectories))
+                self._enqueue(self.instances[instance_id], "route", {"trajectories": trajectories}, len(trajectories))
+
+    def _weights(self) -> dict:
+        if self.params is None:
+            return {"weights": {"source": "sim", "size_bytes": self.sim_weights_bytes}} if self.sim_weights_bytes else {}
+        return {}
+
+    async def _cancel_surplus(self) -> None:
+        reply = await self.ts.get("/v1/cancellations")
+        by_instance: dict[str, list[str]] = {}
+        for t in reply.json()["trajectories"]:
+            record = self.instances.get(t["instance_id"] or "")
+            if record and record.status is not InstanceStatus.FAILED and record.validated and record.in_flight == 0:
+                by_instance.setdefault(record.instance_id, []).append(t["traj_id"])
+        for instance_id, traj_ids in by_instance.items():
+            reply = await self._command(self.instances[instance_id], "abort", {"traj_ids": traj_ids}, len(traj_ids))
+            if reply is not None:
+                await self.ts.post("/v1/cancellations/ack", json={"traj_ids": traj_ids})
+
+    def _enqueue(self, record: InstanceRecord, kind: str, body: dict, size: int) -> None:
+        record.in_flight += 1
+        record.queue.put_nowait((kind, body, size))
+
+    async def _command_worker(self, record: InstanceRecord) -> None:
+        while True:
+            kind, body, size = await record.queue.get()
+            try:
+                await self._command(record, kind, body, size, queued=True)
+            finally:
+                record.in_flight -= 1
+                if kind == "pull" and record.status is InstanceStatus.SYNCING:
+                    record.status = InstanceStatus.LIVE
+
+    async def _command(self, record: InstanceRecord, kind: str, body: dict, size: int, queued: bool = False) -> dict | None:
+        """Send one command; returns its reply, or None when its effect is unknown."""
+        if not queued:
+            record.in_flight += 1
+        command_id = f"{self._run_id}-{next(self._ids)}"
+        entry = CommandRecord(command_id, record.instance_id, kind, size, time.time())
+        self.commands.append(entry)
+        if kind in ("interrupt", "abort"):
+            self.p.removed(record.instance_id, size)
+        try:
+            reply = await record.client.post("/v1/commands", json={"command_id": command_id, "kind": kind, **body})
+            data: dict[str, Any] = reply.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            entry.outcome = f"unknown: {exc.__class__.__name__}"
+            record.unvalidated_since = time.monotonic() - self.reconcile_after  # reconcile from the next snapshot
+            if kind == "route":
+                await self.ts.post("/v1/return", json={"instance_id": record.instance_id, "partials": body["trajectories"]})
+            return None
+        finally:
+            entry.completed_at = time.time()
+            if not queued:
+                record.in_flight -= 1
+        if reply.status_code != 200:
+            entry.outcome = f"refused: {data.get('error', data)}"
+            record.unvalidated_since = time.monotonic() - self.reconcile_after
+            return None
+        entry.outcome = "ok"
+        if kind in ("interrupt", "abort"):
+            missing = len(data.get("not_found", []))
+            self.p.removed(record.instance_id, -missing)  # completed meanwhile: still counted there
+            self.stats.interrupted += size - missing if kind == "interrupt" else 0
+            self.stats.aborts += size - missing if kind == "abort" else 0
+        elif kind == "route":
+            self.stats.routed += size
+        elif kind == "pull":
+            self.stats.pulls += 1
+        return data
+
+    # ------------------------------------------------------------------ inspection
+
+    def describe(self, record: InstanceRecord) -> dict:
+        s = record.snapshot or {}
+        expected = self.p.expected(record.instance_id) if record.instance_id in self.p else None
+        state = self._state(record)
+        return {
+            "instance_id": record.instance_id,
+            "url": record.url,
+            "status": record.status.value,
+            "validated": record.validated,
+            "snapshot": {k: s.get(k) for k in ("kv_cache", "run_trajs", "wait_trajs", "complete_trajs", "inst_version",
+                                               "seq", "timestamp")} if s else None,
+            "speculative": {"inst_version": expected.inst_version, "accum_traj_num": expected.accum_traj_num}
+            if expected else None,
+            "estimated_throughput": state.throughput() if s else 0.0,
+            "commands_in_flight": record.in_flight,
+        }

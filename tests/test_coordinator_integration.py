@@ -1,0 +1,87 @@
+"""The coordinator driving sim instances over HTTP; one instance dies mid-run."""
+
+from __future__ import annotations
+
+import signal
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from support import free_port, manager_config, start_cli
+
+from staleflow.config import LedgerConfig
+from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
+from staleflow.coordinator.app import create_app as coordinator_app
+from staleflow.servers.clients import ManagerClient, ServiceError, http_client
+from staleflow.servers.http import serve_in_thread
+from staleflow.servers.manager import create_app as manager_app
+from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
+from staleflow.servers.trajectories import create_app as ts_app
+
+ETA, BATCH, GROUP, STEPS = 1, 4, 2, 8
+
+
+def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        manager_url = stack.enter_context(serve_in_thread(manager_app(
+            manager_config(tmp_path, eta=ETA, batch_size=BATCH, group_size=GROUP)))).url
+        ts_url = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
+            ledger=LedgerConfig(eta=ETA, batch_size=BATCH, group_size=GROUP), manager_url=manager_url,
+            state_dir=tmp_path, reward="sim", sampling=SamplingConfig(max_tokens=48))))).url
+        instances = {}
+        for name in ("a", "b", "c"):  # separate processes, so one can die for real (SIGKILL)
+            port = free_port()
+            proc = start_cli("serve", "instance", "--engine", "sim", "--instance-id", name, "--port", str(port),
+                             "--clock", "real", "--speed", "20", "--workload", "ci-tiny",
+                             "--callback-url", f"{ts_url}/v1/completed", "--log-level", "warning")
+            stack.callback(proc.wait, 10)
+            stack.callback(proc.kill)
+            instances[name] = (proc, f"http://127.0.0.1:{port}")
+        coordinator = stack.enter_context(serve_in_thread(coordinator_app(CoordinatorConfig(
+            manager_url=manager_url, ts_url=ts_url, cycle_period=0.02, failure_timeout=3.0,
+            instances=[InstanceEndpoint(instance_id=n, url=url) for n, (_, url) in instances.items()]))))
+        manager = stack.enter_context(ManagerClient(manager_url))
+        ts = stack.enter_context(http_client(ts_url))
+
+        co = stack.enter_context(http_client(coordinator.url))
+        consumed: dict[str, int] = {}
+        batches: list[dict] = []
+        victim = None
+        deadline = time.monotonic() + 90
+        while len(batches) < STEPS:
+            assert time.monotonic() < deadline, f"training stalled after {len(batches)} steps"
+            try:
+                step = manager.consume()
+            except ServiceError:
+                time.sleep(0.02)  # the trainer polls for a Ready buffer
+                continue
+            batch = ts.get(f"/v1/batches/{step['version']}").json()
+            ts.delete(f"/v1/batches/{step['version']}")
+            batches.append(batch)
+            for g in step["group_ids"]:
+                assert g not in consumed, "a group was consumed twice"
+                consumed[g] = step["version"]
+            if victim is None and len(batches) >= 2:
+                # kill the instance holding the most work, while it holds it
+                loads = {i["instance_id"]: len(i["snapshot"]["run_trajs"]) + len(i["snapshot"]["wait_trajs"])
+                         for i in co.get("/v1/instances").json()["instances"] if i["snapshot"]}
+                busiest = max(loads, key=loads.get)
+                if loads[busiest] > 0:
+                    victim = busiest
+                    instances[victim][0].send_signal(signal.SIGKILL)
+
+        for batch in batches:
+            version = batch["version"]
+            assert len(batch["trajectories"]) == BATCH * GROUP, "every group arrives whole"
+            for t in batch["trajectories"]:
+                assert t["v_traj"] <= version <= t["v_traj"] + ETA, "staleness bound"
+                assert len(t["tokens"]) == len(t["logprobs"]) > 0
+                assert t["segments"][0]["version"] >= t["v_traj"], "no token older than V_traj"
+        assert victim is not None, "no instance ever held work"
+        status = {i["instance_id"]: i["status"] for i in co.get("/v1/instances").json()["instances"]}
+        assert status[victim] == "failed"
+        assert all(s != "failed" for name, s in status.items() if name != victim)
+        stats = co.get("/v1/coordinator").json()
+        assert stats["failures"] == 1 and stats["released"] > 0, "the dead instance's work was recovered"
+        assert stats["routed"] > 0 and stats["accepted_snapshots"] > 0
+        assert co.get("/v1/commands", params={"limit": 5}).json()["commands"]

@@ -1,0 +1,162 @@
+"""The trajectory server end to end over real HTTP on loopback: TS -> instance (sim) -> reward
+-> ledger occupy -> consume -> trainer fetch, with the payload intact."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from support import manager_config
+
+from staleflow.config import LedgerConfig
+from staleflow.servers.clients import ManagerClient, http_client
+from staleflow.servers.http import serve_in_thread
+from staleflow.servers.instance import InstanceConfig, SimConfig
+from staleflow.servers.instance import create_app as instance_app
+from staleflow.servers.manager import create_app as manager_app
+from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
+from staleflow.servers.trajectories import create_app as ts_app
+
+GROUP = 2
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Poll a real condition (callbacks arrive asynchronously) with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path, stack: ExitStack):
+        mcfg = manager_config(tmp_path, eta=1, batch_size=2, group_size=GROUP)
+        self.manager_url = stack.enter_context(serve_in_thread(manager_app(mcfg))).url
+        self.ts_config = TrajectoryServerConfig(
+            ledger=LedgerConfig(eta=1, batch_size=2, group_size=GROUP), manager_url=self.manager_url,
+            state_dir=tmp_path, reward="sim", sampling=SamplingConfig(max_tokens=64),
+        )
+        self.ts_url = stack.enter_context(serve_in_thread(ts_app(self.ts_config))).url
+        self.ts = stack.enter_context(http_client(self.ts_url))
+        self.manager = stack.enter_context(ManagerClient(self.manager_url))
+        self.instances: dict[str, httpx.Client] = {}
+        for name in ("a", "b"):
+            cfg = InstanceConfig(instance_id=name, sim=SimConfig(workload="ci-tiny"),
+                                 completion_callback_url=f"{self.ts_url}/v1/completed")
+            url = stack.enter_context(serve_in_thread(instance_app(cfg))).url
+            self.instances[name] = stack.enter_context(http_client(url))
+        self.commands = 0
+
+    def command(self, instance: str, **body: object) -> dict:
+        self.commands += 1
+        reply = self.instances[instance].post("/v1/commands", json={"command_id": f"c{self.commands}", **body})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    def route(self, instance: str, traj_ids: list[str], v_traj: int) -> list[dict]:
+        reply = self.ts.post("/v1/checkout", json={"instance_id": instance,
+                                                   "assignments": [{"traj_id": t, "v_traj": v_traj} for t in traj_ids]})
+        assert reply.status_code == 200 and not reply.json()["refused"], reply.text
+        payloads = reply.json()["trajectories"]
+        self.command(instance, kind="route", trajectories=payloads)
+        return payloads
+
+    def run_until_idle(self, instance: str) -> None:
+        assert self.instances[instance].post("/v1/sim/advance", json={"until_idle": True}).status_code == 200
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with ExitStack() as stack:
+        c = Cluster(tmp_path, stack)
+        c.manager.health()
+        c.ts.get("/v1/health").raise_for_status()
+        yield c
+
+
+def test_prompts_flow_to_the_trainer_with_payload_intact(cluster: Cluster) -> None:
+    pending = cluster.ts.get("/v1/pending").json()["trajectories"]
+    # (eta + 1) x B groups of G members are kept in flight
+    assert len(pending) == (1 + 1) * 2 * GROUP and all(p["v_traj"] is None for p in pending)
+    groups: dict[str, list[str]] = {}
+    for p in pending:
+        groups.setdefault(p["group_id"], []).append(p["traj_id"])
+    first_two = list(groups)[:2]
+    for g in first_two:
+        cluster.route("a", groups[g], v_traj=0)
+    assert cluster.manager.buffers()["buffers"][1]["entries"], "routing reserved the groups in the ledger"
+    cluster.run_until_idle("a")
+    wait_for(lambda: all(
+        cluster.ts.get(f"/v1/trajectories/{t}").json()["state"] == "rewarded" for g in first_two for t in groups[g]))
+    wait_for(lambda: cluster.manager.buffers()["buffers"][0]["state"] == "ready")
+    consumed = cluster.manager.consume()
+    assert sorted(consumed["group_ids"]) == sorted(first_two)
+    batch = cluster.ts.get(f"/v1/batches/{consumed['version']}").json()
+    assert len(batch["trajectories"]) == 2 * GROUP
+    for t in batch["trajectories"]:
+        assert len(t["tokens"]) == len(t["logprobs"]) > 0
+        assert t["segments"] == [{"version": 0, "start": 0, "end": len(t["tokens"])}]
+        assert t["reward"] in (0.0, 1.0) and t["v_traj"] == 0 and t["finish_reason"] in ("stop", "length")
+    assert cluster.ts.delete(f"/v1/batches/{consumed['version']}").json()["freed_groups"] == 2
+    # freed groups are replaced by fresh prompts: the TS keeps (eta + 1) x B groups in flight
+    wait_for(lambda: len(cluster.ts.get("/v1/pending").json()["trajectories"]) == 4 * GROUP)
+
+
+def test_interrupt_and_reroute_keep_tokens_and_segments(cluster: Cluster) -> None:
+    traj = cluster.ts.get("/v1/pending").json()["trajectories"][0]
+    sibling = [p for p in cluster.ts.get("/v1/pending").json()["trajectories"]
+               if p["group_id"] == traj["group_id"] and p["traj_id"] != traj["traj_id"]]
+    cluster.route("a", [traj["traj_id"]], v_traj=0)
+    cluster.instances["a"].post("/v1/sim/advance", json={"by": 0.2}).raise_for_status()
+    partial = cluster.command("a", kind="interrupt", traj_ids=[traj["traj_id"]])["partials"][0]
+    assert 0 < len(partial["tokens"]) < 64
+    assert cluster.ts.post("/v1/return", json={"instance_id": "a", "partials": [partial]}).json()["outcome"] == {
+        traj["traj_id"]: "pending"}
+    stored = cluster.ts.get(f"/v1/trajectories/{traj['traj_id']}").json()
+    assert stored["state"] == "pending" and stored["tokens"] == partial["tokens"] and stored["v_traj"] == 0
+    # instance b runs version 1; the partial (V_traj 0) may resume there, re-prefilling its tokens
+    cluster.command("b", kind="pull", version=1)
+    cluster.route("b", [traj["traj_id"]] + [s["traj_id"] for s in sibling], v_traj=0)
+    cluster.run_until_idle("b")
+    wait_for(lambda: cluster.ts.get(f"/v1/trajectories/{traj['traj_id']}").json()["state"] == "rewarded")
+    done = cluster.ts.get(f"/v1/trajectories/{traj['traj_id']}").json()
+    assert done["tokens"][: len(partial["tokens"])] == partial["tokens"], "the resumed response extends the partial"
+    cut = len(partial["tokens"])
+    assert done["segments"] == [{"version": 0, "start": 0, "end": cut},
+                                {"version": 1, "start": cut, "end": len(done["tokens"])}]
+
+
+def test_checkout_refusals_are_explained(cluster: Cluster) -> None:
+    pending = cluster.ts.get("/v1/pending").json()["trajectories"]
+    reply = cluster.ts.post("/v1/checkout", json={"instance_id": "a", "assignments": [
+        {"traj_id": "nope", "v_traj": 0}, {"traj_id": pending[0]["traj_id"], "v_traj": 5}]}).json()
+    assert reply["trajectories"] == []
+    reasons = {r["traj_id"]: r["reason"] for r in reply["refused"]}
+    assert reasons["nope"] == "unknown trajectory"
+    assert "newer than any model" in reasons[pending[0]["traj_id"]]
+    assert cluster.ts.post("/v1/checkout", json={"instance_id": "a", "assignments": []}).status_code == 422
+
+
+def test_trajectory_server_survives_a_restart(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        c = Cluster(tmp_path, stack)
+        pending = c.ts.get("/v1/pending").json()["trajectories"]
+        g = pending[0]["group_id"]
+        c.route("a", [p["traj_id"] for p in pending if p["group_id"] == g], v_traj=0)
+        c.run_until_idle("a")
+        wait_for(lambda: c.manager.buffers()["buffers"][0]["entries"] != [] and all(
+            e["status"] == "occupied" for e in c.manager.buffers()["buffers"][0]["entries"]))
+        before = c.ts.get("/v1/trajectories", params={"limit": 1000}).json()
+        ts_config, manager_url = c.ts_config, c.manager_url
+        # restart only the TS, on the same state directory
+        with serve_in_thread(ts_app(ts_config)) as again, http_client(again.url) as ts:
+            after = ts.get("/v1/trajectories", params={"limit": 1000}).json()
+            assert after["counts"] == before["counts"]
+            member = next(p["traj_id"] for p in pending if p["group_id"] == g)
+            assert ts.get(f"/v1/trajectories/{member}").json()["tokens"], "tokens survived the restart"
+        assert manager_url
