@@ -46,9 +46,11 @@ def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Pat
         co = stack.enter_context(http_client(coordinator.url))
         consumed: dict[str, int] = {}
         batches: list[dict] = []
-        victim = None
+        victim, stranded, detected_at = None, [], None
         deadline = time.monotonic() + 90
-        while len(batches) < STEPS:
+        # train until the failure is detected, then eta + 2 more steps: by then the ledger has
+        # forced every group the dead instance held into a consumed buffer
+        while len(batches) < STEPS or detected_at is None or len(batches) < detected_at + ETA + 2:
             assert time.monotonic() < deadline, f"training stalled after {len(batches)} steps"
             try:
                 step = manager.consume()
@@ -62,13 +64,17 @@ def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Pat
                 assert g not in consumed, "a group was consumed twice"
                 consumed[g] = step["version"]
             if victim is None and len(batches) >= 2:
-                # kill the instance holding the most work, while it holds it
-                loads = {i["instance_id"]: len(i["snapshot"]["run_trajs"]) + len(i["snapshot"]["wait_trajs"])
-                         for i in co.get("/v1/instances").json()["instances"] if i["snapshot"]}
-                busiest = max(loads, key=loads.get)
-                if loads[busiest] > 0:
-                    victim = busiest
+                # kill the instance holding the most unfinished work, while it holds it
+                routed = [t for t in ts.get("/v1/routed").json()["trajectories"] if t["state"] == "routed"]
+                holders = [t["instance_id"] for t in routed]
+                if holders:
+                    victim = max(set(holders), key=holders.count)
                     instances[victim][0].send_signal(signal.SIGKILL)
+                    instances[victim][0].wait()
+                    stranded = [t["traj_id"] for t in ts.get("/v1/routed", params={"instance_id": victim}).json()[
+                        "trajectories"]]
+            if victim and detected_at is None and co.get("/v1/coordinator").json()["failures"]:
+                detected_at = len(batches)
 
         for batch in batches:
             version = batch["version"]
@@ -81,7 +87,11 @@ def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Pat
         status = {i["instance_id"]: i["status"] for i in co.get("/v1/instances").json()["instances"]}
         assert status[victim] == "failed"
         assert all(s != "failed" for name, s in status.items() if name != victim)
+        for traj_id in stranded:  # the dead instance's work finished elsewhere and was trained on
+            assert ts.get(f"/v1/trajectories/{traj_id}").json()["state"] in ("consumed", "aborted")
+            group = traj_id.rsplit("-m", 1)[0]
+            assert group in consumed, f"{traj_id}'s group never reached the trainer"
         stats = co.get("/v1/coordinator").json()
-        assert stats["failures"] == 1 and stats["released"] > 0, "the dead instance's work was recovered"
+        assert stats["failures"] == 1 and stats["released"] >= len(stranded) > 0, "the dead instance's work was recovered"
         assert stats["routed"] > 0 and stats["accepted_snapshots"] > 0
         assert co.get("/v1/commands", params={"limit": 5}).json()["commands"]
