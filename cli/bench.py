@@ -145,6 +145,8 @@ def _print(results: dict) -> None:
 
 
 def register(bench_app: typer.Typer) -> None:
+    register_decision_bench(bench_app)
+
     @bench_app.command("ledger")
     def ledger_cmd(
         eta: Annotated[int, typer.Option(help="staleness bound")] = 3,
@@ -160,6 +162,94 @@ def register(bench_app: typer.Typer) -> None:
         if output:
             output.write_text(json.dumps(results, indent=2))
         if as_json:
-            console.print_json(json.dumps(results))
+            typer.echo(json.dumps(results))
         else:
             _print(results)
+
+
+def _decision_scenario(n_instances: int, n_trajectories: int, steady: bool, seed: int = 0):  # noqa: ANN202
+    """Instances and waiting trajectories for one decision pass. ``steady``: a loaded fleet at
+    mixed versions with partial trajectories waiting; otherwise an idle fleet and a fresh batch."""
+    import random
+
+    from staleflow.cost_model import CostModel
+    from staleflow.strategies import InstanceState, PendingTrajectory
+
+    rng = random.Random(seed)
+    cost = CostModel()
+    instances, pending = [], []
+    for i in range(n_instances):
+        if steady:
+            running = rng.randint(5, 80)
+            waiting = rng.choice([0, 0, 0, rng.randint(1, 8)])
+            instances.append(InstanceState(f"i{i}", rng.choice([2, 3, 3, 4]), float(running * rng.randint(300, 3000)),
+                                           [f"i{i}-r{k}" for k in range(running)],
+                                           [f"i{i}-w{k}" for k in range(waiting)], cost))
+        else:
+            instances.append(InstanceState(f"i{i}", 0, 0.0, [], [], cost))
+    group_size = 16
+    prompt_lengths: dict[int, int] = {}
+    for k in range(n_trajectories):
+        g = k // group_size
+        if steady and g % 3 == 0:  # interrupted partials of versioned groups
+            pending.append(PendingTrajectory(f"t{k}", f"g{g}", rng.choice([1, 2, 3]), rng.randint(300, 15000), k))
+        else:  # initial: the members of a group share their prompt
+            length = prompt_lengths.setdefault(g, rng.randint(100, 2000))
+            pending.append(PendingTrajectory(f"t{k}", f"g{g}", None, length, k))
+    admission = {1: 0, 2: 64, 3: 128, 4: 256} if steady else {0: 10**6}
+    return instances, pending, (4 if steady else 0), admission
+
+
+def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int], repeats: int) -> dict:
+    from staleflow.strategies import StrategyConfig, plan_cycle
+
+    config = StrategyConfig()
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("decision passes", total=2 * len(instance_counts) * len(trajectory_counts))
+        for steady in (False, True):
+            for n_inst in instance_counts:
+                for n_traj in trajectory_counts:
+                    instances, pending, ps_version, admission = _decision_scenario(n_inst, n_traj, steady)
+                    times, routed = [], 0
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        plan = plan_cycle(instances, pending, ps_version, admission, config)
+                        times.append(1e3 * (time.perf_counter() - start))
+                        routed = len(plan.routes)
+                    rows.append({"scenario": "steady" if steady else "initial fill", "instances": n_inst,
+                                 "trajectories": n_traj, "median_ms": statistics.median(times), "routed": routed,
+                                 "syncs": len(plan.syncs), "interrupted": sum(map(len, plan.interrupts.values()))})
+                    progress.advance(task)
+    return {"repeats": repeats, "rows": rows}
+
+
+def _print_decisions(results: dict) -> None:
+    for scenario in ("initial fill", "steady"):
+        rows = [r for r in results["rows"] if r["scenario"] == scenario]
+        counts = sorted({r["trajectories"] for r in rows})
+        table = Table(title=f"decision pass (sync + migration + routing), ms, {scenario}")
+        table.add_column("instances \\ trajectories")
+        for c in counts:
+            table.add_column(str(c), justify="right")
+        for n in sorted({r["instances"] for r in rows}):
+            cells = {r["trajectories"]: r for r in rows if r["instances"] == n}
+            table.add_row(str(n), *(f"{cells[c]['median_ms']:.1f} ({cells[c]['routed']} routed)" for c in counts))
+        console.print(table)
+
+
+def register_decision_bench(bench_app: typer.Typer) -> None:
+    @bench_app.command("coordinator")
+    def coordinator_cmd(
+        instances: Annotated[str, typer.Option(help="comma-separated instance counts")] = "16,32,64,128",
+        trajectories: Annotated[str, typer.Option(help="comma-separated waiting-trajectory counts")] = "256,512,1024,2048",
+        repeats: Annotated[int, typer.Option(help="passes per cell (median reported)")] = 5,
+        as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    ) -> None:
+        """Time of one coordinator decision pass as instances and waiting trajectories grow."""
+        results = run_decision_bench([int(x) for x in instances.split(",")], [int(x) for x in trajectories.split(",")],
+                                     repeats)
+        if as_json:
+            typer.echo(json.dumps(results))
+        else:
+            _print_decisions(results)

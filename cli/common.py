@@ -47,3 +47,11 @@ def endpoints(state_dir: Path) -> dict:
 def resolve_url(url: str | None, component: str, state_dir: Path, env_var: str, default: str) -> str:
     """--url, else the environment, else a running job's endpoints.json, else the default."""
     return url or os.environ.get(env_var) or endpoints(state_dir).get(component, {}).get("url") or default
+
+
+def job_token(state_dir: Path) -> str | None:
+    """The token of the job in ``state_dir`` (from the file endpoints.json names), if any."""
+    from staleflow.servers.auth import configured_token, read_token_file
+
+    path = endpoints(state_dir).get("token_file")
+    return configured_token(read_token_file(Path(path)) if path else None)

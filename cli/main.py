@@ -16,12 +16,14 @@ from staleflow.cli.common import (
     DEFAULT_MANAGER_URL,
     DEFAULT_STATE_DIR,
     console,
+    endpoints,
     fail,
+    job_token,
     resolve_url,
     validation_failure,
 )
 from staleflow.config import LedgerConfig, ManagerConfig
-from staleflow.servers.clients import ManagerClient, ServiceError
+from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 
 app = typer.Typer(help="StaleFlow: staleness-aware rollout coordination for asynchronous RL.", no_args_is_help=True)
 serve_app = typer.Typer(help="Run one component in the foreground.", no_args_is_help=True)
@@ -47,15 +49,16 @@ def _manager_config(**fields: object) -> ManagerConfig:
         raise validation_failure(exc) from None
 
 
-def _run_manager(config: ManagerConfig) -> None:
+def _run_manager(config: ManagerConfig, token: str | None = None) -> None:
+    from staleflow.servers.auth import InsecureBind
     from staleflow.servers.http import serve_forever
     from staleflow.servers.ledger_store import SettingsMismatch
     from staleflow.servers.manager import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        serve_forever(create_app(config), config.host, config.port)
-    except (SettingsMismatch, OSError) as exc:
+        serve_forever(create_app(config), config.host, config.port, token=token)
+    except (SettingsMismatch, OSError, InsecureBind) as exc:
         raise fail(str(exc)) from None
 
 
@@ -71,6 +74,7 @@ def serve_manager(
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="bind port")] = 8321,
     synchronous: Annotated[str, typer.Option(help="SQLite sync level: FULL or NORMAL")] = "FULL",
+    token: Annotated[str | None, typer.Option(help="bearer token for mutating requests (default: $STALEFLOW_TOKEN)")] = None,
 ) -> None:
     """The staleness manager: the durable Reserve/Occupy/Consume ledger behind REST."""
     config = _manager_config(
@@ -78,23 +82,7 @@ def serve_manager(
         group_redundancy=group_redundancy, db_url=db, state_dir=state_dir, host=host, port=port,
         synchronous=synchronous.upper(),
     )
-    _run_manager(config)
-
-
-@app.command()
-def up(
-    eta: Eta = 3,
-    batch_size: BatchSize = 128,
-    group_size: GroupSize = 16,
-    state_dir: StateDir = DEFAULT_STATE_DIR,
-    port: Annotated[int, typer.Option(help="manager port")] = 8321,
-) -> None:
-    """Run StaleFlow on this machine. For now this starts the staleness manager in the foreground."""
-    config = _manager_config(eta=eta, batch_size=batch_size, group_size=group_size, state_dir=state_dir, port=port)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / "endpoints.json").write_text(json.dumps({"manager": {"url": f"http://127.0.0.1:{port}"}}, indent=2))
-    console.print(f"state: {state_dir.resolve()}  manager: http://127.0.0.1:{port}  (Ctrl-C stops)")
-    _run_manager(config)
+    _run_manager(config, token)
 
 
 @db_app.command("upgrade")
@@ -135,7 +123,7 @@ def buffers(url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_
     """Show the staleness buffers of a running manager."""
     url = resolve_url(url, "manager", state_dir, "STALEFLOW_MANAGER_URL", DEFAULT_MANAGER_URL)
     try:
-        with ManagerClient(url) as client:
+        with ManagerClient(url, token=job_token(state_dir)) as client:
             data = client.buffers()
     except httpx.TransportError as exc:
         raise fail(f"no staleness manager answers at {url} ({exc.__class__.__name__})",
@@ -143,20 +131,98 @@ def buffers(url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_
     except ServiceError as exc:
         raise fail(f"the manager at {url} refused: {exc}") from None
     if as_json:
-        console.print_json(json.dumps(data))
+        typer.echo(json.dumps(data))
     else:
         console.print(_buffer_table(data))
 
 
-def _register_optional_commands() -> None:
-    from staleflow.cli import bench
+def _get(url: str, path: str, what: str, state_dir: Path, **params: object) -> dict:
+    try:
+        with http_client(url, timeout=10, token=job_token(state_dir)) as client:
+            reply = client.get(path, params=params or None)
+    except httpx.TransportError as exc:
+        raise fail(f"no {what} answers at {url} ({exc.__class__.__name__})",
+                   "start a job with `staleflow up`, or pass --url / --state-dir") from None
+    if reply.status_code != 200:
+        raise fail(f"the {what} at {url} answered {reply.status_code}: {reply.text[:200]}")
+    return reply.json()
+
+
+CoordinatorUrl = Annotated[str | None, typer.Option("--url", help="coordinator URL (default: the running job's)")]
+
+
+@app.command()
+def instances(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> None:
+    """Rollout instances as the coordinator sees them: snapshot, speculative state, status."""
+    url = resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340")
+    data = _get(url, "/v1/instances", "coordinator", state_dir)
+    if as_json:
+        typer.echo(json.dumps(data))
+        return
+    table = Table(title=f"instances (parameter server at version {data['ps_version']})")
+    for col in ("instance", "status", "version", "running", "waiting", "completed", "kv cache", "est. tokens/s", "P"):
+        table.add_column(col)
+    for i in data["instances"]:
+        s = i["snapshot"] or {}
+        p = i["speculative"] or {}
+        table.add_row(i["instance_id"], i["status"], str(s.get("inst_version", "-")), str(len(s.get("run_trajs") or [])),
+                      str(len(s.get("wait_trajs") or [])), str(len(s.get("complete_trajs") or [])),
+                      str(s.get("kv_cache", "-")), f"{i['estimated_throughput']:.0f}",
+                      f"v{p.get('inst_version', '-')}/{p.get('accum_traj_num', '-')}")
+    console.print(table)
+
+
+@app.command()
+def commands(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, limit: int = 20,
+             as_json: AsJson = False) -> None:
+    """The coordinator's most recent commands with their timing and outcome."""
+    url = resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340")
+    data = _get(url, "/v1/commands", "coordinator", state_dir, limit=limit)
+    if as_json:
+        typer.echo(json.dumps(data))
+        return
+    table = Table(title="recent commands")
+    for col in ("command", "instance", "kind", "size", "ms", "outcome"):
+        table.add_column(col)
+    for c in data["commands"]:
+        ms = f"{1e3 * (c['completed_at'] - c['issued_at']):.1f}" if c["completed_at"] else "-"
+        table.add_row(c["command_id"], c["instance_id"], c["kind"], str(c["size"]), ms, c["outcome"])
+    console.print(table)
+
+
+@app.command()
+def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> None:
+    """Every component of the running job in --state-dir: up or not, and its headline numbers."""
+    known = endpoints(state_dir)
+    if not known:
+        raise fail(f"no job in {state_dir} (no endpoints.json)", "start one with `staleflow up`, or pass --state-dir")
+    rows = {}
+    for name, info in known.items():
+        if not isinstance(info, dict) or "url" not in info:
+            continue
+        try:
+            with http_client(info["url"], timeout=3) as client:
+                rows[name] = {"url": info["url"], "up": True, "health": client.get("/v1/health").json()}
+        except (httpx.HTTPError, ValueError):
+            rows[name] = {"url": info["url"], "up": False, "health": None}
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    table = Table(title=f"job in {state_dir}")
+    for col in ("component", "url", "state", "detail"):
+        table.add_column(col)
+    for name, row in rows.items():
+        detail = ", ".join(f"{k}={v}" for k, v in (row["health"] or {}).items() if k != "status")[:80]
+        table.add_row(name, row["url"], "[green]up[/]" if row["up"] else "[red]down[/]", detail)
+    console.print(table)
+
+
+def _register_commands() -> None:
+    from staleflow.cli import bench, serve_instance, up
 
     bench.register(bench_app)
-    try:
-        from staleflow.cli import serve_instance
-    except ImportError:  # the instance server is optional while it lands
-        return
     serve_instance.register(serve_app)
+    up.register(app, serve_app)
 
 
-_register_optional_commands()
+_register_commands()

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from staleflow.config import ServiceConfig
+from staleflow.config import HttpUrl, ServiceConfig
 from staleflow.coordinator.service import Coordinator
 from staleflow.cost_model import CostModel
 from staleflow.strategies import MigrationMode, RoutingMode, StrategyConfig, SyncMode
@@ -22,7 +22,7 @@ INSTANCE_ID = r"^[A-Za-z0-9._:@+\-]{1,200}$"
 class InstanceEndpoint(BaseModel):
     model_config = {"extra": "forbid", "frozen": True}
     instance_id: str = Field(pattern=INSTANCE_ID)
-    url: str = Field(pattern=r"^https?://")
+    url: HttpUrl
 
 
 class CostConfig(BaseModel):
@@ -39,9 +39,9 @@ class CostConfig(BaseModel):
 
 
 class CoordinatorConfig(ServiceConfig):
-    manager_url: str = Field("http://127.0.0.1:8321", pattern=r"^https?://")
-    ts_url: str = Field(pattern=r"^https?://")
-    params_url: str | None = Field(None, pattern=r"^https?://")
+    manager_url: HttpUrl = "http://127.0.0.1:8321"
+    ts_url: HttpUrl
+    params_url: HttpUrl | None = None
     instances: list[InstanceEndpoint] = []
     routing: RoutingMode = RoutingMode.THROUGHPUT
     sync: SyncMode = SyncMode.SELECTIVE

@@ -7,20 +7,28 @@ from typing import Any
 
 import httpx
 
+from staleflow.servers.auth import configured_token
+
 # httpcore writes headers and body separately; without TCP_NODELAY, Nagle's algorithm and the
 # peer's delayed ACK stall every request with a body by ~40 ms.
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
+def _auth_headers(token: str | None) -> dict[str, str]:
+    token = configured_token(token)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def http_client(url: str, token: str | None = None, timeout: float = 10.0,
                 transport: httpx.BaseTransport | None = None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    """An httpx client for a StaleFlow service; the token defaults to $STALEFLOW_TOKEN."""
+    headers = _auth_headers(token)
     transport = transport or httpx.HTTPTransport(socket_options=NODELAY)
     return httpx.Client(base_url=url, headers=headers, timeout=timeout, transport=transport)
 
 
 def async_http_client(url: str, token: str | None = None, timeout: float = 10.0) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = _auth_headers(token)
     return httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
                              transport=httpx.AsyncHTTPTransport(socket_options=NODELAY))
 

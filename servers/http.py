@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
+from staleflow.servers.auth import protect
+
 log = logging.getLogger(__name__)
 
 
@@ -77,11 +79,12 @@ class StartupFailed(RuntimeError):
 
 
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                    startup_timeout: float = 60.0) -> RunningServer:
+                    startup_timeout: float = 60.0, token: str | None = None) -> RunningServer:
     """Serve ``app`` from a daemon thread; returns once its lifespan has started.
 
     A lifespan that fails raises ``StartupFailed`` here instead of leaving a socket that never
     answers."""
+    protect(app, host, token, is_loopback(host))
     sock = bind_socket(host, port)
     server = uvicorn.Server(_uvicorn_config(app, log_level))
     failure: list[BaseException] = []
@@ -104,8 +107,12 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_le
     return RunningServer(url_for(sock), server, thread)
 
 
-def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Serve in the foreground until SIGINT/SIGTERM (uvicorn handles both gracefully)."""
+def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info", token: str | None = None) -> None:
+    """Serve in the foreground until SIGINT/SIGTERM (uvicorn handles both gracefully).
+
+    With a token (or $STALEFLOW_TOKEN), mutating requests need it; without one, a non-loopback
+    ``host`` is refused."""
+    protect(app, host, token, is_loopback(host))
     sock = bind_socket(host, port)
     # printed at every log level: supervisors (staleflow up, tests) wait for this line
     print(f"{app.title} listening on {url_for(sock)}", file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ Endpoints (all JSON; errors are ``{"error": {"code", "message"}}`` with a 4xx st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import base64
 import binascii
 import contextlib
@@ -43,6 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from staleflow.servers.clients import async_http_client
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import (
     CompletedTrajectory,
@@ -432,7 +434,7 @@ class InstanceServer:
         url = self.config.completion_callback_url
         assert url is not None
         backoff = 0.1
-        async with httpx.AsyncClient(timeout=30.0) as client:
+        async with async_http_client("", timeout=30.0) as client:  # absolute URL; carries the token
             while True:
                 await self.outbox.wait_after(self.callback_delivered, 3600.0)
                 batch = self.outbox.after(self.callback_delivered, self.config.callback_batch)
@@ -619,6 +621,15 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
         return server.health()
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        """Where the engine's time went (paper Table 3), for engines that account for it."""
+        core = getattr(server.engine, "core", None)
+        if core is None:
+            return {"instance_id": server.instance_id, "engine": config.engine, "available": False}
+        return {"instance_id": server.instance_id, "engine": config.engine, "available": True,
+                **dataclasses.asdict(core.stats)}
 
     @app.post("/v1/sim/advance")
     async def advance(body: AdvanceIn) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from staleflow.servers.ledger_store import DurableLedger, StoreError
 log = logging.getLogger(__name__)
 
 GROUP_ID_PATTERN = r"^[A-Za-z0-9._:@+\-]{1,200}$"
+SQL_INT_MAX = 2**63 - 1  # what SQL databases store in an integer column
 GroupId = Annotated[str, Path(pattern=GROUP_ID_PATTERN, description="prompt group id")]
 
 # HTTP status for each refusal code of the ledger
@@ -147,7 +148,7 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
         }
 
     @app.get("/v1/buffers/{version}")
-    def buffer(request: Request, version: Annotated[int, Path(ge=0)]) -> dict:
+    def buffer(request: Request, version: Annotated[int, Path(ge=0, le=SQL_INT_MAX)]) -> dict:
         led = the_ledger(request)
         current, views, _ = led.snapshot()
         for view in views:
@@ -208,7 +209,7 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
     @app.get("/v1/events")
     def events(
         request: Request,
-        after: Annotated[int, Query(ge=0)] = 0,
+        after: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> dict:
         rows = the_ledger(request).events(after, limit)

@@ -11,11 +11,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Literal
 
+import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 
-from staleflow.config import LedgerConfig, ServiceConfig
+from staleflow.config import HttpUrl, LedgerConfig, ServiceConfig
 from staleflow.servers.clients import AsyncManagerClient, ServiceError, async_http_client
 from staleflow.servers.trajectory_store import (
     GroupRecord,
@@ -41,7 +42,7 @@ class SamplingConfig(BaseModel):
 
 class TrajectoryServerConfig(ServiceConfig):
     ledger: LedgerConfig = LedgerConfig()
-    manager_url: str = Field("http://127.0.0.1:8321", pattern=r"^https?://")
+    manager_url: HttpUrl = "http://127.0.0.1:8321"
     state_dir: Path = Path(".staleflow")
     db_url: str | None = None
     dataset: Path | None = Field(None, description="JSONL or Parquet with prompt and answer fields; default: built-in task")
@@ -389,7 +390,13 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
 
     @app.exception_handler(ServiceError)
     async def _upstream(_: Request, exc: ServiceError) -> JSONResponse:
-        return JSONResponse({"detail": f"staleness manager: {exc.detail}"}, status_code=502)
+        # the manager's refusal of what the client asked (e.g. an unknown buffer) is the client's 4xx
+        status = exc.status if 400 <= exc.status < 500 else 502
+        return JSONResponse({"detail": f"staleness manager: {exc.detail}"}, status_code=status)
+
+    @app.exception_handler(httpx.TransportError)
+    async def _unreachable(_: Request, exc: httpx.TransportError) -> JSONResponse:
+        return JSONResponse({"detail": f"staleness manager unreachable: {exc.__class__.__name__}"}, status_code=503)
 
     def ts(request: Request) -> TrajectoryServer:
         return request.app.state.ts

@@ -5,9 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from staleflow.ledger import LedgerParams
+
+
+def _check_http_url(value: str) -> str:
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018  # raises on a malformed port
+    except ValueError as exc:
+        raise ValueError(f"{value!r} is not a valid URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(ord(c) < 33 for c in value):
+        raise ValueError(f"{value!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8350")
+    return value.rstrip("/")
+
+
+HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
+"""An http(s) URL with a host, kept as a string (no trailing slash)."""
 
 
 class StrictModel(BaseModel):
@@ -55,3 +73,46 @@ class ManagerConfig(ServiceConfig):
         if self.db_url:
             return self.db_url
         return f"sqlite:///{(self.state_dir / 'ledger.db').resolve()}"
+
+
+class TrainerConfig(StrictModel):
+    """The simulated trainer: consumes Ready buffers, 'trains' for a modelled time, pushes weights."""
+
+    seconds_per_token: float = Field(2e-6, ge=0, description="simulated training seconds per trained token")
+    seconds_per_step: float = Field(0.5, ge=0, description="simulated fixed cost per training step")
+    push_bytes: int = Field(1 << 20, ge=1, description="bytes of the parameter blob pushed to the PS each step")
+
+
+class JobConfig(StrictModel):
+    """Everything `staleflow up` runs. The same file drives embedded and multi-process runs."""
+
+    engine: Literal["sim", "vllm"] = "sim"
+    steps: int = Field(10, ge=1, description="training steps (buffers consumed) to run")
+    state_dir: Path = Path(".staleflow")
+    ledger: LedgerConfig = LedgerConfig(eta=2, batch_size=16, group_size=8)
+    instances: int = Field(4, ge=1, le=1024, description="rollout instances")
+    routing: Literal["throughput", "vanilla"] = "throughput"
+    sync: Literal["selective", "greedy", "global"] = "selective"
+    migration: Literal["throughput", "none"] = "throughput"
+    mu: float = Field(0.3, ge=0, le=1)
+    phi_wait: int = Field(3, ge=0)
+    phi_throughput: float = Field(5.0, ge=1)
+    workload: str = Field("demo", description="sim workload preset: demo, ci-tiny, paper-20k, paper-40k")
+    max_tokens: int = Field(2048, ge=1, description="response length limit")
+    seed: int = 0
+    speed: float = Field(40.0, gt=0, description="sim clock: simulated seconds per real second")
+    cycle_period: float = Field(0.05, gt=0, description="coordinator cycle, seconds")
+    reward: str = Field("auto", description="auto (sim: 'sim', vllm: the reward server), sim, math or a URL")
+    trainer: TrainerConfig = TrainerConfig()
+    base_port: int = Field(0, ge=0, le=65000, description="first port of the components; 0 picks free ports")
+    host: str = "127.0.0.1"
+    processes: bool = Field(False, description="run every component as its own process instead of embedded")
+
+    @model_validator(mode="after")
+    def _engine_needs(self) -> JobConfig:
+        if self.engine == "sim":
+            from staleflow.workload import PRESETS
+
+            if self.workload not in PRESETS:
+                raise ValueError(f"workload {self.workload!r} is not a sim preset; choose one of {sorted(PRESETS)}")
+        return self

@@ -185,6 +185,19 @@ PRESETS: dict[str, WorkloadModel] = {
         prompt_median=200,
         prompt_sigma=0.5,
     ),
+    # `staleflow up`'s default: long-tailed responses <= 2K, so coordination shows in seconds.
+    "demo": WorkloadModel(
+        name="demo",
+        batch_size=16,
+        group_size=8,
+        max_response_tokens=2_048,
+        max_prompt_tokens=256,
+        response_median=320,
+        group_sigma=0.7,
+        member_sigma=0.5,
+        prompt_median=64,
+        prompt_sigma=0.4,
+    ),
     # Small enough for unit tests and CI.
     "ci-tiny": WorkloadModel(
         name="ci-tiny",
@@ -206,7 +219,7 @@ PRESETS["paper-40k"] = replace(PRESETS["paper-20k"], name="paper-40k", max_respo
 
 
 def preset(name: str, seed: int = 0) -> WorkloadModel:
-    """A named preset (``paper-20k``, ``paper-40k``, ``ci-tiny``) with the given seed."""
+    """A named preset (``paper-20k``, ``paper-40k``, ``demo``, ``ci-tiny``) with the given seed."""
     try:
         model = PRESETS[name]
     except KeyError:

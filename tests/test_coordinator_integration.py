@@ -67,7 +67,7 @@ def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Pat
                 # kill the instance holding the most unfinished work, while it holds it
                 routed = [t for t in ts.get("/v1/routed").json()["trajectories"] if t["state"] == "routed"]
                 holders = [t["instance_id"] for t in routed]
-                if holders:
+                if holders and max(map(holders.count, set(holders))) >= 3:
                     victim = max(set(holders), key=holders.count)
                     instances[victim][0].send_signal(signal.SIGKILL)
                     instances[victim][0].wait()
@@ -87,11 +87,16 @@ def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Pat
         status = {i["instance_id"]: i["status"] for i in co.get("/v1/instances").json()["instances"]}
         assert status[victim] == "failed"
         assert all(s != "failed" for name, s in status.items() if name != victim)
-        for traj_id in stranded:  # the dead instance's work finished elsewhere and was trained on
-            assert ts.get(f"/v1/trajectories/{traj_id}").json()["state"] in ("consumed", "aborted")
-            group = traj_id.rsplit("-m", 1)[0]
-            assert group in consumed, f"{traj_id}'s group never reached the trainer"
+        moved = []
+        for traj_id in stranded:  # the dead instance's work was trained on
+            final = ts.get(f"/v1/trajectories/{traj_id}").json()
+            assert final["state"] in ("consumed", "aborted")
+            assert traj_id.rsplit("-m", 1)[0] in consumed, f"{traj_id}'s group never reached the trainer"
+            if final["instance_id"] != victim:  # not finished there before it died (callback in flight)
+                moved.append(traj_id)
+        assert moved, "the kill stranded unfinished work"
+        assert not ts.get("/v1/routed", params={"instance_id": victim}).json()["trajectories"]
         stats = co.get("/v1/coordinator").json()
-        assert stats["failures"] == 1 and stats["released"] >= len(stranded) > 0, "the dead instance's work was recovered"
+        assert stats["failures"] == 1 and stats["released"] >= len(moved), "the dead instance's work was released"
         assert stats["routed"] > 0 and stats["accepted_snapshots"] > 0
         assert co.get("/v1/commands", params={"limit": 5}).json()["commands"]

@@ -1,0 +1,83 @@
+"""``staleflow serve params``: the parameter server in the foreground.
+
+Also runnable on its own (``python -m staleflow.cli.serve_params ...``) with the same options."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+
+from staleflow.cli.common import fail, validation_failure
+
+FLAG_NAMES = {"chunk_bytes": "--chunk-mb", "fsync": "--no-fsync"}
+
+
+def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | None) -> None:
+    """Serve ``app`` in the foreground, then close ``resource`` (a store, a worker pool) that was
+    opened before it, so that a resource that cannot open fails with its own message."""
+    from staleflow.servers.auth import InsecureBind
+    from staleflow.servers.http import serve_forever
+
+    try:
+        serve_forever(app, host, port, token=token)
+    except (OSError, InsecureBind) as exc:
+        raise fail(str(exc)) from None
+    finally:
+        resource.close()
+
+
+def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, host: str, port: int,
+                  shm_dir: Path, fsync: bool, lease_ttl_s: float):  # noqa: ANN201 - imported lazily
+    from staleflow.servers.params import ParamsConfig
+
+    try:
+        return ParamsConfig(
+            state_dir=state_dir, keep=keep, chunk_bytes=int(chunk_mb * (1 << 20)),
+            transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
+            host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s,
+        )
+    except ValidationError as exc:
+        raise validation_failure(exc, FLAG_NAMES) from None
+
+
+def register(serve_app: typer.Typer) -> None:
+    @serve_app.command("params")
+    def serve_params(
+        state_dir: Annotated[Path, typer.Option("--state-dir", help="where versions are stored")] = Path(".staleflow/params"),
+        keep: Annotated[int, typer.Option(help="complete versions kept (the newest K)")] = 2,
+        chunk_mb: Annotated[float, typer.Option("--chunk-mb", help="chunk size in MiB (per-request payload limit)")] = 64,
+        transports: Annotated[str, typer.Option(help="comma-separated: http,shm,nixl")] = "http,shm",
+        host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="bind port")] = 8331,
+        token: Annotated[str | None, typer.Option(help="bearer token for mutating requests (default: $STALEFLOW_TOKEN)")] = None,
+        shm_dir: Annotated[Path, typer.Option("--shm-dir", help="shared-memory directory")] = Path("/dev/shm"),
+        fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync each version before it is visible")] = True,
+        lease_ttl_s: Annotated[float, typer.Option("--lease-ttl", help="seconds an unused pull lease lives")] = 120.0,
+    ) -> None:
+        """The parameter server: versioned model weights, pushed by the trainer, pulled by instances."""
+        from staleflow.servers.params import ParamStore, create_app
+        from staleflow.servers.transports.base import TransportUnavailable
+
+        config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s)
+        if "nixl" in config.transports:
+            from staleflow.servers.transports.nixl import nixl_available
+
+            available, reason = nixl_available()
+            if not available:
+                raise fail(reason, "drop nixl from --transports or install it")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:  # open the store first: a locked or unreadable state directory stops us here
+            store = ParamStore(config)
+        except (OSError, TransportUnavailable) as exc:
+            raise fail(str(exc)) from None
+        serve_owning(store, create_app(config, store), config.host, config.port, token)
+
+
+if __name__ == "__main__":
+    standalone = typer.Typer(add_completion=False)
+    register(standalone)
+    standalone(prog_name="staleflow serve params")

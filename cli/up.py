@@ -1,0 +1,231 @@
+"""``staleflow up``: run a whole job on this machine, observable while it runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from pydantic import ValidationError
+from rich.console import Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from staleflow.cli.common import console, fail, validation_failure
+from staleflow.config import JobConfig
+
+FLAG_NAMES = {"ledger.eta": "--eta", "ledger.batch_size": "--batch-size", "ledger.group_size": "--group-size"}
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise fail(f"config file {path} does not exist")
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(path.read_text()) or {}
+        elif path.suffix == ".toml":
+            data = tomllib.loads(path.read_text())
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            raise fail(f"config file {path}: use .yaml, .toml or .json")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise fail(f"config file {path} is not valid: {exc}") from None
+    if not isinstance(data, dict):
+        raise fail(f"config file {path} must hold a mapping of settings")
+    return data
+
+
+def job_config(file: Path | None, **flags: Any) -> JobConfig:
+    data = load_config_file(file) if file else {}
+    ledger = dict(data.get("ledger", {}))
+    for key in ("eta", "batch_size", "group_size"):
+        if flags.get(key) is not None:
+            ledger[key] = flags.pop(key)
+        flags.pop(key, None)
+    if ledger:
+        data["ledger"] = ledger
+    data.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        raise validation_failure(exc, FLAG_NAMES) from None
+
+
+def _view(config: JobConfig, progress: Progress, sample: Any, steps: list) -> Group:
+    instances = Table(title="rollout instances", expand=False)
+    for col in ("instance", "status", "version", "running", "waiting", "est. tokens/s"):
+        instances.add_column(col, justify="right" if col not in ("instance", "status") else "left")
+    if sample:
+        for name, i in sorted(sample.instances.items()):
+            instances.add_row(name, i["status"], str(i["version"]), str(i["running"]), str(i["waiting"]),
+                              f"{i['throughput']:.0f}")
+    buffers = Table(title="staleness buffers")
+    for col in ("buffer", "state", "occupied", "reserved"):
+        buffers.add_column(col)
+    if sample:
+        for b in sample.buffers:
+            occ = sum(e["status"] == "occupied" for e in b["entries"])
+            buffers.add_row(str(b["version"]), b["state"], str(occ), str(len(b["entries"]) - occ))
+    tokens = sum(s.response_tokens for s in steps)
+    stale: dict[int, int] = {}
+    for s in steps:
+        for k, n in s.staleness.items():
+            stale[k] = stale.get(k, 0) + n
+    elapsed = steps[-1].finished_at if steps else 0.0
+    sim = elapsed * config.speed if config.engine == "sim" else elapsed
+    line = (f"trained tokens {tokens:,}  |  {tokens / sim:,.0f} tokens/s" if sim else "waiting for the first batch") + (
+        f"  |  staleness so far {dict(sorted(stale.items()))} (bound {config.ledger.eta})")
+    return Group(progress, instances, buffers, line)
+
+
+def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
+    from staleflow.report import summarize, write_report
+    from staleflow.servers.job import Job, SimulatedTrainer, StateDirInUse
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        filename=str(config.state_dir / "job.log") if config.state_dir.exists() else None)
+    try:
+        job = Job(config, resume=resume, fresh=fresh)
+    except StateDirInUse as exc:
+        raise fail(str(exc)) from None
+    signals = {"received": None}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        signals["received"] = signum
+        job.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    emit = (lambda obj: print(json.dumps(obj), flush=True)) if json_log else None
+    if config.engine == "sim":
+        note = f"sim engine, {SimulatedTrainer.label}; clock x{config.speed}"
+        emit({"event": "start", "note": note}) if emit else console.print(f"[bold]StaleFlow[/] — {note}")
+    if config.processes:
+        job.write_planned_endpoints()
+
+    def started(name: str, url: str) -> None:
+        emit({"event": "component", "name": name, "url": url}) if emit else console.print(f"  {name:<12} {url}")
+
+    try:
+        job.start(started)
+    except Exception as exc:
+        job.shutdown()
+        raise fail(f"could not start the job: {exc}", f"see the logs in {config.state_dir / 'logs'}") from None
+    if not emit:
+        console.print(f"  endpoints   {config.state_dir / 'endpoints.json'}")
+    progress = Progress(TextColumn("training steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console)
+    task = progress.add_task("steps", total=config.steps)
+    live = None if emit or not sys.stdout.isatty() else Live(console=console, refresh_per_second=4)
+    if live:
+        live.start()
+    try:
+        while not job.finished() and not job.stop.is_set():
+            sample = job.monitor.sample()
+            done = sample.train_version if sample else len(job.trainer.steps)
+            progress.update(task, completed=min(done, config.steps))
+            if emit and sample:
+                emit({"event": "sample", "t": sample.t, "train_version": sample.train_version,
+                      "instances": sample.instances, "buffers": [b["state"] for b in sample.buffers]})
+            elif live:
+                live.update(_view(config, progress, sample, job.trainer.steps))
+            job.stop.wait(0.25)  # refresh pacing
+    finally:
+        if live:
+            live.stop()
+    wall = time.monotonic() - job.started
+    summary = summarize(config, job.trainer.steps, job.monitor.samples, job.engine_stats(), job.command_times(), wall,
+                        SimulatedTrainer.label)
+    job.shutdown()
+    completed = job.trainer.error is None and signals["received"] is None
+    if completed:
+        written = write_report(config.state_dir / "report", summary, job.monitor.samples)
+    else:
+        written = write_report(config.state_dir / "report-partial", summary, job.monitor.samples)
+    if emit:
+        emit({"event": "end", "completed": completed, "report": [str(p) for p in written],
+              "tokens_per_second": summary["tokens_per_second"], "staleness_violations": summary["staleness_violations"]})
+    else:
+        console.print(f"{'finished' if completed else 'stopped'}: {summary['steps']} steps, "
+                      f"{summary['response_tokens']:,} tokens, {summary['tokens_per_second']:,.0f} tokens/s "
+                      f"({summary['clock']}); staleness violations: {summary['staleness_violations']}")
+        console.print(f"  state   {config.state_dir.resolve()}")
+        console.print(f"  logs    {(config.state_dir / 'logs').resolve()}")
+        console.print(f"  report  {written[0].parent.resolve()}")
+    if job.trainer.error is not None:
+        raise fail(f"the trainer failed: {job.trainer.error!r}", f"see {config.state_dir / 'job.log'}", code=1)
+    if not completed:
+        if not emit:
+            console.print("resume with: staleflow up --resume" + (f" --state-dir {config.state_dir}"
+                                                                   if str(config.state_dir) != ".staleflow" else ""))
+        return 128 + (signals["received"] or 0)
+    return 0
+
+
+def register(app: typer.Typer, serve_app: typer.Typer) -> None:
+    @app.command()
+    def up(
+        config: Annotated[Path | None, typer.Option("--config", help="YAML/TOML/JSON job file; flags override it")] = None,
+        engine: Annotated[str | None, typer.Option(help="sim or vllm")] = None,
+        steps: Annotated[int | None, typer.Option(help="training steps to run")] = None,
+        state_dir: Annotated[Path | None, typer.Option("--state-dir", help="state, logs and report")] = None,
+        eta: Annotated[int | None, typer.Option(help="staleness bound")] = None,
+        batch_size: Annotated[int | None, typer.Option("--batch-size", help="prompt groups per batch")] = None,
+        group_size: Annotated[int | None, typer.Option("--group-size", help="trajectories per group")] = None,
+        instances: Annotated[int | None, typer.Option(help="rollout instances")] = None,
+        routing: Annotated[str | None, typer.Option(help="throughput or vanilla")] = None,
+        sync: Annotated[str | None, typer.Option(help="selective, greedy or global")] = None,
+        migration: Annotated[str | None, typer.Option(help="throughput or none")] = None,
+        workload: Annotated[str | None, typer.Option(help="sim workload preset")] = None,
+        max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="response length limit")] = None,
+        seed: Annotated[int | None, typer.Option(help="random seed")] = None,
+        speed: Annotated[float | None, typer.Option(help="sim clock speed-up")] = None,
+        base_port: Annotated[int | None, typer.Option("--base-port", help="first component port (0: free ports)")] = None,
+        processes: Annotated[bool | None, typer.Option("--processes/--embedded", help="one process per component")] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="continue the run in --state-dir")] = False,
+        fresh: Annotated[bool, typer.Option("--fresh", help="discard an unfinished run in --state-dir")] = False,
+        json_log: Annotated[bool, typer.Option("--json-log", help="JSON lines instead of the live view")] = False,
+    ) -> None:
+        """Run StaleFlow on this machine: every component, a short RL job, a report at the end."""
+        job = job_config(config, engine=engine, steps=steps, state_dir=state_dir, eta=eta, batch_size=batch_size,
+                         group_size=group_size, instances=instances, routing=routing, sync=sync, migration=migration,
+                         workload=workload, max_tokens=max_tokens, seed=seed, speed=speed, base_port=base_port,
+                         processes=processes)
+        if job.engine == "vllm":
+            raise fail("`staleflow up --engine vllm` needs the real trainer, which is not built yet",
+                       "run the sim engine (the default); vLLM instances can already be served with "
+                       "`staleflow serve instance --engine vllm`")
+        raise typer.Exit(run_up(job, resume, fresh, json_log))
+
+    @serve_app.command("component")
+    def serve_component(
+        name: Annotated[str, typer.Argument(help="manager, params, reward, ts, inst-N or coordinator")],
+        job: Annotated[Path, typer.Option("--job", help="the job file `staleflow up` wrote")],
+        endpoints: Annotated[Path, typer.Option("--endpoints", help="the planned endpoints file")],
+    ) -> None:
+        """One component of a `staleflow up` job, in its own process (used by `up --processes`)."""
+        from staleflow.servers.http import serve_forever
+        from staleflow.servers.job import build_app
+
+        try:
+            config = JobConfig.model_validate_json(job.read_text())
+            planned = json.loads(endpoints.read_text())
+            app = build_app(name, config, planned)
+        except (OSError, ValueError, ValidationError) as exc:
+            raise fail(f"cannot start component {name}: {exc}") from None
+        from staleflow.servers.auth import InsecureBind
+
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            serve_forever(app, planned[name]["host"], planned[name]["port"], log_level="warning")
+        except InsecureBind as exc:
+            raise fail(str(exc)) from None

@@ -1,0 +1,84 @@
+"""Bearer-token protection of the control plane.
+
+Mutating requests (anything but GET, HEAD and OPTIONS) need ``Authorization: Bearer <token>``
+whenever a token is configured; reads stay open so dashboards and scrapers work. A component
+bound to a non-loopback address without a token refuses to start."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "STALEFLOW_TOKEN"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class InsecureBind(RuntimeError):
+    pass
+
+
+def configured_token(token: str | None = None) -> str | None:
+    """The explicit token, else the environment's, else none."""
+    return token or os.environ.get(TOKEN_ENV) or None
+
+
+def write_token_file(path: Path) -> str:
+    """A fresh random token, readable by the owner only."""
+    token = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    os.chmod(path, 0o600)
+    return token
+
+
+def read_token_file(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+class BearerTokenMiddleware:
+    def __init__(self, app: ASGIApp, token: str):
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        reason = "missing bearer token" if not given else "wrong bearer token"
+        body = json.dumps({"detail": f"{reason}: mutating requests need 'Authorization: Bearer <token>' "
+                                     f"(the job's token file, or ${TOKEN_ENV})"}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def protect(app, host: str, token: str | None, loopback: bool) -> None:  # noqa: ANN001
+    """Install the token check on ``app``, or refuse an open non-loopback bind."""
+    token = configured_token(token)
+    if token:
+        app.add_middleware(BearerTokenMiddleware, token=token)
+        return
+    if not loopback:
+        raise InsecureBind(
+            f"refusing to serve {app.title} on {host} without a token: anyone on the network could change its "
+            f"state. Pass --token or set ${TOKEN_ENV}, or bind 127.0.0.1")
+    log.warning("%s runs without a token on loopback (%s): mutating endpoints are open to local users",
+                app.title, host)

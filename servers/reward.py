@@ -1,0 +1,131 @@
+"""The reward server: verifiable rule-based rewards on CPU, off the rollout path (paper Figure 6).
+
+* ``POST /v1/rewards`` -- a batch ``[{id, response_text, answer, verifier?}]`` -> ``[{id, reward,
+  reason, detail?}]`` in the same order. ``verifier`` is a built-in ("math", "exact"), a name from
+  the configuration, or a configured "module.path:function"; default: the configured default.
+  Reasons: "correct", "wrong_answer", "no_answer", "timeout" (a user verifier overran its time and
+  its worker was replaced), "error" (it raised or returned something that is not a reward), or
+  whatever a user verifier says.
+* ``GET /v1/verifiers``, ``GET /v1/health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, field_validator
+
+from staleflow.config import ServiceConfig
+from staleflow.rewards import RewardRequest, RewardScorer, VerifierError
+from staleflow.rewards.registry import BUILTIN_VERIFIERS, IMPORT_PATH
+from staleflow.servers.clients import _raise_for, http_client
+
+log = logging.getLogger(__name__)
+
+VERIFIER_NAME = re.compile(r"^[A-Za-z][\w.-]{0,63}$")
+
+
+class RewardConfig(ServiceConfig):
+    port: int = Field(8332, ge=0, le=65535)
+    default_verifier: str = Field("math", description="used when a request names none")
+    verifiers: dict[str, str] = Field(default_factory=dict, description="user verifiers: name -> 'module.path:function'")
+    workers: int = Field(2, ge=1, le=256, description="processes running user verifiers")
+    timeout_s: float = Field(5.0, gt=0, le=3600, description="per call, for user verifiers")
+    max_batch: int = Field(4096, ge=1, description="items per request")
+    max_chars: int = Field(200_000, ge=1, description="characters per response_text or answer")
+
+    @field_validator("verifiers")
+    @classmethod
+    def _valid_verifiers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, target in value.items():
+            if not VERIFIER_NAME.match(name):
+                raise ValueError(f"verifier name {name!r}: letters, digits, '_', '.', '-', starting with a letter")
+            if not IMPORT_PATH.match(target):
+                raise ValueError(f"verifier {name!r}: {target!r} is not 'module.path:function'")
+        return value
+
+
+class RewardItem(BaseModel):
+    id: str | int
+    response_text: str
+    answer: str
+    verifier: str | None = None
+
+
+def create_app(config: RewardConfig, scorer: RewardScorer | None = None) -> FastAPI:
+    """The reward server. Owns ``scorer`` (and its worker processes) unless given one."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = scorer is None
+        app.state.scorer = scorer or await asyncio.to_thread(
+            RewardScorer, config.verifiers, config.default_verifier, config.workers, config.timeout_s)
+        log.info("reward server ready: verifiers %s, default %s", ", ".join(app.state.scorer.names()), config.default_verifier)
+        try:
+            yield
+        finally:
+            if owned:
+                app.state.scorer.close()
+
+    app = FastAPI(title="StaleFlow reward server", version="1", lifespan=lifespan)
+
+    @app.exception_handler(VerifierError)
+    async def _verifier_error(_: Request, exc: VerifierError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    @app.get("/v1/health")
+    def health(request: Request) -> dict:
+        pool = request.app.state.scorer.pool
+        return {"status": "ok", "workers": pool.workers if pool else 0, "replaced_workers": pool.replaced if pool else 0}
+
+    @app.get("/v1/verifiers")
+    def verifiers(request: Request) -> dict:
+        return {"default": config.default_verifier, "builtin": sorted(BUILTIN_VERIFIERS), "user": config.verifiers}
+
+    @app.post("/v1/rewards")
+    async def rewards(request: Request, items: list[RewardItem]) -> list[dict]:
+        if len(items) > config.max_batch:
+            return JSONResponse({"detail": f"{len(items)} items; at most {config.max_batch} per request"}, status_code=413)
+        for item in items:
+            if len(item.response_text) > config.max_chars or len(item.answer) > config.max_chars:
+                return JSONResponse({"detail": f"item {item.id!r}: response_text and answer are limited to "
+                                               f"{config.max_chars} characters"}, status_code=413)
+        requests = [RewardRequest(i.response_text, i.answer, i.verifier) for i in items]
+        verdicts = await asyncio.to_thread(request.app.state.scorer.score, requests)
+        return [{"id": item.id, **verdict.to_json()} for item, verdict in zip(items, verdicts, strict=True)]
+
+    return app
+
+
+class RewardClient:
+    """``token`` defaults to $STALEFLOW_TOKEN, for servers that check one."""
+
+    def __init__(self, url: str, timeout: float = 60.0, token: str | None = None):
+        self.http = http_client(url, token, timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> RewardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def health(self) -> dict:
+        response = self.http.get("/v1/health")
+        _raise_for(response)
+        return response.json()
+
+    def score(self, items: Sequence[dict[str, Any]]) -> list[dict]:
+        """``[{id, response_text, answer, verifier?}]`` -> ``[{id, reward, reason, detail?}]``."""
+        response = self.http.post("/v1/rewards", json=list(items))
+        _raise_for(response)
+        return response.json()
