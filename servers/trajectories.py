@@ -93,23 +93,26 @@ def sim_reward(seed: int, success_rate: float) -> RewardFn:
     return score
 
 
-def local_reward(verifier: str = "math") -> RewardFn:
-    from staleflow.rewards import verify  # the reward server's verifiers, in process
+def local_math_reward() -> RewardFn:
+    """The built-in math verifier, in process (it is pure and fast; user verifiers that may hang
+    belong in the reward server, which times them out)."""
+    from staleflow.rewards import verify_math
 
     async def score(batch: list[tuple[str, str, str]]) -> list[tuple[float, str]]:
-        return await asyncio.to_thread(lambda: [verify(verifier, text, answer) for _, text, answer in batch])
+        return await asyncio.to_thread(lambda: [verify_math(text, answer)[:2] for _, text, answer in batch])
 
     return score
 
 
 def http_reward(url: str) -> RewardFn:
+    """The reward server (``staleflow serve reward``): batched, with a timeout per call."""
     client = async_http_client(url, timeout=60.0)
 
     async def score(batch: list[tuple[str, str, str]]) -> list[tuple[float, str]]:
-        reply = await client.post("/v1/rewards", json={"items": [
-            {"id": i, "response_text": text, "answer": answer} for i, text, answer in batch]})
+        reply = await client.post("/v1/rewards", json=[
+            {"id": i, "response_text": text, "answer": answer} for i, text, answer in batch])
         reply.raise_for_status()
-        by_id = {r["id"]: (float(r["reward"]), r.get("reason", "")) for r in reply.json()["results"]}
+        by_id = {r["id"]: (float(r["reward"]), r.get("reason", "")) for r in reply.json()}
         return [by_id[i] for i, _, _ in batch]
 
     return score
@@ -119,7 +122,7 @@ def make_reward(config: TrajectoryServerConfig) -> RewardFn:
     if config.reward == "sim":
         return sim_reward(config.seed, config.sim_success_rate)
     if config.reward == "math":
-        return local_reward("math")
+        return local_math_reward()
     return http_reward(config.reward)
 
 

@@ -160,3 +160,22 @@ def test_trajectory_server_survives_a_restart(tmp_path: Path) -> None:
             member = next(p["traj_id"] for p in pending if p["group_id"] == g)
             assert ts.get(f"/v1/trajectories/{member}").json()["tokens"], "tokens survived the restart"
         assert manager_url
+
+
+@pytest.mark.parametrize("backend", ["math", "server"])
+def test_rewards_come_from_the_math_verifier(tmp_path: Path, backend: str) -> None:
+    """Completed responses are scored by the verifier: in process, or through the reward server."""
+    import asyncio
+
+    from staleflow.servers.reward import RewardConfig
+    from staleflow.servers.reward import create_app as reward_app
+    from staleflow.servers.trajectories import http_reward, local_math_reward
+
+    batch = [("t1", "so the answer is \\boxed{42}", "42"), ("t2", "I think it is 41", "42"), ("t3", "no idea", "7")]
+    if backend == "math":
+        scores = asyncio.run(local_math_reward()(batch))
+    else:
+        with serve_in_thread(reward_app(RewardConfig())) as server:
+            scores = asyncio.run(http_reward(server.url)(batch))
+    assert [r for r, _ in scores] == [1.0, 0.0, 0.0]
+    assert scores[0][1] == "correct" and scores[2][1] == "no_answer"
