@@ -11,9 +11,8 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from staleflow.config import HttpUrl, ServiceConfig
+from staleflow.config import CostConfig, HttpUrl, ServiceConfig
 from staleflow.coordinator.service import Coordinator
-from staleflow.cost_model import CostModel
 from staleflow.strategies import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 
 INSTANCE_ID = r"^[A-Za-z0-9._:@+\-]{1,200}$"
@@ -23,19 +22,6 @@ class InstanceEndpoint(BaseModel):
     model_config = {"extra": "forbid", "frozen": True}
     instance_id: str = Field(pattern=INSTANCE_ID)
     url: HttpUrl
-
-
-class CostConfig(BaseModel):
-    model_config = {"extra": "forbid", "frozen": True}
-    k1: float = Field(CostModel.k1, ge=0)
-    k2: float = Field(CostModel.k2, ge=0)
-    k3: float = Field(CostModel.k3, ge=0)
-    k4: float = Field(CostModel.k4, ge=0)
-    k5: float = Field(CostModel.k5, gt=0)
-    kv_budget: float = Field(CostModel.kv_budget, gt=0)
-
-    def model(self) -> CostModel:
-        return CostModel(**self.model_dump())
 
 
 class CoordinatorConfig(ServiceConfig):
@@ -73,7 +59,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             sim_weights_bytes=config.sim_weights_bytes,
         )
         for endpoint in config.instances:
-            coordinator.add_instance(endpoint.instance_id, endpoint.url, config.cost.model())
+            coordinator.add_instance(endpoint.instance_id, endpoint.url, config.cost.cost_model())
         app.state.coordinator = coordinator
         loop = asyncio.create_task(coordinator.run())
         try:
@@ -101,7 +87,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
     async def register(request: Request, body: InstanceEndpoint) -> dict:
         c = co(request)
         try:
-            record = c.add_instance(body.instance_id, body.url, config.cost.model())
+            record = c.add_instance(body.instance_id, body.url, config.cost.cost_model())
         except ValueError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=409)
         return c.describe(record)

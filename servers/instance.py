@@ -44,6 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from staleflow.config import CostConfig
 from staleflow.servers.clients import async_http_client
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import (
@@ -73,15 +74,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SimConfig(_Strict):
-    """Parameters of the simulated engine (see ``staleflow.engines.sim``)."""
-
-    k1: float = Field(CostModel.k1, ge=0)
-    k2: float = Field(CostModel.k2, ge=0)
-    k3: float = Field(CostModel.k3, ge=0)
-    k4: float = Field(CostModel.k4, ge=0)
-    k5: float = Field(CostModel.k5, gt=0)
-    kv_budget: float = Field(CostModel.kv_budget, gt=0)
+class SimConfig(CostConfig):
+    """Parameters of the simulated engine (see ``staleflow.engines.sim``): its cost-model
+    coefficients (inherited, flat: k1..k5, kv_budget) and the rest below."""
     workload: str = "paper-20k"
     workload_seed: int = 0
     prefill_seconds_per_token: float = Field(SimParams.prefill_seconds_per_token, ge=0)
@@ -104,7 +99,7 @@ class SimConfig(_Strict):
         return value
 
     def params(self) -> SimParams:
-        cost = CostModel(**self.model_dump(include={"k1", "k2", "k3", "k4", "k5", "kv_budget"}))
+        cost = self.cost_model()
         rest = self.model_dump(exclude={"k1", "k2", "k3", "k4", "k5", "kv_budget", "workload", "workload_seed",
                                         "clock", "speed"})
         return SimParams(cost=cost, workload=preset(self.workload, self.workload_seed), **rest)
@@ -267,9 +262,12 @@ class CommandEnvelope(BaseModel):
     command: Command
 
 
+MAX_SIM_SECONDS = 1e9  # ~31 simulated years: beyond this, float time steps lose their meaning
+
+
 class AdvanceIn(_Strict):
-    to: float | None = Field(None, ge=0)
-    by: float | None = Field(None, ge=0)
+    to: float | None = Field(None, ge=0, le=MAX_SIM_SECONDS)
+    by: float | None = Field(None, ge=0, le=MAX_SIM_SECONDS)
     until_idle: bool = False
 
     @model_validator(mode="after")

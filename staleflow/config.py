@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from staleflow.cost_model import CostModel
 from staleflow.ledger import LedgerParams
 
 
@@ -30,6 +31,21 @@ HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CostConfig(BaseModel):
+    """Cost-model coefficients (paper Eq. 2-4, Table 4 defaults; kv in tokens)."""
+
+    model_config = ConfigDict(extra="forbid")
+    k1: float = Field(CostModel.k1, ge=0, description="s per KV token read in a decode step")
+    k2: float = Field(CostModel.k2, ge=0, description="s, memory-bound GEMM floor")
+    k3: float = Field(CostModel.k3, ge=0, description="s per running trajectory when compute-bound")
+    k4: float = Field(CostModel.k4, ge=0, description="s, constant per-step overhead")
+    k5: float = Field(CostModel.k5, gt=0, description="KV units per token")
+    kv_budget: float = Field(CostModel.kv_budget, gt=0, description="KV budget M, in KV units")
+
+    def cost_model(self) -> CostModel:
+        return CostModel(**self.model_dump(include=set(CostConfig.model_fields)))
 
 
 class LedgerConfig(StrictModel):
