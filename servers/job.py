@@ -262,7 +262,8 @@ class Job:
         # every run gets a fresh token; components, the trainer and child processes read it from
         # the environment, other tools from the owner-only token file named in endpoints.json
         self.token = write_token_file(self.state / "token")
-        os.environ[TOKEN_ENV] = self.token
+        self._previous_token = os.environ.get(TOKEN_ENV)
+        os.environ[TOKEN_ENV] = self.token  # restored by shutdown()
         for name in component_names(self.config):
             if self.config.processes:
                 self._spawn(name)
@@ -317,6 +318,16 @@ class Job:
 
     def shutdown(self) -> None:
         self.stop.set()
+        try:
+            self._stop_components()
+        finally:
+            if getattr(self, "token", None) is not None:
+                if self._previous_token is None:
+                    os.environ.pop(TOKEN_ENV, None)
+                else:
+                    os.environ[TOKEN_ENV] = self._previous_token
+
+    def _stop_components(self) -> None:
         if self.trainer_thread:
             self.trainer_thread.join(30)
         for server in reversed(self.servers):

@@ -18,3 +18,9 @@ def manager(tmp_path: Path) -> Iterator[ManagerClient]:
     with serve_in_thread(create_app(manager_config(tmp_path))) as server, ManagerClient(server.url) as client:
         client.health()
         yield client
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts without $STALEFLOW_TOKEN; tests that want one set it themselves."""
+    monkeypatch.delenv("STALEFLOW_TOKEN", raising=False)

@@ -68,3 +68,6 @@ def test_up_writes_an_owner_only_token_and_the_cli_uses_it(tmp_path: Path, monke
     endpoints = json.loads((state / "endpoints.json").read_text())
     token_file = Path(endpoints["token_file"])
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and len(token_file.read_text()) >= 32
+    import os
+
+    assert TOKEN_ENV not in os.environ, "the job hands its environment back as it found it"
