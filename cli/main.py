@@ -218,10 +218,24 @@ def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> 
 
 
 def _register_commands() -> None:
-    from staleflow.cli import bench, serve_instance, up
+    from staleflow.cli import (
+        bench,
+        bench_params,
+        bench_systems,
+        calibrate,
+        serve_instance,
+        serve_params,
+        serve_reward,
+        up,
+    )
 
     bench.register(bench_app)
+    bench_params.register(bench_app)
+    bench_systems.register(bench_app)
+    calibrate.register(app)
     serve_instance.register(serve_app)
+    serve_params.register(serve_app)
+    serve_reward.register(serve_app)
     up.register(app, serve_app)
 
 

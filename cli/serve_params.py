@@ -17,8 +17,9 @@ FLAG_NAMES = {"chunk_bytes": "--chunk-mb", "fsync": "--no-fsync"}
 
 
 def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | None) -> None:
-    """Serve ``app`` in the foreground, then close ``resource`` (a store, a worker pool) that was
-    opened before it, so that a resource that cannot open fails with its own message."""
+    """Serve ``app`` in the foreground. ``resource`` (a store, a worker pool) was opened before it,
+    so that one that cannot open fails with its own message; the app closes it at shutdown (it
+    must own it: uvicorn re-raises the stop signal), this closes it if serving never started."""
     from staleflow.servers.auth import InsecureBind
     from staleflow.servers.http import serve_forever
 
@@ -74,7 +75,7 @@ def register(serve_app: typer.Typer) -> None:
             store = ParamStore(config)
         except (OSError, TransportUnavailable) as exc:
             raise fail(str(exc)) from None
-        serve_owning(store, create_app(config, store), config.host, config.port, token)
+        serve_owning(store, create_app(config, store, owns_store=True), config.host, config.port, token)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def register(serve_app: typer.Typer) -> None:
             scorer = RewardScorer(config.verifiers, config.default_verifier, config.workers, config.timeout_s)
         except VerifierError as exc:
             raise fail(str(exc), "check the --verifier paths are importable (PYTHONPATH)") from None
-        serve_owning(scorer, create_app(config, scorer), config.host, config.port, token)
+        serve_owning(scorer, create_app(config, scorer, owns_scorer=True), config.host, config.port, token)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,12 @@ def parse_version_spec(spec: str) -> tuple[str, int]:
     return "latest", int(match.group(2) or 0)
 
 
+def shm_prefix(state_dir: Path) -> str:
+    """Shared-memory segment names of the PS on ``state_dir``: a restart on the same directory
+    finds (and removes) what a killed predecessor left."""
+    return "staleflow-ps-" + hashlib.blake2b(str(state_dir.resolve()).encode(), digest_size=6).hexdigest()
+
+
 def versions_to_drop(committed: Iterable[int], keep: int) -> list[int]:
     """Retention: everything but the newest ``keep`` complete versions."""
     return sorted(committed)[:-keep] if keep > 0 else sorted(committed)
@@ -232,11 +238,11 @@ class ParamStore:
         self.pushes: dict[int, PendingPush] = {}
         self.leases: dict[str, Lease] = {}
         self.active_streams = 0
+        self._closed = False
         self._cond = threading.Condition()
         self.shm: ShmSlots | None = None
         if "shm" in config.transports:
-            digest = hashlib.blake2b(str(config.state_dir.resolve()).encode(), digest_size=6).hexdigest()
-            self.shm = ShmSlots(config.shm_dir, f"staleflow-ps-{digest}")
+            self.shm = ShmSlots(config.shm_dir, shm_prefix(config.state_dir))
         self.nixl = None
         if "nixl" in config.transports:
             from staleflow.servers.transports.nixl import NixlExporter
@@ -267,6 +273,9 @@ class ParamStore:
         log.info("parameter store at %s holds versions %s", self.root, sorted(self.versions) or "none")
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         with self._cond:
             for push in list(self.pushes.values()):
                 self._drop_push(push)
@@ -611,12 +620,14 @@ class PullBegin(BaseModel):
 VersionSpec = Annotated[str, "a version number, 'latest' or 'latest-N'"]
 
 
-def create_app(config: ParamsConfig, store: ParamStore | None = None) -> FastAPI:
-    """The parameter server. Owns ``store`` unless given one."""
+def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store: bool | None = None) -> FastAPI:
+    """The parameter server. Closes the store at shutdown if it opened it, or if ``owns_store``
+    (uvicorn ends the process with the stop signal itself after a graceful shutdown, so code
+    after ``serve_forever`` may never run)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        owned = store is None
+        owned = store is None if owns_store is None else owns_store
         app.state.store = store or await asyncio.to_thread(ParamStore, config)
         sweeper = asyncio.create_task(_sweep_forever(app.state.store, min(config.lease_ttl_s, config.push_ttl_s) / 4))
         log.info("parameter server ready: state=%s keep=%d transports=%s", config.state_dir, config.keep,

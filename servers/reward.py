@@ -59,12 +59,13 @@ class RewardItem(BaseModel):
     verifier: str | None = None
 
 
-def create_app(config: RewardConfig, scorer: RewardScorer | None = None) -> FastAPI:
-    """The reward server. Owns ``scorer`` (and its worker processes) unless given one."""
+def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_scorer: bool | None = None) -> FastAPI:
+    """The reward server. Closes the scorer (and its worker processes) at shutdown if it made it,
+    or if ``owns_scorer``."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        owned = scorer is None
+        owned = scorer is None if owns_scorer is None else owns_scorer
         app.state.scorer = scorer or await asyncio.to_thread(
             RewardScorer, config.verifiers, config.default_verifier, config.workers, config.timeout_s)
         log.info("reward server ready: verifiers %s, default %s", ", ".join(app.state.scorer.names()), config.default_verifier)

@@ -26,6 +26,7 @@ from staleflow.servers.params import (
     RawTensor,
     create_app,
     parse_version_spec,
+    shm_prefix,
     versions_to_drop,
 )
 from staleflow.servers.transports.base import ByteRegions, FormatError, checksum_of, plan_chunks
@@ -381,6 +382,12 @@ def test_complete_versions_survive_sigkill_mid_push(tmp_path: Path) -> None:
             assert missing.value.status == 404
             client.push(3, state_dict(3))  # the interrupted version can be pushed again
             assert_same(client.pull("latest"), state_dict(3))
+        segments = list(Path("/dev/shm").glob(shm_prefix(tmp_path) + "-slot*"))
+        assert segments  # the killed server's segments were replaced, not added to
+        assert len(segments) <= 3 + 1
+        proc.terminate()  # a clean stop removes them
+        proc.wait(30)
+        assert not list(Path("/dev/shm").glob(shm_prefix(tmp_path) + "-slot*"))
     finally:
         proc.kill()
         proc.wait(10)

@@ -1,0 +1,173 @@
+"""``staleflow bench systems``: whole RL jobs of every system on one simulated cluster, side by side.
+
+Wire it with ``bench_systems.register(bench_app)`` next to ``bench.register`` in ``cli/main.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table as RichTable
+
+from staleflow.cli.common import console, fail
+from staleflow.simulation import (
+    ExperimentSpec,
+    Job,
+    RunResult,
+    SimulationStalled,
+    load_workload,
+    parse_sweep,
+    resolve,
+    run_experiment,
+    scenario,
+)
+from staleflow.simulation.experiment import plan_jobs
+from staleflow.simulation.report import Table, markdown, tables
+
+PRESETS = {"ci": "ci", "paper-20k": "paper-20k", "paper-40k": "paper-40k"}
+
+
+def _rich(table: Table) -> RichTable:
+    out = RichTable(title=table.title, title_justify="left", header_style="bold")
+    for k, name in enumerate(table.header):
+        out.add_column(name, justify="left" if k < 2 else "right", overflow="fold")
+    for row in table.rows:
+        out.add_row(*row)
+    return out
+
+
+def _etas(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise fail(f"--eta takes integers like 1,2,3,4, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise fail("--eta needs at least one staleness bound >= 0")
+    return values
+
+
+def build_spec(preset: str, steps: int, eta: str, sweep: str | None, systems: str, workload: Path | None,
+               instances: int | None, tune: bool, seed: int, detail_eta: int | None) -> ExperimentSpec:
+    if preset not in PRESETS:
+        raise fail(f"unknown preset {preset!r}", f"choose one of {', '.join(PRESETS)}")
+    base = scenario(PRESETS[preset], seed)
+    if workload is not None:
+        try:
+            base = replace(base, workload=load_workload(workload.read_text(), base.workload, workload.stem).with_seed(seed))
+        except (OSError, ValueError) as exc:
+            raise fail(f"cannot use --workload {workload}: {exc}",
+                       "give a JSON list of groups of lengths, JSONL (one group per line) or a distribution object")
+    etas = _etas(eta)
+    sweep_key, sweep_values = None, ()
+    if sweep:
+        try:
+            sweep_key, sweep_values = parse_sweep(sweep)
+        except ValueError as exc:
+            raise fail(str(exc)) from None
+        if sweep_key == "eta":
+            etas, sweep_key, sweep_values = tuple(int(v) for v in sweep_values), None, ()
+    try:
+        chosen = tuple(resolve(systems, base.redundancy))
+        detail = detail_eta if detail_eta is not None else (3 if 3 in etas else max(etas))
+        spec = ExperimentSpec(base, chosen, etas, steps, sweep_key, sweep_values, tune, detail, instances)
+        spec.points()  # validates the sweep values against the GPU budget
+        return spec
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+
+
+def run_with_progress(spec: ExperimentSpec, jobs: int):  # noqa: ANN201
+    _, first, later = plan_jobs(spec)
+    total = len({j.key() for j in first}) + len(later)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(f"simulating {spec.scenario.name}", total=total)
+
+        def on_run(job: Job, run: RunResult) -> None:
+            progress.update(task, advance=1, description=f"{job.system.name} {job.point.label} x{job.instances}: "
+                                                         f"{run.throughput:,.0f} tok/s")
+
+        if jobs <= 1:
+            return run_experiment(spec, None, on_run)
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            return run_experiment(spec, pool, on_run)
+
+
+def register(bench_app: typer.Typer) -> None:
+    @bench_app.command("systems")
+    def systems_cmd(
+        preset: Annotated[str, typer.Option(help="cluster scenario: ci, paper-20k or paper-40k")] = "paper-20k",
+        steps: Annotated[int, typer.Option(min=1, help="training steps per run")] = 10,
+        eta: Annotated[str, typer.Option(help="staleness bounds, comma-separated")] = "1,2,3,4",
+        sweep: Annotated[str | None, typer.Option(
+            help="KEY=V1,V2,...: eta, response, batch, group, gpus, instances, mu, prefill, kv, train, cycle")] = None,
+        systems: Annotated[str, typer.Option(
+            help="all, headline, ablation, or names: verl, one-step, in-flight, staleflow (sf-rsm), "
+                 "sf-[r|x][s|x][m|x], sf-rsm+batch, sf-rsm+group")] = "all",
+        workload: Annotated[Path | None, typer.Option(
+            help="replay response lengths (JSON [[...],...] or JSONL) or a distribution object (JSON)")] = None,
+        instances: Annotated[int | None, typer.Option(help="fix the rollout instance count (no split tuning)")] = None,
+        tune: Annotated[bool, typer.Option(help="try every rollout/training split of the preset per system")] = True,
+        seed: Annotated[int, typer.Option(help="workload seed")] = 0,
+        detail_eta: Annotated[int | None, typer.Option(help="eta of the detail table and Figures 17-18")] = None,
+        jobs: Annotated[int, typer.Option(min=1, help="simulations run in parallel (processes)")] = min(
+            2, os.cpu_count() or 1),
+        json_path: Annotated[Path | None, typer.Option("--json", help="write the full results as JSON here")] = None,
+        out: Annotated[Path | None, typer.Option(help="directory for PNG figures and results.md")] = None,
+        show_markdown: Annotated[bool, typer.Option("--markdown", help="also print the tables as Markdown")] = False,
+    ) -> None:
+        """Simulated whole RL jobs: synchronous, one-step, in-flight-limited and StaleFlow (R/S/M, redundancy)."""
+        spec = build_spec(preset, steps, eta, sweep, systems, workload, instances, tune, seed, detail_eta)
+        try:
+            result = run_with_progress(spec, jobs)
+        except SimulationStalled as exc:
+            raise fail(f"a simulated job stalled: {exc}", "check the workload and the preset's cluster sizes") from None
+        except ValueError as exc:
+            raise fail(f"cannot simulate this configuration: {exc}") from None
+        for table in tables(result):
+            console.print(_rich(table))
+        summary = result.summary()
+        status = "[green]0 violations[/]" if summary["violations"] == 0 else f"[red]{summary['violations']} violations[/]"
+        console.print(f"{summary['runs']} runs, every trained trajectory checked against its bound: {status}; "
+                      f"wall time {result.wall_s:.0f} s")
+        text = markdown(result, _command_line())
+        if show_markdown:
+            console.print(text, markup=False, highlight=False, soft_wrap=True)
+        if json_path:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(result.to_dict(), indent=1))
+        if out:
+            _write_figures(result, out, text)
+        if summary["violations"]:
+            raise typer.Exit(1)
+
+
+def _command_line() -> str | None:
+    """The command as typed, for the Markdown report (None when not run from a shell)."""
+    argv = sys.argv
+    if "systems" not in argv[:3]:
+        return None
+    return "staleflow bench systems " + " ".join(shlex.quote(a) for a in argv[argv.index("systems") + 1:])
+
+
+def _write_figures(result, out: Path, text: str) -> None:  # noqa: ANN001
+    from staleflow.simulation.plots import FIGURES
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(text)
+    written = []
+    for name, make in FIGURES.items():
+        fig = make(result)
+        if fig is not None:
+            fig.savefig(out / f"{name}.png", dpi=120)
+            written.append(f"{name}.png")
+    console.print(f"wrote {out / 'results.md'} and {', '.join(written) or 'no figures'} in {out}")

@@ -1,0 +1,621 @@
+"""A whole RL job on a virtual clock: rollout instances, trajectory pool, ledger, coordinator, trainer.
+
+Pure and in-process (no HTTP, no threads): paper-scale jobs take seconds of wall time.
+
+* **Rollout**: ``rollout_instances`` ``SimCore`` engines share one virtual clock. They are advanced
+  lazily, each to its own next event (admission, completion, preemption, end of a Pull), and all
+  of them to the cycle time before a snapshot, so snapshots are exact.
+* **Trajectory pool** (the trajectory server's logic): streaming systems keep
+  ``(eta + 1) x capacity`` groups sampled and not yet trained; batch systems release one batch of
+  ``B`` groups at a time (see ``systems``).
+* **Staleness**: the real ``Ledger``. A group is reserved when its first member is routed (at the
+  V_traj the routing strategy chose), occupied when its ``G`` members completed (group redundancy:
+  the first ``G``; the rest are aborted), consumed by the trainer; surplus groups it cancels
+  (batch redundancy) are aborted on the instances.
+* **Coordinator**: every ``cycle_period_s`` of virtual time, the real ``plan_cycle`` over the
+  snapshots of the instances with no command in flight, the waiting trajectories, the ledger's
+  admission table and the newest version. A cycle is skipped when nothing happened since the last
+  one (and ``recheck_period_s`` has not passed) or when its plan is provably empty (nothing waits,
+  no sync is due, no migration triggers). Commands land after ``CommandCosts`` latencies, a Route
+  after the Interrupts whose partials it carries; a Pull is ``SimCore.load_weights``.
+* **Trainer**: as soon as the head staleness buffer is Ready and the trainer is idle it consumes
+  the batch, trains for ``TrainerModel.step_seconds`` and the new version reaches the parameter
+  server ``push_s`` later. Rollout and training overlap (colocated systems: eta = 0 makes them
+  alternate).
+
+Interrupting uses ``SimCore.abort`` and re-routing sends a request that carries the token *count*
+(``CountedRequest``): the engine's timing is identical to an Interrupt but no token streams are
+built, which keeps paper-scale memory and time small.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from staleflow.engines.base import SamplingParams, TrajectoryRequest
+from staleflow.engines.sim import SimCore, SimFinished
+from staleflow.ledger import Ledger, LedgerError, LedgerParams, Transition
+from staleflow.simulation.config import ClusterConfig
+from staleflow.simulation.pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
+from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, StepRecord, Timeline
+from staleflow.simulation.systems import Pipeline
+from staleflow.strategies import CyclePlan, InstanceState, StrategyConfig, SyncMode, plan_cycle, plan_migrations
+
+
+class SimulationStalled(RuntimeError):
+    """The job cannot make progress (nothing runs, trains or can be routed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CountedRequest(TrajectoryRequest):
+    """A request that resumes a trajectory from a token count instead of its tokens."""
+
+    generated: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        return self.generated
+
+    @property
+    def context_length(self) -> int:
+        return len(self.prompt_ids) + self.generated
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.sampling.max_tokens - self.generated
+
+
+# event kinds, in the order they are handled at equal times
+_CORE, _LAND, _TRAIN_END, _PUBLISH, _CYCLE = range(5)
+
+
+class _InstanceTime:
+    __slots__ = ("route_s", "interrupt_s")
+
+    def __init__(self) -> None:
+        self.route_s = 0.0
+        self.interrupt_s = 0.0
+
+
+class ClusterSimulation:
+    """``ClusterSimulation(config).run(steps)`` -> ``RunResult``. One instance runs once."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.system = config.system
+        self.eta = config.effective_eta
+        w = config.workload
+        self.workload = w
+        self.ledger = Ledger(LedgerParams(self.eta, w.batch_size, self.system.batch_redundancy, w.group_size,
+                                          self.system.group_redundancy))
+        params = self.ledger.params
+        self.group_redundant = params.group_members > params.group_size
+        self.pool = TrajectoryPool(w, w.batch_size, params.group_members)
+        self.strategy: StrategyConfig = self.system.strategy_for(self.eta, w.batch_size, params.group_members)
+        sim = replace(config.sim, workload=w)
+        room = sim.cost.kv_budget / sim.cost.k5
+        if w.max_prompt_tokens + w.max_response_tokens > room:
+            raise ValueError(f"a trajectory of up to {w.max_prompt_tokens} prompt + {w.max_response_tokens} response "
+                             f"tokens cannot fit an instance's KV budget of {room:g} tokens")
+        self.cores = [SimCore(sim, f"inst-{i}") for i in range(config.rollout_instances)]
+        self._index = {core.instance_id: i for i, core in enumerate(self.cores)}
+        self.sampling = SamplingParams(max_tokens=w.max_response_tokens)
+        self.colocated = self.system.colocated
+        self.now = 0.0
+        self.ps_version = 0
+        self._batch_version = 0  # batch pipelines: the version the current batch is generated with
+        self._batches = 0
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._core_due: list[float | None] = [None] * len(self.cores)
+        self._landing = [0] * len(self.cores)  # commands in flight per instance
+        self._times = [_InstanceTime() for _ in self.cores]
+        self._on_instances: dict = {}
+        self._cycle_due: float | None = None
+        self._last_cycle = -math.inf
+        self._last_plan = -math.inf
+        self._dirty = True
+        self._idle_plans = 0
+        self._cycles = 0
+        self._skipped = 0
+        self._decision_ms: list[float] = []
+        self._training = False
+        self._train_s = 0.0
+        self._steps_target = 0
+        self._steps_started = 0
+        self._steps_done = 0
+        self._steps: list[StepRecord] = []
+        self._staleness: dict[int, dict[int, int]] = {}
+        self._violations = 0
+        self._counters: Counter[str] = Counter()
+        self._timeline = Timeline([c.instance_id for c in self.cores]) if config.record_timeline else None
+        self._last_sample = -math.inf
+        self._ran = False
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self, steps: int) -> RunResult:
+        """Simulate until ``steps`` training steps have finished."""
+        if self._ran:
+            raise RuntimeError("a ClusterSimulation runs once; make a new one")
+        if steps < 1:
+            raise ValueError("steps must be >= 1")
+        self._ran = True
+        started = time.perf_counter()
+        self._steps_target = steps
+        self._refill()
+        self._request_cycle(0.0)
+        while self._steps_done < steps:
+            if not self._events:
+                raise SimulationStalled(self._stall_message())
+            t, kind, _, payload = heapq.heappop(self._events)
+            self.now = t
+            if kind == _CORE:
+                self._on_core_event(payload, t)  # type: ignore[arg-type]
+            elif kind == _LAND:
+                self._on_land(*payload)  # type: ignore[misc]
+            elif kind == _TRAIN_END:
+                self._on_train_end(payload)  # type: ignore[arg-type]
+            elif kind == _PUBLISH:
+                self._on_publish(payload)  # type: ignore[arg-type]
+            else:
+                self._on_cycle(t)
+        return self._result(time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ events
+
+    def _push(self, t: float, kind: int, payload: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind, self._seq, payload))
+
+    def _schedule_core(self, i: int) -> None:
+        t = self.cores[i].next_event_time()
+        self._core_due[i] = t
+        if t is not None:
+            self._push(t, _CORE, i)
+
+    def _on_core_event(self, i: int, t: float) -> None:
+        if self._core_due[i] != t:
+            return  # superseded by a command that changed the instance
+        self._advance(i, t)
+        self._schedule_core(i)
+        self._mark_dirty()
+
+    def _advance(self, i: int, t: float) -> None:
+        """Run instance ``i`` to ``t`` and handle what finished."""
+        core = self.cores[i]
+        if t > core.now:
+            core.advance_to(t)
+        for finished in core.pop_finished():
+            self._on_finished(finished)
+
+    def _mark_dirty(self) -> None:
+        self._dirty = True
+        self._request_cycle(self.now)
+
+    def _request_cycle(self, t: float) -> None:
+        period = self.config.cycle_period_s
+        tick = math.ceil(t / period - 1e-9) * period
+        if tick <= self._last_cycle:
+            tick = self._last_cycle + period
+        if self._cycle_due is None or tick < self._cycle_due:
+            self._cycle_due = tick
+            self._push(tick, _CYCLE)
+
+    # ------------------------------------------------------------------ trajectory pool
+
+    def _refill(self) -> None:
+        if self.system.pipeline is Pipeline.STREAM:
+            missing = (self.eta + 1) * self.ledger.capacity - self.pool.live_groups()
+            if missing > 0:
+                self.pool.sample(missing)
+                self._mark_dirty()
+            return
+        # batch pipelines: batch k starts once batch k-1 is generated and version k - eta exists
+        if self._batches >= self._steps_target:
+            return
+        if any(g.status in (GroupStatus.SAMPLED, GroupStatus.RESERVED) for g in self.pool.groups.values()):
+            return
+        if self.ps_version < self._batches - self.eta:
+            return
+        self._batch_version = self.ps_version
+        self._batches += 1
+        self.pool.sample(self.workload.batch_size)
+        self._mark_dirty()
+
+    def _visible_version(self) -> int:
+        return self.ps_version if self.system.pipeline is Pipeline.STREAM else self._batch_version
+
+    # ------------------------------------------------------------------ completions and aborts
+
+    def _on_finished(self, finished: SimFinished) -> None:
+        traj = self.pool.trajs.get(finished.traj_id)
+        if traj is None or traj.status is not TrajStatus.RUNNING:
+            return
+        traj.status, traj.instance, traj.route_to = TrajStatus.DONE, None, None
+        traj.generated = finished.num_tokens
+        self._on_instances.pop(traj.traj_id, None)
+        self._counters["completed"] += 1
+        group = traj.group
+        if group.status is not GroupStatus.RESERVED:
+            self._counters["wasted_tokens"] += traj.generated  # a surplus member finishing late
+            return
+        if self.group_redundant:
+            try:
+                transition = self.ledger.complete_member(group.group_id, traj.traj_id)
+            except LedgerError:
+                self._counters["wasted_tokens"] += traj.generated
+                return
+            group.counted.append(traj)
+            if transition.op == "occupy":
+                self.pool.set_status(group, GroupStatus.OCCUPIED)
+                self._abort([t for t in group.members if t.status not in (TrajStatus.DONE, TrajStatus.ABORTED)])
+            self._cancel(transition)
+        elif len(group.counted) + 1 == self.workload.group_size:
+            group.counted.append(traj)
+            self.pool.set_status(group, GroupStatus.OCCUPIED)
+            self._cancel(self.ledger.occupy(group.group_id))
+        else:
+            group.counted.append(traj)
+            return
+        self._try_train()
+
+    def _cancel(self, transition: Transition) -> None:
+        """Abort the groups a ledger transition cancelled (redundancy surplus, expired entries)."""
+        for group_id in transition.cancelled:
+            group = self.pool.groups.get(group_id)
+            if group is None or group.status in (GroupStatus.CONSUMED, GroupStatus.ABORTED):
+                continue
+            self.pool.set_status(group, GroupStatus.ABORTED)
+            self._counters["surplus_groups"] += 1
+            self._counters["wasted_tokens"] += sum(t.generated for t in group.members if t.status is TrajStatus.DONE)
+            self._abort([t for t in group.members if t.status not in (TrajStatus.DONE, TrajStatus.ABORTED)])
+            self.pool.forget(group)
+        if transition.cancelled:
+            self._refill()
+            self._try_train()
+
+    def _abort(self, trajs: list[SimTrajectory]) -> None:
+        """Drop trajectories wherever they are (Abort command on instances)."""
+        by_instance: dict[int, list[SimTrajectory]] = {}
+        for traj in trajs:
+            if traj.status is TrajStatus.PENDING:
+                self.pool.take(traj)
+                traj.status = TrajStatus.ABORTED
+            elif traj.status is TrajStatus.ASSIGNED:
+                traj.status = TrajStatus.ABORTED  # its Route will skip it
+            elif traj.status is TrajStatus.RUNNING:
+                by_instance.setdefault(traj.instance, []).append(traj)  # type: ignore[arg-type]
+        for i, on_core in by_instance.items():
+            self._advance(i, self.now)
+            ids = [t.traj_id for t in on_core if t.status is TrajStatus.RUNNING]
+            if not ids:
+                continue
+            self.cores[i].abort(ids)
+            for finished in self.cores[i].pop_finished():
+                traj = self.pool.trajs.get(finished.traj_id)
+                if traj is not None:
+                    traj.status, traj.instance = TrajStatus.ABORTED, None
+                    self._on_instances.pop(traj.traj_id, None)
+                    self._counters["wasted_tokens"] += finished.num_tokens
+            self._counters["aborted"] += len(ids)
+            self._times[i].interrupt_s += self.config.commands.interrupt(len(ids))
+            self._schedule_core(i)
+
+    # ------------------------------------------------------------------ trainer
+
+    def _try_train(self) -> None:
+        if self._training or self._steps_started >= self._steps_target or self.pool.occupied < self.workload.batch_size:
+            return  # a Ready buffer needs B occupied groups
+        try:
+            transition = self.ledger.consume()
+        except LedgerError:
+            return
+        buffer = transition.buffer
+        assert buffer is not None and transition.consumed is not None
+        groups = [self.pool.groups[g] for g in transition.consumed]
+        record = self._record_batch(buffer, groups)
+        seconds = self.config.trainer.step_seconds(record.trained_tokens, self.config.train_gpus)
+        self._training = True
+        self._steps_started += 1
+        if self.colocated:
+            self._train_s += seconds
+        self._steps.append(record)  # end_s is set when training ends
+        self._push(self.now + seconds, _TRAIN_END, buffer)
+        for group in groups:
+            self.pool.set_status(group, GroupStatus.CONSUMED)
+            self.pool.forget(group)
+        self._cancel(transition)
+        self._refill()
+        self._mark_dirty()
+
+    def _record_batch(self, buffer: int, groups: list[SimGroup]) -> StepRecord:
+        lengths: list[int] = []
+        trained = 0
+        hist: Counter[int] = Counter()
+        for group in groups:
+            assert group.v_traj is not None
+            for traj in group.counted:
+                staleness = buffer - group.v_traj
+                hist[staleness] += 1
+                oldest = traj.oldest_version
+                if not 0 <= staleness <= self.eta or oldest is None or oldest < group.v_traj:
+                    self._violations += 1
+                lengths.append(traj.generated)
+                trained += traj.context
+        self._staleness[buffer] = dict(sorted(hist.items()))
+        return StepRecord(
+            step=len(self._steps) + 1, buffer=buffer, start_s=self.now, end_s=math.nan, groups=len(groups),
+            trajectories=len(lengths), response_tokens=sum(lengths), trained_tokens=trained,
+            mean_response=sum(lengths) / len(lengths) if lengths else 0.0, max_response=max(lengths, default=0),
+            staleness=dict(sorted(hist.items())),
+        )
+
+    def _on_train_end(self, buffer: int) -> None:
+        self._training = False
+        self._steps_done += 1
+        next(r for r in self._steps if r.buffer == buffer).end_s = self.now
+        push = 0.0 if self.colocated else self.config.trainer.push_s
+        self._push(self.now + push, _PUBLISH, buffer + 1)
+        self._try_train()
+
+    def _on_publish(self, version: int) -> None:
+        self.ps_version = max(self.ps_version, version)
+        self._refill()
+        self._mark_dirty()
+
+    # ------------------------------------------------------------------ the coordinator cycle
+
+    def _on_cycle(self, t: float) -> None:
+        if self._cycle_due != t:
+            return
+        self._cycle_due = None
+        self._last_cycle = t
+        self._cycles += 1
+        if self._timeline is not None and t - self._last_sample >= self.config.timeline_period_s:
+            self._sample_timeline(t)
+        if not self._dirty and t - self._last_plan < self.config.recheck_period_s:
+            self._skipped += 1
+            self._request_cycle(self._last_plan + self.config.recheck_period_s)
+            return
+        self._dirty = False
+        self._last_plan = t
+        plan = self._plan(t)
+        if plan is not None and not plan.empty:
+            self._issue(plan, t)
+            self._idle_plans = 0
+        elif not (self._training or self._events_pending()):
+            self._idle_plans += 1
+            if self._idle_plans >= 3:
+                raise SimulationStalled(self._stall_message())
+        if self._work_in_flight():
+            self._request_cycle(t + self.config.recheck_period_s)
+
+    def _plan(self, t: float) -> CyclePlan | None:
+        ready = [i for i in range(len(self.cores)) if not self._landing[i]]
+        states = []
+        for i in ready:
+            self._advance(i, t)
+            snap = self.cores[i].snapshot()
+            if snap.loading_weights:
+                continue
+            states.append(InstanceState(self.cores[i].instance_id, snap.inst_version, float(snap.kv_cache),
+                                        list(snap.run_trajs), list(snap.wait_trajs), self.cores[i].cost))
+        version = self._visible_version()
+        if self.strategy.sync is SyncMode.GLOBAL and len(states) < len(self.cores):
+            states = [s for s in states if s.version >= version]  # a global sync waits for everyone
+        if not states:
+            self._skipped += 1
+            return None
+        pending = self.pool.pending()
+        admission = self.ledger.admission()
+        if not self._may_act(states, pending, version, admission):
+            self._skipped += 1
+            return None
+        started = time.perf_counter()
+        plan = plan_cycle(states, pending, version, admission, self.strategy, self._on_instances)
+        self._decision_ms.append((time.perf_counter() - started) * 1e3)
+        return plan
+
+    def _may_act(self, states: list[InstanceState], pending: list, version: int, admission: dict[int, int]) -> bool:
+        """False only when plan_cycle would certainly return an empty plan."""
+        lagging = any(s.version < version for s in states)
+        if lagging and self.strategy.sync is not SyncMode.SELECTIVE:
+            return True
+        if plan_migrations(states, self.strategy):
+            return True
+        if not pending:
+            return False  # selective sync needs something to route on the new version
+        if self.pool.versioned_pending:
+            return True
+        versions = {s.version for s in states}
+        if lagging:
+            versions.add(version)
+        return any(admission.get(v, 0) > 0 for v in versions)
+
+    def _issue(self, plan: CyclePlan, t: float) -> None:
+        costs = self.config.commands
+        back_at: dict[str, float] = {}  # interrupted trajectory -> when its partial is in the TS
+        syncs = set(plan.syncs)
+        self._counters["syncs"] += len(syncs)
+        for instance_id, traj_ids in plan.interrupts.items():
+            i = self._index[instance_id]
+            latency = costs.interrupt(len(traj_ids))
+            self._times[i].interrupt_s += latency
+            if instance_id not in syncs:
+                self._counters["migrated"] += len(traj_ids)
+            for traj_id in traj_ids:
+                back_at[traj_id] = t + latency
+            self._land(t + latency, i, "interrupt", traj_ids, instance_id in syncs)
+        for instance_id in plan.syncs:  # list order: reproducible event order in every process
+            if instance_id not in plan.interrupts:
+                self._land(t, self._index[instance_id], "interrupt", [], True)
+        home = {traj_id: instance_id for instance_id in plan.syncs for traj_id in plan.interrupts.get(instance_id, ())
+                } if self.system.resume_in_place else {}
+        by_instance: dict[int, list[str]] = {}
+        refused: set[str] = set()
+        for d in plan.routes:
+            traj = self.pool.trajs.get(d.traj_id)
+            if traj is None or d.group_id in refused:
+                continue
+            group = traj.group
+            if d.reserves_group:
+                try:
+                    transition = self.ledger.reserve(group.group_id, d.v_traj)
+                except LedgerError:
+                    refused.add(d.group_id)
+                    self._counters["refused_reservations"] += 1
+                    continue
+                self.pool.set_version(group, d.v_traj)
+                self._cancel(transition)
+            if group.v_traj != d.v_traj or group.status is not GroupStatus.RESERVED:
+                continue
+            j = self._index[home.get(d.traj_id, d.instance_id)]
+            if traj.status is TrajStatus.PENDING:
+                self.pool.take(traj)
+                traj.status, traj.instance = TrajStatus.ASSIGNED, j
+            elif traj.status is TrajStatus.RUNNING and d.traj_id in back_at:
+                traj.route_to = j
+            else:
+                continue
+            by_instance.setdefault(j, []).append(d.traj_id)
+        for j, traj_ids in by_instance.items():
+            start = max([t, *(back_at.get(x, t) for x in traj_ids)])
+            latency = costs.route(len(traj_ids))
+            self._times[j].route_s += latency
+            self._land(start + latency, j, "route", traj_ids, False)
+
+    def _land(self, t: float, i: int, kind: str, traj_ids: list[str], pull: bool) -> None:
+        self._landing[i] += 1
+        version = self._visible_version() if pull else None
+        self._push(t, _LAND, (i, kind, traj_ids, version))
+
+    def _on_land(self, i: int, kind: str, traj_ids: list[str], version: int | None) -> None:
+        self._landing[i] -= 1
+        self._advance(i, self.now)
+        core = self.cores[i]
+        if kind == "interrupt":
+            ids = [x for x in traj_ids if (tr := self.pool.trajs.get(x)) and tr.status is TrajStatus.RUNNING
+                   and tr.instance == i]
+            if version is not None:  # a Pull hands back everything on the instance
+                snap = core.snapshot()
+                listed = set(ids)
+                ids += [x for x in (*snap.run_trajs, *snap.wait_trajs) if x not in listed]
+            self._take_back(i, ids)
+            if version is not None and version >= core.version:
+                core.load_weights(version)
+                if self._timeline is not None:
+                    self._timeline.syncs.append((self.now, i, version))
+        else:
+            requests = []
+            for traj_id in traj_ids:
+                traj = self.pool.trajs.get(traj_id)
+                if traj is None or traj.status is not TrajStatus.ASSIGNED or traj.instance != i:
+                    continue
+                group = traj.group
+                assert group.v_traj is not None
+                requests.append(CountedRequest(traj_id=traj_id, group_id=group.group_id, prompt_ids=group.prompt_ids,
+                                               v_traj=group.v_traj, sampling=self.sampling, generated=traj.generated))
+                traj.status = TrajStatus.RUNNING
+                traj.oldest_version = core.version if traj.oldest_version is None else min(traj.oldest_version,
+                                                                                           core.version)
+                self._on_instances[traj_id] = traj.view
+            if requests:
+                core.route(requests)
+                self._counters["routed"] += len(requests)
+        self._schedule_core(i)
+        self._mark_dirty()
+
+    def _take_back(self, i: int, traj_ids: list[str]) -> None:
+        """Interrupt: the trajectories leave the instance with what they generated so far."""
+        if not traj_ids:
+            return
+        core = self.cores[i]
+        core.abort(traj_ids)
+        for finished in core.pop_finished():
+            traj = self.pool.trajs.get(finished.traj_id)
+            if traj is None:
+                continue
+            traj.generated = finished.num_tokens
+            self._on_instances.pop(traj.traj_id, None)
+            self._counters["interrupted"] += 1
+            if traj.route_to is not None:
+                traj.status, traj.instance, traj.route_to = TrajStatus.ASSIGNED, traj.route_to, None
+                self.pool.refresh(traj)
+            else:
+                self.pool.make_pending(traj)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _events_pending(self) -> bool:
+        return any(t is not None for t in self._core_due) or any(self._landing)
+
+    def _work_in_flight(self) -> bool:
+        return self.pool.pending_count > 0 or any(core.busy for core in self.cores) or any(self._landing)
+
+    def _sample_timeline(self, t: float) -> None:
+        assert self._timeline is not None
+        self._last_sample = t
+        running, waiting = [], []
+        for i, core in enumerate(self.cores):
+            self._advance(i, t)
+            snap = core.snapshot()
+            running.append(len(snap.run_trajs))
+            waiting.append(len(snap.wait_trajs))
+        self._timeline.times.append(t)
+        self._timeline.running.append(running)
+        self._timeline.waiting.append(waiting)
+
+    def _stall_message(self) -> str:
+        buffers = ", ".join(f"{b.version}:{b.state.value}({b.occupied}/{len(b.entries)})" for b in self.ledger.buffers())
+        return (f"{self.system.name} (eta={self.eta}) stalled at t={self.now:.1f}s after {len(self._steps)} steps: "
+                f"ps_version={self.ps_version}, instance versions={sorted({c.version for c in self.cores})}, "
+                f"pending={self.pool.pending_count}, buffers=[{buffers}], admission={self.ledger.admission()}")
+
+    def _result(self, wall_s: float) -> RunResult:
+        end = self._steps[-1].end_s
+        for i in range(len(self.cores)):
+            self._advance(i, max(end, self.cores[i].now))
+        steps = len(self._steps)
+        n = len(self.cores)
+        per = 1.0 / (steps * n)
+        stats = [c.stats for c in self.cores]
+        breakdown = Breakdown(
+            decode_s=sum(s.decode_seconds for s in stats) * per,
+            prefill_s=sum(s.prefill_seconds for s in stats) * per,
+            pull_s=sum(s.pull_seconds for s in stats) * per,
+            route_s=sum(x.route_s for x in self._times) * per,
+            interrupt_s=sum(x.interrupt_s for x in self._times) * per,
+            train_s=self._train_s / steps,
+        )
+        busy = breakdown.decode_s + breakdown.prefill_s + breakdown.pull_s + breakdown.train_s
+        breakdown.idle_s = max(0.0, end / steps - busy)
+        tokens = sum(r.response_tokens for r in self._steps)
+        trajectories = sum(r.trajectories for r in self._steps)
+        counters = dict(self._counters)
+        counters["preemptions"] = sum(s.preemptions for s in stats)
+        counters["pulls"] = sum(s.pulls for s in stats)
+        counters["prefill_tokens"] = sum(s.prefill_tokens for s in stats)
+        counters["generated_tokens"] = sum(s.tokens_generated for s in stats)
+        for key in ("completed", "routed", "interrupted", "migrated", "syncs", "aborted", "surplus_groups",
+                    "wasted_tokens", "refused_reservations"):
+            counters.setdefault(key, 0)
+        return RunResult(
+            system=self.system.name, label=self.system.label, family=self.system.family.value, eta=self.eta,
+            instances=n, train_gpus=self.config.train_gpus, steps=steps, total_time_s=end,
+            response_tokens=tokens, throughput=tokens / end if end > 0 else 0.0,
+            mean_response=tokens / trajectories if trajectories else 0.0,
+            max_response=max((r.max_response for r in self._steps), default=0),
+            step_records=self._steps, breakdown=breakdown, staleness=self._staleness, violations=self._violations,
+            decisions=DecisionStats.of(self._cycles, self._skipped, self._decision_ms),
+            counters=dict(sorted(counters.items())), wall_s=wall_s, timeline=self._timeline,
+        )
+
+
+def simulate(config: ClusterConfig, steps: int) -> RunResult:
+    """One run: ``ClusterSimulation(config).run(steps)``."""
+    return ClusterSimulation(config).run(steps)

@@ -1,0 +1,341 @@
+"""Comparisons of systems on one scenario: sweeps, rollout/training split tuning, ratios.
+
+Every system of a sweep point runs on the same scenario and seed. A disaggregated system tries
+each of the scenario's rollout instance counts (the rest of the GPU budget trains) and keeps its
+best; StaleFlow's ablation and redundancy variants reuse the split chosen for full StaleFlow at
+the same point (as the paper's ablation holds the configuration fixed); a colocated system uses
+every GPU for both phases. Runs are memoised, so an eta-independent baseline runs once per
+scenario.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, as_completed
+from dataclasses import dataclass, field, replace
+
+from staleflow.cost_model import CostModel
+from staleflow.simulation.cluster import simulate
+from staleflow.simulation.config import ClusterConfig
+from staleflow.simulation.result import RunResult
+from staleflow.simulation.scenarios import Scenario
+from staleflow.simulation.systems import Family, SystemSpec
+
+PAPER_TARGETS = {  # §6.2: StaleFlow's gain over each baseline family, (max, mean)
+    Family.SYNCHRONOUS.value: (2.68, 2.01),
+    Family.ONE_STEP.value: (1.95, 1.52),
+    Family.IN_FLIGHT.value: (1.42, 1.17),
+}
+REFERENCE = "sf-rsm"  # full StaleFlow: its split is reused by its variants
+ALL_VANILLA = "sf-xxx"
+IN_FLIGHT = "in-flight"
+
+SWEEP_KEYS = {
+    "eta": "staleness bound",
+    "response": "response length limit (tokens)",
+    "batch": "batch size (groups)",
+    "group": "group size",
+    "gpus": "GPU budget",
+    "instances": "rollout instances (fixed, no split tuning)",
+    "mu": "routing threshold mu",
+    "prefill": "prefill seconds per token",
+    "kv": "KV budget per instance (tokens)",
+    "train": "trainer GPU-seconds per token",
+    "cycle": "coordinator cycle period (s)",
+}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One sweep point: a scenario variant and a staleness bound."""
+
+    index: int
+    eta: int
+    scenario: Scenario
+    sweep_value: float | None = None
+    instances: int | None = None  # fixed rollout instance count
+    mu: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"eta={self.eta}" if self.sweep_value is None else f"{_fmt(self.sweep_value)}, eta={self.eta}"
+
+
+def _fmt(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def parse_sweep(text: str) -> tuple[str, tuple[float, ...]]:
+    """``key=v1,v2,...`` -> (key, values)."""
+    key, sep, values = text.partition("=")
+    key = key.strip()
+    if not sep or key not in SWEEP_KEYS:
+        raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
+    try:
+        parsed = tuple(float(v) if any(c in v for c in ".e") else int(v) for v in (x.strip() for x in values.split(","))
+                       if v)
+    except ValueError:
+        raise ValueError(f"--sweep {key}: values must be numbers, got {values!r}") from None
+    if not parsed:
+        raise ValueError(f"--sweep {key}: no values")
+    return key, parsed
+
+
+def apply_sweep(scenario: Scenario, key: str, value: float) -> tuple[Scenario, int | None, float | None]:
+    """The scenario at one sweep value, plus a fixed instance count or mu when the key sets one."""
+    w, sim = scenario.workload, scenario.sim
+    if key == "response":
+        return replace(scenario, workload=replace(w, max_response_tokens=int(value))), None, None
+    if key == "batch":
+        return replace(scenario, workload=replace(w, batch_size=int(value))), None, None
+    if key == "group":
+        return replace(scenario, workload=replace(w, group_size=int(value))), None, None
+    if key == "gpus":
+        return scenario.with_gpus(int(value)), None, None
+    if key == "instances":
+        scenario.train_gpus(int(value))
+        return scenario, int(value), None
+    if key == "mu":
+        return scenario, None, float(value)
+    if key == "prefill":
+        return replace(scenario, sim=replace(sim, prefill_seconds_per_token=float(value))), None, None
+    if key == "kv":
+        cost: CostModel = replace(sim.cost, kv_budget=float(value))
+        return replace(scenario, sim=replace(sim, cost=cost)), None, None
+    if key == "train":
+        return replace(scenario, trainer=replace(scenario.trainer, gpu_seconds_per_token=float(value))), None, None
+    if key == "cycle":
+        period = float(value)
+        return replace(scenario, cycle_period_s=period, recheck_period_s=max(period, scenario.recheck_period_s)), None, None
+    raise ValueError(f"unknown sweep key {key!r}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One simulation: a system at a point with a rollout instance count."""
+
+    point: Point
+    system: SystemSpec
+    instances: int
+    steps: int
+    timeline: bool = False
+
+    def config(self) -> ClusterConfig:
+        s = self.point.scenario
+        system = self.system
+        if self.point.mu is not None:
+            system = replace(system, strategy=replace(system.strategy, mu=self.point.mu))
+        return ClusterConfig(
+            workload=s.workload, system=system, eta=self.point.eta, rollout_instances=self.instances,
+            train_gpus=s.total_gpus if system.colocated else s.train_gpus(self.instances), sim=s.sim,
+            trainer=s.trainer, commands=s.commands, cycle_period_s=s.cycle_period_s,
+            recheck_period_s=s.recheck_period_s, record_timeline=self.timeline, timeline_period_s=s.cycle_period_s,
+        )
+
+    def key(self) -> tuple:
+        eta = self.system.eta_for(self.point.eta)
+        return self.system.name, eta, self.point.scenario, self.point.mu, self.instances, self.steps, self.timeline
+
+
+def run_job(job: Job) -> RunResult:
+    """Run one job (a top-level function, so process pools can pickle it)."""
+    return simulate(job.config(), job.steps)
+
+
+@dataclass(frozen=True)
+class ExperimentSpec:
+    scenario: Scenario
+    systems: tuple[SystemSpec, ...]
+    etas: tuple[int, ...]
+    steps: int
+    sweep_key: str | None = None
+    sweep_values: tuple[float, ...] = ()
+    tune: bool = True  # try every rollout split; False: the middle candidate
+    detail_eta: int | None = None  # record per-instance timelines of StaleFlow and all-vanilla StaleFlow here
+    instances: int | None = None  # fix the rollout instance count of every disaggregated system
+
+    def __post_init__(self) -> None:
+        if not self.systems or not self.etas or self.steps < 1:
+            raise ValueError("need systems, staleness bounds and steps >= 1")
+        if any(e < 0 for e in self.etas):
+            raise ValueError("staleness bounds must be >= 0")
+        if self.sweep_key == "eta":
+            raise ValueError("sweep eta through etas")
+
+    def points(self) -> list[Point]:
+        points: list[Point] = []
+        values: Iterable[float | None] = self.sweep_values if self.sweep_key else (None,)
+        for value in values:
+            scenario, instances, mu = (self.scenario, None, None) if value is None else apply_sweep(
+                self.scenario, self.sweep_key, value)  # type: ignore[arg-type]
+            instances = instances if instances is not None else self.instances
+            if instances is not None:
+                scenario.train_gpus(instances)
+            for eta in self.etas:
+                points.append(Point(len(points), eta, scenario, value, instances, mu))
+        return points
+
+
+@dataclass
+class PointResult:
+    point: Point
+    runs: dict[str, RunResult] = field(default_factory=dict)  # best run per system
+    tried: dict[str, dict[int, float]] = field(default_factory=dict)  # system -> {instances: throughput}
+
+    def same_split_ratio(self, system: str, baseline: str) -> float | None:
+        """``system`` over ``baseline`` run with the same rollout/training split (None if not run)."""
+        run = self.runs.get(system)
+        other = self.tried.get(baseline, {}).get(run.instances) if run else None
+        return run.throughput / other if run and other else None
+
+    def ratios(self, system: str) -> dict[str, float]:
+        """Throughput of ``system`` over each baseline family's run at this point."""
+        run = self.runs.get(system)
+        out = {}
+        if run is None:
+            return out
+        for other in self.runs.values():
+            if other.family != Family.STALEFLOW.value and other.throughput > 0:
+                out[other.family] = run.throughput / other.throughput
+        return out
+
+
+@dataclass
+class ExperimentResult:
+    spec: ExperimentSpec
+    points: list[PointResult]
+    wall_s: float = 0.0
+
+    def summary(self, system: str = REFERENCE) -> dict:
+        """Mean and max gain of ``system`` over each baseline family, against the paper's numbers,
+        plus how close all-vanilla StaleFlow comes to the in-flight-limited baseline."""
+        gains: dict[str, list[float]] = {}
+        for p in self.points:
+            for family, ratio in p.ratios(system).items():
+                gains.setdefault(family, []).append(ratio)
+        out: dict = {"system": system, "vs": {}}
+        for family, values in gains.items():
+            paper = PAPER_TARGETS.get(family)
+            out["vs"][family] = {
+                "mean": statistics.fmean(values), "max": max(values), "min": min(values), "n": len(values),
+                "paper_max": paper[0] if paper else None, "paper_mean": paper[1] if paper else None,
+            }
+        vanilla = [p.same_split_ratio(ALL_VANILLA, IN_FLIGHT) for p in self.points]
+        vanilla = [v for v in vanilla if v is not None]
+        out["all_vanilla_vs_in_flight"] = {"mean": statistics.fmean(vanilla), "max_deviation": max(
+            abs(v - 1) for v in vanilla)} if vanilla else None
+        runs = [r for p in self.points for r in p.runs.values()]
+        out["violations"] = sum(r.violations for r in runs)
+        out["runs"] = len(runs)
+        return out
+
+    def to_dict(self, timelines: bool = False) -> dict:
+        spec = self.spec
+        s = spec.scenario
+        return {
+            "scenario": {
+                "name": s.name, "workload": s.workload.name, "batch_size": s.workload.batch_size,
+                "group_size": s.workload.group_size, "max_response_tokens": s.workload.max_response_tokens,
+                "total_gpus": s.total_gpus, "gpus_per_instance": s.gpus_per_instance,
+                "rollout_candidates": list(s.rollout_candidates), "cycle_period_s": s.cycle_period_s,
+                "prefill_seconds_per_token": s.sim.prefill_seconds_per_token,
+                "trainer_gpu_seconds_per_token": s.trainer.gpu_seconds_per_token, "seed": s.workload.seed,
+            },
+            "systems": [x.name for x in spec.systems],
+            "etas": list(spec.etas),
+            "steps": spec.steps,
+            "sweep": {"key": spec.sweep_key, "values": list(spec.sweep_values)} if spec.sweep_key else None,
+            "points": [
+                {
+                    "label": p.point.label, "eta": p.point.eta, "sweep_value": p.point.sweep_value,
+                    "runs": {name: r.to_dict(timeline=timelines) for name, r in p.runs.items()},
+                    "tried": {name: {str(n): thr for n, thr in t.items()} for name, t in p.tried.items()},
+                    "ratios": {name: p.ratios(name) for name in p.runs},
+                }
+                for p in self.points
+            ],
+            "summary": self.summary(),
+            "wall_s": self.wall_s,
+        }
+
+
+def _candidates(spec: ExperimentSpec, point: Point, system: SystemSpec) -> list[int]:
+    s = point.scenario
+    if system.colocated:
+        return [s.colocated_instances]
+    if point.instances is not None:
+        return [point.instances]
+    if spec.tune:
+        return list(s.rollout_candidates)
+    return [s.rollout_candidates[len(s.rollout_candidates) // 2]]
+
+
+def plan_jobs(spec: ExperimentSpec) -> tuple[list[Point], list[Job], list[tuple[Point, SystemSpec]]]:
+    """The points, the jobs runnable now, and the (point, system) pairs that wait for StaleFlow's split."""
+    points = spec.points()
+    names = {s.name for s in spec.systems}
+    now: list[Job] = []
+    later: list[tuple[Point, SystemSpec]] = []
+    for point in points:
+        for system in spec.systems:
+            timeline = spec.detail_eta == point.eta and system.name in (REFERENCE, ALL_VANILLA)
+            if not system.tuned and REFERENCE in names and not system.colocated and point.instances is None:
+                later.append((point, system))
+                continue
+            now += [Job(point, system, n, spec.steps, timeline) for n in _candidates(spec, point, system)]
+    return points, now, later
+
+
+def run_experiment(
+    spec: ExperimentSpec,
+    executor: Executor | None = None,
+    on_run: Callable[[Job, RunResult], None] | None = None,
+) -> ExperimentResult:
+    """Run every job (in ``executor`` if given) and keep each system's best split per point."""
+    started = time.perf_counter()
+    points, jobs, later = plan_jobs(spec)
+    results: dict[tuple, RunResult] = {}
+    by_point = {p.index: PointResult(p) for p in points}
+
+    def record(job: Job, run: RunResult) -> None:
+        pr = by_point[job.point.index]
+        pr.tried.setdefault(job.system.name, {})[job.instances] = run.throughput
+        best = pr.runs.get(job.system.name)
+        if best is None or run.throughput > best.throughput:
+            pr.runs[job.system.name] = run
+
+    def execute(batch: list[Job]) -> None:
+        unique: dict[tuple, Job] = {}
+        for job in batch:
+            if job.key() not in results:
+                unique.setdefault(job.key(), job)
+        todo = list(unique.values())
+        if executor is None:
+            for job in todo:
+                results[job.key()] = run = run_job(job)
+                if on_run:
+                    on_run(job, run)
+        else:
+            futures = {executor.submit(run_job, job): job for job in todo}
+            for future in as_completed(futures):
+                job = futures[future]
+                results[job.key()] = run = future.result()
+                if on_run:
+                    on_run(job, run)
+        for job in batch:
+            record(job, results[job.key()])
+
+    execute(jobs)
+    second = []
+    for point, system in later:
+        reference = by_point[point.index].runs.get(REFERENCE)
+        instances = reference.instances if reference else _candidates(spec, point, system)[0]
+        timeline = spec.detail_eta == point.eta and system.name == ALL_VANILLA
+        second.append(Job(point, system, instances, spec.steps, timeline))
+    execute(second)
+    order = {s.name: k for k, s in enumerate(spec.systems)}
+    for pr in by_point.values():
+        pr.runs = dict(sorted(pr.runs.items(), key=lambda kv: order[kv[0]]))
+    return ExperimentResult(spec, [by_point[p.index] for p in points], time.perf_counter() - started)

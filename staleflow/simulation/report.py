@@ -1,0 +1,110 @@
+"""Tables of an ``ExperimentResult`` as plain data (title, header, rows of strings) and Markdown."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from staleflow.simulation.experiment import ALL_VANILLA, IN_FLIGHT, REFERENCE, ExperimentResult, PointResult
+from staleflow.simulation.systems import BASELINES
+
+
+@dataclass(frozen=True)
+class Table:
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+
+    def markdown(self) -> str:
+        lines = [f"**{self.title}**", "", "| " + " | ".join(self.header) + " |",
+                 "|" + "|".join("---" for _ in self.header) + "|"]
+        lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _n(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def throughput_table(result: ExperimentResult) -> Table:
+    points = result.points
+    rows = []
+    for system in result.spec.systems:
+        cells = []
+        for p in points:
+            run = p.runs.get(system.name)
+            cells.append("-" if run is None else _n(run.throughput))
+        rows.append([system.name, system.label, *cells])
+    return Table("Throughput (response tokens/s over all trained steps)", ["system", "models",
+                                                                            *[p.point.label for p in points]], rows)
+
+
+def gains_table(result: ExperimentResult) -> Table:
+    points = result.points
+    summary = result.summary()
+    rows = []
+    for family in BASELINES:
+        per_point = [p.ratios(REFERENCE).get(family.value) for p in points]
+        if all(v is None for v in per_point):
+            continue
+        s = summary["vs"].get(family.value, {})
+        rows.append([f"StaleFlow / {family.value}", *[_x(v) for v in per_point], _x(s.get("mean")), _x(s.get("max")),
+                     f"{_x(s.get('paper_mean'))} / {_x(s.get('paper_max'))}"])
+    vanilla = [p.same_split_ratio(ALL_VANILLA, IN_FLIGHT) for p in points]
+    if any(v is not None for v in vanilla):
+        present = [v for v in vanilla if v is not None]
+        rows.append(["all-vanilla StaleFlow / in-flight-limited (same split)", *[_x(v) for v in vanilla],
+                     _x(sum(present) / len(present)), _x(max(present)), "~1.00x"])
+    return Table("Gains (throughput ratios)", ["ratio", *[p.point.label for p in points], "mean", "max",
+                                                "paper mean / max"], rows)
+
+
+def detail_point(result: ExperimentResult) -> PointResult:
+    eta = result.spec.detail_eta
+    return next((p for p in result.points if p.point.eta == eta), result.points[-1])
+
+
+def detail_table(result: ExperimentResult, point: PointResult | None = None) -> Table:
+    """Per-system metrics at one point: split, lengths, staleness, decisions, command counts."""
+    p = point or detail_point(result)
+    rows = []
+    for name, run in p.runs.items():
+        c = run.counters
+        rows.append([
+            name, f"{run.instances}/{run.train_gpus}", _n(run.step_time_s), _n(run.mean_response),
+            f"{run.max_response:,}", " ".join(f"{s}:{n}" for s, n in run.staleness_total().items()),
+            str(run.violations), f"{run.decisions.mean_ms:.1f}/{run.decisions.p99_ms:.0f}",
+            f"{c.get('interrupted', 0):,}/{c.get('migrated', 0):,}/{c.get('pulls', 0):,}", f"{run.wall_s:.1f}",
+        ])
+    header = ["system", "inst/train GPUs", "step s", "mean len", "max len", "staleness V_buf-V_traj: n",
+              "violations", "plan ms mean/p99", "interrupted/migrated/pulls", "wall s"]
+    return Table(f"Details at {p.point.label}", header, rows)
+
+
+def breakdown_table(result: ExperimentResult, point: PointResult | None = None) -> Table:
+    """Table 3: where each rollout instance's time went, per training step."""
+    p = point or detail_point(result)
+    keys = ("decode_s", "prefill_s", "pull_s", "route_s", "interrupt_s", "train_s", "idle_s")
+    rows = []
+    for name, run in p.runs.items():
+        b, f = run.breakdown, run.breakdown.fractions()
+        rows.append([name, *(f"{getattr(b, k):.1f} ({100 * f[k]:.1f}%)" for k in keys)])
+    header = ["system", "decode s", "prefill s", "pull s", "route s", "interrupt s", "train s", "idle s"]
+    return Table(f"Per-step time of a rollout instance at {p.point.label} (cf. Table 3)", header, rows)
+
+
+def tables(result: ExperimentResult) -> list[Table]:
+    return [throughput_table(result), gains_table(result), detail_table(result), breakdown_table(result)]
+
+
+def markdown(result: ExperimentResult, command: str | None = None) -> str:
+    s = result.spec.scenario
+    head = [f"### `bench systems`: {s.name} ({s.workload.batch_size}x{s.workload.group_size}, "
+            f"<= {s.workload.max_response_tokens:,} response tokens, {s.total_gpus} GPUs, {result.spec.steps} steps)", ""]
+    if command:
+        head += ["```", command, "```", ""]
+    body = "\n\n".join(t.markdown() for t in tables(result))
+    return "\n".join(head) + body + f"\n\nwall time: {result.wall_s:.0f} s\n"
