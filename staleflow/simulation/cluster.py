@@ -116,6 +116,7 @@ class ClusterSimulation:
         self._times = [_InstanceTime() for _ in self.cores]
         self._on_instances: dict = {}
         self._cycle_due: float | None = None
+        self._busy_until: dict[int, float] = {}  # this cycle: when an instance's Interrupt/Pull lands
         self._last_cycle = -math.inf
         self._last_plan = -math.inf
         self._dirty = True
@@ -396,6 +397,7 @@ class ClusterSimulation:
             self._request_cycle(t + self.config.recheck_period_s)
 
     def _plan(self, t: float) -> CyclePlan | None:
+        self._busy_until = {}
         ready = [i for i in range(len(self.cores)) if not self._landing[i]]
         states = []
         for i in ready:
@@ -411,6 +413,8 @@ class ClusterSimulation:
         if not states:
             self._skipped += 1
             return None
+        if self.system.resume_in_place:
+            states = self._sync_in_place(states, version, t)
         pending = self.pool.pending()
         admission = self.ledger.admission()
         if not self._may_act(states, pending, version, admission):
@@ -420,6 +424,25 @@ class ClusterSimulation:
         plan = plan_cycle(states, pending, version, admission, self.strategy, self._on_instances)
         self._decision_ms.append((time.perf_counter() - started) * 1e3)
         return plan
+
+    def _sync_in_place(self, states: list[InstanceState], version: int, t: float) -> list[InstanceState]:
+        """A global sync that resumes every instance's own trajectories on it after the Pull
+        (VeRL-Async / AReaL: pause, load weights, recompute KV, continue; no migration). The
+        strategies then see the instances at the new version with the same trajectories."""
+        out = []
+        for s in states:
+            if s.version >= version:
+                out.append(s)
+                continue
+            i = self._index[s.instance_id]
+            ids = s.trajectories
+            latency = self.config.commands.interrupt(len(ids))
+            self._times[i].interrupt_s += latency
+            self._counters["syncs"] += 1
+            self._busy_until[i] = t + latency
+            self._land(t + latency, i, "resume", ids, True)
+            out.append(InstanceState(s.instance_id, version, 0.0, [], ids, s.cost))
+        return out
 
     def _may_act(self, states: list[InstanceState], pending: list, version: int, admission: dict[int, int]) -> bool:
         """False only when plan_cycle would certainly return an empty plan."""
@@ -450,12 +473,11 @@ class ClusterSimulation:
                 self._counters["migrated"] += len(traj_ids)
             for traj_id in traj_ids:
                 back_at[traj_id] = t + latency
+            self._busy_until[i] = t + latency
             self._land(t + latency, i, "interrupt", traj_ids, instance_id in syncs)
         for instance_id in plan.syncs:  # list order: reproducible event order in every process
             if instance_id not in plan.interrupts:
                 self._land(t, self._index[instance_id], "interrupt", [], True)
-        home = {traj_id: instance_id for instance_id in plan.syncs for traj_id in plan.interrupts.get(instance_id, ())
-                } if self.system.resume_in_place else {}
         by_instance: dict[int, list[str]] = {}
         refused: set[str] = set()
         for d in plan.routes:
@@ -474,7 +496,7 @@ class ClusterSimulation:
                 self._cancel(transition)
             if group.v_traj != d.v_traj or group.status is not GroupStatus.RESERVED:
                 continue
-            j = self._index[home.get(d.traj_id, d.instance_id)]
+            j = self._index[d.instance_id]
             if traj.status is TrajStatus.PENDING:
                 self.pool.take(traj)
                 traj.status, traj.instance = TrajStatus.ASSIGNED, j
@@ -484,7 +506,8 @@ class ClusterSimulation:
                 continue
             by_instance.setdefault(j, []).append(d.traj_id)
         for j, traj_ids in by_instance.items():
-            start = max([t, *(back_at.get(x, t) for x in traj_ids)])
+            # after the partials it carries are back, and after this instance's own Interrupt / Pull
+            start = max([t, self._busy_until.get(j, t), *(back_at.get(x, t) for x in traj_ids)])
             latency = costs.route(len(traj_ids))
             self._times[j].route_s += latency
             self._land(start + latency, j, "route", traj_ids, False)
@@ -498,37 +521,46 @@ class ClusterSimulation:
         self._landing[i] -= 1
         self._advance(i, self.now)
         core = self.cores[i]
-        if kind == "interrupt":
+        if kind in ("interrupt", "resume"):
             ids = [x for x in traj_ids if (tr := self.pool.trajs.get(x)) and tr.status is TrajStatus.RUNNING
                    and tr.instance == i]
             if version is not None:  # a Pull hands back everything on the instance
                 snap = core.snapshot()
                 listed = set(ids)
                 ids += [x for x in (*snap.run_trajs, *snap.wait_trajs) if x not in listed]
+            if kind == "resume":  # they come straight back after the Pull
+                for x in ids:
+                    self.pool.trajs[x].route_to = i
             self._take_back(i, ids)
             if version is not None and version >= core.version:
                 core.load_weights(version)
                 if self._timeline is not None:
                     self._timeline.syncs.append((self.now, i, version))
+            if kind == "resume":
+                self._route_now(i, ids)
         else:
-            requests = []
-            for traj_id in traj_ids:
-                traj = self.pool.trajs.get(traj_id)
-                if traj is None or traj.status is not TrajStatus.ASSIGNED or traj.instance != i:
-                    continue
-                group = traj.group
-                assert group.v_traj is not None
-                requests.append(CountedRequest(traj_id=traj_id, group_id=group.group_id, prompt_ids=group.prompt_ids,
-                                               v_traj=group.v_traj, sampling=self.sampling, generated=traj.generated))
-                traj.status = TrajStatus.RUNNING
-                traj.oldest_version = core.version if traj.oldest_version is None else min(traj.oldest_version,
-                                                                                           core.version)
-                self._on_instances[traj_id] = traj.view
-            if requests:
-                core.route(requests)
-                self._counters["routed"] += len(requests)
+            self._route_now(i, traj_ids)
         self._schedule_core(i)
         self._mark_dirty()
+
+    def _route_now(self, i: int, traj_ids: list[str]) -> None:
+        """The trajectories assigned to instance ``i`` among ``traj_ids`` reach its engine."""
+        core = self.cores[i]
+        requests = []
+        for traj_id in traj_ids:
+            traj = self.pool.trajs.get(traj_id)
+            if traj is None or traj.status is not TrajStatus.ASSIGNED or traj.instance != i:
+                continue
+            group = traj.group
+            assert group.v_traj is not None
+            requests.append(CountedRequest(traj_id=traj_id, group_id=group.group_id, prompt_ids=group.prompt_ids,
+                                           v_traj=group.v_traj, sampling=self.sampling, generated=traj.generated))
+            traj.status = TrajStatus.RUNNING
+            traj.oldest_version = core.version if traj.oldest_version is None else min(traj.oldest_version, core.version)
+            self._on_instances[traj_id] = traj.view
+        if requests:
+            core.route(requests)
+            self._counters["routed"] += len(requests)
 
     def _take_back(self, i: int, traj_ids: list[str]) -> None:
         """Interrupt: the trajectories leave the instance with what they generated so far."""
