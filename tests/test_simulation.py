@@ -91,6 +91,22 @@ def test_partial_rollout_and_migration_happen_and_cost_prefill() -> None:
         assert r.counters["prefill_tokens"] > r.counters["routed"], "resumed trajectories re-prefill their context"
 
 
+def test_in_flight_resumes_in_place_while_vanilla_staleflow_migrates_passively(monkeypatch: pytest.MonkeyPatch) -> None:
+    visits: dict[str, dict[str, set[int]]] = {}
+    original = ClusterSimulation._route_now
+
+    def spy(self: ClusterSimulation, i: int, traj_ids: list[str]) -> None:
+        for traj_id in traj_ids:
+            visits.setdefault(self.system.name, {}).setdefault(traj_id, set()).add(i)
+        original(self, i, traj_ids)
+
+    monkeypatch.setattr(ClusterSimulation, "_route_now", spy)
+    inflight, vanilla = run("in-flight", eta=3, steps=8, instances=3), run("sf-xxx", eta=3, steps=8, instances=3)
+    assert inflight.counters["interrupted"] > 0 and vanilla.counters["interrupted"] > 0
+    assert all(len(where) == 1 for where in visits["in-flight"].values()), "fixed assignment"
+    assert any(len(where) > 1 for where in visits["sf-xxx"].values()), "re-routed after a sync"
+
+
 def test_batch_redundancy_aborts_surplus_groups() -> None:
     r = run("sf-rsm+batch", eta=2, steps=6)
     assert r.violations == 0
