@@ -513,7 +513,7 @@ def build_entry(
     report: DecodeReport,
     k5: float,
     kv_r2: float | None,
-    kv_budget_tokens: float,
+    kv_budget: float,
     thresholds: Thresholds = Thresholds(),
     prefill_seconds_per_token: float | None = None,
     weight_load_seconds: float | None = None,
@@ -544,7 +544,7 @@ def build_entry(
     return CalibrationEntry(
         model=model, parallelism=parallelism, engine=engine,
         created_at=created_at or datetime.now(UTC).isoformat(timespec="seconds"),
-        cost=CostCoefficients(k1=fit.k1, k2=fit.k2, k3=fit.k3, k4=fit.k4, k5=k5, kv_budget=k5 * kv_budget_tokens),
+        cost=CostCoefficients(k1=fit.k1, k2=fit.k2, k3=fit.k3, k4=fit.k4, k5=k5, kv_budget=kv_budget),
         crossover_n=fit.crossover, regime=fit.regime, kv_unit=kv_unit, kv_bytes_per_token=kv_bytes_per_token,
         prefill_seconds_per_token=prefill_seconds_per_token, weight_load_seconds=weight_load_seconds,
         quality=quality, thresholds=thresholds, ok=not problems, problems=problems,

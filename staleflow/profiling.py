@@ -116,7 +116,8 @@ class ProfileData:
 
     samples: list[DecodeSample] = field(default_factory=list)
     kv_pairs: list[tuple[float, float]] = field(default_factory=list)  # (tokens held, snapshot kv)
-    kv_budget_tokens: float = 0.0
+    kv_budget: float = 0.0
+    kv_budget_in_kv_units: bool = False  # else in tokens: M = k5 x kv_budget
     prefill: list[tuple[float, float]] = field(default_factory=list)  # (prompt tokens, time to first token)
     weight_loads: list[float] = field(default_factory=list)
     points: list[tuple[int, int]] = field(default_factory=list)  # measured (n, context)
@@ -213,7 +214,8 @@ class Probe(abc.ABC):
             return None
 
     @abc.abstractmethod
-    async def kv_budget_tokens(self) -> float: ...
+    async def kv_budget(self) -> tuple[float, bool]:
+        """The KV budget and whether it is in the snapshot's KV units (True) or in tokens (False)."""
 
     @abc.abstractmethod
     async def discard(self, traj_ids: Sequence[str]) -> None:
@@ -277,8 +279,8 @@ class SimProbe(Probe):
         self.core.advance_to(self.core.now + seconds)
         self.core.pop_finished()  # nobody consumes completions here; skip building them
 
-    async def kv_budget_tokens(self) -> float:
-        """The largest prompt + max_tokens the instance accepts (it refuses what can never fit)."""
+    async def kv_budget(self) -> tuple[float, bool]:
+        """In tokens: the largest prompt + max_tokens the instance accepts (it refuses what can never fit)."""
 
         async def accepted(total: int) -> bool:
             request = _request("cal-budget", (1,), total - 1)
@@ -299,7 +301,7 @@ class SimProbe(Probe):
         while hi - lo > 1:  # accepted(lo), refused(hi)
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if await accepted(mid) else (lo, mid)
-        return float(lo)
+        return float(lo), False
 
     async def discard(self, traj_ids: Sequence[str]) -> None:
         self.core.abort(traj_ids)
@@ -374,8 +376,9 @@ class VllmProbe(Probe):
     async def wait(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
-    async def kv_budget_tokens(self) -> float:
-        return float((self._cache.num_gpu_blocks or 0) * self._cache.block_size)
+    async def kv_budget(self) -> tuple[float, bool]:
+        """In KV units: the snapshot's ``kv_cache`` is usage x blocks x block size, full at blocks x block size."""
+        return float((self._cache.num_gpu_blocks or 0) * self._cache.block_size), True
 
     async def discard(self, traj_ids: Sequence[str]) -> None:
         await self.engine.abort(traj_ids)
@@ -611,9 +614,10 @@ async def profile(probe: Probe, config: ProfileConfig, progress: ProgressFn | No
     data = ProfileData(kv_bytes_per_token=probe.kv_bytes_per_token)
     report = progress or (lambda done, total, what: None)
     report(0, 1, "KV budget")
-    data.kv_budget_tokens = await probe.kv_budget_tokens()
-    plan, data.notes = plan_points(config, data.kv_budget_tokens, probe.max_context, probe.max_running)
-    limit = min(config.kv_fill * data.kv_budget_tokens, (probe.max_context or math.inf) - 2)
+    data.kv_budget, data.kv_budget_in_kv_units = await probe.kv_budget()
+    # planning treats the budget as tokens: exact for the sim, about right for vLLM (k5 ~ 1)
+    plan, data.notes = plan_points(config, data.kv_budget, probe.max_context, probe.max_running)
+    limit = min(config.kv_fill * data.kv_budget, (probe.max_context or math.inf) - 2)
     prefill = [c for c in config.prefill_contexts if c <= limit]
     total = 1 + len(plan) * config.passes + len(prefill) * config.prefill_reps + config.weight_loads
     done = 1
@@ -685,7 +689,8 @@ def entry_from_profile(
     prefill = fit_prefill(data.prefill, report.fit.k1, k5) if data.prefill else None
     entry = build_entry(
         model=model, parallelism=parallelism, engine=engine, report=report, k5=k5, kv_r2=kv_r2,
-        kv_budget_tokens=data.kv_budget_tokens, thresholds=thresholds, prefill_seconds_per_token=prefill,
+        kv_budget=data.kv_budget if data.kv_budget_in_kv_units else k5 * data.kv_budget,
+        thresholds=thresholds, prefill_seconds_per_token=prefill,
         weight_load_seconds=statistics.median(data.weight_loads) if data.weight_loads else None,
         kv_bytes_per_token=data.kv_bytes_per_token, kv_unit="kv-unit" if engine == "sim" else "token",
         grid=ProfileGridInfo(n_values=sorted({n for n, _ in data.points}),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -131,7 +132,7 @@ def test_poor_fit_is_detected() -> None:
                for i, n in enumerate(N_GRID * 3)]
     report = fit_decode(samples)
     entry = build_entry(model="m", parallelism="tp1", engine="sim", report=report, k5=1.0, kv_r2=1.0,
-                        kv_budget_tokens=1e6, thresholds=Thresholds(max_mape=0.05, min_r2=0.99))
+                        kv_budget=1e6, thresholds=Thresholds(max_mape=0.05, min_r2=0.99))
     assert not entry.ok
     assert any("exceeds the limit" in p for p in entry.problems)
     assert judge(entry.quality, Thresholds(max_mape=10.0, min_r2=-100.0)) == []
@@ -262,7 +263,7 @@ def test_calibration_file_round_trip(tmp_path: Path) -> None:
     report = fit_decode(synthetic(CostModel()))
     for parallelism, k5 in (("tp1", 1.0), ("tp2", 0.5)):
         entry = build_entry(model="qwen3-30b-a3b", parallelism=parallelism, engine="vllm", report=report, k5=k5,
-                            kv_r2=1.0, kv_budget_tokens=2e6, prefill_seconds_per_token=3e-5)
+                            kv_r2=1.0, kv_budget=1e6 if k5 == 0.5 else 2e6, prefill_seconds_per_token=3e-5)
         write_calibration(path, entry)
     file = read_calibration(path)
     assert set(file.entries["qwen3-30b-a3b"]) == {"tp1", "tp2"}
@@ -303,5 +304,7 @@ def test_vllm_calibration_runs(tmp_path: Path) -> None:
     assert entry["model"] == "tiny" and entry["engine"] == "vllm" and entry["kv_unit"] == "token"
     assert 0.9 <= entry["cost"]["k5"] <= 2.0  # tokens per token, up to the block rounding of vLLM's KV usage
     assert entry["cost"]["kv_budget"] > 0 and entry["weight_load_seconds"] > 0
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE") == "1":  # M is the whole 1 GiB KV cache
+        assert entry["cost"]["kv_budget"] * entry["kv_bytes_per_token"] == pytest.approx(2**30, rel=0.01)
     assert math.isfinite(entry["quality"]["mape"]) and entry["quality"]["samples"] >= 4
     assert load_entry(out, "tiny", "tp1", allow_poor=True).engine == "vllm"
