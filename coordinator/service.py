@@ -96,6 +96,7 @@ class Coordinator:
         self.manager = AsyncManagerClient(manager_url)
         self.ts = async_http_client(ts_url, timeout=command_timeout)
         self.params = async_http_client(params_url) if params_url else None
+        self.params_url = str(params_url).rstrip("/") if params_url else None
         self.cycle_period = cycle_period
         self.command_timeout = command_timeout
         self.failure_timeout = failure_timeout
@@ -284,7 +285,7 @@ class Coordinator:
     def _weights(self) -> dict:
         if self.params is None:
             return {"weights": {"source": "sim", "size_bytes": self.sim_weights_bytes}} if self.sim_weights_bytes else {}
-        return {}
+        return {"weights": {"source": "params", "url": self.params_url}}
 
     async def _cancel_surplus(self) -> None:
         reply = await self.ts.get("/v1/cancellations")

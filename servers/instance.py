@@ -57,6 +57,7 @@ from staleflow.engines.base import (
     Trajectory,
     TrajectoryRequest,
     WeightsBlob,
+    WeightsFromParams,
     WeightsPath,
     WeightsRef,
 )
@@ -215,7 +216,13 @@ class BytesWeightsIn(_Strict):
     data_b64: str = Field(min_length=1, description="base64 of safetensors.torch.save(state_dict)")
 
 
-WeightsIn = Annotated[SimWeightsIn | PathWeightsIn | BytesWeightsIn, Field(discriminator="source")]
+class ParamsWeightsIn(_Strict):
+    source: Literal["params"]
+    url: str = Field(pattern=r"^https?://", max_length=2048, description="the parameter server")
+    transport: Literal["auto", "http", "shm", "nixl"] = "auto"
+
+
+WeightsIn = Annotated[SimWeightsIn | PathWeightsIn | BytesWeightsIn | ParamsWeightsIn, Field(discriminator="source")]
 
 
 class _CommandBase(_Strict):
@@ -248,6 +255,8 @@ class PullCommand(_CommandBase):
             return SimWeights(self.version, None if w is None else w.size_bytes)
         if isinstance(w, PathWeightsIn):
             return WeightsPath(self.version, w.path)
+        if isinstance(w, ParamsWeightsIn):
+            return WeightsFromParams(self.version, w.url, w.transport)
         try:
             return WeightsBlob(self.version, base64.b64decode(w.data_b64, validate=True))
         except binascii.Error as exc:

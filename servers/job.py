@@ -64,6 +64,12 @@ def plan_endpoints(config: JobConfig) -> dict[str, dict]:
     return endpoints
 
 
+def model_dir(config: JobConfig) -> Path:
+    from staleflow.training.demo import resolve_model
+
+    return resolve_model(config)
+
+
 def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastAPI:
     """The FastAPI app of one component of the job."""
     state = config.state_dir
@@ -87,17 +93,24 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
         reward = config.reward
         if reward == "auto":
             reward = "sim" if config.engine == "sim" else url["reward"]
+        real = config.engine != "sim"
         return create_app(TrajectoryServerConfig(
             ledger=ledger, manager_url=url["manager"], state_dir=state, seed=config.seed, reward=reward,
-            sampling=SamplingConfig(max_tokens=config.max_tokens)))
+            sampling=SamplingConfig(max_tokens=config.max_tokens), dataset=config.dataset, task=config.task,
+            tokenizer=model_dir(config) if real else None))
     if name.startswith("inst-"):
         from staleflow.servers.instance import InstanceConfig, SimConfig, create_app
 
         index = int(name.split("-")[1])
+        callback = f"{url['ts']}/v1/completed"
+        if config.engine == "vllm":
+            from staleflow.servers.instance import VllmConfig
+
+            vllm = VllmConfig(**{"seed": config.seed + index, **config.vllm_args, "model": str(model_dir(config))})
+            return create_app(InstanceConfig(instance_id=name, engine="vllm", vllm=vllm, completion_callback_url=callback))
         sim = SimConfig(workload=config.workload, workload_seed=config.seed, seed=config.seed + index,
                         clock="real", speed=config.speed)
-        return create_app(InstanceConfig(instance_id=name, engine=config.engine, sim=sim,
-                                         completion_callback_url=f"{url['ts']}/v1/completed"))
+        return create_app(InstanceConfig(instance_id=name, engine=config.engine, sim=sim, completion_callback_url=callback))
     if name == "coordinator":
         from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint, create_app
 
@@ -145,7 +158,7 @@ def run_trainer(config: JobConfig, endpoints: dict[str, dict], stop: threading.E
         return
     from staleflow.training.fsdp import run_fsdp_trainer
 
-    run_fsdp_trainer(config, urls, step_log(config), stop)
+    run_fsdp_trainer(config, urls, step_log(config), stop, started)
 
 
 # ---------------------------------------------------------------------------- monitoring

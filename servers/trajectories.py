@@ -16,7 +16,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 
-from staleflow.config import HttpUrl, LedgerConfig, ServiceConfig
+from staleflow.config import HttpUrl, LedgerConfig, ServiceConfig, TaskConfig
 from staleflow.servers.clients import AsyncManagerClient, ServiceError, async_http_client
 from staleflow.servers.trajectory_store import (
     GroupRecord,
@@ -26,7 +26,7 @@ from staleflow.servers.trajectory_store import (
     TrajRecord,
     TrajState,
 )
-from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts
+from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ class TrajectoryServerConfig(ServiceConfig):
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     max_prompt_chars: int = Field(8192, ge=1)
+    max_prompt_tokens: int = Field(4096, ge=1, description="prompts longer than this (in tokens) are skipped and counted")
+    tokenizer: Path | None = Field(None, description="the model's tokenizer (directory or tokenizer.json); "
+                                                     "default: UTF-8 bytes, for simulated engines")
+    task: TaskConfig = TaskConfig(digits=3, ops="+-*")
     seed: int = 0
     sampling: SamplingConfig = SamplingConfig()
     reward: Literal["math", "sim"] | str = Field(
@@ -214,9 +218,11 @@ class TrajectoryServer:
         self.store = store
         self.manager = manager
         self.reward = reward
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = HfTokenizer(config.tokenizer) if config.tokenizer else ByteTokenizer()
         self.prompts = DatasetPrompts(config.dataset, config.prompt_field, config.answer_field,
-                                      config.max_prompt_chars) if config.dataset else ArithmeticTask(config.seed)
+                                      config.max_prompt_chars) if config.dataset else ArithmeticTask(
+                                          config.seed, config.task.digits, config.task.ops)
+        self.too_long = SkippedRows()  # prompts over max_prompt_tokens, counted, never routed
         params = config.ledger.params()
         self.members, self.needed = params.group_members, params.group_size
         self._work = asyncio.Event()
@@ -229,10 +235,17 @@ class TrajectoryServer:
         if missing <= 0:
             return 0
         start = int(self.store.meta.get("next_prompt", "0"))
-        prompts = [self.prompts.prompt(i) for i in range(start, start + missing)]
-        self.store.add_groups(((p.index, p.text, p.answer, tuple(self.tokenizer.encode(p.text))) for p in prompts),
-                              self.members, self.needed, start + missing)
-        return missing
+        rows, index = [], start
+        while len(rows) < missing and index < start + 100 * missing:  # never spin on a dataset of long prompts
+            p = self.prompts.prompt(index)
+            index += 1
+            ids = tuple(self.tokenizer.encode(p.text))
+            if len(ids) > self.config.max_prompt_tokens:
+                self.too_long.add(f"prompt longer than {self.config.max_prompt_tokens} tokens")
+                continue
+            rows.append((p.index, p.text, p.answer, ids))
+        self.store.add_groups(rows, self.members, self.needed, index)
+        return len(rows)
 
     # -- routing -------------------------------------------------------------------------
 
@@ -406,7 +419,11 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
 
     @app.get("/v1/health")
     async def health(request: Request) -> dict:
-        return {"status": "ok", "counts": ts(request).store.counts()}
+        server = ts(request)
+        skipped = getattr(server.prompts, "skipped", SkippedRows())
+        return {"status": "ok", "counts": server.store.counts(),
+                "skipped_prompts": {"count": skipped.count + server.too_long.count,
+                                    "reasons": {**skipped.reasons, **server.too_long.reasons}}}
 
     @app.get("/v1/pending")
     async def pending(request: Request) -> dict:

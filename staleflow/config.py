@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
-
-from typing import Annotated
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -121,8 +119,25 @@ class TrainerConfig(StrictModel):
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
 
+class TaskConfig(StrictModel):
+    """The built-in verifiable task: arithmetic with exact answers, generated from the seed."""
+
+    digits: int = Field(2, ge=1, le=12, description="digits per operand")
+    ops: str = Field("+-", pattern=r"^[+\-*]{1,3}$", description="operators drawn from: + - *")
+
+
+ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
+    # a simulated cluster: paper-like long responses on four instances, the simulated trainer
+    "sim": {"instances": 4, "max_tokens": 2048, "steps": 10},
+    # a real job on this machine: two vLLM instances (one process each) and the FSDP2 trainer on
+    # the demo model, whose answers are a few tokens long
+    "vllm": {"instances": 2, "max_tokens": 24, "steps": 20},
+}
+
+
 class JobConfig(StrictModel):
-    """Everything `staleflow up` runs. The same file drives embedded and multi-process runs."""
+    """Everything `staleflow up` runs. The same file drives embedded and multi-process runs.
+    Fields left out take their engine's defaults (``ENGINE_DEFAULTS``), then the ones below."""
 
     engine: Literal["sim", "vllm"] = "sim"
     steps: int = Field(10, ge=1, description="training steps (buffers consumed) to run")
@@ -145,6 +160,21 @@ class JobConfig(StrictModel):
     base_port: int = Field(0, ge=0, le=65000, description="first port of the components; 0 picks free ports")
     host: str = "127.0.0.1"
     processes: bool = Field(False, description="run every component as its own process instead of embedded")
+    model: Path | None = Field(None, description="vllm: a local Hugging Face model directory; default: the demo "
+                                                 "model (a tiny Qwen2 built and warmed up here on first use)")
+    task: TaskConfig = TaskConfig()
+    dataset: Path | None = Field(None, description="JSONL/Parquet prompts with answers instead of the built-in task")
+    vllm_args: dict[str, Any] = Field(
+        default_factory=lambda: {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1, "max_num_seqs": 128},
+        description="vllm: settings of each instance's engine (staleflow.servers.instance.VllmConfig)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            engine = data.get("engine", "sim")
+            return {**ENGINE_DEFAULTS.get(engine, {}), **data}
+        return data
 
     @model_validator(mode="after")
     def _engine_needs(self) -> JobConfig:

@@ -36,17 +36,20 @@ class ArithmeticTask:
 
     name = "arithmetic"
 
-    def __init__(self, seed: int = 0, digits: int = 3):
+    def __init__(self, seed: int = 0, digits: int = 3, ops: str = "+-*"):
         if digits < 1:
             raise ValueError("digits must be >= 1")
+        if not ops or set(ops) - set("+-*"):
+            raise ValueError(f"ops must be a non-empty combination of '+', '-' and '*', got {ops!r}")
         self.seed = seed
         self.digits = digits
+        self.ops = ops
 
     def prompt(self, index: int) -> Prompt:
         rng = random.Random(f"{self.seed}:{index}")
         hi = 10**self.digits - 1
         a, b = rng.randint(1, hi), rng.randint(1, hi)
-        op = rng.choice("+-*")
+        op = rng.choice(self.ops)
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         text = f"Compute {a} {op} {b}. Put the final answer in \\boxed{{}}."
         return Prompt(index, text, str(value))
@@ -127,3 +130,25 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         return bytes(i - self.offset for i in ids if self.offset <= i < self.vocab_size).decode(errors="replace")
+
+
+class HfTokenizer:
+    """A Hugging Face ``tokenizer.json`` (the model's own tokenizer), through the light
+    ``tokenizers`` library: no transformers import in the trajectory server."""
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise RuntimeError("a model tokenizer needs the tokenizers package: pip install 'staleflow[train]'") from exc
+        file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+        if not file.exists():
+            raise FileNotFoundError(f"no tokenizer.json at {path}: point tokenizer at the model directory")
+        self._tokenizer = Tokenizer.from_file(str(file))
+        self.vocab_size = self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int] | tuple[int, ...]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)

