@@ -223,6 +223,7 @@ def _register_commands() -> None:
         bench_params,
         bench_systems,
         calibrate,
+        faults,
         serve_instance,
         serve_params,
         serve_reward,
@@ -233,6 +234,7 @@ def _register_commands() -> None:
     bench_params.register(bench_app)
     bench_systems.register(bench_app)
     calibrate.register(app)
+    faults.register(app)
     serve_instance.register(serve_app)
     serve_params.register(serve_app)
     serve_reward.register(serve_app)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +29,7 @@ from fastapi import FastAPI
 
 from staleflow.config import JobConfig, LedgerConfig, ManagerConfig
 from staleflow.servers.auth import TOKEN_ENV, write_token_file
-from staleflow.servers.clients import ManagerClient, ServiceError, http_client
+from staleflow.servers.clients import TRANSIENT_STATUS, ManagerClient, ServiceError, http_client, retry_transient
 from staleflow.servers.http import RunningServer, serve_in_thread
 
 log = logging.getLogger(__name__)
@@ -149,19 +151,19 @@ class SimulatedTrainer:
         cfg, eta = self.config, self.config.ledger.eta
         with ManagerClient(self.urls["manager"]) as manager, http_client(self.urls["ts"], timeout=60) as ts, \
                 ParamsClient(self.urls["params"]) as params:
-            version = manager.buffers()["train_version"]
+            version = self._retry(lambda: manager.buffers()["train_version"], "read the train version")
             for stale in range(max(0, version - eta - 1), version):  # batches left unfreed by a previous run
-                ts.delete(f"/v1/batches/{stale}")
+                self._retry(lambda v=stale: ts.delete(f"/v1/batches/{v}"), "free an old batch")
             while version < cfg.steps and not self.stop.is_set():
                 try:
-                    step = manager.consume()
+                    step = consume_once(manager, version, self.stop)
                 except ServiceError as exc:
                     if exc.status != 409:
                         raise
                     self.stop.wait(0.02)  # poll pacing: the buffer is not Ready yet
                     continue
                 version = step["version"]
-                batch = ts.get(f"/v1/batches/{version}").json()
+                batch = self._retry(lambda v=version: _ok(ts.get(f"/v1/batches/{v}")).json(), "fetch the batch")
                 trajs = batch["trajectories"]
                 lengths = [len(t["tokens"]) for t in trajs]
                 staleness: dict[int, int] = {}
@@ -170,13 +172,60 @@ class SimulatedTrainer:
                 tokens = sum(lengths)
                 train_seconds = cfg.trainer.seconds_per_step + cfg.trainer.seconds_per_token * tokens
                 self.stop.wait(train_seconds / cfg.speed)  # the modelled training time
-                params.push(version + 1, {"weights": np.full(cfg.trainer.push_bytes, (version + 1) % 256, np.uint8)})
-                ts.delete(f"/v1/batches/{version}")
+                push_version(params, version + 1, {"weights": np.full(cfg.trainer.push_bytes, (version + 1) % 256, np.uint8)},
+                             self.stop)
+                self._retry(lambda v=version: _ok(ts.delete(f"/v1/batches/{v}")), "free the batch")
                 self.steps.append(StepRecord(
                     version, time.monotonic() - self.started, len(step["group_ids"]), len(trajs), tokens,
                     float(np.mean([t["reward"] for t in trajs])) if trajs else 0.0,
                     float(np.mean(lengths)) if lengths else 0.0, max(lengths, default=0), staleness, train_seconds))
                 version += 1
+
+    def _retry(self, call, what: str):  # noqa: ANN001, ANN202
+        return retry_transient(call, what=f"trainer: {what}", stop=self.stop)
+
+
+def _ok(response):  # noqa: ANN001, ANN202
+    """A 5xx from a restarting peer becomes a retryable error; other answers pass."""
+    if response.status_code in TRANSIENT_STATUS:
+        raise ServiceError(response.status_code, response.text[:200])
+    return response
+
+
+def consume_once(manager: ManagerClient, train_version: int, stop: threading.Event) -> dict:
+    """Consume buffer ``train_version`` exactly once across manager restarts: when the reply is
+    lost, the ledger's train version says whether the Consume committed, and the consumed
+    buffer's entries are read back instead of consuming the next one."""
+    lost: list[BaseException] = []
+
+    def attempt() -> dict:
+        if lost:  # an earlier attempt's reply was lost: did it commit?
+            buffers = manager.buffers()
+            if buffers["train_version"] > train_version:
+                entries = manager._call("GET", f"/v1/buffers/{train_version}")["entries"]
+                return {"version": train_version, "group_ids": [e["group_id"] for e in entries], "cancelled": []}
+        return manager.consume()
+
+    return retry_transient(attempt, what="trainer: consume", stop=stop, on_retry=lost.append)
+
+
+def push_version(params, version: int, tensors: dict, stop: threading.Event) -> None:  # noqa: ANN001
+    """Push ``version`` to the PS, retried across PS restarts; a version that the PS already
+    holds complete (a commit whose reply was lost) counts as pushed."""
+
+    def attempt() -> None:
+        try:
+            params.push(version, tensors)
+        except ServiceError as exc:
+            if exc.status == 409 and "already exists" in exc.detail:
+                return
+            stale = re.search(r"push_id (\w+)", exc.detail) if exc.status == 409 else None
+            if stale:  # an interrupted push of ours (the PS stayed up, the reply was lost): drop it
+                params.http.delete(f"/v1/params/{version}/push", params={"push_id": stale.group(1)})
+                raise ServiceError(503, exc.detail) from exc
+            raise
+
+    retry_transient(attempt, what=f"trainer: push v{version}", stop=stop)
 
 
 # ---------------------------------------------------------------------------- monitoring
@@ -236,6 +285,7 @@ class Job:
         self.started = time.monotonic()
         self.servers: list[RunningServer] = []
         self.processes: list[subprocess.Popen] = []
+        self.procs: dict[str, subprocess.Popen] = {}  # by component name, the newest process of each
         self.trainer = SimulatedTrainer(config, self.endpoints, self.started, self.stop)
         self.monitor = Monitor(self.endpoints, self.started)
         self.trainer_thread: threading.Thread | None = None
@@ -289,7 +339,11 @@ class Job:
             [sys.executable, "-m", "staleflow.cli", "serve", "component", name, "--job", str(self.state / "job.json"),
              "--endpoints", str(self.state / "endpoints.planned.json")],
             stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        self._await_up(name, proc, log_path)
+
+    def _await_up(self, name: str, proc: subprocess.Popen, log_path: Path) -> None:
         self.processes.append(proc)
+        self.procs[name] = proc
         with http_client(self.endpoints[name]["url"], timeout=2) as probe:
             deadline = time.monotonic() + 60
             while True:  # the child binds, then serves: wait until it answers
@@ -303,6 +357,32 @@ class Job:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"component {name} did not come up in 60 s; see {log_path}")
                 self.stop.wait(0.05)
+
+    # -- one role at a time (the fault supervisor's hooks; --processes only) -------------------
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> subprocess.Popen:
+        """Send ``sig`` to component ``name``'s process (SIGKILL: a crash; SIGSTOP: a hang)."""
+        proc = self.procs[name]
+        proc.send_signal(sig)
+        return proc
+
+    def restart(self, name: str, standby: subprocess.Popen | None = None) -> None:
+        """Start component ``name`` again at its planned port, after its process died or was
+        killed; returns once it answers its health probe. A warm ``standby`` process (see
+        ``staleflow.servers.standby``) takes the role without a cold start."""
+        old = self.procs[name]
+        if old.poll() is None:
+            old.kill()
+        old.wait()
+        self.processes.remove(old)
+        if standby is None:
+            self._spawn(name)
+            return
+        assert standby.stdin is not None
+        standby.stdin.write(json.dumps({"name": name, "job": str(self.state / "job.json"),
+                                        "endpoints": str(self.state / "endpoints.planned.json")}) + "\n")
+        standby.stdin.flush()
+        self._await_up(name, standby, self.state / "logs" / f"{name}.log")
 
     def write_planned_endpoints(self) -> None:
         (self.state / "endpoints.planned.json").write_text(json.dumps(self.endpoints, indent=2))
