@@ -89,7 +89,7 @@ def _view(config: JobConfig, progress: Progress, sample: Any, steps: list) -> Gr
 
 def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
     from staleflow.report import summarize, write_report
-    from staleflow.servers.job import Job, SimulatedTrainer, StateDirInUse
+    from staleflow.servers.job import Job, StateDirInUse, trainer_label
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         filename=str(config.state_dir / "job.log") if config.state_dir.exists() else None)
@@ -106,11 +106,9 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     emit = (lambda obj: print(json.dumps(obj), flush=True)) if json_log else None
-    if config.engine == "sim":
-        note = f"sim engine, {SimulatedTrainer.label}; clock x{config.speed}"
-        emit({"event": "start", "note": note}) if emit else console.print(f"[bold]StaleFlow[/] — {note}")
-    if config.processes:
-        job.write_planned_endpoints()
+    note = f"{config.engine} engine, {trainer_label(config)}" + (f"; clock x{config.speed}" if config.engine == "sim" else "")
+    emit({"event": "start", "note": note}) if emit else console.print(f"[bold]StaleFlow[/] — {note}")
+    job.write_planned_endpoints()
 
     def started(name: str, url: str) -> None:
         emit({"event": "component", "name": name, "url": url}) if emit else console.print(f"  {name:<12} {url}")
@@ -131,22 +129,24 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
     try:
         while not job.finished() and not job.stop.is_set():
             sample = job.monitor.sample()
-            done = sample.train_version if sample else len(job.trainer.steps)
+            steps = job.steps()
+            done = len(steps)
             progress.update(task, completed=min(done, config.steps))
             if emit and sample:
                 emit({"event": "sample", "t": sample.t, "train_version": sample.train_version,
                       "instances": sample.instances, "buffers": [b["state"] for b in sample.buffers]})
             elif live:
-                live.update(_view(config, progress, sample, job.trainer.steps))
+                live.update(_view(config, progress, sample, steps))
             job.stop.wait(0.25)  # refresh pacing
     finally:
         if live:
             live.stop()
     wall = time.monotonic() - job.started
-    summary = summarize(config, job.trainer.steps, job.monitor.samples, job.engine_stats(), job.command_times(), wall,
-                        SimulatedTrainer.label)
+    summary = summarize(config, job.steps(), job.monitor.samples, job.engine_stats(), job.command_times(), wall,
+                        trainer_label(config))
+    trainer_error = job.trainer_error
     job.shutdown()
-    completed = job.trainer.error is None and signals["received"] is None
+    completed = trainer_error is None and signals["received"] is None and len(job.steps()) >= config.steps
     if completed:
         written = write_report(config.state_dir / "report", summary, job.monitor.samples)
     else:
@@ -161,13 +161,30 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
         console.print(f"  state   {config.state_dir.resolve()}")
         console.print(f"  logs    {(config.state_dir / 'logs').resolve()}")
         console.print(f"  report  {written[0].parent.resolve()}")
-    if job.trainer.error is not None:
-        raise fail(f"the trainer failed: {job.trainer.error!r}", f"see {config.state_dir / 'job.log'}", code=1)
+    if trainer_error is not None:
+        raise fail(f"the trainer failed: {trainer_error}", f"see {config.state_dir / 'job.log'} and {config.state_dir / 'logs'}",
+                   code=1)
     if not completed:
         if not emit:
             console.print("resume with: staleflow up --resume" + (f" --state-dir {config.state_dir}"
                                                                    if str(config.state_dir) != ".staleflow" else ""))
         return 128 + (signals["received"] or 0)
+    return 0
+
+
+def _serve_trainer(config: JobConfig, endpoints: dict) -> int:
+    import os
+    import threading
+
+    from staleflow.servers.job import STARTED_ENV, run_trainer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    started = float(os.environ[STARTED_ENV]) if STARTED_ENV in os.environ else None
+    run_trainer(config, endpoints, stop, started)
     return 0
 
 
@@ -208,17 +225,19 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
 
     @serve_app.command("component")
     def serve_component(
-        name: Annotated[str, typer.Argument(help="manager, params, reward, ts, inst-N or coordinator")],
+        name: Annotated[str, typer.Argument(help="manager, params, reward, ts, inst-N, coordinator or trainer")],
         job: Annotated[Path, typer.Option("--job", help="the job file `staleflow up` wrote")],
         endpoints: Annotated[Path, typer.Option("--endpoints", help="the planned endpoints file")],
     ) -> None:
         """One component of a `staleflow up` job, in its own process (used by `up --processes`)."""
         from staleflow.servers.http import serve_forever
-        from staleflow.servers.job import build_app
+        from staleflow.servers.job import TRAINER, build_app
 
         try:
             config = JobConfig.model_validate_json(job.read_text())
             planned = json.loads(endpoints.read_text())
+            if name == TRAINER:
+                raise typer.Exit(_serve_trainer(config, planned))
             app = build_app(name, config, planned)
         except (OSError, ValueError, ValidationError) as exc:
             raise fail(f"cannot start component {name}: {exc}") from None

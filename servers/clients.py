@@ -101,8 +101,8 @@ class ManagerClient:
     def abort(self, group_id: str) -> dict:
         return self._call("DELETE", f"/v1/reservations/{group_id}")
 
-    def consume(self) -> dict:
-        return self._call("POST", "/v1/consume")
+    def consume(self, version: int | None = None) -> dict:
+        return self._call("POST", "/v1/consume", params={} if version is None else {"version": version})
 
     def events(self, after: int = 0, limit: int = 100) -> dict:
         return self._call("GET", "/v1/events", params={"after": after, "limit": limit})

@@ -38,7 +38,7 @@ import numpy as np
 from staleflow.config import JobConfig
 from staleflow.servers import standby
 from staleflow.servers.clients import http_client
-from staleflow.servers.job import Job, instance_ids
+from staleflow.servers.job import TRAINER, Job, instance_ids
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +154,12 @@ class Supervisor:
 
     def _failed(self, clients: dict[str, httpx.Client]) -> list[tuple[str, str]]:
         procs = list(self.job.procs.items())
-        failed = [(name, f"process exited with {proc.returncode}") for name, proc in procs if proc.poll() is not None]
+        failed = [(name, f"process exited with {proc.returncode}") for name, proc in procs
+                  if proc.poll() is not None and not (name == TRAINER and proc.returncode == 0)]  # 0: trained them all
         if failed:  # a crash is certain: restart it before spending time on probes
             return failed
         for name, _ in procs:
-            if name.startswith("inst-"):
+            if name.startswith("inst-") or name == TRAINER:
                 continue  # instances: the coordinator's verdict (slow is not hung), below
             if self._healthy(clients[name]):
                 self._misses[name] = 0
@@ -298,7 +299,7 @@ class FaultRun:
         next_fault_at = self.every
         queue = list(self.roles)
         try:
-            while not job.finished() and time.monotonic() < deadline:
+            while not self._done(job) and time.monotonic() < deadline:
                 tv = self._train_version(probe["manager"], versions)
                 ps = self._ps_version(probe["params"])
                 if ps is not None:
@@ -317,18 +318,17 @@ class FaultRun:
                     next_fault_at = tv + self.every
                 if supervisor.error:
                     raise RuntimeError(f"the supervisor failed: {supervisor.error!r}")
-                if job.trainer.error:
-                    raise RuntimeError(f"the trainer failed: {job.trainer.error!r}")
                 job.stop.wait(0.1)  # sampling pacing
-            finished = job.finished()
-            wall = (job.trainer.steps[-1].finished_at if job.trainer.steps else time.monotonic() - started)
-            result = RunResult(wall_s=wall, steps=len(job.trainer.steps), faults=self.faults,
+            finished = self._done(job)
+            steps = job.steps()
+            wall = steps[-1].finished_at if steps else time.monotonic() - started
+            result = RunResult(wall_s=wall, steps=len(steps), faults=self.faults,
                                restarts=dict(supervisor.restarts),
                                events=[{**e, "t": e["t"] - started} for e in supervisor.events])
             supervisor.stop()
             if not finished:
                 result.violations.append(f"the job did not finish in {self.deadline_s:.0f}s "
-                                         f"({len(job.trainer.steps)} of {self.config.steps} steps)")
+                                         f"({len(steps)} of {self.config.steps} steps)")
             for fault in self.faults:
                 end = started + fault.recovered_at if fault.recovered_at is not None else time.monotonic()
                 start_abs = started + fault.at
@@ -342,6 +342,11 @@ class FaultRun:
             supervisor.stop()
             for c in [*stats_clients.values(), *probe.values()]:
                 c.close()
+
+    @staticmethod
+    def _done(job: Job) -> bool:
+        """The trainer process exited by itself, having trained every step (a killed one is not done)."""
+        return job.finished() and job.trainer_process is not None and job.trainer_process.returncode == 0
 
     def _inject(self, job: Job, role: str, tv: int, started: float) -> None:
         how = "kill"
@@ -382,6 +387,8 @@ class FaultRun:
                 listed = probe["coordinator"].get("/v1/instances").json()["instances"]
                 wanted = [i for i in listed if fault.role == "coordinator" or i["instance_id"] == fault.name]
                 return bool(wanted) and all(i["status"] in ("live", "syncing") for i in wanted)
+            if fault.role == "trainer":  # back at work: a step trained after the restart
+                return any(s.finished_at > fault.restarted_at for s in job.steps())
             return True  # a service: it answered its health probe at the restart
         except (httpx.HTTPError, ValueError, KeyError):
             return False
@@ -411,11 +418,12 @@ class FaultRun:
             v.append("the ledger's train version went backwards")
         if any(b < a for a, b in zip(ps_versions, ps_versions[1:], strict=False)):
             v.append("the parameter server's newest version went backwards")
-        trained = [s.version for s in job.trainer.steps]
+        steps = job.steps()
+        trained = [s.version for s in steps]
         if trained != list(range(len(trained))):
             v.append(f"the trainer's versions are not 0, 1, 2, ... once each: {trained}")
         group_size = cfg.ledger.group_size
-        for s in job.trainer.steps:
+        for s in steps:
             if s.trajectories != s.groups * group_size:
                 v.append(f"step {s.version}: {s.trajectories} trajectories for {s.groups} groups of {group_size}")
             if any(k > eta or k < 0 for k in s.staleness):

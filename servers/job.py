@@ -24,17 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from fastapi import FastAPI
 
 from staleflow.config import JobConfig, LedgerConfig, ManagerConfig
 from staleflow.servers.auth import TOKEN_ENV, write_token_file
-from staleflow.servers.clients import TRANSIENT_STATUS, ManagerClient, ServiceError, http_client, retry_transient
+from staleflow.servers.clients import http_client
 from staleflow.servers.http import RunningServer, serve_in_thread
+from staleflow.servers.trainer import StepLog, StepRecord, TrainerLoop
 
 log = logging.getLogger(__name__)
 
 STATIC_COMPONENTS = ("manager", "params", "reward", "ts")
+STARTED_ENV = "STALEFLOW_JOB_STARTED"  # the job's time.monotonic() at start, for a trainer process
 
 
 def instance_ids(config: JobConfig) -> list[str]:
@@ -50,6 +51,11 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def in_own_process(name: str, config: JobConfig) -> bool:
+    """vLLM instances always get a process each: one engine per process."""
+    return config.processes or (config.engine != "sim" and name.startswith("inst-"))
 
 
 def plan_endpoints(config: JobConfig) -> dict[str, dict]:
@@ -108,167 +114,40 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
 
 # ---------------------------------------------------------------------------- the trainer
 
-
-@dataclass
-class StepRecord:
-    version: int
-    finished_at: float  # seconds since the job started (wall clock)
-    groups: int
-    trajectories: int
-    response_tokens: int
-    mean_reward: float
-    mean_length: float
-    max_length: int
-    staleness: dict[int, int]  # V_buf - V_traj -> count
-    train_seconds: float  # simulated
+TRAINER = "trainer"
 
 
-class SimulatedTrainer:
-    """Stands in for the FSDP trainer with the sim engine: consumes a Ready buffer, fetches its
-    batch, 'trains' for (seconds_per_step + seconds_per_token x tokens) simulated seconds, pushes
-    the next version to the parameter server, frees the batch."""
-
-    label = "simulated trainer (step-time model)"
-
-    def __init__(self, config: JobConfig, endpoints: dict[str, dict], started: float, stop: threading.Event):
-        self.config = config
-        self.urls = {k: v["url"] for k, v in endpoints.items()}
-        self.started = started
-        self.stop = stop
-        self.steps: list[StepRecord] = []
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # surfaced by the job, not lost in a thread
-            self.error = exc
-            self.stop.set()
-
-    def _run(self) -> None:
-        from staleflow.servers.params import ParamsClient
-
-        cfg, eta = self.config, self.config.ledger.eta
-        with ManagerClient(self.urls["manager"]) as manager, http_client(self.urls["ts"], timeout=60) as ts, \
-                ParamsClient(self.urls["params"]) as params:
-            version = self._retry(lambda: manager.buffers()["train_version"], "read the train version")
-            for stale in range(max(0, version - eta - 1), version):  # batches left unfreed by a previous run
-                self._retry(lambda v=stale: ts.delete(f"/v1/batches/{v}"), "free an old batch")
-            while version < cfg.steps and not self.stop.is_set():
-                try:
-                    step = consume_once(manager, version, self.stop)
-                except ServiceError as exc:
-                    if exc.status != 409:
-                        raise
-                    self.stop.wait(0.02)  # poll pacing: the buffer is not Ready yet
-                    continue
-                version = step["version"]
-                batch = self._retry(lambda v=version: _ok(ts.get(f"/v1/batches/{v}")).json(), "fetch the batch")
-                trajs = batch["trajectories"]
-                lengths = [len(t["tokens"]) for t in trajs]
-                staleness: dict[int, int] = {}
-                for t in trajs:
-                    staleness[version - t["v_traj"]] = staleness.get(version - t["v_traj"], 0) + 1
-                tokens = sum(lengths)
-                train_seconds = cfg.trainer.seconds_per_step + cfg.trainer.seconds_per_token * tokens
-                self.stop.wait(train_seconds / cfg.speed)  # the modelled training time
-                push_version(params, version + 1, {"weights": np.full(cfg.trainer.push_bytes, (version + 1) % 256, np.uint8)},
-                             self.stop)
-                self._retry(lambda v=version: _ok(ts.delete(f"/v1/batches/{v}")), "free the batch")
-                self.steps.append(StepRecord(
-                    version, time.monotonic() - self.started, len(step["group_ids"]), len(trajs), tokens,
-                    float(np.mean([t["reward"] for t in trajs])) if trajs else 0.0,
-                    float(np.mean(lengths)) if lengths else 0.0, max(lengths, default=0), staleness, train_seconds))
-                version += 1
-
-    def _retry(self, call, what: str):  # noqa: ANN001, ANN202
-        return retry_transient(call, what=f"trainer: {what}", stop=self.stop)
+def trainer_in_process(config: JobConfig) -> bool:
+    """The real trainer always runs as processes of its own (torch.distributed ranks)."""
+    return config.processes or config.engine != "sim"
 
 
-def _ok(response):  # noqa: ANN001, ANN202
-    """A 5xx from a restarting peer becomes a retryable error; other answers pass."""
-    if response.status_code in TRANSIENT_STATUS:
-        raise ServiceError(response.status_code, response.text[:200])
-    return response
+def trainer_label(config: JobConfig) -> str:
+    if config.engine == "sim":
+        from staleflow.training.simulated import SimulatedBackend
+
+        return SimulatedBackend.label
+    return f"FSDP2 trainer ({config.trainer.world_size} ranks, {config.trainer.algorithm.correction} correction)"
 
 
-def consume_once(manager: ManagerClient, train_version: int, stop: threading.Event) -> dict:
-    """Consume buffer ``train_version`` exactly once across manager restarts: when the reply is
-    lost, the ledger's train version says whether the Consume committed, and the consumed
-    buffer's entries are read back instead of consuming the next one."""
-    lost: list[BaseException] = []
-
-    def attempt() -> dict:
-        if lost:  # an earlier attempt's reply was lost: did it commit?
-            buffers = manager.buffers()
-            if buffers["train_version"] > train_version:
-                entries = manager._call("GET", f"/v1/buffers/{train_version}")["entries"]
-                return {"version": train_version, "group_ids": [e["group_id"] for e in entries], "cancelled": []}
-        return manager.consume()
-
-    return retry_transient(attempt, what="trainer: consume", stop=stop, on_retry=lost.append)
+def step_log(config: JobConfig) -> StepLog:
+    return StepLog(config.state_dir / "trainer" / "steps.jsonl")
 
 
-def push_version(params, version: int, tensors: dict, stop: threading.Event) -> None:  # noqa: ANN001
-    """Push ``version`` to the PS, retried across PS restarts; a version that the PS already
-    holds complete (a commit whose reply was lost) counts as pushed."""
+def run_trainer(config: JobConfig, endpoints: dict[str, dict], stop: threading.Event, started: float | None = None) -> None:
+    """The trainer role until ``config.steps`` buffers are trained (or ``stop``)."""
+    urls = {k: v["url"] for k, v in endpoints.items()}
+    if config.engine == "sim":
+        from staleflow.training.simulated import SimulatedBackend
 
-    def attempt() -> None:
-        try:
-            params.push(version, tensors)
-        except ServiceError as exc:
-            if exc.status == 409 and "already exists" in exc.detail:
-                return
-            stale = re.search(r"push_id (\w+)", exc.detail) if exc.status == 409 else None
-            if stale:  # an interrupted push of ours (the PS stayed up, the reply was lost): drop it
-                params.http.delete(f"/v1/params/{version}/push", params={"push_id": stale.group(1)})
-                raise ServiceError(503, exc.detail) from exc
-            raise
+        t = config.trainer
+        backend = SimulatedBackend(t.seconds_per_step, t.seconds_per_token, t.push_bytes, config.speed, stop)
+        TrainerLoop(backend, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log(config),
+                    stop=stop, started=started).run()
+        return
+    from staleflow.training.fsdp import run_fsdp_trainer
 
-    retry_transient(attempt, what=f"trainer: push v{version}", stop=stop)
-
-
-# ---------------------------------------------------------------------------- monitoring
-
-
-@dataclass
-class Sample:
-    t: float
-    instances: dict[str, dict]  # id -> {status, version, running, waiting}
-    buffers: list[dict]
-    train_version: int
-
-
-@dataclass
-class Monitor:
-    endpoints: dict[str, dict]
-    started: float
-    samples: list[Sample] = field(default_factory=list)
-
-    def sample(self) -> Sample | None:
-        urls = {k: v["url"] for k, v in self.endpoints.items()}
-        try:
-            with http_client(urls["coordinator"], timeout=5) as co, http_client(urls["manager"], timeout=5) as mg:
-                instances = {
-                    i["instance_id"]: {
-                        "status": i["status"],
-                        "version": (i["snapshot"] or {}).get("inst_version"),
-                        "running": len((i["snapshot"] or {}).get("run_trajs") or []),
-                        "waiting": len((i["snapshot"] or {}).get("wait_trajs") or []),
-                        "throughput": i["estimated_throughput"],
-                    }
-                    for i in co.get("/v1/instances").json()["instances"]
-                }
-                buffers = mg.get("/v1/buffers").json()
-        except Exception as exc:  # a component restarting or shutting down
-            log.debug("monitor sample failed: %s", exc)
-            return None
-        s = Sample(time.monotonic() - self.started, instances, buffers["buffers"], buffers["train_version"])
-        self.samples.append(s)
-        return s
-
-
-# ---------------------------------------------------------------------------- the job
+    run_fsdp_trainer(config, urls, step_log(config), stop)
 
 
 class StateDirInUse(RuntimeError):
@@ -286,9 +165,11 @@ class Job:
         self.servers: list[RunningServer] = []
         self.processes: list[subprocess.Popen] = []
         self.procs: dict[str, subprocess.Popen] = {}  # by component name, the newest process of each
-        self.trainer = SimulatedTrainer(config, self.endpoints, self.started, self.stop)
+        self.step_log = step_log(config)
         self.monitor = Monitor(self.endpoints, self.started)
         self.trainer_thread: threading.Thread | None = None
+        self.trainer_process: subprocess.Popen | None = None
+        self._trainer_error: BaseException | None = None
 
     def _prepare_state_dir(self, resume: bool, fresh: bool) -> None:
         previous = self.state / "job.json"
@@ -315,7 +196,7 @@ class Job:
         self._previous_token = os.environ.get(TOKEN_ENV)
         os.environ[TOKEN_ENV] = self.token  # restored by shutdown()
         for name in component_names(self.config):
-            if self.config.processes:
+            if in_own_process(name, self.config):
                 self._spawn(name)
             else:
                 self.servers.append(serve_in_thread(build_app(name, self.config, self.endpoints),
@@ -325,25 +206,42 @@ class Job:
             if on_started:
                 on_started(name, self.endpoints[name]["url"])
         (self.state / "endpoints.json").write_text(json.dumps(
-            {**self.endpoints, "state_dir": str(self.state.resolve()), "trainer": SimulatedTrainer.label,
+            {**self.endpoints, "state_dir": str(self.state.resolve()), "trainer": trainer_label(self.config),
              "token_file": str((self.state / "token").resolve())}, indent=2))
         # the clock of the run starts once everything is up: start-up is not rollout time
-        self.started = self.trainer.started = self.monitor.started = time.monotonic()
-        self.trainer_thread = threading.Thread(target=self.trainer.run, name="trainer", daemon=True)
-        self.trainer_thread.start()
+        self.started = self.monitor.started = time.monotonic()
+        if trainer_in_process(self.config):
+            self.trainer_process = self._spawn(TRAINER)
+        else:
+            self.trainer_thread = threading.Thread(target=self._train, name=TRAINER, daemon=True)
+            self.trainer_thread.start()
+        if on_started:
+            on_started(TRAINER, trainer_label(self.config))
 
-    def _spawn(self, name: str) -> None:
+    def _train(self) -> None:
+        try:
+            run_trainer(self.config, self.endpoints, self.stop, self.started)
+        except BaseException as exc:  # surfaced by the job, not lost in a thread
+            self._trainer_error = exc
+            self.stop.set()
+
+    def _spawn(self, name: str) -> subprocess.Popen:
         log_path = self.state / "logs" / f"{name}.log"
-        log_file = log_path.open("a")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "staleflow.cli", "serve", "component", name, "--job", str(self.state / "job.json"),
-             "--endpoints", str(self.state / "endpoints.planned.json")],
-            stdout=log_file, stderr=subprocess.STDOUT, text=True)
-        self._await_up(name, proc, log_path)
+        if not (self.state / "endpoints.planned.json").exists():
+            self.write_planned_endpoints()
+        with log_path.open("a") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "staleflow.cli", "serve", "component", name, "--job", str(self.state / "job.json"),
+                 "--endpoints", str(self.state / "endpoints.planned.json")],
+                stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                env={**os.environ, STARTED_ENV: repr(self.started)})
+        return self._await_up(name, proc, log_path)
 
-    def _await_up(self, name: str, proc: subprocess.Popen, log_path: Path) -> None:
+    def _await_up(self, name: str, proc: subprocess.Popen, log_path: Path) -> subprocess.Popen:
         self.processes.append(proc)
         self.procs[name] = proc
+        if name == TRAINER:
+            return proc  # no endpoint: the job watches its process and its step log
         with http_client(self.endpoints[name]["url"], timeout=2) as probe:
             deadline = time.monotonic() + 60
             while True:  # the child binds, then serves: wait until it answers
@@ -351,7 +249,7 @@ class Job:
                     raise RuntimeError(f"component {name} exited with {proc.returncode}; see {log_path}")
                 try:
                     if probe.get("/v1/health").status_code == 200:
-                        return
+                        return proc
                 except Exception:
                     pass
                 if time.monotonic() > deadline:
@@ -376,13 +274,16 @@ class Job:
         old.wait()
         self.processes.remove(old)
         if standby is None:
-            self._spawn(name)
-            return
-        assert standby.stdin is not None
-        standby.stdin.write(json.dumps({"name": name, "job": str(self.state / "job.json"),
-                                        "endpoints": str(self.state / "endpoints.planned.json")}) + "\n")
-        standby.stdin.flush()
-        self._await_up(name, standby, self.state / "logs" / f"{name}.log")
+            proc = self._spawn(name)
+        else:
+            assert standby.stdin is not None
+            standby.stdin.write(json.dumps({"name": name, "job": str(self.state / "job.json"),
+                                            "endpoints": str(self.state / "endpoints.planned.json"),
+                                            "started": self.started}) + "\n")
+            standby.stdin.flush()
+            proc = self._await_up(name, standby, self.state / "logs" / f"{name}.log")
+        if name == TRAINER:
+            self.trainer_process = proc
 
     def write_planned_endpoints(self) -> None:
         (self.state / "endpoints.planned.json").write_text(json.dumps(self.endpoints, indent=2))
@@ -394,7 +295,21 @@ class Job:
                 ts.post(f"/v1/instances/{instance_id}/release")
 
     def finished(self) -> bool:
+        if self.trainer_process is not None:
+            return self.trainer_process.poll() is not None
         return self.trainer_thread is not None and not self.trainer_thread.is_alive()
+
+    @property
+    def trainer_error(self) -> str | None:
+        if self._trainer_error is not None:
+            return repr(self._trainer_error)
+        if self.trainer_process is not None and self.trainer_process.poll() not in (None, 0):
+            if not self.stop.is_set():
+                return f"the trainer process exited with {self.trainer_process.returncode}; see {self.state / 'logs' / 'trainer.log'}"
+        return None
+
+    def steps(self) -> list[StepRecord]:
+        return self.step_log.read()
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -410,6 +325,12 @@ class Job:
     def _stop_components(self) -> None:
         if self.trainer_thread:
             self.trainer_thread.join(30)
+        if self.trainer_process is not None and self.trainer_process.poll() is None:
+            self.trainer_process.terminate()  # it saves nothing mid-step: its checkpoints are its state
+            try:
+                self.trainer_process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.trainer_process.kill()
         for server in reversed(self.servers):
             server.stop()
         for proc in reversed(self.processes):

@@ -34,6 +34,7 @@ ERROR_STATUS = {
     "group_complete": 409,
     "invalid_member": 409,
     "not_ready": 409,
+    "not_next": 409,
     "invalid_version": 422,
     "invalid_group": 422,
 }
@@ -202,9 +203,20 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
         return JSONResponse({"detail": f"group {group_id!r} is not in the ledger"}, status_code=404)
 
     @app.post("/v1/consume")
-    async def consume(request: Request) -> dict:
-        t = await transition(request, "consume")
-        return {"version": t.buffer, "group_ids": t.consumed, "cancelled": t.cancelled}
+    async def consume(
+        request: Request,
+        version: Annotated[int | None, Query(ge=0, le=SQL_INT_MAX, description=(
+            "the buffer the caller means to consume; a retry of an acknowledged consume then replays "
+            "its result (replayed: true) instead of consuming the next buffer"))] = None,
+    ) -> dict:
+        try:
+            t = await transition(request, "consume", version)
+        except LedgerError as exc:
+            if exc.code != "already_consumed" or version is None:
+                raise
+            groups = the_ledger(request).consumed_batch(version)
+            return {"version": version, "group_ids": groups, "cancelled": [], "replayed": True}
+        return {"version": t.buffer, "group_ids": t.consumed, "cancelled": t.cancelled, "replayed": False}
 
     @app.get("/v1/events")
     def events(

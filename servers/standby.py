@@ -33,10 +33,11 @@ def main() -> int:
     import staleflow.servers.manager  # noqa: F401
     import staleflow.servers.params  # noqa: F401
     import staleflow.servers.reward  # noqa: F401
+    import staleflow.servers.trainer  # noqa: F401
     import staleflow.servers.trajectories  # noqa: F401
     from staleflow.config import JobConfig
     from staleflow.servers.http import serve_forever
-    from staleflow.servers.job import build_app
+    from staleflow.servers.job import TRAINER, build_app, run_trainer
 
     if len(sys.argv) > 1:
         Path(sys.argv[1]).with_suffix(".ready").touch()
@@ -52,6 +53,15 @@ def main() -> int:
     os.dup2(log_fd, 2)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     planned = json.loads(Path(role["endpoints"]).read_text())
+    if name == TRAINER:  # as `staleflow serve component trainer` does
+        import signal
+        import threading
+
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        run_trainer(config, planned, stop, role.get("started"))
+        return 0
     serve_forever(build_app(name, config, planned), planned[name]["host"], planned[name]["port"], log_level="warning")
     return 0
 

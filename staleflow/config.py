@@ -91,12 +91,34 @@ class ManagerConfig(ServiceConfig):
         return f"sqlite:///{(self.state_dir / 'ledger.db').resolve()}"
 
 
-class TrainerConfig(StrictModel):
-    """The simulated trainer: consumes Ready buffers, 'trains' for a modelled time, pushes weights."""
+class AlgorithmConfig(StrictModel):
+    """The GRPO/DAPO update and its staleness correction (docs/training.md)."""
 
-    seconds_per_token: float = Field(2e-6, ge=0, description="simulated training seconds per trained token")
-    seconds_per_step: float = Field(0.5, ge=0, description="simulated fixed cost per training step")
-    push_bytes: int = Field(1 << 20, ge=1, description="bytes of the parameter blob pushed to the PS each step")
+    lr: float = Field(2e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0)
+    clip_low: float = Field(0.2, ge=0, le=1, description="PPO ratio clip below: 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0, description="DAPO clip-higher: the ratio is clipped above at 1 + clip_high")
+    loss_aggregation: Literal["token", "sequence"] = Field(
+        "token", description="token: DAPO token-level mean over the batch; sequence: GRPO mean of per-sequence means")
+    normalize_std: bool = Field(True, description="divide group-centred rewards by the group's std (GRPO)")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy (0: none, DAPO)")
+    correction: Literal["tis", "decoupled", "none"] = Field(
+        "tis", description="staleness correction: truncated importance sampling, decoupled PPO, or none")
+    tis_cap: float = Field(2.0, ge=1, description="truncation of the behaviour importance weight")
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch: int = Field(32, ge=1, description="trajectories per forward/backward on each rank")
+
+
+class TrainerConfig(StrictModel):
+    """The trainer: the simulated step-time model (sim engine) or the FSDP2 trainer (vllm engine)."""
+
+    seconds_per_token: float = Field(2e-6, ge=0, description="sim: simulated training seconds per trained token")
+    seconds_per_step: float = Field(0.5, ge=0, description="sim: simulated fixed cost per training step")
+    push_bytes: int = Field(1 << 20, ge=1, description="sim: bytes of the parameter blob pushed to the PS each step")
+    world_size: int = Field(2, ge=1, le=64, description="FSDP2 ranks (processes; gloo on CPU, NCCL on GPU)")
+    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints (model, optimizer, version)")
+    mixed_precision: bool = Field(False, description="bf16 parameters in forward/backward, fp32 master weights")
+    algorithm: AlgorithmConfig = AlgorithmConfig()
 
 
 class JobConfig(StrictModel):

@@ -482,7 +482,14 @@ class Ledger:
         self._retire(entry, Fate.ABORTED)
         return self._finish(Transition("abort", group_id, self.train_version))
 
-    def consume(self) -> Transition:
+    def consume(self, expected: int | None = None) -> Transition:
+        """Consume the Ready head buffer. With ``expected`` (the version the caller means to
+        consume), a retry after a lost reply is told ``already_consumed`` instead of consuming
+        the next buffer: consume is then exactly-once for a retrying trainer."""
+        if expected is not None and expected != self.train_version:
+            code = "already_consumed" if expected < self.train_version else "not_next"
+            raise LedgerError(code, f"buffer {expected} cannot be consumed: the trainer version is {self.train_version}",
+                              version=expected, train_version=self.train_version)
         batch = self._ready_batch()
         if batch is None:
             head = self.buffers()[0]

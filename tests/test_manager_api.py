@@ -81,6 +81,21 @@ def test_consume_refusal_reports_the_buffer_state(manager: ManagerClient) -> Non
     assert err.value.body["state"] in ("waiting", "stuck") and err.value.body["occupied"] == 1
 
 
+def test_consume_naming_its_buffer_is_exactly_once_under_retries(manager: ManagerClient) -> None:
+    for g in ("a", "b"):
+        manager.reserve(g, 0)
+        manager.occupy(g)
+    with pytest.raises(ServiceError) as early:
+        manager.consume(1)  # not the head: refused, nothing consumed
+    assert early.value.status == 409 and early.value.body["code"] == "not_next"
+    first = manager.consume(0)
+    assert first["replayed"] is False and sorted(first["group_ids"]) == ["a", "b"]
+    retry = manager.consume(0)  # the reply was lost; the trainer asks again
+    assert retry["replayed"] is True and sorted(retry["group_ids"]) == ["a", "b"]
+    assert manager.buffers()["train_version"] == 1
+    assert [e["op"] for e in manager.events()["events"]].count("consume") == 1
+
+
 def test_metrics_are_prometheus_text(manager: ManagerClient) -> None:
     manager.reserve("a", 0)
     manager.occupy("a")

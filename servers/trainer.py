@@ -1,0 +1,243 @@
+"""The trainer role: consume a Ready buffer, fetch its batch, train, push the next version, free.
+
+Exactly-once across crashes of any role:
+* consume names the buffer it means (``POST /v1/consume?version=v``), so a retry after a lost
+  reply replays instead of consuming the next buffer;
+* a batch is freed on the trajectory server only once a checkpoint covers it, so a restarted
+  trainer retrains from its newest checkpoint with the batches it consumed after it;
+* the parameter server refuses to overwrite a version, so a retrained step whose version was
+  already pushed is not pushed again, and a checkpoint newer than the newest pushed version is
+  pushed first: instances never wait for a version the trainer has moved past.
+
+Every step lands in ``steps.jsonl`` (fsynced) in the trainer's state directory: the job's live
+view, its report and the fault harness read it, whether the trainer is a thread or a process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import numpy as np
+
+from staleflow.servers.clients import ManagerClient, ServiceError, http_client
+from staleflow.training.base import TrainerBackend
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+TRANSIENT_STATUS = (502, 503, 504)
+
+
+@dataclass
+class StepRecord:
+    version: int
+    finished_at: float  # seconds since the job started (wall clock)
+    groups: int
+    trajectories: int
+    response_tokens: int
+    mean_reward: float
+    mean_length: float
+    max_length: int
+    staleness: dict[int, int]  # V_buf - V_traj -> count
+    train_seconds: float  # simulated with the sim trainer, measured with a real one
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepRecord:
+        fields = dict(data)
+        fields["staleness"] = {int(k): v for k, v in fields["staleness"].items()}
+        return cls(**fields)
+
+
+def batch_record(version: int, batch: Mapping[str, Any], finished_at: float, metrics: Mapping[str, float]) -> StepRecord:
+    trajs = batch["trajectories"]
+    lengths = [len(t["tokens"]) for t in trajs]
+    staleness: dict[int, int] = {}
+    for t in trajs:
+        staleness[version - t["v_traj"]] = staleness.get(version - t["v_traj"], 0) + 1
+    return StepRecord(
+        version, finished_at, len(batch["groups"]), len(trajs), sum(lengths),
+        float(np.mean([t["reward"] for t in trajs])) if trajs else 0.0,
+        float(np.mean(lengths)) if lengths else 0.0, max(lengths, default=0), staleness,
+        float(metrics.get("train_seconds", 0.0)), {k: float(v) for k, v in metrics.items() if k != "train_seconds"})
+
+
+class StepLog:
+    """Append-only JSON lines, one per trained step, durable before the next step starts."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, record: StepRecord) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(asdict(record)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> list[StepRecord]:
+        """One record per version (a retrained step replaces the record of its first try)."""
+        if not self.path.exists():
+            return []
+        latest: dict[int, StepRecord] = {}
+        for line in self.path.read_text().splitlines():
+            try:
+                record = StepRecord.from_json(json.loads(line))
+            except (ValueError, TypeError, KeyError):
+                continue  # a torn last line of a killed trainer
+            latest[record.version] = record
+        return [latest[v] for v in sorted(latest)]
+
+
+class TrainerStopped(Exception):
+    pass
+
+
+class TrainerLoop:
+    """Drives one backend through ``steps`` buffers; survives restarts of itself and of the
+    manager, trajectory server and parameter server (transient errors are retried for up to
+    ``outage_s`` seconds)."""
+
+    def __init__(self, backend: TrainerBackend, *, steps: int, eta: int, urls: Mapping[str, str], step_log: StepLog,
+                 stop: threading.Event, started: float | None = None, outage_s: float = 300.0,
+                 on_step: Callable[[StepRecord], None] | None = None):
+        self.backend = backend
+        self.steps = steps
+        self.eta = eta
+        self.urls = dict(urls)
+        self.step_log = step_log
+        self.stop = stop
+        self.started = time.monotonic() if started is None else started
+        self.outage_s = outage_s
+        self.on_step = on_step
+        self.push_seconds: list[float] = []
+
+    # -- retries -----------------------------------------------------------------------
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.outage_s
+        backoff = 0.05
+        while True:
+            if self.stop.is_set():
+                raise TrainerStopped(what)
+            try:
+                return fn()
+            except (httpx.TransportError, ServiceError) as exc:
+                if isinstance(exc, ServiceError) and exc.status not in TRANSIENT_STATUS:
+                    raise
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what}: still failing after {self.outage_s:.0f} s: {exc}") from exc
+                log.info("%s failed (%s); retrying", what, exc)
+            self.stop.wait(backoff)  # retry pacing while a component restarts
+            backoff = min(backoff * 2, 1.0)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        from staleflow.servers.params import ParamsClient
+
+        with ManagerClient(self.urls["manager"]) as manager, http_client(self.urls["ts"], timeout=120) as ts, \
+                ParamsClient(self.urls["params"], timeout=300) as params, \
+                ThreadPoolExecutor(1, thread_name_prefix="push") as pusher:
+            self.manager, self.ts, self.params = manager, ts, params
+            trained = self._resume_point()
+            train_version = self._retry("read the ledger", manager.buffers)["train_version"]
+            freed_below = max(0, trained - self.eta - 2)
+            freed_below = self._free(freed_below, trained)
+            pushing: Future | None = None
+            version = trained
+            while version < self.steps and not self.stop.is_set():
+                if version >= train_version:
+                    if not self._consume(version):
+                        break
+                    train_version = version + 1
+                batch = self._batch(version)
+                metrics = self.backend.train(version, batch)
+                if pushing is not None:
+                    pushing.result()  # one push at a time; it overlapped this step's training
+                pushing = pusher.submit(self._push, version + 1, self.backend.weights(version + 1))
+                if self.backend.checkpoint(version + 1):
+                    freed_below = self._free(freed_below, version + 1)
+                record = batch_record(version, batch, time.monotonic() - self.started, metrics)
+                self.step_log.append(record)
+                if self.on_step:
+                    self.on_step(record)
+                version += 1
+            if pushing is not None:
+                pushing.result()
+
+    def _resume_point(self) -> int:
+        latest = self._latest_pushed()
+        trained = self.backend.resume_version()
+        if trained is None:
+            return latest if latest is not None else 0
+        if trained > 0 and (latest is None or latest < trained):
+            self._push(trained, self.backend.weights(trained))  # the checkpoint outran the last push
+        return trained
+
+    def _latest_pushed(self) -> int | None:
+        def latest() -> int | None:
+            try:
+                return self.params.latest()["version"]
+            except ServiceError as exc:
+                if exc.status == 404:
+                    return None
+                raise
+
+        return self._retry("read the parameter server", latest)
+
+    def _consume(self, version: int) -> bool:
+        """Consume buffer ``version`` once it is Ready; False if the job is stopping."""
+        while not self.stop.is_set():
+            try:
+                self._retry(f"consume buffer {version}", lambda: self.manager.consume(version))
+                return True
+            except TrainerStopped:
+                return False
+            except ServiceError as exc:
+                if exc.status != 409 or exc.body.get("code") != "not_ready":
+                    raise
+            self.stop.wait(0.02)  # poll pacing: the buffer is not Ready yet
+        return False
+
+    def _batch(self, version: int) -> dict:
+        def fetch() -> dict:
+            reply = self.ts.get(f"/v1/batches/{version}")
+            if reply.status_code in TRANSIENT_STATUS:
+                raise ServiceError(reply.status_code, reply.text)
+            if reply.status_code != 200:
+                raise RuntimeError(f"batch {version} cannot be fetched ({reply.status_code}: {reply.text}); "
+                                   "it was freed before a checkpoint covered it")
+            return reply.json()
+
+        return self._retry(f"fetch batch {version}", fetch)
+
+    def _push(self, version: int, tensors: Mapping[str, Any]) -> None:
+        started = time.perf_counter()
+
+        def push() -> None:
+            state = self.params.versions()
+            if any(v["version"] == version for v in state["versions"]) or (state["latest"] or -1) > version:
+                return  # pushed before a restart: versions are immutable
+            for pending in state["pushes"]:
+                if pending["version"] == version:  # left unfinished by a killed trainer
+                    self.params.http.delete(f"/v1/params/{version}/push", params={"push_id": pending["push_id"]})
+            self.params.push(version, tensors)
+
+        self._retry(f"push version {version}", push)
+        self.push_seconds.append(time.perf_counter() - started)
+
+    def _free(self, freed_below: int, covered: int) -> int:
+        for v in range(freed_below, covered):
+            self._retry(f"free batch {v}", lambda v=v: self.ts.delete(f"/v1/batches/{v}"))
+        return max(freed_below, covered)
