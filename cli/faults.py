@@ -13,7 +13,7 @@ from rich.table import Table
 from staleflow.cli.common import console, fail
 from staleflow.cli.up import job_config
 
-DEFAULT_ROLES = "instance,ts,params,manager,coordinator,instance"
+DEFAULT_ROLES = "instance,ts,params,manager,coordinator,trainer,instance"
 
 
 def register(app: typer.Typer) -> None:
@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
             flags = {**defaults, **{k: v for k, v in flags.items() if v is not None}}
         cfg = job_config(config, **flags, processes=True, state_dir=state_dir / "faulty")
         if steps is None and config is None:
-            cfg = cfg.model_copy(update={"steps": every * (len(wanted) + 1) + 2})
+            cfg = cfg.model_copy(update={"steps": every * (len(wanted) + 3)})
         logging.basicConfig(level=logging.ERROR)
         say = (lambda m: None) if as_json else (lambda m: console.print(f"  {m}"))
         base = None
@@ -81,9 +81,11 @@ def register(app: typer.Typer) -> None:
                 table.add_row(role, str(r["faults"]), fmt(r["detection_s"]), fmt(r["recovery_s"]),
                               fmt(r["throughput_kept"], "{:.0%}"))
             console.print(table)
-            if report["ettr"] is not None:
-                console.print(f"ETTR {report['ettr']:.1%} (fault-free {report['baseline_wall_s']:.1f}s, "
-                              f"with faults {report['faulty_wall_s']:.1f}s)")
+            console.print(f"ETTR {report['ettr']:.1%}: {faulty.steps} steps at the run's own fault-free pace "
+                          f"({report['pace_s']:.2f}s a step) over {report['faulty_wall_s']:.1f}s with faults")
+            if report["ettr_vs_baseline"] is not None:
+                console.print(f"  against a fault-free run: {report['ettr_vs_baseline']:.1%} "
+                              f"({report['baseline_wall_s']:.1f}s vs {report['faulty_wall_s']:.1f}s)")
             console.print("checks: " + ", ".join(f"{k}={v}" for k, v in report["checks"].items()))
             for violation in report["violations"]:
                 console.print(f"[red]violation[/]: {violation}")

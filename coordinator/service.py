@@ -275,9 +275,31 @@ class Coordinator:
                 if not await self._rejoin(record, reply, "restarted (a new process at the same address)"):
                     continue
             record.last_seen = now
+            if record.status is InstanceStatus.JOINING and not await self._return_orphans(record, reply):
+                continue  # the trajectory server is unreachable: join on a later cycle
             self._observe(record, reply, now)
             if record.status is not InstanceStatus.FAILED and self.stall_timeout and now - record.last_progress > self.stall_timeout:
                 await self._declare_failed(record, f"no progress for {now - record.last_progress:.1f}s with work in hand")
+
+    async def _return_orphans(self, record: InstanceRecord, snap: dict) -> bool:
+        """Before an instance joins (at start, after a restart of it or of this coordinator):
+        trajectories the trajectory server believes routed to it but that it does not hold were
+        checked out by a coordinator that died before its Route arrived. They go back to pending
+        (their generated tokens kept); a completion that arrives later still counts once."""
+        held = set(snap["run_trajs"]) | set(snap["wait_trajs"]) | set(snap["complete_trajs"])
+        try:
+            reply = await self.ts.get("/v1/routed", params={"instance_id": record.instance_id})
+            orphans = [t["traj_id"] for t in reply.json()["trajectories"] if t["traj_id"] not in held]
+            if orphans:
+                await self.ts.post("/v1/return", json={"instance_id": record.instance_id,
+                                                       "partials": [{"traj_id": t} for t in orphans]})
+                self.stats.released += len(orphans)
+                log.warning("%d trajectories routed to %s but not there: back to pending", len(orphans),
+                            record.instance_id)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.warning("cannot check %s's trajectories yet (%s)", record.instance_id, exc)
+            return False
+        return True
 
     async def _snapshot(self, record: InstanceRecord) -> dict | None:
         reply = await record.client.get("/v1/snapshot", timeout=min(self.command_timeout, self.failure_timeout))

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import socket
-import threading
-import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
 from staleflow.servers.auth import configured_token
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # httpcore writes headers and body separately; without TCP_NODELAY, Nagle's algorithm and the
 # peer's delayed ACK stall every request with a body by ~40 ms.
@@ -154,41 +147,3 @@ class AsyncManagerClient:
 
     async def events(self, after: int = 0, limit: int = 500) -> dict:
         return await self._call("GET", "/v1/events", params={"after": after, "limit": limit})
-
-
-# ---------------------------------------------------------------------------- transient faults
-
-TRANSIENT_STATUS = frozenset({502, 503, 504})
-
-
-def is_transient(exc: BaseException) -> bool:
-    """A peer restarting: connection refused or reset, a timeout, or a 502/503/504."""
-    if isinstance(exc, httpx.TransportError | ConnectionError | TimeoutError):  # the PS's raw-socket transport too
-        return True
-    if isinstance(exc, ServiceError):
-        return exc.status in TRANSIENT_STATUS
-    if isinstance(exc, httpx.HTTPStatusError):
-        return exc.response.status_code in TRANSIENT_STATUS
-    return False
-
-
-def retry_transient(call: Callable[[], T], *, what: str, timeout: float = 120.0,
-                    stop: threading.Event | None = None, on_retry: Callable[[BaseException], None] | None = None) -> T:
-    """``call()``, retried with capped backoff while its peer is unreachable (restarting) for at
-    most ``timeout`` seconds; other errors, and the last transient one, propagate."""
-    deadline = time.monotonic() + timeout
-    backoff = 0.05
-    while True:
-        try:
-            return call()
-        except Exception as exc:
-            if not is_transient(exc) or time.monotonic() + backoff > deadline or (stop is not None and stop.is_set()):
-                raise
-            if on_retry:
-                on_retry(exc)
-            log.info("%s: %s; retrying in %.2fs", what, exc.__class__.__name__, backoff)
-        if stop is not None:
-            stop.wait(backoff)  # retry pacing while the peer restarts
-        else:
-            time.sleep(backoff)
-        backoff = min(backoff * 2, 1.0)

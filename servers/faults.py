@@ -251,11 +251,24 @@ class RunResult:
     checks: dict[str, object] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     events: list[dict] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # when each step finished, s since the start
+
+    @property
+    def pace_s(self) -> float:
+        """The median step interval away from faults: from each fault to its recovery plus one
+        step is the outage's; the rest is the run's own fault-free pace."""
+        times = [0.0, *self.step_times]
+        spans = [(f.at, (f.recovered_at or f.at)) for f in self.faults]
+        clean = []
+        for a, b in zip(times, times[1:], strict=False):
+            if not any(a <= end and b >= start for start, end in spans):
+                clean.append(b - a)
+        return float(np.median(clean)) if clean else 0.0
 
     def to_json(self) -> dict:
         return {"wall_s": self.wall_s, "steps": self.steps, "faults": [f.to_json() for f in self.faults],
                 "violations": self.violations, "checks": self.checks, "restarts": self.restarts,
-                "events": self.events}
+                "events": self.events, "step_times": self.step_times, "pace_s": self.pace_s}
 
 
 class FaultRun:
@@ -323,6 +336,7 @@ class FaultRun:
             steps = job.steps()
             wall = steps[-1].finished_at if steps else time.monotonic() - started
             result = RunResult(wall_s=wall, steps=len(steps), faults=self.faults,
+                               step_times=[st.finished_at for st in steps],
                                restarts=dict(supervisor.restarts),
                                events=[{**e, "t": e["t"] - started} for e in supervisor.events])
             supervisor.stop()
@@ -333,7 +347,7 @@ class FaultRun:
                 end = started + fault.recovered_at if fault.recovered_at is not None else time.monotonic()
                 start_abs = started + fault.at
                 window = max(end - start_abs, 3.0)
-                fault.tokens_per_s_before = meter.rate(start_abs - window, start_abs)
+                fault.tokens_per_s_before = meter.rate(start_abs - max(window, 10.0), start_abs)
                 fault.tokens_per_s_during = meter.rate(start_abs, start_abs + window)
                 fault.steps_during = meter.steps(start_abs, end)
             self._verify(job, versions, ps_versions, result)
@@ -514,8 +528,10 @@ def summarize(baseline: RunResult | None, faulty: RunResult) -> dict:
                     "detection_s": float(np.mean(r["detection_s"])) if r["detection_s"] else None,
                     "recovery_s": float(np.mean(r["recovery_s"])) if r["recovery_s"] else None,
                     "throughput_kept": float(np.mean(r["kept"])) if r["kept"] else None} for role, r in per_role.items()}
-    ettr = baseline.wall_s / faulty.wall_s if baseline and faulty.wall_s and not baseline.violations else None
-    return {"per_role": table, "ettr": ettr, "faults": len(faulty.faults), "steps": faulty.steps,
+    vs_baseline = baseline.wall_s / faulty.wall_s if baseline and faulty.wall_s and not baseline.violations else None
+    pace = faulty.pace_s
+    ettr = min(1.0, faulty.steps * pace / faulty.wall_s) if faulty.wall_s else None
+    return {"per_role": table, "ettr": ettr, "pace_s": pace, "ettr_vs_baseline": vs_baseline, "faults": len(faulty.faults), "steps": faulty.steps,
             "fault_every_steps": None, "baseline_wall_s": baseline.wall_s if baseline else None,
             "faulty_wall_s": faulty.wall_s, "violations": faulty.violations, "checks": faulty.checks,
             "baseline": baseline.to_json() if baseline else None, "faulty": faulty.to_json()}

@@ -150,6 +150,49 @@ def run_trainer(config: JobConfig, endpoints: dict[str, dict], stop: threading.E
     run_fsdp_trainer(config, urls, step_log(config), stop)
 
 
+# ---------------------------------------------------------------------------- monitoring
+
+
+@dataclass
+class Sample:
+    t: float
+    instances: dict[str, dict]  # id -> {status, version, running, waiting}
+    buffers: list[dict]
+    train_version: int
+
+
+@dataclass
+class Monitor:
+    endpoints: dict[str, dict]
+    started: float
+    samples: list[Sample] = field(default_factory=list)
+
+    def sample(self) -> Sample | None:
+        urls = {k: v["url"] for k, v in self.endpoints.items()}
+        try:
+            with http_client(urls["coordinator"], timeout=5) as co, http_client(urls["manager"], timeout=5) as mg:
+                instances = {
+                    i["instance_id"]: {
+                        "status": i["status"],
+                        "version": (i["snapshot"] or {}).get("inst_version"),
+                        "running": len((i["snapshot"] or {}).get("run_trajs") or []),
+                        "waiting": len((i["snapshot"] or {}).get("wait_trajs") or []),
+                        "throughput": i["estimated_throughput"],
+                    }
+                    for i in co.get("/v1/instances").json()["instances"]
+                }
+                buffers = mg.get("/v1/buffers").json()
+        except Exception as exc:  # a component restarting or shutting down
+            log.debug("monitor sample failed: %s", exc)
+            return None
+        s = Sample(time.monotonic() - self.started, instances, buffers["buffers"], buffers["train_version"])
+        self.samples.append(s)
+        return s
+
+
+# ---------------------------------------------------------------------------- the job
+
+
 class StateDirInUse(RuntimeError):
     pass
 
