@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
             flags = {**defaults, **{k: v for k, v in flags.items() if v is not None}}
         cfg = job_config(config, **flags, processes=True, state_dir=state_dir / "faulty")
         if steps is None and config is None:
-            cfg = cfg.model_copy(update={"steps": every * (len(wanted) + 3)})
+            cfg = cfg.model_copy(update={"steps": max(every, 6) * (len(wanted) + 2)})  # a standby warms between faults
         logging.basicConfig(level=logging.ERROR)
         say = (lambda m: None) if as_json else (lambda m: console.print(f"  {m}"))
         base = None
