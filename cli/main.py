@@ -224,6 +224,7 @@ def _register_commands() -> None:
         bench_systems,
         calibrate,
         demo,
+        faults,
         serve_instance,
         serve_params,
         serve_reward,
@@ -235,6 +236,7 @@ def _register_commands() -> None:
     bench_systems.register(bench_app)
     calibrate.register(app)
     demo.register(app)
+    faults.register(app)
     serve_instance.register(serve_app)
     serve_params.register(serve_app)
     serve_reward.register(serve_app)

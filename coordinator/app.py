@@ -127,7 +127,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "last_decision_ms": s.last_decision_ms,
             "mean_decision_ms": s.decision_ms_total / s.cycles if s.cycles else 0.0,
             "routed": s.routed, "interrupted": s.interrupted, "pulls": s.pulls, "aborts": s.aborts,
-            "failures": s.failures, "released": s.released, "strategy": {k: str(v) for k, v in vars(co(request).strategy).items()},
+            "failures": s.failures, "rejoined": s.rejoined, "released": s.released, "strategy": {k: str(v) for k, v in vars(co(request).strategy).items()},
         }
 
     return app

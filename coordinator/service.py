@@ -60,6 +60,9 @@ class InstanceRecord:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_flight: int = 0  # commands queued or running
     worker: asyncio.Task | None = None
+    boot_id: str | None = None  # the instance process's identity: a new one means it restarted
+    released: bool = True  # False: failed, but its trajectories could not be handed back yet
+    next_probe: float = 0.0  # a failed instance is probed at most once a second for a restart
 
 
 @dataclass
@@ -85,6 +88,7 @@ class CoordinatorStats:
     pulls: int = 0
     aborts: int = 0
     failures: int = 0
+    rejoined: int = 0  # failed or restarted instances that joined again (a new boot id)
     released: int = 0  # trajectories of failed instances handed back to the trajectory server
 
 
@@ -146,15 +150,41 @@ class Coordinator:
         record.validated = False
         self.p.forget(record.instance_id)
         self.stats.failures += 1
+        log.warning("instance %s declared failed: %s", record.instance_id, why)
+        record.released = False
+        await self._release(record)
+
+    async def _release(self, record: InstanceRecord) -> bool:
+        """Hand a failed or restarted instance's trajectories back to the trajectory server; a
+        failure (the TS restarting) is retried on later cycles until it succeeds."""
         try:
-            released = (await self.ts.post(f"/v1/instances/{record.instance_id}/release")).json()["released"]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            log.error("instance %s declared failed (%s) but its trajectories could not be released yet: %s",
-                      record.instance_id, why, exc)
-            return
+            reply = await self.ts.post(f"/v1/instances/{record.instance_id}/release")
+            released = reply.json()["released"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.error("trajectories of %s could not be released yet (%s); retrying", record.instance_id, exc)
+            return False
+        record.released = True
         self.stats.released += released
-        log.warning("instance %s declared failed: %s; %d trajectories back to the trajectory server",
-                    record.instance_id, why, released)
+        log.warning("%d trajectories of %s back to the trajectory server", released, record.instance_id)
+        return True
+
+    async def _rejoin(self, record: InstanceRecord, snap: dict, why: str) -> bool:
+        """A restarted instance (a new boot id): what was routed to its previous process is
+        lost there, so it goes back to pending; the new process joins like a new instance."""
+        self.p.forget(record.instance_id)
+        record.status, record.validated, record.released = InstanceStatus.FAILED, False, False
+        while not record.queue.empty():  # commands meant for the previous process
+            record.queue.get_nowait()
+            record.in_flight -= 1
+        if not await self._release(record):
+            return False
+        record.boot_id = snap.get("boot_id")
+        record.status = InstanceStatus.JOINING
+        record.progress_mark, record.unvalidated_since = None, None
+        record.last_seen = record.last_progress = time.monotonic()
+        self.stats.rejoined += 1
+        log.warning("instance %s rejoins: %s", record.instance_id, why)
+        return True
 
     # ------------------------------------------------------------------ the cycle
 
@@ -163,6 +193,9 @@ class Coordinator:
             started = time.monotonic()
             try:
                 await self.cycle()
+            except httpx.TransportError as exc:  # a peer restarting: the next cycle tries again
+                log.warning("coordinator cycle: a service is unreachable (%s: %s); continuing",
+                            exc.__class__.__name__, exc.request.url if exc.__dict__.get("_request") else "")
             except Exception:
                 log.exception("coordinator cycle failed; continuing")
             await asyncio.sleep(max(0.0, self.cycle_period - (time.monotonic() - started)))  # cycle pacing
@@ -175,8 +208,14 @@ class Coordinator:
         if not ready:
             return
         pending_reply, routed_reply = await asyncio.gather(self.ts.get("/v1/pending"), self.ts.get("/v1/routed"))
-        admission = await self.manager.admission()
-        self.ps_version = await self._ps_version()
+        try:
+            admission = await self.manager.admission()
+        except httpx.TransportError:  # the manager is restarting: route only groups it already reserved
+            admission = {}
+        try:
+            self.ps_version = await self._ps_version()
+        except httpx.TransportError:  # the PS is restarting: its newest version is the one last seen
+            pass
         pending = [self._pending(t) for t in pending_reply.json()["trajectories"]]
         on_instances = {t["traj_id"]: self._pending(t) for t in routed_reply.json()["trajectories"]}
         states = [self._state(r) for r in ready]
@@ -207,19 +246,61 @@ class Coordinator:
         return reply.json()["version"] if reply.status_code == 200 else self.ps_version
 
     async def _capture(self) -> None:
-        records = [r for r in self.instances.values() if r.status is not InstanceStatus.FAILED]
+        now = time.monotonic()
+        for record in self.instances.values():
+            if record.status is InstanceStatus.FAILED and not record.released:
+                await self._release(record)
+        failed = [r for r in self.instances.values() if r.status is InstanceStatus.FAILED and r.next_probe <= now]
+        records = [r for r in self.instances.values() if r.status is not InstanceStatus.FAILED] + failed
+        for record in failed:
+            record.next_probe = now + 1.0
         replies = await asyncio.gather(*(self._snapshot(r) for r in records), return_exceptions=True)
         now = time.monotonic()
         for record, reply in zip(records, replies, strict=True):
+            if record.status is InstanceStatus.FAILED:
+                # a failed instance stays out until its process is replaced (a supervisor restarted it)
+                if isinstance(reply, dict) and reply.get("boot_id") and reply.get("boot_id") != record.boot_id:
+                    if await self._rejoin(record, reply, "restarted after it was declared failed"):
+                        self._observe(record, reply, now)
+                continue
             if isinstance(reply, BaseException) or reply is None:
                 record.validated = False
                 if now - record.last_seen > self.failure_timeout:
                     await self._declare_failed(record, f"no snapshot for {now - record.last_seen:.1f}s")
                 continue
+            boot_id = reply.get("boot_id")
+            if record.boot_id is None:
+                record.boot_id = boot_id
+            elif boot_id and boot_id != record.boot_id:
+                # restarted before it was declared failed: the same port, a new process
+                if not await self._rejoin(record, reply, "restarted (a new process at the same address)"):
+                    continue
             record.last_seen = now
+            if record.status is InstanceStatus.JOINING and not await self._return_orphans(record, reply):
+                continue  # the trajectory server is unreachable: join on a later cycle
             self._observe(record, reply, now)
             if record.status is not InstanceStatus.FAILED and self.stall_timeout and now - record.last_progress > self.stall_timeout:
                 await self._declare_failed(record, f"no progress for {now - record.last_progress:.1f}s with work in hand")
+
+    async def _return_orphans(self, record: InstanceRecord, snap: dict) -> bool:
+        """Before an instance joins (at start, after a restart of it or of this coordinator):
+        trajectories the trajectory server believes routed to it but that it does not hold were
+        checked out by a coordinator that died before its Route arrived. They go back to pending
+        (their generated tokens kept); a completion that arrives later still counts once."""
+        held = set(snap["run_trajs"]) | set(snap["wait_trajs"]) | set(snap["complete_trajs"])
+        try:
+            reply = await self.ts.get("/v1/routed", params={"instance_id": record.instance_id})
+            orphans = [t["traj_id"] for t in reply.json()["trajectories"] if t["traj_id"] not in held]
+            if orphans:
+                await self.ts.post("/v1/return", json={"instance_id": record.instance_id,
+                                                       "partials": [{"traj_id": t} for t in orphans]})
+                self.stats.released += len(orphans)
+                log.warning("%d trajectories routed to %s but not there: back to pending", len(orphans),
+                            record.instance_id)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.warning("cannot check %s's trajectories yet (%s)", record.instance_id, exc)
+            return False
+        return True
 
     async def _snapshot(self, record: InstanceRecord) -> dict | None:
         reply = await record.client.get("/v1/snapshot", timeout=min(self.command_timeout, self.failure_timeout))

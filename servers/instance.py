@@ -33,6 +33,7 @@ import hashlib
 import logging
 import math
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -413,6 +414,7 @@ class InstanceServer:
         self.seq = 0
         self.outbox = Outbox(config.outbox_limit)
         self.callback_delivered = 0
+        self.boot_id = uuid.uuid4().hex  # a restarted instance is a new one: the coordinator tells them apart
         self._lock = asyncio.Lock()
         self._recorded: OrderedDict[str, _Recorded] = OrderedDict()
         self._tasks: list[asyncio.Task[None]] = []
@@ -511,6 +513,7 @@ class InstanceServer:
             snap = await self.engine.snapshot()
             return {
                 "instance_id": self.instance_id,
+                "boot_id": self.boot_id,
                 "seq": self.seq,
                 "timestamp": time.time(),
                 "engine_time": snap.time,

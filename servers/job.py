@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -218,6 +220,7 @@ class Job:
         self.started = time.monotonic()
         self.servers: list[RunningServer] = []
         self.processes: list[subprocess.Popen] = []
+        self.procs: dict[str, subprocess.Popen] = {}  # by component name, the newest process of each
         self.step_log = step_log(config)
         self.monitor = Monitor(self.endpoints, self.started)
         self.trainer_thread: threading.Thread | None = None
@@ -288,7 +291,11 @@ class Job:
                  "--endpoints", str(self.state / "endpoints.planned.json")],
                 stdout=log_file, stderr=subprocess.STDOUT, text=True,
                 env={**os.environ, STARTED_ENV: repr(self.started)})
+        return self._await_up(name, proc, log_path)
+
+    def _await_up(self, name: str, proc: subprocess.Popen, log_path: Path) -> subprocess.Popen:
         self.processes.append(proc)
+        self.procs[name] = proc
         if name == TRAINER:
             return proc  # no endpoint: the job watches its process and its step log
         with http_client(self.endpoints[name]["url"], timeout=2) as probe:
@@ -304,6 +311,35 @@ class Job:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"component {name} did not come up in 60 s; see {log_path}")
                 self.stop.wait(0.05)
+
+    # -- one role at a time (the fault supervisor's hooks; --processes only) -------------------
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> subprocess.Popen:
+        """Send ``sig`` to component ``name``'s process (SIGKILL: a crash; SIGSTOP: a hang)."""
+        proc = self.procs[name]
+        proc.send_signal(sig)
+        return proc
+
+    def restart(self, name: str, standby: subprocess.Popen | None = None) -> None:
+        """Start component ``name`` again at its planned port, after its process died or was
+        killed; returns once it answers its health probe. A warm ``standby`` process (see
+        ``staleflow.servers.standby``) takes the role without a cold start."""
+        old = self.procs[name]
+        if old.poll() is None:
+            old.kill()
+        old.wait()
+        self.processes.remove(old)
+        if standby is None:
+            proc = self._spawn(name)
+        else:
+            assert standby.stdin is not None
+            standby.stdin.write(json.dumps({"name": name, "job": str(self.state / "job.json"),
+                                            "endpoints": str(self.state / "endpoints.planned.json"),
+                                            "started": self.started}) + "\n")
+            standby.stdin.flush()
+            proc = self._await_up(name, standby, self.state / "logs" / f"{name}.log")
+        if name == TRAINER:
+            self.trainer_process = proc
 
     def write_planned_endpoints(self) -> None:
         (self.state / "endpoints.planned.json").write_text(json.dumps(self.endpoints, indent=2))

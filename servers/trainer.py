@@ -132,7 +132,7 @@ class TrainerLoop:
                 raise TrainerStopped(what)
             try:
                 return fn()
-            except (httpx.TransportError, ServiceError) as exc:
+            except (httpx.TransportError, ConnectionError, ServiceError) as exc:  # ConnectionError: the PS's raw push socket
                 if isinstance(exc, ServiceError) and exc.status not in TRANSIENT_STATUS:
                     raise
                 if time.monotonic() > deadline:

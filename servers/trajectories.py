@@ -302,17 +302,25 @@ class TrajectoryServer:
             self._work.clear()
             try:
                 await self.process_completed()
-            except Exception:  # a failing reward backend or ledger: log, retry on the next completion
-                log.exception("processing completed trajectories failed")
+            except Exception as exc:  # a failing reward backend or ledger (restarting): retry shortly
+                if isinstance(exc, httpx.TransportError):
+                    log.warning("processing completed trajectories failed (%s: the manager or reward server "
+                                "is unreachable); retrying", exc.__class__.__name__)
+                else:
+                    log.exception("processing completed trajectories failed; retrying")
+                await asyncio.sleep(0.5)  # retry pacing while a peer restarts
+                self._work.set()
 
     async def process_completed(self) -> None:
         todo = [t for t in self.store.trajs.values() if t.state is TrajState.COMPLETED]
         if todo:
             batch = [(t.traj_id, self.tokenizer.decode(t.tokens), self.store.groups[t.group_id].answer) for t in todo]
             scores = await self.reward(batch)
-            ready = self.store.rewarded({t.traj_id: s for t, s in zip(todo, scores, strict=True)})
-            for g in ready:
-                await self._close_reserved_group(g)
+            self.store.rewarded({t.traj_id: s for t, s in zip(todo, scores, strict=True)})
+        # every group with enough rewarded members, including those whose Occupy failed before
+        # (the manager restarting) or was cut short by a restart of this server
+        for g in self.store.closable_groups():
+            await self._close_reserved_group(g)
         self.refill()
 
     async def _close_reserved_group(self, g: GroupRecord) -> None:

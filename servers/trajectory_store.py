@@ -350,6 +350,12 @@ class TrajectoryStore:
                     ready.append(g)
             return ready
 
+    def closable_groups(self) -> list[GroupRecord]:
+        """Reserved groups with enough rewarded members: to be occupied (or filtered)."""
+        with self.lock:
+            return [g for g in self.groups.values()
+                    if g.state is GroupState.RESERVED and len(self.group_rewarded(g)) >= g.needed]
+
     def group_rewarded(self, g: GroupRecord) -> list[TrajRecord]:
         return [self.trajs[m] for m in g.member_ids if self.trajs[m].state is TrajState.REWARDED]
 
