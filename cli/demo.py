@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
     @app.command("init-demo")
     def init_demo(
         digits: Annotated[int, typer.Option(help="digits per operand of the arithmetic task")] = 2,
-        ops: Annotated[str, typer.Option(help="operators of the task, from + - *")] = "+-",
+        ops: Annotated[str, typer.Option(help="operators of the task, from + - *")] = "+",
         force: Annotated[bool, typer.Option("--force", help="rebuild even if it exists")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="print the build report as JSON")] = False,
     ) -> None:

@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
         wanted = [r.strip() for r in roles.split(",") if r.strip()]
         if every < 1:
             raise fail("--every must be at least 1", "inject at most one fault per training step")
-        defaults = {"workload": "ci-tiny", "instances": 3, "speed": 20.0, "max_tokens": 48, "batch_size": 4,
+        defaults = {"engine": "sim", "workload": "ci-tiny", "instances": 3, "speed": 20.0, "max_tokens": 48, "batch_size": 4,
                     "group_size": 2, "eta": 1}
         flags = {"workload": workload, "instances": instances, "speed": speed, "steps": steps}
         if config is None:

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -50,6 +50,7 @@ from staleflow.servers.clients import async_http_client
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import (
     CompletedTrajectory,
+    EngineSnapshot,
     EngineError,
     RolloutEngine,
     SamplingParams,
@@ -416,6 +417,7 @@ class InstanceServer:
         self.callback_delivered = 0
         self.boot_id = uuid.uuid4().hex  # a restarted instance is a new one: the coordinator tells them apart
         self._lock = asyncio.Lock()
+        self._pulling = False
         self._recorded: OrderedDict[str, _Recorded] = OrderedDict()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -505,25 +507,34 @@ class InstanceServer:
         if isinstance(command, AbortCommand):
             abort = await self.engine.abort(command.traj_ids)
             return {"aborted": abort.aborted, "not_found": abort.not_found}
-        partials = await self.engine.load_weights(command.weights_ref())
+        self._pulling = True
+        try:
+            partials = await self.engine.load_weights(command.weights_ref())
+        finally:
+            self._pulling = False
         return {"version": command.version, "partials": [trajectory_json(p) for p in partials]}
 
     async def snapshot(self) -> dict[str, Any]:
-        async with self._lock:
+        if self._pulling:  # a weight load can take a while: answer without waiting for it
             snap = await self.engine.snapshot()
-            return {
-                "instance_id": self.instance_id,
-                "boot_id": self.boot_id,
-                "seq": self.seq,
-                "timestamp": time.time(),
-                "engine_time": snap.time,
-                "kv_cache": snap.kv_cache,
-                "run_trajs": list(snap.run_trajs),
-                "wait_trajs": list(snap.wait_trajs),
-                "complete_trajs": list(snap.complete_trajs),
-                "inst_version": snap.inst_version,
-                "loading_weights": snap.loading_weights,
-            }
+            return self._snapshot_json(replace(snap, loading_weights=True))
+        async with self._lock:
+            return self._snapshot_json(await self.engine.snapshot())
+
+    def _snapshot_json(self, snap: EngineSnapshot) -> dict[str, Any]:
+        return {
+            "instance_id": self.instance_id,
+            "boot_id": self.boot_id,
+            "seq": self.seq,
+            "timestamp": time.time(),
+            "engine_time": snap.time,
+            "kv_cache": snap.kv_cache,
+            "run_trajs": list(snap.run_trajs),
+            "wait_trajs": list(snap.wait_trajs),
+            "complete_trajs": list(snap.complete_trajs),
+            "inst_version": snap.inst_version,
+            "loading_weights": snap.loading_weights,
+        }
 
     async def advance(self, request: AdvanceIn) -> dict[str, Any]:
         engine = self.engine

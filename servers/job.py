@@ -121,7 +121,9 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
             instances=[InstanceEndpoint(instance_id=i, url=url[i]) for i in instance_ids(config)],
             routing=config.routing, sync=config.sync, migration=config.migration, mu=config.mu,
             phi_wait=config.phi_wait, phi_throughput=config.phi_throughput, cycle_period=config.cycle_period,
-            failure_timeout=max(5.0, 20 * config.cycle_period)))
+            # a real engine on a busy CPU can take tens of seconds for a step or a weight load
+            failure_timeout=max(5.0, 20 * config.cycle_period) if config.engine == "sim" else 60.0,
+            **({} if config.engine == "sim" else {"command_timeout": 120.0, "stall_timeout": 120.0})))
     raise ValueError(f"unknown component {name!r}; components are {', '.join(component_names(config))}")
 
 
@@ -251,7 +253,16 @@ class Job:
         self.token = write_token_file(self.state / "token")
         self._previous_token = os.environ.get(TOKEN_ENV)
         os.environ[TOKEN_ENV] = self.token  # restored by shutdown()
+        launched: list[tuple[str, subprocess.Popen, Path]] = []
         for name in component_names(self.config):
+            if name == "coordinator":  # instances start side by side (a vLLM engine takes a while)
+                for item in launched:
+                    self._await_up(*item)
+                    if on_started:
+                        on_started(item[0], self.endpoints[item[0]]["url"])
+            if in_own_process(name, self.config) and name.startswith("inst-"):
+                launched.append(self._launch(name))
+                continue
             if in_own_process(name, self.config):
                 self._spawn(name)
             else:
@@ -282,6 +293,9 @@ class Job:
             self.stop.set()
 
     def _spawn(self, name: str) -> subprocess.Popen:
+        return self._await_up(*self._launch(name))
+
+    def _launch(self, name: str) -> tuple[str, subprocess.Popen, Path]:
         log_path = self.state / "logs" / f"{name}.log"
         if not (self.state / "endpoints.planned.json").exists():
             self.write_planned_endpoints()
@@ -291,15 +305,16 @@ class Job:
                  "--endpoints", str(self.state / "endpoints.planned.json")],
                 stdout=log_file, stderr=subprocess.STDOUT, text=True,
                 env={**os.environ, STARTED_ENV: repr(self.started)})
-        return self._await_up(name, proc, log_path)
+        return name, proc, log_path
 
     def _await_up(self, name: str, proc: subprocess.Popen, log_path: Path) -> subprocess.Popen:
         self.processes.append(proc)
         self.procs[name] = proc
         if name == TRAINER:
             return proc  # no endpoint: the job watches its process and its step log
+        limit = 60 if self.config.engine == "sim" else 900  # a vLLM engine on a busy CPU starts slowly
         with http_client(self.endpoints[name]["url"], timeout=2) as probe:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + limit
             while True:  # the child binds, then serves: wait until it answers
                 if proc.poll() is not None:
                     raise RuntimeError(f"component {name} exited with {proc.returncode}; see {log_path}")
@@ -309,7 +324,7 @@ class Job:
                 except Exception:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"component {name} did not come up in 60 s; see {log_path}")
+                    raise RuntimeError(f"component {name} did not come up in {limit} s; see {log_path}")
                 self.stop.wait(0.05)
 
     # -- one role at a time (the fault supervisor's hooks; --processes only) -------------------

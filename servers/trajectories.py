@@ -356,6 +356,8 @@ class TrajectoryServer:
                 log.debug("ledger event poll failed: %s", exc)
             else:
                 for event in page["events"]:
+                    if event["op"] == "consume":
+                        self.store.mark_consumed(event["detail"].get("consumed", []))
                     for group_id in event["detail"].get("cancelled", []):
                         self.cancel_group(group_id)
                     if event["op"] == "abort" and event["group_id"] in self.store.groups:

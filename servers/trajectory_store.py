@@ -413,22 +413,36 @@ class TrajectoryStore:
                 out.extend((t, g) for t in members[: g.needed])
             return out
 
+    def mark_consumed(self, group_ids: Iterable[str]) -> int:
+        """The ledger consumed these groups: they leave the in-flight budget (so new prompts are
+        sampled) while their payloads stay until the trainer frees the batch."""
+        with self.lock:
+            groups = []
+            for gid in group_ids:
+                g = self.groups.get(gid)
+                if g is not None and g.state in LIVE_GROUP_STATES:
+                    g.state = GroupState.CONSUMED
+                    groups.append(g)
+            self._persist(groups=groups, trajs=[])
+            return len(groups)
+
     def free(self, group_ids: list[str]) -> int:
-        """The trainer has the batch: mark it consumed and drop its payloads."""
+        """The trainer no longer needs the batch: drop its payloads (the groups are consumed)."""
         with self.lock:
             groups, changed = [], []
             for gid in group_ids:
                 g = self.groups.get(gid)
-                if g is None or g.state is GroupState.CONSUMED:
+                if g is None:
+                    continue
+                members = [self.trajs[m] for m in g.member_ids if self.trajs[m].state is TrajState.REWARDED]
+                if g.state is GroupState.CONSUMED and not members:
                     continue
                 g.state = GroupState.CONSUMED
                 groups.append(g)
-                for m in g.member_ids:
-                    t = self.trajs[m]
-                    if t.state is TrajState.REWARDED:
-                        t.state = TrajState.CONSUMED
-                        t.tokens, t.logprobs = (), ()
-                        changed.append(t)
+                for t in members:
+                    t.state = TrajState.CONSUMED
+                    t.tokens, t.logprobs = (), ()
+                    changed.append(t)
             self._persist(groups=groups, trajs=changed)
             return len(groups)
 

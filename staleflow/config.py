@@ -123,7 +123,7 @@ class TaskConfig(StrictModel):
     """The built-in verifiable task: arithmetic with exact answers, generated from the seed."""
 
     digits: int = Field(2, ge=1, le=12, description="digits per operand")
-    ops: str = Field("+-", pattern=r"^[+\-*]{1,3}$", description="operators drawn from: + - *")
+    ops: str = Field("+", pattern=r"^[+\-*]{1,3}$", description="operators drawn from: + - *")
 
 
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -139,7 +139,8 @@ class JobConfig(StrictModel):
     """Everything `staleflow up` runs. The same file drives embedded and multi-process runs.
     Fields left out take their engine's defaults (``ENGINE_DEFAULTS``), then the ones below."""
 
-    engine: Literal["sim", "vllm"] = "sim"
+    engine: Literal["sim", "vllm"] = Field("vllm", description="vllm: a real job (vLLM rollouts, FSDP2 trainer); "
+                                                             "sim: a simulated cluster")
     steps: int = Field(10, ge=1, description="training steps (buffers consumed) to run")
     state_dir: Path = Path(".staleflow")
     ledger: LedgerConfig = LedgerConfig(eta=2, batch_size=16, group_size=8)
@@ -172,7 +173,7 @@ class JobConfig(StrictModel):
     @classmethod
     def _engine_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            engine = data.get("engine", "sim")
+            engine = data.get("engine", "vllm")
             return {**ENGINE_DEFAULTS.get(engine, {}), **data}
         return data
 

@@ -15,7 +15,7 @@ from staleflow.servers.faults import FaultRun, summarize
 
 @pytest.mark.timeout(240)
 def test_every_role_killed_once_the_job_finishes_intact(tmp_path: Path) -> None:
-    config = JobConfig(workload="ci-tiny", max_tokens=48, instances=3, speed=20.0, steps=50,
+    config = JobConfig(engine="sim", workload="ci-tiny", max_tokens=48, instances=3, speed=20.0, steps=50,
                        ledger=LedgerConfig(eta=1, batch_size=4, group_size=2), state_dir=tmp_path / "run")
     roles = ["instance", "ts", "params", "manager", "coordinator", "trainer", "instance"]
     result = FaultRun(config, roles, every=2, hang_instance=True, deadline_s=180).run()

@@ -61,7 +61,7 @@ def test_loopback_without_a_token_runs_open_and_says_so(tmp_path: Path, monkeypa
 def test_up_writes_an_owner_only_token_and_the_cli_uses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     state = tmp_path / "run"
-    result = CliRunner().invoke(app, ["up", "--steps", "1", "--state-dir", str(state), "--workload", "ci-tiny",
+    result = CliRunner().invoke(app, ["up", "--engine", "sim", "--steps", "1", "--state-dir", str(state), "--workload", "ci-tiny",
                                       "--max-tokens", "32", "--instances", "1", "--batch-size", "2", "--group-size",
                                       "2", "--eta", "1"])
     assert result.exit_code == 0, result.output

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from staleflow.cli.main import app
 
-SMALL = ["--workload", "ci-tiny", "--max-tokens", "48", "--instances", "2", "--batch-size", "4", "--group-size", "2",
+SMALL = ["--engine", "sim", "--workload", "ci-tiny", "--max-tokens", "48", "--instances", "2", "--batch-size", "4", "--group-size", "2",
          "--eta", "1", "--speed", "20"]
 
 

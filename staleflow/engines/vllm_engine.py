@@ -55,8 +55,9 @@ from staleflow.engines.base import (
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "staleflow.engines.vllm_worker.StaleflowWorkerExtension"
-# one in-process engine per instance process, offline, no telemetry (set unless the user did)
-ENGINE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+# offline, no telemetry (unless the user set otherwise); the engine core keeps its own process so
+# the instance server stays responsive while a step runs
+ENGINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 

@@ -29,14 +29,14 @@ class DemoSpec:
     """What the demo model is; the directory is rebuilt when any of this changes."""
 
     digits: int = 2
-    ops: str = "+-"
+    ops: str = "+"
     vocab_size: int = 384
     hidden_size: int = 128
     layers: int = 4
     heads: int = 4
     kv_heads: int = 2
     intermediate_size: int = 384
-    sft_steps: int = 300
+    sft_steps: int = 325  # measured: 200 steps 4 %, 325 steps 12 %, 500 steps 95 % greedy accuracy
     sft_batch: int = 64
     sft_lr: float = 3e-3
     seed: int = 0
