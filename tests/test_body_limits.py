@@ -104,9 +104,13 @@ def test_bodies_within_the_limit_still_work_streamed_or_not(services: dict[str, 
 def test_ps_chunk_uploads_are_bounded_per_chunk_not_by_the_body_limit(services: dict[str, str]) -> None:
     chunk = LIMIT * 3  # over the general limit, within the PS's chunk size
     with httpx.Client(base_url=services["params"], timeout=30) as client:
-        push = client.post("/v1/params/1", json={"tensors": [{"name": "w", "dtype": "uint8", "shape": [chunk]}]})
+        push = client.post("/v1/params/1", json={"tensors": [{"name": "w", "dtype": "U8", "shape": [chunk]}]})
         assert push.status_code == 201, push.text
-        put = client.put("/v1/params/1/chunks/0", params={"push_id": push.json()["push_id"]}, content=b"\0" * chunk)
+        import zlib
+
+        data = b"\0" * chunk
+        put = client.put("/v1/params/1/chunks/0", params={"push_id": push.json()["push_id"]}, content=data,
+                         headers={"x-staleflow-checksum": f"crc32:{zlib.crc32(data):08x}"})
         assert put.status_code < 300, put.text
 
 
