@@ -54,6 +54,12 @@ class ArithmeticTask:
         text = f"Compute {a} {op} {b}. Put the final answer in \\boxed{{}}."
         return Prompt(index, text, str(value))
 
+    @staticmethod
+    def longest_prompt_tokens(digits: int) -> int:
+        """Tokens (``ByteTokenizer``) of the longest prompt ``prompt`` can make with ``digits``."""
+        widest = "9" * digits
+        return len(ByteTokenizer().encode(f"Compute {widest} * {widest}. Put the final answer in \\boxed{{}}."))
+
     def __iter__(self) -> Iterator[Prompt]:
         index = 0
         while True:
