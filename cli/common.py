@@ -79,7 +79,7 @@ def validation_failure(exc: ValidationError, flag_names: dict[str, str] | None =
     (they are set in the config file only)."""
     explained = [explain(e, flag_names or {}, model, complete_flags) for e in exc.errors()]
     if len(explained) == 1:
-        return fail(f"invalid configuration: {explained[0][0]}", explained[0][1])
+        return fail(f"invalid configuration:\n  {explained[0][0]}", explained[0][1])
     problems = "".join(f"\n  {problem}\n    fix: {fix}" for problem, fix in explained)
     return fail(f"invalid configuration:{problems}", "correct each value named above")
 

@@ -54,12 +54,12 @@ def load_config_file(path: Path) -> dict[str, Any]:
 def job_config(file: Path | None, **flags: Any) -> JobConfig:
     data = load_config_file(file) if file else {}
     ranks = flags.pop("trainer_ranks", None)
-    if ranks is not None:
+    if ranks is not None and isinstance(data.get("trainer", {}), dict):  # else validation names the wrong section
         data["trainer"] = {**data.get("trainer", {}), "world_size": ranks}
-    ledger = dict(data.get("ledger", {}))
+    ledger = data.get("ledger", {})
     for key in ("eta", "batch_size", "group_size"):
-        if flags.get(key) is not None:
-            ledger[key] = flags.pop(key)
+        if flags.get(key) is not None and isinstance(ledger, dict):
+            ledger = {**ledger, key: flags[key]}
         flags.pop(key, None)
     if ledger:
         data["ledger"] = ledger
