@@ -109,12 +109,14 @@ class DatasetPrompts:
                 raise RuntimeError("reading Parquet needs pyarrow: pip install pyarrow") from exc
             yield from pq.read_table(self.path).to_pylist()
             return
-        with self.path.open() as f:
+        with self.path.open("rb") as f:
             for line in f:
                 if not line.strip():
                     continue
                 try:
-                    yield json.loads(line)
+                    yield json.loads(line.decode())
+                except UnicodeDecodeError:
+                    self.skipped.add("not UTF-8")
                 except json.JSONDecodeError:
                     self.skipped.add("invalid JSON")
 
