@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import typer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
 
 console = Console()
@@ -24,14 +26,62 @@ def fail(message: str, fix: str | None = None, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def validation_failure(exc: ValidationError, flag_names: dict[str, str] | None = None) -> typer.Exit:
-    flag_names = flag_names or {}
-    lines = []
-    for error in exc.errors():
-        field = ".".join(str(p) for p in error["loc"]) or "config"
-        flag = flag_names.get(field, "--" + field.split(".")[-1].replace("_", "-"))
-        lines.append(f"{field} ({flag}): {error['msg']}")
-    return fail("invalid configuration:\n  " + "\n  ".join(lines), "correct the values named above")
+_BOUNDS = {"greater_than_equal": ("ge", "{} or more"), "greater_than": ("gt", "more than {}"),
+           "less_than_equal": ("le", "{} or less"), "less_than": ("lt", "less than {}")}
+_KINDS = {"int": "a whole number", "float": "a number", "bool": "true or false", "string": "a string",
+          "dict": "a mapping of settings", "list": "a list", "path": "a path"}
+
+
+def _fields_at(model: type[BaseModel] | None, loc: tuple) -> dict[str, Any]:
+    """The fields of the (nested) model that ``loc`` points into."""
+    for part in loc:
+        field = model.model_fields.get(str(part)) if model else None
+        annotation = field.annotation if field else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return dict(model.model_fields) if model else {}
+
+
+def explain(error: dict, flag_names: dict[str, str], model: type[BaseModel] | None = None,
+            complete_flags: bool = False) -> tuple[str, str]:
+    """One pydantic error as (what is wrong, how to fix it), naming the field and its flag."""
+    loc = tuple(error["loc"])
+    field = ".".join(str(p) for p in loc) or "config"
+    flag = flag_names.get(field) or (None if complete_flags or not loc else "--" + str(loc[-1]).replace("_", "-"))
+    name = f"{field} ({flag})" if flag else field
+    lead = f"{name}: " if loc else ""  # a check across fields names them in its message
+    kind, msg, ctx, given = error["type"], error["msg"], error.get("ctx") or {}, error.get("input")
+    if kind in _BOUNDS:
+        key, template = _BOUNDS[kind]
+        return f"{name}: {msg} (got {given!r})", f"set {name} to {template.format(ctx.get(key))}"
+    if kind == "extra_forbidden":
+        known = _fields_at(model, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        where = ".".join(str(p) for p in loc[:-1]) or "the top level"
+        fix = (f"did you mean {close[0]!r}? rename or remove it" if close else
+               f"remove it; the settings at {where} are {', '.join(sorted(known)) or 'in the docs'}")
+        return f"{field}: unknown setting", fix
+    if kind.endswith(("_parsing", "_type")) and kind.split("_")[0] in _KINDS:
+        expected = _KINDS[kind.split("_")[0]]
+        return f"{name}: got {given!r}, which is not {expected}", f"give {name} {expected}"
+    if kind in ("literal_error", "enum"):
+        return f"{name}: {msg} (got {given!r})", f"set {name} to one of {ctx.get('expected')}"
+    if kind == "missing":
+        return f"{name}: required", f"set {name}"
+    text = msg.removeprefix("Value error, ")
+    problem, _, fix = text.partition("; fix: ")
+    return f"{lead}{problem}", fix or f"correct {name}"
+
+
+def validation_failure(exc: ValidationError, flag_names: dict[str, str] | None = None,
+                       model: type[BaseModel] | None = None, complete_flags: bool = False) -> typer.Exit:
+    """One message for a configuration that does not validate: each wrong field with its flag,
+    what is wrong and the fix. ``complete_flags``: fields missing from ``flag_names`` have no flag
+    (they are set in the config file only)."""
+    explained = [explain(e, flag_names or {}, model, complete_flags) for e in exc.errors()]
+    if len(explained) == 1:
+        return fail(f"invalid configuration:\n  {explained[0][0]}", explained[0][1])
+    problems = "".join(f"\n  {problem}\n    fix: {fix}" for problem, fix in explained)
+    return fail(f"invalid configuration:{problems}", "correct each value named above")
 
 
 def endpoints(state_dir: Path) -> dict:

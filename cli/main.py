@@ -190,6 +190,16 @@ def commands(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR
     console.print(table)
 
 
+def _health_detail(health: dict) -> str:
+    """A component's health in one cell; the TS's skipped prompts in full, as they need acting on."""
+    rest = ", ".join(f"{k}={v}" for k, v in health.items() if k not in ("status", "skipped_prompts"))[:80]
+    skipped = health.get("skipped_prompts")
+    if isinstance(skipped, dict) and skipped.get("count"):
+        reasons = ", ".join(f"{n} {reason}" for reason, n in (skipped.get("reasons") or {}).items())
+        return f"skipped prompts: {skipped['count']} ({reasons}); {rest}"
+    return rest
+
+
 @app.command()
 def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> None:
     """Every component of the running job in --state-dir: up or not, and its headline numbers."""
@@ -212,7 +222,7 @@ def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> 
     for col in ("component", "url", "state", "detail"):
         table.add_column(col)
     for name, row in rows.items():
-        detail = ", ".join(f"{k}={v}" for k, v in (row["health"] or {}).items() if k != "status")[:80]
+        detail = _health_detail(row["health"] or {})
         table.add_row(name, row["url"], "[green]up[/]" if row["up"] else "[red]down[/]", detail)
     console.print(table)
 

@@ -23,7 +23,11 @@ from staleflow.cli.common import console, fail, validation_failure
 from staleflow.config import JobConfig
 
 FLAG_NAMES = {"ledger.eta": "--eta", "ledger.batch_size": "--batch-size", "ledger.group_size": "--group-size",
-              "trainer.world_size": "--trainer-ranks"}
+              "trainer.world_size": "--trainer-ranks", "max_tokens": "--max-tokens", "state_dir": "--state-dir",
+              "base_port": "--base-port", **{f: f"--{f}" for f in ("engine", "steps", "instances", "routing", "sync",
+                                                                   "migration", "workload", "model", "seed", "speed",
+                                                                   "processes")}}
+"""Every field `up` has a flag for; the others are set in the --config file."""
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -38,8 +42,10 @@ def load_config_file(path: Path) -> dict[str, Any]:
             data = json.loads(path.read_text())
         else:
             raise fail(f"config file {path}: use .yaml, .toml or .json")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise fail(f"config file {path} is not valid: {exc}") from None
+    except OSError as exc:
+        raise fail(f"cannot read config file {path}: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise fail(f"config file {path} must hold a mapping of settings")
     return data
@@ -48,12 +54,12 @@ def load_config_file(path: Path) -> dict[str, Any]:
 def job_config(file: Path | None, **flags: Any) -> JobConfig:
     data = load_config_file(file) if file else {}
     ranks = flags.pop("trainer_ranks", None)
-    if ranks is not None:
+    if ranks is not None and isinstance(data.get("trainer", {}), dict):  # else validation names the wrong section
         data["trainer"] = {**data.get("trainer", {}), "world_size": ranks}
-    ledger = dict(data.get("ledger", {}))
+    ledger = data.get("ledger", {})
     for key in ("eta", "batch_size", "group_size"):
-        if flags.get(key) is not None:
-            ledger[key] = flags.pop(key)
+        if flags.get(key) is not None and isinstance(ledger, dict):
+            ledger = {**ledger, key: flags[key]}
         flags.pop(key, None)
     if ledger:
         data["ledger"] = ledger
@@ -61,7 +67,7 @@ def job_config(file: Path | None, **flags: Any) -> JobConfig:
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:
-        raise validation_failure(exc, FLAG_NAMES) from None
+        raise validation_failure(exc, FLAG_NAMES, JobConfig, complete_flags=True) from None
 
 
 def _view(config: JobConfig, progress: Progress, sample: Any, steps: list) -> Group:

@@ -5,7 +5,10 @@ is valid immediately: connections queue in the backlog until the server accepts 
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
+import os
+import re
 import socket
 import sys
 import threading
@@ -13,11 +16,97 @@ import time
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from staleflow.servers.auth import protect
 
 log = logging.getLogger(__name__)
+
+MAX_BODY_ENV = "STALEFLOW_MAX_BODY_BYTES"
+DEFAULT_MAX_BODY_BYTES = 256 << 20
+"""Large enough for a route command that migrates hundreds of 20K-token partials; a bound all the
+same, so one request cannot make a component buffer gigabytes."""
+
+
+def max_body_bytes(limit: int | None = None) -> int:
+    """The explicit limit, else ``$STALEFLOW_MAX_BODY_BYTES``, else the default."""
+    if limit is not None:
+        return limit
+    raw = os.environ.get(MAX_BODY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_BODY_BYTES
+    if not raw.isdigit() or int(raw) < 1:
+        log.warning("$%s=%r is not a positive whole number of bytes; using the default %d",
+                    MAX_BODY_ENV, raw, DEFAULT_MAX_BODY_BYTES)
+        return DEFAULT_MAX_BODY_BYTES
+    return int(raw)
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int, path: str):
+        super().__init__(413, f"request body to {path} is over this server's limit of {limit} bytes; raise it by "
+                              f"starting the server with ${MAX_BODY_ENV} set higher, or send less per request")
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``limit`` bytes with 413: by Content-Length before reading,
+    and by counting what arrives for chunked or under-declared bodies. Paths matching the app's
+    ``state.body_limit_exempt`` (a regex; the PS's chunk uploads, bounded per chunk) pass."""
+
+    def __init__(self, app: ASGIApp, limit: int, exempt: str | None = None):
+        self.app = app
+        self.limit = limit
+        self.exempt = re.compile(exempt) if exempt else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (self.exempt and self.exempt.match(scope["path"])):
+            await self.app(scope, receive, send)
+            return
+        limit, path = self.limit, scope["path"]
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(send, BodyTooLarge(limit, path))
+            return
+        received = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit, path)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLarge as exc:  # read outside FastAPI's body parsing, which answers 413 itself
+            if started:
+                raise
+            await self._refuse(send, exc)
+
+    @staticmethod
+    async def _refuse(send: Send, exc: BodyTooLarge) -> None:
+        body = json.dumps({"detail": exc.detail, "code": "body_too_large"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def harden(app: FastAPI, host: str, token: str | None, body_limit: int | None = None) -> None:
+    """What every served component gets: the token check (or the refusal of an open
+    non-loopback bind) and the request-body limit."""
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes(body_limit),
+                       exempt=getattr(app.state, "body_limit_exempt", None))
+    protect(app, host, token, is_loopback(host))
 
 
 def is_loopback(host: str) -> bool:
@@ -79,12 +168,13 @@ class StartupFailed(RuntimeError):
 
 
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                    startup_timeout: float = 60.0, token: str | None = None) -> RunningServer:
+                    startup_timeout: float = 60.0, token: str | None = None,
+                    body_limit: int | None = None) -> RunningServer:
     """Serve ``app`` from a daemon thread; returns once its lifespan has started.
 
     A lifespan that fails raises ``StartupFailed`` here instead of leaving a socket that never
-    answers."""
-    protect(app, host, token, is_loopback(host))
+    answers. Request bodies over ``body_limit`` bytes (default: ``max_body_bytes()``) get 413."""
+    harden(app, host, token, body_limit)
     sock = bind_socket(host, port)
     server = uvicorn.Server(_uvicorn_config(app, log_level))
     failure: list[BaseException] = []
@@ -107,12 +197,13 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_le
     return RunningServer(url_for(sock), server, thread)
 
 
-def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info", token: str | None = None) -> None:
+def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info", token: str | None = None,
+                  body_limit: int | None = None) -> None:
     """Serve in the foreground until SIGINT/SIGTERM (uvicorn handles both gracefully).
 
     With a token (or $STALEFLOW_TOKEN), mutating requests need it; without one, a non-loopback
-    ``host`` is refused."""
-    protect(app, host, token, is_loopback(host))
+    ``host`` is refused. Request bodies over ``body_limit`` bytes get 413."""
+    harden(app, host, token, body_limit)
     sock = bind_socket(host, port)
     # printed at every log level: supervisors (staleflow up, tests) wait for this line
     print(f"{app.title} listening on {url_for(sock)}", file=sys.stderr, flush=True)

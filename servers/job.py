@@ -111,7 +111,7 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
             vllm = VllmConfig(**{"seed": config.seed + index, **config.vllm_args, "model": str(model_dir(config))})
             return create_app(InstanceConfig(instance_id=name, engine="vllm", vllm=vllm, completion_callback_url=callback))
         sim = SimConfig(workload=config.workload, workload_seed=config.seed, seed=config.seed + index,
-                        clock="real", speed=config.speed)
+                        clock="real", speed=config.speed, kv_budget=config.kv_budget)
         return create_app(InstanceConfig(instance_id=name, engine=config.engine, sim=sim, completion_callback_url=callback))
     if name == "coordinator":
         from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint, create_app

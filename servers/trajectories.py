@@ -222,7 +222,9 @@ class TrajectoryServer:
         self.prompts = DatasetPrompts(config.dataset, config.prompt_field, config.answer_field,
                                       config.max_prompt_chars) if config.dataset else ArithmeticTask(
                                           config.seed, config.task.digits, config.task.ops)
-        self.too_long = SkippedRows()  # prompts over max_prompt_tokens, counted, never routed
+        self.too_long = SkippedRows()  # prompts over max_prompt_tokens, counted once each, never routed
+        self._too_long_seen: set[str] = set()
+        self._warned_nothing_fits = False
         params = config.ledger.params()
         self.members, self.needed = params.group_members, params.group_size
         self._work = asyncio.Event()
@@ -241,9 +243,15 @@ class TrajectoryServer:
             index += 1
             ids = tuple(self.tokenizer.encode(p.text))
             if len(ids) > self.config.max_prompt_tokens:
-                self.too_long.add(f"prompt longer than {self.config.max_prompt_tokens} tokens")
+                if p.text not in self._too_long_seen:  # a cycled dataset meets the same row again
+                    self._too_long_seen.add(p.text)
+                    self.too_long.add(f"prompt longer than {self.config.max_prompt_tokens} tokens")
                 continue
             rows.append((p.index, p.text, p.answer, ids))
+        if not rows and not self._warned_nothing_fits:
+            self._warned_nothing_fits = True
+            log.warning("no prompt of the %d read fits max_prompt_tokens=%d: nothing to sample; raise it or "
+                        "shorten the dataset's prompts", index - start, self.config.max_prompt_tokens)
         self.store.add_groups(rows, self.members, self.needed, index)
         return len(rows)
 

@@ -153,6 +153,7 @@ class JobConfig(StrictModel):
     phi_throughput: float = Field(5.0, ge=1)
     workload: str = Field("demo", description="sim workload preset: demo, ci-tiny, paper-20k, paper-40k")
     max_tokens: int = Field(2048, ge=1, description="response length limit")
+    kv_budget: int = Field(int(CostModel.kv_budget), ge=1, description="sim: KV cache budget of each instance, in tokens")
     seed: int = 0
     speed: float = Field(40.0, gt=0, description="sim clock: simulated seconds per real second")
     cycle_period: float = Field(0.05, gt=0, description="coordinator cycle, seconds")
@@ -184,4 +185,20 @@ class JobConfig(StrictModel):
 
             if self.workload not in PRESETS:
                 raise ValueError(f"workload {self.workload!r} is not a sim preset; choose one of {sorted(PRESETS)}")
+            from staleflow.tasks import ArithmeticTask
+
+            # the sim engine sees the TS's byte tokens; dataset prompts are checked as they are read
+            prompt = 1 if self.dataset else ArithmeticTask.longest_prompt_tokens(self.task.digits)
+            self._fits("kv_budget", self.kv_budget, "the sim KV budget (kv_budget, tokens)", prompt)
+        elif isinstance(limit := self.vllm_args.get("max_model_len"), int):
+            self._fits("vllm_args.max_model_len", limit, "vllm_args.max_model_len", 1)  # the model's tokens: >= 1
         return self
+
+    def _fits(self, field: str, capacity: int, what: str, prompt: int) -> None:
+        """A prompt of ``prompt`` tokens plus ``max_tokens`` must fit ``capacity``, or nothing can ever run."""
+        if prompt + self.max_tokens <= capacity:
+            return
+        source = f"the task's longest prompt ({prompt} tokens)" if prompt > 1 else "a one-token prompt"
+        fix = f"lower max_tokens (--max-tokens) to at most {capacity - prompt} or " if capacity > prompt else ""
+        raise ValueError(f"{what} is {capacity}, too small for {source} plus max_tokens {self.max_tokens}; "
+                         f"fix: {fix}raise {field} to at least {prompt + self.max_tokens}")

@@ -54,6 +54,12 @@ class ArithmeticTask:
         text = f"Compute {a} {op} {b}. Put the final answer in \\boxed{{}}."
         return Prompt(index, text, str(value))
 
+    @staticmethod
+    def longest_prompt_tokens(digits: int) -> int:
+        """Tokens (``ByteTokenizer``) of the longest prompt ``prompt`` can make with ``digits``."""
+        widest = "9" * digits
+        return len(ByteTokenizer().encode(f"Compute {widest} * {widest}. Put the final answer in \\boxed{{}}."))
+
     def __iter__(self) -> Iterator[Prompt]:
         index = 0
         while True:
@@ -103,12 +109,14 @@ class DatasetPrompts:
                 raise RuntimeError("reading Parquet needs pyarrow: pip install pyarrow") from exc
             yield from pq.read_table(self.path).to_pylist()
             return
-        with self.path.open() as f:
+        with self.path.open("rb") as f:
             for line in f:
                 if not line.strip():
                     continue
                 try:
-                    yield json.loads(line)
+                    yield json.loads(line.decode())
+                except UnicodeDecodeError:
+                    self.skipped.add("not UTF-8")
                 except json.JSONDecodeError:
                     self.skipped.add("invalid JSON")
 

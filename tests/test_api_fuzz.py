@@ -19,6 +19,10 @@ from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
 from staleflow.servers.manager import create_app as manager_app
+from staleflow.servers.params import ParamsConfig
+from staleflow.servers.params import create_app as params_app
+from staleflow.servers.reward import RewardConfig
+from staleflow.servers.reward import create_app as reward_app
 from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
 from staleflow.servers.trajectories import create_app as ts_app
 
@@ -29,7 +33,9 @@ FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(Healt
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp: Path = tmp_path_factory.mktemp("fuzz")
     with ExitStack() as stack:
-        manager = stack.enter_context(serve_in_thread(manager_app(manager_config(tmp, eta=2, batch_size=3))))
+        manager = stack.enter_context(serve_in_thread(manager_app(
+            # NORMAL: fsync per commit is what the crash tests check; here it would only slow the fuzzing
+            manager_config(tmp, eta=2, batch_size=3).model_copy(update={"synchronous": "NORMAL"}))))
         ts = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
             ledger=LedgerConfig(eta=2, batch_size=3, group_size=1), manager_url=manager.url, state_dir=tmp,
             reward="sim", sampling=SamplingConfig(max_tokens=16)))))
@@ -41,7 +47,11 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         coordinator = stack.enter_context(serve_in_thread(coordinator_app(CoordinatorConfig(
             manager_url=manager.url, ts_url=ts.url, cycle_period=0.05,
             instances=[InstanceEndpoint(instance_id="driven", url=driven.url)]))))
-        yield {"manager": manager, "ts": ts, "instance": instance, "coordinator": coordinator}
+        params = stack.enter_context(serve_in_thread(params_app(ParamsConfig(
+            state_dir=tmp / "params", chunk_bytes=1 << 16, fsync=False))))
+        reward = stack.enter_context(serve_in_thread(reward_app(RewardConfig(workers=1, timeout_s=2))))
+        yield {"manager": manager, "ts": ts, "instance": instance, "coordinator": coordinator, "params": params,
+               "reward": reward}
 
 
 def fuzz_service(url: str) -> int:
@@ -63,7 +73,7 @@ def fuzz_service(url: str) -> int:
     return len(operations)
 
 
-@pytest.mark.parametrize("name", ["manager", "ts", "instance", "coordinator"])
+@pytest.mark.parametrize("name", ["manager", "ts", "instance", "coordinator", "params", "reward"])
 def test_service_never_answers_5xx(services: dict, name: str) -> None:
     assert fuzz_service(services[name].url) >= 3
 
