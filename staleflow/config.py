@@ -126,6 +126,7 @@ class TaskConfig(StrictModel):
     ops: str = Field("+", pattern=r"^[+\-*]{1,3}$", description="operators drawn from: + - *")
 
 
+JOB_LEDGER: dict[str, Any] = {"eta": 2, "batch_size": 16, "group_size": 8}
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
     # a simulated cluster: paper-like long responses on four instances, the simulated trainer
     "sim": {"instances": 4, "max_tokens": 2048, "steps": 10},
@@ -143,7 +144,7 @@ class JobConfig(StrictModel):
                                                              "sim: a simulated cluster")
     steps: int = Field(10, ge=1, description="training steps (buffers consumed) to run")
     state_dir: Path = Path(".staleflow")
-    ledger: LedgerConfig = LedgerConfig(eta=2, batch_size=16, group_size=8)
+    ledger: LedgerConfig = LedgerConfig(**JOB_LEDGER)
     instances: int = Field(4, ge=1, le=1024, description="rollout instances")
     routing: Literal["throughput", "vanilla"] = "throughput"
     sync: Literal["selective", "greedy", "global"] = "selective"
@@ -175,7 +176,9 @@ class JobConfig(StrictModel):
     def _engine_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
             engine = data.get("engine", "vllm")
-            return {**ENGINE_DEFAULTS.get(engine, {}), **data}
+            data = {**ENGINE_DEFAULTS.get(engine, {}), **data}
+            if isinstance(data.get("ledger"), dict):  # a partial ledger section keeps the job's other defaults
+                data["ledger"] = {**JOB_LEDGER, **data["ledger"]}
         return data
 
     @model_validator(mode="after")

@@ -23,9 +23,9 @@ CASES = [  # (flags, config file text or None, what the message must say)
     ([], "colour: blue\n", ["colour: unknown setting", "the settings at the top level are", "max_tokens"]),
     ([], "ledger: 3\n", ["ledger", "LedgerConfig"]),
     ([], "trainer:\n  algorithm:\n    lr: 0\n", ["trainer.algorithm.lr:", "greater than 0", "more than 0"]),
-    ([], "kv_budget: 60\nmax_tokens: 20\n", ["sim KV budget (kv_budget, tokens) is 60", "longest prompt (51 tokens)",
+    ([], "engine: sim\nkv_budget: 60\nmax_tokens: 20\n", ["sim KV budget (kv_budget, tokens) is 60", "longest prompt (51 tokens)",
                                            "lower max_tokens (--max-tokens) to at most 9", "raise kv_budget to at least 71"]),
-    (["--max-tokens", "100"], "kv_budget: 20\n", ["kv_budget", "raise kv_budget to at least 151"]),
+    (["--max-tokens", "100"], "engine: sim\nkv_budget: 20\n", ["kv_budget", "raise kv_budget to at least 151"]),
     (["--engine", "vllm", "--max-tokens", "600"], None, ["vllm_args.max_model_len is 512",
                                                          "raise vllm_args.max_model_len to at least 601"]),
     ([], "- a list\n", ["must hold a mapping of settings"]),
@@ -61,6 +61,6 @@ def test_flags_override_a_wrong_file_value(tmp_path: Path) -> None:
     """The file's value is replaced by the flag's before validation: no error for a fixed field."""
     from staleflow.cli.up import job_config
 
-    (tmp_path / "job.yaml").write_text("ledger:\n  eta: -1\nkv_budget: 60\nmax_tokens: 20\n")
+    (tmp_path / "job.yaml").write_text("engine: sim\nledger:\n  eta: -1\nkv_budget: 60\nmax_tokens: 20\n")
     config = job_config(tmp_path / "job.yaml", eta=1, max_tokens=8)
     assert config.ledger.eta == 1 and config.max_tokens == 8 and config.kv_budget == 60
