@@ -100,7 +100,8 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
             instances=[InstanceEndpoint(instance_id=i, url=url[i]) for i in instance_ids(config)],
             routing=config.routing, sync=config.sync, migration=config.migration, mu=config.mu,
             phi_wait=config.phi_wait, phi_throughput=config.phi_throughput, cycle_period=config.cycle_period,
-            failure_timeout=max(5.0, 20 * config.cycle_period)))
+            failure_timeout=max(5.0, 20 * config.cycle_period),
+            calibration=config.calibration))
     raise ValueError(f"unknown component {name!r}; components are {', '.join(component_names(config))}")
 
 

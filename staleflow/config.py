@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from staleflow.calibration import CalibrationRef
 from staleflow.cost_model import CostModel
 from staleflow.ledger import LedgerParams
 
@@ -123,6 +124,8 @@ class JobConfig(StrictModel):
     base_port: int = Field(0, ge=0, le=65000, description="first port of the components; 0 picks free ports")
     host: str = "127.0.0.1"
     processes: bool = Field(False, description="run every component as its own process instead of embedded")
+    # issue 10: the coordinator's cost model from a `staleflow calibrate` entry (default: CostConfig's)
+    calibration: CalibrationRef | None = Field(None, description="calibration file entry for the coordinator")
 
     @model_validator(mode="after")
     def _engine_needs(self) -> JobConfig:
