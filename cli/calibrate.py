@@ -159,10 +159,10 @@ def _document(entry: CalibrationEntry, report: DecodeReport, out: Path, written:
 
 def _crossover_text(entry: CalibrationEntry) -> str:
     if entry.crossover_n is None:
-        return "none observed (memory-bound throughout)"
+        return ": none observed (memory-bound throughout)"
     if entry.regime == "compute-bound only":
-        return f"<= {entry.crossover_n:g} (compute-bound throughout)"
-    return f"{entry.crossover_n:.1f}"
+        return f" <= {entry.crossover_n:g} (compute-bound throughout)"
+    return f" = {entry.crossover_n:.1f}"
 
 
 def _print_summary(entry: CalibrationEntry, doc: dict[str, Any]) -> None:
@@ -188,7 +188,7 @@ def _print_summary(entry: CalibrationEntry, doc: dict[str, Any]) -> None:
         held = f"{q.holdout_mape:.2%} cross-validated ({q.folds} folds over {q.holdout_points} grid points)"
     crossover = _crossover_text(entry)
     lines = [
-        f"regime: {entry.regime}; crossover n* = k2/k3 = {crossover}",
+        f"regime: {entry.regime}; crossover n* (k2/k3){crossover}",
         f"throughput error: {held} (in sample {q.mape:.2%}, worst {q.max_ape:.2%}; paper: {PAPER_MAPE:.2%})",
         f"step-latency r² {q.r2:.4f}; relative residuals mean {q.residual_mean:+.2%}, sd {q.residual_std:.2%}",
         f"k5 = {entry.cost.k5:.4g} {entry.kv_unit}/token (r² {q.kv_r2:.4f}); "
@@ -224,6 +224,7 @@ def plot_calibration(entry: CalibrationEntry, report: DecodeReport, path: Path) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
 
     measured = np.array([s.n / s.latency for s in report.samples])
@@ -252,9 +253,10 @@ def plot_calibration(entry: CalibrationEntry, report: DecodeReport, path: Path) 
                       label=f"cross-validated ({q.holdout_mape:.2%} error)")
     right.set_xscale("log")
     right.set_yscale("log")
+    right.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # crowded on a narrow decade
     right.set_xlabel("actual throughput (tokens/s)")
     right.set_ylabel("estimated throughput (tokens/s)")
-    right.set_title(f"r² {q.r2:.3f}, n* = {_crossover_text(entry)}")
+    right.set_title(f"r² {q.r2:.3f}, n*{_crossover_text(entry)}")
     right.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
