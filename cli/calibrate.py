@@ -15,6 +15,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -60,6 +61,7 @@ VLLM_GRID = ProfileConfig(
     trim=1.5,
     max_foreign_load=0.3,
     retries=4,
+    subtract_wait=True,
     prefill_contexts=(128, 512, 1024, 2048),
     prefill_reps=2,
     weight_loads=2,
@@ -96,7 +98,7 @@ def _sim_probe(cost: dict[str, float], noise: float, seed: int, prefill: float, 
 
 
 def _vllm_probe(model: Path | None, dtype: str, max_model_len: int, kv_cache_gib: int | None,
-                max_num_seqs: int | None, enforce_eager: bool) -> Probe:
+                max_num_seqs: int | None, enforce_eager: bool, cpu_threads: int | None = None) -> Probe:
     if model is None:
         raise fail("--engine vllm needs --model DIR (a local model directory)")
     if not model.is_dir():
@@ -105,6 +107,11 @@ def _vllm_probe(model: Path | None, dtype: str, max_model_len: int, kv_cache_gib
     from staleflow.engines.vllm_engine import VllmEngineParams
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the report / --json
+    if cpu_threads is not None:  # CPU builds: the engine core's OpenMP threads, unpinned (see docs/calibrate.md)
+        if cpu_threads < 1:
+            raise fail(f"--cpu-threads must be >= 1, got {cpu_threads}")
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     params = VllmEngineParams(model=str(model), dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                               max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
     return VllmProbe.create(params)
@@ -116,12 +123,18 @@ async def _profile_and_fit(
     columns = (TextColumn("[bold]calibrate[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     # on stderr, so --json output stays clean; only where someone watches
-    with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as progress:
+    started = time.monotonic()
+
+    def plain(done: int, total: int, what: str) -> None:  # a line per step where no terminal shows the bar
+        err_console.print(f"calibrate [{done}/{total}] {what} ({time.monotonic() - started:.0f} s)", highlight=False)
+
+    live = err_console.is_terminal
+    with Progress(*columns, console=err_console, transient=True, disable=not live) as progress:
         task = progress.add_task("starting the engine", total=None)
         await probe.start()
         try:
-            data = await profile(probe, config, lambda done, total, what: progress.update(
-                task, completed=done, total=total, description=what))
+            data = await profile(probe, config, (lambda done, total, what: progress.update(
+                task, completed=done, total=total, description=what)) if live else plain)
         finally:
             progress.update(task, description="stopping the engine")
             await probe.close()
@@ -146,10 +159,10 @@ def _document(entry: CalibrationEntry, report: DecodeReport, out: Path, written:
 
 def _crossover_text(entry: CalibrationEntry) -> str:
     if entry.crossover_n is None:
-        return "none observed (memory-bound throughout)"
+        return ": none observed (memory-bound throughout)"
     if entry.regime == "compute-bound only":
-        return f"<= {entry.crossover_n:g} (compute-bound throughout)"
-    return f"{entry.crossover_n:.1f}"
+        return f" <= {entry.crossover_n:g} (compute-bound throughout)"
+    return f" = {entry.crossover_n:.1f}"
 
 
 def _print_summary(entry: CalibrationEntry, doc: dict[str, Any]) -> None:
@@ -175,7 +188,7 @@ def _print_summary(entry: CalibrationEntry, doc: dict[str, Any]) -> None:
         held = f"{q.holdout_mape:.2%} cross-validated ({q.folds} folds over {q.holdout_points} grid points)"
     crossover = _crossover_text(entry)
     lines = [
-        f"regime: {entry.regime}; crossover n* = k2/k3 = {crossover}",
+        f"regime: {entry.regime}; crossover n* (k2/k3){crossover}",
         f"throughput error: {held} (in sample {q.mape:.2%}, worst {q.max_ape:.2%}; paper: {PAPER_MAPE:.2%})",
         f"step-latency r² {q.r2:.4f}; relative residuals mean {q.residual_mean:+.2%}, sd {q.residual_std:.2%}",
         f"k5 = {entry.cost.k5:.4g} {entry.kv_unit}/token (r² {q.kv_r2:.4f}); "
@@ -211,6 +224,7 @@ def plot_calibration(entry: CalibrationEntry, report: DecodeReport, path: Path) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
 
     measured = np.array([s.n / s.latency for s in report.samples])
@@ -239,9 +253,10 @@ def plot_calibration(entry: CalibrationEntry, report: DecodeReport, path: Path) 
                       label=f"cross-validated ({q.holdout_mape:.2%} error)")
     right.set_xscale("log")
     right.set_yscale("log")
+    right.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # crowded on a narrow decade
     right.set_xlabel("actual throughput (tokens/s)")
     right.set_ylabel("estimated throughput (tokens/s)")
-    right.set_title(f"r² {q.r2:.3f}, n* = {_crossover_text(entry)}")
+    right.set_title(f"r² {q.r2:.3f}, n*{_crossover_text(entry)}")
     right.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,6 +294,8 @@ def register(app: typer.Typer) -> None:
         kv_cache_gib: Annotated[int | None, typer.Option(help="vllm (CPU): KV cache GiB")] = None,
         max_num_seqs: Annotated[int | None, typer.Option(help="vllm: max_num_seqs")] = None,
         enforce_eager: Annotated[bool, typer.Option(help="vllm: eager mode (no torch.compile)")] = True,
+        cpu_threads: Annotated[int | None, typer.Option(
+            help="vllm CPU build: OpenMP threads of the engine, unpinned (default: vLLM's, one per core, pinned)")] = None,
         # the grid (defaults depend on the engine)
         n_values: Annotated[str | None, typer.Option(help="running counts, comma-separated")] = None,
         contexts: Annotated[str | None, typer.Option(help="prompt lengths, comma-separated")] = None,
@@ -290,6 +307,9 @@ def register(app: typer.Typer) -> None:
         passes: Annotated[int | None, typer.Option(help="grid passes; each point keeps its fastest")] = None,
         max_foreign_load: Annotated[float | None, typer.Option(
             help="real time: drop intervals in which other processes used more cores than this")] = None,
+        subtract_wait: Annotated[bool | None, typer.Option(
+            "--subtract-wait/--no-subtract-wait",
+            help="real time: leave out the time the engine's thread waited for a CPU held by others")] = None,
         # the fit
         folds: Annotated[int, typer.Option(help="cross-validation folds over grid points (0: none)")] = 4,
         bootstrap: Annotated[int, typer.Option(help="bootstrap rounds for coefficient spread (0: off)")] = 20,
@@ -318,13 +338,14 @@ def register(app: typer.Typer) -> None:
                                       prefill_seconds_per_token, max_running)
             base, name = SIM_GRID, model_name or "sim"
         else:
-            probe = _vllm_probe(model, dtype, max_model_len, kv_cache_gib, max_num_seqs, enforce_eager)
+            probe = _vllm_probe(model, dtype, max_model_len, kv_cache_gib, max_num_seqs, enforce_eager, cpu_threads)
             base, name = VLLM_GRID, model_name or os.path.basename(os.path.normpath(str(model)))
         config = _config(
             base, n_values=_ints(n_values, "--n-values"), contexts=_ints(contexts, "--contexts"),
             samples_per_point=samples_per_point, steps_per_sample=steps_per_sample,
             max_sample_seconds=max_sample_seconds, prefill_contexts=_ints(prefill_contexts, "--prefill-contexts"),
             weight_loads=weight_loads, passes=passes, max_foreign_load=max_foreign_load, seed=seed,
+            subtract_wait=subtract_wait,
         )
         fit = dict(model=name, parallelism=parallelism, engine=engine, thresholds=thresholds, folds=folds,
                    truth=truth, bootstrap=bootstrap)

@@ -242,12 +242,15 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         resume: Annotated[bool, typer.Option("--resume", help="continue the run in --state-dir")] = False,
         fresh: Annotated[bool, typer.Option("--fresh", help="discard an unfinished run in --state-dir")] = False,
         json_log: Annotated[bool, typer.Option("--json-log", help="JSON lines instead of the live view")] = False,
+        calibration: Annotated[Path | None, typer.Option(
+            help="`staleflow calibrate` file for the coordinator's cost model (one model in it)")] = None,
     ) -> None:
         """Run StaleFlow on this machine: every component, a short RL job, a report at the end."""
         job = job_config(config, engine=engine, steps=steps, state_dir=state_dir, eta=eta, batch_size=batch_size,
                          group_size=group_size, instances=instances, routing=routing, sync=sync, migration=migration,
                          workload=workload, max_tokens=max_tokens, seed=seed, speed=speed, base_port=base_port,
-                         processes=processes, model=model, trainer_ranks=trainer_ranks)
+                         processes=processes, model=model, trainer_ranks=trainer_ranks,
+                         calibration={"file": str(calibration)} if calibration else None)
         if job.engine == "vllm":
             prepare_real_job(job)
         raise typer.Exit(run_up(job, resume, fresh, json_log))

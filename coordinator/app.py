@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from staleflow.calibration import CalibrationRef, calibrated_cost
 from staleflow.config import CostConfig, HttpUrl, ServiceConfig
 from staleflow.coordinator.service import Coordinator
 from staleflow.strategies import MigrationMode, RoutingMode, StrategyConfig, SyncMode
@@ -41,7 +42,14 @@ class CoordinatorConfig(ServiceConfig):
     failure_timeout: float = Field(10.0, gt=0, description="an instance silent this long is declared failed")
     stall_timeout: float = Field(60.0, ge=0, description="running work with no progress this long: failed (0: never)")
     cost: CostConfig = CostConfig()
+    calibration: CalibrationRef | None = Field(
+        None, description="take cost from this `staleflow calibrate` entry (instead of giving cost)")
     sim_weights_bytes: int | None = Field(None, ge=0, description="Pull size for sim instances without a PS")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cost_from_calibration(cls, data: Any) -> Any:
+        return calibrated_cost(data)
 
     def strategy(self) -> StrategyConfig:
         return StrategyConfig(routing=self.routing, sync=self.sync, migration=self.migration, mu=self.mu,

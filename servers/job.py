@@ -123,6 +123,7 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
             phi_wait=config.phi_wait, phi_throughput=config.phi_throughput, cycle_period=config.cycle_period,
             # a real engine on a busy CPU can take tens of seconds for a step or a weight load
             failure_timeout=max(5.0, 20 * config.cycle_period) if config.engine == "sim" else 60.0,
+            calibration=config.calibration,
             **({} if config.engine == "sim" else {"command_timeout": 120.0, "stall_timeout": 120.0})))
     raise ValueError(f"unknown component {name!r}; components are {', '.join(component_names(config))}")
 

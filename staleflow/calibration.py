@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from staleflow.cost_model import CostModel
 
@@ -619,6 +619,57 @@ def load_calibration(
     return load_entry(path, model, parallelism, allow_poor=allow_poor).cost.cost_model()
 
 
+class CalibrationRef(_Strict):
+    """Where a service's cost model comes from: an entry of a calibration file (``calibration:`` in a
+    job or coordinator config). Validating it loads the entry, so a missing file, an unknown model or
+    a poor fit is refused when the config is read, naming the field."""
+
+    file: Path = Field(description="calibration file written by `staleflow calibrate`")
+    model: str | None = Field(None, description="model key; may be left out when the file has one model")
+    parallelism: str | None = Field(None, description="parallelism key; may be left out when the model has one")
+    allow_poor: bool = Field(False, description="use an entry marked ok=false (a poor fit)")
+
+    def entry(self) -> CalibrationEntry:
+        """The referenced entry (CalibrationError naming the problem otherwise)."""
+        file = read_calibration(self.file)
+        model = self.model or _only(file.entries, f"{str(self.file)!r} holds models", "model")
+        parallelism = self.parallelism
+        if parallelism is None and model in file.entries:
+            parallelism = _only(file.entries[model], f"model {model!r} has parallelisms", "parallelism")
+        return load_entry(self.file, model, parallelism or "tp1", allow_poor=self.allow_poor)
+
+    def cost(self) -> dict[str, float]:
+        """The coefficients as the coordinator's ``cost`` section (``CostConfig``) takes them."""
+        return self.entry().cost.model_dump()
+
+    @model_validator(mode="after")
+    def _loads(self) -> CalibrationRef:
+        self.entry()
+        return self
+
+
+def _only(keys: dict[str, Any], what: str, field: str) -> str:
+    if len(keys) == 1:
+        return next(iter(keys))
+    raise CalibrationError(f"{what} {sorted(keys) or 'none'}: name the one to use with calibration.{field}")
+
+
+def calibrated_cost(data: Any) -> Any:
+    """For a config's ``mode="before"`` validator: fill ``cost`` from ``calibration`` when one is given.
+
+    A ``cost`` that differs from the calibrated one is refused (which would win is not obvious); the
+    same one (a dumped config read back) is fine. A config without ``calibration`` is returned as is.
+    """
+    if not isinstance(data, dict) or data.get("calibration") is None:
+        return data
+    ref = data["calibration"]
+    ref = ref if isinstance(ref, CalibrationRef) else CalibrationRef.model_validate(ref)
+    cost, given = ref.cost(), data.get("cost")
+    if given is not None and (given.model_dump() if isinstance(given, BaseModel) else dict(given)) != cost:
+        raise ValueError("give either cost (coefficients) or calibration (a calibration file), not both")
+    return {**data, "calibration": ref, "cost": cost}
+
+
 def entry_summary(entry: CalibrationEntry) -> dict[str, Any]:
     """The headline numbers of an entry, flat (for tables and logs)."""
     q = entry.quality
@@ -633,6 +684,7 @@ __all__ = [
     "CalibrationEntry",
     "CalibrationError",
     "CalibrationFile",
+    "CalibrationRef",
     "CostCoefficients",
     "DecodeFit",
     "DecodeReport",
@@ -643,6 +695,7 @@ __all__ = [
     "Thresholds",
     "bootstrap_spread",
     "build_entry",
+    "calibrated_cost",
     "entry_summary",
     "fit_decode",
     "fit_kv_footprint",

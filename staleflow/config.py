@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from staleflow.calibration import CalibrationRef
 from staleflow.cost_model import CostModel
 from staleflow.ledger import LedgerParams
 
@@ -167,6 +168,8 @@ class JobConfig(StrictModel):
                                                  "model (a tiny Qwen2 built and warmed up here on first use)")
     task: TaskConfig = TaskConfig()
     dataset: Path | None = Field(None, description="JSONL/Parquet prompts with answers instead of the built-in task")
+    # the coordinator's cost model from a `staleflow calibrate` entry (default: CostConfig's)
+    calibration: CalibrationRef | None = Field(None, description="calibration file entry for the coordinator")
     vllm_args: dict[str, Any] = Field(
         default_factory=lambda: {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1, "max_num_seqs": 128},
         description="vllm: settings of each instance's engine (staleflow.servers.instance.VllmConfig)")

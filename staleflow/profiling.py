@@ -79,6 +79,7 @@ class ProfileConfig:
     trim: float | None = None  # drop intervals off their point's median by more than this factor
     max_foreign_load: float | None = None  # real time: drop intervals in which others used > this many cores
     retries: int = 0  # real time: re-measure a point this often while its intervals are disturbed
+    subtract_wait: bool = False  # real time: time an interval without the engine thread's run-queue wait
     retry_pause_s: float = 1.0
     timeout_s: float = 300.0  # real-time engines: give up on a point after this long
     seed: int = 0
@@ -127,6 +128,7 @@ class ProfileData:
     intervals: int = 0
     disturbed: int = 0  # intervals dropped because other processes competed for the CPU
     foreign_load: list[float] = field(default_factory=list)  # cores other processes used, per interval
+    waited: list[float] = field(default_factory=list)  # run-queue wait subtracted, fraction of each interval
 
 
 # ---------------------------------------------------------------------------------------- probes
@@ -160,6 +162,52 @@ class CpuMeter:
             cpu = [int(v) for v in f.readline().split()[1:]]
         busy = cpu[0] + cpu[1] + cpu[2] + sum(cpu[5:8])  # user nice system (idle iowait) irq softirq steal
         return (busy - self._tree_ticks()) / self.hz
+
+    def engine_wait_seconds(self) -> float | None:
+        """Seconds the engine's stepping thread has spent runnable but not running (``schedstat``).
+
+        That thread is the main thread of the descendant process named ``VLLM::EngineCore`` (vLLM's
+        engine core, which runs the step loop). Subtracted from an interval's wall time it removes the
+        time other processes held the CPU the engine wanted; None where it cannot be read.
+        """
+        pid = self._engine_pid
+        if pid is None:
+            pid = self._engine_pid = self._find_engine()
+            if pid is None:
+                return None
+        try:
+            with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+                return int(f.read().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            self._engine_pid = None  # exited (restarted engine): look again next time
+            return None
+
+    _engine_pid: int | None = None
+
+    def _find_engine(self) -> int | None:
+        for pid, parent, comm in self._processes():
+            if comm.startswith("VLLM::EngineCor") and self._descends(pid, parent):
+                return pid
+        return None
+
+    def _processes(self) -> list[tuple[int, int, str]]:
+        found = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat") as f:
+                        head, rest = f.read().rsplit(")", 1)
+                except OSError:
+                    continue
+                found.append((int(entry.name), int(rest.split()[1]), head.split("(", 1)[1]))
+        return found
+
+    def _descends(self, pid: int, parent: int) -> bool:
+        parents = {p: q for p, q, _ in self._processes()}
+        p, hops = parent, 0
+        while p > 1 and p != self.root and hops < 64:
+            p, hops = parents.get(p, 0), hops + 1
+        return p == self.root
 
     def _tree_ticks(self) -> int:
         parents: dict[int, int] = {}
@@ -471,6 +519,7 @@ class _Boundary:
     running: int
     held: float  # tokens held by the running trajectories
     foreign: float | None  # CPU seconds used by other processes so far (None: not metered)
+    waited: float | None = None  # seconds the engine's stepping thread was runnable but not running so far
 
 
 async def _boundary(probe: Probe, ids: Sequence[str], context: int) -> _Boundary | None:
@@ -481,7 +530,8 @@ async def _boundary(probe: Probe, ids: Sequence[str], context: int) -> _Boundary
         return None
     tokens = sum(counts)  # type: ignore[arg-type]
     return _Boundary(t, tokens, float(snap.kv_cache), len(snap.run_trajs) if not snap.wait_trajs else -1,
-                     len(ids) * context + tokens, probe.meter.foreign_seconds() if probe.meter else None)
+                     len(ids) * context + tokens, probe.meter.foreign_seconds() if probe.meter else None,
+                     probe.meter.engine_wait_seconds() if probe.meter else None)
 
 
 @dataclass
@@ -492,6 +542,7 @@ class PointResult:
     pairs: list[tuple[float, float]] = field(default_factory=list)  # (tokens held, snapshot kv)
     disturbed: list[DecodeSample] = field(default_factory=list)  # intervals other processes competed in
     foreign: list[float] = field(default_factory=list)  # cores other processes used, per interval
+    waited: list[float] = field(default_factory=list)  # fraction of each interval the engine waited for a CPU
     note: str | None = None
 
     def merge(self, other: PointResult) -> None:
@@ -499,6 +550,7 @@ class PointResult:
         self.pairs += other.pairs
         self.disturbed += other.disturbed
         self.foreign += other.foreign
+        self.waited += other.waited
         self.note = self.note or other.note
 
 
@@ -543,8 +595,14 @@ async def measure_decode_point(probe: Probe, config: ProfileConfig, prompts: _Pr
             result.pairs.append((current.held, current.kv))
             generated = current.tokens - previous.tokens
             elapsed = current.time - previous.time
+            waited = None if current.waited is None or previous.waited is None else current.waited - previous.waited
+            if config.subtract_wait and waited is not None and 0 <= waited < elapsed:
+                result.waited.append(waited / elapsed)
+                timed = elapsed - waited
+            else:
+                timed = elapsed
             if generated > 0:
-                sample = DecodeSample(n, (previous.kv + current.kv) / 2, elapsed * n / generated, point, generated / n)
+                sample = DecodeSample(n, (previous.kv + current.kv) / 2, timed * n / generated, point, generated / n)
                 foreign = None
                 if current.foreign is not None and previous.foreign is not None:
                     foreign = (current.foreign - previous.foreign) / elapsed
@@ -633,6 +691,7 @@ async def profile(probe: Probe, config: ProfileConfig, progress: ProgressFn | No
             data.intervals += len(result.samples) + len(result.disturbed)
             data.disturbed += len(result.disturbed)
             data.foreign_load += result.foreign
+            data.waited += result.waited
             samples = trim_outliers(result.samples or result.disturbed, config.trim)  # disturbed: only if nothing else
             if result.note:
                 data.notes.append(result.note)
@@ -656,6 +715,9 @@ async def profile(probe: Probe, config: ProfileConfig, progress: ProgressFn | No
         data.notes.append(f"{data.disturbed} of {data.intervals} intervals had other processes using more than "
                           f"{config.max_foreign_load} cores and were dropped (median over all intervals: "
                           f"{statistics.median(data.foreign_load):.2f} cores)")
+    if data.waited:
+        data.notes.append(f"timed without the engine thread's run-queue wait: {statistics.median(data.waited):.1%} of "
+                          f"an interval (median; worst {max(data.waited):.1%}) was waiting for a CPU and is not counted")
     for rep in range(config.prefill_reps):
         for context in prefill:
             report(done, total, f"prefill {context} tokens")
