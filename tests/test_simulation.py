@@ -24,7 +24,7 @@ from staleflow.simulation import (
     run_experiment,
     scenario,
 )
-from staleflow.simulation.experiment import Job, Point, parse_sweep
+from staleflow.simulation.experiment import Job, Point, apply_sweep, parse_sweep
 from staleflow.simulation.pool import GroupStatus, TrajectoryPool, TrajStatus
 from staleflow.simulation.systems import Family, catalog
 
@@ -258,6 +258,16 @@ def test_sweep_parsing_and_points() -> None:
     points = spec.points()
     assert [p.label for p in points] == ["8, eta=1", "8, eta=3", "16, eta=1", "16, eta=3"]
     assert points[2].scenario.total_gpus == 16 and points[2].scenario.colocated_instances == 8
+
+
+def test_kv_sweeps_keep_the_budget_in_tokens() -> None:
+    paper = scenario("paper-20k")
+    cost = paper.sim.cost
+    assert cost.k5 == 1 / 8 and cost.kv_budget / cost.k5 == 2_000_000, "Table 4's KV unit is 8 tokens"
+    as_tokens = apply_sweep(paper, "k5", 1.0)[0].sim.cost
+    assert as_tokens.k5 == 1.0 and as_tokens.kv_budget == 2_000_000
+    bigger = apply_sweep(paper, "kv", 3_000_000)[0].sim.cost
+    assert bigger.kv_budget / bigger.k5 == 3_000_000
 
 
 def test_unknown_systems_are_refused_with_the_choices() -> None:

@@ -42,6 +42,7 @@ SWEEP_KEYS = {
     "mu": "routing threshold mu",
     "prefill": "prefill seconds per token",
     "kv": "KV budget per instance (tokens)",
+    "k5": "KV units per token (Table 4's k1 per unit; the token budget is kept)",
     "train": "trainer GPU-seconds per token",
     "cycle": "coordinator cycle period (s)",
 }
@@ -102,7 +103,11 @@ def apply_sweep(scenario: Scenario, key: str, value: float) -> tuple[Scenario, i
     if key == "prefill":
         return replace(scenario, sim=replace(sim, prefill_seconds_per_token=float(value))), None, None
     if key == "kv":
-        cost: CostModel = replace(sim.cost, kv_budget=float(value))
+        cost: CostModel = replace(sim.cost, kv_budget=float(value) * sim.cost.k5)
+        return replace(scenario, sim=replace(sim, cost=cost)), None, None
+    if key == "k5":
+        tokens = sim.cost.kv_budget / sim.cost.k5
+        cost = replace(sim.cost, k5=float(value), kv_budget=tokens * float(value))
         return replace(scenario, sim=replace(sim, cost=cost)), None, None
     if key == "train":
         return replace(scenario, trainer=replace(scenario.trainer, gpu_seconds_per_token=float(value))), None, None
@@ -190,15 +195,17 @@ class PointResult:
         other = self.tried.get(baseline, {}).get(run.instances) if run else None
         return run.throughput / other if run and other else None
 
-    def ratios(self, system: str) -> dict[str, float]:
-        """Throughput of ``system`` over each baseline family's run at this point."""
+    def ratios(self, system: str, steady: bool = False) -> dict[str, float]:
+        """Throughput of ``system`` over each baseline family's run at this point (``steady``:
+        of the second half of the steps, ``RunResult.steady_throughput``)."""
         run = self.runs.get(system)
         out = {}
         if run is None:
             return out
         for other in self.runs.values():
             if other.family != Family.STALEFLOW.value and other.throughput > 0:
-                out[other.family] = run.throughput / other.throughput
+                out[other.family] = (run.steady_throughput / other.steady_throughput if steady
+                                     else run.throughput / other.throughput)
         return out
 
 
@@ -211,17 +218,19 @@ class ExperimentResult:
     def summary(self, system: str = REFERENCE) -> dict:
         """Mean and max gain of ``system`` over each baseline family, against the paper's numbers,
         plus how close all-vanilla StaleFlow comes to the in-flight-limited baseline."""
-        gains: dict[str, list[float]] = {}
-        for p in self.points:
-            for family, ratio in p.ratios(system).items():
-                gains.setdefault(family, []).append(ratio)
-        out: dict = {"system": system, "vs": {}}
-        for family, values in gains.items():
-            paper = PAPER_TARGETS.get(family)
-            out["vs"][family] = {
-                "mean": statistics.fmean(values), "max": max(values), "min": min(values), "n": len(values),
-                "paper_max": paper[0] if paper else None, "paper_mean": paper[1] if paper else None,
-            }
+        out: dict = {"system": system}
+        for key, steady in (("vs", False), ("steady_vs", True)):
+            gains: dict[str, list[float]] = {}
+            for p in self.points:
+                for family, ratio in p.ratios(system, steady).items():
+                    gains.setdefault(family, []).append(ratio)
+            out[key] = {}
+            for family, values in gains.items():
+                paper = PAPER_TARGETS.get(family)
+                out[key][family] = {
+                    "mean": statistics.fmean(values), "max": max(values), "min": min(values), "n": len(values),
+                    "paper_max": paper[0] if paper else None, "paper_mean": paper[1] if paper else None,
+                }
         vanilla = [p.same_split_ratio(ALL_VANILLA, IN_FLIGHT) for p in self.points]
         vanilla = [v for v in vanilla if v is not None]
         out["all_vanilla_vs_in_flight"] = {"mean": statistics.fmean(vanilla), "max_deviation": max(
