@@ -234,7 +234,8 @@ def test_replayed_lengths_are_what_the_trainer_sees() -> None:
 
 
 def test_experiment_tunes_baselines_and_reuses_staleflows_split_for_variants() -> None:
-    spec = ExperimentSpec(CI, tuple(resolve("in-flight,staleflow,sf-xxx,verl", CI.redundancy)), (1, 2), steps=3)
+    spec = ExperimentSpec(CI, tuple(resolve("in-flight,staleflow,sf-xxx,verl", CI.redundancy)), (1, 2), steps=3,
+                          tune="each")
     result = run_experiment(spec)
     for p in result.points:
         assert set(p.tried["in-flight"]) == set(CI.rollout_candidates)
@@ -246,6 +247,25 @@ def test_experiment_tunes_baselines_and_reuses_staleflows_split_for_variants() -
     assert result.points[0].runs["verl"] is not None
     summary = result.summary()
     assert summary["violations"] == 0 and summary["vs"]["in-flight-limited"]["n"] == 2
+
+
+def test_tuning_once_reuses_each_systems_split_at_the_other_etas() -> None:
+    systems = tuple(resolve("one-step,in-flight,staleflow,sf-xxx,verl", CI.redundancy))
+    spec = ExperimentSpec(CI, systems, (1, 2, 3), steps=3, detail_eta=2)
+    assert spec.tune == "once" and spec.tune_eta == 2
+    result = run_experiment(spec)
+    tuned = next(p for p in result.points if p.point.eta == 2)
+    for name in ("one-step", "in-flight", "sf-rsm"):
+        assert set(tuned.tried[name]) == set(CI.rollout_candidates)
+    for p in result.points:
+        assert p.runs["sf-rsm"].instances == tuned.runs["sf-rsm"].instances
+        # in-flight: its own split, or StaleFlow's if better there (it also runs at it for the all-vanilla check)
+        assert p.runs["in-flight"].instances in (tuned.runs["in-flight"].instances, tuned.runs["sf-rsm"].instances)
+        assert p.runs["sf-xxx"].instances == tuned.runs["sf-rsm"].instances
+        assert p.same_split_ratio("sf-xxx", "in-flight") is not None
+    assert result.summary()["violations"] == 0
+    with pytest.raises(ValueError, match="tune"):
+        ExperimentSpec(CI, systems, (1,), steps=1, tune="sometimes")
 
 
 def test_sweep_parsing_and_points() -> None:
