@@ -30,7 +30,7 @@ from staleflow.simulation import (
     run_experiment,
     scenario,
 )
-from staleflow.simulation.experiment import plan_jobs
+from staleflow.simulation.experiment import ALL_VANILLA, plan_jobs
 from staleflow.simulation.report import Table, markdown, tables
 
 PRESETS = {"ci": "ci", "paper-20k": "paper-20k", "paper-40k": "paper-40k"}
@@ -56,7 +56,7 @@ def _etas(text: str) -> tuple[int, ...]:
 
 
 def build_spec(preset: str, steps: int, eta: str, sweep: str | None, systems: str, workload: Path | None,
-               instances: int | None, tune: bool, seed: int, detail_eta: int | None) -> ExperimentSpec:
+               instances: int | None, tune: str, seed: int, detail_eta: int | None) -> ExperimentSpec:
     if preset not in PRESETS:
         raise fail(f"unknown preset {preset!r}", f"choose one of {', '.join(PRESETS)}")
     base = scenario(PRESETS[preset], seed)
@@ -78,7 +78,7 @@ def build_spec(preset: str, steps: int, eta: str, sweep: str | None, systems: st
     try:
         chosen = tuple(resolve(systems, base.redundancy))
         detail = detail_eta if detail_eta is not None else (3 if 3 in etas else max(etas))
-        spec = ExperimentSpec(base, chosen, etas, steps, sweep_key, sweep_values, tune, detail, instances)
+        spec = ExperimentSpec(base, chosen, etas, steps, sweep_key, sweep_values, tune, detail, instances)  # tune checked
         spec.points()  # validates the sweep values against the GPU budget
         return spec
     except ValueError as exc:
@@ -87,7 +87,7 @@ def build_spec(preset: str, steps: int, eta: str, sweep: str | None, systems: st
 
 def run_with_progress(spec: ExperimentSpec, jobs: int):  # noqa: ANN201
     _, first, later = plan_jobs(spec)
-    total = len({j.key() for j in first}) + len(later)
+    total = len({j.key() for j in first}) + len(later) + sum(s.name == ALL_VANILLA for _, s in later)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {spec.scenario.name}", total=total)
@@ -116,7 +116,10 @@ def register(bench_app: typer.Typer) -> None:
         workload: Annotated[Path | None, typer.Option(
             help="replay response lengths (JSON [[...],...] or JSONL) or a distribution object (JSON)")] = None,
         instances: Annotated[int | None, typer.Option(help="fix the rollout instance count (no split tuning)")] = None,
-        tune: Annotated[bool, typer.Option(help="try every rollout/training split of the preset per system")] = True,
+        tune: Annotated[str, typer.Option(
+            help="rollout/training split tuning: once (every split at one eta per sweep value, reused at the "
+                 "others), each (every split at every point), none (the middle split)")] = "once",
+        no_tune: Annotated[bool, typer.Option("--no-tune", help="same as --tune none")] = False,
         seed: Annotated[int, typer.Option(help="workload seed")] = 0,
         detail_eta: Annotated[int | None, typer.Option(help="eta of the detail table and Figures 17-18")] = None,
         jobs: Annotated[int, typer.Option(min=1, help="simulations run in parallel (processes)")] = min(
@@ -126,7 +129,8 @@ def register(bench_app: typer.Typer) -> None:
         show_markdown: Annotated[bool, typer.Option("--markdown", help="also print the tables as Markdown")] = False,
     ) -> None:
         """Simulated whole RL jobs: synchronous, one-step, in-flight-limited and StaleFlow (R/S/M, redundancy)."""
-        spec = build_spec(preset, steps, eta, sweep, systems, workload, instances, tune, seed, detail_eta)
+        spec = build_spec(preset, steps, eta, sweep, systems, workload, instances, "none" if no_tune else tune, seed,
+                          detail_eta)
         try:
             result = run_with_progress(spec, jobs)
         except SimulationStalled as exc:

@@ -59,7 +59,7 @@ def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
     data, _, _ = smoke
     typed = {"throughput": float, "total_time_s": float, "response_tokens": int, "mean_response": float,
              "max_response": int, "instances": int, "train_gpus": int, "eta": int, "violations": int,
-             "system": str, "family": str, "wall_s": float, "step_time_s": float}
+             "system": str, "family": str, "wall_s": float, "step_time_s": float, "steady_throughput": float}
     for point in data["points"]:
         for run in point["runs"].values():
             for key, kind in typed.items():
@@ -73,6 +73,7 @@ def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
         assert all(isinstance(v, float) and v > 0 for v in point["ratios"]["sf-rsm"].values())
     vs = data["summary"]["vs"]
     assert set(vs) == {"synchronous", "one-step", "in-flight-limited"}
+    assert set(data["summary"]["steady_vs"]) == set(vs)
     assert vs["synchronous"]["paper_max"] == 2.68
     assert data["summary"]["all_vanilla_vs_in_flight"]["max_deviation"] >= 0
 
@@ -129,7 +130,7 @@ def test_report_tables_have_a_row_per_system() -> None:
     result = run_experiment(spec)
     throughput, gains, detail, breakdown = tables(result)
     assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "sf-rsm"]
-    assert len(gains.rows) == 3 and all(len(r) == len(gains.header) for r in gains.rows)
+    assert len(gains.rows) == 6 and all(len(r) == len(gains.header) for r in gains.rows)  # all steps, second half
     assert [row[0] for row in detail.rows] == [row[0] for row in breakdown.rows]
     md = markdown(result, "staleflow bench systems --preset ci")
     assert sum(line.startswith("|---") for line in md.splitlines()) == 4, "four tables"

@@ -24,7 +24,7 @@ from staleflow.simulation import (
     run_experiment,
     scenario,
 )
-from staleflow.simulation.experiment import Job, Point, parse_sweep
+from staleflow.simulation.experiment import Job, Point, apply_sweep, parse_sweep
 from staleflow.simulation.pool import GroupStatus, TrajectoryPool, TrajStatus
 from staleflow.simulation.systems import Family, catalog
 
@@ -234,7 +234,8 @@ def test_replayed_lengths_are_what_the_trainer_sees() -> None:
 
 
 def test_experiment_tunes_baselines_and_reuses_staleflows_split_for_variants() -> None:
-    spec = ExperimentSpec(CI, tuple(resolve("in-flight,staleflow,sf-xxx,verl", CI.redundancy)), (1, 2), steps=3)
+    spec = ExperimentSpec(CI, tuple(resolve("in-flight,staleflow,sf-xxx,verl", CI.redundancy)), (1, 2), steps=3,
+                          tune="each")
     result = run_experiment(spec)
     for p in result.points:
         assert set(p.tried["in-flight"]) == set(CI.rollout_candidates)
@@ -248,6 +249,25 @@ def test_experiment_tunes_baselines_and_reuses_staleflows_split_for_variants() -
     assert summary["violations"] == 0 and summary["vs"]["in-flight-limited"]["n"] == 2
 
 
+def test_tuning_once_reuses_each_systems_split_at_the_other_etas() -> None:
+    systems = tuple(resolve("one-step,in-flight,staleflow,sf-xxx,verl", CI.redundancy))
+    spec = ExperimentSpec(CI, systems, (1, 2, 3), steps=3, detail_eta=2)
+    assert spec.tune == "once" and spec.tune_eta == 2
+    result = run_experiment(spec)
+    tuned = next(p for p in result.points if p.point.eta == 2)
+    for name in ("one-step", "in-flight", "sf-rsm"):
+        assert set(tuned.tried[name]) == set(CI.rollout_candidates)
+    for p in result.points:
+        assert p.runs["sf-rsm"].instances == tuned.runs["sf-rsm"].instances
+        # in-flight: its own split, or StaleFlow's if better there (it also runs at it for the all-vanilla check)
+        assert p.runs["in-flight"].instances in (tuned.runs["in-flight"].instances, tuned.runs["sf-rsm"].instances)
+        assert p.runs["sf-xxx"].instances == tuned.runs["sf-rsm"].instances
+        assert p.same_split_ratio("sf-xxx", "in-flight") is not None
+    assert result.summary()["violations"] == 0
+    with pytest.raises(ValueError, match="tune"):
+        ExperimentSpec(CI, systems, (1,), steps=1, tune="sometimes")
+
+
 def test_sweep_parsing_and_points() -> None:
     assert parse_sweep("response=32,64") == ("response", (32, 64))
     assert parse_sweep("mu=0.1,0.3") == ("mu", (0.1, 0.3))
@@ -258,6 +278,16 @@ def test_sweep_parsing_and_points() -> None:
     points = spec.points()
     assert [p.label for p in points] == ["8, eta=1", "8, eta=3", "16, eta=1", "16, eta=3"]
     assert points[2].scenario.total_gpus == 16 and points[2].scenario.colocated_instances == 8
+
+
+def test_kv_sweeps_keep_the_budget_in_tokens() -> None:
+    paper = scenario("paper-20k")
+    cost = paper.sim.cost
+    assert cost.k5 == 1 / 8 and cost.kv_budget / cost.k5 == 2_000_000, "Table 4's KV unit is 8 tokens"
+    as_tokens = apply_sweep(paper, "k5", 1.0)[0].sim.cost
+    assert as_tokens.k5 == 1.0 and as_tokens.kv_budget == 2_000_000
+    bigger = apply_sweep(paper, "kv", 3_000_000)[0].sim.cost
+    assert bigger.kv_budget / bigger.k5 == 3_000_000
 
 
 def test_unknown_systems_are_refused_with_the_choices() -> None:

@@ -2,8 +2,10 @@
 
 Every system of a sweep point runs on the same scenario and seed. A disaggregated system tries
 each of the scenario's rollout instance counts (the rest of the GPU budget trains) and keeps its
-best; StaleFlow's ablation and redundancy variants reuse the split chosen for full StaleFlow at
-the same point (as the paper's ablation holds the configuration fixed); a colocated system uses
+best: at every point (``tune="each"``), or (``"once"``, the default) at one staleness bound per
+sweep value, the tuning eta, reusing that split at the other bounds; ``"none"`` takes the middle
+candidate. StaleFlow's ablation and redundancy variants reuse the split chosen for full StaleFlow
+at the same point (as the paper's ablation holds the configuration fixed); a colocated system uses
 every GPU for both phases. Runs are memoised, so an eta-independent baseline runs once per
 scenario.
 """
@@ -28,6 +30,7 @@ PAPER_TARGETS = {  # §6.2: StaleFlow's gain over each baseline family, (max, me
     Family.ONE_STEP.value: (1.95, 1.52),
     Family.IN_FLIGHT.value: (1.42, 1.17),
 }
+TUNE_MODES = ("each", "once", "none")
 REFERENCE = "sf-rsm"  # full StaleFlow: its split is reused by its variants
 ALL_VANILLA = "sf-xxx"
 IN_FLIGHT = "in-flight"
@@ -42,6 +45,7 @@ SWEEP_KEYS = {
     "mu": "routing threshold mu",
     "prefill": "prefill seconds per token",
     "kv": "KV budget per instance (tokens)",
+    "k5": "KV units per token (Table 4's k1 per unit; the token budget is kept)",
     "train": "trainer GPU-seconds per token",
     "cycle": "coordinator cycle period (s)",
 }
@@ -102,7 +106,11 @@ def apply_sweep(scenario: Scenario, key: str, value: float) -> tuple[Scenario, i
     if key == "prefill":
         return replace(scenario, sim=replace(sim, prefill_seconds_per_token=float(value))), None, None
     if key == "kv":
-        cost: CostModel = replace(sim.cost, kv_budget=float(value))
+        cost: CostModel = replace(sim.cost, kv_budget=float(value) * sim.cost.k5)
+        return replace(scenario, sim=replace(sim, cost=cost)), None, None
+    if key == "k5":
+        tokens = sim.cost.kv_budget / sim.cost.k5
+        cost = replace(sim.cost, k5=float(value), kv_budget=tokens * float(value))
         return replace(scenario, sim=replace(sim, cost=cost)), None, None
     if key == "train":
         return replace(scenario, trainer=replace(scenario.trainer, gpu_seconds_per_token=float(value))), None, None
@@ -152,7 +160,7 @@ class ExperimentSpec:
     steps: int
     sweep_key: str | None = None
     sweep_values: tuple[float, ...] = ()
-    tune: bool = True  # try every rollout split; False: the middle candidate
+    tune: str | bool = "once"  # "each" point, "once" per sweep value (at tune_eta), "none" (middle candidate)
     detail_eta: int | None = None  # record per-instance timelines of StaleFlow and all-vanilla StaleFlow here
     instances: int | None = None  # fix the rollout instance count of every disaggregated system
 
@@ -163,6 +171,16 @@ class ExperimentSpec:
             raise ValueError("staleness bounds must be >= 0")
         if self.sweep_key == "eta":
             raise ValueError("sweep eta through etas")
+        if isinstance(self.tune, bool):
+            object.__setattr__(self, "tune", "each" if self.tune else "none")
+        if self.tune not in TUNE_MODES:
+            raise ValueError(f"tune must be one of {', '.join(TUNE_MODES)}, got {self.tune!r}")
+
+    @property
+    def tune_eta(self) -> int:
+        """The staleness bound at which ``tune="once"`` tries every split: the detail eta if it is
+        swept, else the largest."""
+        return self.detail_eta if self.detail_eta in self.etas else max(self.etas)
 
     def points(self) -> list[Point]:
         points: list[Point] = []
@@ -190,15 +208,17 @@ class PointResult:
         other = self.tried.get(baseline, {}).get(run.instances) if run else None
         return run.throughput / other if run and other else None
 
-    def ratios(self, system: str) -> dict[str, float]:
-        """Throughput of ``system`` over each baseline family's run at this point."""
+    def ratios(self, system: str, steady: bool = False) -> dict[str, float]:
+        """Throughput of ``system`` over each baseline family's run at this point (``steady``:
+        of the second half of the steps, ``RunResult.steady_throughput``)."""
         run = self.runs.get(system)
         out = {}
         if run is None:
             return out
         for other in self.runs.values():
             if other.family != Family.STALEFLOW.value and other.throughput > 0:
-                out[other.family] = run.throughput / other.throughput
+                out[other.family] = (run.steady_throughput / other.steady_throughput if steady
+                                     else run.throughput / other.throughput)
         return out
 
 
@@ -211,17 +231,19 @@ class ExperimentResult:
     def summary(self, system: str = REFERENCE) -> dict:
         """Mean and max gain of ``system`` over each baseline family, against the paper's numbers,
         plus how close all-vanilla StaleFlow comes to the in-flight-limited baseline."""
-        gains: dict[str, list[float]] = {}
-        for p in self.points:
-            for family, ratio in p.ratios(system).items():
-                gains.setdefault(family, []).append(ratio)
-        out: dict = {"system": system, "vs": {}}
-        for family, values in gains.items():
-            paper = PAPER_TARGETS.get(family)
-            out["vs"][family] = {
-                "mean": statistics.fmean(values), "max": max(values), "min": min(values), "n": len(values),
-                "paper_max": paper[0] if paper else None, "paper_mean": paper[1] if paper else None,
-            }
+        out: dict = {"system": system}
+        for key, steady in (("vs", False), ("steady_vs", True)):
+            gains: dict[str, list[float]] = {}
+            for p in self.points:
+                for family, ratio in p.ratios(system, steady).items():
+                    gains.setdefault(family, []).append(ratio)
+            out[key] = {}
+            for family, values in gains.items():
+                paper = PAPER_TARGETS.get(family)
+                out[key][family] = {
+                    "mean": statistics.fmean(values), "max": max(values), "min": min(values), "n": len(values),
+                    "paper_max": paper[0] if paper else None, "paper_mean": paper[1] if paper else None,
+                }
         vanilla = [p.same_split_ratio(ALL_VANILLA, IN_FLIGHT) for p in self.points]
         vanilla = [v for v in vanilla if v is not None]
         out["all_vanilla_vs_in_flight"] = {"mean": statistics.fmean(vanilla), "max_deviation": max(
@@ -267,13 +289,24 @@ def _candidates(spec: ExperimentSpec, point: Point, system: SystemSpec) -> list[
         return [s.colocated_instances]
     if point.instances is not None:
         return [point.instances]
-    if spec.tune:
+    if spec.tune == "each" or (spec.tune == "once" and point.eta == spec.tune_eta):
         return list(s.rollout_candidates)
     return [s.rollout_candidates[len(s.rollout_candidates) // 2]]
 
 
+def _tuned_later(spec: ExperimentSpec, point: Point, system: SystemSpec) -> bool:
+    """Whether ``system`` at ``point`` reuses the split it found at the tuning eta."""
+    return (spec.tune == "once" and point.eta != spec.tune_eta and not system.colocated
+            and point.instances is None and len(point.scenario.rollout_candidates) > 1)
+
+
+def _tune_point(points: list[Point], point: Point, eta: int) -> Point:
+    return next(p for p in points if p.sweep_value == point.sweep_value and p.eta == eta)
+
+
 def plan_jobs(spec: ExperimentSpec) -> tuple[list[Point], list[Job], list[tuple[Point, SystemSpec]]]:
-    """The points, the jobs runnable now, and the (point, system) pairs that wait for StaleFlow's split."""
+    """The points, the jobs runnable now, and the (point, system) pairs that wait for a split:
+    StaleFlow's (its variants), or their own at the tuning eta (``tune="once"``)."""
     points = spec.points()
     names = {s.name for s in spec.systems}
     now: list[Job] = []
@@ -281,7 +314,9 @@ def plan_jobs(spec: ExperimentSpec) -> tuple[list[Point], list[Job], list[tuple[
     for point in points:
         for system in spec.systems:
             timeline = spec.detail_eta == point.eta and system.name in (REFERENCE, ALL_VANILLA)
-            if not system.tuned and REFERENCE in names and not system.colocated and point.instances is None:
+            own = system.tuned or REFERENCE not in names  # chooses its own split
+            if (not own and not system.colocated and point.instances is None) or (
+                    own and _tuned_later(spec, point, system)):
                 later.append((point, system))
                 continue
             now += [Job(point, system, n, spec.steps, timeline) for n in _candidates(spec, point, system)]
@@ -329,11 +364,20 @@ def run_experiment(
 
     execute(jobs)
     second = []
+    names = {s.name for s in spec.systems}
     for point, system in later:
-        reference = by_point[point.index].runs.get(REFERENCE)
+        if system.tuned or REFERENCE not in names:  # its own split at the tuning eta
+            source, name = _tune_point(points, point, spec.tune_eta), system.name
+        else:  # StaleFlow's split at this point, i.e. at the tuning eta when tuned once
+            source = _tune_point(points, point, spec.tune_eta) if _tuned_later(spec, point, system) else point
+            name = REFERENCE
+        reference = by_point[source.index].runs.get(name)
         instances = reference.instances if reference else _candidates(spec, point, system)[0]
-        timeline = spec.detail_eta == point.eta and system.name == ALL_VANILLA
+        timeline = spec.detail_eta == point.eta and system.name in (REFERENCE, ALL_VANILLA)
         second.append(Job(point, system, instances, spec.steps, timeline))
+        if system.name == ALL_VANILLA and IN_FLIGHT in names:  # the all-vanilla check compares at the same split
+            baseline = next(s for s in spec.systems if s.name == IN_FLIGHT)
+            second.append(Job(point, baseline, instances, spec.steps))
     execute(second)
     order = {s.name: k for k, s in enumerate(spec.systems)}
     for pr in by_point.values():

@@ -46,13 +46,14 @@ def gains_table(result: ExperimentResult) -> Table:
     points = result.points
     summary = result.summary()
     rows = []
-    for family in BASELINES:
-        per_point = [p.ratios(REFERENCE).get(family.value) for p in points]
-        if all(v is None for v in per_point):
-            continue
-        s = summary["vs"].get(family.value, {})
-        rows.append([f"StaleFlow / {family.value}", *[_x(v) for v in per_point], _x(s.get("mean")), _x(s.get("max")),
-                     f"{_x(s.get('paper_mean'))} / {_x(s.get('paper_max'))}"])
+    for key, steady, suffix in (("vs", False, ""), ("steady_vs", True, " (second half of the steps)")):
+        for family in BASELINES:
+            per_point = [p.ratios(REFERENCE, steady).get(family.value) for p in points]
+            if all(v is None for v in per_point):
+                continue
+            s = summary[key].get(family.value, {})
+            rows.append([f"StaleFlow / {family.value}{suffix}", *[_x(v) for v in per_point], _x(s.get("mean")),
+                         _x(s.get("max")), f"{_x(s.get('paper_mean'))} / {_x(s.get('paper_max'))}"])
     vanilla = [p.same_split_ratio(ALL_VANILLA, IN_FLIGHT) for p in points]
     if any(v is not None for v in vanilla):
         present = [v for v in vanilla if v is not None]
@@ -74,12 +75,13 @@ def detail_table(result: ExperimentResult, point: PointResult | None = None) -> 
     for name, run in p.runs.items():
         c = run.counters
         rows.append([
-            name, f"{run.instances}/{run.train_gpus}", _n(run.step_time_s), _n(run.mean_response),
+            name, f"{run.instances}/{run.train_gpus}", _n(run.step_time_s), _n(run.steady_throughput),
+            _n(run.mean_response),
             f"{run.max_response:,}", " ".join(f"{s}:{n}" for s, n in run.staleness_total().items()),
             str(run.violations), f"{run.decisions.mean_ms:.1f}/{run.decisions.p99_ms:.0f}",
             f"{c.get('interrupted', 0):,}/{c.get('migrated', 0):,}/{c.get('pulls', 0):,}", f"{run.wall_s:.1f}",
         ])
-    header = ["system", "inst/train GPUs", "step s", "mean len", "max len", "staleness V_buf-V_traj: n",
+    header = ["system", "inst/train GPUs", "step s", "2nd-half tok/s", "mean len", "max len", "staleness V_buf-V_traj: n",
               "violations", "plan ms mean/p99", "interrupted/migrated/pulls", "wall s"]
     return Table(f"Details at {p.point.label}", header, rows)
 

@@ -99,6 +99,19 @@ class RunResult:
     def step_time_s(self) -> float:
         return self.total_time_s / self.steps if self.steps else 0.0
 
+    @property
+    def steady_throughput(self) -> float:
+        """Throughput of the second half of the steps: response tokens of steps ``k+1..N`` over
+        the time from the end of step ``k`` (``k = N // 2``) to the end of step ``N``. It leaves
+        out the warm-up (the first batch of an asynchronous system is generated from scratch, like
+        a synchronous one's) that a short run's ``throughput`` includes."""
+        records = self.step_records
+        k = len(records) // 2
+        if k < 1:
+            return self.throughput
+        span = records[-1].end_s - records[k - 1].end_s
+        return sum(r.response_tokens for r in records[k:]) / span if span > 0 else self.throughput
+
     def staleness_total(self) -> dict[int, int]:
         total: dict[int, int] = {}
         for hist in self.staleness.values():
@@ -109,6 +122,7 @@ class RunResult:
     def to_dict(self, timeline: bool = True) -> dict:
         data = asdict(self)
         data["step_time_s"] = self.step_time_s
+        data["steady_throughput"] = self.steady_throughput
         data["breakdown_fractions"] = self.breakdown.fractions()
         data["staleness"] = {str(b): {str(s): n for s, n in h.items()} for b, h in self.staleness.items()}
         for record in data["step_records"]:

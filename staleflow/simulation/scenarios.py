@@ -6,7 +6,13 @@ system may choose from, the engine, the trainer and the coordinator timing.
 
 Paper scenarios (``paper-20k``, ``paper-40k``; §6.1 and §6.5): 128 GPUs, 4 per rollout instance
 (a colocated system runs 32 instances), B = 128 groups of G = 16. Engine: the paper's Table 4 cost
-model with a KV budget of 2M tokens per instance. Prefill costs ``k3`` seconds per token: prefill
+model with a KV budget of 2M tokens per instance. Table 4 does not say in which unit ``kv_cache``
+is counted; ``k1`` is "the inverse effective memory bandwidth for accessing the KV cache"
+(Appendix B). Counted in tokens, k1 = 7.28e-8 s would mean reading one token's KV (Qwen3-30B-A3B:
+48 layers x 4 KV heads x 128 x 2 x 2 bytes = 98 KB) at 1.35 TB/s, 8 % of the 16 TB/s HBM of a
+4 x H20 instance; a unit of 8 tokens (k5 = 1/8) is 67 % of it, what paged attention reaches. The
+presets therefore count one KV unit as 8 tokens (``paper_cost``); ``--sweep k5=...`` shows what the
+other readings give. Prefill costs ``k3`` seconds per token: prefill
 is compute-bound, and ``k3`` is the cost model's own price of one token through the GEMMs in the
 compute-bound regime (the engine default, 2e-5, would make re-prefill 6x cheaper than decoding a
 token at large batch). Trainer: 6.5e-4 GPU-seconds per trained token (about 1,500 tokens/s per
@@ -75,14 +81,25 @@ class Scenario:
         return replace(self, total_gpus=total_gpus, rollout_candidates=candidates)
 
 
+# One KV unit of Table 4's k1 is PAPER_KV_TOKENS_PER_UNIT tokens (see the module docstring).
+PAPER_KV_TOKENS_PER_UNIT = 8
+PAPER_KV_BUDGET_TOKENS = 2_000_000
+
+
+def paper_cost(tokens_per_unit: float = PAPER_KV_TOKENS_PER_UNIT) -> CostModel:
+    """Table 4 with a KV unit of ``tokens_per_unit`` tokens and a 2M-token KV budget."""
+    k5 = 1.0 / tokens_per_unit
+    return CostModel(k5=k5, kv_budget=PAPER_KV_BUDGET_TOKENS * k5)
+
+
 def _paper(name: str) -> Scenario:
-    cost = CostModel()
+    cost = paper_cost()
     return Scenario(
         name=name,
         workload=preset(name),
         total_gpus=128,
         gpus_per_instance=4,
-        rollout_candidates=(24, 26, 28),
+        rollout_candidates=(18, 20, 22, 24, 26),
         sim=SimParams(cost=cost, prefill_seconds_per_token=cost.k3),
         trainer=TrainerModel(gpu_seconds_per_token=6.5e-4, step_overhead_s=5.0, push_s=3.0),
     )

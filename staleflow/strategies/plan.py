@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from staleflow.strategies.migration import plan_migrations
-from staleflow.strategies.routing import RouteDecision, route
+from staleflow.strategies.routing import RouteDecision, reachable, route
 from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory, StrategyConfig
 from staleflow.strategies.sync import plan_syncs
 
@@ -42,7 +42,7 @@ def plan_cycle(
     budget = AdmissionBudget(dict(admission))
     on_instances = on_instances or {}
     group_versions = dict(group_versions or {})
-    waiting = list(pending)
+    waiting = reachable(pending, budget, group_versions)
     plan = CyclePlan()
 
     def hand_back(inst: InstanceState, traj_ids: list[str]) -> None:

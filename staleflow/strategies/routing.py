@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -44,7 +45,7 @@ class _MultiLevelQueue:
     def __init__(self, pending: Iterable[PendingTrajectory], group_versions: dict[str, int]):
         self.levels: dict[int, deque[PendingTrajectory]] = {}
         self.initial: dict[str, deque[PendingTrajectory]] = {}  # by group, groups in arrival order
-        for t in sorted(pending, key=lambda t: t.seq):
+        for t in sorted(pending, key=_SEQ):
             v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
             if v is None:
                 self.initial.setdefault(t.group_id, deque()).append(t)
@@ -130,6 +131,32 @@ class _VersionGroup:
         self.count[i] = self.n[i] + self.w[i]
         if self._length is not None:
             self._gains[i] = inst.marginal_gain(self._length)
+
+
+def reachable(pending: Iterable[PendingTrajectory], budget: AdmissionBudget,
+              group_versions: dict[str, int] | None = None) -> list[PendingTrajectory]:
+    """The waiting trajectories a routing pass with ``budget`` can reach, in arrival order.
+
+    Initial groups are taken in arrival order and each reservation uses admission, so a pass
+    reserves at most ``budget.max_new_groups()`` of them: the initial members of later groups can
+    neither be routed nor change a decision, and leaving them out (a trajectory server keeps
+    thousands sampled ahead) makes every pass, and every tentative pass of selective sync, cheaper.
+    Versioned trajectories and members of reserved groups are all kept.
+    """
+    group_versions = group_versions or {}
+    limit = budget.max_new_groups()
+    kept: list[PendingTrajectory] = []
+    initial: set[str] = set()
+    for t in sorted(pending, key=_SEQ):
+        if t.v_traj is None and t.group_id not in group_versions and t.group_id not in initial:
+            if len(initial) >= limit:
+                continue
+            initial.add(t.group_id)
+        kept.append(t)
+    return kept
+
+
+_SEQ = attrgetter("seq")
 
 
 def route(

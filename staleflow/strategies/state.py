@@ -89,6 +89,11 @@ class AdmissionBudget:
             else:
                 self._admissible[other] = min(self._admissible[other], limit)
 
+    def max_new_groups(self) -> int:
+        """An upper bound on the groups one pass can reserve: every ``take`` lowers the largest
+        count by one (it lowers every v' >= v and caps every v' < v below the old count at v)."""
+        return max(self._admissible.values(), default=0)
+
     def copy(self) -> AdmissionBudget:
         return AdmissionBudget(self._admissible)
 
