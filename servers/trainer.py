@@ -144,6 +144,12 @@ class TrainerLoop:
     # -- the loop ----------------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._run()
+        except TrainerStopped:
+            log.info("trainer stopped")  # the job is stopping: what is done is durable, the rest resumes
+
+    def _run(self) -> None:
         from staleflow.servers.params import ParamsClient
 
         with ManagerClient(self.urls["manager"]) as manager, http_client(self.urls["ts"], timeout=120) as ts, \
