@@ -55,3 +55,38 @@ def register(app: typer.Typer) -> None:
         console.print(f"  {info['parameters']:,} parameters; warm-up {info['spec']['sft_steps']} steps in "
                       f"{info['sft_seconds']:.0f} s, loss {info['sft_loss_last']:.3f}; greedy accuracy "
                       f"{info['greedy_accuracy']:.0%} on fresh problems (RL starts from here)")
+
+    @app.command("rewards")
+    def rewards(
+        runs: Annotated[list[Path], typer.Argument(help="state directories of `staleflow up` runs")],
+        out: Annotated[Path, typer.Option("--out", help="PNG to write")] = Path("rewards.png"),
+        as_json: Annotated[bool, typer.Option("--json", help="print the curves as JSON")] = False,
+    ) -> None:
+        """Compare the reward curves of several runs (e.g. eta 0, 1, 2) in one plot and a table."""
+        from dataclasses import asdict
+
+        from rich.table import Table
+
+        from staleflow.report import plot_rewards
+        from staleflow.servers.trainer import StepLog
+
+        curves: dict[str, list[dict]] = {}
+        for run in runs:
+            steps = StepLog(run / "trainer" / "steps.jsonl").read()
+            if not steps:
+                raise fail(f"{run} has no trained steps", "give state directories of `staleflow up` runs (--state-dir)")
+            job = json.loads((run / "job.json").read_text()) if (run / "job.json").exists() else {}
+            label = f"{run.name} (eta = {job.get('ledger', {}).get('eta', '?')})"
+            curves[label] = [asdict(s) for s in steps]
+        plot_rewards(out, curves)
+        if as_json:
+            print(json.dumps({"plot": str(out), "runs": {k: [s["mean_reward"] for s in v] for k, v in curves.items()}}))
+            return
+        table = Table(title=f"mean reward per step (plot: {out})")
+        for col in ("run", "steps", "first 5", "last 5", "change"):
+            table.add_column(col, justify="left" if col == "run" else "right")
+        for label, steps in curves.items():
+            first = sum(s["mean_reward"] for s in steps[:5]) / len(steps[:5])
+            last = sum(s["mean_reward"] for s in steps[-5:]) / len(steps[-5:])
+            table.add_row(label, str(len(steps)), f"{first:.3f}", f"{last:.3f}", f"{last - first:+.3f}")
+        console.print(table)

@@ -197,8 +197,24 @@ def prepare_real_job(config: JobConfig) -> None:
         directory, info = build_with_progress(config.task.digits, config.task.ops)
         console.print(f"  model       demo Qwen2 ({info['parameters']:,} parameters, greedy accuracy "
                       f"{info['greedy_accuracy']:.0%} after warm-up) at {directory}")
-    elif not (config.model / "config.json").exists():
-        raise fail(f"model {config.model} has no config.json", "give a local Hugging Face model directory with --model")
+    else:
+        check_model_directory(config.model)
+
+
+def check_model_directory(model: Path) -> None:
+    """A model directory vLLM, the trainer and the trajectory server can all use: a config, and a
+    tokenizer whose ids fit the model's vocabulary (else every rollout would be refused)."""
+    if not (model / "config.json").exists():
+        raise fail(f"model {model} has no config.json", "give a local Hugging Face model directory with --model")
+    if not (model / "tokenizer.json").exists():
+        raise fail(f"model {model} has no tokenizer.json", "save the model's (fast) tokenizer into the same directory")
+    from staleflow.tasks import HfTokenizer
+
+    vocab = json.loads((model / "config.json").read_text()).get("vocab_size")
+    tokens = HfTokenizer(model).vocab_size
+    if isinstance(vocab, int) and tokens > vocab:
+        raise fail(f"the tokenizer in {model} has {tokens} tokens but the model's vocabulary is {vocab}: they do not "
+                   "belong together", "save the tokenizer the model was trained with into the model directory")
 
 
 def _serve_trainer(config: JobConfig, endpoints: dict) -> int:

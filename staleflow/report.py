@@ -118,4 +118,34 @@ def plot(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
         written.append(directory / "throughput.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
+    if steps and summary.get("engine") != "sim":  # the sim reward is a coin flip: nothing to plot
+        written.append(plot_rewards(directory / "reward.png", {f"eta = {summary['eta']}": steps}))
     return written
+
+
+def plot_rewards(path: Path, runs: dict[str, Sequence[dict]]) -> Path:
+    """Mean reward per training step (and its moving average over 5 steps), one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, steps in runs.items():
+        xs = [s["version"] for s in steps]
+        ys = np.array([s["mean_reward"] for s in steps])
+        line = ax.plot(xs, ys, alpha=0.35, marker=".")[0]
+        if len(ys) >= 5:
+            smooth = np.convolve(ys, np.ones(5) / 5, mode="valid")
+            ax.plot(xs[4:], smooth, color=line.get_color(), label=f"{label} (5-step mean)")
+        else:
+            line.set_label(label)
+    ax.set_xlabel("training step (trainer version)")
+    ax.set_ylabel("mean reward of the batch")
+    ax.set_title("Reward over training")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
