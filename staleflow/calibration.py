@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from staleflow.cost_model import CostModel
 
@@ -628,6 +628,11 @@ class CalibrationRef(_Strict):
     model: str | None = Field(None, description="model key; may be left out when the file has one model")
     parallelism: str | None = Field(None, description="parallelism key; may be left out when the model has one")
     allow_poor: bool = Field(False, description="use an entry marked ok=false (a poor fit)")
+
+    @field_validator("file")
+    @classmethod
+    def _absolute(cls, file: Path) -> Path:
+        return file.absolute()  # components started in another directory (`up --processes`) find it too
 
     def entry(self) -> CalibrationEntry:
         """The referenced entry (CalibrationError naming the problem otherwise)."""

@@ -185,52 +185,39 @@ class CpuMeter:
     _engine_pid: int | None = None
 
     def _find_engine(self) -> int | None:
-        for pid, parent, comm in self._processes():
-            if comm.startswith("VLLM::EngineCor") and self._descends(pid, parent):
+        procs = _processes()
+        parents = {pid: parent for pid, parent, _, _ in procs}
+        for pid, _, comm, _ in procs:
+            if comm.startswith("VLLM::EngineCor") and self._in_tree(pid, parents):
                 return pid
         return None
 
-    def _processes(self) -> list[tuple[int, int, str]]:
-        found = []
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                try:
-                    with open(f"/proc/{entry.name}/stat") as f:
-                        head, rest = f.read().rsplit(")", 1)
-                except OSError:
-                    continue
-                found.append((int(entry.name), int(rest.split()[1]), head.split("(", 1)[1]))
-        return found
-
-    def _descends(self, pid: int, parent: int) -> bool:
-        parents = {p: q for p, q, _ in self._processes()}
-        p, hops = parent, 0
+    def _in_tree(self, pid: int, parents: dict[int, int]) -> bool:
+        p, hops = pid, 0
         while p > 1 and p != self.root and hops < 64:
             p, hops = parents.get(p, 0), hops + 1
         return p == self.root
 
     def _tree_ticks(self) -> int:
-        parents: dict[int, int] = {}
-        ticks: dict[int, int] = {}
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # exited meanwhile
-            pid = int(entry.name)
-            parents[pid] = int(fields[1])
-            ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
-        total = 0
-        for pid, t in ticks.items():
-            p, hops = pid, 0
-            while p > 1 and p != self.root and hops < 64:
-                p, hops = parents.get(p, 0), hops + 1
-            if p == self.root:
-                total += t
-        return total
+        procs = _processes()
+        parents = {pid: parent for pid, parent, _, _ in procs}
+        return sum(ticks for pid, _, _, ticks in procs if self._in_tree(pid, parents))
+
+
+def _processes() -> list[tuple[int, int, str, int]]:
+    """(pid, parent pid, name, utime + stime ticks) of every process in ``/proc``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue  # exited meanwhile
+        fields = rest.split()
+        found.append((int(entry.name), int(fields[1]), head.split("(", 1)[1], int(fields[11]) + int(fields[12])))
+    return found
 
 
 class Probe(abc.ABC):

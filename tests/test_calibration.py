@@ -323,9 +323,9 @@ def test_coordinator_and_up_take_the_cost_from_a_calibration_file(tmp_path: Path
                     reason="vLLM is not installed (pip install 'staleflow[vllm]'; see docs/calibrate.md)")
 @pytest.mark.timeout(300)
 def test_vllm_calibration_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small grid on a tiny local Qwen2: the pipeline works end to end (about 30-60 s, most of it the
-    engine's start). It asserts nothing a loaded 2-core machine can flake: the accuracy is measured
-    and reported in docs/calibrate.md, not here."""
+    """A small grid on a tiny local Qwen2: the pipeline works end to end (most of the time is the
+    engine's start; no interval gating, so a busy machine adds no retries). It asserts nothing a
+    loaded 2-core machine can flake: the accuracy is measured and reported in docs/calibrate.md."""
     from test_vllm_engine import build_tiny_qwen2  # sets the offline environment for vLLM too
 
     for name, value in (("OMP_NUM_THREADS", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind")):
@@ -335,7 +335,7 @@ def test_vllm_calibration_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     result = runner.invoke(cli(), [
         "calibrate", "--engine", "vllm", "--model", str(tmp_path / "tiny"), "--dtype", "float32",
         "--max-model-len", "1024", "--cpu-threads", "1", "--n-values", "1,8,32", "--contexts", "64,256",
-        "--samples-per-point", "3", "--passes", "1", "--max-foreign-load", "2", "--prefill-contexts", "64,256",
+        "--samples-per-point", "3", "--passes", "1", "--max-foreign-load", "64", "--prefill-contexts", "64,256",
         "--weight-loads", "1", "--bootstrap", "0", "--on-poor-fit", "warn", "--json",
         "--out", str(out), "--plot", str(tmp_path / "fig.png"),
     ])
