@@ -61,6 +61,18 @@ ENGINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
+CPU_SHARED_HOST_ENVIRONMENT = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
 def vllm_available() -> bool:
     try:
         import vllm  # noqa: F401
@@ -129,6 +141,12 @@ class VllmEngine(RolloutEngine):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.params.kv_cache_gib)
         for name, value in ENGINE_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
+        if not _has_cuda():
+            # vLLM-CPU pins one OpenMP thread per core by default; beside a trainer and other
+            # instances every step then waits at barriers for pinned threads that are not running
+            # (60-200 ms per step measured at load 8-12, vs ~2 ms unpinned with one thread)
+            for name, value in CPU_SHARED_HOST_ENVIRONMENT.items():
+                os.environ.setdefault(name, value)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
