@@ -130,6 +130,29 @@ def test_plan_cycle_reroutes_what_sync_interrupts() -> None:
     assert all(routed[t].v_traj == 0 and not routed[t].reserves_group for t in lagging.running)
 
 
+def test_a_migrated_trajectory_routed_back_to_its_instance_stays_there() -> None:
+    busy, peer = inst("busy", running=6, kv=1200), inst("peer", running=1, kv=200)
+    on_instances = {t: PendingTrajectory(t, "g", 0, 200) for t in busy.running + peer.running}
+    config = StrategyConfig(mu=0.0, phi_throughput=1.0)  # migrate the busiest, route wherever the gain is
+    plan = plan_cycle([busy, peer], [], ps_version=0, admission={0: 0}, config=config, on_instances=on_instances)
+    moved = {d.traj_id: d.instance_id for d in plan.routes}
+    assert all(where != "busy" for where in moved.values()), "nothing is interrupted only to come back"
+    assert sorted(plan.interrupts.get("busy", [])) == sorted(moved), "only what moves is interrupted"
+    assert moved, "some trajectories still move to the peer"
+
+
+def test_versioned_trajectories_by_gain_skip_the_version_waterfall() -> None:
+    old, new = inst("old", version=0, running=40, kv=40_000), inst("new", version=1)
+    partials = [PendingTrajectory(f"p{k}", "g", 0, 900, k) for k in range(3)]
+    paper = route([old, new], partials, AdmissionBudget({}), StrategyConfig(mu=0.0, versioned_by_gain=False))
+    assert {d.instance_id for d in paper} == {"old"}, "Algorithm 3 as printed: the oldest version group first"
+    by_gain = route([old, new], partials, AdmissionBudget({}), StrategyConfig(mu=0.0))  # the default
+    assert {d.instance_id for d in by_gain} == {"new"}, "the larger marginal gain, at any admissible version"
+    # initial trajectories keep the waterfall (the version they get is the staleness they carry)
+    fresh = route([old, new], initial("n"), AdmissionBudget({0: 4, 1: 4}), StrategyConfig(mu=0.0))
+    assert [d.instance_id for d in fresh] == ["old"]
+
+
 def test_speculative_state_follows_table1_and_eq1() -> None:
     p = SpeculativeState()
     p.track("i")

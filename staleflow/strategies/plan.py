@@ -64,7 +64,29 @@ def plan_cycle(
             hand_back(inst, inst.trajectories)
         inst.version = ps_version
         inst.kv_cache = 0.0
+    migrated: dict[str, str] = {}  # trajectory -> the instance a migration takes it from
     for instance_id, traj_ids in plan_migrations(list(states.values()), config).items():
         hand_back(states[instance_id], traj_ids)
+        migrated.update(dict.fromkeys(traj_ids, instance_id))
     plan.routes = route(states.values(), waiting, budget, config, group_versions)
+    if migrated:
+        _keep_in_place(plan, migrated)
     return plan
+
+
+def _keep_in_place(plan: CyclePlan, migrated: dict[str, str]) -> None:
+    """A migrated trajectory that routing sends back where it was stays there: an Interrupt and a
+    Route to the same instance would only recompute its KV cache (a sync's interrupts are kept,
+    the Pull needs them)."""
+    stay = {d.traj_id for d in plan.routes if migrated.get(d.traj_id) == d.instance_id}
+    if not stay:
+        return
+    plan.routes = [d for d in plan.routes if d.traj_id not in stay]
+    for instance_id in list(plan.interrupts):
+        if instance_id in plan.syncs:
+            continue
+        kept = [t for t in plan.interrupts[instance_id] if t not in stay]
+        if kept:
+            plan.interrupts[instance_id] = kept
+        else:
+            del plan.interrupts[instance_id]

@@ -195,7 +195,10 @@ def route(
             candidates = [g for g in groups if g.version >= v]
         if not candidates:
             break
-        chosen = choose(candidates, traj.length, config.mu)
+        if v is not None and config.versioned_by_gain and config.routing is RoutingMode.THROUGHPUT:
+            chosen = _best_gain(candidates, traj.length, config.mu)
+        else:
+            chosen = choose(candidates, traj.length, config.mu)
         if chosen is None:
             break  # withheld: no instance gains enough now; ongoing work may change that
         group, i = chosen
@@ -222,6 +225,18 @@ def _waterfall(candidates: list[_VersionGroup], length: int, mu: float) -> tuple
         if gain >= mu * group.ideal_gain(i, length):
             return group, i
     return None
+
+
+def _best_gain(candidates: list[_VersionGroup], length: int, mu: float) -> tuple[_VersionGroup, int] | None:
+    """A trajectory that already has its version: the largest gain (Eq. 3) over every admissible
+    instance, if it clears the threshold; its staleness is the same wherever it runs."""
+    best: tuple[_VersionGroup, int] | None = None
+    top = -1.0
+    for group in candidates:
+        i, gain = group.best(length)
+        if gain >= mu * group.ideal_gain(i, length) and gain > top:
+            best, top = (group, i), gain
+    return best
 
 
 def _fewest_trajectories(candidates: list[_VersionGroup], length: int, mu: float) -> tuple[_VersionGroup, int] | None:

@@ -126,6 +126,12 @@ class StrategyConfig:
     phi_wait: int = 3  # waiting trajectories tolerated per instance before migrating the excess
     phi_throughput: float = 5.0  # max/min instance throughput ratio that triggers a migration
     max_in_flight: int | None = None  # in-flight-limited baselines: cap on routed trajectories
+    # Trajectories that already have a V_traj (partials, members of reserved groups) go to the
+    # admissible instance with the largest gain, not through Algorithm 3's oldest-version-first
+    # waterfall: their staleness is fixed wherever they run, and the waterfall piled the stalest
+    # long partials onto the one old instance with room, which is then the next to be synced
+    # (docs/benchmarks.md, "What differs", 4). False: Algorithm 3 as printed.
+    versioned_by_gain: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.mu <= 1:
