@@ -13,12 +13,12 @@ from staleflow.config import JobConfig, LedgerConfig
 from staleflow.servers.faults import FaultRun, summarize
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_every_role_killed_once_the_job_finishes_intact(tmp_path: Path) -> None:
-    config = JobConfig(engine="sim", workload="ci-tiny", max_tokens=48, instances=3, speed=20.0, steps=50,
+    config = JobConfig(engine="sim", workload="ci-tiny", max_tokens=48, instances=3, speed=8.0, steps=60,
                        ledger=LedgerConfig(eta=1, batch_size=4, group_size=2), state_dir=tmp_path / "run")
     roles = ["instance", "ts", "params", "manager", "coordinator", "trainer", "instance"]
-    result = FaultRun(config, roles, every=2, hang_instance=True, deadline_s=180).run()
+    result = FaultRun(config, roles, every=2, hang_instance=True, deadline_s=240).run()
     assert result.violations == [], result.violations
     assert [f.role for f in result.faults] == roles, "every fault was injected"
     assert result.faults[-1].how == "hang" and "coordinator" in result.faults[-1].detected_by
