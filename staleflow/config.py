@@ -93,7 +93,7 @@ class ManagerConfig(ServiceConfig):
 class AlgorithmConfig(StrictModel):
     """The GRPO/DAPO update and its staleness correction (docs/training.md)."""
 
-    lr: float = Field(2e-5, gt=0, description="AdamW learning rate")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (measured on the demo policy: docs/training.md)")
     weight_decay: float = Field(0.0, ge=0)
     clip_low: float = Field(0.2, ge=0, le=1, description="PPO ratio clip below: 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="DAPO clip-higher: the ratio is clipped above at 1 + clip_high")
