@@ -15,7 +15,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from staleflow.cli.common import console
+from staleflow.cli.common import console, emit_results
 from staleflow.config import LedgerConfig, ManagerConfig
 from staleflow.ledger import Ledger, LedgerParams
 
@@ -159,12 +159,7 @@ def register(bench_app: typer.Typer) -> None:
     ) -> None:
         """Pure-ledger transitions/s, durable transitions/s through SQLite, HTTP latency."""
         results = run_ledger_bench(eta, batch_size, steps, http_requests, workers)
-        if output:
-            output.write_text(json.dumps(results, indent=2))
-        if as_json:
-            typer.echo(json.dumps(results))
-        else:
-            _print(results)
+        emit_results(results, output, as_json, _print)
 
 
 def _decision_scenario(n_instances: int, n_trajectories: int, steady: bool, seed: int = 0):  # noqa: ANN202

@@ -10,7 +10,6 @@ verification; pulls into a new allocation with verification (the client's defaul
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -28,7 +27,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from staleflow.cli.common import console, fail
+from staleflow.cli.common import console, emit_results, fail
 
 TENSOR_BYTES = 64 << 20  # a large layer of a multi-GB model
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -212,12 +211,7 @@ def register(bench_app: typer.Typer) -> None:
                        f"(source, destination, shared memory, one pull); {_available_memory() / 1e9:.0f} GB available",
                        "pass smaller --sizes")
         results = run_params_bench(size_list, chosen, repeats, chunk_mb)
-        if output:
-            output.write_text(json.dumps(results, indent=2))
-        if as_json:
-            typer.echo(json.dumps(results))
-        else:
-            _print(results)
+        emit_results(results, output, as_json, _print)
 
 
 def _available_memory() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,16 @@ def validation_failure(exc: ValidationError, flag_names: dict[str, str] | None =
         return fail(f"invalid configuration:\n  {explained[0][0]}", explained[0][1])
     problems = "".join(f"\n  {problem}\n    fix: {fix}" for problem, fix in explained)
     return fail(f"invalid configuration:{problems}", "correct each value named above")
+
+
+def emit_results(results: dict, output: Path | None, as_json: bool, show: Callable[[dict], None]) -> None:
+    """A benchmark's results: written to ``output`` if given, then printed as JSON or shown."""
+    if output:
+        output.write_text(json.dumps(results, indent=2))
+    if as_json:
+        typer.echo(json.dumps(results))
+    else:
+        show(results)
 
 
 def endpoints(state_dir: Path) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -52,25 +52,31 @@ def _raise_for(response: httpx.Response) -> None:
     raise ServiceError(response.status_code, str(detail), body if isinstance(body, dict) else None)
 
 
-class ManagerClient:
-    """The staleness manager's REST API."""
+class RestClient:
+    """A service's REST API over one httpx client: a context manager whose ``_call`` returns the
+    JSON reply or raises ``ServiceError`` for a non-2xx one. ``token`` defaults to $STALEFLOW_TOKEN."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 10.0, transport: httpx.BaseTransport | None = None):
+    def __init__(self, url: str, token: str | None = None, timeout: float = 10.0,
+                 transport: httpx.BaseTransport | None = None):
         self.http = http_client(url, token, timeout, transport)
 
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self) -> ManagerClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> dict:
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self.http.request(method, path, **kwargs)
         _raise_for(response)
         return response.json()
+
+
+class ManagerClient(RestClient):
+    """The staleness manager's REST API."""
 
     def health(self) -> dict:
         return self._call("GET", "/v1/health")

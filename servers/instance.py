@@ -47,7 +47,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from staleflow.config import CostConfig
 from staleflow.servers.clients import async_http_client
-from staleflow.cost_model import CostModel
 from staleflow.engines.base import (
     CompletedTrajectory,
     EngineSnapshot,

@@ -47,7 +47,7 @@ from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, Field, model_validator
 
 from staleflow.config import ServiceConfig
-from staleflow.servers.clients import ServiceError, _raise_for, http_client
+from staleflow.servers.clients import RestClient, ServiceError
 from staleflow.servers.transports.base import (
     ByteRegions,
     ChecksumMismatch,
@@ -834,32 +834,21 @@ def _as_torch(array: np.ndarray, spec: TensorSpec) -> Any:
     return raw.view(dtype).reshape(spec.shape)
 
 
-class ParamsClient:
+class ParamsClient(RestClient):
     """The parameter server's API for the trainer (push), the instances (pull) and the coordinator
     (versions, latest). Not thread-safe: one per thread. ``token`` (default: $STALEFLOW_TOKEN) is
     sent with every request, as the services' bearer-token check wants it for pushes."""
 
     def __init__(self, url: str, timeout: float = 60.0, token: str | None = None):
+        super().__init__(url, token, timeout)
         self.url = url
         self.timeout = timeout
-        self.http = http_client(url, token, timeout)
         self._transports: dict[str, Transport] = {}
 
     def close(self) -> None:
         for transport in self._transports.values():
             transport.close()
-        self.http.close()
-
-    def __enter__(self) -> ParamsClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, method: str, path: str, **kwargs: Any) -> dict:
-        response = self.http.request(method, path, **kwargs)
-        _raise_for(response)
-        return response.json()
+        super().close()
 
     def transport(self, name: str) -> Transport:
         if name not in self._transports:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, field_validator
 from staleflow.config import ServiceConfig
 from staleflow.rewards import RewardRequest, RewardScorer, VerifierError
 from staleflow.rewards.registry import BUILTIN_VERIFIERS, IMPORT_PATH
-from staleflow.servers.clients import _raise_for, http_client
+from staleflow.servers.clients import RestClient
 
 log = logging.getLogger(__name__)
 
@@ -105,28 +105,15 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
     return app
 
 
-class RewardClient:
-    """``token`` defaults to $STALEFLOW_TOKEN, for servers that check one."""
+class RewardClient(RestClient):
+    """The reward server's REST API."""
 
     def __init__(self, url: str, timeout: float = 60.0, token: str | None = None):
-        self.http = http_client(url, token, timeout)
-
-    def close(self) -> None:
-        self.http.close()
-
-    def __enter__(self) -> RewardClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().__init__(url, token, timeout)
 
     def health(self) -> dict:
-        response = self.http.get("/v1/health")
-        _raise_for(response)
-        return response.json()
+        return self._call("GET", "/v1/health")
 
     def score(self, items: Sequence[dict[str, Any]]) -> list[dict]:
         """``[{id, response_text, answer, verifier?}]`` -> ``[{id, reward, reason, detail?}]``."""
-        response = self.http.post("/v1/rewards", json=list(items))
-        _raise_for(response)
-        return response.json()
+        return self._call("POST", "/v1/rewards", json=list(items))

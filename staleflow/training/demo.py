@@ -64,7 +64,6 @@ def build_demo_model(directory: Path, spec: DemoSpec = DemoSpec(),
                      progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Writes the demo model into ``directory``; returns what it measured (SFT loss, accuracy)."""
     import torch
-    import transformers
 
     report = progress or (lambda what, done, total: None)
     directory.mkdir(parents=True, exist_ok=True)
