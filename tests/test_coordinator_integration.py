@@ -68,11 +68,17 @@ def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Pat
                 routed = [t for t in ts.get("/v1/routed").json()["trajectories"] if t["state"] == "routed"]
                 holders = [t["instance_id"] for t in routed]
                 if holders and max(map(holders.count, set(holders))) >= 3:
-                    victim = max(set(holders), key=holders.count)
-                    instances[victim][0].send_signal(signal.SIGKILL)
-                    instances[victim][0].wait()
-                    stranded = [t["traj_id"] for t in ts.get("/v1/routed", params={"instance_id": victim}).json()[
+                    candidate = max(set(holders), key=holders.count)
+                    proc = instances[candidate][0]
+                    proc.send_signal(signal.SIGSTOP)  # frozen: what it holds now is what the kill loses
+                    held = [t["traj_id"] for t in ts.get("/v1/routed", params={"instance_id": candidate}).json()[
                         "trajectories"]]
+                    if held:
+                        victim, stranded = candidate, held
+                        proc.send_signal(signal.SIGKILL)
+                        proc.wait()
+                    else:  # it finished everything in the meantime: let it go on, pick again later
+                        proc.send_signal(signal.SIGCONT)
             if victim and detected_at is None and co.get("/v1/coordinator").json()["failures"]:
                 detected_at = len(batches)
 
