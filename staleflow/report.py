@@ -17,11 +17,7 @@ def summarize(config: Any, steps: Sequence[Any], samples: Sequence[Any], engine_
     simulated = wall_seconds * config.speed if config.engine == "sim" else wall_seconds
     staleness_per_buffer = {str(s.version): {str(k): v for k, v in sorted(s.staleness.items())} for s in steps}
     violations = sum(n for s in steps for k, n in s.staleness.items() if not 0 <= k <= eta)
-    breakdown = {key: sum(st.get(f"{key}_seconds", 0.0) for st in engine_stats.values() if st.get("available"))
-                 for key in ("decode", "prefill", "pull")}
-    for kind in ("route", "interrupt"):  # real HTTP command time, on the simulated time scale
-        breakdown[kind] = command_seconds.get(kind, 0.0) * (config.speed if config.engine == "sim" else 1.0)
-    total = sum(breakdown.values()) or 1.0
+    scale = config.speed if config.engine == "sim" else 1.0  # command latency on the engine's time scale
     return {
         "engine": config.engine,
         "trainer": trainer_label,
@@ -36,13 +32,55 @@ def summarize(config: Any, steps: Sequence[Any], samples: Sequence[Any], engine_
         "response_tokens": tokens,
         "tokens_per_second": tokens / simulated if simulated else 0.0,
         "clock": f"sim time = wall time x {config.speed}" if config.engine == "sim" else "wall time",
-        "time_breakdown_seconds": breakdown,
-        "time_breakdown_share": {k: v / total for k, v in breakdown.items()},
+        "time_breakdown": time_breakdown(engine_stats, command_seconds, scale, config.instances),
         "mean_decision_ms": command_seconds.get("mean_decision_ms", 0.0),
         "staleness_per_buffer": staleness_per_buffer,
         "staleness_violations": violations,
         "per_step": [asdict(s) for s in steps],
     }
+
+
+COMMAND_KINDS = ("route", "interrupt", "abort", "pull")
+
+
+def time_breakdown(engine_stats: dict[str, dict], command_seconds: dict[str, float], scale: float = 1.0,
+                   instances: int | None = None) -> dict:
+    """The paper's Table 3 from what was measured, each part labelled by where it comes from.
+
+    ``engine``: the instances' own accounting (``/v1/stats``), summed over the instances that
+    answered; its parts add up to their rollout time. ``commands``: the coordinator's command
+    latencies (issued to answered); they overlap engine time, so they are reported beside it,
+    never added to it. An engine that does not account for its time contributes nothing."""
+    measured = {name: st for name, st in engine_stats.items() if st.get("available") and "breakdown_seconds" in st}
+    engine: dict[str, Any] | None = None
+    if measured:
+        parts: dict[str, float] = {}
+        for st in measured.values():
+            for key, value in st["breakdown_seconds"].items():
+                parts[key] = parts.get(key, 0.0) + float(value)
+        rollout = sum(float(st["rollout_seconds"]) for st in measured.values())
+        engine = {
+            "source": ", ".join(sorted({str(st.get("source", "engine")) for st in measured.values()})),
+            "method": "; ".join(sorted({str(st.get("method", "")) for st in measured.values()} - {""})),
+            "instances": len(measured),
+            "instances_without_accounting": sorted(set(engine_stats) - set(measured)),
+            "rollout_seconds": rollout,
+            "seconds": parts,
+            "share": {k: v / rollout if rollout else 0.0 for k, v in parts.items()},
+            "per_instance": {name: {"rollout_seconds": st["rollout_seconds"], "seconds": st["breakdown_seconds"]}
+                             for name, st in sorted(measured.items())},
+        }
+    elif instances:
+        engine = {"source": "not measured", "instances": 0,
+                  "instances_without_accounting": sorted(engine_stats) or [f"{instances} instances"]}
+    counts = {kind: int(command_seconds.get(f"{kind}_count", 0)) for kind in COMMAND_KINDS}
+    commands = {
+        "source": "coordinator command latency (issued to answered, wall clock"
+                  + (f", x{scale:g} to the simulated time scale)" if scale != 1.0 else ")"),
+        "seconds": {kind: command_seconds.get(kind, 0.0) * scale for kind in COMMAND_KINDS},
+        "count": counts,
+    }
+    return {"engine": engine, "commands": commands}
 
 
 def write_report(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
@@ -118,6 +156,10 @@ def plot(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
         written.append(directory / "throughput.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
+    if summary.get("time_breakdown"):
+        path = plot_time_breakdown(directory / "time_breakdown.png", summary["time_breakdown"])
+        if path is not None:
+            written.append(path)
     if steps and summary.get("engine") != "sim":  # the sim reward is a coin flip: nothing to plot
         written.append(plot_rewards(directory / "reward.png", {f"eta = {summary['eta']}": steps}))
     return written
@@ -145,6 +187,61 @@ def plot_rewards(path: Path, runs: dict[str, Sequence[dict]]) -> Path:
     ax.set_ylabel("mean reward of the batch")
     ax.set_title("Reward over training")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PART_COLOURS = {"decode": "tab:blue", "prefill": "tab:orange", "reprefill": "tab:red", "overhead": "tab:gray",
+                "pull": "tab:green", "idle": "lightgray"}
+
+
+def plot_time_breakdown(path: Path, breakdown: dict) -> Path | None:
+    """Table 3 as bars: the engine-measured rollout time per instance (parts that add up to it)
+    and, apart, the coordinator's command latencies. Only what was measured is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engine = breakdown.get("engine") or {}
+    per_instance = engine.get("per_instance") or {}
+    commands = breakdown.get("commands") or {}
+    command_seconds = {k: v for k, v in (commands.get("seconds") or {}).items() if v > 0}
+    if not per_instance and not command_seconds:
+        return None
+    rows = 2 if per_instance and command_seconds else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 1.2 + 0.5 * (len(per_instance) + 1) + (1.6 if rows == 2 else 0)),
+                             squeeze=False)
+    ax_index = 0
+    if per_instance:
+        ax = axes[ax_index, 0]
+        ax_index += 1
+        names = [*per_instance, "all"]
+        seconds = [per_instance[n]["seconds"] for n in per_instance] + [engine["seconds"]]
+        parts = [p for p in PART_COLOURS if any(s.get(p, 0) for s in seconds)]
+        parts += sorted({p for s in seconds for p in s} - set(parts))
+        for row, (name, secs) in enumerate(zip(names, seconds, strict=True)):
+            left = 0.0
+            for part in parts:
+                value = secs.get(part, 0.0)
+                ax.barh(row, value, left=left, color=PART_COLOURS.get(part), label=part if row == 0 else None)
+                left += value
+            ax.annotate(f"{left:.1f} s", (left, row), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds of rollout time")
+        ax.set_title(f"Engine time ({engine.get('source', '')}): parts add up to the rollout time", fontsize=9)
+        ax.legend(fontsize=7, ncol=len(parts), loc="lower right")
+    if command_seconds:
+        ax = axes[ax_index, 0]
+        kinds = list(command_seconds)
+        ax.barh(range(len(kinds)), [command_seconds[k] for k in kinds], color="tab:purple")
+        ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds, summed over commands")
+        ax.set_title(f"Commands ({commands.get('source', '')}); they overlap engine time", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -304,6 +304,13 @@ class RolloutEngine(abc.ABC):
     def completions(self) -> AsyncIterator[CompletedTrajectory]:
         """Finished trajectories in completion order (runs until ``stop``)."""
 
+    async def stats(self) -> dict[str, Any] | None:
+        """Where the instance's time went (paper Table 3) with the counters behind it, or None for
+        an engine that does not account for its time. Engines that do answer ``available: True``,
+        ``source`` (how it was obtained), ``rollout_seconds`` and ``breakdown_seconds``, whose parts
+        add up to ``rollout_seconds``."""
+        return None
+
 
 def check_new_ids(requests: Sequence[TrajectoryRequest], known: Iterable[str]) -> None:
     """Raise EngineError if a request id repeats or is already on the engine."""

@@ -37,6 +37,7 @@ clock (advanced explicitly) or on real time scaled by ``speed``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import math
 import time
@@ -44,6 +45,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import (
@@ -608,6 +610,18 @@ class SimEngine(RolloutEngine):
 
     def completions(self) -> AsyncIterator[CompletedTrajectory]:
         return aiter(self._stream)
+
+    async def stats(self) -> dict[str, Any]:
+        """The core's accounting on the simulated clock: decode, prefill (re-prefill included:
+        the simulator prices every admitted context token alike), Pull, and idle, the rest."""
+        self._sync()
+        stats = self.core.stats
+        parts = {"decode": stats.decode_seconds, "prefill": stats.prefill_seconds, "pull": stats.pull_seconds}
+        rollout = max(self.core.now, sum(parts.values()))  # a Pull is booked whole when it starts
+        parts["idle"] = rollout - sum(parts.values())
+        return {"available": True, "source": "simulated", "method": "sim cost model on the simulated clock",
+                "rollout_seconds": rollout, "breakdown_seconds": parts, "idle_seconds": parts["idle"],
+                **dataclasses.asdict(stats)}
 
     async def drained(self) -> None:
         """Wait until the ``completions()`` consumer has handled everything finished so far."""

