@@ -36,7 +36,12 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from staleflow.engines.accounting import RESUME_MARK, EngineTimeline, StepTotals, breakdown
+from staleflow.engines.accounting import (
+    RESUME_MARK,
+    EngineTimeline,
+    StepTotals,
+    breakdown,
+)
 from staleflow.engines.base import (
     AbortResult,
     CompletedTrajectory,
@@ -300,10 +305,12 @@ class VllmEngine(RolloutEngine):
         stale = False
         if self._llm is not None and self._timeline.state != EngineTimeline.PULL:
             # answered between two model steps; while a Pull holds the engine, the last totals stand
+            from vllm.v1.engine.exceptions import EngineDeadError
+
             try:
                 (totals,) = await self._llm.collective_rpc("staleflow_step_totals")
                 self._steps = StepTotals(**totals)
-            except Exception as exc:  # the engine core is gone: report what was last read
+            except EngineDeadError as exc:  # the engine core is gone: report what was last read
                 log.warning("step totals unavailable: %s", exc)
                 stale = True
         wall, states = self._timeline.totals()

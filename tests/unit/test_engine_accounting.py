@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from staleflow.engines.accounting import RESUME_MARK, EngineTimeline, StepAccountant, StepTotals, breakdown
+from staleflow.engines.accounting import (
+    RESUME_MARK,
+    EngineTimeline,
+    StepAccountant,
+    StepTotals,
+    breakdown,
+)
 
 
 @dataclass
