@@ -11,9 +11,10 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 
+from staleflow import metrics as m
 from staleflow.calibration import CalibrationRef, calibrated_cost
 from staleflow.config import CostConfig, HttpUrl, ServiceConfig
-from staleflow.coordinator.service import Coordinator
+from staleflow.coordinator.service import Coordinator, InstanceStatus
 from staleflow.strategies import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 
 INSTANCE_ID = r"^[A-Za-z0-9._:@+\-]{1,200}$"
@@ -57,6 +58,27 @@ class CoordinatorConfig(ServiceConfig):
                               max_in_flight=self.max_in_flight)
 
 
+def coordinator_metrics(c: Coordinator) -> list:
+    """Prometheus view of the coordinator, read at scrape time."""
+    s = c.stats
+    statuses = [r.status for r in c.instances.values()]
+    return [
+        m.COORDINATOR_CYCLES.value(s.cycles),
+        m.COORDINATOR_DECISION_SECONDS.summary([((), s.decisions, s.decision_ms_total / 1e3)]),
+        m.COORDINATOR_SNAPSHOTS.family([(["accepted"], s.accepted_snapshots), (["discarded"], s.discarded_snapshots)]),
+        m.COORDINATOR_COMMAND_SECONDS.summary([([kind], n, s.command_seconds.get(kind, 0.0))
+                                               for kind, n in sorted(s.command_count.items())]),
+        m.COORDINATOR_TRAJECTORIES.family([(["routed"], s.routed), (["interrupted"], s.interrupted),
+                                           (["aborted"], s.aborts)]),
+        m.COORDINATOR_PULLS.value(s.pulls),
+        m.COORDINATOR_INSTANCES.family([([status.value], statuses.count(status)) for status in InstanceStatus]),
+        m.COORDINATOR_FAILURES.value(s.failures),
+        m.COORDINATOR_PS_VERSION.value(c.ps_version),
+        m.COORDINATOR_ESTIMATED_THROUGHPUT.family([([d["instance_id"]], d["estimated_throughput"])
+                                                   for d in map(c.describe, c.instances.values())]),
+    ]
+
+
 def create_app(config: CoordinatorConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -78,6 +100,8 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             await coordinator.close()
 
     app = FastAPI(title="StaleFlow coordinator", version="1", lifespan=lifespan)
+    m.mount_metrics(app, "coordinator",
+                    lambda: coordinator_metrics(app.state.coordinator) if hasattr(app.state, "coordinator") else [])
 
     def co(request: Request) -> Coordinator:
         return request.app.state.coordinator
@@ -134,6 +158,8 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "cycles": s.cycles, "accepted_snapshots": s.accepted_snapshots, "discarded_snapshots": s.discarded_snapshots,
             "last_decision_ms": s.last_decision_ms,
             "mean_decision_ms": s.decision_ms_total / s.cycles if s.cycles else 0.0,
+            "decisions": s.decisions, "decision_ms_total": s.decision_ms_total,
+            "command_count": s.command_count, "command_seconds": s.command_seconds,
             "routed": s.routed, "interrupted": s.interrupted, "pulls": s.pulls, "aborts": s.aborts,
             "failures": s.failures, "rejoined": s.rejoined, "released": s.released, "strategy": {k: str(v) for k, v in vars(co(request).strategy).items()},
         }

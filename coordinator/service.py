@@ -83,6 +83,7 @@ class CoordinatorStats:
     discarded_snapshots: int = 0
     last_decision_ms: float = 0.0
     decision_ms_total: float = 0.0
+    decisions: int = 0  # cycles that ran the strategies
     routed: int = 0
     interrupted: int = 0
     pulls: int = 0
@@ -90,6 +91,8 @@ class CoordinatorStats:
     failures: int = 0
     rejoined: int = 0  # failed or restarted instances that joined again (a new boot id)
     released: int = 0  # trajectories of failed instances handed back to the trajectory server
+    command_count: dict[str, int] = field(default_factory=dict)  # by kind, answered or not
+    command_seconds: dict[str, float] = field(default_factory=dict)  # by kind: issued to answered
 
 
 class Coordinator:
@@ -227,6 +230,7 @@ class Coordinator:
         elapsed = (time.perf_counter() - started) * 1e3
         self.stats.last_decision_ms = elapsed
         self.stats.decision_ms_total += elapsed
+        self.stats.decisions += 1
         if not plan.empty:
             await self._issue(plan)
 
@@ -414,6 +418,9 @@ class Coordinator:
             return None
         finally:
             entry.completed_at = time.time()
+            self.stats.command_count[kind] = self.stats.command_count.get(kind, 0) + 1
+            self.stats.command_seconds[kind] = (self.stats.command_seconds.get(kind, 0.0)
+                                                + entry.completed_at - entry.issued_at)
             if not queued:
                 record.in_flight -= 1
         if reply.status_code != 200:

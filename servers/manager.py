@@ -9,11 +9,10 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import FastAPI, Path, Query, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictInt
 
+from staleflow import metrics as m
 from staleflow.config import ManagerConfig
 from staleflow.ledger import BufferView, LedgerError, Transition
 from staleflow.servers.ledger_store import DurableLedger, StoreError
@@ -62,39 +61,21 @@ def transition_json(t: Transition) -> dict:
     return body
 
 
-class LedgerCollector:
+def ledger_metrics(ledger: DurableLedger) -> list:
     """Prometheus view of the ledger, read at scrape time."""
-
-    def __init__(self, ledger: DurableLedger):
-        self.ledger = ledger
-
-    def collect(self):  # noqa: ANN201
-        version, buffers, counts = self.ledger.snapshot()
-        stats = self.ledger.stats
-        g = GaugeMetricFamily("staleflow_ledger_train_version", "buffers consumed so far (trainer version)")
-        g.add_metric([], version)
-        yield g
-        entries = GaugeMetricFamily("staleflow_ledger_entries", "live entries by status", labels=["status"])
-        entries.add_metric(["reserved"], counts["reserved"])
-        entries.add_metric(["occupied"], counts["occupied"])
-        yield entries
-        states = GaugeMetricFamily("staleflow_ledger_buffers", "live buffers by state", labels=["state"])
-        for state in ("waiting", "ready", "stuck"):
-            states.add_metric([state], sum(b.state.value == state for b in buffers))
-        yield states
-        for name, doc, value in (
-            ("staleflow_ledger_admitted", "groups admitted (reserved)", stats.admitted),
-            ("staleflow_ledger_occupied", "groups occupied", stats.occupied),
-            ("staleflow_ledger_consumed_groups", "groups consumed by the trainer", stats.consumed_groups),
-            ("staleflow_ledger_consumed_buffers", "buffers consumed by the trainer", stats.consumed_buffers),
-        ):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            yield c
-        aborted = CounterMetricFamily("staleflow_ledger_aborted_groups", "groups aborted", labels=["reason"])
-        aborted.add_metric(["requested"], stats.aborted)
-        aborted.add_metric(["surplus"], stats.surplus)
-        yield aborted
+    version, buffers, counts = ledger.snapshot()
+    stats = ledger.stats
+    return [
+        m.LEDGER_TRAIN_VERSION.value(version),
+        m.LEDGER_ENTRIES.family([(["reserved"], counts["reserved"]), (["occupied"], counts["occupied"])]),
+        m.LEDGER_BUFFERS.family([([state], sum(b.state.value == state for b in buffers))
+                                 for state in ("waiting", "ready", "stuck")]),
+        m.LEDGER_ADMITTED.value(stats.admitted),
+        m.LEDGER_OCCUPIED.value(stats.occupied),
+        m.LEDGER_CONSUMED_GROUPS.value(stats.consumed_groups),
+        m.LEDGER_CONSUMED_BUFFERS.value(stats.consumed_buffers),
+        m.LEDGER_ABORTED_GROUPS.family([(["requested"], stats.aborted), (["surplus"], stats.surplus)]),
+    ]
 
 
 def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> FastAPI:
@@ -104,9 +85,6 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = ledger is None
         app.state.ledger = ledger or DurableLedger.open(config.database_url(), config.ledger.params(), config.synchronous)
-        registry = CollectorRegistry()
-        registry.register(LedgerCollector(app.state.ledger))
-        app.state.registry = registry
         log.info("staleness manager ready: eta=%d batch=%d db=%s", config.ledger.eta, config.ledger.batch_size,
                  config.database_url())
         try:
@@ -116,6 +94,7 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
                 app.state.ledger.close()
 
     app = FastAPI(title="StaleFlow staleness manager", version="1", lifespan=lifespan)
+    m.mount_metrics(app, "manager", lambda: ledger_metrics(app.state.ledger) if hasattr(app.state, "ledger") else [])
 
     @app.exception_handler(LedgerError)
     async def _ledger_error(_: Request, exc: LedgerError) -> JSONResponse:
@@ -226,9 +205,5 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
     ) -> dict:
         rows = the_ledger(request).events(after, limit)
         return {"events": rows, "next": rows[-1]["id"] if rows else after}
-
-    @app.get("/metrics")
-    def metrics(request: Request) -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(request.app.state.registry), media_type="text/plain; version=0.0.4")
 
     return app

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
 
+from staleflow import metrics as m
 from staleflow.config import ServiceConfig
 from staleflow.rewards import RewardRequest, RewardScorer, VerifierError
 from staleflow.rewards.registry import BUILTIN_VERIFIERS, IMPORT_PATH
@@ -59,6 +61,29 @@ class RewardItem(BaseModel):
     verifier: str | None = None
 
 
+class RewardTally:
+    """What the reward server scored, for /metrics."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.batch_seconds = 0.0
+        self.by_verifier: dict[str, list[float]] = {}  # verifier -> [items, sum of rewards]
+
+    def add(self, seconds: float, rewards: list[tuple[str, float]]) -> None:
+        self.batches += 1
+        self.batch_seconds += seconds
+        for verifier, reward in rewards:
+            tally = self.by_verifier.setdefault(verifier, [0, 0.0])
+            tally[0] += 1
+            tally[1] += reward
+
+    def metrics(self) -> list:
+        verifiers = sorted(self.by_verifier.items())
+        return [m.REWARD_ITEMS.family([([v], n) for v, (n, _) in verifiers]),
+                m.REWARD_SECONDS.summary([((), self.batches, self.batch_seconds)]),
+                m.REWARD_VALUE.summary([([v], int(n), total) for v, (n, total) in verifiers])]
+
+
 def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_scorer: bool | None = None) -> FastAPI:
     """The reward server. Closes the scorer (and its worker processes) at shutdown if it made it,
     or if ``owns_scorer``."""
@@ -76,6 +101,8 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
                 app.state.scorer.close()
 
     app = FastAPI(title="StaleFlow reward server", version="1", lifespan=lifespan)
+    tally = RewardTally()
+    m.mount_metrics(app, "reward", tally.metrics)
 
     @app.exception_handler(VerifierError)
     async def _verifier_error(_: Request, exc: VerifierError) -> JSONResponse:
@@ -99,7 +126,10 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
                 return JSONResponse({"detail": f"item {item.id!r}: response_text and answer are limited to "
                                                f"{config.max_chars} characters"}, status_code=413)
         requests = [RewardRequest(i.response_text, i.answer, i.verifier) for i in items]
+        started = time.perf_counter()
         verdicts = await asyncio.to_thread(request.app.state.scorer.score, requests)
+        tally.add(time.perf_counter() - started,
+                  [(i.verifier or config.default_verifier, v.reward) for i, v in zip(items, verdicts, strict=True)])
         return [{"id": item.id, **verdict.to_json()} for item, verdict in zip(items, verdicts, strict=True)]
 
     return app

@@ -51,6 +51,8 @@ class StepRecord:
     staleness: dict[int, int]  # V_buf - V_traj -> count
     train_seconds: float  # simulated with the sim trainer, measured with a real one
     metrics: dict[str, float] = field(default_factory=dict)
+    rewards: dict[str, float] = field(default_factory=dict)  # std, min, max of the batch's rewards
+    min_length: int = 0
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> StepRecord:
@@ -65,11 +67,14 @@ def batch_record(version: int, batch: Mapping[str, Any], finished_at: float, met
     staleness: dict[int, int] = {}
     for t in trajs:
         staleness[version - t["v_traj"]] = staleness.get(version - t["v_traj"], 0) + 1
+    rewards = np.array([float(t["reward"]) for t in trajs])
     return StepRecord(
         version, finished_at, len(batch["groups"]), len(trajs), sum(lengths),
-        float(np.mean([t["reward"] for t in trajs])) if trajs else 0.0,
+        float(rewards.mean()) if trajs else 0.0,
         float(np.mean(lengths)) if lengths else 0.0, max(lengths, default=0), staleness,
-        float(metrics.get("train_seconds", 0.0)), {k: float(v) for k, v in metrics.items() if k != "train_seconds"})
+        float(metrics.get("train_seconds", 0.0)), {k: float(v) for k, v in metrics.items() if k != "train_seconds"},
+        {"std": float(rewards.std()), "min": float(rewards.min()), "max": float(rewards.max())} if trajs else {},
+        min(lengths, default=0))
 
 
 class StepLog:
