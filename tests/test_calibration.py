@@ -295,7 +295,7 @@ def test_coordinator_and_up_take_the_cost_from_a_calibration_file(tmp_path: Path
                                         kv_r2=1.0, kv_budget=5e5))
     job = job_config(None, calibration={"file": str(path)})  # what `staleflow up --calibration FILE` builds
     assert job.calibration is not None and JobConfig.model_validate_json(job.model_dump_json()) == job
-    config = CoordinatorConfig(ts_url="http://127.0.0.1:9", calibration=job.calibration)  # as servers/job.py does
+    config = CoordinatorConfig(ts_url="http://127.0.0.1:9", calibration=job.calibration)  # as launch/job.py does
     assert config.cost.k5 == 1.07 and config.cost.kv_budget == 5e5
     assert config.cost.k3 == pytest.approx(HIDDEN.k3, rel=1e-6)
     assert CoordinatorConfig.model_validate_json(config.model_dump_json()).cost == config.cost  # a dumped config

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from staleflow.config import JobConfig, LedgerConfig
-from staleflow.servers.faults import FaultRun, summarize
+from staleflow.launch.faults import FaultRun, summarize
 
 
 @pytest.mark.timeout(300)

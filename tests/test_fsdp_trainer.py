@@ -15,7 +15,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
-from staleflow.training.fsdp import FsdpBackend, _init  # noqa: E402
+from staleflow.training.fsdp import FsdpBackend, init_process_group  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,7 +37,7 @@ def _batch() -> dict:
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, checkpoints: str, out: str) -> None:
-    _init(rank, world, port)
+    init_process_group(rank, world, port)
     try:
         backend = FsdpBackend(_config(world), Path(model_dir), Path(checkpoints), rank, world, final_version=1)
         metrics = backend.train(0, _batch())
@@ -68,7 +68,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _train_here(model_dir: Path, checkpoints: Path) -> dict:
     """One rank in this process: the reference the two ranks must match."""
-    _init(0, 1, _port())
+    init_process_group(0, 1, _port())
     try:
         backend = FsdpBackend(_config(1), model_dir, checkpoints, 0, 1, final_version=1)
         metrics = backend.train(0, _batch())
@@ -94,7 +94,7 @@ def test_two_ranks_match_one_and_resume_from_the_checkpoint(model_dir: Path, tmp
         assert one["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-4, abs=1e-6), key
     assert two["metrics"]["importance_weight_mean"] > 0 and two["metrics"]["grad_norm"] > 0
 
-    _init(0, 1, _port())  # a fresh single-rank trainer resumes from the two-rank checkpoint
+    init_process_group(0, 1, _port())  # a fresh single-rank trainer resumes from the two-rank checkpoint
     try:
         resumed = FsdpBackend(_config(1), model_dir, checkpoints, 0, 1, final_version=2)
         assert resumed.resume_version() == 1

@@ -18,20 +18,12 @@ from support import free_port
 
 from staleflow.servers.clients import ServiceError
 from staleflow.servers.http import serve_in_thread
-from staleflow.servers.params import (
-    ParamsClient,
-    ParamsConfig,
-    ParamsError,
-    ParamStore,
-    RawTensor,
-    create_app,
-    parse_version_spec,
-    shm_prefix,
-    versions_to_drop,
-)
-from staleflow.servers.transports.base import ByteRegions, FormatError, checksum_of, plan_chunks
-from staleflow.servers.transports.http import CHECKSUM_HEADER, RawHttpConnection
-from staleflow.servers.transports.nixl import nixl_available
+from staleflow.servers.params import ParamsConfig, ParamsError, ParamStore, create_app
+from staleflow.servers.params.store import parse_version_spec, shm_prefix, versions_to_drop
+from staleflow.transports.client import ParamsClient, RawTensor
+from staleflow.transports.base import ByteRegions, FormatError, checksum_of, plan_chunks
+from staleflow.transports.http import CHECKSUM_HEADER, RawHttpConnection
+from staleflow.transports.nixl import nixl_available
 
 CHUNK = 64 << 10
 
@@ -212,8 +204,8 @@ def ps_pull_waiting(url: str, version: int) -> dict[str, object]:
 
 
 def start_raw_push(ps: ParamsClient, version: int, tensors: dict[str, object]) -> tuple[dict, list]:
-    from staleflow.servers.params import _as_bytes
-    from staleflow.servers.transports.base import layout_tensors
+    from staleflow.transports.client import _as_bytes
+    from staleflow.transports.base import layout_tensors
 
     converted = [(n, *_as_bytes(v)) for n, v in tensors.items()]
     response = ps.http.post(f"/v1/params/{version}", json={

@@ -101,7 +101,7 @@ def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
                 seen.update(groups)
         finally:
             ledger.close()
-    from staleflow.servers.trajectory_store import TrajectoryStore
+    from staleflow.servers.trajectories.store import TrajectoryStore
 
     store = TrajectoryStore.open(f"sqlite:///{state / 'trajectories.db'}")
     try:
@@ -144,7 +144,7 @@ def test_compose_file_runs_the_jobs_components() -> None:
     import yaml
 
     from staleflow.config import JobConfig
-    from staleflow.servers.job import build_app, component_names
+    from staleflow.launch.job import build_app, component_names
 
     root = Path(__file__).resolve().parents[1]
     compose = yaml.safe_load((root / "compose.yaml").read_text())

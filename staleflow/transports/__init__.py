@@ -4,7 +4,7 @@ Every transport moves byte ranges of one format (``base``): ``http`` (anywhere, 
 ``shm`` (same host, shared memory) and ``nixl`` (NIXL/UCX, optional extra).
 """
 
-from staleflow.servers.transports.base import (
+from staleflow.transports.base import (
     ByteRegions,
     ChecksumMismatch,
     ChunkSpec,

@@ -36,9 +36,9 @@ import httpx
 import numpy as np
 
 from staleflow.config import JobConfig
-from staleflow.servers import standby
+from staleflow.launch import standby
 from staleflow.servers.clients import http_client
-from staleflow.servers.job import TRAINER, Job, instance_ids
+from staleflow.launch.job import TRAINER, Job, instance_ids
 
 log = logging.getLogger(__name__)
 
@@ -463,7 +463,7 @@ class FaultRun:
             v.append(f"{len(lost)} trajectories routed to an instance that does not hold them: {lost[:3]}")
         expected = len(trained)
         try:
-            from staleflow.servers.params import ParamsClient
+            from staleflow.transports.client import ParamsClient
 
             with ParamsClient(job.endpoints["params"]["url"]) as params:
                 latest = params.latest()["version"]

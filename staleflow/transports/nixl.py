@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from staleflow.servers.transports.base import ByteRegions, PullLease, Transport, TransportUnavailable
+from staleflow.transports.base import ByteRegions, PullLease, Transport, TransportUnavailable
 
 INSTALL_HINT = "install the optional extra: pip install torch==2.13.0 'staleflow[nixl]'"
 

@@ -17,7 +17,7 @@ def spawn(log_path: Path) -> subprocess.Popen:
     """Start a standby; its output goes to ``log_path`` until it takes a role (then the role's
     log). ``ready(log_path)`` tells when it has finished importing."""
     log_file = log_path.open("a")
-    return subprocess.Popen([sys.executable, "-m", "staleflow.servers.standby", str(log_path)],
+    return subprocess.Popen([sys.executable, "-m", "staleflow.launch.standby", str(log_path)],
                             stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT, text=True)
 
 
@@ -37,7 +37,7 @@ def main() -> int:
     import staleflow.servers.trajectories  # noqa: F401
     from staleflow.config import JobConfig
     from staleflow.servers.http import serve_forever
-    from staleflow.servers.job import TRAINER, build_app, run_trainer
+    from staleflow.launch.job import TRAINER, build_app, run_trainer
 
     if len(sys.argv) > 1:
         Path(sys.argv[1]).with_suffix(".ready").touch()

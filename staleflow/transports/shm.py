@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from staleflow.servers.transports.base import ByteRegions, PullLease, Transport, TransportUnavailable, pieces_of
+from staleflow.transports.base import ByteRegions, PullLease, Transport, TransportUnavailable, pieces_of
 
 log = logging.getLogger(__name__)
 

@@ -160,7 +160,7 @@ def run_trainer(config: JobConfig, endpoints: dict[str, dict], stop: threading.E
         TrainerLoop(backend, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log(config),
                     stop=stop, started=started).run()
         return
-    from staleflow.training.fsdp import run_fsdp_trainer
+    from staleflow.servers.trainer import run_fsdp_trainer
 
     run_fsdp_trainer(config, urls, step_log(config), stop, started)
 
@@ -338,7 +338,7 @@ class Job:
     def restart(self, name: str, standby: subprocess.Popen | None = None) -> None:
         """Start component ``name`` again at its planned port, after its process died or was
         killed; returns once it answers its health probe. A warm ``standby`` process (see
-        ``staleflow.servers.standby``) takes the role without a cold start."""
+        ``staleflow.launch.standby``) takes the role without a cold start."""
         old = self.procs[name]
         if old.poll() is None:
             old.kill()
