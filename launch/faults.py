@@ -243,7 +243,7 @@ class TokenMeter:
 
 
 @dataclass
-class RunResult:
+class FaultRunResult:
     wall_s: float  # the training phase: components up -> last step
     steps: int
     faults: list[Fault] = field(default_factory=list)
@@ -290,7 +290,7 @@ class FaultRun:
 
     # -- the run --------------------------------------------------------------------------
 
-    def run(self, progress=None) -> RunResult:  # noqa: ANN001
+    def run(self, progress=None) -> FaultRunResult:  # noqa: ANN001
         job = Job(self.config, fresh=True)
         job.write_planned_endpoints()
         try:
@@ -299,7 +299,7 @@ class FaultRun:
         finally:
             job.shutdown()
 
-    def _drive(self, job: Job, progress) -> RunResult:  # noqa: ANN001
+    def _drive(self, job: Job, progress) -> FaultRunResult:  # noqa: ANN001
         meter = TokenMeter(job)
         supervisor = Supervisor(job, on_detected=self._detected, on_restarted=self._restarted).start()
         urls = {k: v["url"] for k, v in job.endpoints.items()}
@@ -335,7 +335,7 @@ class FaultRun:
             finished = self._done(job)
             steps = job.steps()
             wall = steps[-1].finished_at if steps else time.monotonic() - started
-            result = RunResult(wall_s=wall, steps=len(steps), faults=self.faults,
+            result = FaultRunResult(wall_s=wall, steps=len(steps), faults=self.faults,
                                step_times=[st.finished_at for st in steps],
                                restarts=dict(supervisor.restarts),
                                events=[{**e, "t": e["t"] - started} for e in supervisor.events])
@@ -426,7 +426,7 @@ class FaultRun:
 
     # -- after the run ----------------------------------------------------------------------
 
-    def _verify(self, job: Job, versions: list[int], ps_versions: list[int], result: RunResult) -> None:
+    def _verify(self, job: Job, versions: list[int], ps_versions: list[int], result: FaultRunResult) -> None:
         cfg, eta, v = self.config, self.config.ledger.eta, result.violations
         if any(b < a for a, b in zip(versions, versions[1:], strict=False)):
             v.append("the ledger's train version went backwards")
@@ -512,7 +512,7 @@ class FaultRun:
 # ---------------------------------------------------------------------------- the report
 
 
-def summarize(baseline: RunResult | None, faulty: RunResult) -> dict:
+def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:
     per_role: dict[str, dict] = {}
     for f in faulty.faults:
         r = per_role.setdefault(f"{f.role}" + (" (hung)" if f.how == "hang" else ""), {"faults": 0, "detection_s": [],

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from staleflow.cli import bench_systems
 from staleflow.simulation import ExperimentSpec, resolve, run_experiment, scenario
-from staleflow.simulation.report import markdown, tables
+from staleflow.simulation.tables import markdown, tables
 from staleflow.simulation.systems import catalog
 
 runner = CliRunner()

@@ -1,4 +1,4 @@
-"""Calibration (issue 10): the pure fits, the sim engine end to end through the CLI, the file format.
+"""Calibration: the pure fits, the sim engine end to end through the CLI, the file format.
 
 The vLLM test at the end runs only where vLLM is installed (see docs/calibrate.md for the venv).
 """
@@ -34,7 +34,7 @@ from staleflow.calibration import (
 )
 from staleflow.cli.calibrate import POOR_FIT_EXIT, SIM_GRID, register
 from staleflow.cost_model import CostModel
-from staleflow.profiling import ProfileConfig, plan_points, trim_outliers
+from staleflow.calibration.profile import ProfileConfig, plan_points, trim_outliers
 
 runner = CliRunner()
 

@@ -24,8 +24,8 @@ from staleflow.simulation import (
     run_experiment,
     scenario,
 )
-from staleflow.simulation.experiment import Job, Point, apply_sweep, parse_sweep
-from staleflow.simulation.pool import GroupStatus, TrajectoryPool, TrajStatus
+from staleflow.simulation.experiment import SimulatedJob, Point, apply_sweep, parse_sweep
+from staleflow.simulation.trajectory_pool import GroupStatus, TrajectoryPool, TrajStatus
 from staleflow.simulation.systems import Family, catalog
 
 CI = scenario("ci", seed=0)
@@ -36,7 +36,7 @@ def run(name: str, eta: int = 2, steps: int = 6, seed: int = 0, instances: int =
     sc = scenario("ci", seed)
     if changes:
         sc = replace(sc, **changes)
-    return ClusterSimulation(Job(Point(0, eta, sc), SYSTEMS[name], instances, steps).config()).run(steps)
+    return ClusterSimulation(SimulatedJob(Point(0, eta, sc), SYSTEMS[name], instances, steps).config()).run(steps)
 
 
 def comparable(r: RunResult) -> dict:
@@ -131,11 +131,11 @@ def test_same_seed_same_numbers_other_seed_other_numbers() -> None:
 _ONE_RUN = """
 import json
 from staleflow.simulation import ClusterSimulation, scenario
-from staleflow.simulation.experiment import Job, Point
+from staleflow.simulation.experiment import SimulatedJob, Point
 from staleflow.simulation.systems import catalog
 sc = scenario("ci", 5)
 system = {s.name: s for s in catalog(sc.redundancy)}["sf-rsm+group"]
-r = ClusterSimulation(Job(Point(0, 2, sc), system, 2, 4, timeline=True).config()).run(4)
+r = ClusterSimulation(SimulatedJob(Point(0, 2, sc), system, 2, 4, timeline=True).config()).run(4)
 d = r.to_dict()
 d.pop("wall_s"); d.pop("decisions")
 print(json.dumps(d, sort_keys=True))
@@ -154,7 +154,7 @@ def test_reproducible_across_processes_whatever_the_hash_seed() -> None:
 
 def test_timeline_records_load_and_pulls() -> None:
     sc = CI
-    config = replace(Job(Point(0, 2, sc), SYSTEMS["sf-rsm"], 2, 4).config(), record_timeline=True)
+    config = replace(SimulatedJob(Point(0, 2, sc), SYSTEMS["sf-rsm"], 2, 4).config(), record_timeline=True)
     r = ClusterSimulation(config).run(4)
     tl = r.timeline
     assert tl is not None and len(tl.times) > 5
@@ -164,7 +164,7 @@ def test_timeline_records_load_and_pulls() -> None:
 
 
 def test_a_simulation_runs_once_and_rejects_bad_configs() -> None:
-    sim = ClusterSimulation(Job(Point(0, 1, CI), SYSTEMS["verl"], 4, 1).config())
+    sim = ClusterSimulation(SimulatedJob(Point(0, 1, CI), SYSTEMS["verl"], 4, 1).config())
     sim.run(1)
     with pytest.raises(RuntimeError):
         sim.run(1)
@@ -172,7 +172,7 @@ def test_a_simulation_runs_once_and_rejects_bad_configs() -> None:
         ClusterConfig(workload=CI.workload, system=SYSTEMS["verl"], eta=1, rollout_instances=0, train_gpus=1)
     tiny = replace(CI.sim, cost=replace(CI.sim.cost, kv_budget=50))
     with pytest.raises(ValueError, match="KV budget"):
-        ClusterSimulation(replace(Job(Point(0, 1, CI), SYSTEMS["verl"], 4, 1).config(), sim=tiny))
+        ClusterSimulation(replace(SimulatedJob(Point(0, 1, CI), SYSTEMS["verl"], 4, 1).config(), sim=tiny))
 
 
 def test_pool_samples_workload_groups_and_tracks_versions() -> None:

@@ -1,9 +1,10 @@
 """The FSDP2 trainer: GRPO/DAPO on a Hugging Face causal LM, sharded with ``fully_shard``.
 
-Rank 0 runs the trainer role (``TrainerLoop``: consume, fetch, push, free; the role's process
-orchestration is ``staleflow.servers.trainer.run_fsdp_trainer``) with a ``RankDriver`` backend that broadcasts each call (train, weights, checkpoint) to the other ranks, which run the
-same call on their shard (``follow``). Every rank trains an equal number of micro-batches of its
-share of the batch, so the FSDP collectives line up. gloo on CPU, NCCL on GPU.
+Rank 0 runs the trainer role (``TrainerLoop``: consume, fetch, push, free; its process
+orchestration is ``staleflow.servers.trainer.run_fsdp_trainer``) with a ``RankDriver`` backend
+that broadcasts each call (train, weights, checkpoint) to the other ranks, which run the same call
+on their shard (``follow``). Every rank trains an equal number of micro-batches of its share of
+the batch, so the FSDP collectives line up. gloo on CPU, NCCL on GPU.
 
 Checkpoints are ``torch.distributed.checkpoint`` directories (model and optimizer, sharded) plus a
 ``latest.json`` written last; a restarted trainer loads the newest and resumes from its version.

@@ -1,4 +1,4 @@
-"""Profiling a rollout engine for calibration (issue 10): the engine-facing, async half.
+"""Profiling a rollout engine for calibration: the engine-facing, async half.
 
 ``profile(probe, config)`` measures, through the ``RolloutEngine`` interface plus a small
 engine-specific ``Probe`` (clock, token counts, KV capacity):
@@ -16,7 +16,7 @@ engine-specific ``Probe`` (clock, token counts, KV capacity):
 
 The simulator runs on its virtual clock (a full grid takes well under a second of wall time); vLLM
 is measured in wall time. ``entry_from_profile`` turns the measurements into a calibration entry
-with the pure fits of ``staleflow.calibration``.
+with the pure fits of ``staleflow.calibration.fit``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import abc
 import asyncio
 import json
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +55,8 @@ from staleflow.engines.base import (
     WeightsRef,
 )
 from staleflow.engines.sim import Clock, SimEngine, SimParams
+from staleflow.calibration.cpu import CpuMeter
+
 
 ProgressFn = Callable[[int, int, str], None]  # (completed, total, what is being measured)
 
@@ -129,95 +130,6 @@ class ProfileData:
     disturbed: int = 0  # intervals dropped because other processes competed for the CPU
     foreign_load: list[float] = field(default_factory=list)  # cores other processes used, per interval
     waited: list[float] = field(default_factory=list)  # run-queue wait subtracted, fraction of each interval
-
-
-# ---------------------------------------------------------------------------------------- probes
-
-
-class CpuMeter:
-    """CPU time used on this machine by processes outside our own process tree (Linux ``/proc``).
-
-    Wall-clock timings are only as good as the machine is quiet: on a shared host another job
-    inflates the step latency we measure. ``foreign_seconds()`` is a counter of busy CPU seconds
-    (steal time included) minus those of this process and its descendants (vLLM's engine core and
-    workers); its rate over an interval says how many cores others used meanwhile.
-    """
-
-    def __init__(self, root: int | None = None):
-        self.root = root or os.getpid()
-        self.hz = os.sysconf("SC_CLK_TCK")
-
-    @classmethod
-    def create(cls) -> CpuMeter | None:
-        """A meter, or None where ``/proc`` is not readable (not Linux)."""
-        meter = cls()
-        try:
-            meter.foreign_seconds()
-        except (OSError, ValueError, IndexError):
-            return None
-        return meter
-
-    def foreign_seconds(self) -> float:
-        with open("/proc/stat") as f:
-            cpu = [int(v) for v in f.readline().split()[1:]]
-        busy = cpu[0] + cpu[1] + cpu[2] + sum(cpu[5:8])  # user nice system (idle iowait) irq softirq steal
-        return (busy - self._tree_ticks()) / self.hz
-
-    def engine_wait_seconds(self) -> float | None:
-        """Seconds the engine's stepping thread has spent runnable but not running (``schedstat``).
-
-        That thread is the main thread of the descendant process named ``VLLM::EngineCore`` (vLLM's
-        engine core, which runs the step loop). Subtracted from an interval's wall time it removes the
-        time other processes held the CPU the engine wanted; None where it cannot be read.
-        """
-        pid = self._engine_pid
-        if pid is None:
-            pid = self._engine_pid = self._find_engine()
-            if pid is None:
-                return None
-        try:
-            with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
-                return int(f.read().split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
-            self._engine_pid = None  # exited (restarted engine): look again next time
-            return None
-
-    _engine_pid: int | None = None
-
-    def _find_engine(self) -> int | None:
-        procs = _processes()
-        parents = {pid: parent for pid, parent, _, _ in procs}
-        for pid, _, comm, _ in procs:
-            if comm.startswith("VLLM::EngineCor") and self._in_tree(pid, parents):
-                return pid
-        return None
-
-    def _in_tree(self, pid: int, parents: dict[int, int]) -> bool:
-        p, hops = pid, 0
-        while p > 1 and p != self.root and hops < 64:
-            p, hops = parents.get(p, 0), hops + 1
-        return p == self.root
-
-    def _tree_ticks(self) -> int:
-        procs = _processes()
-        parents = {pid: parent for pid, parent, _, _ in procs}
-        return sum(ticks for pid, _, _, ticks in procs if self._in_tree(pid, parents))
-
-
-def _processes() -> list[tuple[int, int, str, int]]:
-    """(pid, parent pid, name, utime + stime ticks) of every process in ``/proc``."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                head, rest = f.read().rsplit(")", 1)
-        except OSError:
-            continue  # exited meanwhile
-        fields = rest.split()
-        found.append((int(entry.name), int(fields[1]), head.split("(", 1)[1], int(fields[11]) + int(fields[12])))
-    return found
 
 
 class Probe(abc.ABC):
@@ -522,7 +434,7 @@ async def _boundary(probe: Probe, ids: Sequence[str], context: int) -> _Boundary
 
 
 @dataclass
-class PointResult:
+class ProbePoint:
     """What one grid point yielded."""
 
     samples: list[DecodeSample] = field(default_factory=list)
@@ -532,7 +444,7 @@ class PointResult:
     waited: list[float] = field(default_factory=list)  # fraction of each interval the engine waited for a CPU
     note: str | None = None
 
-    def merge(self, other: PointResult) -> None:
+    def merge(self, other: ProbePoint) -> None:
         self.samples += other.samples
         self.pairs += other.pairs
         self.disturbed += other.disturbed
@@ -542,7 +454,7 @@ class PointResult:
 
 
 async def measure_decode_point(probe: Probe, config: ProfileConfig, prompts: _Prompts, point: int, n: int,
-                               context: int, max_tokens: int, attempt: int = 0) -> PointResult:
+                               context: int, max_tokens: int, attempt: int = 0) -> ProbePoint:
     """Decode samples of one grid point (``note`` says why there are none)."""
     ids = [f"cal-p{point}-a{attempt}-{i}" for i in range(n)]
     where = f"n = {n}, context {context}"
@@ -552,27 +464,27 @@ async def measure_decode_point(probe: Probe, config: ProfileConfig, prompts: _Pr
             return all((g := probe.generated(i)) is not None and g >= k for i in ids)
 
         if not await probe.wait_until(lambda: tokens_each(2), config.timeout_s):
-            return PointResult(note=f"{where}: not all trajectories started decoding in time")
+            return ProbePoint(note=f"{where}: not all trajectories started decoding in time")
         first = await _boundary(probe, ids, context)
         if first is None or first.running != n:
-            return PointResult(note=f"{where}: only {first and first.running} of {n} trajectories ran together")
+            return ProbePoint(note=f"{where}: only {first and first.running} of {n} trajectories ran together")
         pilot_target = first.tokens + 4 * n
 
         def total() -> int:
             return sum(probe.generated(i) or 0 for i in ids)
 
         if not await probe.wait_until(lambda: total() >= pilot_target, config.timeout_s):
-            return PointResult(note=f"{where}: decoding stalled")
+            return ProbePoint(note=f"{where}: decoding stalled")
         start = await _boundary(probe, ids, context)
         if start is None or start.tokens <= first.tokens:
-            return PointResult(note=f"{where}: trajectories finished during warm-up")
+            return ProbePoint(note=f"{where}: trajectories finished during warm-up")
         step = (start.time - first.time) * n / (start.tokens - first.tokens)
         left = max_tokens - start.tokens // n - 8  # steps still available to every trajectory
         dt = step * config.steps_per_sample
         if probe.realtime:
             dt = min(max(dt, config.min_sample_seconds), config.max_sample_seconds)
         dt = min(dt, 0.9 * step * left / config.samples_per_point)
-        result = PointResult(pairs=[(start.held, start.kv)])
+        result = ProbePoint(pairs=[(start.held, start.kv)])
         previous = start
         for _ in range(config.samples_per_point):
             await probe.wait(dt)
@@ -623,12 +535,12 @@ async def measure_weight_load(probe: Probe, version: int) -> float:
 
 
 async def _measure_point(probe: Probe, config: ProfileConfig, prompts: _Prompts, point: int, n: int, context: int,
-                         max_tokens: int, run: int) -> PointResult:
+                         max_tokens: int, run: int) -> ProbePoint:
     """One grid point: repeated where the KV budget shortens its responses below ``decode_tokens``,
     and retried (after a pause) while other processes competing for the CPU spoil its intervals."""
     repeats = min(config.max_repeats, math.ceil(config.decode_tokens / max_tokens))
     wanted = max(2, config.samples_per_point // 2) if repeats == 1 else 1
-    result = PointResult()
+    result = ProbePoint()
     for attempt in range(repeats + config.retries):
         if attempt >= repeats:
             if len(result.samples) >= wanted:
@@ -747,21 +659,3 @@ def entry_from_profile(
         extra_warnings=data.notes, wall_seconds=data.wall_seconds, truth=truth,
     )
     return entry, report
-
-
-__all__ = [
-    "ProfileConfig",
-    "ProfileData",
-    "CpuMeter",
-    "PointResult",
-    "Probe",
-    "SimProbe",
-    "VllmProbe",
-    "entry_from_profile",
-    "measure_decode_point",
-    "measure_prefill",
-    "measure_weight_load",
-    "plan_points",
-    "profile",
-    "trim_outliers",
-]
