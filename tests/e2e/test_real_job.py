@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from staleflow.training.demo import DemoSpec, train_tokenizer  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.vllm, pytest.mark.torch, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
 from staleflow.training.fsdp import FsdpBackend, init_process_group  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
 
 
 def _config(world: int) -> TrainerConfig:

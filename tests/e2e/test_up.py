@@ -146,7 +146,7 @@ def test_compose_file_runs_the_jobs_components() -> None:
     from staleflow.config import JobConfig
     from staleflow.launch.job import build_app, component_names
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     compose = yaml.safe_load((root / "compose.yaml").read_text())
     endpoints = json.loads((root / "deploy" / "endpoints.json").read_text())
     job = JobConfig.model_validate_json((root / "deploy" / "job.json").read_text())

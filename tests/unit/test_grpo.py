@@ -6,6 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install 'staleflow[train]')")
 
+pytestmark = pytest.mark.torch
+
 from staleflow.config import AlgorithmConfig  # noqa: E402
 from staleflow.training.grpo import group_advantages, policy_loss  # noqa: E402
 
