@@ -21,8 +21,8 @@ from rich.table import Table as RichTable
 from staleflow.cli.common import console, fail
 from staleflow.simulation import (
     ExperimentSpec,
-    SimulatedJob,
     RunResult,
+    SimulatedJob,
     SimulationStalled,
     load_workload,
     parse_sweep,

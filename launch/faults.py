@@ -37,8 +37,8 @@ import numpy as np
 
 from staleflow.config import JobConfig
 from staleflow.launch import standby
-from staleflow.servers.clients import http_client
 from staleflow.launch.job import TRAINER, Job, instance_ids
+from staleflow.servers.clients import http_client
 
 log = logging.getLogger(__name__)
 

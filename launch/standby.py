@@ -36,8 +36,8 @@ def main() -> int:
     import staleflow.servers.trainer  # noqa: F401
     import staleflow.servers.trajectories  # noqa: F401
     from staleflow.config import JobConfig
-    from staleflow.servers.http import serve_forever
     from staleflow.launch.job import TRAINER, build_app, run_trainer
+    from staleflow.servers.http import serve_forever
 
     if len(sys.argv) > 1:
         Path(sys.argv[1]).with_suffix(".ready").touch()

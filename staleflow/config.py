@@ -9,9 +9,9 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from staleflow.calibration import CalibrationRef
-from staleflow.strict import StrictModel
 from staleflow.cost_model import CostModel
 from staleflow.ledger import LedgerParams
+from staleflow.strict import StrictModel
 
 
 def _check_http_url(value: str) -> str:

@@ -28,7 +28,14 @@ Endpoints (all JSON; errors are ``{"error": {"code", "message"}}`` with a 4xx st
 from staleflow.servers.instance.app import create_app
 from staleflow.servers.instance.config import InstanceConfig, SimConfig, VllmConfig, create_engine
 from staleflow.servers.instance.state import InstanceServer
-from staleflow.servers.instance.wire import AbortCommand, InterruptCommand, PullCommand, RouteCommand, TrajectoryIn, trajectory_json
+from staleflow.servers.instance.wire import (
+    AbortCommand,
+    InterruptCommand,
+    PullCommand,
+    RouteCommand,
+    TrajectoryIn,
+    trajectory_json,
+)
 
 __all__ = [
     "AbortCommand",

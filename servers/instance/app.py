@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -20,7 +20,6 @@ from staleflow.engines.base import (
 from staleflow.servers.instance.config import InstanceConfig
 from staleflow.servers.instance.state import InstanceServer
 from staleflow.servers.instance.wire import AdvanceIn, CommandEnvelope, describe_errors, error_response, plain_errors
-
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ from staleflow.engines.base import (
 from staleflow.engines.sim import Clock, SimEngine, SimParams
 from staleflow.workload import PRESETS, preset
 
-
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 
 

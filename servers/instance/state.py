@@ -15,14 +15,14 @@ from typing import Any
 
 import httpx
 
-from staleflow.servers.clients import async_http_client
 from staleflow.engines.base import (
     CompletedTrajectory,
-    EngineSnapshot,
     EngineError,
+    EngineSnapshot,
     RolloutEngine,
 )
 from staleflow.engines.sim import Clock, SimEngine
+from staleflow.servers.clients import async_http_client
 from staleflow.servers.instance.config import InstanceConfig, create_engine
 from staleflow.servers.instance.wire import (
     ERROR_STATUS,
@@ -33,7 +33,6 @@ from staleflow.servers.instance.wire import (
     RouteCommand,
     trajectory_json,
 )
-
 
 log = logging.getLogger(__name__)
 

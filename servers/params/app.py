@@ -11,23 +11,19 @@ from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
 
+from staleflow.servers.params.config import ParamsConfig, ParamsError, TransportName
+from staleflow.servers.params.store import ParamStore, StoredVersion
 from staleflow.transports.base import (
     FormatError,
     checksum_algorithms,
 )
 from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range
 from staleflow.transports.shm import host_id
-from staleflow.servers.params.config import ParamsConfig, ParamsError, TransportName
-from staleflow.servers.params.store import ParamStore, StoredVersion
-
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------- REST
 
 
 class TensorIn(BaseModel):

@@ -9,7 +9,6 @@ from pydantic import Field, model_validator
 
 from staleflow.config import ServiceConfig
 
-
 TransportName = Literal["http", "shm", "nixl"]
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
+from staleflow.servers.params.config import ParamsConfig, ParamsError
 from staleflow.transports.base import (
     ChunkHasher,
     ChunkSpec,
@@ -37,8 +37,6 @@ from staleflow.transports.base import (
 )
 from staleflow.transports.http import CHECKSUM_HEADER
 from staleflow.transports.shm import ShmSlots
-from staleflow.servers.params.config import ParamsConfig, ParamsError
-
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +45,6 @@ DATA_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d{10})$")
 _VERSION_SPEC = re.compile(r"^(?:(\d{1,18})|latest(?:-(\d{1,18}))?)$")
-
-
-# ---------------------------------------------------------------- pure rules
 
 
 def parse_version_spec(spec: str) -> tuple[str, int]:

@@ -13,17 +13,23 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
 from staleflow.servers.clients import AsyncManagerClient, ServiceError
+from staleflow.servers.trajectories.config import TrajectoryServerConfig
+from staleflow.servers.trajectories.rewards import RewardFn, make_reward
+from staleflow.servers.trajectories.service import TrajectoryServer
 from staleflow.servers.trajectories.store import (
     StoreConflict,
     TrajectoryStore,
     TrajState,
 )
+from staleflow.servers.trajectories.wire import (
+    AckRequest,
+    CheckoutRequest,
+    CompletedRequest,
+    ReturnRequest,
+    summary,
+    traj_payload,
+)
 from staleflow.tasks import SkippedRows
-from staleflow.servers.trajectories.config import TrajectoryServerConfig
-from staleflow.servers.trajectories.rewards import RewardFn, make_reward
-from staleflow.servers.trajectories.service import TrajectoryServer
-from staleflow.servers.trajectories.wire import AckRequest, CheckoutRequest, CompletedRequest, ReturnRequest, summary, traj_payload
-
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,8 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
 
-
 from staleflow.servers.clients import async_http_client
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
-
 
 RewardFn = Callable[[list[tuple[str, str, str]]], Awaitable[list[tuple[float, str]]]]
 

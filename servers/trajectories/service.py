@@ -9,6 +9,8 @@ import logging
 import httpx
 
 from staleflow.servers.clients import AsyncManagerClient, ServiceError
+from staleflow.servers.trajectories.config import TrajectoryServerConfig
+from staleflow.servers.trajectories.rewards import RewardFn
 from staleflow.servers.trajectories.store import (
     GroupRecord,
     GroupState,
@@ -16,11 +18,8 @@ from staleflow.servers.trajectories.store import (
     TrajectoryStore,
     TrajState,
 )
-from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
-from staleflow.servers.trajectories.config import TrajectoryServerConfig
-from staleflow.servers.trajectories.rewards import RewardFn
 from staleflow.servers.trajectories.wire import CheckoutRequest, CompletedRequest, traj_payload
-
+from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from staleflow.servers.trajectories.config import SamplingConfig
 from staleflow.servers.trajectories.store import (
     GroupRecord,
     TrajRecord,
 )
-from staleflow.servers.trajectories.config import SamplingConfig
 
 
 class Assignment(BaseModel):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 
 
-
-
 class CpuMeter:
     """CPU time used on this machine by processes outside our own process tree (Linux ``/proc``).
 

@@ -11,10 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from staleflow.cost_model import CostModel
-from staleflow.strict import StrictModel
 from staleflow.calibration.fit import CalibrationError
 from staleflow.calibration.schema import CalibrationEntry, CalibrationFile
+from staleflow.cost_model import CostModel
+from staleflow.strict import StrictModel
 
 
 def read_calibration(path: str | os.PathLike[str]) -> CalibrationFile:

@@ -37,8 +37,6 @@ from typing import Literal
 
 import numpy as np
 
-
-
 PAPER_MAPE = 0.1052  # Appendix B.2 / Figure 24: mean estimation error of the paper's cost model
 
 

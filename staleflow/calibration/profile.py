@@ -45,6 +45,7 @@ from staleflow.calibration import (
     fit_kv_footprint,
     fit_prefill,
 )
+from staleflow.calibration.cpu import CpuMeter
 from staleflow.engines.base import (
     EngineError,
     RolloutEngine,
@@ -55,8 +56,6 @@ from staleflow.engines.base import (
     WeightsRef,
 )
 from staleflow.engines.sim import Clock, SimEngine, SimParams
-from staleflow.calibration.cpu import CpuMeter
-
 
 ProgressFn = Callable[[int, int, str], None]  # (completed, total, what is being measured)
 

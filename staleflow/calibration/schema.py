@@ -9,10 +9,9 @@ from typing import Literal
 
 from pydantic import Field
 
+from staleflow.calibration.fit import DecodeReport, Regime
 from staleflow.cost_model import CostModel
 from staleflow.strict import StrictModel
-from staleflow.calibration.fit import DecodeReport, Regime
-
 
 FILE_FORMAT = "staleflow-calibration"
 SPREAD_WARNING = 0.05  # warn about a coefficient whose bootstrap relative std exceeds this

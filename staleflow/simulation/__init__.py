@@ -6,20 +6,20 @@ sweeps. See docs/benchmarks.md.
 """
 
 from staleflow.simulation.cluster import ClusterSimulation, CountedRequest, SimulationStalled, simulate
-from staleflow.simulation.settings import ClusterConfig, CommandCosts, TrainerModel
 from staleflow.simulation.experiment import (
     PAPER_TARGETS,
     ExperimentResult,
     ExperimentSpec,
-    SimulatedJob,
     Point,
     PointResult,
+    SimulatedJob,
     parse_sweep,
     run_experiment,
     run_job,
 )
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
 from staleflow.simulation.scenarios import SCENARIOS, ReplayWorkload, Scenario, load_workload, scenario
+from staleflow.simulation.settings import ClusterConfig, CommandCosts, TrainerModel
 from staleflow.simulation.systems import Family, Pipeline, SystemSpec, catalog, resolve
 
 __all__ = [

@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import numpy as np
 
-from staleflow.transports.rest import RestClient, ServiceError
 from staleflow.transports.base import (
     ByteRegions,
     ChecksumMismatch,
@@ -30,10 +29,8 @@ from staleflow.transports.base import (
     safetensors_dtype,
 )
 from staleflow.transports.http import HttpTransport
+from staleflow.transports.rest import RestClient, ServiceError
 from staleflow.transports.shm import ShmTransport, host_id
-
-
-# ---------------------------------------------------------------- client
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import socket
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from staleflow.transports.rest import ServiceError
 from staleflow.transports.base import ByteRegions, PullLease, PushSession, Transport, checksum_of
+from staleflow.transports.rest import ServiceError
 
 CHECKSUM_HEADER = "x-staleflow-checksum"
 # bytes per send / receive step and per verified piece: 0.5-1 MiB pieces measured ~2x faster than
