@@ -24,7 +24,7 @@ from staleflow.config import JobConfig
 
 FLAG_NAMES = {"ledger.eta": "--eta", "ledger.batch_size": "--batch-size", "ledger.group_size": "--group-size",
               "trainer.world_size": "--trainer-ranks", "max_tokens": "--max-tokens", "state_dir": "--state-dir",
-              "base_port": "--base-port", **{f: f"--{f}" for f in ("engine", "steps", "instances", "routing", "sync",
+              "base_port": "--base-port", "logger.backends": "--logger", **{f: f"--{f}" for f in ("engine", "steps", "instances", "routing", "sync",
                                                                    "migration", "workload", "model", "seed", "speed",
                                                                    "processes")}}
 """Every field `up` has a flag for; the others are set in the --config file."""
@@ -53,6 +53,11 @@ def load_config_file(path: Path) -> dict[str, Any]:
 
 def job_config(file: Path | None, **flags: Any) -> JobConfig:
     data = load_config_file(file) if file else {}
+    backends = flags.pop("logger", None)
+    if backends is not None:  # the flag names the backends; the file's other logger settings stay
+        section = data.get("logger")
+        names = [name.strip() for name in backends.split(",") if name.strip()]
+        data["logger"] = {**section, "backends": names} if isinstance(section, dict) else names
     ranks = flags.pop("trainer_ranks", None)
     if ranks is not None and isinstance(data.get("trainer", {}), dict):  # else validation names the wrong section
         data["trainer"] = {**data.get("trainer", {}), "world_size": ranks}
@@ -98,8 +103,13 @@ def _view(config: JobConfig, progress: Progress, sample: Any, steps: list) -> Gr
 
 
 def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
+    from staleflow.launch.job import Job, JobTracking, StateDirInUse, trainer_label
     from staleflow.report import summarize, write_report
-    from staleflow.launch.job import Job, StateDirInUse, trainer_label
+    from staleflow.tracking import missing_backends
+
+    missing = missing_backends(config.logger.backends)
+    if missing:
+        raise fail("; ".join(missing), "or drop those backends from the logger setting (--logger)")
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         filename=str(config.state_dir / "job.log") if config.state_dir.exists() else None)
@@ -123,9 +133,16 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
     def started(name: str, url: str) -> None:
         emit({"event": "component", "name": name, "url": url}) if emit else console.print(f"  {name:<12} {url}")
 
+    try:  # before the trainer starts, so the first step is logged too
+        tracking = JobTracking(job, (lambda line: emit({"event": "step", "text": line})) if emit else console.print)
+    except Exception as exc:  # noqa: BLE001 -- any backend failing to start (a bad MLflow URI, a full disk) is named
+        raise fail(f"could not start the logger: {exc}", "check the logger setting (--logger)") from None
+    if not emit and set(config.logger.backends) - {"console"}:
+        console.print(f"  tracking    {tracking.directory}")
     try:
         job.start(started)
     except Exception as exc:
+        tracking.close()
         job.shutdown()
         raise fail(f"could not start the job: {exc}", f"see the logs in {config.state_dir / 'logs'}") from None
     if not emit:
@@ -140,6 +157,7 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
         while not job.finished() and not job.stop.is_set():
             sample = job.monitor.sample()
             steps = job.steps()
+            tracking.update(steps, sample)
             done = len(steps)
             progress.update(task, completed=min(done, config.steps))
             if emit and sample:
@@ -148,9 +166,11 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
             elif live:
                 live.update(_view(config, progress, sample, steps))
             job.stop.wait(0.25)  # refresh pacing
+        tracking.update(job.steps(), job.monitor.samples[-1] if job.monitor.samples else None)
     finally:
         if live:
             live.stop()
+        tracking.close()
     wall = time.monotonic() - job.started
     summary = summarize(config, job.steps(), job.monitor.samples, job.engine_stats(), job.command_times(), wall,
                         trainer_label(config))
@@ -260,12 +280,14 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         json_log: Annotated[bool, typer.Option("--json-log", help="JSON lines instead of the live view")] = False,
         calibration: Annotated[Path | None, typer.Option(
             help="`staleflow calibrate` file for the coordinator's cost model (one model in it)")] = None,
+        logger: Annotated[str | None, typer.Option(
+            help="per-step metrics to: console, tensorboard, wandb, mlflow (comma-separated)")] = None,
     ) -> None:
         """Run StaleFlow on this machine: every component, a short RL job, a report at the end."""
         job = job_config(config, engine=engine, steps=steps, state_dir=state_dir, eta=eta, batch_size=batch_size,
                          group_size=group_size, instances=instances, routing=routing, sync=sync, migration=migration,
                          workload=workload, max_tokens=max_tokens, seed=seed, speed=speed, base_port=base_port,
-                         processes=processes, model=model, trainer_ranks=trainer_ranks,
+                         processes=processes, model=model, trainer_ranks=trainer_ranks, logger=logger,
                          calibration={"file": str(calibration)} if calibration else None)
         if job.engine == "vllm":
             prepare_real_job(job)

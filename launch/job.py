@@ -20,9 +20,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 from fastapi import FastAPI
 
 from staleflow.config import JobConfig, LedgerConfig, ManagerConfig
@@ -425,18 +426,70 @@ class Job:
                 log.debug("no stats from %s: %s", name, exc)
         return stats
 
-    def command_times(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
+    def coordinator_stats(self) -> dict | None:
+        """The coordinator's counters (``/v1/coordinator``), or None while it does not answer."""
         try:
             with http_client(self.endpoints["coordinator"]["url"], timeout=5) as c:
-                for cmd in c.get("/v1/commands", params={"limit": 2000}).json()["commands"]:
-                    if cmd["completed_at"]:
-                        totals[cmd["kind"]] = totals.get(cmd["kind"], 0.0) + cmd["completed_at"] - cmd["issued_at"]
-                stats = c.get("/v1/coordinator").json()
-        except Exception:
-            return totals
+                return c.get("/v1/coordinator").json()
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("no coordinator stats: %s", exc)
+            return None
+
+    def command_times(self) -> dict[str, float]:
+        """Seconds spent in commands by kind (issued to answered, every command of the run), their
+        counts (``{kind}_count``) and the mean planning time of a cycle."""
+        stats = self.coordinator_stats()
+        if stats is None:
+            return {}
+        totals: dict[str, float] = dict(stats.get("command_seconds", {}))
+        totals.update({f"{kind}_count": n for kind, n in stats.get("command_count", {}).items()})
         totals["mean_decision_ms"] = stats["mean_decision_ms"]
         return totals
+
+
+class JobTracking:
+    """Sends each training step of a job, once, to the configured logger backends
+    (``staleflow.tracking``): the step record, the instances' load at the time, and the
+    coordinator's planning and command times since the previous step."""
+
+    def __init__(self, job: Job, console: Callable[[str], None]):
+        from staleflow.tracking import Tracker
+
+        settings = job.config.logger
+        self.job = job
+        self.directory = settings.directory or job.state / "tracking"
+        self.tracker = Tracker.open(settings.backends, self.directory, project=settings.project,
+                                    run_name=settings.run_name or job.state.resolve().name,
+                                    config=job.config.model_dump(mode="json"),
+                                    mlflow_tracking_uri=settings.mlflow_tracking_uri, console=console)
+        self.logged = -1  # the newest version sent
+        self.control_before: dict | None = None
+
+    def update(self, steps: list[StepRecord], sample: Sample | None) -> None:
+        from staleflow.tracking import step_metrics
+
+        new = [s for s in steps if s.version > self.logged]
+        if not new:
+            return
+        control = self.job.coordinator_stats()
+        tokens = {s.version: s.response_tokens for s in steps}
+        by_version = {s.version: s for s in steps}
+        instances = sample.instances if sample else None
+        for record in new:
+            last = record is new[-1]  # the live views belong to the newest step
+            previous = by_version.get(record.version - 1)
+            cumulative = sum(n for v, n in tokens.items() if v <= record.version)
+            scalars, histograms = step_metrics(
+                asdict(record), asdict(previous) if previous else None, instances if last else None,
+                control if last else None, self.control_before, cumulative_tokens=cumulative,
+                time_scale=self.job.config.speed if self.job.config.engine == "sim" else 1.0)
+            self.tracker.log(record.version, scalars, histograms)
+            self.logged = record.version
+        if control is not None:
+            self.control_before = control
+
+    def close(self) -> None:
+        self.tracker.close()
 
 
 def ledger_config_from(state_dir: Path) -> LedgerConfig | None:

@@ -124,6 +124,31 @@ class TaskConfig(StrictModel):
     ops: str = Field("+", pattern=r"^[+\-*]{1,3}$", description="operators drawn from: + - *")
 
 
+LoggerBackend = Literal["console", "tensorboard", "wandb", "mlflow"]
+
+
+class LoggerConfig(StrictModel):
+    """Where the job's per-step metrics go (docs/observability.md). Also written as a list or a
+    comma-separated string of backends: ``logger: [console, tensorboard]``."""
+
+    backends: tuple[LoggerBackend, ...] = Field(
+        ("console",), description="console, plus any of tensorboard, wandb (offline), mlflow (local file store)")
+    directory: Path | None = Field(None, description="where backends write; default <state_dir>/tracking")
+    project: str = Field("staleflow", min_length=1, description="W&B project / MLflow experiment")
+    run_name: str | None = Field(None, description="default: the state directory's name")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="default: a file store in <directory>/mlruns; or sqlite:///..., http://...")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            data = [part.strip() for part in data.split(",") if part.strip()]
+        if isinstance(data, list | tuple):
+            return {"backends": tuple(data)}
+        return data
+
+
 JOB_LEDGER: dict[str, Any] = {"eta": 2, "batch_size": 16, "group_size": 8}
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
     # a simulated cluster: paper-like long responses on four instances, the simulated trainer
@@ -164,6 +189,7 @@ class JobConfig(StrictModel):
     model: Path | None = Field(None, description="vllm: a local Hugging Face model directory; default: the demo "
                                                  "model (a tiny Qwen2 built and warmed up here on first use)")
     task: TaskConfig = TaskConfig()
+    logger: LoggerConfig = Field(LoggerConfig(), description="per-step metrics: console, tensorboard, wandb, mlflow")
     dataset: Path | None = Field(None, description="JSONL/Parquet prompts with answers instead of the built-in task")
     # the coordinator's cost model from a `staleflow calibrate` entry (default: CostConfig's)
     calibration: CalibrationRef | None = Field(None, description="calibration file entry for the coordinator")

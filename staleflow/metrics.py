@@ -14,7 +14,7 @@ exposition adds it (``staleflow_http_requests_total``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -185,10 +185,12 @@ class _Scrape:
         return self._collect()
 
 
-def mount_metrics(app: Any, component: str, *collectors: Collector) -> CollectorRegistry:
+def mount_metrics(app: Any, component: str, *collectors: Collector,
+                  refresh: Callable[[], Awaitable[None]] | None = None) -> CollectorRegistry:
     """Serve ``GET /metrics`` on the FastAPI ``app`` of service ``component``: its collectors'
-    metrics plus HTTP request counts and latencies. Returns the app's registry (for more
-    collectors later: ``registry.register(...)``)."""
+    metrics plus HTTP request counts and latencies. ``refresh`` is awaited before each scrape,
+    for state only an async call can read (collectors themselves are synchronous). Returns the
+    app's registry (for more collectors later: ``registry.register(...)``)."""
     from fastapi.responses import Response
 
     registry = CollectorRegistry()
@@ -203,7 +205,9 @@ def mount_metrics(app: Any, component: str, *collectors: Collector) -> Collector
     app.add_middleware(_RequestMetrics, component=component, requests=requests, latency=latency)
 
     @app.get("/metrics", include_in_schema=False)
-    def metrics() -> Response:
+    async def metrics() -> Response:
+        if refresh is not None:
+            await refresh()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
     app.state.metrics_registry = registry

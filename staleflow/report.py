@@ -231,9 +231,11 @@ def plot_time_breakdown(path: Path, breakdown: dict) -> Path | None:
             ax.annotate(f"{left:.1f} s", (left, row), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.invert_yaxis()
+        ax.set_xlim(0, ax.get_xlim()[1] * 1.12)  # room for the totals
         ax.set_xlabel("seconds of rollout time")
         ax.set_title(f"Engine time ({engine.get('source', '')}): parts add up to the rollout time", fontsize=9)
-        ax.legend(fontsize=7, ncol=len(parts), loc="lower right")
+        ax.legend(fontsize=7, ncol=len(parts), loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.05 * len(names)),
+                  frameon=False)
     if command_seconds:
         ax = axes[ax_index, 0]
         kinds = list(command_seconds)
@@ -241,7 +243,8 @@ def plot_time_breakdown(path: Path, breakdown: dict) -> Path | None:
         ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("seconds, summed over commands")
-        ax.set_title(f"Commands ({commands.get('source', '')}); they overlap engine time", fontsize=9)
+        ax.set_title(f"Commands: {commands.get('source', '')}\nthey overlap engine time, so they are not part of it",
+                     fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -57,14 +57,15 @@ def missing_backends(backends: tuple[str, ...] | list[str]) -> list[str]:
 
 def step_metrics(step: Mapping[str, Any], previous: Mapping[str, Any] | None, sample: Mapping[str, Any] | None = None,
                  control: Mapping[str, Any] | None = None, control_before: Mapping[str, Any] | None = None,
-                 cumulative_tokens: int | None = None) -> tuple[Scalars, Histograms]:
+                 cumulative_tokens: int | None = None, time_scale: float = 1.0) -> tuple[Scalars, Histograms]:
     """The scalars and histograms of one training step.
 
     ``step``/``previous``: the step's record and the one before (``StepRecord`` as a dict);
     ``sample``: the job's latest view of the instances (``{id: {running, waiting, version}}``);
     ``control``/``control_before``: the coordinator's ``/v1/coordinator`` now and at the previous
     step (so its times are per step); ``cumulative_tokens``: response tokens trained up to and
-    including this step."""
+    including this step; ``time_scale``: engine seconds per wall second (the sim clock's speed), so
+    tokens/s are on the engine's clock as in the run's summary."""
     scalars: Scalars = {}
     rewards = step.get("rewards") or {}
     scalars["reward/mean"] = float(step["mean_reward"])
@@ -87,11 +88,11 @@ def step_metrics(step: Mapping[str, Any], previous: Mapping[str, Any] | None, sa
     scalars["train/seconds"] = float(step.get("train_seconds", 0.0))
     for key, value in (step.get("metrics") or {}).items():
         scalars[f"train/{key}"] = float(value)
-    finished = float(step["finished_at"])
-    before = float(previous["finished_at"]) if previous else 0.0
+    finished = float(step["finished_at"]) * time_scale
+    before = float(previous["finished_at"]) * time_scale if previous else 0.0
     if finished > before:
         scalars["throughput/tokens_per_second"] = float(step["response_tokens"]) / (finished - before)
-    scalars["time/wall_seconds"] = finished
+    scalars["time/seconds"] = finished  # since the run started, on the engine's clock
     if finished > 0 and cumulative_tokens is not None:
         scalars["throughput/tokens_per_second_cumulative"] = cumulative_tokens / finished
     for instance_id, view in sorted((sample or {}).items()):

@@ -106,6 +106,7 @@ class InstanceServer:
         self.instance_id = config.instance_id
         self.engine = engine or create_engine(config)
         self.seq = 0
+        self.commands_applied: dict[str, int] = {}  # by kind
         self.outbox = Outbox(config.outbox_limit)
         self.callback_delivered = 0
         self.boot_id = uuid.uuid4().hex  # a restarted instance is a new one: the coordinator tells them apart
@@ -180,6 +181,7 @@ class InstanceServer:
                 status, body = ERROR_STATUS.get(exc.code, 422), {"error": {"code": exc.code, "message": exc.message}}
             else:
                 self.seq += 1
+                self.commands_applied[command.kind] = self.commands_applied.get(command.kind, 0) + 1
                 status, body = 200, {"command_id": command.command_id, "kind": command.kind, "seq": self.seq, **result}
             self._recorded[command.command_id] = _Recorded(fingerprint, status, body)
             while len(self._recorded) > self.config.idempotency_window:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
+from staleflow import metrics as m
 from staleflow.servers.params.config import ParamsConfig, ParamsError, TransportName
 from staleflow.servers.params.store import ParamStore, StoredVersion
 from staleflow.transports.base import (
@@ -65,6 +66,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
                 app.state.store.close()
 
     app = FastAPI(title="StaleFlow parameter server", version="1", lifespan=lifespan)
+    m.mount_metrics(app, "params", lambda: app.state.store.metrics() if hasattr(app.state, "store") else [])
     app.state.body_limit_exempt = r"^/v1/params/[^/]+/chunks/"  # bounded per chunk (chunk_bytes) instead
 
     @app.exception_handler(ParamsError)

@@ -171,6 +171,8 @@ class ParamStore:
         self.pushes: dict[int, PendingPush] = {}
         self.leases: dict[str, Lease] = {}
         self.active_streams = 0
+        self.pushes_committed = 0  # since this server started
+        self.pulls_started: dict[str, int] = {}  # by transport, since this server started
         self._closed = False
         self._cond = threading.Condition()
         self.shm: ShmSlots | None = None
@@ -355,6 +357,7 @@ class ParamStore:
         with self._cond:
             del self.pushes[version]
             self.versions[version] = stored
+            self.pushes_committed += 1
             self._apply_retention()
             self._cond.notify_all()
         log.info("version %d committed (%d bytes)", version, manifest.total_bytes)
@@ -417,6 +420,7 @@ class ParamStore:
             stored.leases += 1
             lease = Lease(uuid.uuid4().hex, version, transport, time.monotonic() + self.config.lease_ttl_s)
             self.leases[lease.lease_id] = lease
+            self.pulls_started[transport] = self.pulls_started.get(transport, 0) + 1
             return lease, stored
 
     def release(self, lease_id: str) -> bool:
@@ -476,6 +480,21 @@ class ParamStore:
             if version is None:
                 raise ParamsError(409 if "being pushed" in why else 404, why)
             return self.versions[version]
+
+    def metrics(self) -> list:
+        """Prometheus view of the store, read at scrape time."""
+        from staleflow import metrics as m
+
+        with self._cond:
+            retained = {v: s for v, s in self.versions.items() if s.retained}
+            return [
+                m.PARAMS_LATEST_VERSION.value(max(retained, default=-1)),
+                m.PARAMS_VERSIONS.value(len(retained)),
+                m.PARAMS_STORED_BYTES.value(sum(s.file_size for s in self.versions.values())),
+                m.PARAMS_PUSHES.value(self.pushes_committed),
+                m.PARAMS_PULLS.family([([t], n) for t, n in sorted(self.pulls_started.items())]),
+                m.PARAMS_ACTIVE_PULLS.value(len(self.leases)),
+            ]
 
     def describe(self) -> dict:
         with self._cond:

@@ -12,6 +12,7 @@ import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
+from staleflow.metrics import mount_metrics
 from staleflow.servers.clients import AsyncManagerClient, ServiceError
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
 from staleflow.servers.trajectories.rewards import RewardFn, make_reward
@@ -55,6 +56,7 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
             store.close()
 
     app = FastAPI(title="StaleFlow trajectory server", version="1", lifespan=lifespan)
+    mount_metrics(app, "ts", lambda: app.state.ts.metrics() if hasattr(app.state, "ts") else [])
 
     @app.exception_handler(StoreConflict)
     async def _conflict(_: Request, exc: StoreConflict) -> JSONResponse:

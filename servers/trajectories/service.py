@@ -42,6 +42,9 @@ class TrajectoryServer:
         self.members, self.needed = params.group_members, params.group_size
         self._work = asyncio.Event()
         self._stopping = False
+        self.accepted = 0  # completions accepted from instances since this server started
+        self.reward_tally = [0, 0.0]  # rewarded trajectories, sum of their rewards
+        self.length_tally = [0, 0]  # rewarded trajectories, sum of their response tokens
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -107,12 +110,24 @@ class TrajectoryServer:
         self.store.set_group_version(g.group_id, v_traj)
         return None
 
+    def metrics(self) -> list:
+        """Prometheus view of the trajectory server, read at scrape time."""
+        from staleflow import metrics as m
+
+        return [
+            m.TRAJECTORIES.family([([state], n) for state, n in sorted(self.store.counts().items())]),
+            m.TRAJECTORIES_COMPLETED.value(self.accepted),
+            m.TRAJECTORY_REWARD.summary([((), *self.reward_tally)]),
+            m.TRAJECTORY_RESPONSE_TOKENS.summary([((), *self.length_tally)]),
+        ]
+
     # -- completion, rewards, occupation --------------------------------------------------
 
     async def completed(self, request: CompletedRequest) -> int:
         items = [{"instance_id": it.instance_id or request.instance_id, "trajectory": it.trajectory.model_dump()}
                  for it in request.items]
         fresh = self.store.completed(items)
+        self.accepted += len(fresh)
         if fresh:
             self._work.set()
         return len(fresh)
@@ -138,6 +153,10 @@ class TrajectoryServer:
             batch = [(t.traj_id, self.tokenizer.decode(t.tokens), self.store.groups[t.group_id].answer) for t in todo]
             scores = await self.reward(batch)
             self.store.rewarded({t.traj_id: s for t, s in zip(todo, scores, strict=True)})
+            self.reward_tally[0] += len(scores)
+            self.reward_tally[1] += sum(float(reward) for reward, _ in scores)
+            self.length_tally[0] += len(todo)
+            self.length_tally[1] += sum(len(t.tokens) for t in todo)
         # every group with enough rewarded members, including those whose Occupy failed before
         # (the manager restarting) or was cut short by a restart of this server
         for g in self.store.closable_groups():
