@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
 from staleflow.cli.main import app
@@ -20,7 +22,8 @@ SMALL = ["--engine", "sim", "--workload", "ci-tiny", "--max-tokens", "48", "--in
 
 def test_up_runs_a_job_to_completion_with_a_report(tmp_path: Path) -> None:
     state = tmp_path / "run"
-    result = CliRunner().invoke(app, ["up", "--steps", "3", "--state-dir", str(state), *SMALL])
+    result = CliRunner().invoke(app, ["up", "--steps", "3", "--state-dir", str(state), "--logger", "console,tensorboard",
+                                      *SMALL])
     assert result.exit_code == 0, result.output
     assert "simulated trainer" in result.output, "the stand-in trainer is labelled as such"
     summary = json.loads((state / "report" / "summary.json").read_text())
@@ -28,9 +31,22 @@ def test_up_runs_a_job_to_completion_with_a_report(tmp_path: Path) -> None:
     for version, levels in summary["staleness_per_buffer"].items():
         assert all(0 <= int(k) <= 1 for k in levels), f"buffer {version} breaks eta"
         assert sum(levels.values()) == 4 * 2
-    assert summary["tokens_per_second"] > 0 and summary["time_breakdown_seconds"]["decode"] > 0
-    for plot in ("instance_load.png", "staleness.png", "throughput.png"):
+    assert summary["tokens_per_second"] > 0
+    engine = summary["time_breakdown"]["engine"]
+    assert engine["source"] == "simulated" and engine["instances"] == 2 and engine["seconds"]["decode"] > 0
+    assert sum(engine["seconds"].values()) == pytest.approx(engine["rollout_seconds"])
+    assert summary["time_breakdown"]["commands"]["count"]["route"] > 0
+    for plot in ("instance_load.png", "staleness.png", "throughput.png", "time_breakdown.png"):
         assert (state / "report" / plot).stat().st_size > 1000
+    # every step went to the console and to TensorBoard, read back from the event files
+    assert [line.split(":")[0] for line in result.output.splitlines() if line.startswith("step ")] == \
+        ["step 0", "step 1", "step 2"]
+    events = EventAccumulator(str(state / "tracking" / "tensorboard"))
+    events.Reload()
+    rewards = [(e.step, e.value) for e in events.Scalars("reward/mean")]
+    assert rewards == [(s["version"], pytest.approx(s["mean_reward"])) for s in summary["per_step"]]
+    assert {"staleness/mean", "train/seconds", "throughput/tokens_per_second", "instance/inst-0/running"} <= \
+        set(events.Tags()["scalars"])
     endpoints = json.loads((state / "endpoints.json").read_text())
     assert {"manager", "ts", "params", "reward", "coordinator", "inst-0", "inst-1"} <= set(endpoints)
     # a finished run is replaced by a new one in the same directory; an unfinished one is protected

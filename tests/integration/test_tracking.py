@@ -1,4 +1,6 @@
-"""Experiment tracking backends, offline: what a job logs is read back from what each one wrote."""
+"""Experiment tracking backends, offline: what a job logs is read back from what each one wrote.
+
+The backends are optional extras of StaleFlow and part of the test extra."""
 
 from __future__ import annotations
 
@@ -63,7 +65,6 @@ def test_console_gets_one_line_per_step(tmp_path: Path) -> None:
 
 
 def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard", reason="optional extra: pip install 'staleflow[tensorboard]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logged = log_two_steps(Tracker.open(["tensorboard"], tmp_path))
@@ -101,7 +102,6 @@ def wandb_records(path: Path) -> Iterator[bytes]:
 
 
 def test_wandb_offline_run_reads_back(tmp_path: Path) -> None:
-    pytest.importorskip("wandb", reason="optional extra: pip install 'staleflow[wandb]'")
     from wandb.proto import wandb_internal_pb2
 
     logged = log_two_steps(Tracker.open(["wandb"], tmp_path, project="staleflow-test", run_name="two-steps",
@@ -134,7 +134,6 @@ def test_wandb_offline_run_reads_back(tmp_path: Path) -> None:
 
 
 def test_mlflow_file_store_reads_back(tmp_path: Path) -> None:
-    pytest.importorskip("mlflow", reason="optional extra: pip install 'staleflow[mlflow]'")
     from mlflow.tracking import MlflowClient
 
     tracker = Tracker.open(["mlflow"], tmp_path, project="staleflow-test", run_name="two-steps",
