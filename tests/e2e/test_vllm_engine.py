@@ -281,3 +281,24 @@ def test_instance_server_drives_vllm_over_http(harness: Harness) -> None:
         missing = {**pull, "command_id": "p2", "version": 2, "weights": {"source": "path", "path": "/no/such/dir"}}
         refused = client.post("/v1/commands", json=missing)
         assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_weights"
+
+
+def test_engine_accounts_for_its_time(harness: Harness) -> None:
+    """After the tests above (fresh prompts, an interrupt and its resume, an abort, two Pulls):
+    the engine's own accounting has every part, and the parts add up to its rollout time."""
+    stats = harness.run(harness.engine.stats())
+    assert stats["available"] and stats["source"] == "engine-measured" and not stats["stale"]
+    parts = stats["breakdown_seconds"]
+    assert set(parts) == {"prefill", "reprefill", "decode", "overhead", "pull", "idle"}
+    assert sum(parts.values()) == pytest.approx(stats["rollout_seconds"], rel=1e-9)
+    assert all(seconds >= 0 for seconds in parts.values())
+    assert parts["decode"] > 0 and parts["prefill"] > 0 and parts["pull"] > 0
+    # resumed trajectories re-prefill (what the prefix cache does not hold); the rest is decode
+    assert stats["tokens_scheduled"]["reprefill"] > 0 and parts["reprefill"] > 0
+    assert stats["tokens_scheduled"]["decode"] > stats["tokens_scheduled"]["prefill"]
+    assert stats["pulls"] == 2 and 0 < stats["weight_load_seconds"] < parts["pull"]
+    assert stats["completed"] >= 6 and stats["interrupted"] >= 2 and stats["aborted"] >= 1
+    assert stats["tokens_generated"] >= 400 * 3
+    assert stats["steps"] > 0 and stats["first_step_after_route_seconds"] is not None
+    # eager on CPU: vLLM's sampler helpers run without torch.compile (no compile in the first step)
+    assert os.environ.get("TORCHDYNAMO_DISABLE") == "1"
