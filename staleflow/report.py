@@ -59,6 +59,12 @@ def time_breakdown(engine_stats: dict[str, dict], command_seconds: dict[str, flo
             for key, value in st["breakdown_seconds"].items():
                 parts[key] = parts.get(key, 0.0) + float(value)
         rollout = sum(float(st["rollout_seconds"]) for st in measured.values())
+        per_version: dict[str, dict[str, float]] = {}
+        for st in measured.values():
+            for version, version_parts in (st.get("breakdown_per_version") or {}).items():
+                merged = per_version.setdefault(version, {})
+                for key, value in version_parts.items():
+                    merged[key] = merged.get(key, 0.0) + float(value)
         engine = {
             "source": ", ".join(sorted({str(st.get("source", "engine")) for st in measured.values()})),
             "method": "; ".join(sorted({str(st.get("method", "")) for st in measured.values()} - {""})),
@@ -70,6 +76,8 @@ def time_breakdown(engine_stats: dict[str, dict], command_seconds: dict[str, flo
             "per_instance": {name: {"rollout_seconds": st["rollout_seconds"], "seconds": st["breakdown_seconds"]}
                              for name, st in sorted(measured.items())},
         }
+        if per_version:  # the same parts per model version, summed over instances
+            engine["per_version"] = dict(sorted(per_version.items(), key=lambda item: int(item[0])))
     elif instances:
         engine = {"source": "not measured", "instances": 0,
                   "instances_without_accounting": sorted(engine_stats) or [f"{instances} instances"]}
@@ -160,6 +168,10 @@ def plot(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
         path = plot_time_breakdown(directory / "time_breakdown.png", summary["time_breakdown"])
         if path is not None:
             written.append(path)
+        per_version = (summary["time_breakdown"].get("engine") or {}).get("per_version")
+        if per_version:
+            written.append(plot_time_per_version(directory / "time_per_version.png", per_version,
+                                                 summary["time_breakdown"]["engine"]["source"]))
     if steps and summary.get("engine") != "sim":  # the sim reward is a coin flip: nothing to plot
         written.append(plot_rewards(directory / "reward.png", {f"eta = {summary['eta']}": steps}))
     return written
@@ -245,6 +257,31 @@ def plot_time_breakdown(path: Path, breakdown: dict) -> Path | None:
         ax.set_xlabel("seconds, summed over commands")
         ax.set_title(f"Commands: {commands.get('source', '')}\nthey overlap engine time, so they are not part of it",
                      fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_time_per_version(path: Path, per_version: dict[str, dict[str, float]], source: str) -> Path:
+    """The engine's time per model version, summed over instances, as stacked bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    versions = list(per_version)
+    parts = [p for p in PART_COLOURS if any(per_version[v].get(p, 0) for v in versions)]
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(versions) + 3), 4))
+    bottom = [0.0] * len(versions)
+    for part in parts:
+        values = [per_version[v].get(part, 0.0) for v in versions]
+        ax.bar(versions, values, bottom=bottom, color=PART_COLOURS[part], label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xlabel("model version on the instances (its time starts with the Pull that loaded it)")
+    ax.set_ylabel("instance-seconds")
+    ax.set_title(f"Engine time per model version ({source})", fontsize=10)
+    ax.legend(fontsize=7, ncol=len(parts))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -144,6 +144,8 @@ class VllmEngine(RolloutEngine):
         self._kv_tokens_per_unit = 0.0
         self._timeline = EngineTimeline()
         self._steps = StepTotals()  # the worker's totals as last read
+        self._per_version: dict[int, dict[str, float]] = {}  # closed segments: breakdown per model version
+        self._version_mark: tuple[float, dict[str, float], dict[str, float]] = (0.0, {}, {})  # where the open one began
         self._counters = {"tokens_generated": 0, "completed": 0, "interrupted": 0, "aborted": 0}
         self._first_route_at: float | None = None
         self._first_completion_at: float | None = None
@@ -223,6 +225,7 @@ class VllmEngine(RolloutEngine):
             if requests and self._first_route_at is None:
                 self._first_route_at = time.monotonic()
                 self._timeline = EngineTimeline()  # rollout time starts with the first trajectory
+                self._version_mark = (0.0, {}, {})
             for r in requests:
                 number = next(self._request_numbers)
                 # resumed trajectories are marked so the worker counts their prefill as re-prefill
@@ -263,6 +266,8 @@ class VllmEngine(RolloutEngine):
         if weights.version < self.version:
             raise EngineError("version_regression", f"cannot load version {weights.version}: instance is at {self.version}")
         async with self._lock:
+            await self._read_step_totals()
+            self._close_version_segment()
             self._timeline.switch(EngineTimeline.PULL)
             try:
                 stopped, _ = await self._stop_streams(list(self._live))
@@ -302,20 +307,14 @@ class VllmEngine(RolloutEngine):
 
     async def stats(self) -> dict[str, Any]:
         """Where this instance's time went since it started, measured (see the module docstring)."""
-        stale = False
-        if self._llm is not None and self._timeline.state != EngineTimeline.PULL:
-            # answered between two model steps; while a Pull holds the engine, the last totals stand
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            try:
-                (totals,) = await self._llm.collective_rpc("staleflow_step_totals")
-                self._steps = StepTotals(**totals)
-            except EngineDeadError as exc:  # the engine core is gone: report what was last read
-                log.warning("step totals unavailable: %s", exc)
-                stale = True
+        # while a Pull holds the engine, the totals read as it began stand
+        stale = self._timeline.state != EngineTimeline.PULL and not await self._read_step_totals()
         wall, states = self._timeline.totals()
         parts = breakdown(wall, states, self._steps)
         steps = self._steps
+        per_version = {str(v): dict(p) for v, p in sorted(self._per_version.items())}
+        current = self._segment_since_mark()
+        per_version[str(self.version)] = _add(per_version.get(str(self.version), {}), current)
         return {
             "available": True,
             "source": "engine-measured",
@@ -325,6 +324,7 @@ class VllmEngine(RolloutEngine):
             "stale": stale,
             "breakdown_seconds": parts,
             **{f"{name}_seconds": value for name, value in parts.items()},
+            "breakdown_per_version": per_version,
             "steps": steps.steps,
             "step_seconds": steps.step_seconds,
             "mixed_steps": steps.mixed_steps,
@@ -339,6 +339,37 @@ class VllmEngine(RolloutEngine):
             "first_completion_after_route_seconds": _since(self._first_route_at, self._first_completion_at),
             **self._counters,
         }
+
+    async def _read_step_totals(self) -> bool:
+        """Refresh the worker's step totals (answered between two model steps); False if the
+        engine core is gone (the last totals read stand)."""
+        if self._llm is None:
+            return False
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            (totals,) = await self._llm.collective_rpc("staleflow_step_totals")
+        except EngineDeadError as exc:
+            log.warning("step totals unavailable: %s", exc)
+            return False
+        self._steps = StepTotals(**totals)
+        return True
+
+    def _cumulative(self) -> tuple[float, dict[str, float], dict[str, float]]:
+        wall, states = self._timeline.totals()
+        return wall, states, dict(self._steps.seconds)
+
+    def _segment_since_mark(self) -> dict[str, float]:
+        wall, states, steps = self._cumulative()
+        mark_wall, mark_states, mark_steps = self._version_mark
+        return breakdown(wall - mark_wall, {k: v - mark_states.get(k, 0.0) for k, v in states.items()},
+                         {"seconds": {k: v - mark_steps.get(k, 0.0) for k, v in steps.items()}})
+
+    def _close_version_segment(self) -> None:
+        """A Pull begins: the time since the last one belongs to the version being replaced (a
+        version's segment starts with the Pull that loaded it)."""
+        self._per_version[self.version] = _add(self._per_version.get(self.version, {}), self._segment_since_mark())
+        self._version_mark = self._cumulative()
 
     # ------------------------------------------------------------------ introspection for tests and tools
 
@@ -430,6 +461,10 @@ class VllmEngine(RolloutEngine):
 
     def _response(self, stint: _Stint) -> dict[str, Any]:
         return with_response(stint.request, stint.tokens, stint.logprobs, stint.version)
+
+
+def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
 
 
 def _since(start: float | None, end: float | None) -> float | None:

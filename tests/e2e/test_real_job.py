@@ -60,6 +60,11 @@ def test_real_job_closes_the_loop(model: Path, tmp_path: Path) -> None:
         assert all(0 <= int(k) <= 1 for k in step["staleness"])  # V_buf - V_traj within eta = 1
         metrics = step["metrics"]
         assert metrics["importance_weight_mean"] > 0 and metrics["grad_norm"] >= 0
+    # the instance accounted for its time from the engine: parts that add up to its rollout time
+    engine = summary["time_breakdown"]["engine"]
+    assert engine["source"] == "engine-measured" and engine["instances"] == 1
+    assert sum(engine["seconds"].values()) == pytest.approx(engine["rollout_seconds"])
+    assert engine["seconds"]["decode"] > 0 and engine["seconds"]["prefill"] > 0 and engine["seconds"]["pull"] > 0
     # buffer 2 holds only trajectories with V_traj >= 1: the instance ran pulled weights
     assert summary["per_step"][2]["staleness"].keys() <= {"0", "1"}
     assert (state / "trainer" / "checkpoints" / "latest.json").exists()
