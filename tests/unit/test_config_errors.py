@@ -28,6 +28,8 @@ CASES = [  # (flags, config file text or None, what the message must say)
     (["--max-tokens", "100"], "engine: sim\nkv_budget: 20\n", ["kv_budget", "raise kv_budget to at least 151"]),
     (["--engine", "vllm", "--max-tokens", "600"], None, ["vllm_args.max_model_len is 512",
                                                          "raise vllm_args.max_model_len to at least 601"]),
+    (["--logger", "console,tensorbord"], None, ["logger.backends", "'tensorboard'", "(got 'tensorbord')"]),
+    ([], "logger:\n  projekt: x\n", ["logger.projekt: unknown setting", "did you mean 'project'?"]),
     ([], "- a list\n", ["must hold a mapping of settings"]),
     ([], "steps: [unclosed\n", ["is not valid"]),
 ]
