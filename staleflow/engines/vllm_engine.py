@@ -148,6 +148,7 @@ class VllmEngine(RolloutEngine):
         self._version_mark: tuple[float, dict[str, float], dict[str, float]] = (0.0, {}, {})  # where the open one began
         self._counters = {"tokens_generated": 0, "completed": 0, "interrupted": 0, "aborted": 0}
         self._first_route_at: float | None = None
+        self._rollout_began = False
         self._first_completion_at: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -224,8 +225,7 @@ class VllmEngine(RolloutEngine):
                     )
             if requests and self._first_route_at is None:
                 self._first_route_at = time.monotonic()
-                self._timeline = EngineTimeline()  # rollout time starts with the first trajectory
-                self._version_mark = (0.0, {}, {})
+                self._rollout_begins()
             for r in requests:
                 number = next(self._request_numbers)
                 # resumed trajectories are marked so the worker counts their prefill as re-prefill
@@ -266,6 +266,7 @@ class VllmEngine(RolloutEngine):
         if weights.version < self.version:
             raise EngineError("version_regression", f"cannot load version {weights.version}: instance is at {self.version}")
         async with self._lock:
+            self._rollout_begins()
             await self._read_step_totals()
             self._close_version_segment()
             self._timeline.switch(EngineTimeline.PULL)
@@ -339,6 +340,14 @@ class VllmEngine(RolloutEngine):
             "first_completion_after_route_seconds": _since(self._first_route_at, self._first_completion_at),
             **self._counters,
         }
+
+    def _rollout_begins(self) -> None:
+        """Rollout time starts with the first command that gives the engine work (a Route, or a
+        Pull of an instance that joins late); start-up before it is not rollout time."""
+        if not self._rollout_began:
+            self._rollout_began = True
+            self._timeline = EngineTimeline()
+            self._version_mark = (0.0, {}, {})
 
     async def _read_step_totals(self) -> bool:
         """Refresh the worker's step totals (answered between two model steps); False if the
