@@ -12,6 +12,7 @@ from staleflow.calibration import CalibrationRef
 from staleflow.cost_model import CostModel
 from staleflow.ledger import LedgerParams
 from staleflow.strict import StrictModel
+from staleflow.tracking import LoggerConfig
 
 
 def _check_http_url(value: str) -> str:
@@ -122,31 +123,6 @@ class TaskConfig(StrictModel):
 
     digits: int = Field(2, ge=1, le=12, description="digits per operand")
     ops: str = Field("+", pattern=r"^[+\-*]{1,3}$", description="operators drawn from: + - *")
-
-
-LoggerBackend = Literal["console", "tensorboard", "wandb", "mlflow"]
-
-
-class LoggerConfig(StrictModel):
-    """Where the job's per-step metrics go (docs/observability.md). Also written as a list or a
-    comma-separated string of backends: ``logger: [console, tensorboard]``."""
-
-    backends: tuple[LoggerBackend, ...] = Field(
-        ("console",), description="console, plus any of tensorboard, wandb (offline), mlflow (local file store)")
-    directory: Path | None = Field(None, description="where backends write; default <state_dir>/tracking")
-    project: str = Field("staleflow", min_length=1, description="W&B project / MLflow experiment")
-    run_name: str | None = Field(None, description="default: the state directory's name")
-    mlflow_tracking_uri: str | None = Field(
-        None, description="default: a file store in <directory>/mlruns; or sqlite:///..., http://...")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, data: Any) -> Any:
-        if isinstance(data, str):
-            data = [part.strip() for part in data.split(",") if part.strip()]
-        if isinstance(data, list | tuple):
-            return {"backends": tuple(data)}
-        return data
 
 
 JOB_LEDGER: dict[str, Any] = {"eta": 2, "batch_size": 16, "group_size": 8}
