@@ -79,7 +79,7 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
     if name == "manager":
         from staleflow.servers.manager import create_app
 
-        return create_app(ManagerConfig(ledger=ledger, state_dir=state))
+        return create_app(ManagerConfig(ledger=ledger, state_dir=state, db_url=config.database_url()))
     if name == "params":
         from staleflow.servers.params import ParamsConfig, create_app
 
@@ -96,7 +96,8 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
             reward = "sim" if config.engine == "sim" else url["reward"]
         real = config.engine != "sim"
         return create_app(TrajectoryServerConfig(
-            ledger=ledger, manager_url=url["manager"], state_dir=state, seed=config.seed, reward=reward,
+            ledger=ledger, manager_url=url["manager"], state_dir=state, db_url=config.database_url(), seed=config.seed,
+            reward=reward,
             sampling=SamplingConfig(max_tokens=config.max_tokens), dataset=config.dataset, task=config.task,
             tokenizer=model_dir(config) if real else None))
     if name.startswith("inst-"):
@@ -231,12 +232,17 @@ class Job:
 
     def _prepare_state_dir(self, resume: bool, fresh: bool) -> None:
         previous = self.state / "job.json"
+        replaced = previous.exists() and not resume  # a finished run, or an unfinished one with --fresh
         if previous.exists() and not resume:
             finished = (self.state / "report" / "summary.json").exists()
             if not (fresh or finished):
                 raise StateDirInUse(
                     f"{self.state} holds an unfinished run; continue it with --resume, or start over with --fresh")
             shutil.rmtree(self.state)
+        if (url := self.config.database_url()) is not None:  # a database that outlives the state directory
+            from staleflow.servers.db import prepare_for_run
+
+            prepare_for_run(url, resume, discard=fresh or replaced)
         if resume and previous.exists():
             before = JobConfig.model_validate_json(previous.read_text())
             if before.ledger != self.config.ledger:

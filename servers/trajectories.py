@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 
 from staleflow.config import HttpUrl, LedgerConfig, ServiceConfig, TaskConfig
+from staleflow.database_url import normalize_url
 from staleflow.servers.clients import AsyncManagerClient, ServiceError, async_http_client
 from staleflow.servers.trajectory_store import (
     GroupRecord,
@@ -44,7 +45,7 @@ class TrajectoryServerConfig(ServiceConfig):
     ledger: LedgerConfig = LedgerConfig()
     manager_url: HttpUrl = "http://127.0.0.1:8321"
     state_dir: Path = Path(".staleflow")
-    db_url: str | None = None
+    db_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite file in the state directory")
     dataset: Path | None = Field(None, description="JSONL or Parquet with prompt and answer fields; default: built-in task")
     prompt_field: str = "prompt"
     answer_field: str = "answer"
@@ -64,6 +65,8 @@ class TrajectoryServerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _reward_choice(self) -> TrajectoryServerConfig:
+        if self.db_url is not None:
+            normalize_url(self.db_url)  # raises DatabaseUrlError (a ValueError) naming the fix
         if self.reward not in ("math", "sim") and not self.reward.startswith(("http://", "https://")):
             raise ValueError(f"reward must be 'math', 'sim' or a reward server URL, got {self.reward!r}")
         return self
@@ -165,7 +168,7 @@ class PartialIn(BaseModel):
 
 
 class ReturnRequest(BaseModel):
-    instance_id: str | None = None
+    instance_id: str | None = Field(None, min_length=1, max_length=200)
     partials: list[PartialIn] = Field(max_length=100_000)
 
 
@@ -175,12 +178,12 @@ class CompletedTrajectoryIn(PartialIn):
 
 class CompletedItem(BaseModel):
     seq: int | None = None
-    instance_id: str | None = None
+    instance_id: str | None = Field(None, min_length=1, max_length=200)
     trajectory: CompletedTrajectoryIn
 
 
 class CompletedRequest(BaseModel):
-    instance_id: str
+    instance_id: str = Field(min_length=1, max_length=200)
     items: list[CompletedItem] = Field(max_length=100_000)
 
 

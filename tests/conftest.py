@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,10 +13,45 @@ from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[object]:
+    """A throwaway PostgreSQL server for the whole session, started on first use and stopped at the
+    end (``throwaway_postgres``); skipped, saying why, only where no server binary or driver exists."""
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("the psycopg driver is not installed (pip install 'staleflow[postgres]')")
+    from throwaway_postgres import ThrowawayPostgres, find_binaries
+
+    binaries = find_binaries()
+    if binaries is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl, postgres) on PATH, in $POSTGRES_BIN "
+                    "or in /usr/lib/postgresql/*/bin")
+    server = ThrowawayPostgres(binaries)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """The durable state's database, once per backend: None means the default (SQLite files in the
+    state directory); on PostgreSQL a fresh database of the session's server, dropped afterwards."""
+    if request.param == "sqlite":
+        yield None
+        return
+    server = request.getfixturevalue("postgres_server")
+    url = server.create_database()
+    try:
+        yield url
+    finally:
+        server.drop_database(url)
+
+
 @pytest.fixture
-def manager(tmp_path: Path) -> Iterator[ManagerClient]:
-    """A staleness manager on a loopback port, with a client."""
-    with serve_in_thread(create_app(manager_config(tmp_path))) as server, ManagerClient(server.url) as client:
+def manager(tmp_path: Path, db_url: str | None) -> Iterator[ManagerClient]:
+    """A staleness manager on a loopback port, with a client (on each database backend)."""
+    config = manager_config(tmp_path).model_copy(update={"db_url": db_url})
+    with serve_in_thread(create_app(config)) as server, ManagerClient(server.url) as client:
         client.health()
         yield client
 
