@@ -14,10 +14,9 @@ from typing import Annotated, Literal
 import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from staleflow.config import HttpUrl, LedgerConfig, ServiceConfig, TaskConfig
-from staleflow.database_url import normalize_url
+from staleflow.config import HttpUrl, LedgerConfig, ServiceConfig, TaskConfig, check_database_url
 from staleflow.servers.clients import AsyncManagerClient, ServiceError, async_http_client
 from staleflow.servers.trajectory_store import (
     GroupRecord,
@@ -46,6 +45,7 @@ class TrajectoryServerConfig(ServiceConfig):
     manager_url: HttpUrl = "http://127.0.0.1:8321"
     state_dir: Path = Path(".staleflow")
     db_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite file in the state directory")
+    _db_url_supported = field_validator("db_url")(check_database_url)
     dataset: Path | None = Field(None, description="JSONL or Parquet with prompt and answer fields; default: built-in task")
     prompt_field: str = "prompt"
     answer_field: str = "answer"
@@ -65,8 +65,6 @@ class TrajectoryServerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _reward_choice(self) -> TrajectoryServerConfig:
-        if self.db_url is not None:
-            normalize_url(self.db_url)  # raises DatabaseUrlError (a ValueError) naming the fix
         if self.reward not in ("math", "sim") and not self.reward.startswith(("http://", "https://")):
             raise ValueError(f"reward must be 'math', 'sim' or a reward server URL, got {self.reward!r}")
         return self

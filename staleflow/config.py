@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from staleflow.calibration import CalibrationRef
 from staleflow.cost_model import CostModel
@@ -27,6 +27,13 @@ def _check_http_url(value: str) -> str:
 
 HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
 """An http(s) URL with a host, kept as a string (no trailing slash)."""
+
+
+def check_database_url(value: str | None) -> str | None:
+    """A database URL StaleFlow supports (kept as given); the error names the fix."""
+    if value is not None:
+        normalize_url(value)
+    return value
 
 
 class StrictModel(BaseModel):
@@ -79,11 +86,7 @@ class ManagerConfig(ServiceConfig):
     )
     port: int = Field(8321, ge=0, le=65535)
 
-    @model_validator(mode="after")
-    def _db_url_scheme(self) -> ManagerConfig:
-        if self.db_url is not None:
-            normalize_url(self.db_url)  # raises DatabaseUrlError (a ValueError) naming the fix
-        return self
+    _db_url_supported = field_validator("db_url")(check_database_url)
 
     def database_url(self) -> str:
         if self.db_url:
@@ -207,12 +210,12 @@ class JobConfig(StrictModel):
             self._fits("vllm_args.max_model_len", limit, "vllm_args.max_model_len", 1)  # the model's tokens: >= 1
         return self
 
+    _db_url_supported = field_validator("db_url")(check_database_url)
+
     @model_validator(mode="after")
     def _one_database(self) -> JobConfig:
         if self.db_url is not None and self.db_url_file is not None:
             raise ValueError("set db_url or db_url_file, not both")
-        if self.db_url is not None:
-            normalize_url(self.db_url)
         return self
 
     def database_url(self) -> str | None:

@@ -1,0 +1,156 @@
+"""The durable state on a PostgreSQL server: the same migrations, one owner per ledger, a writer
+that survives a dropped connection, and a whole `staleflow up` job whose ledger and trajectory
+store live in the database (next to the same job on a SQLite file outside its state directory)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from sqlalchemy import inspect, select, text
+from typer.testing import CliRunner
+
+from staleflow.cli.main import app
+from staleflow.ledger import LedgerParams
+from staleflow.servers import db
+from staleflow.servers.ledger_store import DurableLedger, LedgerInUse, StoreError
+from staleflow.servers.schema import ledger_settings, ts_groups
+from staleflow.servers.trajectory_store import TrajectoryStore
+
+PARAMS = LedgerParams(eta=1, batch_size=2, group_size=1)
+TABLES = {"ledger_settings", "ledger_entries", "ledger_retired", "ledger_events", "ts_groups", "ts_trajectories",
+          "ts_meta", "alembic_version"}
+
+
+@pytest.fixture
+def pg_url(postgres_server) -> str:  # noqa: ANN001
+    url = postgres_server.create_database()
+    yield url
+    postgres_server.drop_database(url)
+
+
+@pytest.mark.postgres
+def test_migrations_upgrade_and_downgrade_on_postgres(pg_url: str) -> None:
+    engine = db.make_engine(pg_url)
+    try:
+        assert db.upgrade(engine) == db.head_revision()
+        assert set(inspect(engine).get_table_names()) == TABLES
+        assert db.downgrade(engine, "base") == ""
+        assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
+        assert db.upgrade(engine) == db.head_revision()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_manager_and_trajectory_server_upgrade_one_database_at_once(pg_url: str) -> None:
+    """They start side by side on a cluster: the advisory lock makes them take turns."""
+    engines = [db.make_engine(pg_url) for _ in range(4)]
+    barrier = threading.Barrier(len(engines))
+    results: list[object] = []
+
+    def upgrade(engine) -> None:  # noqa: ANN001
+        barrier.wait()
+        try:
+            results.append(db.upgrade(engine))
+        except Exception as exc:  # collected: the assertion below names it
+            results.append(exc)
+
+    threads = [threading.Thread(target=upgrade, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for e in engines:
+        e.dispose()
+    assert results == [db.head_revision()] * len(engines)
+
+
+@pytest.mark.postgres
+def test_a_second_manager_cannot_write_the_same_ledger(pg_url: str) -> None:
+    first = DurableLedger.open(pg_url, PARAMS)
+    try:
+        first.reserve("a", 0)
+        with pytest.raises(LedgerInUse, match="another staleness manager holds the ledger"):
+            DurableLedger(db.make_engine(pg_url), PARAMS, owner_wait=0.5)
+    finally:
+        first.close()
+    second = DurableLedger.open(pg_url, PARAMS)  # the first one let go: the ledger moves on
+    try:
+        assert second.entry("a") is not None
+        second.reserve("b", 0)
+    finally:
+        second.close()
+
+
+@pytest.mark.postgres
+def test_the_writer_reconnects_after_its_session_is_killed(pg_url: str, postgres_server) -> None:  # noqa: ANN001
+    ledger = DurableLedger.open(pg_url, PARAMS)
+    try:
+        ledger.reserve("a", 0)
+        with postgres_server.admin() as admin:  # what a server restart or a network cut does to the session
+            killed = admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                                   (pg_url.rsplit("/", 1)[1],)).fetchall()
+        assert killed
+        with pytest.raises(StoreError):
+            ledger.reserve("b", 0)  # in flight when the connection died: refused, not half-applied
+        assert ledger.entry("b") is None
+        ledger.reserve("b", 0)  # the writer reconnected, took the owner lock again and reloaded
+        ledger.occupy("a")
+        ledger.occupy("b")
+        assert ledger.consume().consumed == ["a", "b"]
+    finally:
+        ledger.close()
+    reopened = DurableLedger.open(pg_url, PARAMS)
+    try:
+        assert reopened.train_version == 1 and reopened.consumed_batch(0) == ["a", "b"]
+    finally:
+        reopened.close()
+
+
+@pytest.mark.postgres
+def test_a_new_run_drops_a_previous_runs_tables_only_when_asked(pg_url: str) -> None:
+    DurableLedger.open(pg_url, PARAMS).close()
+    TrajectoryStore.open(pg_url).close()
+    db.prepare_for_run(pg_url, resume=True, discard=False)  # resuming keeps it
+    with pytest.raises(db.DatabaseInUse, match="holds an unfinished run.*--resume.*--fresh"):
+        db.prepare_for_run(pg_url, resume=False, discard=False)
+    db.prepare_for_run(pg_url, resume=False, discard=True)
+    engine = db.make_engine(pg_url)
+    try:
+        assert not db.holds_run(engine)
+    finally:
+        engine.dispose()
+
+
+SMALL = {"engine": "sim", "workload": "ci-tiny", "max_tokens": 48, "instances": 2, "speed": 20,
+         "ledger": {"eta": 1, "batch_size": 4, "group_size": 2}}
+
+
+def test_up_keeps_its_durable_state_in_the_configured_database(tmp_path: Path, db_url: str | None) -> None:
+    """`staleflow up --engine sim` with `db_url` in the job file: PostgreSQL, or (the other
+    backend) a SQLite file outside the state directory."""
+    url = db_url or f"sqlite:///{tmp_path / 'elsewhere' / 'state.db'}"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**SMALL, "db_url": url}))
+    state = tmp_path / "run"
+    result = CliRunner().invoke(app, ["up", "--config", str(job), "--steps", "2", "--state-dir", str(state),
+                                      "--json-log"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((state / "report" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["staleness_violations"] == 0
+    assert not (state / "ledger.db").exists() and not (state / "trajectories.db").exists()
+    engine = db.make_engine(url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(select(ledger_settings.c.train_version)).scalar() == 2
+            assert conn.execute(select(text("count(*)")).select_from(ts_groups)).scalar() >= 2 * 4
+    finally:
+        engine.dispose()
+    # a new run in another state directory must not silently reuse (or wipe) this run's state
+    other = CliRunner().invoke(app, ["up", "--config", str(job), "--steps", "1", "--state-dir", str(tmp_path / "b")])
+    said = " ".join(other.output.split())  # the console wraps long lines
+    assert other.exit_code == 2 and "holds an unfinished run" in said and "--fresh" in said
