@@ -415,3 +415,22 @@ class DurableLedger:
                 .order_by(ledger_retired.c.group_id)
             )
             return [r.group_id for r in rows]
+
+
+def consumption_record(url: str) -> tuple[list[str], list[tuple[str, int, int]]]:
+    """A ledger database's own record of what was consumed, read without opening the ledger (a
+    closed run's audit): group ids in the order consume events took them, and (group id, V_traj,
+    buffer) of every group retired as consumed."""
+    engine = db.make_engine(url)
+    try:
+        with engine.connect() as conn:
+            consumed: list[str] = []
+            for (detail,) in conn.execute(select(ledger_events.c.detail).where(ledger_events.c.op == "consume")
+                                          .order_by(ledger_events.c.id)):
+                consumed += json.loads(detail).get("consumed") or []
+            fates = [tuple(r) for r in conn.execute(
+                select(ledger_retired.c.group_id, ledger_retired.c.v_traj, ledger_retired.c.buffer)
+                .where(ledger_retired.c.fate == Fate.CONSUMED.value))]
+    finally:
+        engine.dispose()
+    return consumed, fates

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from staleflow.cli.main import app
 from staleflow.ledger import LedgerParams
 from staleflow.servers import db
-from staleflow.servers.ledger_store import DurableLedger, LedgerInUse, StoreError
+from staleflow.servers.ledger_store import DurableLedger, LedgerInUse, StoreError, consumption_record
 from staleflow.servers.schema import ledger_settings, ts_groups
 from staleflow.servers.trajectory_store import TrajectoryStore
 
@@ -43,6 +43,19 @@ def test_migrations_upgrade_and_downgrade_on_postgres(pg_url: str) -> None:
         assert db.upgrade(engine) == db.head_revision()
     finally:
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_sync_levels_map_to_synchronous_commit(pg_url: str) -> None:
+    """FULL waits for the WAL flush; NORMAL (the trajectory store's default) does not, so a commit
+    can be lost only if the database server itself crashes."""
+    for level, expected in (("FULL", "on"), ("NORMAL", "off")):
+        engine = db.make_engine(pg_url, level)
+        try:
+            with engine.connect() as conn:
+                assert conn.execute(text("SHOW synchronous_commit")).scalar() == expected
+        finally:
+            engine.dispose()
 
 
 @pytest.mark.postgres
@@ -124,6 +137,21 @@ def test_a_new_run_drops_a_previous_runs_tables_only_when_asked(pg_url: str) -> 
         assert not db.holds_run(engine)
     finally:
         engine.dispose()
+
+
+def test_the_consumption_record_is_read_back_from_either_database(tmp_path: Path, db_url: str | None) -> None:
+    """What the fault harness audits after a run: consumed once each, in order, with their buffer."""
+    url = db_url or f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = DurableLedger.open(url, PARAMS)
+    try:
+        for g in ("a", "b"):
+            ledger.reserve(g, 0)
+            ledger.occupy(g)
+        ledger.consume()
+    finally:
+        ledger.close()
+    consumed, fates = consumption_record(url)
+    assert sorted(consumed) == ["a", "b"] and sorted(fates) == [("a", 0, 0), ("b", 0, 0)]
 
 
 SMALL = {"engine": "sim", "workload": "ci-tiny", "max_tokens": 48, "instances": 2, "speed": 20,
