@@ -18,6 +18,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "STALEFLOW_TOKEN"
+# a file holding the token (e.g. a mounted Kubernetes or compose secret): the token itself never
+# appears in the environment, where process listings and orchestrators' metadata can show it
+TOKEN_FILE_ENV = "STALEFLOW_TOKEN_FILE"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
@@ -25,9 +28,38 @@ class InsecureBind(RuntimeError):
     pass
 
 
+class TokenFileError(InsecureBind):
+    """$STALEFLOW_TOKEN_FILE names a file that cannot serve as the token (a server refuses to
+    start, like an unprotected bind: every handler of InsecureBind reports it)."""
+
+
 def configured_token(token: str | None = None) -> str | None:
-    """The explicit token, else the environment's, else none."""
-    return token or os.environ.get(TOKEN_ENV) or None
+    """The explicit token, else $STALEFLOW_TOKEN, else the file $STALEFLOW_TOKEN_FILE names, else none."""
+    return token or os.environ.get(TOKEN_ENV) or token_from_file()
+
+
+def token_from_file() -> str | None:
+    """The token in the file $STALEFLOW_TOKEN_FILE names; None when the variable is unset. A set
+    variable whose file is missing or empty is an error, never a silent run without a token."""
+    path = os.environ.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    token = read_token_file(Path(path))
+    if token is None:
+        raise TokenFileError(f"${TOKEN_FILE_ENV} names {path}, which is missing, unreadable or empty; "
+                             "mount the token there (e.g. a Kubernetes Secret) or unset the variable")
+    return token
+
+
+def run_token(state_dir: Path) -> tuple[str, Path]:
+    """A run's token and the file that holds it: the file $STALEFLOW_TOKEN_FILE names (a secret
+    the deployment manages, so clients outside can hold it too), else a fresh random token in
+    ``state_dir/token``, readable by the owner only."""
+    token = token_from_file()
+    if token is not None:
+        return token, Path(os.environ[TOKEN_FILE_ENV]).resolve()
+    path = state_dir / "token"
+    return write_token_file(path), path.resolve()
 
 
 def write_token_file(path: Path) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from staleflow.config import JobConfig, LedgerConfig, ManagerConfig
-from staleflow.servers.auth import TOKEN_ENV, write_token_file
+from staleflow.servers.auth import TOKEN_ENV, run_token
 from staleflow.servers.clients import http_client
 from staleflow.servers.http import RunningServer, serve_in_thread
 from staleflow.servers.trainer import StepLog, StepRecord, TrainerLoop
@@ -254,9 +254,10 @@ class Job:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self, on_started: Callable[[str, str], None] | None = None) -> None:
-        # every run gets a fresh token; components, the trainer and child processes read it from
-        # the environment, other tools from the owner-only token file named in endpoints.json
-        self.token = write_token_file(self.state / "token")
+        # every run gets a fresh token (or the deployment's, from $STALEFLOW_TOKEN_FILE); components,
+        # the trainer and child processes read it from the environment, other tools from the
+        # owner-only token file named in endpoints.json
+        self.token, self.token_file = run_token(self.state)
         self._previous_token = os.environ.get(TOKEN_ENV)
         os.environ[TOKEN_ENV] = self.token  # restored by shutdown()
         launched: list[tuple[str, subprocess.Popen, Path]] = []
@@ -280,7 +281,7 @@ class Job:
                 on_started(name, self.endpoints[name]["url"])
         (self.state / "endpoints.json").write_text(json.dumps(
             {**self.endpoints, "state_dir": str(self.state.resolve()), "trainer": trainer_label(self.config),
-             "token_file": str((self.state / "token").resolve())}, indent=2))
+             "token_file": str(self.token_file)}, indent=2))
         # the clock of the run starts once everything is up: start-up is not rollout time
         self.started = self.monitor.started = time.monotonic()
         if trainer_in_process(self.config):
