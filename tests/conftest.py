@@ -58,5 +58,6 @@ def manager(tmp_path: Path, db_url: str | None) -> Iterator[ManagerClient]:
 
 @pytest.fixture(autouse=True)
 def no_ambient_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test starts without $STALEFLOW_TOKEN; tests that want one set it themselves."""
+    """Every test starts without $STALEFLOW_TOKEN(_FILE); tests that want one set it themselves."""
     monkeypatch.delenv("STALEFLOW_TOKEN", raising=False)
+    monkeypatch.delenv("STALEFLOW_TOKEN_FILE", raising=False)
