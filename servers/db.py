@@ -25,14 +25,14 @@ from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 import staleflow.migrations
 from staleflow.database_url import DatabaseUrlError, masked, normalize_url
 
-__all__ = ["DatabaseError", "DatabaseInUse", "DatabaseUnreachable", "DatabaseUrlError", "make_engine", "masked", "normalize_url", "upgrade", "downgrade"]
+__all__ = ["DatabaseError", "DatabaseInUse", "DatabaseUnreachable", "OwnerLockHeld", "owner_session", "DatabaseUrlError", "make_engine", "masked", "normalize_url", "upgrade", "downgrade"]
 
 # an arbitrary constant: the advisory lock that serializes StaleFlow's schema upgrades on a server
 _UPGRADE_LOCK = 0x5354414C  # "STAL"
@@ -116,6 +116,49 @@ def holds_run(engine: Engine) -> bool:
             if table in tables and conn.execute(text(f"SELECT 1 FROM {table} LIMIT 1")).first() is not None:
                 return True
     return False
+
+
+# server-side keepalives of an owner's session: the server drops a vanished owner's session, and
+# with it the lock, within ~25 s (10 s idle + 3 probes 5 s apart)
+OWNER_KEEPALIVES = {"tcp_keepalives_idle": 10, "tcp_keepalives_interval": 5, "tcp_keepalives_count": 3}
+
+
+class OwnerLockHeld(RuntimeError):
+    """Another session holds the owner lock; the message names the database and the wait."""
+
+
+def owner_session(engine: Engine, key: int, wait: float) -> Connection:
+    """A connection whose session holds the advisory lock ``key`` (PostgreSQL; on SQLite a plain
+    connection): the one writer of a store. Waits up to ``wait`` seconds for a holder to let go
+    (0: try once); raises ``OwnerLockHeld`` if it does not."""
+    conn = engine.connect()
+    if conn.dialect.name != "postgresql":
+        return conn
+    try:
+        for name, value in OWNER_KEEPALIVES.items():
+            conn.execute(text(f"SET {name} = {int(value)}"))
+        conn.commit()
+        if wait > 0:  # the server queues us behind the holder, up to ``wait`` seconds
+            try:
+                conn.execute(text(f"SET LOCAL lock_timeout = {int(wait * 1000)}"))
+                conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+                conn.commit()  # a session lock: it outlives the transaction
+                held = True
+            except OperationalError as exc:
+                conn.rollback()
+                if getattr(exc.orig, "sqlstate", None) != "55P03":  # not lock_timeout: a real failure
+                    raise
+                held = False
+        else:
+            held = bool(conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": key}).scalar())
+            conn.commit()
+        if not held:
+            raise OwnerLockHeld(masked(engine.url.render_as_string(hide_password=False))
+                                + (f" (waited {wait:.0f} s for it to let go)" if wait > 0 else ""))
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def prepare_for_run(url: str, resume: bool, discard: bool) -> None:

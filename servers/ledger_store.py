@@ -25,8 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, text, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, update
 
 from staleflow.ledger import (
     BufferView,
@@ -60,8 +59,6 @@ class LedgerInUse(RuntimeError):
 
 # the advisory lock a manager holds on PostgreSQL while it owns the ledger (an arbitrary constant)
 OWNER_LOCK = 0x4C454447  # "LEDG"
-# server-side keepalives of the owner's session: a vanished manager's lock is released in ~25 s
-OWNER_KEEPALIVES = {"tcp_keepalives_idle": 10, "tcp_keepalives_interval": 5, "tcp_keepalives_count": 3}
 
 
 @dataclass
@@ -113,36 +110,11 @@ class DurableLedger:
 
     def _connect(self, wait: float) -> Connection:
         """The writer's connection; on PostgreSQL, once its session holds the owner lock."""
-        conn = self.engine.connect()
-        if conn.dialect.name != "postgresql":
-            return conn
         try:
-            for name, value in OWNER_KEEPALIVES.items():
-                conn.execute(text(f"SET {name} = {int(value)}"))
-            conn.commit()
-            if wait > 0:  # the server queues us behind the holder, up to ``wait`` seconds
-                try:
-                    conn.execute(text(f"SET LOCAL lock_timeout = {int(wait * 1000)}"))
-                    conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": OWNER_LOCK})
-                    conn.commit()  # a session lock: it outlives the transaction
-                    held = True
-                except OperationalError as exc:
-                    conn.rollback()
-                    if getattr(exc.orig, "sqlstate", None) != "55P03":  # not lock_timeout: a real failure
-                        raise
-                    held = False
-            else:
-                held = bool(conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": OWNER_LOCK}).scalar())
-                conn.commit()
-            if not held:
-                raise LedgerInUse(
-                    f"another staleness manager holds the ledger in {db.masked(self.engine.url.render_as_string())}"
-                    + (f" (waited {wait:.0f} s for it to let go)" if wait > 0 else "")
-                    + "; stop it, or point --db at another database")
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+            return db.owner_session(self.engine, OWNER_LOCK, wait)
+        except db.OwnerLockHeld as exc:
+            raise LedgerInUse(f"another staleness manager holds the ledger in {exc}; stop it, "
+                              "or point --db at another database") from None
 
     # ------------------------------------------------------------------ loading
 

@@ -41,7 +41,8 @@ class Cluster:
             ledger=LedgerConfig(eta=1, batch_size=2, group_size=GROUP), manager_url=self.manager_url,
             state_dir=tmp_path, db_url=db_url, reward="sim", sampling=SamplingConfig(max_tokens=64),
         )
-        self.ts_url = stack.enter_context(serve_in_thread(ts_app(self.ts_config))).url
+        self.ts_server = stack.enter_context(serve_in_thread(ts_app(self.ts_config)))
+        self.ts_url = self.ts_server.url
         self.ts = stack.enter_context(http_client(self.ts_url))
         self.manager = stack.enter_context(ManagerClient(self.manager_url))
         self.instances: dict[str, httpx.Client] = {}
@@ -155,7 +156,8 @@ def test_trajectory_server_survives_a_restart(tmp_path: Path, db_url: str | None
             e["status"] == "occupied" for e in c.manager.buffers()["buffers"][0]["entries"]))
         before = c.ts.get("/v1/trajectories", params={"limit": 1000}).json()
         ts_config, manager_url = c.ts_config, c.manager_url
-        # restart only the TS, on the same state directory
+        # restart only the TS, on the same state directory (and database): the old one is gone first
+        c.ts_server.stop()
         with serve_in_thread(ts_app(ts_config)) as again, http_client(again.url) as ts:
             after = ts.get("/v1/trajectories", params={"limit": 1000}).json()
             assert after["counts"] == before["counts"]

@@ -18,7 +18,7 @@ from staleflow.ledger import LedgerParams
 from staleflow.servers import db
 from staleflow.servers.ledger_store import DurableLedger, LedgerInUse, StoreError, consumption_record
 from staleflow.servers.schema import ledger_settings, ts_groups
-from staleflow.servers.trajectory_store import TrajectoryStore
+from staleflow.servers.trajectory_store import TrajectoryStore, TrajectoryStoreInUse
 
 PARAMS = LedgerParams(eta=1, batch_size=2, group_size=1)
 TABLES = {"ledger_settings", "ledger_entries", "ledger_retired", "ledger_events", "ts_groups", "ts_trajectories",
@@ -97,6 +97,19 @@ def test_a_second_manager_cannot_write_the_same_ledger(pg_url: str) -> None:
         second.reserve("b", 0)
     finally:
         second.close()
+
+
+@pytest.mark.postgres
+def test_a_second_trajectory_server_cannot_open_the_same_store(pg_url: str) -> None:
+    first = TrajectoryStore.open(pg_url)
+    try:
+        with pytest.raises(TrajectoryStoreInUse, match="another trajectory server holds the store"):
+            TrajectoryStore(db.make_engine(pg_url), owner_wait=0.5)
+        ledger = DurableLedger.open(pg_url, PARAMS)  # the ledger's owner lock is a different one
+        ledger.close()
+    finally:
+        first.close()
+    TrajectoryStore.open(pg_url).close()
 
 
 @pytest.mark.postgres
