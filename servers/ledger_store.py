@@ -10,7 +10,7 @@ the same lock the writer holds from the first apply to the commit.
 On PostgreSQL the writer's session also holds an advisory lock for the ledger's lifetime, so two
 managers can never write one ledger: a second one (say, a restarted manager whose predecessor is
 not quite dead) waits for the lock, and the server drops a vanished holder's session within
-seconds (its keepalives are tightened below). A writer that lost its connection reconnects and
+seconds (``db.owner_session`` tightens its keepalives). A writer that lost its connection reconnects and
 takes the lock again before it writes; if another manager has it, it refuses every write.
 """
 
@@ -79,7 +79,6 @@ class DurableLedger:
         self._lock = threading.Lock()
         db.upgrade(engine)
         self.params = params
-        self._owner_wait = owner_wait
         self._conn: Connection | None = self._connect(wait=owner_wait)  # the writer's session
         self._stale = False  # memory must be reloaded from the database before the next write
         self.ledger = self._load(params)
