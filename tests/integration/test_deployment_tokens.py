@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from staleflow.cli.main import app
 from staleflow.config import JobConfig
-from staleflow.servers.auth import TOKEN_ENV, TOKEN_FILE_ENV, InsecureBind, TokenFileError
+from staleflow.servers.auth import TOKEN_ENV, TOKEN_FILE_ENV, InsecureBind
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.job import build_app
 
@@ -57,7 +57,7 @@ def test_a_token_file_protects_a_component(tmp_path: Path, monkeypatch: pytest.M
         assert httpx.post(url, json={"group_id": "g", "v_traj": 0},
                           headers={"Authorization": "Bearer from-a-secret"}).is_success
     secret.write_text("")
-    with pytest.raises(TokenFileError, match="missing, unreadable or empty"):
+    with pytest.raises(InsecureBind, match="missing, unreadable or empty"):
         serve_in_thread(compose_manager(tmp_path)[0], host, 0)
 
 
