@@ -11,7 +11,9 @@ Groups: sampled (no V_traj yet) -> reserved (V_traj fixed when its first member 
 -> occupied (enough members rewarded) -> consumed; or -> aborted (filtered, surplus).
 
 Reads come from memory; every mutation writes the rows it changed in one transaction before it
-returns, so an acknowledged change survives a crash of the process.
+returns, so an acknowledged change survives a crash of the process. On PostgreSQL the store holds
+an advisory lock for its lifetime, so a second trajectory server on the same database waits for
+the first to be gone (or refuses to start) instead of writing beside it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ LIVE_GROUP_STATES = frozenset({GroupState.SAMPLED, GroupState.RESERVED, GroupSta
 
 class StoreConflict(ValueError):
     """A transition that the state machine does not allow."""
+
+
+class TrajectoryStoreInUse(RuntimeError):
+    """Another trajectory server holds this store's database."""
+
+
+# the advisory lock a trajectory server holds on PostgreSQL while it owns the store
+OWNER_LOCK = 0x54524A53  # "TRJS"
 
 
 @dataclass
@@ -104,9 +114,14 @@ def _unpack_floats(blob: bytes) -> tuple[float, ...]:
 
 
 class TrajectoryStore:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, owner_wait: float = 60.0):
         self.engine = engine
         db.upgrade(engine)
+        try:
+            self._owner = db.owner_session(engine, OWNER_LOCK, owner_wait)
+        except db.OwnerLockHeld as exc:
+            raise TrajectoryStoreInUse(f"another trajectory server holds the store in {exc}; stop it, "
+                                       "or point db_url at another database") from None
         self.lock = threading.RLock()
         self.groups: dict[str, GroupRecord] = {}
         self.trajs: dict[str, TrajRecord] = {}
@@ -129,6 +144,7 @@ class TrajectoryStore:
         return cls(db.make_engine(url, synchronous))
 
     def close(self) -> None:
+        self._owner.close()  # ends the owner's session: releases the lock on PostgreSQL
         self.engine.dispose()
 
     # ------------------------------------------------------------------ loading
