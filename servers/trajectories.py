@@ -22,6 +22,7 @@ from staleflow.servers.trajectory_store import (
     GroupRecord,
     GroupState,
     StoreConflict,
+    StoreUnavailable,
     TrajectoryStore,
     TrajRecord,
     TrajState,
@@ -422,6 +423,10 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
     @app.exception_handler(StoreConflict)
     async def _conflict(_: Request, exc: StoreConflict) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "code": "store_unavailable"}, status_code=503)
 
     @app.exception_handler(ServiceError)
     async def _upstream(_: Request, exc: ServiceError) -> JSONResponse:

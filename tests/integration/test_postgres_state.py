@@ -18,7 +18,7 @@ from staleflow.ledger import LedgerParams
 from staleflow.servers import db
 from staleflow.servers.ledger_store import DurableLedger, LedgerInUse, StoreError, consumption_record
 from staleflow.servers.schema import ledger_settings, ts_groups
-from staleflow.servers.trajectory_store import TrajectoryStore, TrajectoryStoreInUse
+from staleflow.servers.trajectory_store import StoreUnavailable, TrajectoryStore, TrajectoryStoreInUse
 
 PARAMS = LedgerParams(eta=1, batch_size=2, group_size=1)
 TABLES = {"ledger_settings", "ledger_entries", "ledger_retired", "ledger_events", "ts_groups", "ts_trajectories",
@@ -195,3 +195,36 @@ def test_up_keeps_its_durable_state_in_the_configured_database(tmp_path: Path, d
     other = CliRunner().invoke(app, ["up", "--config", str(job), "--steps", "1", "--state-dir", str(tmp_path / "b")])
     said = " ".join(other.output.split())  # the console wraps long lines
     assert other.exit_code == 2 and "holds an unfinished run" in said and "--fresh" in said
+
+
+def refuse_routing(engine, on: bool) -> None:  # noqa: ANN001
+    """Make the database refuse to mark trajectories routed (a write failure on demand)."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("ALTER TABLE ts_trajectories ADD CONSTRAINT no_routing CHECK (state <> 'routed')"
+                              if on else "ALTER TABLE ts_trajectories DROP CONSTRAINT no_routing"))
+        else:
+            conn.execute(text("CREATE TRIGGER no_routing BEFORE UPDATE ON ts_trajectories WHEN NEW.state = 'routed' "
+                              "BEGIN SELECT RAISE(ABORT, 'refused'); END" if on else "DROP TRIGGER no_routing"))
+
+
+def test_a_refused_trajectory_write_leaves_nothing_behind_in_memory(tmp_path: Path, db_url: str | None) -> None:
+    url = db_url or f"sqlite:///{tmp_path / 'trajectories.db'}"
+    store = TrajectoryStore.open(url)
+    try:
+        group = store.add_groups([(0, "1+1", "2", (1, 2))], members=2, needed=2, next_prompt=1)[0]
+        store.set_group_version(group.group_id, 0)
+        refuse_routing(store.engine, True)
+        with pytest.raises(StoreUnavailable, match="could not persist"):
+            store.checkout("inst-0", group.member_ids)
+        assert {t.state.value for t, _ in store.pending()} == {"pending"} and len(store.pending()) == 2
+        assert store.routed() == [], "memory does not keep what the database refused"
+        refuse_routing(store.engine, False)
+        assert len(store.checkout("inst-0", group.member_ids)) == 2
+    finally:
+        store.close()
+    reopened = TrajectoryStore.open(url)
+    try:
+        assert len(reopened.routed("inst-0")) == 2
+    finally:
+        reopened.close()
