@@ -11,7 +11,10 @@ Groups: sampled (no V_traj yet) -> reserved (V_traj fixed when its first member 
 -> occupied (enough members rewarded) -> consumed; or -> aborted (filtered, surplus).
 
 Reads come from memory; every mutation writes the rows it changed in one transaction before it
-returns, so an acknowledged change survives a crash of the process. On PostgreSQL the store holds
+returns, so an acknowledged change survives a crash of the process. A write the database refuses
+(a lost connection, a server restart) fails with ``StoreUnavailable`` and memory is reloaded
+from the database, so a refused change never lingers in memory; while the database cannot be
+read back, every call fails the same way until it can. On PostgreSQL the store holds
 an advisory lock for its lifetime, so a second trajectory server on the same database waits for
 the first to be gone (or refuses to start) instead of writing beside it.
 """
@@ -55,6 +58,31 @@ LIVE_GROUP_STATES = frozenset({GroupState.SAMPLED, GroupState.RESERVED, GroupSta
 
 class StoreConflict(ValueError):
     """A transition that the state machine does not allow."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The database refused a change; it was not applied (memory holds the database's state)."""
+
+
+class _FreshLock:
+    """The store's re-entrant lock; taking it first reloads memory if a failed write left it
+    ahead of the database."""
+
+    def __init__(self, store: TrajectoryStore):
+        self._lock = threading.RLock()
+        self._store = store
+
+    def __enter__(self) -> _FreshLock:
+        self._lock.acquire()
+        try:
+            self._store._ensure_fresh()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 class TrajectoryStoreInUse(RuntimeError):
@@ -122,7 +150,8 @@ class TrajectoryStore:
         except db.OwnerLockHeld as exc:
             raise TrajectoryStoreInUse(f"another trajectory server holds the store in {exc}; stop it, "
                                        "or point db_url at another database") from None
-        self.lock = threading.RLock()
+        self.lock = _FreshLock(self)
+        self._stale = False
         self.groups: dict[str, GroupRecord] = {}
         self.trajs: dict[str, TrajRecord] = {}
         self.meta: dict[str, str] = {}
@@ -149,6 +178,18 @@ class TrajectoryStore:
 
     # ------------------------------------------------------------------ loading
 
+    def _ensure_fresh(self) -> None:
+        if not self._stale:
+            return
+        groups, trajs, meta, seq = self.groups, self.trajs, self.meta, self._seq
+        self.groups, self.trajs, self.meta, self._seq = {}, {}, {}, 0
+        try:
+            self._load()
+        except Exception as exc:
+            self.groups, self.trajs, self.meta, self._seq = groups, trajs, meta, seq
+            raise StoreUnavailable(f"the trajectory store's database cannot be read: {exc}") from exc
+        self._stale = False
+
     def _load(self) -> None:
         with self.engine.connect() as conn:
             for r in conn.execute(select(ts_groups).order_by(ts_groups.c.seq)).mappings():
@@ -173,6 +214,19 @@ class TrajectoryStore:
 
     def _persist(self, new_groups: list[GroupRecord] = (), groups: Iterable[GroupRecord] = (),
                  new_trajs: list[TrajRecord] = (), trajs: Iterable[TrajRecord] = (), meta: dict[str, str] | None = None) -> None:
+        try:
+            self._write(new_groups, groups, new_trajs, trajs, meta)
+        except Exception as exc:
+            self._stale = True  # memory already holds the change: reload it from the database
+            try:
+                self._ensure_fresh()
+            except StoreUnavailable:
+                pass  # the next call reloads (or fails the same way)
+            raise StoreUnavailable(f"could not persist the change: {exc}") from exc
+        self.meta.update(meta or {})
+
+    def _write(self, new_groups: list[GroupRecord], groups: Iterable[GroupRecord], new_trajs: list[TrajRecord],
+               trajs: Iterable[TrajRecord], meta: dict[str, str] | None) -> None:
         now = time.time()
         traj_rows = []
         for t in trajs:
@@ -194,7 +248,6 @@ class TrajectoryStore:
             for key, value in (meta or {}).items():
                 conn.execute(delete(ts_meta).where(ts_meta.c.key == key))
                 conn.execute(insert(ts_meta).values(key=key, value=value))
-        self.meta.update(meta or {})
 
     @staticmethod
     def _group_row(g: GroupRecord) -> dict:

@@ -13,7 +13,7 @@ from sqlalchemy import inspect, text
 from staleflow.ledger import LedgerParams
 from staleflow.servers import db
 from staleflow.servers.ledger_store import DurableLedger, LedgerInUse, StoreError, consumption_record
-from staleflow.servers.trajectories.store import TrajectoryStore, TrajectoryStoreInUse
+from staleflow.servers.trajectories.store import StoreUnavailable, TrajectoryStore, TrajectoryStoreInUse
 
 PARAMS = LedgerParams(eta=1, batch_size=2, group_size=1)
 TABLES = {"ledger_settings", "ledger_entries", "ledger_retired", "ledger_events", "ts_groups", "ts_trajectories",
@@ -160,3 +160,36 @@ def test_the_consumption_record_is_read_back_from_either_database(tmp_path: Path
         ledger.close()
     consumed, fates = consumption_record(url)
     assert sorted(consumed) == ["a", "b"] and sorted(fates) == [("a", 0, 0), ("b", 0, 0)]
+
+
+def refuse_routing(engine, on: bool) -> None:  # noqa: ANN001
+    """Make the database refuse to mark trajectories routed (a write failure on demand)."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("ALTER TABLE ts_trajectories ADD CONSTRAINT no_routing CHECK (state <> 'routed')"
+                              if on else "ALTER TABLE ts_trajectories DROP CONSTRAINT no_routing"))
+        else:
+            conn.execute(text("CREATE TRIGGER no_routing BEFORE UPDATE ON ts_trajectories WHEN NEW.state = 'routed' "
+                              "BEGIN SELECT RAISE(ABORT, 'refused'); END" if on else "DROP TRIGGER no_routing"))
+
+
+def test_a_refused_trajectory_write_leaves_nothing_behind_in_memory(tmp_path: Path, db_url: str | None) -> None:
+    url = db_url or f"sqlite:///{tmp_path / 'trajectories.db'}"
+    store = TrajectoryStore.open(url)
+    try:
+        group = store.add_groups([(0, "1+1", "2", (1, 2))], members=2, needed=2, next_prompt=1)[0]
+        store.set_group_version(group.group_id, 0)
+        refuse_routing(store.engine, True)
+        with pytest.raises(StoreUnavailable, match="could not persist"):
+            store.checkout("inst-0", group.member_ids)
+        assert {t.state.value for t, _ in store.pending()} == {"pending"} and len(store.pending()) == 2
+        assert store.routed() == [], "memory does not keep what the database refused"
+        refuse_routing(store.engine, False)
+        assert len(store.checkout("inst-0", group.member_ids)) == 2
+    finally:
+        store.close()
+    reopened = TrajectoryStore.open(url)
+    try:
+        assert len(reopened.routed("inst-0")) == 2
+    finally:
+        reopened.close()
