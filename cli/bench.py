@@ -15,7 +15,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from staleflow.cli.common import console, emit_results
+from staleflow.cli.common import console, emit_results, fail
 from staleflow.config import LedgerConfig, ManagerConfig
 from staleflow.ledger import Ledger, LedgerParams
 
@@ -51,10 +51,26 @@ def bench_pure(params: LedgerParams, steps: int) -> dict:
     return {"transitions": ops, "seconds": elapsed, "per_second": ops / elapsed}
 
 
-def bench_durable(params: LedgerParams, steps: int, workers: int, synchronous: str, workdir: Path) -> dict:
+def _empty_database(db_url: str | None, workdir: Path, name: str) -> str:
+    """A SQLite file in ``workdir``, or the given database with StaleFlow's tables dropped."""
+    if db_url is None:
+        return f"sqlite:///{workdir / name}"
+    from staleflow.servers import db
+
+    engine = db.make_engine(db_url)
+    try:
+        db.downgrade(engine, "base")
+    finally:
+        engine.dispose()
+    return db_url
+
+
+def bench_durable(params: LedgerParams, steps: int, workers: int, synchronous: str, workdir: Path,
+                  db_url: str | None = None) -> dict:
     from staleflow.servers.ledger_store import DurableLedger
 
-    ledger = DurableLedger.open(f"sqlite:///{workdir / f'durable-{workers}-{synchronous}.db'}", params, synchronous)
+    url = _empty_database(db_url, workdir, f"durable-{workers}-{synchronous}.db")
+    ledger = DurableLedger.open(url, params, synchronous)
     try:
         ops, start = 0, time.perf_counter()
         for _ in range(steps):
@@ -71,14 +87,14 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_http(params: LedgerParams, requests: int, workdir: Path) -> dict:
+def bench_http(params: LedgerParams, requests: int, workdir: Path, db_url: str | None = None) -> dict:
     from staleflow.servers.clients import ManagerClient
     from staleflow.servers.http import serve_in_thread
     from staleflow.servers.manager import create_app
 
     config = ManagerConfig(
         ledger=LedgerConfig(eta=params.eta, batch_size=params.batch_size, group_size=params.group_size),
-        db_url=f"sqlite:///{workdir / 'http.db'}",
+        db_url=_empty_database(db_url, workdir, "http.db"),
     )
     latencies: dict[str, list[float]] = {"reserve": [], "occupy": []}
     with serve_in_thread(create_app(config)) as server, ManagerClient(server.url) as client:
@@ -105,29 +121,38 @@ def bench_http(params: LedgerParams, requests: int, workdir: Path) -> dict:
     }
 
 
-def run_ledger_bench(eta: int, batch_size: int, steps: int, http_requests: int, workers: int) -> dict:
+def run_ledger_bench(eta: int, batch_size: int, steps: int, http_requests: int, workers: int,
+                     db_url: str | None = None) -> dict:
+    """``db_url``: run the durable and HTTP parts on this database (its StaleFlow tables are dropped
+    before each part) instead of temporary SQLite files."""
     params = LedgerParams(eta=eta, batch_size=batch_size)
-    results: dict = {"params": {"eta": eta, "batch_size": batch_size, "steps": steps}}
+    database = "sqlite (temporary files)"
+    if db_url is not None:
+        from staleflow.servers.db import masked
+
+        database = masked(db_url)
+    results: dict = {"params": {"eta": eta, "batch_size": batch_size, "steps": steps, "database": database}}
     with tempfile.TemporaryDirectory() as tmp, Progress(console=console, transient=True) as progress:
         workdir = Path(tmp)
         task = progress.add_task("ledger benchmark", total=5)
         results["pure"] = bench_pure(params, steps)
         progress.advance(task)
         durable_steps = max(2, steps // 10)
-        results["durable_sequential"] = bench_durable(params, durable_steps, 1, "FULL", workdir)
+        results["durable_sequential"] = bench_durable(params, durable_steps, 1, "FULL", workdir, db_url)
         progress.advance(task)
-        results["durable_concurrent"] = bench_durable(params, durable_steps, workers, "FULL", workdir)
+        results["durable_concurrent"] = bench_durable(params, durable_steps, workers, "FULL", workdir, db_url)
         progress.advance(task)
-        results["durable_concurrent_normal"] = bench_durable(params, durable_steps, workers, "NORMAL", workdir)
+        results["durable_concurrent_normal"] = bench_durable(params, durable_steps, workers, "NORMAL", workdir, db_url)
         progress.advance(task)
-        results["http"] = bench_http(params, http_requests, workdir)
+        results["http"] = bench_http(params, http_requests, workdir, db_url)
         progress.advance(task)
     results["threads_alive"] = threading.active_count()
     return results
 
 
 def _print(results: dict) -> None:
-    table = Table(title=f"ledger benchmark (eta={results['params']['eta']}, B={results['params']['batch_size']})")
+    table = Table(title=f"ledger benchmark (eta={results['params']['eta']}, B={results['params']['batch_size']}, "
+                        f"{results['params']['database']})")
     table.add_column("measurement")
     table.add_column("result", justify="right")
     table.add_column("goal", justify="right")
@@ -156,9 +181,19 @@ def register(bench_app: typer.Typer) -> None:
         workers: Annotated[int, typer.Option(help="concurrent clients for the durable run")] = 16,
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
         output: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
+        db: Annotated[str | None, typer.Option("--db", help="database for the durable and HTTP runs, e.g. "
+                                               "postgresql+psycopg://... (its StaleFlow tables are DROPPED); "
+                                               "default: temporary SQLite files")] = None,
     ) -> None:
-        """Pure-ledger transitions/s, durable transitions/s through SQLite, HTTP latency."""
-        results = run_ledger_bench(eta, batch_size, steps, http_requests, workers)
+        """Pure-ledger transitions/s, durable transitions/s through SQLite or PostgreSQL, HTTP latency."""
+        if db is not None:
+            from staleflow.database_url import DatabaseUrlError, normalize_url
+
+            try:
+                normalize_url(db)
+            except DatabaseUrlError as exc:
+                raise fail(str(exc)) from None
+        results = run_ledger_bench(eta, batch_size, steps, http_requests, workers, db)
         emit_results(results, output, as_json, _print)
 
 

@@ -52,13 +52,14 @@ def _manager_config(**fields: object) -> ManagerConfig:
 def _run_manager(config: ManagerConfig, token: str | None = None) -> None:
     from staleflow.servers.auth import InsecureBind
     from staleflow.servers.http import serve_forever
-    from staleflow.servers.ledger_store import SettingsMismatch
+    from staleflow.database_url import DatabaseUrlError
+    from staleflow.servers.ledger_store import LedgerInUse, SettingsMismatch
     from staleflow.servers.manager import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve_forever(create_app(config), config.host, config.port, token=token)
-    except (SettingsMismatch, OSError, InsecureBind) as exc:
+    except (SettingsMismatch, LedgerInUse, DatabaseUrlError, OSError, InsecureBind) as exc:
         raise fail(str(exc)) from None
 
 
@@ -98,8 +99,9 @@ def db_upgrade(
     try:
         current = database.upgrade(database.make_engine(url), revision)
     except Exception as exc:  # alembic and driver errors: say what failed, not where
-        raise fail(f"could not upgrade {url}: {exc}", "check the --db URL and that the database is reachable") from None
-    console.print(f"{url}: schema at revision {current}")
+        raise fail(f"could not upgrade {database.masked(url)}: {exc}",
+                   "check the --db URL and that the database is reachable") from None
+    console.print(f"{database.masked(url)}: schema at revision {current}")
 
 
 def _buffer_table(data: dict) -> Table:

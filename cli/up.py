@@ -113,9 +113,12 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         filename=str(config.state_dir / "job.log") if config.state_dir.exists() else None)
+    from staleflow.database_url import DatabaseUrlError
+    from staleflow.servers.db import DatabaseError
+
     try:
         job = Job(config, resume=resume, fresh=fresh)
-    except StateDirInUse as exc:
+    except (StateDirInUse, DatabaseError, DatabaseUrlError) as exc:
         raise fail(str(exc)) from None
     signals = {"received": None}
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import sqlite3
 import subprocess
 import threading
 import time
@@ -443,14 +442,9 @@ class FaultRun:
             if any(k > eta or k < 0 for k in s.staleness):
                 v.append(f"step {s.version}: staleness {s.staleness} outside [0, {eta}]")
         # the ledger's own durable record: every group consumed once, within the bound
-        db = sqlite3.connect(cfg.state_dir / "ledger.db")
-        try:
-            consumed: list[str] = []
-            for (detail,) in db.execute("SELECT detail FROM ledger_events WHERE op = 'consume' ORDER BY id"):
-                consumed += json.loads(detail).get("consumed") or []
-            fates = db.execute("SELECT group_id, v_traj, buffer FROM ledger_retired WHERE fate = 'consumed'").fetchall()
-        finally:
-            db.close()
+        from staleflow.servers.ledger_store import consumption_record
+
+        consumed, fates = consumption_record(cfg.database_url() or f"sqlite:///{cfg.state_dir / 'ledger.db'}")
         if len(consumed) != len(set(consumed)):
             v.append(f"{len(consumed) - len(set(consumed))} groups consumed twice")
         if len(consumed) != len(trained) * cfg.ledger.batch_size:

@@ -27,7 +27,7 @@ import httpx
 from fastapi import FastAPI
 
 from staleflow.config import JobConfig, LedgerConfig, ManagerConfig
-from staleflow.servers.auth import TOKEN_ENV, write_token_file
+from staleflow.servers.auth import TOKEN_ENV, run_token
 from staleflow.servers.clients import http_client
 from staleflow.servers.http import RunningServer, serve_in_thread
 from staleflow.servers.trainer import StepLog, StepRecord, TrainerLoop
@@ -80,7 +80,7 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
     if name == "manager":
         from staleflow.servers.manager import create_app
 
-        return create_app(ManagerConfig(ledger=ledger, state_dir=state))
+        return create_app(ManagerConfig(ledger=ledger, state_dir=state, db_url=config.database_url()))
     if name == "params":
         from staleflow.servers.params import ParamsConfig, create_app
 
@@ -97,7 +97,8 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
             reward = "sim" if config.engine == "sim" else url["reward"]
         real = config.engine != "sim"
         return create_app(TrajectoryServerConfig(
-            ledger=ledger, manager_url=url["manager"], state_dir=state, seed=config.seed, reward=reward,
+            ledger=ledger, manager_url=url["manager"], state_dir=state, db_url=config.database_url(), seed=config.seed,
+            reward=reward,
             sampling=SamplingConfig(max_tokens=config.max_tokens), dataset=config.dataset, task=config.task,
             tokenizer=model_dir(config) if real else None))
     if name.startswith("inst-"):
@@ -232,12 +233,17 @@ class Job:
 
     def _prepare_state_dir(self, resume: bool, fresh: bool) -> None:
         previous = self.state / "job.json"
+        replaced = previous.exists() and not resume  # a finished run, or an unfinished one with --fresh
         if previous.exists() and not resume:
             finished = (self.state / "report" / "summary.json").exists()
             if not (fresh or finished):
                 raise StateDirInUse(
                     f"{self.state} holds an unfinished run; continue it with --resume, or start over with --fresh")
             shutil.rmtree(self.state)
+        if (url := self.config.database_url()) is not None:  # a database that outlives the state directory
+            from staleflow.servers.db import prepare_for_run
+
+            prepare_for_run(url, resume, discard=fresh or replaced)
         if resume and previous.exists():
             before = JobConfig.model_validate_json(previous.read_text())
             if before.ledger != self.config.ledger:
@@ -249,9 +255,10 @@ class Job:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self, on_started: Callable[[str, str], None] | None = None) -> None:
-        # every run gets a fresh token; components, the trainer and child processes read it from
-        # the environment, other tools from the owner-only token file named in endpoints.json
-        self.token = write_token_file(self.state / "token")
+        # every run gets a fresh token (or the deployment's, from $STALEFLOW_TOKEN_FILE); components,
+        # the trainer and child processes read it from the environment, other tools from the
+        # owner-only token file named in endpoints.json
+        self.token, self.token_file = run_token(self.state)
         self._previous_token = os.environ.get(TOKEN_ENV)
         os.environ[TOKEN_ENV] = self.token  # restored by shutdown()
         launched: list[tuple[str, subprocess.Popen, Path]] = []
@@ -275,7 +282,7 @@ class Job:
                 on_started(name, self.endpoints[name]["url"])
         (self.state / "endpoints.json").write_text(json.dumps(
             {**self.endpoints, "state_dir": str(self.state.resolve()), "trainer": trainer_label(self.config),
-             "token_file": str((self.state / "token").resolve())}, indent=2))
+             "token_file": str(self.token_file)}, indent=2))
         # the clock of the run starts once everything is up: start-up is not rollout time
         self.started = self.monitor.started = time.monotonic()
         if trainer_in_process(self.config):

@@ -15,7 +15,13 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from staleflow.transports.rest import TOKEN_ENV, configured_token  # noqa: F401  (re-exported)
+from staleflow.transports.rest import (  # noqa: F401  (re-exported)
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    TokenFileError,
+    configured_token,
+    token_from_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +30,17 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 class InsecureBind(RuntimeError):
     pass
+
+
+def run_token(state_dir: Path) -> tuple[str, Path]:
+    """A run's token and the file that holds it: the file $STALEFLOW_TOKEN_FILE names (a secret
+    the deployment manages, so clients outside can hold it too), else a fresh random token in
+    ``state_dir/token``, readable by the owner only."""
+    token = token_from_file()
+    if token is not None:
+        return token, Path(os.environ[TOKEN_FILE_ENV]).resolve()
+    path = state_dir / "token"
+    return write_token_file(path), path.resolve()
 
 
 def write_token_file(path: Path) -> str:
@@ -67,8 +84,12 @@ class BearerTokenMiddleware:
 
 
 def protect(app, host: str, token: str | None, loopback: bool) -> None:  # noqa: ANN001
-    """Install the token check on ``app``, or refuse an open non-loopback bind."""
-    token = configured_token(token)
+    """Install the token check on ``app``, or refuse an open non-loopback bind (and a token file
+    that is set but unusable: the server must not start unprotected by mistake)."""
+    try:
+        token = configured_token(token)
+    except TokenFileError as exc:
+        raise InsecureBind(str(exc)) from None
     if token:
         app.add_middleware(BearerTokenMiddleware, token=token)
         return

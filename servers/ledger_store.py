@@ -6,6 +6,12 @@ the in-memory ledger, writes the changes of everything queued so far in one data
 calls return. If the commit fails, the memory state is rebuilt from the database and every call in
 the batch fails, so memory and disk never diverge and nothing half-applied is visible: readers take
 the same lock the writer holds from the first apply to the commit.
+
+On PostgreSQL the writer's session also holds an advisory lock for the ledger's lifetime, so two
+managers can never write one ledger: a second one (say, a restarted manager whose predecessor is
+not quite dead) waits for the lock, and the server drops a vanished holder's session within
+seconds (``db.owner_session`` tightens its keepalives). A writer that lost its connection reconnects and
+takes the lock again before it writes; if another manager has it, it refuses every write.
 """
 
 from __future__ import annotations
@@ -47,6 +53,14 @@ class SettingsMismatch(ValueError):
     """The database was created with other ledger parameters."""
 
 
+class LedgerInUse(RuntimeError):
+    """Another staleness manager holds this ledger's database."""
+
+
+# the advisory lock a manager holds on PostgreSQL while it owns the ledger (an arbitrary constant)
+OWNER_LOCK = 0x4C454447  # "LEDG"
+
+
 @dataclass
 class LedgerStats:
     admitted: int = 0
@@ -60,11 +74,13 @@ class LedgerStats:
 class DurableLedger:
     max_batch = 512
 
-    def __init__(self, engine: Engine, params: LedgerParams):
+    def __init__(self, engine: Engine, params: LedgerParams, owner_wait: float = 60.0):
         self.engine = engine
         self._lock = threading.Lock()
         db.upgrade(engine)
         self.params = params
+        self._conn: Connection | None = self._connect(wait=owner_wait)  # the writer's session
+        self._stale = False  # memory must be reloaded from the database before the next write
         self.ledger = self._load(params)
         self.stats = self._load_stats()
         self._update_entry = (
@@ -87,12 +103,24 @@ class DurableLedger:
             self._closed = True
             self._queue.put(None)
             self._writer.join()
+            if self._conn is not None:
+                self._conn.close()  # ends the session: releases the owner lock on PostgreSQL
             self.engine.dispose()
+
+    def _connect(self, wait: float) -> Connection:
+        """The writer's connection; on PostgreSQL, once its session holds the owner lock."""
+        try:
+            return db.owner_session(self.engine, OWNER_LOCK, wait)
+        except db.OwnerLockHeld as exc:
+            raise LedgerInUse(f"another staleness manager holds the ledger in {exc}; stop it, "
+                              "or point --db at another database") from None
 
     # ------------------------------------------------------------------ loading
 
     def _load(self, params: LedgerParams) -> Ledger:
-        with self.engine.begin() as conn:
+        assert self._conn is not None
+        conn = self._conn
+        with conn.begin():
             row = conn.execute(select(ledger_settings).where(ledger_settings.c.id == 1)).mappings().first()
             if row is None:
                 conn.execute(
@@ -185,25 +213,44 @@ class DurableLedger:
         return self.submit("consume").result()
 
     def _writer_loop(self) -> None:
-        with self.engine.connect() as conn:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    return
-                batch = [item]
-                while len(batch) < self.max_batch:
-                    try:
-                        nxt = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt is None:
-                        self._queue.put(None)  # finish this batch, then stop
-                        break
-                    batch.append(nxt)
-                self._commit_batch(conn, batch)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)  # finish this batch, then stop
+                    break
+                batch.append(nxt)
+            self._commit_batch(batch)
 
-    def _commit_batch(self, conn: Connection, batch: list[tuple[Callable[[], Transition], Future]]) -> None:
+    def _ready(self) -> Connection:
+        """The writer's connection, reconnected (and the owner lock re-taken) after a loss, with
+        memory reloaded from the database after a failed commit."""
+        if self._conn is None or self._conn.invalidated or self._conn.closed:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            self._conn = self._connect(wait=0)  # another manager took over meanwhile: refuse
+            self._stale = True
+        if self._stale:
+            self.ledger = self._load(self.params)  # the database is the source of truth
+            self._stale = False
+        return self._conn
+
+    def _commit_batch(self, batch: list[tuple[Callable[[], Transition], Future]]) -> None:
         with self._lock:
+            try:
+                conn = self._ready()
+            except Exception as exc:  # the database is unreachable, or owned by another manager
+                for _, future in batch:
+                    future.set_exception(StoreError(f"the ledger's database is not usable now: {exc}"))
+                return
             done: list[tuple[Future, Transition]] = []
             for op, future in batch:
                 try:
@@ -218,7 +265,12 @@ class DurableLedger:
                 with conn.begin():
                     self._write(conn, [t for _, t in done])
             except Exception as exc:
-                self.ledger = self._load(self.params)  # the database is the source of truth
+                self._stale = True  # memory holds the batch; reload before the next write
+                try:
+                    self.ledger = self._load(self.params)
+                    self._stale = False
+                except Exception:  # the connection is gone: _ready reconnects and reloads
+                    pass
                 for future, transition in done:
                     future.set_exception(StoreError(f"could not persist {transition.op}: {exc}"))
                 return
@@ -334,3 +386,22 @@ class DurableLedger:
                 .order_by(ledger_retired.c.group_id)
             )
             return [r.group_id for r in rows]
+
+
+def consumption_record(url: str) -> tuple[list[str], list[tuple[str, int, int]]]:
+    """A ledger database's own record of what was consumed, read without opening the ledger (a
+    closed run's audit): group ids in the order consume events took them, and (group id, V_traj,
+    buffer) of every group retired as consumed."""
+    engine = db.make_engine(url)
+    try:
+        with engine.connect() as conn:
+            consumed: list[str] = []
+            for (detail,) in conn.execute(select(ledger_events.c.detail).where(ledger_events.c.op == "consume")
+                                          .order_by(ledger_events.c.id)):
+                consumed += json.loads(detail).get("consumed") or []
+            fates = [tuple(r) for r in conn.execute(
+                select(ledger_retired.c.group_id, ledger_retired.c.v_traj, ledger_retired.c.buffer)
+                .where(ledger_retired.c.fate == Fate.CONSUMED.value))]
+    finally:
+        engine.dispose()
+    return consumed, fates

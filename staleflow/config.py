@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from staleflow.calibration import CalibrationRef
 from staleflow.cost_model import CostModel
+from staleflow.database_url import DatabaseUrlError, masked, normalize_url
 from staleflow.ledger import LedgerParams
 from staleflow.strict import StrictModel
 from staleflow.tracking import LoggerConfig
@@ -28,6 +29,13 @@ def _check_http_url(value: str) -> str:
 
 HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
 """An http(s) URL with a host, kept as a string (no trailing slash)."""
+
+
+def check_database_url(value: str | None) -> str | None:
+    """A database URL StaleFlow supports (kept as given); the error names the fix."""
+    if value is not None:
+        normalize_url(value)
+    return value
 
 
 class CostConfig(BaseModel):
@@ -76,11 +84,7 @@ class ManagerConfig(ServiceConfig):
     )
     port: int = Field(8321, ge=0, le=65535)
 
-    @model_validator(mode="after")
-    def _db_url_scheme(self) -> ManagerConfig:
-        if self.db_url is not None and "://" not in self.db_url:
-            raise ValueError(f"db_url {self.db_url!r} is not a URL; use e.g. sqlite:///path/ledger.db or postgresql://...")
-        return self
+    _db_url_supported = field_validator("db_url")(check_database_url)
 
     def database_url(self) -> str:
         if self.db_url:
@@ -172,6 +176,12 @@ class JobConfig(StrictModel):
     vllm_args: dict[str, Any] = Field(
         default_factory=lambda: {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1, "max_num_seqs": 128},
         description="vllm: settings of each instance's engine (staleflow.servers.instance.VllmConfig)")
+    db_url: str | None = Field(
+        None, description="database of the ledger and the trajectory store (one for both), e.g. "
+                          "postgresql+psycopg://staleflow@db:5432/staleflow; default: SQLite files in state_dir")
+    db_url_file: Path | None = Field(
+        None, description="a file holding db_url (e.g. a mounted Kubernetes Secret): its password stays out of "
+                          "the job file and the environment")
 
     @model_validator(mode="before")
     @classmethod
@@ -198,6 +208,35 @@ class JobConfig(StrictModel):
         elif isinstance(limit := self.vllm_args.get("max_model_len"), int):
             self._fits("vllm_args.max_model_len", limit, "vllm_args.max_model_len", 1)  # the model's tokens: >= 1
         return self
+
+    _db_url_supported = field_validator("db_url")(check_database_url)
+
+    @model_validator(mode="after")
+    def _one_database(self) -> JobConfig:
+        if self.db_url is not None and self.db_url_file is not None:
+            raise ValueError("set db_url or db_url_file, not both")
+        return self
+
+    def database_url(self) -> str | None:
+        """The database URL of the durable state (None: SQLite files in ``state_dir``)."""
+        if self.db_url_file is None:
+            return self.db_url
+        try:
+            url = self.db_url_file.read_text().strip()
+        except OSError as exc:
+            raise DatabaseUrlError(f"db_url_file {self.db_url_file}: cannot read it ({exc.strerror or exc})") from None
+        if not url:
+            raise DatabaseUrlError(f"db_url_file {self.db_url_file} is empty; write the database URL into it")
+        try:
+            normalize_url(url)
+        except DatabaseUrlError as exc:
+            raise DatabaseUrlError(f"db_url_file {self.db_url_file}: {exc}") from None
+        return url
+
+    def database_label(self) -> str:
+        """Where the durable state's database is, for messages (no password)."""
+        url = self.database_url()
+        return masked(url) if url else f"SQLite in {self.state_dir}"
 
     def _fits(self, field: str, capacity: int, what: str, prompt: int) -> None:
         """A prompt of ``prompt`` tokens plus ``max_tokens`` must fit ``capacity``, or nothing can ever run."""

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,6 @@ from support import manager_config
 from staleflow.servers.clients import ManagerClient
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app
-
 
 TESTS = Path(__file__).parent
 
@@ -23,15 +23,51 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[object]:
+    """A throwaway PostgreSQL server for the whole session, started on first use and stopped at the
+    end (``throwaway_postgres``); skipped, saying why, only where no server binary or driver exists."""
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("the psycopg driver is not installed (pip install 'staleflow[postgres]')")
+    from throwaway_postgres import ThrowawayPostgres, find_binaries
+
+    binaries = find_binaries()
+    if binaries is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl, postgres) on PATH, in $POSTGRES_BIN "
+                    "or in /usr/lib/postgresql/*/bin")
+    server = ThrowawayPostgres(binaries)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """The durable state's database, once per backend: None means the default (SQLite files in the
+    state directory); on PostgreSQL a fresh database of the session's server, dropped afterwards."""
+    if request.param == "sqlite":
+        yield None
+        return
+    server = request.getfixturevalue("postgres_server")
+    url = server.create_database()
+    try:
+        yield url
+    finally:
+        server.drop_database(url)
+
+
 @pytest.fixture
-def manager(tmp_path: Path) -> Iterator[ManagerClient]:
-    """A staleness manager on a loopback port, with a client."""
-    with serve_in_thread(create_app(manager_config(tmp_path))) as server, ManagerClient(server.url) as client:
+def manager(tmp_path: Path, db_url: str | None) -> Iterator[ManagerClient]:
+    """A staleness manager on a loopback port, with a client (on each database backend)."""
+    config = manager_config(tmp_path).model_copy(update={"db_url": db_url})
+    with serve_in_thread(create_app(config)) as server, ManagerClient(server.url) as client:
         client.health()
         yield client
 
 
 @pytest.fixture(autouse=True)
 def no_ambient_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test starts without $STALEFLOW_TOKEN; tests that want one set it themselves."""
+    """Every test starts without $STALEFLOW_TOKEN(_FILE); tests that want one set it themselves."""
     monkeypatch.delenv("STALEFLOW_TOKEN", raising=False)
+    monkeypatch.delenv("STALEFLOW_TOKEN_FILE", raising=False)

@@ -11,9 +11,9 @@ from pathlib import Path
 from staleflow.config import LedgerConfig, ManagerConfig
 
 
-def manager_config(tmp_path: Path, **ledger: object) -> ManagerConfig:
+def manager_config(tmp_path: Path, db_url: str | None = None, **ledger: object) -> ManagerConfig:
     return ManagerConfig(ledger=LedgerConfig(**{"eta": 1, "batch_size": 2, "group_size": 1, **ledger}),
-                         state_dir=tmp_path, port=0)
+                         state_dir=tmp_path, db_url=db_url, port=0)
 
 
 def free_port() -> int:

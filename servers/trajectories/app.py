@@ -19,6 +19,7 @@ from staleflow.servers.trajectories.rewards import RewardFn, make_reward
 from staleflow.servers.trajectories.service import TrajectoryServer
 from staleflow.servers.trajectories.store import (
     StoreConflict,
+    StoreUnavailable,
     TrajectoryStore,
     TrajState,
 )
@@ -61,6 +62,10 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
     @app.exception_handler(StoreConflict)
     async def _conflict(_: Request, exc: StoreConflict) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "code": "store_unavailable"}, status_code=503)
 
     @app.exception_handler(ServiceError)
     async def _upstream(_: Request, exc: ServiceError) -> JSONResponse:

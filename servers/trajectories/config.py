@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from staleflow.config import HttpUrl, LedgerConfig, ServiceConfig, TaskConfig
+from staleflow.config import HttpUrl, LedgerConfig, ServiceConfig, TaskConfig, check_database_url
 
 
 class SamplingConfig(BaseModel):
@@ -21,7 +21,8 @@ class TrajectoryServerConfig(ServiceConfig):
     ledger: LedgerConfig = LedgerConfig()
     manager_url: HttpUrl = "http://127.0.0.1:8321"
     state_dir: Path = Path(".staleflow")
-    db_url: str | None = None
+    db_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite file in the state directory")
+    _db_url_supported = field_validator("db_url")(check_database_url)
     dataset: Path | None = Field(None, description="JSONL or Parquet with prompt and answer fields; default: built-in task")
     prompt_field: str = "prompt"
     answer_field: str = "answer"

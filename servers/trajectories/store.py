@@ -11,7 +11,12 @@ Groups: sampled (no V_traj yet) -> reserved (V_traj fixed when its first member 
 -> occupied (enough members rewarded) -> consumed; or -> aborted (filtered, surplus).
 
 Reads come from memory; every mutation writes the rows it changed in one transaction before it
-returns, so an acknowledged change survives a crash of the process.
+returns, so an acknowledged change survives a crash of the process. A write the database refuses
+(a lost connection, a server restart) fails with ``StoreUnavailable`` and memory is reloaded
+from the database, so a refused change never lingers in memory; while the database cannot be
+read back, every call fails the same way until it can. On PostgreSQL the store holds
+an advisory lock for its lifetime, so a second trajectory server on the same database waits for
+the first to be gone (or refuses to start) instead of writing beside it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,39 @@ LIVE_GROUP_STATES = frozenset({GroupState.SAMPLED, GroupState.RESERVED, GroupSta
 
 class StoreConflict(ValueError):
     """A transition that the state machine does not allow."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The database refused a change; it was not applied (memory holds the database's state)."""
+
+
+class _FreshLock:
+    """The store's re-entrant lock; taking it first reloads memory if a failed write left it
+    ahead of the database."""
+
+    def __init__(self, store: TrajectoryStore):
+        self._lock = threading.RLock()
+        self._store = store
+
+    def __enter__(self) -> _FreshLock:
+        self._lock.acquire()
+        try:
+            self._store._ensure_fresh()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class TrajectoryStoreInUse(RuntimeError):
+    """Another trajectory server holds this store's database."""
+
+
+# the advisory lock a trajectory server holds on PostgreSQL while it owns the store
+OWNER_LOCK = 0x54524A53  # "TRJS"
 
 
 @dataclass
@@ -104,10 +142,16 @@ def _unpack_floats(blob: bytes) -> tuple[float, ...]:
 
 
 class TrajectoryStore:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, owner_wait: float = 60.0):
         self.engine = engine
         db.upgrade(engine)
-        self.lock = threading.RLock()
+        try:
+            self._owner = db.owner_session(engine, OWNER_LOCK, owner_wait)
+        except db.OwnerLockHeld as exc:
+            raise TrajectoryStoreInUse(f"another trajectory server holds the store in {exc}; stop it, "
+                                       "or point db_url at another database") from None
+        self.lock = _FreshLock(self)
+        self._stale = False
         self.groups: dict[str, GroupRecord] = {}
         self.trajs: dict[str, TrajRecord] = {}
         self.meta: dict[str, str] = {}
@@ -129,9 +173,22 @@ class TrajectoryStore:
         return cls(db.make_engine(url, synchronous))
 
     def close(self) -> None:
+        self._owner.close()  # ends the owner's session: releases the lock on PostgreSQL
         self.engine.dispose()
 
     # ------------------------------------------------------------------ loading
+
+    def _ensure_fresh(self) -> None:
+        if not self._stale:
+            return
+        groups, trajs, meta, seq = self.groups, self.trajs, self.meta, self._seq
+        self.groups, self.trajs, self.meta, self._seq = {}, {}, {}, 0
+        try:
+            self._load()
+        except Exception as exc:
+            self.groups, self.trajs, self.meta, self._seq = groups, trajs, meta, seq
+            raise StoreUnavailable(f"the trajectory store's database cannot be read: {exc}") from exc
+        self._stale = False
 
     def _load(self) -> None:
         with self.engine.connect() as conn:
@@ -157,6 +214,19 @@ class TrajectoryStore:
 
     def _persist(self, new_groups: list[GroupRecord] = (), groups: Iterable[GroupRecord] = (),
                  new_trajs: list[TrajRecord] = (), trajs: Iterable[TrajRecord] = (), meta: dict[str, str] | None = None) -> None:
+        try:
+            self._write(new_groups, groups, new_trajs, trajs, meta)
+        except Exception as exc:
+            self._stale = True  # memory already holds the change: reload it from the database
+            try:
+                self._ensure_fresh()
+            except StoreUnavailable:
+                pass  # the next call reloads (or fails the same way)
+            raise StoreUnavailable(f"could not persist the change: {exc}") from exc
+        self.meta.update(meta or {})
+
+    def _write(self, new_groups: list[GroupRecord], groups: Iterable[GroupRecord], new_trajs: list[TrajRecord],
+               trajs: Iterable[TrajRecord], meta: dict[str, str] | None) -> None:
         now = time.time()
         traj_rows = []
         for t in trajs:
@@ -178,7 +248,6 @@ class TrajectoryStore:
             for key, value in (meta or {}).items():
                 conn.execute(delete(ts_meta).where(ts_meta.c.key == key))
                 conn.execute(insert(ts_meta).values(key=key, value=value))
-        self.meta.update(meta or {})
 
     @staticmethod
     def _group_row(g: GroupRecord) -> dict:

@@ -45,7 +45,7 @@ class PartialIn(BaseModel):
 
 
 class ReturnRequest(BaseModel):
-    instance_id: str | None = None
+    instance_id: str | None = Field(None, min_length=1, max_length=200)
     partials: list[PartialIn] = Field(max_length=100_000)
 
 
@@ -55,12 +55,12 @@ class CompletedTrajectoryIn(PartialIn):
 
 class CompletedItem(BaseModel):
     seq: int | None = None
-    instance_id: str | None = None
+    instance_id: str | None = Field(None, min_length=1, max_length=200)
     trajectory: CompletedTrajectoryIn
 
 
 class CompletedRequest(BaseModel):
-    instance_id: str
+    instance_id: str = Field(min_length=1, max_length=200)
     items: list[CompletedItem] = Field(max_length=100_000)
 
 

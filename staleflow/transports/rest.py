@@ -5,16 +5,40 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Any, Self
 
 import httpx
 
 TOKEN_ENV = "STALEFLOW_TOKEN"
+# a file holding the token (e.g. a mounted Kubernetes or compose secret): the token itself never
+# appears in the environment, where process listings and orchestrators' metadata can show it
+TOKEN_FILE_ENV = "STALEFLOW_TOKEN_FILE"
+
+
+class TokenFileError(RuntimeError):
+    """$STALEFLOW_TOKEN_FILE names a file that cannot serve as the token."""
 
 
 def configured_token(token: str | None = None) -> str | None:
-    """The explicit token, else the environment's, else none."""
-    return token or os.environ.get(TOKEN_ENV) or None
+    """The explicit token, else $STALEFLOW_TOKEN, else the file $STALEFLOW_TOKEN_FILE names, else none."""
+    return token or os.environ.get(TOKEN_ENV) or token_from_file()
+
+
+def token_from_file() -> str | None:
+    """The token in the file $STALEFLOW_TOKEN_FILE names; None when the variable is unset. A set
+    variable whose file is missing or empty is an error, never a silent run without a token."""
+    path = os.environ.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError:
+        token = ""
+    if not token:
+        raise TokenFileError(f"${TOKEN_FILE_ENV} names {path}, which is missing, unreadable or empty; "
+                             "mount the token there (e.g. a Kubernetes Secret) or unset the variable")
+    return token
 
 
 # httpcore writes headers and body separately; without TCP_NODELAY, Nagle's algorithm and the

@@ -17,15 +17,15 @@ from staleflow.servers.clients import ManagerClient, ServiceError
 ETA, BATCH = 2, 8
 
 
-def start_manager(state_dir: Path, port: int) -> subprocess.Popen:
+def start_manager(state_dir: Path, port: int, db_url: str | None) -> subprocess.Popen:
     return start_cli("serve", "manager", "--eta", str(ETA), "--batch-size", str(BATCH), "--group-size", "1",
-                     "--state-dir", str(state_dir), "--port", str(port))
+                     "--state-dir", str(state_dir), "--port", str(port), *(["--db", db_url] if db_url else []))
 
 
-def test_acknowledged_transitions_survive_sigkill(tmp_path: Path) -> None:
+def test_acknowledged_transitions_survive_sigkill(tmp_path: Path, db_url: str | None) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_manager(tmp_path, port)
+    proc = start_manager(tmp_path, port, db_url)
     acked: list[tuple[str, str, object]] = []
     lock = threading.Lock()
     enough = threading.Event()
@@ -74,7 +74,7 @@ def test_acknowledged_transitions_survive_sigkill(tmp_path: Path) -> None:
     for t in threads:
         t.join(30)
 
-    proc = start_manager(tmp_path, port)
+    proc = start_manager(tmp_path, port, db_url)  # on PostgreSQL: once the server dropped the dead one's session
     try:
         with ManagerClient(url) as client:
             state = client.buffers()

@@ -156,19 +156,36 @@ def _processes_mentioning(text: str) -> list[int]:
 
 
 def test_compose_file_runs_the_jobs_components() -> None:
-    """compose.yaml, deploy/job.json and deploy/endpoints.json describe the same job."""
+    """compose.yaml, deploy/job.json and deploy/endpoints.json describe the same job: every
+    component plus the trainer, the token from .env (never baked into the image or the file),
+    health checks on each service's own port, and a start order that follows the dependencies."""
     import yaml
 
     from staleflow.config import JobConfig
-    from staleflow.launch.job import build_app, component_names
+    from staleflow.launch.job import TRAINER, build_app, component_names
 
     root = Path(__file__).resolve().parents[2]
     compose = yaml.safe_load((root / "compose.yaml").read_text())
     endpoints = json.loads((root / "deploy" / "endpoints.json").read_text())
     job = JobConfig.model_validate_json((root / "deploy" / "job.json").read_text())
     names = component_names(job)
-    assert set(names) == set(endpoints) == set(compose["services"])
-    for name in names:
-        command = compose["services"][name]["command"]
-        assert command[:4] == ["staleflow", "serve", "component", name]
-        assert build_app(name, job, endpoints).title  # every component builds from these files
+    services = compose["services"]
+    assert set(names) == set(endpoints) and set(services) == {*names, TRAINER}
+    started: set[str] = set()
+    for name in [*names, TRAINER]:
+        service = services[name]
+        assert service["command"] == ["staleflow", "serve", "component", name, "--job", "/deploy/job.json",
+                                      "--endpoints", "/deploy/endpoints.json"]
+        assert service["env_file"] == ".env" and "environment" not in service, "the token comes from .env only"
+        assert service["restart"] == "on-failure"
+        depends = service.get("depends_on", {})
+        assert set(depends) <= started, f"{name} waits for a service that starts after it"
+        assert all(d["condition"] == "service_healthy" for d in depends.values())
+        if name != TRAINER:
+            assert endpoints[name]["host"] == "0.0.0.0", "reachable from the other containers (so: token needed)"
+            assert service["healthcheck"]["test"][-1] == f"http://127.0.0.1:{endpoints[name]['port']}/v1/health"
+            assert build_app(name, job, endpoints).title  # every component builds from these files
+        started.add(name)
+    assert set(services[TRAINER]["depends_on"]) == {"manager", "ts", "params", "coordinator"}
+    for ignore in (".gitignore", ".dockerignore"):
+        assert ".env" in (root / ignore).read_text().split(), f".env (the token) must be in {ignore}"

@@ -107,8 +107,8 @@ def test_metrics_are_prometheus_text(manager: ManagerClient) -> None:
     assert 'staleflow_ledger_buffers{state="waiting"}' in text
 
 
-def test_state_survives_a_restart_on_the_same_database(tmp_path: Path) -> None:
-    config = manager_config(tmp_path)
+def test_state_survives_a_restart_on_the_same_database(tmp_path: Path, db_url: str | None) -> None:
+    config = manager_config(tmp_path, db_url)
     with serve_in_thread(create_app(config)) as server, ManagerClient(server.url) as client:
         client.reserve("a", 0)
         client.reserve("b", 0)
@@ -125,9 +125,9 @@ def test_state_survives_a_restart_on_the_same_database(tmp_path: Path) -> None:
         assert dup.value.status == 409
 
 
-def test_reopening_with_other_settings_is_refused(tmp_path: Path) -> None:
-    config = manager_config(tmp_path)
+def test_reopening_with_other_settings_is_refused(tmp_path: Path, db_url: str | None) -> None:
+    config = manager_config(tmp_path, db_url)
     DurableLedger.open(config.database_url(), config.ledger.params()).close()
-    other = manager_config(tmp_path, eta=3)
+    other = manager_config(tmp_path, db_url, eta=3)
     with pytest.raises(SettingsMismatch, match=r"eta=1 \(asked 3\).*pass the same settings"):
         DurableLedger.open(other.database_url(), other.ledger.params())

@@ -34,8 +34,9 @@ def tables(engine: sa.Engine) -> set[str]:
 
 
 @pytest.fixture
-def engine(tmp_path: Path) -> sa.Engine:
-    engine = db.make_engine(db.sqlite_url(tmp_path / "state.db"))
+def engine(tmp_path: Path, db_url: str | None) -> sa.Engine:
+    """A fresh database on each backend: a SQLite file, or a PostgreSQL database (``db_url``)."""
+    engine = db.make_engine(db_url or db.sqlite_url(tmp_path / "state.db"))
     yield engine
     engine.dispose()
 

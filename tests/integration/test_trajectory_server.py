@@ -34,14 +34,15 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
 
 
 class Cluster:
-    def __init__(self, tmp_path: Path, stack: ExitStack):
-        mcfg = manager_config(tmp_path, eta=1, batch_size=2, group_size=GROUP)
+    def __init__(self, tmp_path: Path, stack: ExitStack, db_url: str | None = None):
+        mcfg = manager_config(tmp_path, db_url, eta=1, batch_size=2, group_size=GROUP)
         self.manager_url = stack.enter_context(serve_in_thread(manager_app(mcfg))).url
         self.ts_config = TrajectoryServerConfig(
             ledger=LedgerConfig(eta=1, batch_size=2, group_size=GROUP), manager_url=self.manager_url,
-            state_dir=tmp_path, reward="sim", sampling=SamplingConfig(max_tokens=64),
+            state_dir=tmp_path, db_url=db_url, reward="sim", sampling=SamplingConfig(max_tokens=64),
         )
-        self.ts_url = stack.enter_context(serve_in_thread(ts_app(self.ts_config))).url
+        self.ts_server = stack.enter_context(serve_in_thread(ts_app(self.ts_config)))
+        self.ts_url = self.ts_server.url
         self.ts = stack.enter_context(http_client(self.ts_url))
         self.manager = stack.enter_context(ManagerClient(self.manager_url))
         self.instances: dict[str, httpx.Client] = {}
@@ -71,9 +72,11 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, db_url: str | None) -> Iterator[Cluster]:
+    """Manager, TS and two sim instances; the ledger and the trajectory store on each database
+    backend (on PostgreSQL both in one database, as in a cluster job)."""
     with ExitStack() as stack:
-        c = Cluster(tmp_path, stack)
+        c = Cluster(tmp_path, stack, db_url)
         c.manager.health()
         c.ts.get("/v1/health").raise_for_status()
         yield c
@@ -142,9 +145,9 @@ def test_checkout_refusals_are_explained(cluster: Cluster) -> None:
     assert cluster.ts.post("/v1/checkout", json={"instance_id": "a", "assignments": []}).status_code == 422
 
 
-def test_trajectory_server_survives_a_restart(tmp_path: Path) -> None:
+def test_trajectory_server_survives_a_restart(tmp_path: Path, db_url: str | None) -> None:
     with ExitStack() as stack:
-        c = Cluster(tmp_path, stack)
+        c = Cluster(tmp_path, stack, db_url)
         pending = c.ts.get("/v1/pending").json()["trajectories"]
         g = pending[0]["group_id"]
         c.route("a", [p["traj_id"] for p in pending if p["group_id"] == g], v_traj=0)
@@ -153,7 +156,8 @@ def test_trajectory_server_survives_a_restart(tmp_path: Path) -> None:
             e["status"] == "occupied" for e in c.manager.buffers()["buffers"][0]["entries"]))
         before = c.ts.get("/v1/trajectories", params={"limit": 1000}).json()
         ts_config, manager_url = c.ts_config, c.manager_url
-        # restart only the TS, on the same state directory
+        # restart only the TS, on the same state directory (and database): the old one is gone first
+        c.ts_server.stop()
         with serve_in_thread(ts_app(ts_config)) as again, http_client(again.url) as ts:
             after = ts.get("/v1/trajectories", params={"limit": 1000}).json()
             assert after["counts"] == before["counts"]
