@@ -282,12 +282,14 @@ def test_calibration_file_round_trip(tmp_path: Path) -> None:
 
 
 def test_coordinator_and_up_take_the_cost_from_a_calibration_file(tmp_path: Path) -> None:
-    """`calibration:` in the job / coordinator config (and `up --calibration`) sets the coordinator's cost."""
+    """`calibration:` in the job / coordinator config (and `up --calibration`) sets the coordinator's
+    cost. Validating a config only records the reference; the file is read where the coordinator
+    starts (``resolved_cost``, called by its ``create_app``) and by ``up`` before anything starts."""
     from pydantic import ValidationError
 
     from staleflow.cli.up import job_config
     from staleflow.config import JobConfig
-    from staleflow.coordinator.app import CoordinatorConfig
+    from staleflow.coordinator.app import CoordinatorConfig, create_app
 
     path = tmp_path / "calibration.json"
     report = fit_decode(synthetic(HIDDEN))
@@ -295,25 +297,32 @@ def test_coordinator_and_up_take_the_cost_from_a_calibration_file(tmp_path: Path
                                         kv_r2=1.0, kv_budget=5e5))
     job = job_config(None, calibration={"file": str(path)})  # what `staleflow up --calibration FILE` builds
     assert job.calibration is not None and JobConfig.model_validate_json(job.model_dump_json()) == job
-    config = CoordinatorConfig(ts_url="http://127.0.0.1:9", calibration=job.calibration)  # as launch/job.py does
-    assert config.cost.k5 == 1.07 and config.cost.kv_budget == 5e5
-    assert config.cost.k3 == pytest.approx(HIDDEN.k3, rel=1e-6)
-    assert CoordinatorConfig.model_validate_json(config.model_dump_json()).cost == config.cost  # a dumped config
+    assert job.coordinator.calibration == job.calibration  # the flat setting lives in the coordinator's section
+    config = job.coordinator_config({"manager": "http://127.0.0.1:1", "ts": "http://127.0.0.1:2",
+                                     "params": "http://127.0.0.1:3"}, [])  # as launch/job.py does
+    cost = config.resolved_cost()
+    assert cost.k5 == 1.07 and cost.kv_budget == 5e5
+    assert cost.k3 == pytest.approx(HIDDEN.k3, rel=1e-6)
+    assert CoordinatorConfig.model_validate_json(config.model_dump_json()) == config  # a dumped config
     with pytest.raises(ValidationError, match="not both"):
         CoordinatorConfig(ts_url="http://127.0.0.1:9", calibration=job.calibration, cost={"k1": 1e-7})
-    with pytest.raises(ValidationError, match="no calibration for model 'other'"):
-        JobConfig(calibration={"file": str(path), "model": "other"})
-    with pytest.raises(ValidationError, match="does not exist"):
-        JobConfig(calibration={"file": str(tmp_path / "missing.json")})
+    missing = JobConfig(calibration={"file": str(tmp_path / "missing.json")})  # no file read in validation
+    with pytest.raises(CalibrationError, match="does not exist"):
+        create_app(missing.coordinator_config({"manager": "http://127.0.0.1:1", "ts": "http://127.0.0.1:2",
+                                               "params": "http://127.0.0.1:3"}, []))
+    with pytest.raises(typer.Exit):  # `up` reads it before anything starts
+        job_config(None, calibration={"file": str(tmp_path / "missing.json")})
+    with pytest.raises(CalibrationError, match="no calibration for model 'other'"):
+        JobConfig(calibration={"file": str(path), "model": "other"}).calibration.entry()
     poor = build_entry(model="tiny", parallelism="tp2", engine="vllm", report=fit_decode(synthetic(HIDDEN, noise=0.05)),
                        k5=1.0, kv_r2=1.0, kv_budget=5e5, thresholds=Thresholds(max_mape=1e-3))
     write_calibration(path, poor)
-    with pytest.raises(ValidationError, match="tp1.*tp2.*calibration.parallelism"):  # two entries: name one
-        JobConfig(calibration={"file": str(path)})
-    with pytest.raises(ValidationError, match="poor fit"):
-        JobConfig(calibration={"file": str(path), "parallelism": "tp2"})
-    assert JobConfig(calibration={"file": str(path), "parallelism": "tp2", "allow_poor": True}).calibration
-    assert CoordinatorConfig(ts_url="http://127.0.0.1:9").cost.k1 == CostModel().k1  # no calibration: defaults
+    with pytest.raises(CalibrationError, match="tp1.*tp2.*calibration.parallelism"):  # two entries: name one
+        JobConfig(calibration={"file": str(path)}).calibration.entry()
+    with pytest.raises(CalibrationError, match="poor fit"):
+        JobConfig(calibration={"file": str(path), "parallelism": "tp2"}).calibration.entry()
+    assert JobConfig(calibration={"file": str(path), "parallelism": "tp2", "allow_poor": True}).calibration.entry()
+    assert CoordinatorConfig(ts_url="http://127.0.0.1:9").resolved_cost().k1 == CostModel().k1  # defaults
 
 
 # ---------------------------------------------------------------------------------------- vLLM
