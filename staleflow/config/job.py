@@ -8,10 +8,11 @@ goes), and a flat one wins over the same one in its section, as a flag wins over
 
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from staleflow.config.common import check_database_url
 from staleflow.config.coordinator import STRATEGY_FIELDS, CoordinatorConfig, CoordinatorSettings, InstanceEndpoint
@@ -102,14 +103,24 @@ def nested(data: dict[str, Any]) -> dict[str, Any]:
             continue
         section = out
         for part in path[:-1]:
-            inner = section.get(part, {})
-            if not isinstance(inner, dict):  # a section given as something else: validation names it
+            inner = _fields_of(section.get(part, {}))
+            if inner is None:  # a section given as something else: validation names it
                 break
-            section[part] = inner = dict(inner)
-            section = inner
+            section[part] = section = inner
         else:
             section[path[-1]] = data[name]
     return out
+
+
+def _fields_of(section: Any) -> dict[str, Any] | None:
+    """A section's settings as a new dict (from a dict, a model or a dataclass); None for anything else."""
+    if isinstance(section, dict):
+        return dict(section)
+    if isinstance(section, BaseModel):
+        return dict(section)
+    if is_dataclass(section) and not isinstance(section, type):
+        return {f.name: getattr(section, f.name) for f in fields(section)}
+    return None
 
 
 def _flat(*path: str) -> property:
@@ -147,7 +158,7 @@ class JobConfig(StrictModel):
     dataset: Path | None = Field(None, description="JSONL/Parquet prompts with answers instead of the built-in task")
     vllm_args: dict[str, Any] = Field(
         default_factory=lambda: {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1, "max_num_seqs": 128},
-        description="vllm: settings of each instance's engine (staleflow.servers.instance.VllmConfig)")
+        description="vllm: settings of each instance's engine (staleflow.config.VllmConfig)")
     db_url: str | None = Field(
         None, description="database of the ledger and the trajectory store (one for both), e.g. "
                           "postgresql+psycopg://staleflow@db:5432/staleflow; default: SQLite files in state_dir")
