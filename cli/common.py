@@ -14,11 +14,14 @@ import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
 
+from staleflow.config.common import STATE_DIR
+from staleflow.config.manager import MANAGER_URL
+
 console = Console()
 err_console = Console(stderr=True)
 
-DEFAULT_STATE_DIR = Path(".staleflow")
-DEFAULT_MANAGER_URL = "http://127.0.0.1:8321"
+DEFAULT_STATE_DIR = STATE_DIR
+DEFAULT_MANAGER_URL = MANAGER_URL
 
 
 def fail(message: str, fix: str | None = None, code: int = 2) -> typer.Exit:

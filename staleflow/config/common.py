@@ -3,6 +3,7 @@ URL check and ``ServiceConfig`` (where a service listens)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
 
@@ -32,6 +33,10 @@ def check_database_url(value: str | None) -> str | None:
     if value is not None:
         normalize_url(value)
     return value
+
+
+STATE_DIR = Path(".staleflow")
+"""Where a run keeps its state unless told otherwise (every component's ``state_dir`` default)."""
 
 
 class ServiceConfig(StrictModel):

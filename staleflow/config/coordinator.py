@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from staleflow.calibration.files import CalibrationRef
 from staleflow.calibration.schema import CostCoefficients
 from staleflow.config.common import HttpUrl, ServiceConfig
+from staleflow.config.manager import MANAGER_URL
 from staleflow.strategies import StrategyConfig
 from staleflow.strict import StrictModel
 
@@ -75,7 +76,7 @@ class CoordinatorSettings(StrictModel):
 class CoordinatorConfig(CoordinatorSettings, ServiceConfig):
     """The coordinator service: its settings and the services it drives."""
 
-    manager_url: HttpUrl = "http://127.0.0.1:8321"
+    manager_url: HttpUrl = MANAGER_URL
     ts_url: HttpUrl
     params_url: HttpUrl | None = None
     instances: list[InstanceEndpoint] = []

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from staleflow.config.common import check_database_url
+from staleflow.config.common import STATE_DIR, check_database_url
 from staleflow.config.coordinator import STRATEGY_FIELDS, CoordinatorConfig, CoordinatorSettings, InstanceEndpoint
 from staleflow.config.instance import InstanceConfig, InstanceSettings, SimConfig, VllmConfig
 from staleflow.config.manager import LedgerConfig, ManagerConfig, ManagerSettings
@@ -140,7 +140,7 @@ class JobConfig(StrictModel):
     engine: Literal["sim", "vllm"] = Field("vllm", description="vllm: a real job (vLLM rollouts, FSDP2 trainer); "
                                                              "sim: a simulated cluster")
     steps: int = Field(10, ge=1, description="training steps (buffers consumed) to run")
-    state_dir: Path = Path(".staleflow")
+    state_dir: Path = STATE_DIR
     ledger: LedgerConfig = LedgerConfig(**JOB_LEDGER)
     instances: int = Field(4, ge=1, le=1024, description="rollout instances")
     workload: str = Field("demo", description="sim workload preset: demo, ci-tiny, paper-20k, paper-40k")

@@ -7,9 +7,14 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from staleflow.config.common import ServiceConfig, check_database_url
+from staleflow.config.common import STATE_DIR, ServiceConfig, check_database_url
 from staleflow.ledger import LedgerParams
 from staleflow.strict import StrictModel
+
+
+MANAGER_PORT = 8321
+MANAGER_URL = f"http://127.0.0.1:{MANAGER_PORT}"
+"""Where the other components find the manager unless told otherwise."""
 
 
 class LedgerConfig(StrictModel):
@@ -39,9 +44,9 @@ class ManagerSettings(StrictModel):
 
 class ManagerConfig(ManagerSettings, ServiceConfig):
     ledger: LedgerConfig = LedgerConfig()
-    state_dir: Path = Path(".staleflow")
+    state_dir: Path = STATE_DIR
     db_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite file in the state directory")
-    port: int = Field(8321, ge=0, le=65535)
+    port: int = Field(MANAGER_PORT, ge=0, le=65535)
 
     _db_url_supported = field_validator("db_url")(check_database_url)
 

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from staleflow.config.common import HttpUrl, ServiceConfig, check_database_url
-from staleflow.config.manager import LedgerConfig
+from staleflow.config.common import STATE_DIR, HttpUrl, ServiceConfig, check_database_url
+from staleflow.config.manager import MANAGER_URL, LedgerConfig
 from staleflow.strict import StrictModel
 
 
@@ -41,8 +41,8 @@ class TrajectorySettings(StrictModel):
 
 class TrajectoryServerConfig(TrajectorySettings, ServiceConfig):
     ledger: LedgerConfig = LedgerConfig()
-    manager_url: HttpUrl = "http://127.0.0.1:8321"
-    state_dir: Path = Path(".staleflow")
+    manager_url: HttpUrl = MANAGER_URL
+    state_dir: Path = STATE_DIR
     db_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite file in the state directory")
     _db_url_supported = field_validator("db_url")(check_database_url)
     dataset: Path | None = Field(None, description="JSONL or Parquet with prompt and answer fields; default: built-in task")
