@@ -8,19 +8,20 @@ goes), and a flat one wins over the same one in its section, as a flag wins over
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from staleflow.config.common import STATE_DIR, check_database_url
-from staleflow.config.coordinator import STRATEGY_FIELDS, CoordinatorConfig, CoordinatorSettings, InstanceEndpoint
-from staleflow.config.instance import InstanceConfig, InstanceSettings, SimConfig, VllmConfig
-from staleflow.config.manager import LedgerConfig, ManagerConfig, ManagerSettings
-from staleflow.config.params import ParamsConfig, ParamsSettings
-from staleflow.config.reward import RewardConfig, RewardSettings
-from staleflow.config.trajectories import TaskConfig, TrajectoryServerConfig, TrajectorySettings
+from staleflow.config.compose import ComponentConfigs
+from staleflow.config.coordinator import CoordinatorSettings
+from staleflow.config.instance import InstanceSettings
+from staleflow.config.manager import LedgerConfig, ManagerSettings
+from staleflow.config.params import ParamsSettings
+from staleflow.config.reward import RewardSettings
+from staleflow.config.sections import FLAT_SETTINGS, flat_setting, merged, nested
+from staleflow.config.trajectories import TaskConfig, TrajectorySettings
 from staleflow.cost_model import CostModel
 from staleflow.database_url import DatabaseUrlError, masked, normalize_url
 from staleflow.strict import StrictModel
@@ -76,64 +77,7 @@ VLLM_PRESET: dict[str, Any] = {
 ENGINE_PRESETS: dict[str, dict[str, Any]] = {"sim": SIM_PRESET, "vllm": VLLM_PRESET}
 """What each engine changes of the defaults below; a job's own values win over its engine's."""
 
-FLAT_SETTINGS: dict[str, tuple[str, ...]] = {
-    **{name: ("ledger", name) for name in ("eta", "batch_size", "group_size")},
-    "trainer_ranks": ("trainer", "world_size"),
-    **{name: ("coordinator", "strategy", name) for name in sorted(STRATEGY_FIELDS)},
-    "cycle_period": ("coordinator", "cycle_period"),
-    "calibration": ("coordinator", "calibration"),
-    "max_tokens": ("trajectories", "sampling", "max_tokens"),
-}
-"""Settings a job may give flat (``routing: vanilla``, ``--routing vanilla``): where each one goes."""
-
-
-def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over`` on top of ``base``, section by section (a partial section keeps the base's others)."""
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def nested(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with its flat settings (``FLAT_SETTINGS``) moved into their sections."""
-    out = {k: v for k, v in data.items() if k not in FLAT_SETTINGS}
-    for name, path in FLAT_SETTINGS.items():
-        if name not in data:
-            continue
-        section = out
-        for part in path[:-1]:
-            inner = _fields_of(section.get(part, {}))
-            if inner is None:  # a section given as something else: validation names it
-                break
-            section[part] = section = inner
-        else:
-            section[path[-1]] = data[name]
-    return out
-
-
-def _fields_of(section: Any) -> dict[str, Any] | None:
-    """A section's settings as a new dict (from a dict, a model or a dataclass); None for anything else."""
-    if isinstance(section, dict):
-        return dict(section)
-    if isinstance(section, BaseModel):
-        return dict(section)
-    if is_dataclass(section) and not isinstance(section, type):
-        return {f.name: getattr(section, f.name) for f in fields(section)}
-    return None
-
-
-def _flat(*path: str) -> property:
-    def read(self: JobConfig) -> Any:
-        value: Any = self
-        for part in path:
-            value = getattr(value, part)
-        return value
-
-    return property(read, doc=f"the job's {'.'.join(path)}")
-
-
-class JobConfig(StrictModel):
+class JobConfig(ComponentConfigs, StrictModel):
     """Everything `staleflow up` runs. The same file drives embedded and multi-process runs.
     Fields left out take their engine's preset (``ENGINE_PRESETS``), then the defaults below."""
 
@@ -178,15 +122,15 @@ class JobConfig(StrictModel):
 
     flat_settings: ClassVar[dict[str, tuple[str, ...]]] = FLAT_SETTINGS
     # the flat settings, read back from their sections
-    routing = _flat("coordinator", "strategy", "routing")
-    sync = _flat("coordinator", "strategy", "sync")
-    migration = _flat("coordinator", "strategy", "migration")
-    mu = _flat("coordinator", "strategy", "mu")
-    phi_wait = _flat("coordinator", "strategy", "phi_wait")
-    phi_throughput = _flat("coordinator", "strategy", "phi_throughput")
-    cycle_period = _flat("coordinator", "cycle_period")
-    calibration = _flat("coordinator", "calibration")
-    max_tokens = _flat("trajectories", "sampling", "max_tokens")
+    routing = flat_setting("coordinator", "strategy", "routing")
+    sync = flat_setting("coordinator", "strategy", "sync")
+    migration = flat_setting("coordinator", "strategy", "migration")
+    mu = flat_setting("coordinator", "strategy", "mu")
+    phi_wait = flat_setting("coordinator", "strategy", "phi_wait")
+    phi_throughput = flat_setting("coordinator", "strategy", "phi_throughput")
+    cycle_period = flat_setting("coordinator", "cycle_period")
+    calibration = flat_setting("coordinator", "calibration")
+    max_tokens = flat_setting("trajectories", "sampling", "max_tokens")
 
     @model_validator(mode="before")
     @classmethod
@@ -251,42 +195,3 @@ class JobConfig(StrictModel):
         fix = f"lower max_tokens (--max-tokens) to at most {capacity - prompt} or " if capacity > prompt else ""
         raise ValueError(f"{what} is {capacity}, too small for {source} plus max_tokens {self.max_tokens}; "
                          f"fix: {fix}raise {field} to at least {prompt + self.max_tokens}")
-
-    # -- each component's config, composed from its section and the job's endpoints -----------
-
-    def manager_config(self) -> ManagerConfig:
-        return ManagerConfig(**dict(self.manager), ledger=self.ledger, state_dir=self.state_dir,
-                             db_url=self.database_url())
-
-    def params_config(self) -> ParamsConfig:
-        return ParamsConfig(**dict(self.params), state_dir=self.state_dir / "params")
-
-    def reward_config(self) -> RewardConfig:
-        return RewardConfig(**dict(self.reward_server))
-
-    def trajectories_config(self, urls: dict[str, str], tokenizer: Path | None) -> TrajectoryServerConfig:
-        """``tokenizer``: the model's (a real engine), None for the sim engine's byte tokens."""
-        reward = self.reward
-        if reward == "auto":
-            reward = "sim" if self.engine == "sim" else urls["reward"]
-        return TrajectoryServerConfig(
-            **dict(self.trajectories), ledger=self.ledger, manager_url=urls["manager"], state_dir=self.state_dir,
-            db_url=self.database_url(), seed=self.seed, reward=reward, dataset=self.dataset, task=self.task,
-            tokenizer=tokenizer)
-
-    def instance_config(self, name: str, urls: dict[str, str], model: Path | None) -> InstanceConfig:
-        """Rollout instance ``name`` (``inst-N``); ``model``: the vllm engine's model directory."""
-        index = int(name.split("-")[1])
-        engine: dict[str, Any]
-        if self.engine == "vllm":
-            engine = {"vllm": VllmConfig(**{"seed": self.seed + index, **self.vllm_args, "model": str(model)})}
-        else:  # on the real clock, each instance its own seed, all of them the job's workload
-            engine = {"sim": SimConfig(workload=self.workload, workload_seed=self.seed, seed=self.seed + index,
-                                       clock="real", speed=self.speed, kv_budget=self.kv_budget)}
-        return InstanceConfig(**dict(self.instance), instance_id=name, engine=self.engine,
-                              completion_callback_url=f"{urls['ts']}/v1/completed", **engine)
-
-    def coordinator_config(self, urls: dict[str, str], instance_ids: list[str]) -> CoordinatorConfig:
-        return CoordinatorConfig(
-            **dict(self.coordinator), manager_url=urls["manager"], ts_url=urls["ts"], params_url=urls["params"],
-            instances=[InstanceEndpoint(instance_id=i, url=urls[i]) for i in instance_ids])
