@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,14 @@ import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
 
+from staleflow.config.common import STATE_DIR
+from staleflow.config.manager import MANAGER_URL
+
 console = Console()
 err_console = Console(stderr=True)
 
-DEFAULT_STATE_DIR = Path(".staleflow")
-DEFAULT_MANAGER_URL = "http://127.0.0.1:8321"
+DEFAULT_STATE_DIR = STATE_DIR
+DEFAULT_MANAGER_URL = MANAGER_URL
 
 
 def fail(message: str, fix: str | None = None, code: int = 2) -> typer.Exit:
@@ -34,12 +38,16 @@ _KINDS = {"int": "a whole number", "float": "a number", "bool": "true or false",
 
 
 def _fields_at(model: type[BaseModel] | None, loc: tuple) -> dict[str, Any]:
-    """The fields of the (nested) model that ``loc`` points into."""
+    """The settings of the (nested) model or dataclass that ``loc`` points into (with the flat
+    settings a model also takes, ``flat_settings``)."""
     for part in loc:
         field = model.model_fields.get(str(part)) if model else None
         annotation = field.annotation if field else None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return dict(model.model_fields) if model else {}
+        settings = isinstance(annotation, type) and (issubclass(annotation, BaseModel) or is_dataclass(annotation))
+        model = annotation if settings else None
+    if model is not None and is_dataclass(model):
+        return {f.name: f for f in fields(model)}
+    return {**model.model_fields, **getattr(model, "flat_settings", {})} if model else {}
 
 
 def explain(error: dict, flag_names: dict[str, str], model: type[BaseModel] | None = None,
@@ -54,7 +62,7 @@ def explain(error: dict, flag_names: dict[str, str], model: type[BaseModel] | No
     if kind in _BOUNDS:
         key, template = _BOUNDS[kind]
         return f"{name}: {msg} (got {given!r})", f"set {name} to {template.format(ctx.get(key))}"
-    if kind == "extra_forbidden":
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         known = _fields_at(model, loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         where = ".".join(str(p) for p in loc[:-1]) or "the top level"
@@ -71,6 +79,13 @@ def explain(error: dict, flag_names: dict[str, str], model: type[BaseModel] | No
     text = msg.removeprefix("Value error, ")
     problem, _, fix = text.partition("; fix: ")
     return f"{lead}{problem}", fix or f"correct {name}"
+
+
+def flag_names(options: Iterable[str], flat_settings: dict[str, tuple[str, ...]] | None = None) -> dict[str, str]:
+    """Setting path -> flag, for a command whose options are named after the settings they set
+    (``--batch-size`` sets ``batch_size``, which ``flat_settings`` may place in a section)."""
+    where = flat_settings or {}
+    return {".".join(where.get(o, (o,))): "--" + o.replace("_", "-") for o in options}
 
 
 def validation_failure(exc: ValidationError, flag_names: dict[str, str] | None = None,

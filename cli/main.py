@@ -22,7 +22,7 @@ from staleflow.cli.common import (
     resolve_url,
     validation_failure,
 )
-from staleflow.config import LedgerConfig, ManagerConfig
+from staleflow.config import LedgerConfig, ManagerConfig, default_of
 from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 
 app = typer.Typer(help="StaleFlow: staleness-aware rollout coordination for asynchronous RL.", no_args_is_help=True)
@@ -65,16 +65,19 @@ def _run_manager(config: ManagerConfig, token: str | None = None) -> None:
 
 @serve_app.command("manager")
 def serve_manager(
-    eta: Eta = 3,
-    batch_size: BatchSize = 128,
-    group_size: GroupSize = 16,
-    batch_redundancy: Annotated[float, typer.Option(help="extra groups per batch, fraction of B")] = 0.0,
-    group_redundancy: Annotated[float, typer.Option(help="extra trajectories per group, fraction of G")] = 0.0,
+    eta: Eta = default_of(LedgerConfig, "eta"),
+    batch_size: BatchSize = default_of(LedgerConfig, "batch_size"),
+    group_size: GroupSize = default_of(LedgerConfig, "group_size"),
+    batch_redundancy: Annotated[float, typer.Option(help="extra groups per batch, fraction of B")]
+    = default_of(LedgerConfig, "batch_redundancy"),
+    group_redundancy: Annotated[float, typer.Option(help="extra trajectories per group, fraction of G")]
+    = default_of(LedgerConfig, "group_redundancy"),
     db: Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default: SQLite in --state-dir)")] = None,
-    state_dir: StateDir = DEFAULT_STATE_DIR,
-    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="bind port")] = 8321,
-    synchronous: Annotated[str, typer.Option(help="SQLite sync level: FULL or NORMAL")] = "FULL",
+    state_dir: StateDir = default_of(ManagerConfig, "state_dir"),
+    host: Annotated[str, typer.Option(help="bind address")] = default_of(ManagerConfig, "host"),
+    port: Annotated[int, typer.Option(help="bind port")] = default_of(ManagerConfig, "port"),
+    synchronous: Annotated[str, typer.Option(help="SQLite sync level: FULL or NORMAL")]
+    = default_of(ManagerConfig, "synchronous"),
     token: Annotated[str | None, typer.Option(help="bearer token for mutating requests (default: $STALEFLOW_TOKEN)")] = None,
 ) -> None:
     """The staleness manager: the durable Reserve/Occupy/Consume ledger behind REST."""

@@ -11,9 +11,15 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from staleflow.cli.common import fail, validation_failure
+from staleflow.cli.common import fail, flag_names, validation_failure
+from staleflow.config import ParamsConfig, default_of
 
-FLAG_NAMES = {"chunk_bytes": "--chunk-mb", "fsync": "--no-fsync"}
+OPTIONS = ("state_dir", "keep", "transports", "host", "port", "shm_dir", "fsync")
+"""Options named after the setting they set; ``--chunk-mb`` and ``--lease-ttl`` are named apart."""
+
+
+def _default(name: str) -> Any:
+    return default_of(ParamsConfig, name)
 
 
 def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | None) -> None:
@@ -32,9 +38,7 @@ def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | Non
 
 
 def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, host: str, port: int,
-                  shm_dir: Path, fsync: bool, lease_ttl_s: float):  # noqa: ANN201 - imported lazily
-    from staleflow.servers.params import ParamsConfig
-
+                  shm_dir: Path, fsync: bool, lease_ttl_s: float) -> ParamsConfig:
     try:
         return ParamsConfig(
             state_dir=state_dir, keep=keep, chunk_bytes=int(chunk_mb * (1 << 20)),
@@ -42,22 +46,26 @@ def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, 
             host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s,
         )
     except ValidationError as exc:
-        raise validation_failure(exc, FLAG_NAMES) from None
+        names = {**flag_names(OPTIONS), "chunk_bytes": "--chunk-mb", "lease_ttl_s": "--lease-ttl"}
+        raise validation_failure(exc, names) from None
 
 
 def register(serve_app: typer.Typer) -> None:
     @serve_app.command("params")
     def serve_params(
-        state_dir: Annotated[Path, typer.Option("--state-dir", help="where versions are stored")] = Path(".staleflow/params"),
-        keep: Annotated[int, typer.Option(help="complete versions kept (the newest K)")] = 2,
-        chunk_mb: Annotated[float, typer.Option("--chunk-mb", help="chunk size in MiB (per-request payload limit)")] = 64,
-        transports: Annotated[str, typer.Option(help="comma-separated: http,shm,nixl")] = "http,shm",
-        host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="bind port")] = 8331,
+        state_dir: Annotated[Path, typer.Option("--state-dir", help="where versions are stored")] = _default("state_dir"),
+        keep: Annotated[int, typer.Option(help="complete versions kept (the newest K)")] = _default("keep"),
+        chunk_mb: Annotated[float, typer.Option("--chunk-mb", help="chunk size in MiB (per-request payload limit)")]
+        = _default("chunk_bytes") / (1 << 20),
+        transports: Annotated[str, typer.Option(help="comma-separated: http,shm,nixl")] = ",".join(_default("transports")),
+        host: Annotated[str, typer.Option(help="bind address")] = _default("host"),
+        port: Annotated[int, typer.Option(help="bind port")] = _default("port"),
         token: Annotated[str | None, typer.Option(help="bearer token for mutating requests (default: $STALEFLOW_TOKEN)")] = None,
-        shm_dir: Annotated[Path, typer.Option("--shm-dir", help="shared-memory directory")] = Path("/dev/shm"),
-        fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync each version before it is visible")] = True,
-        lease_ttl_s: Annotated[float, typer.Option("--lease-ttl", help="seconds an unused pull lease lives")] = 120.0,
+        shm_dir: Annotated[Path, typer.Option("--shm-dir", help="shared-memory directory")] = _default("shm_dir"),
+        fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync each version before it is visible")]
+        = _default("fsync"),
+        lease_ttl_s: Annotated[float, typer.Option("--lease-ttl", help="seconds an unused pull lease lives")]
+        = _default("lease_ttl_s"),
     ) -> None:
         """The parameter server: versioned model weights, pushed by the trainer, pulled by instances."""
         from staleflow.servers.params import ParamStore, create_app

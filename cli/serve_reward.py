@@ -11,6 +11,7 @@ import typer
 from pydantic import ValidationError
 
 from staleflow.cli.common import fail, validation_failure
+from staleflow.config import RewardConfig, default_of
 
 
 def _parse_verifiers(specs: list[str]) -> dict[str, str]:
@@ -29,17 +30,19 @@ def register(serve_app: typer.Typer) -> None:
     def serve_reward(
         verifier: Annotated[list[str] | None, typer.Option(
             "--verifier", help="a user verifier NAME=module.path:function (repeatable)")] = None,
-        default: Annotated[str, typer.Option("--default", help="verifier for requests that name none")] = "math",
-        workers: Annotated[int, typer.Option(help="processes for user verifiers")] = 2,
-        timeout_s: Annotated[float, typer.Option("--timeout", help="seconds per user-verifier call")] = 5.0,
-        host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="bind port")] = 8332,
+        default: Annotated[str, typer.Option("--default", help="verifier for requests that name none")]
+        = default_of(RewardConfig, "default_verifier"),
+        workers: Annotated[int, typer.Option(help="processes for user verifiers")] = default_of(RewardConfig, "workers"),
+        timeout_s: Annotated[float, typer.Option("--timeout", help="seconds per user-verifier call")]
+        = default_of(RewardConfig, "timeout_s"),
+        host: Annotated[str, typer.Option(help="bind address")] = default_of(RewardConfig, "host"),
+        port: Annotated[int, typer.Option(help="bind port")] = default_of(RewardConfig, "port"),
         token: Annotated[str | None, typer.Option(help="bearer token for mutating requests (default: $STALEFLOW_TOKEN)")] = None,
     ) -> None:
         """The reward server: rule-based verifiable rewards (math answers, exact match, your own)."""
         from staleflow.cli.serve_params import serve_owning
         from staleflow.rewards import RewardScorer, VerifierError
-        from staleflow.servers.reward import RewardConfig, create_app
+        from staleflow.servers.reward import create_app
 
         try:
             config = RewardConfig(verifiers=_parse_verifiers(verifier or []), default_verifier=default,

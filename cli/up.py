@@ -19,16 +19,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from staleflow.cli.common import console, fail, validation_failure
+from staleflow.cli.common import console, fail, flag_names, validation_failure
 from staleflow.config import JobConfig
-
-FLAG_NAMES = {"ledger.eta": "--eta", "ledger.batch_size": "--batch-size", "ledger.group_size": "--group-size",
-              "trainer.world_size": "--trainer-ranks", "max_tokens": "--max-tokens", "state_dir": "--state-dir",
-              "base_port": "--base-port", "logger.backends": "--logger", **{f: f"--{f}" for f in ("engine", "steps", "instances", "routing", "sync",
-                                                                   "migration", "workload", "model", "seed", "speed",
-                                                                   "processes")}}
-"""Every field `up` has a flag for; the others are set in the --config file."""
-
 
 def load_config_file(path: Path) -> dict[str, Any]:
     if not path.exists():
@@ -52,27 +44,30 @@ def load_config_file(path: Path) -> dict[str, Any]:
 
 
 def job_config(file: Path | None, **flags: Any) -> JobConfig:
+    """The job: the file's settings, then the flags given (each named after the setting it sets,
+    flat: ``JobConfig.flat_settings`` says where it goes). Errors name the field, its flag and the fix."""
     data = load_config_file(file) if file else {}
     backends = flags.pop("logger", None)
     if backends is not None:  # the flag names the backends; the file's other logger settings stay
         section = data.get("logger")
-        names = [name.strip() for name in backends.split(",") if name.strip()]
-        data["logger"] = {**section, "backends": names} if isinstance(section, dict) else names
-    ranks = flags.pop("trainer_ranks", None)
-    if ranks is not None and isinstance(data.get("trainer", {}), dict):  # else validation names the wrong section
-        data["trainer"] = {**data.get("trainer", {}), "world_size": ranks}
-    ledger = data.get("ledger", {})
-    for key in ("eta", "batch_size", "group_size"):
-        if flags.get(key) is not None and isinstance(ledger, dict):
-            ledger = {**ledger, key: flags[key]}
-        flags.pop(key, None)
-    if ledger:
-        data["ledger"] = ledger
+        chosen = [name.strip() for name in backends.split(",") if name.strip()]
+        data["logger"] = {**section, "backends": chosen} if isinstance(section, dict) else chosen
     data.update({k: v for k, v in flags.items() if v is not None})
     try:
-        return JobConfig.model_validate(data)
+        config = JobConfig.model_validate(data)
     except ValidationError as exc:
-        raise validation_failure(exc, FLAG_NAMES, JobConfig, complete_flags=True) from None
+        names = {**flag_names(flags, JobConfig.flat_settings), "logger.backends": "--logger"}
+        raise validation_failure(exc, names, JobConfig, complete_flags=True) from None
+    if config.calibration is not None:  # read before anything starts (the coordinator reads it again)
+        from staleflow.calibration import CalibrationError
+
+        try:
+            config.calibration.entry()
+        except CalibrationError as exc:
+            raise fail(f"invalid configuration:\n  coordinator.calibration (--calibration): {exc}",
+                       "point --calibration (or calibration.file) at a file `staleflow calibrate` wrote, naming "
+                       "one of its entries") from None
+    return config
 
 
 def _view(config: JobConfig, progress: Progress, sample: Any, steps: list) -> Group:

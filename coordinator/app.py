@@ -5,57 +5,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, model_validator
 
 from staleflow import metrics as m
-from staleflow.calibration import CalibrationRef, calibrated_cost
-from staleflow.config import CostConfig, HttpUrl, ServiceConfig
+from staleflow.config.coordinator import INSTANCE_ID, CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.service import Coordinator, InstanceStatus
-from staleflow.strategies import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 
-INSTANCE_ID = r"^[A-Za-z0-9._:@+\-]{1,200}$"
-
-
-class InstanceEndpoint(BaseModel):
-    model_config = {"extra": "forbid", "frozen": True}
-    instance_id: str = Field(pattern=INSTANCE_ID)
-    url: HttpUrl
-
-
-class CoordinatorConfig(ServiceConfig):
-    manager_url: HttpUrl = "http://127.0.0.1:8321"
-    ts_url: HttpUrl
-    params_url: HttpUrl | None = None
-    instances: list[InstanceEndpoint] = []
-    routing: RoutingMode = RoutingMode.THROUGHPUT
-    sync: SyncMode = SyncMode.SELECTIVE
-    migration: MigrationMode = MigrationMode.THROUGHPUT
-    mu: float = Field(0.3, ge=0, le=1)
-    phi_wait: int = Field(3, ge=0)
-    phi_throughput: float = Field(5.0, ge=1)
-    max_in_flight: int | None = Field(None, ge=1, description="in-flight-limited baseline mode")
-    cycle_period: float = Field(0.05, gt=0, description="seconds between cycles")
-    command_timeout: float = Field(30.0, gt=0)
-    failure_timeout: float = Field(10.0, gt=0, description="an instance silent this long is declared failed")
-    stall_timeout: float = Field(60.0, ge=0, description="running work with no progress this long: failed (0: never)")
-    cost: CostConfig = CostConfig()
-    calibration: CalibrationRef | None = Field(
-        None, description="take cost from this `staleflow calibrate` entry (instead of giving cost)")
-    sim_weights_bytes: int | None = Field(None, ge=0, description="Pull size for sim instances without a PS")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _cost_from_calibration(cls, data: Any) -> Any:
-        return calibrated_cost(data)
-
-    def strategy(self) -> StrategyConfig:
-        return StrategyConfig(routing=self.routing, sync=self.sync, migration=self.migration, mu=self.mu,
-                              phi_wait=self.phi_wait, phi_throughput=self.phi_throughput,
-                              max_in_flight=self.max_in_flight)
+__all__ = ["INSTANCE_ID", "CoordinatorConfig", "InstanceEndpoint", "create_app"]
 
 
 def coordinator_metrics(c: Coordinator) -> list:
@@ -80,16 +39,20 @@ def coordinator_metrics(c: Coordinator) -> list:
 
 
 def create_app(config: CoordinatorConfig) -> FastAPI:
+    """The coordinator's app. The calibration file ``config`` names is read here, where the service
+    starts (``CalibrationError`` naming the problem if it cannot be used)."""
+    cost = config.resolved_cost().cost_model()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         coordinator = Coordinator(
-            config.manager_url, config.ts_url, config.strategy(), params_url=config.params_url,
+            config.manager_url, config.ts_url, config.strategy, params_url=config.params_url,
             cycle_period=config.cycle_period, command_timeout=config.command_timeout,
             failure_timeout=config.failure_timeout, stall_timeout=config.stall_timeout,
             sim_weights_bytes=config.sim_weights_bytes,
         )
         for endpoint in config.instances:
-            coordinator.add_instance(endpoint.instance_id, endpoint.url, config.cost.cost_model())
+            coordinator.add_instance(endpoint.instance_id, endpoint.url, cost)
         app.state.coordinator = coordinator
         loop = asyncio.create_task(coordinator.run())
         try:
@@ -119,7 +82,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
     async def register(request: Request, body: InstanceEndpoint) -> dict:
         c = co(request)
         try:
-            record = c.add_instance(body.instance_id, body.url, config.cost.cost_model())
+            record = c.add_instance(body.instance_id, body.url, cost)
         except ValueError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=409)
         return c.describe(record)

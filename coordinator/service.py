@@ -97,8 +97,10 @@ class CoordinatorStats:
 
 class Coordinator:
     def __init__(self, manager_url: str, ts_url: str, strategy: StrategyConfig, *, params_url: str | None = None,
-                 cycle_period: float = 0.05, command_timeout: float = 30.0, failure_timeout: float = 10.0,
-                 stall_timeout: float = 30.0, reconcile_after: float = 5.0, sim_weights_bytes: int | None = None):
+                 cycle_period: float, command_timeout: float, failure_timeout: float, stall_timeout: float,
+                 reconcile_after: float = 5.0, sim_weights_bytes: int | None = None):
+        """The timeouts and the cycle period have no defaults here: they are declared once, in
+        ``staleflow.config.coordinator.CoordinatorSettings``."""
         self.strategy = strategy
         self.manager = AsyncManagerClient(manager_url)
         self.ts = async_http_client(ts_url, timeout=command_timeout)

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
-from staleflow.config import JobConfig, LedgerConfig, ManagerConfig
+from staleflow.config import JobConfig, LedgerConfig
 from staleflow.servers.auth import TOKEN_ENV, run_token
 from staleflow.servers.clients import http_client
 from staleflow.servers.http import RunningServer, serve_in_thread
@@ -73,59 +73,33 @@ def model_dir(config: JobConfig) -> Path:
 
 
 def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastAPI:
-    """The FastAPI app of one component of the job."""
-    state = config.state_dir
+    """The FastAPI app of one component of the job, with the config ``JobConfig`` composes for it."""
     url = {k: v["url"] for k, v in endpoints.items()}
-    ledger = config.ledger
+    model = model_dir(config) if config.engine != "sim" and (name == "ts" or name.startswith("inst-")) else None
     if name == "manager":
-        from staleflow.servers.manager import create_app
+        from staleflow.servers.manager import create_app as manager_app
 
-        return create_app(ManagerConfig(ledger=ledger, state_dir=state, db_url=config.database_url()))
+        return manager_app(config.manager_config())
     if name == "params":
-        from staleflow.servers.params import ParamsConfig, create_app
+        from staleflow.servers.params import create_app as params_app
 
-        return create_app(ParamsConfig(state_dir=state / "params", keep=3, fsync=False))
+        return params_app(config.params_config())
     if name == "reward":
-        from staleflow.servers.reward import RewardConfig, create_app
+        from staleflow.servers.reward import create_app as reward_app
 
-        return create_app(RewardConfig())
+        return reward_app(config.reward_config())
     if name == "ts":
-        from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig, create_app
+        from staleflow.servers.trajectories import create_app as ts_app
 
-        reward = config.reward
-        if reward == "auto":
-            reward = "sim" if config.engine == "sim" else url["reward"]
-        real = config.engine != "sim"
-        return create_app(TrajectoryServerConfig(
-            ledger=ledger, manager_url=url["manager"], state_dir=state, db_url=config.database_url(), seed=config.seed,
-            reward=reward,
-            sampling=SamplingConfig(max_tokens=config.max_tokens), dataset=config.dataset, task=config.task,
-            tokenizer=model_dir(config) if real else None))
+        return ts_app(config.trajectories_config(url, tokenizer=model))
     if name.startswith("inst-"):
-        from staleflow.servers.instance import InstanceConfig, SimConfig, create_app
+        from staleflow.servers.instance import create_app as instance_app
 
-        index = int(name.split("-")[1])
-        callback = f"{url['ts']}/v1/completed"
-        if config.engine == "vllm":
-            from staleflow.servers.instance import VllmConfig
-
-            vllm = VllmConfig(**{"seed": config.seed + index, **config.vllm_args, "model": str(model_dir(config))})
-            return create_app(InstanceConfig(instance_id=name, engine="vllm", vllm=vllm, completion_callback_url=callback))
-        sim = SimConfig(workload=config.workload, workload_seed=config.seed, seed=config.seed + index,
-                        clock="real", speed=config.speed, kv_budget=config.kv_budget)
-        return create_app(InstanceConfig(instance_id=name, engine=config.engine, sim=sim, completion_callback_url=callback))
+        return instance_app(config.instance_config(name, url, model))
     if name == "coordinator":
-        from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint, create_app
+        from staleflow.coordinator.app import create_app as coordinator_app
 
-        return create_app(CoordinatorConfig(
-            manager_url=url["manager"], ts_url=url["ts"], params_url=url["params"],
-            instances=[InstanceEndpoint(instance_id=i, url=url[i]) for i in instance_ids(config)],
-            routing=config.routing, sync=config.sync, migration=config.migration, mu=config.mu,
-            phi_wait=config.phi_wait, phi_throughput=config.phi_throughput, cycle_period=config.cycle_period,
-            # a real engine on a busy CPU can take tens of seconds for a step or a weight load
-            failure_timeout=max(5.0, 20 * config.cycle_period) if config.engine == "sim" else 60.0,
-            calibration=config.calibration,
-            **({} if config.engine == "sim" else {"command_timeout": 120.0, "stall_timeout": 120.0})))
+        return coordinator_app(config.coordinator_config(url, instance_ids(config)))
     raise ValueError(f"unknown component {name!r}; components are {', '.join(component_names(config))}")
 
 

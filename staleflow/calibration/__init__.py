@@ -10,7 +10,6 @@
 
 from staleflow.calibration.files import (
     CalibrationRef,
-    calibrated_cost,
     entry_summary,
     load_calibration,
     load_entry,
@@ -60,7 +59,6 @@ __all__ = [
     "Thresholds",
     "bootstrap_spread",
     "build_entry",
-    "calibrated_cost",
     "entry_summary",
     "fit_decode",
     "fit_kv_footprint",

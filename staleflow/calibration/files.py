@@ -9,10 +9,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator
 
 from staleflow.calibration.fit import CalibrationError
-from staleflow.calibration.schema import CalibrationEntry, CalibrationFile
+from staleflow.calibration.schema import CalibrationEntry, CalibrationFile, CostCoefficients
 from staleflow.cost_model import CostModel
 from staleflow.strict import StrictModel
 
@@ -83,8 +83,9 @@ def load_calibration(
 
 class CalibrationRef(StrictModel):
     """Where a service's cost model comes from: an entry of a calibration file (``calibration:`` in a
-    job or coordinator config). Validating it loads the entry, so a missing file, an unknown model or
-    a poor fit is refused when the config is read, naming the field."""
+    job or coordinator config). Only a reference: the file is read where the service starts
+    (``coefficients``), and the CLI reads it before a job starts, so a missing file, an unknown
+    model or a poor fit stops ``staleflow up`` before anything runs."""
 
     file: Path = Field(description="calibration file written by `staleflow calibrate`")
     model: str | None = Field(None, description="model key; may be left out when the file has one model")
@@ -105,36 +106,15 @@ class CalibrationRef(StrictModel):
             parallelism = _only(file.entries[model], f"model {model!r} has parallelisms", "parallelism")
         return load_entry(self.file, model, parallelism or "tp1", allow_poor=self.allow_poor)
 
-    def cost(self) -> dict[str, float]:
-        """The coefficients as the coordinator's ``cost`` section (``CostConfig``) takes them."""
-        return self.entry().cost.model_dump()
-
-    @model_validator(mode="after")
-    def _loads(self) -> CalibrationRef:
-        self.entry()
-        return self
+    def coefficients(self) -> CostCoefficients:
+        """The entry's cost coefficients, as the coordinator's ``cost`` section holds them."""
+        return self.entry().cost
 
 
 def _only(keys: dict[str, Any], what: str, field: str) -> str:
     if len(keys) == 1:
         return next(iter(keys))
     raise CalibrationError(f"{what} {sorted(keys) or 'none'}: name the one to use with calibration.{field}")
-
-
-def calibrated_cost(data: Any) -> Any:
-    """For a config's ``mode="before"`` validator: fill ``cost`` from ``calibration`` when one is given.
-
-    A ``cost`` that differs from the calibrated one is refused (which would win is not obvious); the
-    same one (a dumped config read back) is fine. A config without ``calibration`` is returned as is.
-    """
-    if not isinstance(data, dict) or data.get("calibration") is None:
-        return data
-    ref = data["calibration"]
-    ref = ref if isinstance(ref, CalibrationRef) else CalibrationRef.model_validate(ref)
-    cost, given = ref.cost(), data.get("cost")
-    if given is not None and (given.model_dump() if isinstance(given, BaseModel) else dict(given)) != cost:
-        raise ValueError("give either cost (coefficients) or calibration (a calibration file), not both")
-    return {**data, "calibration": ref, "cost": cost}
 
 
 def entry_summary(entry: CalibrationEntry) -> dict[str, Any]:

@@ -1,95 +1,31 @@
-"""Typed configuration. Every model validates its fields and names the fix in its messages."""
+"""``JobConfig``: everything ``staleflow up`` runs, composed of one section per component (the
+same settings each service reads on its own), the trainer's and the task's settings, and the
+engine presets: the section values a simulated cluster and a real vLLM job differ in.
+
+A job file is nested by component; the settings that have a flag (``eta``, ``routing``,
+``max_tokens``, ...) may also be given flat at the top level (``FLAT_SETTINGS`` says where each one
+goes), and a flat one wins over the same one in its section, as a flag wins over a file."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from typing import Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from staleflow.calibration import CalibrationRef
+from staleflow.config.common import STATE_DIR, check_database_url
+from staleflow.config.compose import ComponentConfigs
+from staleflow.config.coordinator import CoordinatorSettings
+from staleflow.config.instance import InstanceSettings
+from staleflow.config.manager import LedgerConfig, ManagerSettings
+from staleflow.config.params import ParamsSettings
+from staleflow.config.reward import RewardSettings
+from staleflow.config.sections import FLAT_SETTINGS, flat_setting, merged, nested
+from staleflow.config.trajectories import TaskConfig, TrajectorySettings
 from staleflow.cost_model import CostModel
 from staleflow.database_url import DatabaseUrlError, masked, normalize_url
-from staleflow.ledger import LedgerParams
 from staleflow.strict import StrictModel
 from staleflow.tracking import LoggerConfig
-
-
-def _check_http_url(value: str) -> str:
-    try:
-        parts = urlsplit(value)
-        parts.port  # noqa: B018  # raises on a malformed port
-    except ValueError as exc:
-        raise ValueError(f"{value!r} is not a valid URL: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname or any(ord(c) < 33 for c in value):
-        raise ValueError(f"{value!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8350")
-    return value.rstrip("/")
-
-
-HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
-"""An http(s) URL with a host, kept as a string (no trailing slash)."""
-
-
-def check_database_url(value: str | None) -> str | None:
-    """A database URL StaleFlow supports (kept as given); the error names the fix."""
-    if value is not None:
-        normalize_url(value)
-    return value
-
-
-class CostConfig(BaseModel):
-    """Cost-model coefficients (paper Eq. 2-4, Table 4 defaults; kv in tokens)."""
-
-    model_config = ConfigDict(extra="forbid")
-    k1: float = Field(CostModel.k1, ge=0, description="s per KV token read in a decode step")
-    k2: float = Field(CostModel.k2, ge=0, description="s, memory-bound GEMM floor")
-    k3: float = Field(CostModel.k3, ge=0, description="s per running trajectory when compute-bound")
-    k4: float = Field(CostModel.k4, ge=0, description="s, constant per-step overhead")
-    k5: float = Field(CostModel.k5, gt=0, description="KV units per token")
-    kv_budget: float = Field(CostModel.kv_budget, gt=0, description="KV budget M, in KV units")
-
-    def cost_model(self) -> CostModel:
-        return CostModel(**self.model_dump(include=set(CostConfig.model_fields)))
-
-
-class LedgerConfig(StrictModel):
-    eta: int = Field(3, ge=0, description="staleness bound: V_traj + eta >= V_buf for every trajectory")
-    batch_size: int = Field(128, ge=1, description="prompt groups per training batch (B)")
-    group_size: int = Field(16, ge=1, description="trajectories per prompt group (G)")
-    batch_redundancy: float = Field(0.0, ge=0.0, le=4.0, description="extra groups per batch, as a fraction of B")
-    group_redundancy: float = Field(0.0, ge=0.0, le=4.0, description="extra trajectories per group, as a fraction of G")
-
-    def params(self) -> LedgerParams:
-        return LedgerParams(
-            eta=self.eta,
-            batch_size=self.batch_size,
-            batch_redundancy=self.batch_redundancy,
-            group_size=self.group_size,
-            group_redundancy=self.group_redundancy,
-        )
-
-
-class ServiceConfig(StrictModel):
-    host: str = Field("127.0.0.1", description="address to bind; loopback by default")
-    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
-
-
-class ManagerConfig(ServiceConfig):
-    ledger: LedgerConfig = LedgerConfig()
-    state_dir: Path = Path(".staleflow")
-    db_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite file in the state directory")
-    synchronous: Literal["FULL", "NORMAL"] = Field(
-        "FULL", description="SQLite sync level: FULL survives power loss, NORMAL only process crashes"
-    )
-    port: int = Field(8321, ge=0, le=65535)
-
-    _db_url_supported = field_validator("db_url")(check_database_url)
-
-    def database_url(self) -> str:
-        if self.db_url:
-            return self.db_url
-        return f"sqlite:///{(self.state_dir / 'ledger.db').resolve()}"
 
 
 class AlgorithmConfig(StrictModel):
@@ -122,45 +58,40 @@ class TrainerConfig(StrictModel):
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
 
-class TaskConfig(StrictModel):
-    """The built-in verifiable task: arithmetic with exact answers, generated from the seed."""
-
-    digits: int = Field(2, ge=1, le=12, description="digits per operand")
-    ops: str = Field("+", pattern=r"^[+\-*]{1,3}$", description="operators drawn from: + - *")
-
-
 JOB_LEDGER: dict[str, Any] = {"eta": 2, "batch_size": 16, "group_size": 8}
-ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
+SIM_PRESET: dict[str, Any] = {
     # a simulated cluster: paper-like long responses on four instances, the simulated trainer
-    "sim": {"instances": 4, "max_tokens": 2048, "steps": 10},
+    "instances": 4, "max_tokens": 2048, "steps": 10,
+    # instances on the simulated clock answer at once: five silent seconds mean a failure
+    "coordinator": {"failure_timeout": 5.0},
+    # a few recent versions are enough and a crash of this machine ends the run anyway
+    "params": {"keep": 3, "fsync": False},
+}
+VLLM_PRESET: dict[str, Any] = {
     # a real job on this machine: two vLLM instances (one process each) and the FSDP2 trainer on
     # the demo model, whose answers are a few tokens long
-    "vllm": {"instances": 2, "max_tokens": 24, "steps": 20},
+    "instances": 2, "max_tokens": 24, "steps": 20,
+    # a real engine on a busy CPU can take tens of seconds for a step or a weight load
+    "coordinator": {"failure_timeout": 60.0, "command_timeout": 120.0, "stall_timeout": 120.0},
+    "params": {"keep": 3, "fsync": False},
 }
+ENGINE_PRESETS: dict[str, dict[str, Any]] = {"sim": SIM_PRESET, "vllm": VLLM_PRESET}
+"""What each engine changes of the defaults below; a job's own values win over its engine's."""
 
-
-class JobConfig(StrictModel):
+class JobConfig(ComponentConfigs, StrictModel):
     """Everything `staleflow up` runs. The same file drives embedded and multi-process runs.
-    Fields left out take their engine's defaults (``ENGINE_DEFAULTS``), then the ones below."""
+    Fields left out take their engine's preset (``ENGINE_PRESETS``), then the defaults below."""
 
     engine: Literal["sim", "vllm"] = Field("vllm", description="vllm: a real job (vLLM rollouts, FSDP2 trainer); "
                                                              "sim: a simulated cluster")
     steps: int = Field(10, ge=1, description="training steps (buffers consumed) to run")
-    state_dir: Path = Path(".staleflow")
+    state_dir: Path = STATE_DIR
     ledger: LedgerConfig = LedgerConfig(**JOB_LEDGER)
     instances: int = Field(4, ge=1, le=1024, description="rollout instances")
-    routing: Literal["throughput", "vanilla"] = "throughput"
-    sync: Literal["selective", "greedy", "global"] = "selective"
-    migration: Literal["throughput", "none"] = "throughput"
-    mu: float = Field(0.3, ge=0, le=1)
-    phi_wait: int = Field(3, ge=0)
-    phi_throughput: float = Field(5.0, ge=1)
     workload: str = Field("demo", description="sim workload preset: demo, ci-tiny, paper-20k, paper-40k")
-    max_tokens: int = Field(2048, ge=1, description="response length limit")
     kv_budget: int = Field(int(CostModel.kv_budget), ge=1, description="sim: KV cache budget of each instance, in tokens")
     seed: int = 0
     speed: float = Field(40.0, gt=0, description="sim clock: simulated seconds per real second")
-    cycle_period: float = Field(0.05, gt=0, description="coordinator cycle, seconds")
     reward: str = Field("auto", description="auto (sim: 'sim', vllm: the reward server), sim, math or a URL")
     trainer: TrainerConfig = TrainerConfig()
     base_port: int = Field(0, ge=0, le=65000, description="first port of the components; 0 picks free ports")
@@ -171,24 +102,44 @@ class JobConfig(StrictModel):
     task: TaskConfig = TaskConfig()
     logger: LoggerConfig = Field(LoggerConfig(), description="per-step metrics: console, tensorboard, wandb, mlflow")
     dataset: Path | None = Field(None, description="JSONL/Parquet prompts with answers instead of the built-in task")
-    # the coordinator's cost model from a `staleflow calibrate` entry (default: CostConfig's)
-    calibration: CalibrationRef | None = Field(None, description="calibration file entry for the coordinator")
     vllm_args: dict[str, Any] = Field(
         default_factory=lambda: {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1, "max_num_seqs": 128},
-        description="vllm: settings of each instance's engine (staleflow.servers.instance.VllmConfig)")
+        description="vllm: settings of each instance's engine (staleflow.config.VllmConfig)")
     db_url: str | None = Field(
         None, description="database of the ledger and the trajectory store (one for both), e.g. "
                           "postgresql+psycopg://staleflow@db:5432/staleflow; default: SQLite files in state_dir")
     db_url_file: Path | None = Field(
         None, description="a file holding db_url (e.g. a mounted Kubernetes Secret): its password stays out of "
                           "the job file and the environment")
+    # one section per component: what the job sets of it (where it listens and what it talks to
+    # come from the job's endpoints)
+    manager: ManagerSettings = Field(default_factory=ManagerSettings, description="the staleness manager")
+    params: ParamsSettings = Field(default_factory=ParamsSettings, description="the parameter server")
+    reward_server: RewardSettings = Field(default_factory=RewardSettings, description="the reward server")
+    trajectories: TrajectorySettings = Field(default_factory=TrajectorySettings,
+                                             description="the trajectory server (max_tokens: sampling.max_tokens)")
+    instance: InstanceSettings = Field(default_factory=InstanceSettings, description="every rollout instance")
+    coordinator: CoordinatorSettings = Field(default_factory=CoordinatorSettings,
+                                             description="the coordinator: strategy, cycle, timeouts, cost model")
+
+    flat_settings: ClassVar[dict[str, tuple[str, ...]]] = FLAT_SETTINGS
+    # the flat settings, read back from their sections
+    routing = flat_setting("coordinator", "strategy", "routing")
+    sync = flat_setting("coordinator", "strategy", "sync")
+    migration = flat_setting("coordinator", "strategy", "migration")
+    mu = flat_setting("coordinator", "strategy", "mu")
+    phi_wait = flat_setting("coordinator", "strategy", "phi_wait")
+    phi_throughput = flat_setting("coordinator", "strategy", "phi_throughput")
+    cycle_period = flat_setting("coordinator", "cycle_period")
+    calibration = flat_setting("coordinator", "calibration")
+    max_tokens = flat_setting("trajectories", "sampling", "max_tokens")
 
     @model_validator(mode="before")
     @classmethod
     def _engine_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
             engine = data.get("engine", "vllm")
-            data = {**ENGINE_DEFAULTS.get(engine, {}), **data}
+            data = merged(nested(ENGINE_PRESETS.get(engine, {})), nested(data))
             if isinstance(data.get("ledger"), dict):  # a partial ledger section keeps the job's other defaults
                 data["ledger"] = {**JOB_LEDGER, **data["ledger"]}
         return data

@@ -1,0 +1,56 @@
+"""The staleness manager's settings: the ledger's parameters and where its durable state lives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from staleflow.config.common import STATE_DIR, ServiceConfig, check_database_url
+from staleflow.ledger import LedgerParams
+from staleflow.strict import StrictModel
+
+
+MANAGER_PORT = 8321
+MANAGER_URL = f"http://127.0.0.1:{MANAGER_PORT}"
+"""Where the other components find the manager unless told otherwise."""
+
+
+class LedgerConfig(StrictModel):
+    eta: int = Field(3, ge=0, description="staleness bound: V_traj + eta >= V_buf for every trajectory")
+    batch_size: int = Field(128, ge=1, description="prompt groups per training batch (B)")
+    group_size: int = Field(16, ge=1, description="trajectories per prompt group (G)")
+    batch_redundancy: float = Field(0.0, ge=0.0, le=4.0, description="extra groups per batch, as a fraction of B")
+    group_redundancy: float = Field(0.0, ge=0.0, le=4.0, description="extra trajectories per group, as a fraction of G")
+
+    def params(self) -> LedgerParams:
+        return LedgerParams(
+            eta=self.eta,
+            batch_size=self.batch_size,
+            batch_redundancy=self.batch_redundancy,
+            group_size=self.group_size,
+            group_redundancy=self.group_redundancy,
+        )
+
+
+class ManagerSettings(StrictModel):
+    """What a job sets of the manager (its ``manager:`` section)."""
+
+    synchronous: Literal["FULL", "NORMAL"] = Field(
+        "FULL", description="SQLite sync level: FULL survives power loss, NORMAL only process crashes"
+    )
+
+
+class ManagerConfig(ManagerSettings, ServiceConfig):
+    ledger: LedgerConfig = LedgerConfig()
+    state_dir: Path = STATE_DIR
+    db_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite file in the state directory")
+    port: int = Field(MANAGER_PORT, ge=0, le=65535)
+
+    _db_url_supported = field_validator("db_url")(check_database_url)
+
+    def database_url(self) -> str:
+        if self.db_url:
+            return self.db_url
+        return f"sqlite:///{(self.state_dir / 'ledger.db').resolve()}"
