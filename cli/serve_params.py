@@ -32,7 +32,7 @@ def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | Non
 
 
 def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, host: str, port: int,
-                  shm_dir: Path, fsync: bool, lease_ttl_s: float):  # noqa: ANN201 - imported lazily
+                  shm_dir: Path, fsync: bool, lease_ttl_s: float):
     from staleflow.servers.params import ParamsConfig
 
     try:

@@ -98,8 +98,8 @@ def _view(config: JobConfig, progress: Progress, sample: Any, steps: list) -> Gr
 
 
 def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
-    from staleflow.report import summarize, write_report
     from staleflow.launch.job import Job, StateDirInUse, trainer_label
+    from staleflow.report import summarize, write_report
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         filename=str(config.state_dir / "job.log") if config.state_dir.exists() else None)
@@ -278,8 +278,8 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         endpoints: Annotated[Path, typer.Option("--endpoints", help="the planned endpoints file")],
     ) -> None:
         """One component of a `staleflow up` job, in its own process (used by `up --processes`)."""
-        from staleflow.servers.http import serve_forever
         from staleflow.launch.job import TRAINER, build_app
+        from staleflow.servers.http import serve_forever
 
         try:
             config = JobConfig.model_validate_json(job.read_text())

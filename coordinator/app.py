@@ -8,12 +8,13 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 
 from staleflow.calibration import CalibrationRef, calibrated_cost
 from staleflow.config import CostConfig, HttpUrl, ServiceConfig
-from staleflow.coordinator.service import Coordinator
+from staleflow.coordinator.service import Coordinator, InstanceRecord
+from staleflow.errors import ErrorCode, StaleFlowError
+from staleflow.servers.http import service_app
 from staleflow.strategies import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 
 INSTANCE_ID = r"^[A-Za-z0-9._:@+\-]{1,200}$"
@@ -77,7 +78,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             await asyncio.gather(loop, return_exceptions=True)
             await coordinator.close()
 
-    app = FastAPI(title="StaleFlow coordinator", version="1", lifespan=lifespan)
+    app = service_app("StaleFlow coordinator", lifespan)
 
     def co(request: Request) -> Coordinator:
         return request.app.state.coordinator
@@ -94,30 +95,23 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
     @app.post("/v1/instances", status_code=201)
     async def register(request: Request, body: InstanceEndpoint) -> dict:
         c = co(request)
-        try:
-            record = c.add_instance(body.instance_id, body.url, config.cost.cost_model())
-        except ValueError as exc:
-            return JSONResponse({"detail": str(exc)}, status_code=409)
-        return c.describe(record)
+        return c.describe(c.add_instance(body.instance_id, body.url, config.cost.cost_model()))
 
-    def _record(request: Request, instance_id: str):  # noqa: ANN202
+    def _record(request: Request, instance_id: str) -> InstanceRecord:
         record = co(request).instances.get(instance_id)
         if record is None:
-            return None, JSONResponse({"detail": f"instance {instance_id!r} is not registered"}, status_code=404)
-        return record, None
+            raise StaleFlowError(ErrorCode.UNKNOWN_INSTANCE, f"instance {instance_id!r} is not registered")
+        return record
 
     @app.get("/v1/instances/{instance_id}")
     async def instance(request: Request, instance_id: str) -> dict:
-        record, missing = _record(request, instance_id)
-        return missing or co(request).describe(record)
+        return co(request).describe(_record(request, instance_id))
 
     @app.get("/v1/instances/{instance_id}/snapshot")
     async def instance_snapshot(request: Request, instance_id: str) -> dict:
-        record, missing = _record(request, instance_id)
-        if missing:
-            return missing
+        record = _record(request, instance_id)
         if record.snapshot is None:
-            return JSONResponse({"detail": f"no snapshot of {instance_id!r} yet"}, status_code=404)
+            raise StaleFlowError(ErrorCode.NO_SNAPSHOT, f"no snapshot of {instance_id!r} yet")
         return record.snapshot
 
     @app.get("/v1/commands")
@@ -135,7 +129,8 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "last_decision_ms": s.last_decision_ms,
             "mean_decision_ms": s.decision_ms_total / s.cycles if s.cycles else 0.0,
             "routed": s.routed, "interrupted": s.interrupted, "pulls": s.pulls, "aborts": s.aborts,
-            "failures": s.failures, "rejoined": s.rejoined, "released": s.released, "strategy": {k: str(v) for k, v in vars(co(request).strategy).items()},
+            "failures": s.failures, "rejoined": s.rejoined, "released": s.released,
+            "strategy": {k: str(v) for k, v in vars(co(request).strategy).items()},
         }
 
     return app

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from staleflow.cost_model import CostModel
+from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.clients import AsyncManagerClient, async_http_client
 from staleflow.strategies import (
     InstanceState,
@@ -124,7 +125,7 @@ class Coordinator:
         old = self.instances.get(instance_id)
         if old is not None:
             if old.status is not InstanceStatus.FAILED:
-                raise ValueError(f"instance {instance_id!r} is already registered")
+                raise StaleFlowError(ErrorCode.DUPLICATE_INSTANCE, f"instance {instance_id!r} is already registered")
             if old.worker:
                 old.worker.cancel()
         record = InstanceRecord(instance_id, url, async_http_client(url, timeout=self.command_timeout), cost or CostModel())
@@ -337,7 +338,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ issuing commands
 
-    async def _issue(self, plan) -> None:  # noqa: ANN001
+    async def _issue(self, plan) -> None:
         # 1. interrupts (syncs' and migrations'): partials go back to the trajectory server first
         interrupted = await asyncio.gather(*(
             self._command(self.instances[i], "interrupt", {"traj_ids": trajs}, len(trajs))
@@ -417,7 +418,7 @@ class Coordinator:
             if not queued:
                 record.in_flight -= 1
         if reply.status_code != 200:
-            entry.outcome = f"refused: {data.get('error', data)}"
+            entry.outcome = f"refused: {data.get('code')}: {data.get('detail')}"
             record.unvalidated_since = time.monotonic() - self.reconcile_after
             return None
         entry.outcome = "ok"

@@ -9,35 +9,22 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import FastAPI, Path, Query, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, Field, StrictInt
 
 from staleflow.config import ManagerConfig
+from staleflow.errors import ErrorCode
 from staleflow.ledger import BufferView, LedgerError, Transition
-from staleflow.servers.ledger_store import DurableLedger, StoreError
+from staleflow.servers.http import service_app
+from staleflow.servers.ledger_store import DurableLedger
 
 log = logging.getLogger(__name__)
 
 GROUP_ID_PATTERN = r"^[A-Za-z0-9._:@+\-]{1,200}$"
 SQL_INT_MAX = 2**63 - 1  # what SQL databases store in an integer column
 GroupId = Annotated[str, Path(pattern=GROUP_ID_PATTERN, description="prompt group id")]
-
-# HTTP status for each refusal code of the ledger
-ERROR_STATUS = {
-    "unknown_group": 404,
-    "retired_group": 409,
-    "duplicate_group": 409,
-    "not_admissible": 409,
-    "invalid_status": 409,
-    "group_complete": 409,
-    "invalid_member": 409,
-    "not_ready": 409,
-    "not_next": 409,
-    "invalid_version": 422,
-    "invalid_group": 422,
-}
 
 
 class ReservationRequest(BaseModel):
@@ -68,7 +55,7 @@ class LedgerCollector:
     def __init__(self, ledger: DurableLedger):
         self.ledger = ledger
 
-    def collect(self):  # noqa: ANN201
+    def collect(self):
         version, buffers, counts = self.ledger.snapshot()
         stats = self.ledger.stats
         g = GaugeMetricFamily("staleflow_ledger_train_version", "buffers consumed so far (trainer version)")
@@ -115,15 +102,7 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             if owned:
                 app.state.ledger.close()
 
-    app = FastAPI(title="StaleFlow staleness manager", version="1", lifespan=lifespan)
-
-    @app.exception_handler(LedgerError)
-    async def _ledger_error(_: Request, exc: LedgerError) -> JSONResponse:
-        return JSONResponse({"detail": exc.message, "code": exc.code, **exc.details}, status_code=ERROR_STATUS.get(exc.code, 409))
-
-    @app.exception_handler(StoreError)
-    async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "code": "store_unavailable"}, status_code=503)
+    app = service_app("StaleFlow staleness manager", lifespan)
 
     def the_ledger(request: Request) -> DurableLedger:
         return request.app.state.ledger
@@ -159,10 +138,8 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             groups = led.consumed_batch(version)
             return {"version": version, "state": "consumed", "capacity": led.params.batch_size,
                     "entries": [{"group_id": g, "status": "consumed"} for g in groups]}
-        return JSONResponse(
-            {"detail": f"buffer {version} is not live yet: live buffers are {current}..{current + led.params.eta}"},
-            status_code=404,
-        )
+        raise LedgerError(ErrorCode.UNKNOWN_BUFFER,
+                          f"buffer {version} is not live yet: live buffers are {current}..{current + led.params.eta}")
 
     @app.get("/v1/admission")
     def admission(
@@ -200,7 +177,7 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
         fate = led.fate(group_id)
         if fate is not None:
             return {"group_id": group_id, "status": fate.value}
-        return JSONResponse({"detail": f"group {group_id!r} is not in the ledger"}, status_code=404)
+        raise LedgerError(ErrorCode.UNKNOWN_GROUP, f"group {group_id!r} is not in the ledger")
 
     @app.post("/v1/consume")
     async def consume(
@@ -212,7 +189,7 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
         try:
             t = await transition(request, "consume", version)
         except LedgerError as exc:
-            if exc.code != "already_consumed" or version is None:
+            if exc.code is not ErrorCode.ALREADY_CONSUMED or version is None:
                 raise
             groups = the_ledger(request).consumed_batch(version)
             return {"version": version, "group_ids": groups, "cancelled": [], "replayed": True}

@@ -19,13 +19,14 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
 
 from staleflow.config import ServiceConfig
-from staleflow.rewards import RewardRequest, RewardScorer, VerifierError
+from staleflow.errors import ErrorCode, StaleFlowError
+from staleflow.rewards import RewardRequest, RewardScorer
 from staleflow.rewards.registry import BUILTIN_VERIFIERS, IMPORT_PATH
 from staleflow.servers.clients import RestClient
+from staleflow.servers.http import service_app
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,7 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
             if owned:
                 app.state.scorer.close()
 
-    app = FastAPI(title="StaleFlow reward server", version="1", lifespan=lifespan)
-
-    @app.exception_handler(VerifierError)
-    async def _verifier_error(_: Request, exc: VerifierError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+    app = service_app("StaleFlow reward server", lifespan)
 
     @app.get("/v1/health")
     def health(request: Request) -> dict:
@@ -93,11 +90,11 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
     @app.post("/v1/rewards")
     async def rewards(request: Request, items: list[RewardItem]) -> list[dict]:
         if len(items) > config.max_batch:
-            return JSONResponse({"detail": f"{len(items)} items; at most {config.max_batch} per request"}, status_code=413)
+            raise StaleFlowError(ErrorCode.BATCH_TOO_LARGE, f"{len(items)} items; at most {config.max_batch} per request")
         for item in items:
             if len(item.response_text) > config.max_chars or len(item.answer) > config.max_chars:
-                return JSONResponse({"detail": f"item {item.id!r}: response_text and answer are limited to "
-                                               f"{config.max_chars} characters"}, status_code=413)
+                raise StaleFlowError(ErrorCode.BATCH_TOO_LARGE, f"item {item.id!r}: response_text and answer are "
+                                                                f"limited to {config.max_chars} characters")
         requests = [RewardRequest(i.response_text, i.answer, i.verifier) for i in items]
         verdicts = await asyncio.to_thread(request.app.state.scorer.score, requests)
         return [{"id": item.id, **verdict.to_json()} for item, verdict in zip(items, verdicts, strict=True)]

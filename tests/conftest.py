@@ -4,13 +4,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from support import manager_config
 
 from staleflow.servers.clients import ManagerClient
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app
-
 
 TESTS = Path(__file__).parent
 

@@ -8,18 +8,14 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Body, FastAPI, Query, Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
-from staleflow.engines.base import (
-    EngineError,
-    RolloutEngine,
-)
+from staleflow.engines.base import RolloutEngine
+from staleflow.servers.http import service_app
 from staleflow.servers.instance.config import InstanceConfig
 from staleflow.servers.instance.state import InstanceServer
-from staleflow.servers.instance.wire import AdvanceIn, CommandEnvelope, describe_errors, error_response, plain_errors
+from staleflow.servers.instance.wire import AdvanceIn, AnyCommand
 
 log = logging.getLogger(__name__)
 
@@ -40,32 +36,17 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
         finally:
             await server.stop()
 
-    app = FastAPI(title=f"StaleFlow rollout instance {config.instance_id}", lifespan=lifespan)
+    app = service_app(f"StaleFlow rollout instance {config.instance_id}", lifespan)
     app.state.instance = server
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = list(exc.errors())
-        return error_response("invalid_request", describe_errors(errors), 422, details=plain_errors(errors))
-
-    @app.exception_handler(EngineError)
-    async def _refused(request: Request, exc: EngineError) -> JSONResponse:
-        return error_response(exc.code, exc.message)
-
     @app.post("/v1/commands")
-    async def commands(request: Request) -> JSONResponse:
-        try:
-            payload = await request.json()
-        except ValueError:
-            return error_response("invalid_request", "body must be a JSON object", 400)
-        try:
-            command = CommandEnvelope.model_validate({"command": payload}).command
-        except ValidationError as exc:
-            errors = list(exc.errors())
-            return error_response("invalid_command", describe_errors(errors), 422, details=plain_errors(errors))
+    async def commands(command: Annotated[AnyCommand, Body(discriminator="kind")], response: Response) -> Any:
         status, body, replayed = await server.apply(command)
         headers = {"Idempotent-Replay": "true"} if replayed else None
-        return JSONResponse(body, status_code=status, headers=headers)
+        if status != 200:  # a refusal, recorded for replay like a result
+            return JSONResponse(body, status_code=status, headers=headers)
+        response.headers.update(headers or {})
+        return body
 
     @app.get("/v1/snapshot")
     async def snapshot() -> dict[str, Any]:

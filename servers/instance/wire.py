@@ -1,16 +1,13 @@
-"""The instance server's wire models: commands, trajectories, weights sources, the sim clock's advance,
-and the error body ``{"error": {"code", "message"}}`` with its code -> status table."""
+"""The instance server's wire models: commands, trajectories, weights sources, the sim clock's advance."""
 
 from __future__ import annotations
 
 import base64
-import binascii
 import math
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from staleflow.config import StrictModel
 from staleflow.engines.base import (
@@ -26,6 +23,7 @@ from staleflow.engines.base import (
     WeightsPath,
     WeightsRef,
 )
+from staleflow.errors import ErrorCode
 from staleflow.servers.instance.config import ID_PATTERN
 
 
@@ -133,16 +131,12 @@ class PullCommand(_CommandBase):
             return WeightsFromParams(self.version, w.url, w.transport)
         try:
             return WeightsBlob(self.version, base64.b64decode(w.data_b64, validate=True))
-        except binascii.Error as exc:
-            raise EngineError("invalid_weights", f"weights.data_b64 is not base64: {exc}") from None
+        except ValueError as exc:  # binascii.Error, or characters outside ASCII
+            raise EngineError(ErrorCode.INVALID_WEIGHTS, f"weights.data_b64 is not base64: {exc}") from None
 
 
 AnyCommand = RouteCommand | InterruptCommand | AbortCommand | PullCommand
 Command = Annotated[AnyCommand, Field(discriminator="kind")]
-
-
-class CommandEnvelope(BaseModel):
-    command: Command
 
 
 MAX_SIM_SECONDS = 1e9  # ~31 simulated years: beyond this, float time steps lose their meaning
@@ -179,33 +173,3 @@ def trajectory_json(t: Trajectory) -> dict[str, Any]:
     if isinstance(t, CompletedTrajectory):
         data["finish_reason"] = t.finish_reason.value
     return data
-
-
-ERROR_STATUS = {
-    "duplicate_trajectory": 409,
-    "version_too_new": 409,
-    "version_regression": 409,
-    "command_id_reused": 409,
-    "wrong_clock": 409,
-    "time_backwards": 409,
-    "not_sim": 404,
-}
-
-
-def error_response(code: str, message: str, status: int | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message, **extra}}, status_code=status or ERROR_STATUS.get(code, 422))
-
-
-def describe_errors(errors: list[dict[str, Any]]) -> str:
-    parts = []
-    for e in errors:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "command"))
-        parts.append(f"{loc or 'body'}: {e.get('msg')}")
-    return "; ".join(parts)
-
-
-def plain_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
-        for e in errors
-    ]

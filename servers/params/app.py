@@ -10,16 +10,15 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
+from staleflow.errors import ErrorCode
+from staleflow.servers.http import service_app
 from staleflow.servers.params.config import ParamsConfig, ParamsError, TransportName
 from staleflow.servers.params.store import ParamStore, StoredVersion
-from staleflow.transports.base import (
-    FormatError,
-    checksum_algorithms,
-)
+from staleflow.transports.base import checksum_algorithms
 from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range
 from staleflow.transports.shm import host_id
 
@@ -64,16 +63,8 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
             if owned:
                 app.state.store.close()
 
-    app = FastAPI(title="StaleFlow parameter server", version="1", lifespan=lifespan)
+    app = service_app("StaleFlow parameter server", lifespan)
     app.state.body_limit_exempt = r"^/v1/params/[^/]+/chunks/"  # bounded per chunk (chunk_bytes) instead
-
-    @app.exception_handler(ParamsError)
-    async def _params_error(_: Request, exc: ParamsError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
-
-    @app.exception_handler(FormatError)
-    async def _format_error(_: Request, exc: FormatError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
 
     def the_store(request: Request) -> ParamStore:
         return request.app.state.store
@@ -94,7 +85,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     @app.post("/v1/params/{version}", status_code=201)
     def begin_push(request: Request, version: Annotated[int, "version number"], body: PushBegin) -> dict:
         if version < 0:
-            raise ParamsError(422, "version must be >= 0")
+            raise ParamsError(ErrorCode.INVALID_VERSION, "version must be >= 0")
         push = the_store(request).begin_push(version, [(t.name, t.dtype, t.shape) for t in body.tensors], body.metadata)
         return {"push_id": push.push_id, "version": version, "chunk_bytes": config.chunk_bytes,
                 "total_bytes": sum(c.length for c in push.chunks),
@@ -113,7 +104,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
             await asyncio.to_thread(writer.flush)
         except ClientDisconnect:
             writer.abandon()
-            raise ParamsError(400, f"the client went away in the middle of chunk {index}") from None
+            raise ParamsError(ErrorCode.CLIENT_DISCONNECTED, f"the client went away in the middle of chunk {index}") from None
         except BaseException:
             writer.abandon()
             raise
@@ -136,7 +127,8 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     def begin_pull(request: Request, version: VersionSpec, body: PullBegin | None = None) -> dict:
         body = body or PullBegin()
         if body.transport not in config.transports:
-            raise ParamsError(422, f"transport {body.transport!r} is not enabled here (enabled: {', '.join(config.transports)})")
+            raise ParamsError(ErrorCode.TRANSPORT_DISABLED,
+                              f"transport {body.transport!r} is not enabled here (enabled: {', '.join(config.transports)})")
         s = the_store(request)
         lease, stored = s.acquire(version, body.transport, body.wait_s)
         try:
@@ -150,7 +142,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     @app.delete("/v1/pulls/{lease_id}")
     def end_pull(request: Request, lease_id: str) -> dict:
         if not the_store(request).release(lease_id):
-            raise ParamsError(404, f"lease {lease_id!r} is unknown or lapsed")
+            raise ParamsError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown or lapsed")
         return {"lease_id": lease_id, "released": True}
 
     @app.get("/v1/params/{version}/chunks/{index}")
@@ -161,7 +153,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         if not 0 <= index < len(chunks):
             os.close(fd)
             s.stream_done()
-            raise ParamsError(404, f"version {version} has chunks 0..{len(chunks) - 1}, not {index}")
+            raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{len(chunks) - 1}, not {index}")
         chunk = chunks[index]
         return _stream(s, fd, stored.manifest.data_offset + chunk.offset, chunk.length,
                        {CHECKSUM_HEADER: chunk.checksum or ""})
@@ -199,7 +191,8 @@ def _transport_details(store: ParamStore, stored: StoredVersion, transport: str)
             try:
                 slot = store.shm.publish(version, stored.fd, stored.file_size)
             except OSError as exc:
-                raise ParamsError(503, f"cannot publish version {version} to shared memory: {exc}; pull over http") from None
+                raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE,
+                                  f"cannot publish version {version} to shared memory: {exc}; pull over http") from None
         return {"path": str(slot.path), "size": slot.size, "host_id": host_id()}
     if transport == "nixl":
         assert store.nixl is not None

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from staleflow.config import ServiceConfig
+from staleflow.errors import StaleFlowError
 
 TransportName = Literal["http", "shm", "nixl"]
 
@@ -34,8 +35,5 @@ class ParamsConfig(ServiceConfig):
         return self
 
 
-class ParamsError(Exception):
-    def __init__(self, status: int, detail: str):
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
+class ParamsError(StaleFlowError):
+    """A request the parameter store refuses."""

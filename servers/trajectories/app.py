@@ -9,18 +9,16 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 import httpx
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse
 
+from staleflow.errors import ErrorCode, StaleFlowError, error_body
 from staleflow.servers.clients import AsyncManagerClient, ServiceError
+from staleflow.servers.http import error_response, service_app
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
 from staleflow.servers.trajectories.rewards import RewardFn, make_reward
 from staleflow.servers.trajectories.service import TrajectoryServer
-from staleflow.servers.trajectories.store import (
-    StoreConflict,
-    TrajectoryStore,
-    TrajState,
-)
+from staleflow.servers.trajectories.store import TrajectoryStore, TrajState
 from staleflow.servers.trajectories.wire import (
     AckRequest,
     CheckoutRequest,
@@ -54,21 +52,20 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
             await manager.aclose()
             store.close()
 
-    app = FastAPI(title="StaleFlow trajectory server", version="1", lifespan=lifespan)
-
-    @app.exception_handler(StoreConflict)
-    async def _conflict(_: Request, exc: StoreConflict) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
+    app = service_app("StaleFlow trajectory server", lifespan)
 
     @app.exception_handler(ServiceError)
     async def _upstream(_: Request, exc: ServiceError) -> JSONResponse:
-        # the manager's refusal of what the client asked (e.g. an unknown buffer) is the client's 4xx
-        status = exc.status if 400 <= exc.status < 500 else 502
-        return JSONResponse({"detail": f"staleness manager: {exc.detail}"}, status_code=status)
+        # the manager's refusal of what the client asked (e.g. an unknown buffer) is the client's 4xx,
+        # with the manager's code
+        if 400 <= exc.status < 500 and exc.code is not None:
+            return JSONResponse({**exc.body, **error_body(exc.code, f"staleness manager: {exc.detail}")},
+                                status_code=exc.status)
+        return error_response(ErrorCode.UPSTREAM_ERROR, f"staleness manager: {exc.detail}", upstream_status=exc.status)
 
     @app.exception_handler(httpx.TransportError)
     async def _unreachable(_: Request, exc: httpx.TransportError) -> JSONResponse:
-        return JSONResponse({"detail": f"staleness manager unreachable: {exc.__class__.__name__}"}, status_code=503)
+        return error_response(ErrorCode.UPSTREAM_UNAVAILABLE, f"staleness manager unreachable: {exc.__class__.__name__}")
 
     def ts(request: Request) -> TrajectoryServer:
         return request.app.state.ts
@@ -119,9 +116,7 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
         return {"acknowledged": len(body.traj_ids)}
 
     @app.get("/v1/batches/{version}")
-    async def batch(request: Request, version: int) -> dict:
-        if version < 0:
-            return JSONResponse({"detail": "version must be >= 0"}, status_code=422)
+    async def batch(request: Request, version: Annotated[int, Path(ge=0)]) -> dict:
         return await ts(request).batch(version)
 
     @app.delete("/v1/batches/{version}")
@@ -150,7 +145,7 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
         store = ts(request).store
         t = store.trajs.get(traj_id)
         if t is None:
-            return JSONResponse({"detail": f"trajectory {traj_id!r} is unknown"}, status_code=404)
+            raise StaleFlowError(ErrorCode.UNKNOWN_TRAJECTORY, f"trajectory {traj_id!r} is unknown")
         g = store.groups[t.group_id]
         return {**summary(t, g), **traj_payload(t, g, ts(request).config.sampling), "reward": t.reward,
                 "reward_reason": t.reward_reason, "finish_reason": t.finish_reason, "prompt_text": g.prompt_text}

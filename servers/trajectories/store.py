@@ -26,6 +26,7 @@ from enum import StrEnum
 import numpy as np
 from sqlalchemy import Engine, bindparam, delete, insert, select, update
 
+from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers import db
 from staleflow.servers.schema import ts_groups, ts_meta, ts_trajectories
 
@@ -51,8 +52,11 @@ class GroupState(StrEnum):
 LIVE_GROUP_STATES = frozenset({GroupState.SAMPLED, GroupState.RESERVED, GroupState.OCCUPIED})
 
 
-class StoreConflict(ValueError):
+class StoreConflict(StaleFlowError, ValueError):
     """A transition that the state machine does not allow."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.TRAJECTORY_CONFLICT):
+        super().__init__(code, message)
 
 
 @dataclass

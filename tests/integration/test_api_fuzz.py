@@ -62,7 +62,7 @@ def fuzz_service(url: str) -> int:
 
         @FUZZ
         @given(case=operation.as_strategy())
-        def no_server_error(case) -> None:  # noqa: ANN001
+        def no_server_error(case) -> None:
             if isinstance(case.query, dict) and "wait_s" in case.query:
                 case.query["wait_s"] = 0  # long polls are tested elsewhere; here only answers count
             response = case.call(base_url=url, timeout=30)

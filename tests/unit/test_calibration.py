@@ -32,9 +32,9 @@ from staleflow.calibration import (
     read_calibration,
     write_calibration,
 )
+from staleflow.calibration.profile import ProfileConfig, plan_points, trim_outliers
 from staleflow.cli.calibrate import POOR_FIT_EXIT, SIM_GRID, register
 from staleflow.cost_model import CostModel
-from staleflow.calibration.profile import ProfileConfig, plan_points, trim_outliers
 
 runner = CliRunner()
 
@@ -76,7 +76,7 @@ def synthetic(cost: CostModel, noise: float = 0.0, per_point: int = 4, seed: int
     return samples
 
 
-def rel_errors(fit, truth: CostModel) -> dict[str, float]:  # noqa: ANN001
+def rel_errors(fit, truth: CostModel) -> dict[str, float]:
     return {k: abs(getattr(fit, k) / getattr(truth, k) - 1) for k in ("k1", "k2", "k3", "k4")}
 
 
