@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from staleflow.config import ManagerConfig
 from staleflow.errors import ErrorCode
@@ -30,6 +30,65 @@ GroupId = Annotated[str, Path(pattern=GROUP_ID_PATTERN, description="prompt grou
 class ReservationRequest(BaseModel):
     group_id: str = Field(pattern=GROUP_ID_PATTERN, description="prompt group id (single use)")
     v_traj: StrictInt = Field(ge=0, description="the group's trajectory version V_traj")
+
+
+class Health(BaseModel):
+    status: str
+    train_version: int
+
+
+class EntryOut(BaseModel):
+    group_id: str
+    v_traj: int | None = None  # absent for consumed buffers
+    status: str
+
+
+class BufferOut(BaseModel):
+    version: int
+    state: str = Field(description="waiting, ready, stuck or consumed")
+    capacity: int
+    entries: list[EntryOut]
+
+
+class BuffersOut(BaseModel):
+    train_version: int
+    eta: int
+    batch_size: int
+    buffers: list[BufferOut]
+
+
+class AdmissionOut(BaseModel):
+    train_version: int
+    eta: int
+    admissible: dict[str, int] = Field(description="V_traj -> groups it can still admit")
+
+
+class TransitionOut(BaseModel):
+    group_id: str
+    buffer: int | None
+    cancelled: list[str] = Field(description="groups aborted as a side effect (surplus)")
+    completed_members: list[str] | None = None
+    occupied: bool | None = None
+
+
+class ReservationOut(BaseModel):
+    group_id: str
+    status: str
+    v_traj: int | None = None
+    completed_members: list[str] | None = None
+
+
+class ConsumedOut(BaseModel):
+    version: int | None
+    group_ids: list[str]
+    cancelled: list[str]
+    replayed: bool
+
+
+class EventsOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    events: list[dict]
+    next: int
 
 
 def buffer_json(view: BufferView) -> dict:
@@ -84,6 +143,13 @@ class LedgerCollector:
         yield aborted
 
 
+def the_ledger(request: Request) -> DurableLedger:
+    return request.app.state.ledger
+
+
+LedgerDep = Annotated[DurableLedger, Depends(the_ledger)]
+
+
 def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> FastAPI:
     """The staleness manager. Owns ``ledger`` if given, else opens the configured database."""
 
@@ -104,21 +170,18 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
 
     app = service_app("StaleFlow staleness manager", lifespan)
 
-    def the_ledger(request: Request) -> DurableLedger:
-        return request.app.state.ledger
-
-    async def transition(request: Request, name: str, *args: object) -> Transition:
+    async def transition(led: DurableLedger, name: str, *args: object) -> Transition:
         # awaited on the event loop: no worker-thread hop on the hot path
-        return await asyncio.wrap_future(the_ledger(request).submit(name, *args))
+        return await asyncio.wrap_future(led.submit(name, *args))
 
-    @app.get("/v1/health")
-    def health(request: Request) -> dict:
-        led = the_ledger(request)
+    optional = {"response_model_exclude_none": True}  # fields that only some answers carry are left out
+
+    @app.get("/v1/health", response_model=Health)
+    def health(led: LedgerDep) -> dict:
         return {"status": "ok", "train_version": led.train_version}
 
-    @app.get("/v1/buffers")
-    def buffers(request: Request) -> dict:
-        led = the_ledger(request)
+    @app.get("/v1/buffers", response_model=BuffersOut, **optional)
+    def buffers(led: LedgerDep) -> dict:
         version, views, _ = led.snapshot()
         return {
             "train_version": version,
@@ -127,9 +190,8 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             "buffers": [buffer_json(v) for v in views],
         }
 
-    @app.get("/v1/buffers/{version}")
-    def buffer(request: Request, version: Annotated[int, Path(ge=0, le=SQL_INT_MAX)]) -> dict:
-        led = the_ledger(request)
+    @app.get("/v1/buffers/{version}", response_model=BufferOut, **optional)
+    def buffer(led: LedgerDep, version: Annotated[int, Path(ge=0, le=SQL_INT_MAX)]) -> dict:
         current, views, _ = led.snapshot()
         for view in views:
             if view.version == version:
@@ -141,35 +203,33 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
         raise LedgerError(ErrorCode.UNKNOWN_BUFFER,
                           f"buffer {version} is not live yet: live buffers are {current}..{current + led.params.eta}")
 
-    @app.get("/v1/admission")
+    @app.get("/v1/admission", response_model=AdmissionOut)
     def admission(
-        request: Request,
+        led: LedgerDep,
         versions: Annotated[list[int] | None, Query(description="V_traj values to ask about; default all live")] = None,
     ) -> dict:
-        led = the_ledger(request)
         table = led.admission(versions)
         return {"train_version": led.train_version, "eta": led.params.eta,
                 "admissible": {str(v): n for v, n in table.items()}}
 
-    @app.post("/v1/reservations", status_code=201)
-    async def reserve(request: Request, body: ReservationRequest) -> dict:
-        return transition_json(await transition(request, "reserve", body.group_id, body.v_traj))
+    @app.post("/v1/reservations", status_code=201, response_model=TransitionOut, **optional)
+    async def reserve(led: LedgerDep, body: ReservationRequest) -> dict:
+        return transition_json(await transition(led, "reserve", body.group_id, body.v_traj))
 
-    @app.post("/v1/reservations/{group_id}/occupy")
-    async def occupy(request: Request, group_id: GroupId) -> dict:
-        return transition_json(await transition(request, "occupy", group_id))
+    @app.post("/v1/reservations/{group_id}/occupy", response_model=TransitionOut, **optional)
+    async def occupy(led: LedgerDep, group_id: GroupId) -> dict:
+        return transition_json(await transition(led, "occupy", group_id))
 
-    @app.post("/v1/reservations/{group_id}/members/{member_id}/complete")
-    async def complete_member(request: Request, group_id: GroupId, member_id: GroupId) -> dict:
-        return transition_json(await transition(request, "complete_member", group_id, member_id))
+    @app.post("/v1/reservations/{group_id}/members/{member_id}/complete", response_model=TransitionOut, **optional)
+    async def complete_member(led: LedgerDep, group_id: GroupId, member_id: GroupId) -> dict:
+        return transition_json(await transition(led, "complete_member", group_id, member_id))
 
-    @app.delete("/v1/reservations/{group_id}")
-    async def abort(request: Request, group_id: GroupId) -> dict:
-        return transition_json(await transition(request, "abort", group_id))
+    @app.delete("/v1/reservations/{group_id}", response_model=TransitionOut, **optional)
+    async def abort(led: LedgerDep, group_id: GroupId) -> dict:
+        return transition_json(await transition(led, "abort", group_id))
 
-    @app.get("/v1/reservations/{group_id}")
-    def reservation(request: Request, group_id: GroupId) -> dict:
-        led = the_ledger(request)
+    @app.get("/v1/reservations/{group_id}", response_model=ReservationOut, **optional)
+    def reservation(led: LedgerDep, group_id: GroupId) -> dict:
         entry = led.entry(group_id)
         if entry is not None:
             return {"group_id": group_id, "v_traj": entry.v_traj, "status": entry.status.value,
@@ -179,32 +239,32 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             return {"group_id": group_id, "status": fate.value}
         raise LedgerError(ErrorCode.UNKNOWN_GROUP, f"group {group_id!r} is not in the ledger")
 
-    @app.post("/v1/consume")
+    @app.post("/v1/consume", response_model=ConsumedOut)
     async def consume(
-        request: Request,
+        led: LedgerDep,
         version: Annotated[int | None, Query(ge=0, le=SQL_INT_MAX, description=(
             "the buffer the caller means to consume; a retry of an acknowledged consume then replays "
             "its result (replayed: true) instead of consuming the next buffer"))] = None,
     ) -> dict:
         try:
-            t = await transition(request, "consume", version)
+            t = await transition(led, "consume", version)
         except LedgerError as exc:
             if exc.code is not ErrorCode.ALREADY_CONSUMED or version is None:
                 raise
-            groups = the_ledger(request).consumed_batch(version)
+            groups = led.consumed_batch(version)
             return {"version": version, "group_ids": groups, "cancelled": [], "replayed": True}
         return {"version": t.buffer, "group_ids": t.consumed, "cancelled": t.cancelled, "replayed": False}
 
-    @app.get("/v1/events")
+    @app.get("/v1/events", response_model=EventsOut)
     def events(
-        request: Request,
+        led: LedgerDep,
         after: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> dict:
-        rows = the_ledger(request).events(after, limit)
+        rows = led.events(after, limit)
         return {"events": rows, "next": rows[-1]["id"] if rows else after}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def metrics(request: Request) -> PlainTextResponse:
         return PlainTextResponse(generate_latest(request.app.state.registry), media_type="text/plain; version=0.0.4")
 

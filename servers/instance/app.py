@@ -15,7 +15,16 @@ from staleflow.engines.base import RolloutEngine
 from staleflow.servers.http import service_app
 from staleflow.servers.instance.config import InstanceConfig
 from staleflow.servers.instance.state import InstanceServer
-from staleflow.servers.instance.wire import AdvanceIn, AnyCommand
+from staleflow.servers.instance.wire import (
+    Advanced,
+    AdvanceIn,
+    AnyCommand,
+    CommandResult,
+    CompletedFeed,
+    EngineStats,
+    InstanceHealth,
+    SnapshotOut,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +48,7 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
     app = service_app(f"StaleFlow rollout instance {config.instance_id}", lifespan)
     app.state.instance = server
 
-    @app.post("/v1/commands")
+    @app.post("/v1/commands", response_model=CommandResult)
     async def commands(command: Annotated[AnyCommand, Body(discriminator="kind")], response: Response) -> Any:
         status, body, replayed = await server.apply(command)
         headers = {"Idempotent-Replay": "true"} if replayed else None
@@ -48,11 +57,11 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
         response.headers.update(headers or {})
         return body
 
-    @app.get("/v1/snapshot")
+    @app.get("/v1/snapshot", response_model=SnapshotOut)
     async def snapshot() -> dict[str, Any]:
         return await server.snapshot()
 
-    @app.get("/v1/completed")
+    @app.get("/v1/completed", response_model=CompletedFeed)
     async def completed(
         after: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 256,
@@ -71,11 +80,11 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
             "dropped": outbox.dropped,
         }
 
-    @app.get("/v1/health")
+    @app.get("/v1/health", response_model=InstanceHealth)
     async def health() -> dict[str, Any]:
         return server.health()
 
-    @app.get("/v1/stats")
+    @app.get("/v1/stats", response_model=EngineStats)
     async def stats() -> dict[str, Any]:
         """Where the engine's time went (paper Table 3), for engines that account for it."""
         core = getattr(server.engine, "core", None)
@@ -84,7 +93,7 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
         return {"instance_id": server.instance_id, "engine": config.engine, "available": True,
                 **dataclasses.asdict(core.stats)}
 
-    @app.post("/v1/sim/advance")
+    @app.post("/v1/sim/advance", response_model=Advanced)
     async def advance(body: AdvanceIn) -> dict[str, Any]:
         return await server.advance(body)
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from staleflow.config import StrictModel
 from staleflow.engines.base import (
@@ -173,3 +173,116 @@ def trajectory_json(t: Trajectory) -> dict[str, Any]:
     if isinstance(t, CompletedTrajectory):
         data["finish_reason"] = t.finish_reason.value
     return data
+
+
+# -- answers
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SegmentOut(_Answer):
+    version: int
+    start: int
+    end: int
+
+
+class TrajectoryOut(_Answer):
+    """A trajectory as handed out: a partial can be routed back as is."""
+
+    traj_id: str
+    group_id: str
+    prompt_ids: list[int]
+    v_traj: int
+    sampling: dict[str, Any]
+    tokens: list[int]
+    logprobs: list[float]
+    segments: list[SegmentOut]
+
+
+class FinishedTrajectoryOut(TrajectoryOut):
+    finish_reason: str
+
+
+class _Applied(_Answer):
+    command_id: str
+    seq: int = Field(description="the command's place in this instance's order of applied commands")
+
+
+class RouteResult(_Applied):
+    kind: Literal["route"]
+    routed: list[str]
+
+
+class InterruptResult(_Applied):
+    kind: Literal["interrupt"]
+    partials: list[TrajectoryOut]
+    not_found: list[str]
+
+
+class AbortResult(_Applied):
+    kind: Literal["abort"]
+    aborted: list[str]
+    not_found: list[str]
+
+
+class PullResult(_Applied):
+    kind: Literal["pull"]
+    version: int
+    partials: list[TrajectoryOut] = Field(description="everything in flight, interrupted by the weight load")
+
+
+CommandResult = Annotated[RouteResult | InterruptResult | AbortResult | PullResult, Field(discriminator="kind")]
+
+
+class SnapshotOut(_Answer):
+    instance_id: str
+    boot_id: str
+    seq: int
+    timestamp: float
+    engine_time: float | None
+    kv_cache: int | float
+    run_trajs: list[str]
+    wait_trajs: list[str]
+    complete_trajs: list[str]
+    inst_version: int
+    loading_weights: bool
+
+
+class CompletedItem(_Answer):
+    seq: int
+    instance_id: str
+    finished_at: float
+    trajectory: FinishedTrajectoryOut
+
+
+class CompletedFeed(_Answer):
+    items: list[CompletedItem]
+    next_after: int
+    last_seq: int
+    oldest_seq: int | None
+    dropped: int
+
+
+class InstanceHealth(_Answer):
+    status: str
+    instance_id: str
+    engine: str
+    seq: int
+    outbox: dict[str, int]
+    callback: dict[str, Any]
+
+
+class EngineStats(BaseModel):
+    """Where the engine's time went, for engines that account for it (their own fields follow)."""
+
+    model_config = ConfigDict(extra="allow")
+    instance_id: str
+    engine: str
+    available: bool
+
+
+class Advanced(_Answer):
+    now: float
+    completed_seq: int
