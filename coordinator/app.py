@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
-from pydantic import BaseModel, Field, model_validator
+from fastapi import Depends, FastAPI, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from staleflow.calibration import CalibrationRef, calibrated_cost
 from staleflow.config import CostConfig, HttpUrl, ServiceConfig
 from staleflow.coordinator.service import Coordinator, InstanceRecord
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.http import service_app
+from staleflow.servers.instance.wire import SnapshotOut
 from staleflow.strategies import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 
 INSTANCE_ID = r"^[A-Za-z0-9._:@+\-]{1,200}$"
@@ -58,6 +60,68 @@ class CoordinatorConfig(ServiceConfig):
                               max_in_flight=self.max_in_flight)
 
 
+class CoordinatorHealth(BaseModel):
+    status: str
+    cycles: int
+
+
+class InstanceView(BaseModel):
+    """An instance as the coordinator sees it (``Coordinator.describe``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    instance_id: str
+    url: str
+    status: str = Field(description="joining, live, syncing or failed")
+    validated: bool
+    snapshot: dict[str, Any] | None
+    speculative: dict[str, int] | None = Field(description="the speculative state P: inst_version, accum_traj_num")
+    estimated_throughput: float
+    commands_in_flight: int
+
+
+class InstancesOut(BaseModel):
+    ps_version: int
+    instances: list[InstanceView]
+
+
+class CommandView(BaseModel):
+    command_id: str
+    instance_id: str
+    kind: str
+    size: int
+    issued_at: float
+    completed_at: float | None
+    outcome: str
+
+
+class CommandsOut(BaseModel):
+    commands: list[CommandView]
+
+
+class CoordinatorStatsOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cycles: int
+    accepted_snapshots: int
+    discarded_snapshots: int
+    last_decision_ms: float
+    mean_decision_ms: float
+    routed: int
+    interrupted: int
+    pulls: int
+    aborts: int
+    failures: int
+    rejoined: int
+    released: int
+    strategy: dict[str, str]
+
+
+def the_coordinator(request: Request) -> Coordinator:
+    return request.app.state.coordinator
+
+
+CoordinatorDep = Annotated[Coordinator, Depends(the_coordinator)]
+
+
 def create_app(config: CoordinatorConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -80,57 +144,50 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
 
     app = service_app("StaleFlow coordinator", lifespan)
 
-    def co(request: Request) -> Coordinator:
-        return request.app.state.coordinator
+    @app.get("/v1/health", response_model=CoordinatorHealth)
+    async def health(c: CoordinatorDep) -> dict:
+        return {"status": "ok", "cycles": c.stats.cycles}
 
-    @app.get("/v1/health")
-    async def health(request: Request) -> dict:
-        return {"status": "ok", "cycles": co(request).stats.cycles}
-
-    @app.get("/v1/instances")
-    async def instances(request: Request) -> dict:
-        c = co(request)
+    @app.get("/v1/instances", response_model=InstancesOut)
+    async def instances(c: CoordinatorDep) -> dict:
         return {"ps_version": c.ps_version, "instances": [c.describe(r) for r in c.instances.values()]}
 
-    @app.post("/v1/instances", status_code=201)
-    async def register(request: Request, body: InstanceEndpoint) -> dict:
-        c = co(request)
+    @app.post("/v1/instances", status_code=201, response_model=InstanceView)
+    async def register(c: CoordinatorDep, body: InstanceEndpoint) -> dict:
         return c.describe(c.add_instance(body.instance_id, body.url, config.cost.cost_model()))
 
-    def _record(request: Request, instance_id: str) -> InstanceRecord:
-        record = co(request).instances.get(instance_id)
+    def _record(c: Coordinator, instance_id: str) -> InstanceRecord:
+        record = c.instances.get(instance_id)
         if record is None:
             raise StaleFlowError(ErrorCode.UNKNOWN_INSTANCE, f"instance {instance_id!r} is not registered")
         return record
 
-    @app.get("/v1/instances/{instance_id}")
-    async def instance(request: Request, instance_id: str) -> dict:
-        return co(request).describe(_record(request, instance_id))
+    @app.get("/v1/instances/{instance_id}", response_model=InstanceView)
+    async def instance(c: CoordinatorDep, instance_id: str) -> dict:
+        return c.describe(_record(c, instance_id))
 
-    @app.get("/v1/instances/{instance_id}/snapshot")
-    async def instance_snapshot(request: Request, instance_id: str) -> dict:
-        record = _record(request, instance_id)
+    @app.get("/v1/instances/{instance_id}/snapshot", response_model=SnapshotOut)
+    async def instance_snapshot(c: CoordinatorDep, instance_id: str) -> dict:
+        record = _record(c, instance_id)
         if record.snapshot is None:
             raise StaleFlowError(ErrorCode.NO_SNAPSHOT, f"no snapshot of {instance_id!r} yet")
         return record.snapshot
 
-    @app.get("/v1/commands")
-    async def commands(request: Request, limit: Annotated[int, Query(ge=1, le=2000)] = 50) -> dict:
-        recent = list(co(request).commands)[-limit:]
-        return {"commands": [
-            {"command_id": c.command_id, "instance_id": c.instance_id, "kind": c.kind, "size": c.size,
-             "issued_at": c.issued_at, "completed_at": c.completed_at, "outcome": c.outcome} for c in reversed(recent)]}
+    @app.get("/v1/commands", response_model=CommandsOut)
+    async def commands(c: CoordinatorDep, limit: Annotated[int, Query(ge=1, le=2000)] = 50) -> dict:
+        recent = list(c.commands)[-limit:]
+        return {"commands": [dataclasses.asdict(command) for command in reversed(recent)]}
 
-    @app.get("/v1/coordinator")
-    async def coordinator_stats(request: Request) -> dict:
-        s = co(request).stats
+    @app.get("/v1/coordinator", response_model=CoordinatorStatsOut)
+    async def coordinator_stats(c: CoordinatorDep) -> dict:
+        s = c.stats
         return {
             "cycles": s.cycles, "accepted_snapshots": s.accepted_snapshots, "discarded_snapshots": s.discarded_snapshots,
             "last_decision_ms": s.last_decision_ms,
             "mean_decision_ms": s.decision_ms_total / s.cycles if s.cycles else 0.0,
             "routed": s.routed, "interrupted": s.interrupted, "pulls": s.pulls, "aborts": s.aborts,
             "failures": s.failures, "rejoined": s.rejoined, "released": s.released,
-            "strategy": {k: str(v) for k, v in vars(co(request).strategy).items()},
+            "strategy": {k: str(v) for k, v in vars(c.strategy).items()},
         }
 
     return app

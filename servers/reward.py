@@ -16,10 +16,10 @@ import logging
 import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
-from pydantic import BaseModel, Field, field_validator
+from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from staleflow.config import ServiceConfig
 from staleflow.errors import ErrorCode, StaleFlowError
@@ -60,6 +60,33 @@ class RewardItem(BaseModel):
     verifier: str | None = None
 
 
+class RewardOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | int
+    reward: float
+    reason: str
+    detail: str | None = None
+
+
+class RewardHealth(BaseModel):
+    status: str
+    workers: int
+    replaced_workers: int
+
+
+class VerifiersOut(BaseModel):
+    default: str
+    builtin: list[str]
+    user: dict[str, str]
+
+
+def the_scorer(request: Request) -> RewardScorer:
+    return request.app.state.scorer
+
+
+ScorerDep = Annotated[RewardScorer, Depends(the_scorer)]
+
+
 def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_scorer: bool | None = None) -> FastAPI:
     """The reward server. Closes the scorer (and its worker processes) at shutdown if it made it,
     or if ``owns_scorer``."""
@@ -78,17 +105,17 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
 
     app = service_app("StaleFlow reward server", lifespan)
 
-    @app.get("/v1/health")
-    def health(request: Request) -> dict:
-        pool = request.app.state.scorer.pool
+    @app.get("/v1/health", response_model=RewardHealth)
+    def health(scorer: ScorerDep) -> dict:
+        pool = scorer.pool
         return {"status": "ok", "workers": pool.workers if pool else 0, "replaced_workers": pool.replaced if pool else 0}
 
-    @app.get("/v1/verifiers")
-    def verifiers(request: Request) -> dict:
+    @app.get("/v1/verifiers", response_model=VerifiersOut)
+    def verifiers() -> dict:
         return {"default": config.default_verifier, "builtin": sorted(BUILTIN_VERIFIERS), "user": config.verifiers}
 
-    @app.post("/v1/rewards")
-    async def rewards(request: Request, items: list[RewardItem]) -> list[dict]:
+    @app.post("/v1/rewards", response_model=list[RewardOut], response_model_exclude_none=True)
+    async def rewards(scorer: ScorerDep, items: list[RewardItem]) -> list[dict]:
         if len(items) > config.max_batch:
             raise StaleFlowError(ErrorCode.BATCH_TOO_LARGE, f"{len(items)} items; at most {config.max_batch} per request")
         for item in items:
@@ -96,7 +123,7 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
                 raise StaleFlowError(ErrorCode.BATCH_TOO_LARGE, f"item {item.id!r}: response_text and answer are "
                                                                 f"limited to {config.max_chars} characters")
         requests = [RewardRequest(i.response_text, i.answer, i.verifier) for i in items]
-        verdicts = await asyncio.to_thread(request.app.state.scorer.score, requests)
+        verdicts = await asyncio.to_thread(scorer.score, requests)
         return [{"id": item.id, **verdict.to_json()} for item, verdict in zip(items, verdicts, strict=True)]
 
     return app
