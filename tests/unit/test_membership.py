@@ -99,8 +99,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert running and not progress and self.now - self.live.last_progress > STALL_TIMEOUT
         if not running:
             assert self.live.status is not S.FAILED or was_failed  # idle is never stalled
-        elif not was_failed and self.live.status is not S.FAILED:  # busy: failed once stalled too long
-            assert self.now - self.live.last_progress <= STALL_TIMEOUT
+        elif self.live.status in (S.LIVE, S.SYNCING):  # busy: failed once stalled too long
+            assert self.now - self.live.last_progress <= STALL_TIMEOUT  # (joining: waits, not judged)
 
     def silent(self, dt: float) -> None:
         self.now += dt
@@ -117,7 +117,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.running = False
         self.now += 1.0
         self._cycle(answers=True)
-        if self.ts_up and self.live.status is not S.FAILED or self.live.released:
+        if self.live.status is not S.FAILED:  # it takes part again only as the new process
             assert self.live.boot_id == self.boot
 
     @rule(up=st.booleans())
