@@ -20,7 +20,7 @@ from staleflow.config import LedgerConfig, ManagerConfig
 from staleflow.ledger import Ledger, LedgerParams
 
 
-def _fill_and_drain(ledger, params: LedgerParams, prefix: str, workers: int = 1) -> int:  # noqa: ANN001
+def _fill_and_drain(ledger, params: LedgerParams, prefix: str, workers: int = 1) -> int:
     """One training step in steady state: reserve what is admissible at the newest version,
     occupy it, consume one buffer. Returns the number of transitions."""
     t = ledger.train_version
@@ -197,7 +197,7 @@ def register(bench_app: typer.Typer) -> None:
         emit_results(results, output, as_json, _print)
 
 
-def _decision_scenario(n_instances: int, n_trajectories: int, steady: bool, seed: int = 0):  # noqa: ANN202
+def _decision_scenario(n_instances: int, n_trajectories: int, steady: bool, seed: int = 0):
     """Instances and waiting trajectories for one decision pass. ``steady``: a loaded fleet at
     mixed versions with partial trajectories waiting; otherwise an idle fleet and a fresh batch."""
     import random

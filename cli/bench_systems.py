@@ -65,7 +65,7 @@ def build_spec(preset: str, steps: int, eta: str, sweep: str | None, systems: st
             base = replace(base, workload=load_workload(workload.read_text(), base.workload, workload.stem).with_seed(seed))
         except (OSError, ValueError) as exc:
             raise fail(f"cannot use --workload {workload}: {exc}",
-                       "give a JSON list of groups of lengths, JSONL (one group per line) or a distribution object")
+                       "give a JSON list of groups of lengths, JSONL (one group per line) or a distribution object") from None
     etas = _etas(eta)
     sweep_key, sweep_values = None, ()
     if sweep:
@@ -85,7 +85,7 @@ def build_spec(preset: str, steps: int, eta: str, sweep: str | None, systems: st
         raise fail(str(exc)) from None
 
 
-def run_with_progress(spec: ExperimentSpec, jobs: int):  # noqa: ANN201
+def run_with_progress(spec: ExperimentSpec, jobs: int):
     _, first, later = plan_jobs(spec)
     total = len({j.key() for j in first}) + len(later) + sum(s.name == ALL_VANILLA for _, s in later)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -163,7 +163,7 @@ def _command_line() -> str | None:
     return "staleflow bench systems " + " ".join(shlex.quote(a) for a in argv[argv.index("systems") + 1:])
 
 
-def _write_figures(result, out: Path, text: str) -> None:  # noqa: ANN001
+def _write_figures(result, out: Path, text: str) -> None:
     from staleflow.simulation.plots import FIGURES
 
     out.mkdir(parents=True, exist_ok=True)

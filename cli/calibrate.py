@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -32,13 +33,17 @@ from staleflow.calibration import (
     Thresholds,
     write_calibration,
 )
+from staleflow.calibration.profile import Probe, ProfileConfig, SimProbe, VllmProbe, entry_from_profile, profile
 from staleflow.cli.common import console, err_console, fail
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import EngineError
 from staleflow.engines.sim import SimParams
-from staleflow.calibration.profile import Probe, ProfileConfig, SimProbe, VllmProbe, entry_from_profile, profile
 
 POOR_FIT_EXIT = 3
+CALIBRATE_INSTALL = {  # the install that brings scikit-learn, by engine
+    "vllm": "pip install -e '.[vllm,train]' (the README's install; it carries scikit-learn)",
+    "sim": "pip install -e '.[calibrate]'",
+}
 COEFFICIENTS = ("k1", "k2", "k3", "k4", "k5", "kv_budget")
 
 # Per-engine grids. The simulator is profiled on its virtual clock, so its grid is dense and its
@@ -205,13 +210,13 @@ def _print_summary(entry: CalibrationEntry, doc: dict[str, Any]) -> None:
     for line in lines:
         console.print(line)
     for warning in entry.warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
 
 
 def _announce_poor_fit(entry: CalibrationEntry, refused: bool) -> None:
     head = "[bold red]POOR FIT, REFUSED:[/]" if refused else "[bold red]WARNING: POOR FIT[/]"
     for problem in entry.problems:
-        err_console.print(f"{head} {problem}")
+        err_console.print(f"{head} {escape(problem)}")
     if refused:
         err_console.print("[bold]fix:[/] profile a wider grid, longer intervals (--steps-per-sample, "
                           "--samples-per-point) on a quiet machine, or relax --max-mape / --min-r2; "
@@ -321,7 +326,7 @@ def register(app: typer.Typer) -> None:
         """Profile an engine and fit the cost model k1..k5, M (paper Appendix B)."""
         if importlib.util.find_spec("sklearn") is None:
             raise fail("calibration fits with scikit-learn, which is not installed",
-                       "pip install 'staleflow[calibrate]'")
+                       CALIBRATE_INSTALL[engine] if engine in CALIBRATE_INSTALL else CALIBRATE_INSTALL["vllm"])
         if engine not in ("sim", "vllm"):
             raise fail(f"--engine must be sim or vllm, got {engine!r}")
         if on_poor_fit not in ("refuse", "warn"):

@@ -13,6 +13,7 @@ from typing import Any
 import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from staleflow.config.common import STATE_DIR
 from staleflow.config.manager import MANAGER_URL
@@ -25,10 +26,22 @@ DEFAULT_MANAGER_URL = MANAGER_URL
 
 
 def fail(message: str, fix: str | None = None, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
+    """Print ``error: message`` and ``fix: fix`` as given (no markup, no line breaks inserted into
+    a command to copy) and return the exit to raise."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     if fix:
-        err_console.print(f"[bold]fix:[/] {fix}")
+        err_console.print(f"[bold]fix:[/] {escape(fix)}", soft_wrap=True)
     return typer.Exit(code)
+
+
+def readable(value: Any) -> str:
+    """A JSON value as words for a table cell: ``{"a": 1, "b": {"c": 2}}`` -> ``a 1, b (c 2)``."""
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {readable(v) if not isinstance(v, dict) else f'({readable(v)})'}"
+                         for key, v in value.items()) or "-"
+    if isinstance(value, list | tuple):
+        return ", ".join(readable(v) for v in value) or "-"
+    return "-" if value is None else str(value)
 
 
 _BOUNDS = {"greater_than_equal": ("ge", "{} or more"), "greater_than": ("gt", "more than {}"),

@@ -10,6 +10,7 @@ from typing import Annotated
 import httpx
 import typer
 from pydantic import ValidationError
+from rich.markup import escape
 from rich.table import Table
 
 from staleflow.cli.common import (
@@ -19,6 +20,7 @@ from staleflow.cli.common import (
     endpoints,
     fail,
     job_token,
+    readable,
     resolve_url,
     validation_failure,
 )
@@ -50,9 +52,9 @@ def _manager_config(**fields: object) -> ManagerConfig:
 
 
 def _run_manager(config: ManagerConfig, token: str | None = None) -> None:
+    from staleflow.database_url import DatabaseUrlError
     from staleflow.servers.auth import InsecureBind
     from staleflow.servers.http import serve_forever
-    from staleflow.database_url import DatabaseUrlError
     from staleflow.servers.ledger_store import LedgerInUse, SettingsMismatch
     from staleflow.servers.manager import create_app
 
@@ -149,7 +151,11 @@ def _get(url: str, path: str, what: str, state_dir: Path, **params: object) -> d
         raise fail(f"no {what} answers at {url} ({exc.__class__.__name__})",
                    "start a job with `staleflow up`, or pass --url / --state-dir") from None
     if reply.status_code != 200:
-        raise fail(f"the {what} at {url} answered {reply.status_code}: {reply.text[:200]}")
+        try:
+            error = ServiceError(reply.status_code, reply.json()["detail"], reply.json())
+        except (ValueError, KeyError, TypeError):
+            error = ServiceError(reply.status_code, reply.text)
+        raise fail(f"the {what} at {url} refused: {error}")
     return reply.json()
 
 
@@ -170,7 +176,7 @@ def instances(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DI
     for i in data["instances"]:
         s = i["snapshot"] or {}
         p = i["speculative"] or {}
-        table.add_row(i["instance_id"], i["status"], str(s.get("inst_version", "-")), str(len(s.get("run_trajs") or [])),
+        table.add_row(escape(i["instance_id"]), i["status"], str(s.get("inst_version", "-")), str(len(s.get("run_trajs") or [])),
                       str(len(s.get("wait_trajs") or [])), str(len(s.get("complete_trajs") or [])),
                       str(s.get("kv_cache", "-")), f"{i['estimated_throughput']:.0f}",
                       f"v{p.get('inst_version', '-')}/{p.get('accum_traj_num', '-')}")
@@ -191,13 +197,15 @@ def commands(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR
         table.add_column(col)
     for c in data["commands"]:
         ms = f"{1e3 * (c['completed_at'] - c['issued_at']):.1f}" if c["completed_at"] else "-"
-        table.add_row(c["command_id"], c["instance_id"], c["kind"], str(c["size"]), ms, c["outcome"])
+        table.add_row(escape(c["command_id"]), escape(c["instance_id"]), c["kind"], str(c["size"]), ms, escape(c["outcome"]))
     console.print(table)
 
 
 def _health_detail(health: dict) -> str:
-    """A component's health in one cell; the TS's skipped prompts in full, as they need acting on."""
-    rest = ", ".join(f"{k}={v}" for k, v in health.items() if k not in ("status", "skipped_prompts"))[:80]
+    """A component's health in one cell, in words the table wraps between (never cut); the TS's
+    skipped prompts first, as they need acting on."""
+    rest = "; ".join(f"{key}: {readable(value)}" for key, value in health.items()
+                     if key not in ("status", "skipped_prompts"))
     skipped = health.get("skipped_prompts")
     if isinstance(skipped, dict) and skipped.get("count"):
         reasons = ", ".join(f"{n} {reason}" for reason, n in (skipped.get("reasons") or {}).items())
@@ -228,7 +236,7 @@ def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> 
         table.add_column(col)
     for name, row in rows.items():
         detail = _health_detail(row["health"] or {})
-        table.add_row(name, row["url"], "[green]up[/]" if row["up"] else "[red]down[/]", detail)
+        table.add_row(escape(name), row["url"], "[green]up[/]" if row["up"] else "[red]down[/]", escape(detail))
     console.print(table)
 
 

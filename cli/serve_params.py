@@ -18,10 +18,6 @@ OPTIONS = ("state_dir", "keep", "transports", "host", "port", "shm_dir", "fsync"
 """Options named after the setting they set; ``--chunk-mb`` and ``--lease-ttl`` are named apart."""
 
 
-def _default(name: str) -> Any:
-    return default_of(ParamsConfig, name)
-
-
 def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | None) -> None:
     """Serve ``app`` in the foreground. ``resource`` (a store, a worker pool) was opened before it,
     so that one that cannot open fails with its own message; the app closes it at shutdown (it
@@ -53,19 +49,19 @@ def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, 
 def register(serve_app: typer.Typer) -> None:
     @serve_app.command("params")
     def serve_params(
-        state_dir: Annotated[Path, typer.Option("--state-dir", help="where versions are stored")] = _default("state_dir"),
-        keep: Annotated[int, typer.Option(help="complete versions kept (the newest K)")] = _default("keep"),
+        state_dir: Annotated[Path, typer.Option("--state-dir", help="where versions are stored")] = default_of(ParamsConfig, "state_dir"),
+        keep: Annotated[int, typer.Option(help="complete versions kept (the newest K)")] = default_of(ParamsConfig, "keep"),
         chunk_mb: Annotated[float, typer.Option("--chunk-mb", help="chunk size in MiB (per-request payload limit)")]
-        = _default("chunk_bytes") / (1 << 20),
-        transports: Annotated[str, typer.Option(help="comma-separated: http,shm,nixl")] = ",".join(_default("transports")),
-        host: Annotated[str, typer.Option(help="bind address")] = _default("host"),
-        port: Annotated[int, typer.Option(help="bind port")] = _default("port"),
+        = default_of(ParamsConfig, "chunk_bytes") / (1 << 20),
+        transports: Annotated[str, typer.Option(help="comma-separated: http,shm,nixl")] = ",".join(default_of(ParamsConfig, "transports")),
+        host: Annotated[str, typer.Option(help="bind address")] = default_of(ParamsConfig, "host"),
+        port: Annotated[int, typer.Option(help="bind port")] = default_of(ParamsConfig, "port"),
         token: Annotated[str | None, typer.Option(help="bearer token for mutating requests (default: $STALEFLOW_TOKEN)")] = None,
-        shm_dir: Annotated[Path, typer.Option("--shm-dir", help="shared-memory directory")] = _default("shm_dir"),
+        shm_dir: Annotated[Path, typer.Option("--shm-dir", help="shared-memory directory")] = default_of(ParamsConfig, "shm_dir"),
         fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync each version before it is visible")]
-        = _default("fsync"),
+        = default_of(ParamsConfig, "fsync"),
         lease_ttl_s: Annotated[float, typer.Option("--lease-ttl", help="seconds an unused pull lease lives")]
-        = _default("lease_ttl_s"),
+        = default_of(ParamsConfig, "lease_ttl_s"),
     ) -> None:
         """The parameter server: versioned model weights, pushed by the trainer, pulled by instances."""
         from staleflow.servers.params import ParamStore, create_app

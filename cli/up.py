@@ -22,6 +22,7 @@ from rich.table import Table
 from staleflow.cli.common import console, fail, flag_names, validation_failure
 from staleflow.config import JobConfig
 
+
 def load_config_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise fail(f"config file {path} does not exist")
@@ -133,7 +134,7 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
 
     try:  # before the trainer starts, so the first step is logged too
         tracking = JobTracking(job, (lambda line: emit({"event": "step", "text": line})) if emit else console.print)
-    except Exception as exc:  # noqa: BLE001 -- any backend failing to start (a bad MLflow URI, a full disk) is named
+    except Exception as exc:
         raise fail(f"could not start the logger: {exc}", "check the logger setting (--logger)") from None
     if not emit and set(config.logger.backends) - {"console"}:
         console.print(f"  tracking    {tracking.directory}")
@@ -298,8 +299,8 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         endpoints: Annotated[Path, typer.Option("--endpoints", help="the planned endpoints file")],
     ) -> None:
         """One component of a `staleflow up` job, in its own process (used by `up --processes`)."""
-        from staleflow.servers.http import serve_forever
         from staleflow.launch.job import TRAINER, build_app
+        from staleflow.servers.http import serve_forever
 
         try:
             config = JobConfig.model_validate_json(job.read_text())

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
 
 from staleflow import metrics as m
 from staleflow.config.coordinator import INSTANCE_ID, CoordinatorConfig, InstanceEndpoint
-from staleflow.coordinator.service import Coordinator, InstanceStatus
+from staleflow.coordinator.service import Coordinator, InstanceRecord, InstanceStatus
+from staleflow.errors import ErrorCode, StaleFlowError
+from staleflow.servers.http import service_app
+from staleflow.servers.instance.wire import SnapshotOut
 
 __all__ = ["INSTANCE_ID", "CoordinatorConfig", "InstanceEndpoint", "create_app"]
 
@@ -36,6 +40,72 @@ def coordinator_metrics(c: Coordinator) -> list:
         m.COORDINATOR_ESTIMATED_THROUGHPUT.family([([d["instance_id"]], d["estimated_throughput"])
                                                    for d in map(c.describe, c.instances.values())]),
     ]
+
+
+class CoordinatorHealth(BaseModel):
+    status: str
+    cycles: int
+
+
+class InstanceView(BaseModel):
+    """An instance as the coordinator sees it (``Coordinator.describe``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    instance_id: str
+    url: str
+    status: str = Field(description="joining, live, syncing or failed")
+    validated: bool
+    snapshot: dict[str, Any] | None
+    speculative: dict[str, int] | None = Field(description="the speculative state P: inst_version, accum_traj_num")
+    estimated_throughput: float
+    commands_in_flight: int
+
+
+class InstancesOut(BaseModel):
+    ps_version: int
+    instances: list[InstanceView]
+
+
+class CommandView(BaseModel):
+    command_id: str
+    instance_id: str
+    kind: str
+    size: int
+    issued_at: float
+    completed_at: float | None
+    outcome: str
+
+
+class CommandsOut(BaseModel):
+    commands: list[CommandView]
+
+
+class CoordinatorStatsOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cycles: int
+    accepted_snapshots: int
+    discarded_snapshots: int
+    last_decision_ms: float
+    mean_decision_ms: float
+    routed: int
+    interrupted: int
+    pulls: int
+    aborts: int
+    failures: int
+    rejoined: int
+    released: int
+    decisions: int
+    decision_ms_total: float
+    command_count: dict[str, int]
+    command_seconds: dict[str, float]
+    strategy: dict[str, str]
+
+
+def the_coordinator(request: Request) -> Coordinator:
+    return request.app.state.coordinator
+
+
+CoordinatorDep = Annotated[Coordinator, Depends(the_coordinator)]
 
 
 def create_app(config: CoordinatorConfig) -> FastAPI:
@@ -62,61 +132,47 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             await asyncio.gather(loop, return_exceptions=True)
             await coordinator.close()
 
-    app = FastAPI(title="StaleFlow coordinator", version="1", lifespan=lifespan)
+    app = service_app("StaleFlow coordinator", lifespan)
     m.mount_metrics(app, "coordinator",
                     lambda: coordinator_metrics(app.state.coordinator) if hasattr(app.state, "coordinator") else [])
 
-    def co(request: Request) -> Coordinator:
-        return request.app.state.coordinator
+    @app.get("/v1/health", response_model=CoordinatorHealth)
+    async def health(c: CoordinatorDep) -> dict:
+        return {"status": "ok", "cycles": c.stats.cycles}
 
-    @app.get("/v1/health")
-    async def health(request: Request) -> dict:
-        return {"status": "ok", "cycles": co(request).stats.cycles}
-
-    @app.get("/v1/instances")
-    async def instances(request: Request) -> dict:
-        c = co(request)
+    @app.get("/v1/instances", response_model=InstancesOut)
+    async def instances(c: CoordinatorDep) -> dict:
         return {"ps_version": c.ps_version, "instances": [c.describe(r) for r in c.instances.values()]}
 
-    @app.post("/v1/instances", status_code=201)
-    async def register(request: Request, body: InstanceEndpoint) -> dict:
-        c = co(request)
-        try:
-            record = c.add_instance(body.instance_id, body.url, cost)
-        except ValueError as exc:
-            return JSONResponse({"detail": str(exc)}, status_code=409)
-        return c.describe(record)
+    @app.post("/v1/instances", status_code=201, response_model=InstanceView)
+    async def register(c: CoordinatorDep, body: InstanceEndpoint) -> dict:
+        return c.describe(c.add_instance(body.instance_id, body.url, cost))
 
-    def _record(request: Request, instance_id: str):  # noqa: ANN202
-        record = co(request).instances.get(instance_id)
+    def _record(c: Coordinator, instance_id: str) -> InstanceRecord:
+        record = c.instances.get(instance_id)
         if record is None:
-            return None, JSONResponse({"detail": f"instance {instance_id!r} is not registered"}, status_code=404)
-        return record, None
+            raise StaleFlowError(ErrorCode.UNKNOWN_INSTANCE, f"instance {instance_id!r} is not registered")
+        return record
 
-    @app.get("/v1/instances/{instance_id}")
-    async def instance(request: Request, instance_id: str) -> dict:
-        record, missing = _record(request, instance_id)
-        return missing or co(request).describe(record)
+    @app.get("/v1/instances/{instance_id}", response_model=InstanceView)
+    async def instance(c: CoordinatorDep, instance_id: str) -> dict:
+        return c.describe(_record(c, instance_id))
 
-    @app.get("/v1/instances/{instance_id}/snapshot")
-    async def instance_snapshot(request: Request, instance_id: str) -> dict:
-        record, missing = _record(request, instance_id)
-        if missing:
-            return missing
+    @app.get("/v1/instances/{instance_id}/snapshot", response_model=SnapshotOut)
+    async def instance_snapshot(c: CoordinatorDep, instance_id: str) -> dict:
+        record = _record(c, instance_id)
         if record.snapshot is None:
-            return JSONResponse({"detail": f"no snapshot of {instance_id!r} yet"}, status_code=404)
+            raise StaleFlowError(ErrorCode.NO_SNAPSHOT, f"no snapshot of {instance_id!r} yet")
         return record.snapshot
 
-    @app.get("/v1/commands")
-    async def commands(request: Request, limit: Annotated[int, Query(ge=1, le=2000)] = 50) -> dict:
-        recent = list(co(request).commands)[-limit:]
-        return {"commands": [
-            {"command_id": c.command_id, "instance_id": c.instance_id, "kind": c.kind, "size": c.size,
-             "issued_at": c.issued_at, "completed_at": c.completed_at, "outcome": c.outcome} for c in reversed(recent)]}
+    @app.get("/v1/commands", response_model=CommandsOut)
+    async def commands(c: CoordinatorDep, limit: Annotated[int, Query(ge=1, le=2000)] = 50) -> dict:
+        recent = list(c.commands)[-limit:]
+        return {"commands": [dataclasses.asdict(command) for command in reversed(recent)]}
 
-    @app.get("/v1/coordinator")
-    async def coordinator_stats(request: Request) -> dict:
-        s = co(request).stats
+    @app.get("/v1/coordinator", response_model=CoordinatorStatsOut)
+    async def coordinator_stats(c: CoordinatorDep) -> dict:
+        s = c.stats
         return {
             "cycles": s.cycles, "accepted_snapshots": s.accepted_snapshots, "discarded_snapshots": s.discarded_snapshots,
             "last_decision_ms": s.last_decision_ms,
@@ -124,7 +180,8 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "decisions": s.decisions, "decision_ms_total": s.decision_ms_total,
             "command_count": s.command_count, "command_seconds": s.command_seconds,
             "routed": s.routed, "interrupted": s.interrupted, "pulls": s.pulls, "aborts": s.aborts,
-            "failures": s.failures, "rejoined": s.rejoined, "released": s.released, "strategy": {k: str(v) for k, v in vars(co(request).strategy).items()},
+            "failures": s.failures, "rejoined": s.rejoined, "released": s.released,
+            "strategy": {k: str(v) for k, v in vars(c.strategy).items()},
         }
 
     return app

@@ -7,7 +7,9 @@ one instance go through that instance's own queue, so they take effect in the or
 Interrupt before its Pull, a Route after a Pull in progress); queues of different instances run
 concurrently. A Route needs its trajectories in the trajectory server, so the partials an
 Interrupt returns are handed back before any checkout. A command that fails or times out is not
-retried blindly: the instance's P is reconciled from its next snapshot.
+retried blindly: the instance's P is reconciled from its next snapshot. When an instance joins,
+fails or restarts is decided by the pure ``Membership`` rules (``staleflow.coordinator.membership``);
+this service carries out the actions they return.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import httpx
 
+from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, Membership
 from staleflow.cost_model import CostModel
+from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.clients import AsyncManagerClient, async_http_client
 from staleflow.strategies import (
     InstanceState,
@@ -37,32 +40,20 @@ from staleflow.strategies import (
 log = logging.getLogger(__name__)
 
 
-class InstanceStatus(StrEnum):
-    JOINING = "joining"  # registered, first snapshot not yet adopted
-    LIVE = "live"
-    SYNCING = "syncing"  # a Pull is in flight
-    FAILED = "failed"
-
-
 @dataclass
-class InstanceRecord:
+class InstanceRecord(Liveness):
+    """One instance: its lifecycle (``Liveness``), its last snapshot and its command queue."""
+
     instance_id: str
     url: str
     client: httpx.AsyncClient
     cost: CostModel
-    status: InstanceStatus = InstanceStatus.JOINING
     snapshot: dict | None = None
     validated: bool = False
-    last_seen: float = field(default_factory=time.monotonic)
-    last_progress: float = field(default_factory=time.monotonic)
-    progress_mark: tuple | None = None
     unvalidated_since: float | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_flight: int = 0  # commands queued or running
     worker: asyncio.Task | None = None
-    boot_id: str | None = None  # the instance process's identity: a new one means it restarted
-    released: bool = True  # False: failed, but its trajectories could not be handed back yet
-    next_probe: float = 0.0  # a failed instance is probed at most once a second for a restart
 
 
 @dataclass
@@ -110,6 +101,7 @@ class Coordinator:
         self.command_timeout = command_timeout
         self.failure_timeout = failure_timeout
         self.stall_timeout = stall_timeout
+        self.membership = Membership(failure_timeout, stall_timeout)
         self.reconcile_after = reconcile_after
         self.sim_weights_bytes = sim_weights_bytes
         self.instances: dict[str, InstanceRecord] = {}
@@ -129,7 +121,7 @@ class Coordinator:
         old = self.instances.get(instance_id)
         if old is not None:
             if old.status is not InstanceStatus.FAILED:
-                raise ValueError(f"instance {instance_id!r} is already registered")
+                raise StaleFlowError(ErrorCode.DUPLICATE_INSTANCE, f"instance {instance_id!r} is already registered")
             if old.worker:
                 old.worker.cancel()
         record = InstanceRecord(instance_id, url, async_http_client(url, timeout=self.command_timeout), cost or CostModel())
@@ -148,16 +140,21 @@ class Coordinator:
         if self.params:
             await self.params.aclose()
 
-    async def _declare_failed(self, record: InstanceRecord, why: str) -> None:
-        if record.status is InstanceStatus.FAILED:
-            return
-        record.status = InstanceStatus.FAILED
-        record.validated = False
-        self.p.forget(record.instance_id)
-        self.stats.failures += 1
-        log.warning("instance %s declared failed: %s", record.instance_id, why)
-        record.released = False
-        await self._release(record)
+    async def _carry_out(self, record: InstanceRecord, actions: list[Action], why: str | None = None) -> bool:
+        """Do what the membership rules decided; False if a release could not be done yet."""
+        if Action.FORGET in actions:
+            record.validated = False
+            self.p.forget(record.instance_id)
+            if Action.DROP_COMMANDS not in actions:  # a restart is a rejoin, not a failure
+                self.stats.failures += 1
+                log.warning("instance %s declared failed: %s", record.instance_id, why)
+        if Action.DROP_COMMANDS in actions:
+            while not record.queue.empty():  # commands meant for the previous process
+                record.queue.get_nowait()
+                record.in_flight -= 1
+        if Action.RELEASE in actions:
+            return await self._release(record)
+        return True
 
     async def _release(self, record: InstanceRecord) -> bool:
         """Hand a failed or restarted instance's trajectories back to the trajectory server; a
@@ -168,7 +165,7 @@ class Coordinator:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.error("trajectories of %s could not be released yet (%s); retrying", record.instance_id, exc)
             return False
-        record.released = True
+        self.membership.released(record)
         self.stats.released += released
         log.warning("%d trajectories of %s back to the trajectory server", released, record.instance_id)
         return True
@@ -176,17 +173,10 @@ class Coordinator:
     async def _rejoin(self, record: InstanceRecord, snap: dict, why: str) -> bool:
         """A restarted instance (a new boot id): what was routed to its previous process is
         lost there, so it goes back to pending; the new process joins like a new instance."""
-        self.p.forget(record.instance_id)
-        record.status, record.validated, record.released = InstanceStatus.FAILED, False, False
-        while not record.queue.empty():  # commands meant for the previous process
-            record.queue.get_nowait()
-            record.in_flight -= 1
-        if not await self._release(record):
+        if not await self._carry_out(record, self.membership.begin_rejoin(record)):
             return False
-        record.boot_id = snap.get("boot_id")
-        record.status = InstanceStatus.JOINING
-        record.progress_mark, record.unvalidated_since = None, None
-        record.last_seen = record.last_progress = time.monotonic()
+        self.membership.rejoin(record, snap.get("boot_id"), time.monotonic())
+        record.unvalidated_since = None
         self.stats.rejoined += 1
         log.warning("instance %s rejoins: %s", record.instance_id, why)
         return True
@@ -256,37 +246,29 @@ class Coordinator:
         for record in self.instances.values():
             if record.status is InstanceStatus.FAILED and not record.released:
                 await self._release(record)
-        failed = [r for r in self.instances.values() if r.status is InstanceStatus.FAILED and r.next_probe <= now]
-        records = [r for r in self.instances.values() if r.status is not InstanceStatus.FAILED] + failed
-        for record in failed:
-            record.next_probe = now + 1.0
+        records = [r for r in self.instances.values() if self.membership.to_probe(r, now)]
         replies = await asyncio.gather(*(self._snapshot(r) for r in records), return_exceptions=True)
         now = time.monotonic()
         for record, reply in zip(records, replies, strict=True):
+            snapshot = reply if isinstance(reply, dict) else None
             if record.status is InstanceStatus.FAILED:
                 # a failed instance stays out until its process is replaced (a supervisor restarted it)
-                if isinstance(reply, dict) and reply.get("boot_id") and reply.get("boot_id") != record.boot_id:
-                    if await self._rejoin(record, reply, "restarted after it was declared failed"):
-                        self._observe(record, reply, now)
+                if snapshot and self.membership.restarted(record, snapshot.get("boot_id")):
+                    if await self._rejoin(record, snapshot, "restarted after it was declared failed"):
+                        self._observe(record, snapshot, now)
                 continue
-            if isinstance(reply, BaseException) or reply is None:
+            if snapshot is None:
                 record.validated = False
-                if now - record.last_seen > self.failure_timeout:
-                    await self._declare_failed(record, f"no snapshot for {now - record.last_seen:.1f}s")
+                await self._carry_out(record, *self.membership.silent(record, now))
                 continue
-            boot_id = reply.get("boot_id")
-            if record.boot_id is None:
-                record.boot_id = boot_id
-            elif boot_id and boot_id != record.boot_id:
+            if self.membership.restarted(record, snapshot.get("boot_id")):
                 # restarted before it was declared failed: the same port, a new process
-                if not await self._rejoin(record, reply, "restarted (a new process at the same address)"):
+                if not await self._rejoin(record, snapshot, "restarted (a new process at the same address)"):
                     continue
             record.last_seen = now
-            if record.status is InstanceStatus.JOINING and not await self._return_orphans(record, reply):
+            if record.status is InstanceStatus.JOINING and not await self._return_orphans(record, snapshot):
                 continue  # the trajectory server is unreachable: join on a later cycle
-            self._observe(record, reply, now)
-            if record.status is not InstanceStatus.FAILED and self.stall_timeout and now - record.last_progress > self.stall_timeout:
-                await self._declare_failed(record, f"no progress for {now - record.last_progress:.1f}s with work in hand")
+            await self._carry_out(record, *self._observe(record, snapshot, now))
 
     async def _return_orphans(self, record: InstanceRecord, snap: dict) -> bool:
         """Before an instance joins (at start, after a restart of it or of this coordinator):
@@ -312,22 +294,21 @@ class Coordinator:
         reply = await record.client.get("/v1/snapshot", timeout=min(self.command_timeout, self.failure_timeout))
         return reply.json() if reply.status_code == 200 else None
 
-    def _observe(self, record: InstanceRecord, snap: dict, now: float) -> None:
+    def _observe(self, record: InstanceRecord, snap: dict, now: float) -> tuple[list[Action], str | None]:
+        """Take in a snapshot; returns what the membership rules decided about a stall."""
         record.snapshot = snap
         run, wait, done = set(snap["run_trajs"]), set(snap["wait_trajs"]), set(snap["complete_trajs"])
         mark = (snap["kv_cache"], len(run), len(wait), len(done), snap["inst_version"], snap.get("engine_time"))
-        if mark != record.progress_mark or not run:  # idle is not hung; changing KV or counts is progress
-            record.progress_mark, record.last_progress = mark, now
-        if record.status is InstanceStatus.JOINING:
+        stalled = self.membership.seen(record, now, mark, running=bool(run))
+        joined = self.membership.join(record, snap["inst_version"], self.ps_version, idle=not (run or wait))
+        if Action.ADOPT in joined:
             self.p.adopt(record.instance_id, snap["inst_version"], len(run | wait | done))
-            record.status = InstanceStatus.LIVE
-            if snap["inst_version"] < self.ps_version and not (run or wait):
-                record.status = InstanceStatus.SYNCING  # a (re)joining instance starts from the newest weights
-                self.p.pulled(record.instance_id, self.ps_version)
-                self._enqueue(record, "pull", {"version": self.ps_version, **self._weights()}, 1)
+        if Action.PULL in joined:  # a (re)joining instance starts from the newest weights
+            self.p.pulled(record.instance_id, self.ps_version)
+            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights()}, 1)
         if record.in_flight:
             record.validated = False
-            return
+            return stalled
         record.validated = self.p.validates(record.instance_id, snap["inst_version"], run, wait, done)
         if record.validated:
             self.stats.accepted_snapshots += 1
@@ -340,10 +321,11 @@ class Coordinator:
                 log.info("reconciling %s from its snapshot", record.instance_id)
                 self.p.adopt(record.instance_id, snap["inst_version"], len(run | wait | done))
                 record.unvalidated_since = None
+        return stalled
 
     # ------------------------------------------------------------------ issuing commands
 
-    async def _issue(self, plan) -> None:  # noqa: ANN001
+    async def _issue(self, plan) -> None:
         # 1. interrupts (syncs' and migrations'): partials go back to the trajectory server first
         interrupted = await asyncio.gather(*(
             self._command(self.instances[i], "interrupt", {"traj_ids": trajs}, len(trajs))
@@ -355,7 +337,7 @@ class Coordinator:
         # 2. pulls: queued on their instance; routes to it wait behind them
         for instance_id in plan.syncs:
             record = self.instances[instance_id]
-            record.status = InstanceStatus.SYNCING
+            self.membership.sync_started(record)
             self.p.pulled(instance_id, self.ps_version)
             self._enqueue(record, "pull", {"version": self.ps_version, **self._weights()}, 1)
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
@@ -397,8 +379,8 @@ class Coordinator:
                 await self._command(record, kind, body, size, queued=True)
             finally:
                 record.in_flight -= 1
-                if kind == "pull" and record.status is InstanceStatus.SYNCING:
-                    record.status = InstanceStatus.LIVE
+                if kind == "pull":
+                    self.membership.sync_ended(record)
 
     async def _command(self, record: InstanceRecord, kind: str, body: dict, size: int, queued: bool = False) -> dict | None:
         """Send one command; returns its reply, or None when its effect is unknown."""
@@ -426,7 +408,7 @@ class Coordinator:
             if not queued:
                 record.in_flight -= 1
         if reply.status_code != 200:
-            entry.outcome = f"refused: {data.get('error', data)}"
+            entry.outcome = f"refused: {data.get('code')}: {data.get('detail')}"
             record.unvalidated_since = time.monotonic() - self.reconcile_after
             return None
         entry.outcome = "ok"

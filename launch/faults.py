@@ -86,7 +86,7 @@ class Supervisor:
     """Watches a ``--processes`` job's components and restarts only the one that failed."""
 
     def __init__(self, job: Job, interval: float = 0.1, probe_timeout: float = 2.0, probe_failures: int = 3,
-                 on_detected=None, on_restarted=None, grace: float = 10.0, warm_standby: bool = True):  # noqa: ANN001
+                 on_detected=None, on_restarted=None, grace: float = 10.0, warm_standby: bool = True):
         if not job.config.processes:
             raise ValueError("the supervisor restarts component processes: run the job with processes=True")
         self.job = job
@@ -289,7 +289,7 @@ class FaultRun:
 
     # -- the run --------------------------------------------------------------------------
 
-    def run(self, progress=None) -> FaultRunResult:  # noqa: ANN001
+    def run(self, progress=None) -> FaultRunResult:
         job = Job(self.config, fresh=True)
         job.write_planned_endpoints()
         try:
@@ -298,7 +298,7 @@ class FaultRun:
         finally:
             job.shutdown()
 
-    def _drive(self, job: Job, progress) -> FaultRunResult:  # noqa: ANN001
+    def _drive(self, job: Job, progress) -> FaultRunResult:
         meter = TokenMeter(job)
         supervisor = Supervisor(job, on_detected=self._detected, on_restarted=self._restarted).start()
         urls = {k: v["url"] for k, v in job.endpoints.items()}
@@ -525,7 +525,8 @@ def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:
     vs_baseline = baseline.wall_s / faulty.wall_s if baseline and faulty.wall_s and not baseline.violations else None
     pace = faulty.pace_s
     ettr = min(1.0, faulty.steps * pace / faulty.wall_s) if faulty.wall_s else None
-    return {"per_role": table, "ettr": ettr, "pace_s": pace, "ettr_vs_baseline": vs_baseline, "faults": len(faulty.faults), "steps": faulty.steps,
+    return {"per_role": table, "ettr": ettr, "pace_s": pace, "ettr_vs_baseline": vs_baseline, "faults": len(faulty.faults),
+            "steps": faulty.steps,
             "fault_every_steps": None, "baseline_wall_s": baseline.wall_s if baseline else None,
             "faulty_wall_s": faulty.wall_s, "violations": faulty.violations, "checks": faulty.checks,
             "baseline": baseline.to_json() if baseline else None, "faulty": faulty.to_json()}

@@ -28,12 +28,12 @@ def ready(log_path: Path) -> bool:
 def main() -> int:
     import os
 
-    import staleflow.coordinator.app  # noqa: F401  (warm: everything a role needs)
-    import staleflow.servers.instance  # noqa: F401
-    import staleflow.servers.manager  # noqa: F401
-    import staleflow.servers.params  # noqa: F401
-    import staleflow.servers.reward  # noqa: F401
-    import staleflow.servers.trainer  # noqa: F401
+    import staleflow.coordinator.app
+    import staleflow.servers.instance
+    import staleflow.servers.manager
+    import staleflow.servers.params
+    import staleflow.servers.reward
+    import staleflow.servers.trainer
     import staleflow.servers.trajectories  # noqa: F401
     from staleflow.config import JobConfig
     from staleflow.launch.job import TRAINER, build_app, run_trainer

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from staleflow.transports.rest import (  # noqa: F401  (re-exported)
+from staleflow.errors import ErrorCode, error_body
+from staleflow.transports.rest import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
     TokenFileError,
@@ -75,15 +76,16 @@ class BearerTokenMiddleware:
             await self.app(scope, receive, send)
             return
         reason = "missing bearer token" if not given else "wrong bearer token"
-        body = json.dumps({"detail": f"{reason}: mutating requests need 'Authorization: Bearer <token>' "
-                                     f"(the job's token file, or ${TOKEN_ENV})"}).encode()
+        body = json.dumps(error_body(ErrorCode.UNAUTHORIZED,
+                                     f"{reason}: mutating requests need 'Authorization: Bearer <token>' "
+                                     f"(the job's token file, or ${TOKEN_ENV})")).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})
         await send({"type": "http.response.body", "body": body})
 
 
-def protect(app, host: str, token: str | None, loopback: bool) -> None:  # noqa: ANN001
+def protect(app, host: str, token: str | None, loopback: bool) -> None:
     """Install the token check on ``app``, or refuse an open non-loopback bind (and a token file
     that is set but unusable: the server must not start unprotected by mistake)."""
     try:

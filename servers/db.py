@@ -32,7 +32,8 @@ from sqlalchemy.exc import OperationalError
 import staleflow.migrations
 from staleflow.database_url import DatabaseUrlError, masked, normalize_url
 
-__all__ = ["DatabaseError", "DatabaseInUse", "DatabaseUnreachable", "OwnerLockHeld", "owner_session", "DatabaseUrlError", "make_engine", "masked", "normalize_url", "upgrade", "downgrade"]
+__all__ = ["DatabaseError", "DatabaseInUse", "DatabaseUnreachable", "DatabaseUrlError", "OwnerLockHeld", "downgrade",
+           "make_engine", "masked", "normalize_url", "owner_session", "upgrade"]
 
 # an arbitrary constant: the advisory lock that serializes StaleFlow's schema upgrades on a server
 _UPGRADE_LOCK = 0x5354414C  # "STAL"
@@ -56,7 +57,7 @@ def make_engine(url: str, synchronous: str = "FULL") -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn, _record):  # noqa: ANN001
+        def _pragmas(dbapi_conn, _record):
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute(f"PRAGMA synchronous={synchronous}")

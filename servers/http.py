@@ -1,6 +1,7 @@
-"""Running FastAPI apps under uvicorn: in a background thread (embedded mode, tests) or in the
-foreground (``staleflow serve``). The listening socket is bound before uvicorn starts, so the URL
-is valid immediately: connections queue in the backlog until the server accepts them."""
+"""The HTTP side every service shares: ``service_app`` (the app with the one error contract), the
+request-body limit, and running apps under uvicorn, in a background thread (embedded mode, tests)
+or in the foreground (``staleflow serve``). The listening socket is bound before uvicorn starts, so
+the URL is valid immediately: connections queue in the backlog until the server accepts them."""
 
 from __future__ import annotations
 
@@ -13,12 +14,20 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from staleflow.errors import HTTP_STATUS, ErrorCode, StaleFlowError, error_body
 from staleflow.servers.auth import protect
 
 log = logging.getLogger(__name__)
@@ -27,6 +36,76 @@ MAX_BODY_ENV = "STALEFLOW_MAX_BODY_BYTES"
 DEFAULT_MAX_BODY_BYTES = 256 << 20
 """Large enough for a route command that migrates hundreds of 20K-token partials; a bound all the
 same, so one request cannot make a component buffer gigabytes."""
+
+
+class ErrorBody(BaseModel):
+    """Every error body of every StaleFlow service (details of the refusal may follow)."""
+
+    model_config = ConfigDict(extra="allow")
+    detail: str
+    code: ErrorCode
+
+
+def error_response(code: ErrorCode, message: str, **details: Any) -> JSONResponse:
+    return JSONResponse(error_body(code, message, **details), status_code=HTTP_STATUS[code])
+
+
+def describe_errors(errors: Sequence[Any]) -> str:
+    """Validation errors as one line: ``where: what; ...``."""
+    parts = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    return "; ".join(parts)
+
+
+def plain_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
+    """Validation errors as JSON (pydantic's may hold exceptions and bytes)."""
+    return [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
+            for e in errors]
+
+
+async def _refused(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StaleFlowError)
+    return JSONResponse(exc.to_json(), status_code=exc.status)
+
+
+async def _invalid(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    return error_response(ErrorCode.INVALID_REQUEST, describe_errors(errors), errors=plain_errors(errors))
+
+
+_ROUTING_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
+
+
+async def _routing(_: Request, exc: Exception) -> JSONResponse:
+    """No such path or method (raised by the router itself; the services raise StaleFlowError)."""
+    assert isinstance(exc, StarletteHTTPException)
+    code = _ROUTING_CODES.get(exc.status_code, ErrorCode.INVALID_REQUEST)
+    return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _crashed(request: Request, exc: Exception) -> JSONResponse:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(ErrorCode.INTERNAL_ERROR, f"{request.method} {request.url.path} failed: "
+                                                    f"{exc.__class__.__name__}; the service's log has the traceback")
+
+
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
+
+def service_app(title: str, lifespan: Lifespan | None = None, **kwargs: Any) -> FastAPI:
+    """A FastAPI app with the one error contract: any ``StaleFlowError``, invalid request, unknown
+    route or crash answers ``{"detail", "code", ...}`` (``ErrorBody``, documented as every
+    operation's default response) with the status ``HTTP_STATUS`` gives the code."""
+    app = FastAPI(title=title, version="1", lifespan=lifespan,
+                  responses={"default": {"model": ErrorBody, "description": "refused: the code says why"}}, **kwargs)
+    app.add_exception_handler(StaleFlowError, _refused)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _routing)
+    app.add_exception_handler(Exception, _crashed)
+    return app
 
 
 def max_body_bytes(limit: int | None = None) -> int:
@@ -94,7 +173,7 @@ class BodyLimitMiddleware:
 
     @staticmethod
     async def _refuse(send: Send, exc: BodyTooLarge) -> None:
-        body = json.dumps({"detail": exc.detail, "code": "body_too_large"}).encode()
+        body = json.dumps(error_body(ErrorCode.BODY_TOO_LARGE, exc.detail)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

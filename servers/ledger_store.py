@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, update
 
+from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.ledger import (
     BufferView,
     Entry,
@@ -45,8 +46,11 @@ from staleflow.servers import db
 from staleflow.servers.schema import ledger_entries, ledger_events, ledger_retired, ledger_settings
 
 
-class StoreError(RuntimeError):
+class StoreError(StaleFlowError, RuntimeError):
     """The database refused a write; the transition was not applied."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.STORE_UNAVAILABLE, message)
 
 
 class SettingsMismatch(ValueError):

@@ -8,14 +8,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import FastAPI, Path, Query, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, StrictInt
+from fastapi import Depends, FastAPI, Path, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from staleflow import metrics as m
 from staleflow.config import ManagerConfig
+from staleflow.errors import ErrorCode
 from staleflow.ledger import BufferView, LedgerError, Transition
-from staleflow.servers.ledger_store import DurableLedger, StoreError
+from staleflow.servers.http import service_app
+from staleflow.servers.ledger_store import DurableLedger
 
 log = logging.getLogger(__name__)
 
@@ -23,25 +24,69 @@ GROUP_ID_PATTERN = r"^[A-Za-z0-9._:@+\-]{1,200}$"
 SQL_INT_MAX = 2**63 - 1  # what SQL databases store in an integer column
 GroupId = Annotated[str, Path(pattern=GROUP_ID_PATTERN, description="prompt group id")]
 
-# HTTP status for each refusal code of the ledger
-ERROR_STATUS = {
-    "unknown_group": 404,
-    "retired_group": 409,
-    "duplicate_group": 409,
-    "not_admissible": 409,
-    "invalid_status": 409,
-    "group_complete": 409,
-    "invalid_member": 409,
-    "not_ready": 409,
-    "not_next": 409,
-    "invalid_version": 422,
-    "invalid_group": 422,
-}
-
 
 class ReservationRequest(BaseModel):
     group_id: str = Field(pattern=GROUP_ID_PATTERN, description="prompt group id (single use)")
     v_traj: StrictInt = Field(ge=0, description="the group's trajectory version V_traj")
+
+
+class Health(BaseModel):
+    status: str
+    train_version: int
+
+
+class EntryOut(BaseModel):
+    group_id: str
+    v_traj: int | None = None  # absent for consumed buffers
+    status: str
+
+
+class BufferOut(BaseModel):
+    version: int
+    state: str = Field(description="waiting, ready, stuck or consumed")
+    capacity: int
+    entries: list[EntryOut]
+
+
+class BuffersOut(BaseModel):
+    train_version: int
+    eta: int
+    batch_size: int
+    buffers: list[BufferOut]
+
+
+class AdmissionOut(BaseModel):
+    train_version: int
+    eta: int
+    admissible: dict[str, int] = Field(description="V_traj -> groups it can still admit")
+
+
+class TransitionOut(BaseModel):
+    group_id: str
+    buffer: int | None
+    cancelled: list[str] = Field(description="groups aborted as a side effect (surplus)")
+    completed_members: list[str] | None = None
+    occupied: bool | None = None
+
+
+class ReservationOut(BaseModel):
+    group_id: str
+    status: str
+    v_traj: int | None = None
+    completed_members: list[str] | None = None
+
+
+class ConsumedOut(BaseModel):
+    version: int | None
+    group_ids: list[str]
+    cancelled: list[str]
+    replayed: bool
+
+
+class EventsOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    events: list[dict]
+    next: int
 
 
 def buffer_json(view: BufferView) -> dict:
@@ -78,6 +123,13 @@ def ledger_metrics(ledger: DurableLedger) -> list:
     ]
 
 
+def the_ledger(request: Request) -> DurableLedger:
+    return request.app.state.ledger
+
+
+LedgerDep = Annotated[DurableLedger, Depends(the_ledger)]
+
+
 def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> FastAPI:
     """The staleness manager. Owns ``ledger`` if given, else opens the configured database."""
 
@@ -93,32 +145,21 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             if owned:
                 app.state.ledger.close()
 
-    app = FastAPI(title="StaleFlow staleness manager", version="1", lifespan=lifespan)
+    app = service_app("StaleFlow staleness manager", lifespan)
     m.mount_metrics(app, "manager", lambda: ledger_metrics(app.state.ledger) if hasattr(app.state, "ledger") else [])
 
-    @app.exception_handler(LedgerError)
-    async def _ledger_error(_: Request, exc: LedgerError) -> JSONResponse:
-        return JSONResponse({"detail": exc.message, "code": exc.code, **exc.details}, status_code=ERROR_STATUS.get(exc.code, 409))
-
-    @app.exception_handler(StoreError)
-    async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "code": "store_unavailable"}, status_code=503)
-
-    def the_ledger(request: Request) -> DurableLedger:
-        return request.app.state.ledger
-
-    async def transition(request: Request, name: str, *args: object) -> Transition:
+    async def transition(led: DurableLedger, name: str, *args: object) -> Transition:
         # awaited on the event loop: no worker-thread hop on the hot path
-        return await asyncio.wrap_future(the_ledger(request).submit(name, *args))
+        return await asyncio.wrap_future(led.submit(name, *args))
 
-    @app.get("/v1/health")
-    def health(request: Request) -> dict:
-        led = the_ledger(request)
+    optional = {"response_model_exclude_none": True}  # fields that only some answers carry are left out
+
+    @app.get("/v1/health", response_model=Health)
+    def health(led: LedgerDep) -> dict:
         return {"status": "ok", "train_version": led.train_version}
 
-    @app.get("/v1/buffers")
-    def buffers(request: Request) -> dict:
-        led = the_ledger(request)
+    @app.get("/v1/buffers", response_model=BuffersOut, **optional)
+    def buffers(led: LedgerDep) -> dict:
         version, views, _ = led.snapshot()
         return {
             "train_version": version,
@@ -127,9 +168,8 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             "buffers": [buffer_json(v) for v in views],
         }
 
-    @app.get("/v1/buffers/{version}")
-    def buffer(request: Request, version: Annotated[int, Path(ge=0, le=SQL_INT_MAX)]) -> dict:
-        led = the_ledger(request)
+    @app.get("/v1/buffers/{version}", response_model=BufferOut, **optional)
+    def buffer(led: LedgerDep, version: Annotated[int, Path(ge=0, le=SQL_INT_MAX)]) -> dict:
         current, views, _ = led.snapshot()
         for view in views:
             if view.version == version:
@@ -138,40 +178,36 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             groups = led.consumed_batch(version)
             return {"version": version, "state": "consumed", "capacity": led.params.batch_size,
                     "entries": [{"group_id": g, "status": "consumed"} for g in groups]}
-        return JSONResponse(
-            {"detail": f"buffer {version} is not live yet: live buffers are {current}..{current + led.params.eta}"},
-            status_code=404,
-        )
+        raise LedgerError(ErrorCode.UNKNOWN_BUFFER,
+                          f"buffer {version} is not live yet: live buffers are {current}..{current + led.params.eta}")
 
-    @app.get("/v1/admission")
+    @app.get("/v1/admission", response_model=AdmissionOut)
     def admission(
-        request: Request,
+        led: LedgerDep,
         versions: Annotated[list[int] | None, Query(description="V_traj values to ask about; default all live")] = None,
     ) -> dict:
-        led = the_ledger(request)
         table = led.admission(versions)
         return {"train_version": led.train_version, "eta": led.params.eta,
                 "admissible": {str(v): n for v, n in table.items()}}
 
-    @app.post("/v1/reservations", status_code=201)
-    async def reserve(request: Request, body: ReservationRequest) -> dict:
-        return transition_json(await transition(request, "reserve", body.group_id, body.v_traj))
+    @app.post("/v1/reservations", status_code=201, response_model=TransitionOut, **optional)
+    async def reserve(led: LedgerDep, body: ReservationRequest) -> dict:
+        return transition_json(await transition(led, "reserve", body.group_id, body.v_traj))
 
-    @app.post("/v1/reservations/{group_id}/occupy")
-    async def occupy(request: Request, group_id: GroupId) -> dict:
-        return transition_json(await transition(request, "occupy", group_id))
+    @app.post("/v1/reservations/{group_id}/occupy", response_model=TransitionOut, **optional)
+    async def occupy(led: LedgerDep, group_id: GroupId) -> dict:
+        return transition_json(await transition(led, "occupy", group_id))
 
-    @app.post("/v1/reservations/{group_id}/members/{member_id}/complete")
-    async def complete_member(request: Request, group_id: GroupId, member_id: GroupId) -> dict:
-        return transition_json(await transition(request, "complete_member", group_id, member_id))
+    @app.post("/v1/reservations/{group_id}/members/{member_id}/complete", response_model=TransitionOut, **optional)
+    async def complete_member(led: LedgerDep, group_id: GroupId, member_id: GroupId) -> dict:
+        return transition_json(await transition(led, "complete_member", group_id, member_id))
 
-    @app.delete("/v1/reservations/{group_id}")
-    async def abort(request: Request, group_id: GroupId) -> dict:
-        return transition_json(await transition(request, "abort", group_id))
+    @app.delete("/v1/reservations/{group_id}", response_model=TransitionOut, **optional)
+    async def abort(led: LedgerDep, group_id: GroupId) -> dict:
+        return transition_json(await transition(led, "abort", group_id))
 
-    @app.get("/v1/reservations/{group_id}")
-    def reservation(request: Request, group_id: GroupId) -> dict:
-        led = the_ledger(request)
+    @app.get("/v1/reservations/{group_id}", response_model=ReservationOut, **optional)
+    def reservation(led: LedgerDep, group_id: GroupId) -> dict:
         entry = led.entry(group_id)
         if entry is not None:
             return {"group_id": group_id, "v_traj": entry.v_traj, "status": entry.status.value,
@@ -179,31 +215,31 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
         fate = led.fate(group_id)
         if fate is not None:
             return {"group_id": group_id, "status": fate.value}
-        return JSONResponse({"detail": f"group {group_id!r} is not in the ledger"}, status_code=404)
+        raise LedgerError(ErrorCode.UNKNOWN_GROUP, f"group {group_id!r} is not in the ledger")
 
-    @app.post("/v1/consume")
+    @app.post("/v1/consume", response_model=ConsumedOut)
     async def consume(
-        request: Request,
+        led: LedgerDep,
         version: Annotated[int | None, Query(ge=0, le=SQL_INT_MAX, description=(
             "the buffer the caller means to consume; a retry of an acknowledged consume then replays "
             "its result (replayed: true) instead of consuming the next buffer"))] = None,
     ) -> dict:
         try:
-            t = await transition(request, "consume", version)
+            t = await transition(led, "consume", version)
         except LedgerError as exc:
-            if exc.code != "already_consumed" or version is None:
+            if exc.code is not ErrorCode.ALREADY_CONSUMED or version is None:
                 raise
-            groups = the_ledger(request).consumed_batch(version)
+            groups = led.consumed_batch(version)
             return {"version": version, "group_ids": groups, "cancelled": [], "replayed": True}
         return {"version": t.buffer, "group_ids": t.consumed, "cancelled": t.cancelled, "replayed": False}
 
-    @app.get("/v1/events")
+    @app.get("/v1/events", response_model=EventsOut)
     def events(
-        request: Request,
+        led: LedgerDep,
         after: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> dict:
-        rows = the_ledger(request).events(after, limit)
+        rows = led.events(after, limit)
         return {"events": rows, "next": rows[-1]["id"] if rows else after}
 
     return app

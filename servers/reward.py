@@ -16,17 +16,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict
 
 from staleflow import metrics as m
 from staleflow.config.reward import RewardConfig
-from staleflow.rewards import RewardRequest, RewardScorer, VerifierError
+from staleflow.errors import ErrorCode, StaleFlowError
+from staleflow.rewards import RewardRequest, RewardScorer
 from staleflow.rewards.registry import BUILTIN_VERIFIERS
 from staleflow.servers.clients import RestClient
+from staleflow.servers.http import service_app
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,33 @@ class RewardTally:
                 m.REWARD_VALUE.summary([([v], int(n), total) for v, (n, total) in verifiers])]
 
 
+class RewardOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | int
+    reward: float
+    reason: str
+    detail: str | None = None
+
+
+class RewardHealth(BaseModel):
+    status: str
+    workers: int
+    replaced_workers: int
+
+
+class VerifiersOut(BaseModel):
+    default: str
+    builtin: list[str]
+    user: dict[str, str]
+
+
+def the_scorer(request: Request) -> RewardScorer:
+    return request.app.state.scorer
+
+
+ScorerDep = Annotated[RewardScorer, Depends(the_scorer)]
+
+
 def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_scorer: bool | None = None) -> FastAPI:
     """The reward server. Closes the scorer (and its worker processes) at shutdown if it made it,
     or if ``owns_scorer``."""
@@ -76,34 +104,30 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
             if owned:
                 app.state.scorer.close()
 
-    app = FastAPI(title="StaleFlow reward server", version="1", lifespan=lifespan)
+    app = service_app("StaleFlow reward server", lifespan)
     tally = RewardTally()
     m.mount_metrics(app, "reward", tally.metrics)
 
-    @app.exception_handler(VerifierError)
-    async def _verifier_error(_: Request, exc: VerifierError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
-
-    @app.get("/v1/health")
-    def health(request: Request) -> dict:
-        pool = request.app.state.scorer.pool
+    @app.get("/v1/health", response_model=RewardHealth)
+    def health(scorer: ScorerDep) -> dict:
+        pool = scorer.pool
         return {"status": "ok", "workers": pool.workers if pool else 0, "replaced_workers": pool.replaced if pool else 0}
 
-    @app.get("/v1/verifiers")
-    def verifiers(request: Request) -> dict:
+    @app.get("/v1/verifiers", response_model=VerifiersOut)
+    def verifiers() -> dict:
         return {"default": config.default_verifier, "builtin": sorted(BUILTIN_VERIFIERS), "user": config.verifiers}
 
-    @app.post("/v1/rewards")
-    async def rewards(request: Request, items: list[RewardItem]) -> list[dict]:
+    @app.post("/v1/rewards", response_model=list[RewardOut], response_model_exclude_none=True)
+    async def rewards(scorer: ScorerDep, items: list[RewardItem]) -> list[dict]:
         if len(items) > config.max_batch:
-            return JSONResponse({"detail": f"{len(items)} items; at most {config.max_batch} per request"}, status_code=413)
+            raise StaleFlowError(ErrorCode.BATCH_TOO_LARGE, f"{len(items)} items; at most {config.max_batch} per request")
         for item in items:
             if len(item.response_text) > config.max_chars or len(item.answer) > config.max_chars:
-                return JSONResponse({"detail": f"item {item.id!r}: response_text and answer are limited to "
-                                               f"{config.max_chars} characters"}, status_code=413)
+                raise StaleFlowError(ErrorCode.BATCH_TOO_LARGE, f"item {item.id!r}: response_text and answer are "
+                                                                f"limited to {config.max_chars} characters")
         requests = [RewardRequest(i.response_text, i.answer, i.verifier) for i in items]
         started = time.perf_counter()
-        verdicts = await asyncio.to_thread(request.app.state.scorer.score, requests)
+        verdicts = await asyncio.to_thread(scorer.score, requests)
         tally.add(time.perf_counter() - started,
                   [(i.verifier or config.default_verifier, v.reward) for i, v in zip(items, verdicts, strict=True)])
         return [{"id": item.id, **verdict.to_json()} for item, verdict in zip(items, verdicts, strict=True)]

@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 
 from staleflow.config import JobConfig
+from staleflow.errors import ErrorCode
 from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 from staleflow.training.base import TrainerBackend
 
@@ -203,7 +204,7 @@ class TrainerLoop:
             try:
                 return self.params.latest()["version"]
             except ServiceError as exc:
-                if exc.status == 404:
+                if exc.code is ErrorCode.UNKNOWN_VERSION:  # nothing pushed yet
                     return None
                 raise
 
@@ -218,7 +219,7 @@ class TrainerLoop:
             except TrainerStopped:
                 return False
             except ServiceError as exc:
-                if exc.status != 409 or exc.body.get("code") != "not_ready":
+                if exc.code is not ErrorCode.NOT_READY:
                     raise
             self.stop.wait(0.02)  # poll pacing: the buffer is not Ready yet
         return False

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from functools import cached_property
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
+
+from staleflow.errors import ErrorCode, StaleFlowError
 
 
 class EntryStatus(StrEnum):
@@ -54,14 +56,8 @@ class Fate(StrEnum):
     SURPLUS = "surplus"  # redundancy: no longer placeable once a buffer was sealed
 
 
-class LedgerError(Exception):
-    """A refused transition. ``code`` is stable and machine-readable."""
-
-    def __init__(self, code: str, message: str, **details: object):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.details = details
+class LedgerError(StaleFlowError):
+    """A refused transition."""
 
 
 @dataclass(frozen=True)
@@ -262,7 +258,7 @@ class Ledger:
         result = {}
         for v in versions:
             if v < 0:
-                raise LedgerError("invalid_version", f"v_traj must be >= 0, got {v}")
+                raise LedgerError(ErrorCode.INVALID_VERSION, f"v_traj must be >= 0, got {v}")
             result[v] = table.get(v, 0)
         return result
 
@@ -416,7 +412,7 @@ class Ledger:
         for view in self.buffers():
             if any(e.group_id == group_id for e in view.entries):
                 return view.version
-        raise LedgerError("unknown_group", f"group {group_id!r} is not live")
+        raise LedgerError(ErrorCode.UNKNOWN_GROUP, f"group {group_id!r} is not live")
 
     def head_state(self) -> BufferState:
         return self.buffers()[0].state
@@ -445,7 +441,7 @@ class Ledger:
     def occupy(self, group_id: str) -> Transition:
         entry = self._live(group_id)
         if entry.status is not EntryStatus.RESERVED:
-            raise LedgerError("invalid_status", f"group {group_id!r} is already occupied")
+            raise LedgerError(ErrorCode.INVALID_STATUS, f"group {group_id!r} is already occupied")
         self._changes = []
         self._occupy(entry)
         transition = self._finish(Transition("occupy", group_id))
@@ -457,13 +453,13 @@ class Ledger:
         entry = self._live(group_id)
         if entry.status is not EntryStatus.RESERVED:
             raise LedgerError(
-                "group_complete",
+                ErrorCode.GROUP_COMPLETE,
                 f"group {group_id!r} already has its {self.params.group_size} members; cancel {member_id!r}",
             )
         self._changes = []
         if member_id not in entry.completed:
             if len(entry.completed) >= self.params.group_members:
-                raise LedgerError("invalid_member", f"group {group_id!r} has no room for member {member_id!r}")
+                raise LedgerError(ErrorCode.INVALID_MEMBER, f"group {group_id!r} has no room for member {member_id!r}")
             entry.completed = (*entry.completed, member_id)
             self._changes.append(PutEntry(entry.copy()))
         transition = Transition("complete_member", group_id, completed_members=list(entry.completed))
@@ -487,14 +483,14 @@ class Ledger:
         consume), a retry after a lost reply is told ``already_consumed`` instead of consuming
         the next buffer: consume is then exactly-once for a retrying trainer."""
         if expected is not None and expected != self.train_version:
-            code = "already_consumed" if expected < self.train_version else "not_next"
+            code = ErrorCode.ALREADY_CONSUMED if expected < self.train_version else ErrorCode.NOT_NEXT
             raise LedgerError(code, f"buffer {expected} cannot be consumed: the trainer version is {self.train_version}",
                               version=expected, train_version=self.train_version)
         batch = self._ready_batch()
         if batch is None:
             head = self.buffers()[0]
             raise LedgerError(
-                "not_ready",
+                ErrorCode.NOT_READY,
                 f"buffer {head.version} is {head.state.value}: {head.occupied} of "
                 f"{self.params.batch_size} entries occupied",
                 state=head.state.value,
@@ -628,28 +624,28 @@ class Ledger:
         if entry is None:
             fate = self._retired.get(group_id)
             if fate is not None:
-                raise LedgerError("retired_group", f"group {group_id!r} was already {fate.value}", fate=fate.value)
-            raise LedgerError("unknown_group", f"group {group_id!r} is not in the ledger")
+                raise LedgerError(ErrorCode.RETIRED_GROUP, f"group {group_id!r} was already {fate.value}", fate=fate.value)
+            raise LedgerError(ErrorCode.UNKNOWN_GROUP, f"group {group_id!r} is not in the ledger")
         return entry
 
     def _check_new_group(self, group_id: str) -> None:
         if not group_id:
-            raise LedgerError("invalid_group", "group_id must be a non-empty string")
+            raise LedgerError(ErrorCode.INVALID_GROUP, "group_id must be a non-empty string")
         if group_id in self._entries:
-            raise LedgerError("duplicate_group", f"group {group_id!r} is already live")
+            raise LedgerError(ErrorCode.DUPLICATE_GROUP, f"group {group_id!r} is already live")
         if group_id in self._retired:
             raise LedgerError(
-                "duplicate_group", f"group {group_id!r} was already {self._retired[group_id].value}; ids are single-use"
+                ErrorCode.DUPLICATE_GROUP, f"group {group_id!r} was already {self._retired[group_id].value}; ids are single-use"
             )
 
     def _check_version(self, v_traj: int) -> None:
         if isinstance(v_traj, bool) or not isinstance(v_traj, int):
-            raise LedgerError("invalid_version", f"v_traj must be an integer, got {v_traj!r}")
+            raise LedgerError(ErrorCode.INVALID_VERSION, f"v_traj must be an integer, got {v_traj!r}")
         if v_traj < 0:
-            raise LedgerError("invalid_version", f"v_traj must be >= 0, got {v_traj}")
+            raise LedgerError(ErrorCode.INVALID_VERSION, f"v_traj must be >= 0, got {v_traj}")
         if v_traj > self.train_version:
             raise LedgerError(
-                "invalid_version",
+                ErrorCode.INVALID_VERSION,
                 f"v_traj {v_traj} is newer than any model the trainer can have produced "
                 f"(train version {self.train_version})",
             )
@@ -659,12 +655,12 @@ class Ledger:
         deadline = v_traj + eta
         if deadline < t:
             return LedgerError(
-                "not_admissible",
+                ErrorCode.NOT_ADMISSIBLE,
                 f"v_traj {v_traj} is too stale: with eta={eta} it could train at most version {deadline}, "
                 f"and the trainer is at {t}",
             )
         return LedgerError(
-            "not_admissible",
+            ErrorCode.NOT_ADMISSIBLE,
             f"buffers {t}..{deadline} have no room for another group with v_traj {v_traj} under eta={eta}; "
             "a newer v_traj may still be admissible",
         )

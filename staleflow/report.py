@@ -234,7 +234,7 @@ def plot_time_breakdown(path: Path, breakdown: dict) -> Path | None:
         seconds = [per_instance[n]["seconds"] for n in per_instance] + [engine["seconds"]]
         parts = [p for p in PART_COLOURS if any(s.get(p, 0) for s in seconds)]
         parts += sorted({p for s in seconds for p in s} - set(parts))
-        for row, (name, secs) in enumerate(zip(names, seconds, strict=True)):
+        for row, secs in enumerate(seconds):
             left = 0.0
             for part in parts:
                 value = secs.get(part, 0.0)

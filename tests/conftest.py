@@ -5,7 +5,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from support import manager_config
 
 from staleflow.servers.clients import ManagerClient

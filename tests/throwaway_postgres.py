@@ -15,7 +15,6 @@ import uuid
 from pathlib import Path
 
 import psycopg
-
 from support import free_port
 
 USER = "staleflow"

@@ -1,6 +1,6 @@
 """The rollout instance server: one engine behind the command / snapshot / completed-feed API.
 
-Endpoints (all JSON; errors are ``{"error": {"code", "message"}}`` with a 4xx status):
+Endpoints (all JSON; errors are ``{"detail", "code", ...}`` with a 4xx status, as on every service):
 
 * ``POST /v1/commands`` -- one Route / Interrupt / Abort / Pull command ``{command_id, kind, ...}``.
   Commands are applied one at a time in arrival order; each applied command gets the next sequence
@@ -21,7 +21,7 @@ Endpoints (all JSON; errors are ``{"error": {"code", "message"}}`` with a 4xx st
 * ``POST /v1/sim/advance`` -- sim engine on the virtual clock only: ``{"to": t}``, ``{"by": dt}``
   or ``{"until_idle": true}``; returns after the finished trajectories reached the feed.
 
-``config`` holds the settings and the engine factory, ``wire`` the request models and the error body,
+``config`` holds the settings and the engine factory, ``wire`` the request models,
 ``state`` the outbox and the command-applying server, ``app`` the endpoints.
 """
 

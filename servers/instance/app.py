@@ -7,19 +7,24 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Body, FastAPI, Query, Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from staleflow import metrics as m
-from staleflow.engines.base import (
-    EngineError,
-    RolloutEngine,
-)
+from staleflow.engines.base import RolloutEngine
+from staleflow.servers.http import service_app
 from staleflow.servers.instance.config import InstanceConfig
 from staleflow.servers.instance.state import InstanceServer
-from staleflow.servers.instance.wire import AdvanceIn, CommandEnvelope, describe_errors, error_response, plain_errors
+from staleflow.servers.instance.wire import (
+    Advanced,
+    AdvanceIn,
+    AnyCommand,
+    CommandResult,
+    CompletedFeed,
+    EngineStats,
+    InstanceHealth,
+    SnapshotOut,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +72,7 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
         finally:
             await server.stop()
 
-    app = FastAPI(title=f"StaleFlow rollout instance {config.instance_id}", lifespan=lifespan)
+    app = service_app(f"StaleFlow rollout instance {config.instance_id}", lifespan)
     app.state.instance = server
     scraped: dict[str, Any] = {}
 
@@ -78,35 +83,20 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
     m.mount_metrics(app, "instance", lambda: instance_metrics(server, scraped.get("snapshot"), scraped.get("stats")),
                     refresh=read_engine)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = list(exc.errors())
-        return error_response("invalid_request", describe_errors(errors), 422, details=plain_errors(errors))
-
-    @app.exception_handler(EngineError)
-    async def _refused(request: Request, exc: EngineError) -> JSONResponse:
-        return error_response(exc.code, exc.message)
-
-    @app.post("/v1/commands")
-    async def commands(request: Request) -> JSONResponse:
-        try:
-            payload = await request.json()
-        except ValueError:
-            return error_response("invalid_request", "body must be a JSON object", 400)
-        try:
-            command = CommandEnvelope.model_validate({"command": payload}).command
-        except ValidationError as exc:
-            errors = list(exc.errors())
-            return error_response("invalid_command", describe_errors(errors), 422, details=plain_errors(errors))
+    @app.post("/v1/commands", response_model=CommandResult)
+    async def commands(command: Annotated[AnyCommand, Body(discriminator="kind")], response: Response) -> Any:
         status, body, replayed = await server.apply(command)
         headers = {"Idempotent-Replay": "true"} if replayed else None
-        return JSONResponse(body, status_code=status, headers=headers)
+        if status != 200:  # a refusal, recorded for replay like a result
+            return JSONResponse(body, status_code=status, headers=headers)
+        response.headers.update(headers or {})
+        return body
 
-    @app.get("/v1/snapshot")
+    @app.get("/v1/snapshot", response_model=SnapshotOut)
     async def snapshot() -> dict[str, Any]:
         return await server.snapshot()
 
-    @app.get("/v1/completed")
+    @app.get("/v1/completed", response_model=CompletedFeed)
     async def completed(
         after: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 256,
@@ -125,11 +115,11 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
             "dropped": outbox.dropped,
         }
 
-    @app.get("/v1/health")
+    @app.get("/v1/health", response_model=InstanceHealth)
     async def health() -> dict[str, Any]:
         return server.health()
 
-    @app.get("/v1/stats")
+    @app.get("/v1/stats", response_model=EngineStats)
     async def stats() -> dict[str, Any]:
         """Where the engine's time went (paper Table 3), as the engine accounts for it: parts in
         ``breakdown_seconds`` that add up to ``rollout_seconds``, labelled by ``source``."""
@@ -138,7 +128,7 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
             return {"instance_id": server.instance_id, "engine": config.engine, "available": False}
         return {"instance_id": server.instance_id, "engine": config.engine, **accounted}
 
-    @app.post("/v1/sim/advance")
+    @app.post("/v1/sim/advance", response_model=Advanced)
     async def advance(body: AdvanceIn) -> dict[str, Any]:
         return await server.advance(body)
 

@@ -22,10 +22,10 @@ from staleflow.engines.base import (
     RolloutEngine,
 )
 from staleflow.engines.sim import Clock, SimEngine
+from staleflow.errors import ErrorCode
 from staleflow.servers.clients import async_http_client
 from staleflow.servers.instance.config import InstanceConfig, create_engine
 from staleflow.servers.instance.wire import (
-    ERROR_STATUS,
     AbortCommand,
     AdvanceIn,
     AnyCommand,
@@ -165,20 +165,20 @@ class InstanceServer:
     # ------------------------------------------------------------------ commands
 
     async def apply(self, command: AnyCommand) -> tuple[int, dict[str, Any], bool]:
-        """Apply (or replay) a command; returns (status, body, replayed)."""
+        """Apply (or replay) a command; returns (status, body, replayed). A refusal is recorded
+        (and replayed) like a result; reusing a ``command_id`` for another command raises."""
         fingerprint = hashlib.sha256(command.model_dump_json().encode()).hexdigest()
         async with self._lock:
             recorded = self._recorded.get(command.command_id)
             if recorded is not None:
                 if recorded.fingerprint != fingerprint:
-                    body = {"error": {"code": "command_id_reused", "message":
-                                      f"command_id {command.command_id} was already used for a different command"}}
-                    return 409, body, False
+                    raise EngineError(ErrorCode.COMMAND_ID_REUSED,
+                                      f"command_id {command.command_id} was already used for a different command")
                 return recorded.status, recorded.body, True
             try:
                 result = await self._execute(command)
             except EngineError as exc:
-                status, body = ERROR_STATUS.get(exc.code, 422), {"error": {"code": exc.code, "message": exc.message}}
+                status, body = exc.status, exc.to_json()
             else:
                 self.seq += 1
                 self.commands_applied[command.kind] = self.commands_applied.get(command.kind, 0) + 1
@@ -193,7 +193,7 @@ class InstanceServer:
             try:
                 requests = [t.to_request() for t in command.trajectories]
             except ValueError as exc:  # cross-field checks of the trajectory dataclasses
-                raise EngineError("invalid_trajectory", str(exc)) from None
+                raise EngineError(ErrorCode.INVALID_TRAJECTORY, str(exc)) from None
             await self.engine.route(requests)
             return {"routed": [r.traj_id for r in requests]}
         if isinstance(command, InterruptCommand):
@@ -234,15 +234,15 @@ class InstanceServer:
     async def advance(self, request: AdvanceIn) -> dict[str, Any]:
         engine = self.engine
         if not isinstance(engine, SimEngine):
-            raise EngineError("not_sim", "only the sim engine has a virtual clock to advance")
+            raise EngineError(ErrorCode.NOT_SIM, "only the sim engine has a virtual clock to advance")
         async with self._lock:
             if request.until_idle:
                 if engine.clock is not Clock.VIRTUAL:
-                    raise EngineError("wrong_clock", "advance needs the virtual clock; this engine runs on real time")
+                    raise EngineError(ErrorCode.WRONG_CLOCK, "advance needs the virtual clock; this engine runs on real time")
                 await engine.run_until_idle()
             elif request.to is not None:
                 if request.to < engine.now:
-                    raise EngineError("time_backwards", f"virtual time is already {engine.now}, cannot go to {request.to}")
+                    raise EngineError(ErrorCode.TIME_BACKWARDS, f"virtual time is already {engine.now}, cannot go to {request.to}")
                 await engine.advance_to(request.to)
             else:
                 await engine.advance_by(request.by or 0.0)

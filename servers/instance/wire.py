@@ -1,16 +1,13 @@
-"""The instance server's wire models: commands, trajectories, weights sources, the sim clock's advance,
-and the error body ``{"error": {"code", "message"}}`` with its code -> status table."""
+"""The instance server's wire models: commands, trajectories, weights sources, the sim clock's advance."""
 
 from __future__ import annotations
 
 import base64
-import binascii
 import math
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from staleflow.config import StrictModel
 from staleflow.engines.base import (
@@ -26,6 +23,7 @@ from staleflow.engines.base import (
     WeightsPath,
     WeightsRef,
 )
+from staleflow.errors import ErrorCode
 from staleflow.servers.instance.config import ID_PATTERN
 
 
@@ -133,16 +131,12 @@ class PullCommand(_CommandBase):
             return WeightsFromParams(self.version, w.url, w.transport)
         try:
             return WeightsBlob(self.version, base64.b64decode(w.data_b64, validate=True))
-        except binascii.Error as exc:
-            raise EngineError("invalid_weights", f"weights.data_b64 is not base64: {exc}") from None
+        except ValueError as exc:  # binascii.Error, or characters outside ASCII
+            raise EngineError(ErrorCode.INVALID_WEIGHTS, f"weights.data_b64 is not base64: {exc}") from None
 
 
 AnyCommand = RouteCommand | InterruptCommand | AbortCommand | PullCommand
 Command = Annotated[AnyCommand, Field(discriminator="kind")]
-
-
-class CommandEnvelope(BaseModel):
-    command: Command
 
 
 MAX_SIM_SECONDS = 1e9  # ~31 simulated years: beyond this, float time steps lose their meaning
@@ -181,31 +175,114 @@ def trajectory_json(t: Trajectory) -> dict[str, Any]:
     return data
 
 
-ERROR_STATUS = {
-    "duplicate_trajectory": 409,
-    "version_too_new": 409,
-    "version_regression": 409,
-    "command_id_reused": 409,
-    "wrong_clock": 409,
-    "time_backwards": 409,
-    "not_sim": 404,
-}
+# -- answers
 
 
-def error_response(code: str, message: str, status: int | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message, **extra}}, status_code=status or ERROR_STATUS.get(code, 422))
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-def describe_errors(errors: list[dict[str, Any]]) -> str:
-    parts = []
-    for e in errors:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "command"))
-        parts.append(f"{loc or 'body'}: {e.get('msg')}")
-    return "; ".join(parts)
+class SegmentOut(_Answer):
+    version: int
+    start: int
+    end: int
 
 
-def plain_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
-        for e in errors
-    ]
+class TrajectoryOut(_Answer):
+    """A trajectory as handed out: a partial can be routed back as is."""
+
+    traj_id: str
+    group_id: str
+    prompt_ids: list[int]
+    v_traj: int
+    sampling: dict[str, Any]
+    tokens: list[int]
+    logprobs: list[float]
+    segments: list[SegmentOut]
+
+
+class FinishedTrajectoryOut(TrajectoryOut):
+    finish_reason: str
+
+
+class _Applied(_Answer):
+    command_id: str
+    seq: int = Field(description="the command's place in this instance's order of applied commands")
+
+
+class RouteResult(_Applied):
+    kind: Literal["route"]
+    routed: list[str]
+
+
+class InterruptResult(_Applied):
+    kind: Literal["interrupt"]
+    partials: list[TrajectoryOut]
+    not_found: list[str]
+
+
+class AbortResult(_Applied):
+    kind: Literal["abort"]
+    aborted: list[str]
+    not_found: list[str]
+
+
+class PullResult(_Applied):
+    kind: Literal["pull"]
+    version: int
+    partials: list[TrajectoryOut] = Field(description="everything in flight, interrupted by the weight load")
+
+
+CommandResult = Annotated[RouteResult | InterruptResult | AbortResult | PullResult, Field(discriminator="kind")]
+
+
+class SnapshotOut(_Answer):
+    instance_id: str
+    boot_id: str
+    seq: int
+    timestamp: float
+    engine_time: float | None
+    kv_cache: int | float
+    run_trajs: list[str]
+    wait_trajs: list[str]
+    complete_trajs: list[str]
+    inst_version: int
+    loading_weights: bool
+
+
+class CompletedItem(_Answer):
+    seq: int
+    instance_id: str
+    finished_at: float
+    trajectory: FinishedTrajectoryOut
+
+
+class CompletedFeed(_Answer):
+    items: list[CompletedItem]
+    next_after: int
+    last_seq: int
+    oldest_seq: int | None
+    dropped: int
+
+
+class InstanceHealth(_Answer):
+    status: str
+    instance_id: str
+    engine: str
+    seq: int
+    outbox: dict[str, int]
+    callback: dict[str, Any]
+
+
+class EngineStats(BaseModel):
+    """Where the engine's time went, for engines that account for it (their own fields follow)."""
+
+    model_config = ConfigDict(extra="allow")
+    instance_id: str
+    engine: str
+    available: bool
+
+
+class Advanced(_Answer):
+    now: float
+    completed_seq: int

@@ -7,20 +7,19 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
 from staleflow import metrics as m
+from staleflow.errors import ErrorCode
+from staleflow.servers.http import service_app
 from staleflow.servers.params.config import ParamsConfig, ParamsError, TransportName
 from staleflow.servers.params.store import ParamStore, StoredVersion
-from staleflow.transports.base import (
-    FormatError,
-    checksum_algorithms,
-)
+from staleflow.transports.base import checksum_algorithms
 from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range
 from staleflow.transports.shm import host_id
 
@@ -46,6 +45,117 @@ class PullBegin(BaseModel):
 VersionSpec = Annotated[str, "a version number, 'latest' or 'latest-N'"]
 
 
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ParamsHealth(_Answer):
+    status: str
+    latest: int | None
+    versions: int
+
+
+class VersionSummary(_Answer):
+    version: int
+    total_bytes: int
+    tensors: int
+    chunks: int
+    chunk_bytes: int
+    committed_at: float | None
+
+
+class StoredSummary(VersionSummary):
+    leases: int
+    retained: bool
+
+
+class PushProgress(_Answer):
+    version: int
+    push_id: str
+    chunks: int
+    received_chunks: int
+    received_bytes: int
+    writing: list[int]
+    committing: bool
+
+
+class StoreDescription(_Answer):
+    keep: int
+    latest: int | None
+    versions: list[StoredSummary]
+    pushes: list[PushProgress]
+    readers: dict[str, int]
+    writers: int
+    transports: list[str]
+    shm: dict[str, Any] | None
+
+
+class ChunkOut(_Answer):
+    index: int
+    offset: int
+    length: int
+    checksum: str | None = None
+
+
+class TensorOut(_Answer):
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class ManifestOut(_Answer):
+    version: int
+    total_bytes: int
+    chunk_bytes: int
+    data_offset: int
+    metadata: dict[str, str]
+    committed_at: float | None
+    tensors: list[TensorOut]
+    chunks: list[ChunkOut]
+
+
+class PushStarted(_Answer):
+    push_id: str
+    version: int
+    chunk_bytes: int
+    total_bytes: int
+    chunks: list[ChunkOut]
+    checksum_algorithms: list[str]
+
+
+class ChunkReceived(_Answer):
+    index: int
+    checksum: str
+
+
+class PushAborted(_Answer):
+    version: int
+    aborted: bool
+
+
+class PullStarted(_Answer):
+    lease_id: str
+    version: int
+    transport: str
+    ttl_s: float
+    details: dict[str, Any] = Field(description="what the transport needs: a shm path, NIXL descriptors, ...")
+    manifest: ManifestOut
+
+
+class PullEnded(_Answer):
+    lease_id: str
+    released: bool
+
+
+def the_store(request: Request) -> ParamStore:
+    return request.app.state.store
+
+
+StoreDep = Annotated[ParamStore, Depends(the_store)]
+
+
 def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store: bool | None = None) -> FastAPI:
     """The parameter server. Closes the store at shutdown if it opened it, or if ``owns_store``
     (uvicorn ends the process with the stop signal itself after a graceful shutdown, so code
@@ -65,48 +175,38 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
             if owned:
                 app.state.store.close()
 
-    app = FastAPI(title="StaleFlow parameter server", version="1", lifespan=lifespan)
+    app = service_app("StaleFlow parameter server", lifespan)
     m.mount_metrics(app, "params", lambda: app.state.store.metrics() if hasattr(app.state, "store") else [])
     app.state.body_limit_exempt = r"^/v1/params/[^/]+/chunks/"  # bounded per chunk (chunk_bytes) instead
 
-    @app.exception_handler(ParamsError)
-    async def _params_error(_: Request, exc: ParamsError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
-
-    @app.exception_handler(FormatError)
-    async def _format_error(_: Request, exc: FormatError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
-
-    def the_store(request: Request) -> ParamStore:
-        return request.app.state.store
-
-    @app.get("/v1/health")
-    def health(request: Request) -> dict:
-        s = the_store(request).describe()
+    @app.get("/v1/health", response_model=ParamsHealth)
+    def health(store: StoreDep) -> dict:
+        s = store.describe()
         return {"status": "ok", "latest": s["latest"], "versions": len(s["versions"])}
 
-    @app.get("/v1/params")
-    def list_versions(request: Request) -> dict:
-        return the_store(request).describe()
+    @app.get("/v1/params", response_model=StoreDescription)
+    def list_versions(store: StoreDep) -> dict:
+        return store.describe()
 
-    @app.get("/v1/params/latest")
-    def latest(request: Request) -> dict:
-        return the_store(request).resolve_stored("latest").manifest.summary()
+    @app.get("/v1/params/latest", response_model=VersionSummary)
+    def latest(store: StoreDep) -> dict:
+        return store.resolve_stored("latest").manifest.summary()
 
-    @app.post("/v1/params/{version}", status_code=201)
-    def begin_push(request: Request, version: Annotated[int, "version number"], body: PushBegin) -> dict:
+    @app.post("/v1/params/{version}", status_code=201, response_model=PushStarted)
+    def begin_push(store: StoreDep, version: Annotated[int, "version number"], body: PushBegin) -> dict:
         if version < 0:
-            raise ParamsError(422, "version must be >= 0")
-        push = the_store(request).begin_push(version, [(t.name, t.dtype, t.shape) for t in body.tensors], body.metadata)
+            raise ParamsError(ErrorCode.INVALID_VERSION, "version must be >= 0")
+        push = store.begin_push(version, [(t.name, t.dtype, t.shape) for t in body.tensors], body.metadata)
         return {"push_id": push.push_id, "version": version, "chunk_bytes": config.chunk_bytes,
                 "total_bytes": sum(c.length for c in push.chunks),
                 "chunks": [{"index": c.index, "offset": c.offset, "length": c.length} for c in push.chunks],
                 "checksum_algorithms": checksum_algorithms()}
 
-    @app.put("/v1/params/{version}/chunks/{index}")
-    async def put_chunk(request: Request, version: int, index: int, push_id: Annotated[str, Query()]) -> dict:
+    @app.put("/v1/params/{version}/chunks/{index}", response_model=ChunkReceived)
+    async def put_chunk(request: Request, store: StoreDep, version: int, index: int,
+                        push_id: Annotated[str, Query()]) -> dict:
         length = request.headers.get("content-length")
-        writer = the_store(request).chunk_writer(version, push_id, index, request.headers.get(CHECKSUM_HEADER),
+        writer = store.chunk_writer(version, push_id, index, request.headers.get(CHECKSUM_HEADER),
                                                  int(length) if length and length.isdigit() else None)
         try:
             async for piece in request.stream():
@@ -115,31 +215,31 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
             await asyncio.to_thread(writer.flush)
         except ClientDisconnect:
             writer.abandon()
-            raise ParamsError(400, f"the client went away in the middle of chunk {index}") from None
+            raise ParamsError(ErrorCode.CLIENT_DISCONNECTED, f"the client went away in the middle of chunk {index}") from None
         except BaseException:
             writer.abandon()
             raise
         return {"index": index, "checksum": writer.finish()}
 
-    @app.post("/v1/params/{version}/commit")
-    def commit(request: Request, version: int, push_id: Annotated[str, Query()]) -> dict:
-        return the_store(request).commit(version, push_id).summary()
+    @app.post("/v1/params/{version}/commit", response_model=VersionSummary)
+    def commit(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
+        return store.commit(version, push_id).summary()
 
-    @app.delete("/v1/params/{version}/push")
-    def abort_push(request: Request, version: int, push_id: Annotated[str, Query()]) -> dict:
-        the_store(request).abort_push(version, push_id)
+    @app.delete("/v1/params/{version}/push", response_model=PushAborted)
+    def abort_push(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
+        store.abort_push(version, push_id)
         return {"version": version, "aborted": True}
 
-    @app.get("/v1/params/{version}/manifest")
-    def manifest(request: Request, version: VersionSpec) -> dict:
-        return the_store(request).resolve_stored(version).manifest.to_json()
+    @app.get("/v1/params/{version}/manifest", response_model=ManifestOut)
+    def manifest(store: StoreDep, version: VersionSpec) -> dict:
+        return store.resolve_stored(version).manifest.to_json()
 
-    @app.post("/v1/params/{version}/pulls", status_code=201)
-    def begin_pull(request: Request, version: VersionSpec, body: PullBegin | None = None) -> dict:
+    @app.post("/v1/params/{version}/pulls", status_code=201, response_model=PullStarted)
+    def begin_pull(s: StoreDep, version: VersionSpec, body: PullBegin | None = None) -> dict:
         body = body or PullBegin()
         if body.transport not in config.transports:
-            raise ParamsError(422, f"transport {body.transport!r} is not enabled here (enabled: {', '.join(config.transports)})")
-        s = the_store(request)
+            raise ParamsError(ErrorCode.TRANSPORT_DISABLED,
+                              f"transport {body.transport!r} is not enabled here (enabled: {', '.join(config.transports)})")
         lease, stored = s.acquire(version, body.transport, body.wait_s)
         try:
             details = _transport_details(s, stored, body.transport)
@@ -149,29 +249,27 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         return {"lease_id": lease.lease_id, "version": lease.version, "transport": body.transport,
                 "ttl_s": config.lease_ttl_s, "details": details, "manifest": stored.manifest.to_json()}
 
-    @app.delete("/v1/pulls/{lease_id}")
-    def end_pull(request: Request, lease_id: str) -> dict:
-        if not the_store(request).release(lease_id):
-            raise ParamsError(404, f"lease {lease_id!r} is unknown or lapsed")
+    @app.delete("/v1/pulls/{lease_id}", response_model=PullEnded)
+    def end_pull(store: StoreDep, lease_id: str) -> dict:
+        if not store.release(lease_id):
+            raise ParamsError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown or lapsed")
         return {"lease_id": lease_id, "released": True}
 
-    @app.get("/v1/params/{version}/chunks/{index}")
-    def get_chunk(request: Request, version: int, index: int, lease: str | None = None) -> StreamingResponse:
-        s = the_store(request)
+    @app.get("/v1/params/{version}/chunks/{index}", response_class=StreamingResponse)
+    def get_chunk(s: StoreDep, version: int, index: int, lease: str | None = None) -> StreamingResponse:
         fd, stored = s.open_range(version, lease)
         chunks = stored.manifest.chunks
         if not 0 <= index < len(chunks):
             os.close(fd)
             s.stream_done()
-            raise ParamsError(404, f"version {version} has chunks 0..{len(chunks) - 1}, not {index}")
+            raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{len(chunks) - 1}, not {index}")
         chunk = chunks[index]
         return _stream(s, fd, stored.manifest.data_offset + chunk.offset, chunk.length,
                        {CHECKSUM_HEADER: chunk.checksum or ""})
 
-    @app.get("/v1/params/{version}/file")
-    def get_file(request: Request, version: VersionSpec) -> StreamingResponse:
+    @app.get("/v1/params/{version}/file", response_class=StreamingResponse)
+    def get_file(s: StoreDep, version: VersionSpec) -> StreamingResponse:
         """The whole version as one safetensors file (curl, engines that load a path)."""
-        s = the_store(request)
         fd, stored = s.open_range(s.resolve_stored(version).manifest.version, None)
         return _stream(s, fd, 0, stored.file_size,
                        {"content-disposition": f'attachment; filename="v{stored.manifest.version}.safetensors"'})
@@ -201,7 +299,8 @@ def _transport_details(store: ParamStore, stored: StoredVersion, transport: str)
             try:
                 slot = store.shm.publish(version, stored.fd, stored.file_size)
             except OSError as exc:
-                raise ParamsError(503, f"cannot publish version {version} to shared memory: {exc}; pull over http") from None
+                raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE,
+                                  f"cannot publish version {version} to shared memory: {exc}; pull over http") from None
         return {"path": str(slot.path), "size": slot.size, "host_id": host_id()}
     if transport == "nixl":
         assert store.nixl is not None

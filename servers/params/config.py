@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from staleflow.config.params import ParamsConfig, TransportName
+from staleflow.errors import StaleFlowError
 
 __all__ = ["ParamsConfig", "ParamsError", "TransportName"]
 
 
-class ParamsError(Exception):
-    def __init__(self, status: int, detail: str):
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
+class ParamsError(StaleFlowError):
+    """A request the parameter store refuses."""

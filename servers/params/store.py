@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from staleflow.errors import ErrorCode
 from staleflow.servers.params.config import ParamsConfig, ParamsError
 from staleflow.transports.base import (
     ChunkHasher,
@@ -51,7 +52,7 @@ def parse_version_spec(spec: str) -> tuple[str, int]:
     """``"42"`` -> ("exact", 42); ``"latest"`` -> ("latest", 0); ``"latest-2"`` -> ("latest", 2)."""
     match = _VERSION_SPEC.match(spec)
     if not match:
-        raise ParamsError(422, f"version {spec!r} must be a number, 'latest' or 'latest-N'")
+        raise ParamsError(ErrorCode.INVALID_VERSION, f"version {spec!r} must be a number, 'latest' or 'latest-N'")
     if match.group(1) is not None:
         return "exact", int(match.group(1))
     return "latest", int(match.group(2) or 0)
@@ -127,7 +128,7 @@ class ChunkWriter:
     def add(self, piece: bytes) -> bool:
         """Collect a piece; True when enough is pending to flush."""
         if self.written + len(self.pending) + len(piece) > self.chunk.length:
-            raise ParamsError(413, f"chunk {self.chunk.index} is {self.chunk.length} bytes; the body is longer")
+            raise ParamsError(ErrorCode.BODY_TOO_LARGE, f"chunk {self.chunk.index} is {self.chunk.length} bytes; the body is longer")
         self.pending += piece
         return len(self.pending) >= self.FLUSH_BYTES
 
@@ -141,10 +142,10 @@ class ChunkWriter:
         actual = self.hasher.hexdigest()
         if self.written != self.chunk.length:
             self.store.chunk_done(self.push, self.chunk.index, None)
-            raise ParamsError(422, f"chunk {self.chunk.index}: received {self.written} of {self.chunk.length} bytes")
+            raise ParamsError(ErrorCode.INCOMPLETE_CHUNK, f"chunk {self.chunk.index}: received {self.written} of {self.chunk.length} bytes")
         if actual != self.claimed:
             self.store.chunk_done(self.push, self.chunk.index, None)
-            raise ParamsError(422, f"chunk {self.chunk.index}: bad checksum: the body hashes to {actual}, "
+            raise ParamsError(ErrorCode.CHECKSUM_MISMATCH, f"chunk {self.chunk.index}: bad checksum: the body hashes to {actual}, "
                                    f"the request claims {self.claimed}; the chunk was not stored, send it again")
         self.store.chunk_done(self.push, self.chunk.index, actual)
         return actual
@@ -256,13 +257,14 @@ class ParamStore:
         with self._cond:
             self._sweep()
             if version in self.versions:
-                raise ParamsError(409, f"version {version} already exists; versions are immutable, push a new number")
+                raise ParamsError(ErrorCode.VERSION_EXISTS, f"version {version} already exists; versions are immutable, push a new number")
             if version in self.pushes:
-                raise ParamsError(409, f"a push of version {version} is in progress (push_id {self.pushes[version].push_id}); "
-                                       "finish or abort it first")
+                raise ParamsError(ErrorCode.PUSH_IN_PROGRESS,
+                                  f"a push of version {version} is in progress (push_id {self.pushes[version].push_id}); "
+                                  "finish or abort it first")
             newest = max(self.versions, default=None)
             if newest is not None and version < newest:
-                raise ParamsError(409, f"version {version} is older than the newest complete version {newest}")
+                raise ParamsError(ErrorCode.VERSION_TOO_OLD, f"version {version} is older than the newest complete version {newest}")
             push_id = uuid.uuid4().hex
             directory = self.root / f".staging-v{version:010d}-{push_id[:8]}"
             directory.mkdir()
@@ -284,28 +286,29 @@ class ParamStore:
         push = self.pushes.get(version)
         if push is None:
             state = "is complete" if version in self.versions else "has no push in progress"
-            raise ParamsError(404, f"version {version} {state}; start one with POST /v1/params/{version}")
+            raise ParamsError(ErrorCode.UNKNOWN_PUSH, f"version {version} {state}; start one with POST /v1/params/{version}")
         if push.push_id != push_id:
-            raise ParamsError(409, f"push_id {push_id!r} does not match the push of version {version} in progress")
+            raise ParamsError(ErrorCode.PUSH_ID_MISMATCH, f"push_id {push_id!r} does not match the push of version {version} in progress")
         return push
 
     def chunk_writer(self, version: int, push_id: str, index: int, claimed: str | None, length: int | None) -> ChunkWriter:
         if claimed is None:
-            raise ParamsError(422, f"header {CHECKSUM_HEADER} is missing: send 'xxh3_64:<hex>' or 'crc32:<hex>' of the chunk")
+            raise ParamsError(ErrorCode.MISSING_CHECKSUM,
+                              f"header {CHECKSUM_HEADER} is missing: send 'xxh3_64:<hex>' or 'crc32:<hex>' of the chunk")
         try:
             checksum_algorithm(claimed)
         except FormatError as exc:
-            raise ParamsError(422, str(exc)) from None
+            raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
         with self._cond:
             push = self._push(version, push_id)
             if not 0 <= index < len(push.chunks):
-                raise ParamsError(404, f"version {version} has chunks 0..{len(push.chunks) - 1}, not {index}")
+                raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{len(push.chunks) - 1}, not {index}")
             chunk = push.chunks[index]
             if length is not None and length != chunk.length:
-                status = 413 if length > chunk.length else 422
-                raise ParamsError(status, f"chunk {index} is {chunk.length} bytes; Content-Length says {length}")
+                code = ErrorCode.BODY_TOO_LARGE if length > chunk.length else ErrorCode.CHUNK_LENGTH_MISMATCH
+                raise ParamsError(code, f"chunk {index} is {chunk.length} bytes; Content-Length says {length}")
             if index in push.writing or push.committing:
-                raise ParamsError(409, f"chunk {index} of version {version} is being received or committed right now")
+                raise ParamsError(ErrorCode.BUSY, f"chunk {index} of version {version} is being received or committed right now")
             push.writing.add(index)
             push.received.pop(index, None)
             push.last_active = time.monotonic()
@@ -323,11 +326,11 @@ class ParamStore:
             push = self._push(version, push_id)
             missing = [c.index for c in push.chunks if c.index not in push.received]
             if push.committing:
-                raise ParamsError(409, f"version {version} is being committed already")
+                raise ParamsError(ErrorCode.BUSY, f"version {version} is being committed already")
             if missing or push.writing:
                 shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
                 reason = f"chunks missing: {shown}" if missing else "chunks are still being received"
-                raise ParamsError(409, f"version {version} is incomplete "
+                raise ParamsError(ErrorCode.VERSION_INCOMPLETE, f"version {version} is incomplete "
                                        f"({len(push.received)}/{len(push.chunks)} chunks): {reason}")
             push.committing = True
         manifest = Manifest(
@@ -367,7 +370,7 @@ class ParamStore:
         with self._cond:
             push = self._push(version, push_id)
             if push.committing or push.writing:
-                raise ParamsError(409, f"version {version} is being committed or received right now")
+                raise ParamsError(ErrorCode.BUSY, f"version {version} is being committed or received right now")
             self._drop_push(push)
             self._cond.notify_all()
 
@@ -412,9 +415,9 @@ class ParamStore:
                 can_appear = (kind == "latest" and not self.versions) or (kind == "exact" and number > newest)
                 remaining = deadline - time.monotonic()
                 if not can_appear or remaining <= 0:
-                    status = 409 if "being pushed" in why else 404
+                    code = ErrorCode.VERSION_BEING_PUSHED if "being pushed" in why else ErrorCode.UNKNOWN_VERSION
                     hint = "; pass wait_s to wait for it" if can_appear else ""
-                    raise ParamsError(status, why + hint)
+                    raise ParamsError(code, why + hint)
                 self._cond.wait(min(remaining, 1.0))
             stored = self.versions[version]
             stored.leases += 1
@@ -460,13 +463,13 @@ class ParamStore:
             if lease_id is not None:
                 lease = self.leases.get(lease_id)
                 if lease is None:
-                    raise ParamsError(404, f"lease {lease_id!r} is unknown or lapsed; open a new pull")
+                    raise ParamsError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown or lapsed; open a new pull")
                 if lease.version != version:
-                    raise ParamsError(422, f"lease {lease_id!r} is for version {lease.version}, not {version}")
+                    raise ParamsError(ErrorCode.LEASE_MISMATCH, f"lease {lease_id!r} is for version {lease.version}, not {version}")
                 lease.expires_at = time.monotonic() + self.config.lease_ttl_s
             stored = self.versions.get(version)
             if stored is None:
-                raise ParamsError(404, f"version {version} is not stored")
+                raise ParamsError(ErrorCode.UNKNOWN_VERSION, f"version {version} is not stored")
             self.active_streams += 1
             return os.dup(stored.fd), stored
 
@@ -478,7 +481,7 @@ class ParamStore:
         with self._cond:
             version, why = self._resolve(spec)
             if version is None:
-                raise ParamsError(409 if "being pushed" in why else 404, why)
+                raise ParamsError(ErrorCode.VERSION_BEING_PUSHED if "being pushed" in why else ErrorCode.UNKNOWN_VERSION, why)
             return self.versions[version]
 
     def metrics(self) -> list:

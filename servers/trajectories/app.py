@@ -9,31 +9,72 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 import httpx
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
+from staleflow.errors import ErrorCode, StaleFlowError, error_body
 from staleflow.metrics import mount_metrics
 from staleflow.servers.clients import AsyncManagerClient, ServiceError
+from staleflow.servers.http import error_response, service_app
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
 from staleflow.servers.trajectories.rewards import RewardFn, make_reward
 from staleflow.servers.trajectories.service import TrajectoryServer
-from staleflow.servers.trajectories.store import (
-    StoreConflict,
-    StoreUnavailable,
-    TrajectoryStore,
-    TrajState,
-)
+from staleflow.servers.trajectories.store import TrajectoryStore, TrajState
 from staleflow.servers.trajectories.wire import (
     AckRequest,
+    BatchOut,
+    CheckedOut,
     CheckoutRequest,
     CompletedRequest,
     ReturnRequest,
+    TrajectoriesOut,
+    TrajectoryDetail,
+    TrajectoryPage,
+    TrajectoryServerHealth,
     summary,
     traj_payload,
 )
 from staleflow.tasks import SkippedRows
 
 log = logging.getLogger(__name__)
+
+
+class Returned(BaseModel):
+    outcome: dict[str, str] = Field(description="traj_id -> pending, aborted, unknown or ignored (its state)")
+
+
+class Accepted(BaseModel):
+    accepted: int
+
+
+class Released(BaseModel):
+    released: int
+
+
+class Cancellation(BaseModel):
+    traj_id: str
+    instance_id: str | None
+
+
+class CancellationsOut(BaseModel):
+    trajectories: list[Cancellation]
+
+
+class Acknowledged(BaseModel):
+    acknowledged: int
+
+
+class Freed(BaseModel):
+    version: int
+    freed_groups: int
+
+
+def the_server(request: Request) -> TrajectoryServer:
+    return request.app.state.ts
+
+
+ServerDep = Annotated[TrajectoryServer, Depends(the_server)]
 
 
 def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -> FastAPI:
@@ -56,110 +97,98 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
             await manager.aclose()
             store.close()
 
-    app = FastAPI(title="StaleFlow trajectory server", version="1", lifespan=lifespan)
+    app = service_app("StaleFlow trajectory server", lifespan)
     mount_metrics(app, "ts", lambda: app.state.ts.metrics() if hasattr(app.state, "ts") else [])
-
-    @app.exception_handler(StoreConflict)
-    async def _conflict(_: Request, exc: StoreConflict) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
-
-    @app.exception_handler(StoreUnavailable)
-    async def _store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "code": "store_unavailable"}, status_code=503)
 
     @app.exception_handler(ServiceError)
     async def _upstream(_: Request, exc: ServiceError) -> JSONResponse:
-        # the manager's refusal of what the client asked (e.g. an unknown buffer) is the client's 4xx
-        status = exc.status if 400 <= exc.status < 500 else 502
-        return JSONResponse({"detail": f"staleness manager: {exc.detail}"}, status_code=status)
+        # the manager's refusal of what the client asked (e.g. an unknown buffer) is the client's 4xx,
+        # with the manager's code
+        if 400 <= exc.status < 500 and exc.code is not None:
+            return JSONResponse({**exc.body, **error_body(exc.code, f"staleness manager: {exc.detail}")},
+                                status_code=exc.status)
+        return error_response(ErrorCode.UPSTREAM_ERROR, f"staleness manager: {exc.detail}", upstream_status=exc.status)
 
     @app.exception_handler(httpx.TransportError)
     async def _unreachable(_: Request, exc: httpx.TransportError) -> JSONResponse:
-        return JSONResponse({"detail": f"staleness manager unreachable: {exc.__class__.__name__}"}, status_code=503)
+        return error_response(ErrorCode.UPSTREAM_UNAVAILABLE, f"staleness manager unreachable: {exc.__class__.__name__}")
 
-    def ts(request: Request) -> TrajectoryServer:
-        return request.app.state.ts
-
-    @app.get("/v1/health")
-    async def health(request: Request) -> dict:
-        server = ts(request)
+    @app.get("/v1/health", response_model=TrajectoryServerHealth)
+    async def health(server: ServerDep) -> dict:
         skipped = getattr(server.prompts, "skipped", SkippedRows())
         return {"status": "ok", "counts": server.store.counts(),
                 "skipped_prompts": {"count": skipped.count + server.too_long.count,
                                     "reasons": {**skipped.reasons, **server.too_long.reasons}}}
 
-    @app.get("/v1/pending")
-    async def pending(request: Request) -> dict:
+    @app.get("/v1/pending", response_model=TrajectoriesOut)
+    async def pending(server: ServerDep) -> dict:
         """Trajectories waiting to be routed, for the coordinator (V_traj null: initial)."""
-        return {"trajectories": [summary(t, g) for t, g in ts(request).store.pending()]}
+        return {"trajectories": [summary(t, g) for t, g in server.store.pending()]}
 
-    @app.get("/v1/routed")
-    async def routed(request: Request, instance_id: str | None = None) -> dict:
-        return {"trajectories": [summary(t, g) for t, g in ts(request).store.routed(instance_id)]}
+    @app.get("/v1/routed", response_model=TrajectoriesOut)
+    async def routed(server: ServerDep, instance_id: str | None = None) -> dict:
+        return {"trajectories": [summary(t, g) for t, g in server.store.routed(instance_id)]}
 
-    @app.post("/v1/checkout")
-    async def checkout(request: Request, body: CheckoutRequest) -> dict:
-        return await ts(request).checkout(body)
+    @app.post("/v1/checkout", response_model=CheckedOut)
+    async def checkout(server: ServerDep, body: CheckoutRequest) -> dict:
+        return await server.checkout(body)
 
-    @app.post("/v1/return")
-    async def give_back(request: Request, body: ReturnRequest) -> dict:
-        outcome = ts(request).store.returned([p.model_dump() for p in body.partials], body.instance_id)
+    @app.post("/v1/return", response_model=Returned)
+    async def give_back(server: ServerDep, body: ReturnRequest) -> dict:
+        outcome = server.store.returned([p.model_dump() for p in body.partials], body.instance_id)
         return {"outcome": outcome}
 
-    @app.post("/v1/completed")
-    async def completed(request: Request, body: CompletedRequest) -> dict:
-        return {"accepted": await ts(request).completed(body)}
+    @app.post("/v1/completed", response_model=Accepted)
+    async def completed(server: ServerDep, body: CompletedRequest) -> dict:
+        return {"accepted": await server.completed(body)}
 
-    @app.post("/v1/instances/{instance_id}/release")
-    async def release(request: Request, instance_id: str) -> dict:
+    @app.post("/v1/instances/{instance_id}/release", response_model=Released)
+    async def release(server: ServerDep, instance_id: str) -> dict:
         """The coordinator declared the instance failed: its trajectories become routable again."""
-        return {"released": ts(request).store.release_instance(instance_id)}
+        return {"released": server.store.release_instance(instance_id)}
 
-    @app.get("/v1/cancellations")
-    async def cancellations(request: Request) -> dict:
+    @app.get("/v1/cancellations", response_model=CancellationsOut)
+    async def cancellations(server: ServerDep) -> dict:
         return {"trajectories": [{"traj_id": t.traj_id, "instance_id": t.instance_id}
-                                 for t in ts(request).store.cancellations()]}
+                                 for t in server.store.cancellations()]}
 
-    @app.post("/v1/cancellations/ack")
-    async def cancellations_ack(request: Request, body: AckRequest) -> dict:
-        ts(request).store.cancelled(body.traj_ids)
+    @app.post("/v1/cancellations/ack", response_model=Acknowledged)
+    async def cancellations_ack(server: ServerDep, body: AckRequest) -> dict:
+        server.store.cancelled(body.traj_ids)
         return {"acknowledged": len(body.traj_ids)}
 
-    @app.get("/v1/batches/{version}")
-    async def batch(request: Request, version: int) -> dict:
-        if version < 0:
-            return JSONResponse({"detail": "version must be >= 0"}, status_code=422)
-        return await ts(request).batch(version)
+    @app.get("/v1/batches/{version}", response_model=BatchOut)
+    async def batch(server: ServerDep, version: Annotated[int, Path(ge=0)]) -> dict:
+        return await server.batch(version)
 
-    @app.delete("/v1/batches/{version}")
-    async def free_batch(request: Request, version: int) -> dict:
-        server = ts(request)
+    @app.delete("/v1/batches/{version}", response_model=Freed)
+    async def free_batch(server: ServerDep, version: int) -> dict:
         buffer = await server.manager.buffer(version)
         freed = server.store.free([e["group_id"] for e in buffer.get("entries", [])])
         server.refill()
         return {"version": version, "freed_groups": freed}
 
-    @app.get("/v1/trajectories")
+    @app.get("/v1/trajectories", response_model=TrajectoryPage)
     async def trajectories(
-        request: Request,
+        server: ServerDep,
         state: TrajState | None = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
         offset: Annotated[int, Query(ge=0)] = 0,
     ) -> dict:
-        store = ts(request).store
+        store = server.store
         with store.lock:
             rows = [(t, store.groups[t.group_id]) for t in store.trajs.values() if state is None or t.state is state]
         return {"counts": store.counts(), "total": len(rows),
                 "trajectories": [summary(t, g) for t, g in rows[offset: offset + limit]]}
 
-    @app.get("/v1/trajectories/{traj_id}")
-    async def trajectory(request: Request, traj_id: str) -> dict:
-        store = ts(request).store
+    @app.get("/v1/trajectories/{traj_id}", response_model=TrajectoryDetail)
+    async def trajectory(server: ServerDep, traj_id: str) -> dict:
+        store = server.store
         t = store.trajs.get(traj_id)
         if t is None:
-            return JSONResponse({"detail": f"trajectory {traj_id!r} is unknown"}, status_code=404)
+            raise StaleFlowError(ErrorCode.UNKNOWN_TRAJECTORY, f"trajectory {traj_id!r} is unknown")
         g = store.groups[t.group_id]
-        return {**summary(t, g), **traj_payload(t, g, ts(request).config.sampling), "reward": t.reward,
+        return {**summary(t, g), **traj_payload(t, g, server.config.sampling), "reward": t.reward,
                 "reward_reason": t.reward_reason, "finish_reason": t.finish_reason, "prompt_text": g.prompt_text}
 
     return app

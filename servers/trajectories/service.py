@@ -8,6 +8,7 @@ import logging
 
 import httpx
 
+from staleflow.errors import ErrorCode
 from staleflow.servers.clients import AsyncManagerClient, ServiceError
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
 from staleflow.servers.trajectories.rewards import RewardFn
@@ -101,7 +102,7 @@ class TrajectoryServer:
         try:
             await self.manager.reserve(g.group_id, v_traj)
         except ServiceError as exc:
-            if exc.body.get("code") != "duplicate_group":
+            if exc.code is not ErrorCode.DUPLICATE_GROUP:
                 return exc.detail
             existing = await self.manager.reservation(g.group_id)  # reserved before a crash of the TS
             if existing.get("status") not in ("reserved", "occupied"):
@@ -166,19 +167,19 @@ class TrajectoryServer:
     async def _close_reserved_group(self, g: GroupRecord) -> None:
         rewards = [t.reward for t in self.store.group_rewarded(g)][: g.needed]
         if self.config.filter_zero_variance and len(set(rewards)) == 1:
-            await self._ledger_call(self.manager.abort, g.group_id, ok_codes=("unknown_group", "retired_group"))
+            await self._ledger_call(self.manager.abort, g.group_id, ok_codes={ErrorCode.UNKNOWN_GROUP, ErrorCode.RETIRED_GROUP})
             self.store.close_group(g.group_id, GroupState.ABORTED)
             return
-        reply = await self._ledger_call(self.manager.occupy, g.group_id, ok_codes=("invalid_status",))
+        reply = await self._ledger_call(self.manager.occupy, g.group_id, ok_codes={ErrorCode.INVALID_STATUS})
         self.store.close_group(g.group_id, GroupState.OCCUPIED)
         for cancelled in (reply or {}).get("cancelled", []):
             self.cancel_group(cancelled)
 
-    async def _ledger_call(self, fn, group_id: str, ok_codes: tuple[str, ...]):  # noqa: ANN001, ANN202
+    async def _ledger_call(self, fn, group_id: str, ok_codes: set[ErrorCode]):
         try:
             return await fn(group_id)
         except ServiceError as exc:
-            if exc.body.get("code") in ok_codes:  # already applied before a retry or a restart
+            if exc.code in ok_codes:  # already applied before a retry or a restart
                 return None
             raise
 
@@ -214,7 +215,8 @@ class TrajectoryServer:
     async def batch(self, version: int) -> dict:
         buffer = await self.manager.buffer(version)
         if buffer.get("state") != "consumed":
-            raise StoreConflict(f"buffer {version} has not been consumed yet (it is {buffer.get('state')})")
+            raise StoreConflict(f"buffer {version} has not been consumed yet (it is {buffer.get('state')})",
+                                ErrorCode.NOT_CONSUMED)
         group_ids = [e["group_id"] for e in buffer["entries"]]
         items = self.store.batch(group_ids)
         return {

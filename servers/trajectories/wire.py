@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -86,3 +86,75 @@ def summary(t: TrajRecord, g: GroupRecord) -> dict:
     return {"traj_id": t.traj_id, "group_id": g.group_id, "state": t.state.value, "v_traj": g.v_traj,
             "length": len(g.prompt_ids) + len(t.tokens), "generated": len(t.tokens), "instance_id": t.instance_id,
             "seq": t.seq}
+
+
+# -- answers
+
+
+class TrajectorySummary(BaseModel):
+    traj_id: str
+    group_id: str
+    state: str
+    v_traj: int | None
+    length: int = Field(description="prompt plus generated tokens")
+    generated: int
+    instance_id: str | None
+    seq: int
+
+
+class TrajectoriesOut(BaseModel):
+    trajectories: list[TrajectorySummary]
+
+
+class RoutePayload(BaseModel):
+    """A trajectory as an instance's Route command carries it."""
+
+    traj_id: str
+    group_id: str
+    prompt_ids: list[int]
+    v_traj: int | None
+    sampling: dict[str, Any]
+    tokens: list[int]
+    logprobs: list[float]
+    segments: list[dict[str, int]]
+
+
+class CheckedOut(BaseModel):
+    trajectories: list[RoutePayload]
+    refused: list[dict[str, str]] = Field(description="{traj_id, reason} of assignments not granted")
+
+
+class TrainingTrajectory(RoutePayload):
+    reward: float | None
+    finish_reason: str | None
+    answer: str
+
+
+class BatchOut(BaseModel):
+    version: int
+    groups: list[str]
+    trajectories: list[TrainingTrajectory]
+
+
+class TrajectoryDetail(TrajectorySummary, RoutePayload):
+    reward: float | None
+    reward_reason: str | None
+    finish_reason: str | None
+    prompt_text: str
+
+
+class TrajectoryPage(BaseModel):
+    counts: dict[str, int]
+    total: int
+    trajectories: list[TrajectorySummary]
+
+
+class SkippedPrompts(BaseModel):
+    count: int
+    reasons: dict[str, int]
+
+
+class TrajectoryServerHealth(BaseModel):
+    status: str
+    counts: dict[str, int]
+    skipped_prompts: SkippedPrompts

@@ -180,7 +180,7 @@ class Probe(abc.ABC):
     async def close(self) -> None:
         await self.engine.stop()
 
-    async def settle(self) -> None:
+    async def settle(self) -> None:  # noqa: B027  (an optional hook: most probes have nothing in flight)
         """Let work in flight (a step, a Pull) end when nothing is running any more."""
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
@@ -300,10 +300,10 @@ class VllmProbe(Probe):
     async def start(self) -> None:
         await self.engine.start()
         # VllmEngine exposes no capacity accessor: read vLLM's own config of the running engine
-        config = self.engine._llm.vllm_config  # noqa: SLF001
+        config = self.engine._llm.vllm_config
         self.max_running = int(config.scheduler_config.max_num_seqs)
         self._cache = config.cache_config
-        self.vocab_size = int(self.engine._llm.model_config.get_vocab_size())  # noqa: SLF001
+        self.vocab_size = int(self.engine._llm.model_config.get_vocab_size())
         self._consumer = asyncio.create_task(self._consume(), name="calibrate-completions")
 
     async def close(self) -> None:

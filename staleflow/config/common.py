@@ -44,7 +44,7 @@ class ServiceConfig(StrictModel):
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
 
 
-def default_of(model: type[StrictModel], name: str):  # noqa: ANN201 - whatever the field holds
+def default_of(model: type[StrictModel], name: str):
     """The declared default of ``model.name``: CLI options read their defaults from here, so a
     default is declared once, in the model."""
     field = model.model_fields[name]

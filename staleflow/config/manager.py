@@ -11,7 +11,6 @@ from staleflow.config.common import STATE_DIR, ServiceConfig, check_database_url
 from staleflow.ledger import LedgerParams
 from staleflow.strict import StrictModel
 
-
 MANAGER_PORT = 8321
 MANAGER_URL = f"http://127.0.0.1:{MANAGER_PORT}"
 """Where the other components find the manager unless told otherwise."""

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from staleflow.errors import StaleFlowError
+
 
 class FinishReason(StrEnum):
     STOP = "stop"  # the model emitted a stop token
@@ -26,13 +28,8 @@ class FinishReason(StrEnum):
     ABORT = "abort"  # aborted by command; never counted as completed
 
 
-class EngineError(Exception):
-    """A request the engine refuses. ``code`` is stable and machine-readable."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class EngineError(StaleFlowError):
+    """A request the engine refuses."""
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ class VerifierPool:
         def start() -> None:
             try:
                 self._idle.put(self._new_worker())
-            except Exception as exc:  # noqa: BLE001 - a thread has no caller to raise to
+            except Exception as exc:
                 if not self._closed:
                     log.error("could not replace a verifier worker: %s", exc)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.rewards.math_verify import verify_math
 
 VerifierFn = Callable[[str, str], Any]
@@ -46,8 +47,11 @@ def exact_verifier(response_text: str, answer: str) -> Verdict:
 BUILTIN_VERIFIERS: Mapping[str, VerifierFn] = {"math": math_verifier, "exact": exact_verifier}
 
 
-class VerifierError(ValueError):
-    pass
+class VerifierError(StaleFlowError, ValueError):
+    """A verifier that cannot be named, loaded or run."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.INVALID_VERIFIER, message)
 
 
 def load_function(import_path: str) -> VerifierFn:

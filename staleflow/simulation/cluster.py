@@ -39,10 +39,10 @@ from dataclasses import dataclass, replace
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError, LedgerParams, Transition
-from staleflow.simulation.settings import ClusterConfig
-from staleflow.simulation.trajectory_pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
+from staleflow.simulation.settings import ClusterConfig
 from staleflow.simulation.systems import Pipeline
+from staleflow.simulation.trajectory_pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
 from staleflow.strategies import CyclePlan, InstanceState, StrategyConfig, SyncMode, plan_cycle, plan_migrations
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 
 from staleflow.cost_model import CostModel
 from staleflow.simulation.cluster import simulate
-from staleflow.simulation.settings import ClusterConfig
 from staleflow.simulation.result import RunResult
 from staleflow.simulation.scenarios import Scenario
+from staleflow.simulation.settings import ClusterConfig
 from staleflow.simulation.systems import Family, SystemSpec
 
 PAPER_TARGETS = {  # §6.2: StaleFlow's gain over each baseline family, (max, mean)

@@ -21,7 +21,7 @@ def _headline(result: ExperimentResult) -> list[str]:
     return [name for name in HEADLINE if name in present]
 
 
-def _grouped_bars(result: ExperimentResult, series: list[tuple[str, str, str]], title: str):  # noqa: ANN202
+def _grouped_bars(result: ExperimentResult, series: list[tuple[str, str, str]], title: str):
     """Bars of throughput per point, one bar per (system, legend label, colour) in ``series``."""
     points = result.points
     fig = Figure(figsize=(max(6.0, 0.8 * len(points) * len(series)), 4.2), layout="constrained")

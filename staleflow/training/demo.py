@@ -131,7 +131,7 @@ def _build(directory: Path, spec: DemoSpec, report: Callable[[str, int, int], No
     return result
 
 
-def train_tokenizer(task: ArithmeticTask, vocab_size: int):  # noqa: ANN201 - transformers type
+def train_tokenizer(task: ArithmeticTask, vocab_size: int):
     """A byte-level BPE trained on the task's text, with every digit its own token."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -153,7 +153,7 @@ def train_tokenizer(task: ArithmeticTask, vocab_size: int):  # noqa: ANN201 - tr
                                                 model_max_length=512)
 
 
-def sft_batch(tokenizer, pairs: list[tuple[str, str]]):  # noqa: ANN001, ANN201
+def sft_batch(tokenizer, pairs: list[tuple[str, str]]):
     """Right-padded (input ids, labels with the prompt masked, attention mask)."""
     import torch
 
@@ -174,7 +174,7 @@ def sft_batch(tokenizer, pairs: list[tuple[str, str]]):  # noqa: ANN001, ANN201
     return ids, labels, attention
 
 
-def greedy_accuracy(model, tokenizer, task: ArithmeticTask, n: int) -> float:  # noqa: ANN001
+def greedy_accuracy(model, tokenizer, task: ArithmeticTask, n: int) -> float:
     """Share of ``n`` fresh problems the model answers exactly with greedy decoding (batched by
     prompt length, so no padding is involved)."""
     import torch
@@ -222,7 +222,7 @@ def ensure_demo_model(spec: DemoSpec = DemoSpec(),
     return directory, json.loads((directory / MARKER).read_text())
 
 
-def resolve_model(config) -> Path:  # noqa: ANN001 - JobConfig
+def resolve_model(config) -> Path:
     """The job's model directory: its own, or the demo model (which must have been built)."""
     if config.model is not None:
         if not (Path(config.model) / "config.json").exists():
@@ -235,6 +235,6 @@ def resolve_model(config) -> Path:  # noqa: ANN001 - JobConfig
     return directory
 
 
-def demo_spec(config) -> DemoSpec:  # noqa: ANN001 - JobConfig
+def demo_spec(config) -> DemoSpec:
     """The demo model for the job's task."""
     return DemoSpec(digits=config.task.digits, ops=config.task.ops)

@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from staleflow.errors import ErrorCode, StaleFlowError
+
 try:  # xxh3 hashes at ~30 GB/s here, crc32 at ~6 GB/s: use xxh3 where both ends have it
     import xxhash
 except ImportError:  # pragma: no cover - depends on the environment
@@ -50,13 +52,17 @@ _SAME_WIDTH_UINT = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16)}
 SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors readers' own limit
 
 
-class FormatError(ValueError):
+class FormatError(StaleFlowError, ValueError):
     """A state dict, manifest or header that cannot be stored or read."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_FORMAT):
+        super().__init__(code, message)
 
 
 class ChecksumMismatch(FormatError):
     def __init__(self, chunk_index: int, expected: str, actual: str):
-        super().__init__(f"chunk {chunk_index}: checksum {actual} does not match the expected {expected}")
+        super().__init__(f"chunk {chunk_index}: checksum {actual} does not match the expected {expected}",
+                         ErrorCode.CHECKSUM_MISMATCH)
         self.chunk_index = chunk_index
         self.expected = expected
         self.actual = actual

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from staleflow.errors import ErrorCode
 from staleflow.transports.base import (
     ByteRegions,
     ChecksumMismatch,
@@ -163,7 +164,7 @@ class ParamsClient(RestClient):
         try:
             lease = self.open_pull(version, "shm", wait_s)
         except ServiceError as exc:
-            if exc.status != 422:  # 422: shm not enabled there
+            if exc.code is not ErrorCode.TRANSPORT_DISABLED:  # shm not enabled there
                 raise
         else:
             if lease.details.get("host_id") == host_id():

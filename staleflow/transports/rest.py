@@ -1,5 +1,5 @@
 """The generic REST client every StaleFlow service client builds on: an httpx client with the bearer
-token and TCP_NODELAY, and ``ServiceError`` for a non-2xx reply."""
+token and TCP_NODELAY, and ``ServiceError`` for a non-2xx reply (its ``code``: the reply's ``ErrorCode``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any, Self
 
 import httpx
+
+from staleflow.errors import ErrorCode
 
 TOKEN_ENV = "STALEFLOW_TOKEN"
 # a file holding the token (e.g. a mounted Kubernetes or compose secret): the token itself never
@@ -66,11 +68,15 @@ def async_http_client(url: str, token: str | None = None, timeout: float = 10.0)
 
 
 class ServiceError(RuntimeError):
+    """A non-2xx reply: its status, its ``detail``, its ``code`` (None when the body names none
+    this client knows) and the whole error body ``{"detail", "code", ...}``."""
+
     def __init__(self, status: int, detail: str, body: dict | None = None):
         super().__init__(f"HTTP {status}: {detail}")
         self.status = status
         self.detail = detail
         self.body = body or {}
+        self.code = ErrorCode.parse(self.body.get("code"))
 
 
 def _raise_for(response: httpx.Response) -> None:

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from staleflow.cli import bench_systems
 from staleflow.simulation import ExperimentSpec, resolve, run_experiment, scenario
-from staleflow.simulation.tables import markdown, tables
 from staleflow.simulation.systems import catalog
+from staleflow.simulation.tables import markdown, tables
 
 runner = CliRunner()
 ALL = [s.name for s in catalog()]
@@ -28,7 +28,7 @@ def _app() -> typer.Typer:
 APP = _app()
 
 
-def invoke(*args: str):  # noqa: ANN201
+def invoke(*args: str):
     return runner.invoke(APP, ["bench", "systems", "--preset", "ci", "--jobs", "1", *args])
 
 

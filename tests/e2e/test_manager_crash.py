@@ -88,7 +88,7 @@ def test_acknowledged_transitions_survive_sigkill(tmp_path: Path, db_url: str | 
             for version, groups in consumed_versions.items():
                 stored = {e["group_id"] for e in client.http.get(f"/v1/buffers/{version}").json()["entries"]}
                 assert stored == set(groups)
-            for op, g, v_traj in acked:
+            for op, g, _v_traj in acked:
                 if op == "consume":
                     continue
                 record = client.http.get(f"/v1/reservations/{g}").json()

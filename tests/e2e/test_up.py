@@ -60,7 +60,7 @@ def _spawn_up(state: Path, *extra: str) -> subprocess.Popen:
                              *SMALL, *extra], stdout=subprocess.PIPE, text=True)
 
 
-def _events(proc: subprocess.Popen):  # noqa: ANN202
+def _events(proc: subprocess.Popen):
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("{"):
@@ -103,8 +103,8 @@ def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
     resumed = CliRunner().invoke(app, ["up", "--resume", "--steps", str(steps), "--state-dir", str(state), *SMALL])
     assert resumed.exit_code == 0, resumed.output
     with httpx.Client(timeout=10) as c:
-        from staleflow.servers.ledger_store import DurableLedger
         from staleflow.ledger import LedgerParams
+        from staleflow.servers.ledger_store import DurableLedger
 
         ledger = DurableLedger.open(f"sqlite:///{state / 'ledger.db'}", LedgerParams(eta=1, batch_size=4, group_size=2))
         try:

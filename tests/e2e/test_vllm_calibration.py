@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import typer
-from staleflow.cli.calibrate import register
 from typer.testing import CliRunner
 
 from staleflow.calibration import load_entry
+from staleflow.cli.calibrate import register
 
 runner = CliRunner()
 

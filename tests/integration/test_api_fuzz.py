@@ -1,4 +1,5 @@
-"""Schemathesis fuzzes every service's OpenAPI schema over loopback: no 5xx, state intact."""
+"""Schemathesis fuzzes every service's OpenAPI schema over loopback: no 5xx, every answer (errors
+included: ``{"detail", "code", ...}``) conforms to the schema, state intact."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from support import manager_config
 from staleflow.config import LedgerConfig
 from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.app import create_app as coordinator_app
+from staleflow.errors import ErrorCode
 from staleflow.ledger import Ledger
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
@@ -26,6 +28,11 @@ from staleflow.servers.reward import create_app as reward_app
 from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
 from staleflow.servers.trajectories import create_app as ts_app
 
+CONTRACT = [  # what every answer must satisfy
+    schemathesis.checks.not_a_server_error,
+    schemathesis.checks.response_schema_conformance,
+    schemathesis.checks.content_type_conformance,
+]
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -62,19 +69,22 @@ def fuzz_service(url: str) -> int:
 
         @FUZZ
         @given(case=operation.as_strategy())
-        def no_server_error(case) -> None:  # noqa: ANN001
-            if isinstance(case.query, dict) and "wait_s" in case.query:
-                case.query["wait_s"] = 0  # long polls are tested elsewhere; here only answers count
+        def answers_by_the_contract(case) -> None:
+            for part in (case.query, case.body):
+                if isinstance(part, dict) and "wait_s" in part:
+                    part["wait_s"] = 0  # long polls are tested elsewhere; here only answers count
             response = case.call(base_url=url, timeout=30)
-            assert response.status_code < 500, (
-                f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}")
+            case.validate_response(response, checks=CONTRACT)
+            if response.status_code >= 400:
+                body = response.json()
+                assert isinstance(body.get("detail"), str) and ErrorCode.parse(body.get("code")) is not None, body
 
-        no_server_error()
+        answers_by_the_contract()
     return len(operations)
 
 
 @pytest.mark.parametrize("name", ["manager", "ts", "instance", "coordinator", "params", "reward"])
-def test_service_never_answers_5xx(services: dict, name: str) -> None:
+def test_every_answer_conforms_to_the_schema(services: dict, name: str) -> None:
     assert fuzz_service(services[name].url) >= 3
 
 

@@ -46,7 +46,7 @@ def uploads(url: str) -> list[tuple[str, str]]:
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     tmp: Path = tmp_path_factory.mktemp("limits")
     with ExitStack() as stack:
-        def serve(app):  # noqa: ANN001, ANN202
+        def serve(app):
             return stack.enter_context(serve_in_thread(app, body_limit=LIMIT)).url
 
         urls = {"manager": serve(manager_app(manager_config(tmp, eta=1, batch_size=2)))}

@@ -12,14 +12,14 @@ import httpx
 import pytest
 
 from staleflow.config import JobConfig
+from staleflow.launch.job import build_app
 from staleflow.servers.auth import TOKEN_ENV, TOKEN_FILE_ENV, InsecureBind
 from staleflow.servers.http import serve_in_thread
-from staleflow.launch.job import build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def compose_manager(tmp_path: Path):  # noqa: ANN202
+def compose_manager(tmp_path: Path):
     """The manager as compose.yaml runs it: deploy/job.json, bound to 0.0.0.0 (state in tmp_path)."""
     job = JobConfig.model_validate_json((ROOT / "deploy" / "job.json").read_text()).model_copy(
         update={"state_dir": tmp_path})

@@ -185,7 +185,7 @@ def test_retried_commands_replay_and_reused_ids_are_refused(inst: httpx.Client) 
     assert snapshot(inst)["seq"] == 1 and snapshot(inst)["run_trajs"] == ["r/0"]  # applied once
 
     clash = command(inst, "route", command_id="route-1", trajectories=[trajectory("r/1")])
-    assert clash.status_code == 409 and clash.json()["error"]["code"] == "command_id_reused"
+    assert clash.status_code == 409 and clash.json()["code"] == "command_id_reused"
 
     interrupted = ok(command(inst, "interrupt", command_id="int-1", traj_ids=["r/0"]))
     replay = ok(command(inst, "interrupt", command_id="int-1", traj_ids=["r/0"]))
@@ -194,7 +194,7 @@ def test_retried_commands_replay_and_reused_ids_are_refused(inst: httpx.Client) 
     # a refused command is answered the same way on retry, and takes no sequence number
     dup = [trajectory("r/2"), trajectory("r/2")]
     refused = command(inst, "route", command_id="dup", trajectories=dup)
-    assert refused.status_code == 409 and refused.json()["error"]["code"] == "duplicate_trajectory"
+    assert refused.status_code == 409 and refused.json()["code"] == "duplicate_trajectory"
     assert command(inst, "route", command_id="dup", trajectories=dup).json() == refused.json()
     assert snapshot(inst)["seq"] == 2
 
@@ -219,15 +219,15 @@ def test_concurrent_commands_get_distinct_ordered_sequence_numbers(inst: httpx.C
 @pytest.mark.parametrize(
     "payload, status, code, mentions",
     [
-        ({"command_id": "a", "kind": "route", "trajectories": [trajectory("x", v_traj=None)]}, 422, "invalid_command",
+        ({"command_id": "a", "kind": "route", "trajectories": [trajectory("x", v_traj=None)]}, 422, "invalid_request",
          "v_traj"),
-        ({"command_id": "b", "kind": "teleport"}, 422, "invalid_command", "kind"),
+        ({"command_id": "b", "kind": "teleport"}, 422, "invalid_request", "kind"),
         ({"command_id": "b2", "kind": "route", "trajectories": [trajectory("x", prompt_ids=[-1])]}, 422,
-         "invalid_command", "prompt_ids"),
-        ({"command_id": "c", "kind": "route", "trajectories": []}, 422, "invalid_command", "trajectories"),
-        ({"command_id": "d", "kind": "interrupt"}, 422, "invalid_command", "traj_ids"),
-        ({"command_id": "e", "kind": "pull", "version": -1}, 422, "invalid_command", "version"),
-        ({"kind": "abort", "traj_ids": ["x"]}, 422, "invalid_command", "command_id"),
+         "invalid_request", "prompt_ids"),
+        ({"command_id": "c", "kind": "route", "trajectories": []}, 422, "invalid_request", "trajectories"),
+        ({"command_id": "d", "kind": "interrupt"}, 422, "invalid_request", "traj_ids"),
+        ({"command_id": "e", "kind": "pull", "version": -1}, 422, "invalid_request", "version"),
+        ({"kind": "abort", "traj_ids": ["x"]}, 422, "invalid_request", "command_id"),
         ({"command_id": "f", "kind": "route", "trajectories": [trajectory("x", tokens=[1, 2], logprobs=[-1.0])]},
          422, "invalid_trajectory", "logprobs"),
         ({"command_id": "g", "kind": "route", "trajectories": [trajectory("x", v_traj=3)]}, 409, "version_too_new",
@@ -238,30 +238,30 @@ def test_concurrent_commands_get_distinct_ordered_sequence_numbers(inst: httpx.C
          "invalid_weights", "SimWeights"),
         ({"command_id": "j", "kind": "pull", "version": 1, "weights": {"source": "bytes", "data_b64": "%%%"}}, 422,
          "invalid_weights", "base64"),
-        ([1, 2, 3], 422, "invalid_command", "dictionary"),
+        ([1, 2, 3], 422, "invalid_request", "dictionary"),
     ],
 )
 def test_bad_commands_are_4xx_with_a_reason(inst: httpx.Client, payload: Any, status: int, code: str, mentions: str) -> None:
     reply = inst.post("/v1/commands", json=payload)
     assert reply.status_code == status, reply.text
-    error = reply.json()["error"]
-    assert error["code"] == code and mentions in error["message"]
+    error = reply.json()
+    assert error["code"] == code and mentions in error["detail"]
     assert snapshot(inst)["seq"] == 0
 
 
 def test_other_bad_requests_are_4xx(inst: httpx.Client) -> None:
     not_json = inst.post("/v1/commands", content=b"{not json", headers={"content-type": "application/json"})
-    assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_request"
+    assert not_json.status_code == 422 and not_json.json()["code"] == "invalid_request"
     assert inst.get("/v1/completed", params={"limit": 0}).status_code == 422
     assert inst.get("/v1/completed", params={"after": -1}).status_code == 422
     both = inst.post("/v1/sim/advance", json={"to": 1.0, "by": 1.0})
-    assert both.status_code == 422 and "exactly one" in both.json()["error"]["message"]
+    assert both.status_code == 422 and "exactly one" in both.json()["detail"]
     advance(inst, to=2.0)
     back = inst.post("/v1/sim/advance", json={"to": 1.0})
-    assert back.status_code == 409 and back.json()["error"]["code"] == "time_backwards"
+    assert back.status_code == 409 and back.json()["code"] == "time_backwards"
     ok(command(inst, "pull", version=3))
     regress = command(inst, "pull", version=2)
-    assert regress.status_code == 409 and regress.json()["error"]["code"] == "version_regression"
+    assert regress.status_code == 409 and regress.json()["code"] == "version_regression"
 
 
 # ------------------------------------------------------------------------------ delivery
@@ -324,7 +324,7 @@ def test_real_clock_instance_completes_on_its_own(serve: Callable[[InstanceConfi
     reply = ok(inst.get("/v1/completed", params={"after": 0, "wait_s": 20}))
     assert [i["trajectory"]["traj_id"] for i in reply["items"]] == ["rt/0"]
     not_virtual = inst.post("/v1/sim/advance", json={"until_idle": True})
-    assert not_virtual.status_code == 409 and not_virtual.json()["error"]["code"] == "wrong_clock"
+    assert not_virtual.status_code == 409 and not_virtual.json()["code"] == "wrong_clock"
 
 
 # ------------------------------------------------------------------------------ configuration and CLI

@@ -20,8 +20,8 @@ from staleflow.servers.clients import ServiceError
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, ParamsError, ParamStore, create_app
 from staleflow.servers.params.store import parse_version_spec, shm_prefix, versions_to_drop
-from staleflow.transports.client import ParamsClient, RawTensor
 from staleflow.transports.base import ByteRegions, FormatError, checksum_of, plan_chunks
+from staleflow.transports.client import ParamsClient, RawTensor
 from staleflow.transports.http import CHECKSUM_HEADER, RawHttpConnection
 from staleflow.transports.nixl import nixl_available
 
@@ -121,7 +121,7 @@ def test_pulls_never_see_a_torn_version(tmp_path: Path) -> None:
                         assert version == lease.manifest.version
                         assert_same(got, state_dict(version))
                         pulls.append(version)
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:
                 failures.append(exc)
 
         def trainer_loop() -> None:
@@ -129,7 +129,7 @@ def test_pulls_never_see_a_torn_version(tmp_path: Path) -> None:
                 with ParamsClient(server.url) as trainer:
                     for v in range(1, versions):
                         trainer.push(v, state_dict(v))
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 failures.append(exc)
             finally:
                 pushed_all.set()
@@ -204,8 +204,8 @@ def ps_pull_waiting(url: str, version: int) -> dict[str, object]:
 
 
 def start_raw_push(ps: ParamsClient, version: int, tensors: dict[str, object]) -> tuple[dict, list]:
-    from staleflow.transports.client import _as_bytes
     from staleflow.transports.base import layout_tensors
+    from staleflow.transports.client import _as_bytes
 
     converted = [(n, *_as_bytes(v)) for n, v in tensors.items()]
     response = ps.http.post(f"/v1/params/{version}", json={

@@ -21,7 +21,7 @@ TABLES = {"ledger_settings", "ledger_entries", "ledger_retired", "ledger_events"
 
 
 @pytest.fixture
-def pg_url(postgres_server) -> str:  # noqa: ANN001
+def pg_url(postgres_server) -> str:
     url = postgres_server.create_database()
     yield url
     postgres_server.drop_database(url)
@@ -60,7 +60,7 @@ def test_manager_and_trajectory_server_upgrade_one_database_at_once(pg_url: str)
     barrier = threading.Barrier(len(engines))
     results: list[object] = []
 
-    def upgrade(engine) -> None:  # noqa: ANN001
+    def upgrade(engine) -> None:
         barrier.wait()
         try:
             results.append(db.upgrade(engine))
@@ -108,7 +108,7 @@ def test_a_second_trajectory_server_cannot_open_the_same_store(pg_url: str) -> N
 
 
 @pytest.mark.postgres
-def test_the_writer_reconnects_after_its_session_is_killed(pg_url: str, postgres_server) -> None:  # noqa: ANN001
+def test_the_writer_reconnects_after_its_session_is_killed(pg_url: str, postgres_server) -> None:
     ledger = DurableLedger.open(pg_url, PARAMS)
     try:
         ledger.reserve("a", 0)
@@ -162,7 +162,7 @@ def test_the_consumption_record_is_read_back_from_either_database(tmp_path: Path
     assert sorted(consumed) == ["a", "b"] and sorted(fates) == [("a", 0, 0), ("b", 0, 0)]
 
 
-def refuse_routing(engine, on: bool) -> None:  # noqa: ANN001
+def refuse_routing(engine, on: bool) -> None:
     """Make the database refuse to mark trajectories routed (a write failure on demand)."""
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import typer
-from staleflow.cli.calibrate import POOR_FIT_EXIT, SIM_GRID, register
 from typer.testing import CliRunner
 
 from staleflow.calibration import (
@@ -31,6 +30,7 @@ from staleflow.calibration import (
     write_calibration,
 )
 from staleflow.calibration.profile import ProfileConfig, plan_points, trim_outliers
+from staleflow.cli.calibrate import POOR_FIT_EXIT, SIM_GRID, register
 from staleflow.cost_model import CostModel
 
 runner = CliRunner()
@@ -73,7 +73,7 @@ def synthetic(cost: CostModel, noise: float = 0.0, per_point: int = 4, seed: int
     return samples
 
 
-def rel_errors(fit, truth: CostModel) -> dict[str, float]:  # noqa: ANN001
+def rel_errors(fit, truth: CostModel) -> dict[str, float]:
     return {k: abs(getattr(fit, k) / getattr(truth, k) - 1) for k in ("k1", "k2", "k3", "k4")}
 
 
@@ -283,10 +283,10 @@ def test_coordinator_and_up_take_the_cost_from_a_calibration_file(tmp_path: Path
     cost. Validating a config only records the reference; the file is read where the coordinator
     starts (``resolved_cost``, called by its ``create_app``) and by ``up`` before anything starts."""
     from pydantic import ValidationError
-    from staleflow.cli.up import job_config
-    from staleflow.coordinator.app import CoordinatorConfig, create_app
 
+    from staleflow.cli.up import job_config
     from staleflow.config import JobConfig
+    from staleflow.coordinator.app import CoordinatorConfig, create_app
 
     path = tmp_path / "calibration.json"
     report = fit_decode(synthetic(HIDDEN))

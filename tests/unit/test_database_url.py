@@ -56,7 +56,7 @@ def test_db_url_file_keeps_the_password_out_of_the_job_file(tmp_path: Path) -> N
         JobConfig(engine="sim", db_url="sqlite:///x.db", db_url_file=secret)
 
 
-def _up(tmp_path: Path, **fields: object):  # noqa: ANN202
+def _up(tmp_path: Path, **fields: object):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"engine": "sim", **fields}))
     return CliRunner().invoke(app, ["up", "--config", str(job), "--steps", "1", "--state-dir", str(tmp_path / "run")])

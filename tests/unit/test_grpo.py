@@ -22,7 +22,7 @@ def test_advantages_are_centred_and_scaled_per_group() -> None:
     assert torch.allclose(centred[:4], torch.tensor([0.75, -0.25, -0.25, -0.25], dtype=torch.float64))
 
 
-def _terms(cfg: AlgorithmConfig, behaviour_shift: float, advantage: float = 1.0):  # noqa: ANN202
+def _terms(cfg: AlgorithmConfig, behaviour_shift: float, advantage: float = 1.0):
     logp = torch.full((1, 4), -1.0, requires_grad=True)
     behaviour = torch.full((1, 4), -1.0 - behaviour_shift)  # proximal/behaviour = e^shift
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])

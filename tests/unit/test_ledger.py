@@ -124,6 +124,7 @@ def test_refusals_are_clear_and_leave_state_untouched() -> None:
         with pytest.raises(LedgerError) as err:
             call()
         assert err.value.code == code and err.value.message
+        assert (ledger.buffers(), ledger.admission()) == before
     ledger.occupy("g")
     with pytest.raises(LedgerError) as twice:
         ledger.occupy("g")

@@ -24,9 +24,9 @@ from staleflow.simulation import (
     run_experiment,
     scenario,
 )
-from staleflow.simulation.experiment import SimulatedJob, Point, apply_sweep, parse_sweep
-from staleflow.simulation.trajectory_pool import GroupStatus, TrajectoryPool, TrajStatus
+from staleflow.simulation.experiment import Point, SimulatedJob, apply_sweep, parse_sweep
 from staleflow.simulation.systems import Family, catalog
+from staleflow.simulation.trajectory_pool import GroupStatus, TrajectoryPool, TrajStatus
 
 CI = scenario("ci", seed=0)
 SYSTEMS = {s.name: s for s in catalog(CI.redundancy)}

@@ -1,0 +1,242 @@
+"""The trajectory book as a state machine: hypothesis drives every transition in any order the
+services could, and after each step every change is one the transition tables allow and the
+book's invariants hold."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from staleflow.trajectory_book import (
+    GROUP_TRANSITIONS,
+    TRAJ_TRANSITIONS,
+    Generated,
+    GroupState,
+    StoreConflict,
+    TrajectoryBook,
+    TrajState,
+)
+
+INSTANCES = ("i0", "i1")
+
+
+class BookMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.book = TrajectoryBook()
+        self.prompts = 0
+        self.before: tuple[dict, dict] = ({}, {})
+        self.completed_once: set[str] = set()
+        self.routed_ever: set[str] = set()  # only what was routed can come back completed
+
+    # -- helpers
+
+    def _ids(self, *states: TrajState) -> list[str]:
+        return sorted(t.traj_id for t in self.book.trajs.values() if t.state in states)
+
+    def _groups(self, *states: GroupState) -> list[str]:
+        return sorted(g.group_id for g in self.book.groups.values() if g.state in states)
+
+    def _mark(self) -> None:
+        self.before = ({k: t.state for k, t in self.book.trajs.items()},
+                       {k: g.state for k, g in self.book.groups.items()})
+
+    def _grown(self, traj_id: str, by: int) -> Generated:
+        """The trajectory with ``by`` more tokens, as an instance would hand it back."""
+        tokens = self.book.trajs[traj_id].tokens + tuple(range(by))
+        return Generated(traj_id, tokens, tuple(-1.0 for _ in tokens), ((0, 0, len(tokens)),) if tokens else ())
+
+    # -- rules: one per transition of the service
+
+    def _routable(self) -> list[str]:
+        return [t for t in self._ids(TrajState.PENDING) if self.book.groups[self.book.trajs[t].group_id].v_traj is not None]
+
+    @initialize(members=st.integers(1, 3), spare=st.integers(0, 2))
+    def start(self, members: int, spare: int) -> None:
+        self.sample(2, members, spare)
+
+    @precondition(lambda self: self.book.live_groups() < 4)
+    @rule(groups=st.integers(1, 2), members=st.integers(1, 3), spare=st.integers(0, 2))
+    def sample(self, groups: int, members: int, spare: int) -> None:
+        self._mark()
+        prompts = [(self.prompts + i, "q", "a", (1, 2)) for i in range(groups)]
+        self.prompts += groups
+        new_groups, trajs = self.book.new_groups(prompts, members + spare, members, 0.0)
+        self.book.add(new_groups, trajs)
+
+    @precondition(lambda self: self._groups(GroupState.RESERVED))
+    @rule(data=st.data(), v_traj=st.integers(0, 3))
+    def reserve_again(self, data: st.DataObject, v_traj: int) -> None:
+        """A retried reservation: the same V_traj changes nothing, another one is refused."""
+        g = self.book.groups[data.draw(st.sampled_from(self._groups(GroupState.RESERVED)))]
+        self._mark()
+        if g.v_traj != v_traj:
+            with pytest.raises(StoreConflict):
+                self.book.set_group_version(g.group_id, v_traj)
+        else:
+            assert self.book.set_group_version(g.group_id, v_traj) == []
+
+    @precondition(lambda self: self._ids(TrajState.PENDING))
+    @rule(data=st.data(), instance=st.sampled_from(INSTANCES), v_traj=st.integers(0, 3))
+    def route(self, data: st.DataObject, instance: str, v_traj: int) -> None:
+        """The service's checkout: a group's first routed member fixes its V_traj, then all go."""
+        picked = data.draw(st.lists(st.sampled_from(self._ids(TrajState.PENDING)), min_size=1, max_size=4, unique=True))
+        self._mark()
+        for traj_id in picked:
+            g = self.book.groups[self.book.trajs[traj_id].group_id]
+            if g.v_traj is None:
+                assert self.book.set_group_version(g.group_id, v_traj) == [g] and g.state is GroupState.RESERVED
+        routed = self.book.checkout(instance, picked)
+        self.routed_ever.update(picked)
+        assert [t.traj_id for t in routed] == picked
+        assert all(t.state is TrajState.ROUTED and t.instance_id == instance for t in routed)
+
+    @precondition(lambda self: self._groups(GroupState.SAMPLED) and self._routable())
+    @rule(data=st.data())
+    def checkout_before_reserving(self, data: st.DataObject) -> None:
+        group_id = data.draw(st.sampled_from(self._groups(GroupState.SAMPLED)))
+        self._mark()
+        with pytest.raises(StoreConflict):  # all or none: nothing is routed
+            self.book.checkout("i0", [*self._routable()[:1], self.book.groups[group_id].member_ids[0]])
+
+    @precondition(lambda self: self._ids(TrajState.ROUTED, TrajState.CANCELLING))
+    @rule(data=st.data(), grown=st.integers(-2, 3), from_owner=st.booleans())
+    def give_back(self, data: st.DataObject, grown: int, from_owner: bool) -> None:
+        """An interrupt's partial (grown), or a stale copy (shorter: a failed route's payload)."""
+        traj_id = data.draw(st.sampled_from(self._ids(TrajState.ROUTED, TrajState.CANCELLING)))
+        t = self.book.trajs[traj_id]
+        owner, tokens = t.instance_id, t.tokens
+        partial = self._grown(traj_id, max(grown, 0))
+        if grown < 0:
+            partial = Generated(traj_id, tokens[:grown], (), ())
+        self._mark()
+        outcome, _ = self.book.returned([partial], owner if from_owner else None)
+        assert outcome[traj_id] in ("pending", "aborted")
+        assert t.tokens[: len(tokens)] == tokens  # generated tokens are never lost
+
+    @precondition(lambda self: self._ids(TrajState.ROUTED, TrajState.CANCELLING))
+    @rule(instance=st.sampled_from(INSTANCES))
+    def instance_fails(self, instance: str) -> None:
+        self._mark()
+        self.book.release_instance(instance)
+        assert not any(t.instance_id == instance for t in self.book.trajs.values()
+                       if t.state in (TrajState.ROUTED, TrajState.CANCELLING))
+
+    def _finishable(self) -> list[str]:
+        return [t for t in self._ids(TrajState.ROUTED, TrajState.CANCELLING, TrajState.PENDING) if t in self.routed_ever]
+
+    @precondition(lambda self: self._finishable())
+    @rule(data=st.data(), grown=st.integers(1, 3))
+    def complete(self, data: st.DataObject, grown: int) -> None:
+        picked = data.draw(st.lists(st.sampled_from(self._finishable()), min_size=1, max_size=4, unique=True))
+        self._mark()
+        items = [self._grown(t, grown) for t in picked]
+        changed = self.book.completed([Generated(p.traj_id, p.tokens, p.logprobs, p.segments, "stop",
+                                                 self.book.trajs[p.traj_id].instance_id or "i0") for p in items])
+        assert {t.traj_id for t in changed} == set(picked)
+        for t in changed:
+            if t.state is TrajState.COMPLETED:
+                assert t.traj_id not in self.completed_once  # a trajectory completes at most once
+                self.completed_once.add(t.traj_id)
+
+    @precondition(lambda self: self.completed_once)
+    @rule(data=st.data())
+    def completion_redelivered(self, data: st.DataObject) -> None:
+        traj_id = data.draw(st.sampled_from(sorted(self.completed_once)))
+        self._mark()
+        if self.book.trajs[traj_id].state is not TrajState.PENDING:  # (pending: released, then finished again)
+            assert self.book.completed([self._grown(traj_id, 1)]) == []
+
+    @precondition(lambda self: self._ids(TrajState.COMPLETED))
+    @rule(data=st.data(), reward=st.sampled_from([0.0, 1.0]))
+    def reward(self, data: st.DataObject, reward: float) -> None:
+        picked = data.draw(st.lists(st.sampled_from(self._ids(TrajState.COMPLETED)), min_size=1, unique=True))
+        self._mark()
+        changed, ready = self.book.rewarded({t: (reward, "correct" if reward else "wrong_answer") for t in picked})
+        assert {t.traj_id for t in changed} == set(picked)
+        assert all(len(self.book.group_rewarded(g)) >= g.needed for g in ready)
+
+    @precondition(lambda self: self.book.closable_groups())
+    @rule(data=st.data())
+    def occupy(self, data: st.DataObject) -> None:
+        g = data.draw(st.sampled_from(self.book.closable_groups()))
+        self._mark()
+        _, _, on_instances = self.book.close_group(g.group_id, GroupState.OCCUPIED)
+        assert all(t.state is TrajState.CANCELLING for t in on_instances)
+
+    @precondition(lambda self: self.book.live_groups() >= 3)  # now and then, not before any group could finish
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        """The ledger aborted the group (surplus, a filter, a dead rollout)."""
+        group_id = data.draw(st.sampled_from(self._groups(GroupState.SAMPLED, GroupState.RESERVED, GroupState.OCCUPIED)))
+        self._mark()
+        self.book.close_group(group_id, GroupState.ABORTED)
+        members = [self.book.trajs[m] for m in self.book.groups[group_id].member_ids]
+        assert all(t.state in (TrajState.ABORTED, TrajState.CANCELLING, TrajState.CONSUMED) for t in members)
+
+    @precondition(lambda self: self.book.cancellations())
+    @rule(data=st.data())
+    def abort_acknowledged(self, data: st.DataObject) -> None:
+        picked = data.draw(st.lists(st.sampled_from(sorted(t.traj_id for t in self.book.cancellations())),
+                                    min_size=1, unique=True))
+        self._mark()
+        self.book.cancelled(picked)
+        assert all(self.book.trajs[t].state is TrajState.ABORTED for t in picked)
+
+    @precondition(lambda self: self._groups(GroupState.OCCUPIED))
+    @rule(data=st.data())
+    def trainer_consumes(self, data: st.DataObject) -> None:
+        group_id = data.draw(st.sampled_from(self._groups(GroupState.OCCUPIED)))
+        needed = self.book.groups[group_id].needed
+        self._mark()
+        self.book.mark_consumed([group_id])
+        batch = self.book.batch([group_id])
+        assert len(batch) == needed and all(t.state is TrajState.REWARDED for t, _ in batch)
+        self.book.free([group_id])
+        assert all(t.state is TrajState.CONSUMED and not t.tokens for t, _ in batch)
+
+    # -- what must hold after every step
+
+    @invariant()
+    def only_allowed_transitions(self) -> None:
+        trajs, groups = self.before
+        for key, was in trajs.items():
+            now = self.book.trajs[key].state
+            assert was is now or (was, now) in TRAJ_TRANSITIONS, f"{key}: {was} -> {now}"
+        for key, was in groups.items():
+            now = self.book.groups[key].state
+            assert was is now or (was, now) in GROUP_TRANSITIONS, f"{key}: {was} -> {now}"
+
+    @invariant()
+    def where_each_trajectory_is(self) -> None:
+        for t in self.book.trajs.values():
+            if t.state in (TrajState.ROUTED, TrajState.CANCELLING):
+                assert t.instance_id is not None
+            if t.state is TrajState.PENDING:
+                assert t.instance_id is None
+            g = self.book.groups[t.group_id]
+            if t.state is not TrajState.PENDING and t.state is not TrajState.ABORTED:
+                assert g.v_traj is not None  # nothing runs, completes or trains without its V_traj
+            if t.state in (TrajState.COMPLETED, TrajState.REWARDED):
+                assert g.state in (GroupState.RESERVED, GroupState.OCCUPIED)
+
+    @invariant()
+    def a_group_trains_exactly_its_batch_share(self) -> None:
+        for g in self.book.groups.values():
+            states = [self.book.trajs[m].state for m in g.member_ids]
+            if g.state is GroupState.OCCUPIED:
+                assert states.count(TrajState.REWARDED) == g.needed
+            if g.state is GroupState.CONSUMED:
+                assert states.count(TrajState.CONSUMED) == g.needed
+            if g.state is GroupState.SAMPLED:
+                assert set(states) <= {TrajState.PENDING}
+
+    @invariant()
+    def counts_cover_every_trajectory(self) -> None:
+        assert sum(self.book.counts().values()) == len(self.book.trajs)
+
+
+BookMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+test_trajectory_book = BookMachine.TestCase
