@@ -284,7 +284,7 @@ class Supervisor:
         except Exception as exc:  # it died again while starting: counted, retried on the next check
             record.error = f"the restart failed: {exc}"
             self.restarts.append(record)
-            self._back_at[name] = time.monotonic()
+            self._back_at[name] = self._seen[name] = self._answered[name] = time.monotonic()
             self._new_standby()
             log.warning("supervisor: restarting %s failed: %s", name, exc)
             return
