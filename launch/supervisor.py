@@ -126,14 +126,11 @@ class Supervisor:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(90)
-        if self._standby is not None:  # released unused: it exits when its stdin closes
+        if self._standby is not None:  # unused: it holds nothing, so it need not finish its imports
+            self._standby.kill()
+            self._standby.wait()
             assert self._standby.stdin is not None
             self._standby.stdin.close()
-            try:
-                self._standby.wait(10)
-            except subprocess.TimeoutExpired:
-                self._standby.kill()
-                self._standby.wait()
             self._standby = None
 
     @property
