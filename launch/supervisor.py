@@ -38,10 +38,10 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import httpx
-
-from staleflow.config import SupervisionConfig
 from staleflow.launch import standby
 from staleflow.servers.clients import http_client
+
+from staleflow.config import SupervisionConfig
 
 if TYPE_CHECKING:
     from staleflow.launch.job import Job
@@ -278,7 +278,7 @@ class Supervisor:
             self.restarts.append(record)
             self._give_up(str(exc))
             return
-        except Exception as exc:  # it died again while starting: counted, retried on the next check
+        except Exception as exc:  # noqa: BLE001  # it died again while starting: counted, retried on the next check
             record.error = f"the restart failed: {exc}"
             self.restarts.append(record)
             self._back_at[name] = self._seen[name] = self._answered[name] = time.monotonic()

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from staleflow.config import JobConfig, LedgerConfig
 from staleflow.launch.job import Job
-from staleflow.ledger import LedgerParams
 from staleflow.servers.ledger_store import DurableLedger
 from staleflow.servers.trajectories.store import TrajectoryStore
+
+from staleflow.config import JobConfig, LedgerConfig
+from staleflow.ledger import LedgerParams
 
 ETA, BATCH, GROUP = 1, 4, 2
 SMALL = ["--engine", "sim", "--workload", "ci-tiny", "--max-tokens", "48", "--instances", "2", "--batch-size",
