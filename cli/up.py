@@ -71,7 +71,7 @@ def job_config(file: Path | None, **flags: Any) -> JobConfig:
     return config
 
 
-def _view(config: JobConfig, progress: Progress, sample: Any, steps: list) -> Group:
+def _view(config: JobConfig, progress: Progress, sample: Any, steps: list, restarts: list[dict]) -> Group:
     instances = Table(title="rollout instances", expand=False)
     for col in ("instance", "status", "version", "running", "waiting", "est. tokens/s"):
         instances.add_column(col, justify="right" if col not in ("instance", "status") else "left")
@@ -95,7 +95,20 @@ def _view(config: JobConfig, progress: Progress, sample: Any, steps: list) -> Gr
     sim = elapsed * config.speed if config.engine == "sim" else elapsed
     line = (f"trained tokens {tokens:,}  |  {tokens / sim:,.0f} tokens/s" if sim else "waiting for the first batch") + (
         f"  |  staleness so far {dict(sorted(stale.items()))} (bound {config.ledger.eta})")
-    return Group(progress, instances, buffers, line)
+    return Group(progress, instances, buffers, line, *([_restarts_line(restarts)] if restarts else []))
+
+
+def _restarts_line(restarts: list[dict]) -> str:
+    """The supervisor's restarts so far, newest last (the live view shows the last few)."""
+    shown = [f"{r['component']} ({r['cause']}, {_back(r)})" for r in restarts[-4:]]
+    more = f"{len(restarts) - 4} earlier, " if len(restarts) > 4 else ""
+    return f"restarts: {more}{'; '.join(shown)}"
+
+
+def _back(restart: dict) -> str:
+    if restart["recovered_after_s"] is not None:
+        return f"back in {restart['recovered_after_s']:.1f}s"
+    return restart["error"] or "not restarted"
 
 
 def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
@@ -152,6 +165,19 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
     live = None if emit or not sys.stdout.isatty() else Live(console=console, refresh_per_second=4)
     if live:
         live.start()
+    restarts_shown = 0
+
+    def show_restarts() -> list[dict]:
+        nonlocal restarts_shown
+        restarts = list(getattr(job, "restarts", []))  # a launcher without a supervisor of its own has none
+        for r in restarts[restarts_shown:]:
+            if emit:
+                emit({"event": "restart", **r})
+            elif not live:
+                console.print(f"  restart  {r['component']}: {r['cause']}; {_back(r)}")
+        restarts_shown = len(restarts)
+        return restarts
+
     try:
         while not job.finished() and not job.stop.is_set():
             sample = job.monitor.sample()
@@ -159,30 +185,38 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
             tracking.update(steps, sample)
             done = len(steps)
             progress.update(task, completed=min(done, config.steps))
+            restarts = show_restarts()
             if emit and sample:
                 emit({"event": "sample", "t": sample.t, "train_version": sample.train_version,
                       "instances": sample.instances, "buffers": [b["state"] for b in sample.buffers]})
             elif live:
-                live.update(_view(config, progress, sample, steps))
+                live.update(_view(config, progress, sample, steps, restarts))
             job.stop.wait(0.25)  # refresh pacing
         tracking.update(job.steps(), job.monitor.samples[-1] if job.monitor.samples else None)
     finally:
         if live:
             live.stop()
         tracking.close()
+    restarts = show_restarts()
+    failure = getattr(job, "failure", None)
     wall = time.monotonic() - job.started
     summary = summarize(config, job.steps(), job.monitor.samples, job.engine_stats(), job.command_times(), wall,
                         trainer_label(config))
+    summary["restarts"] = restarts
+    if failure:
+        summary["failure"] = failure
     trainer_error = job.trainer_error
     job.shutdown()
-    completed = trainer_error is None and signals["received"] is None and len(job.steps()) >= config.steps
+    completed = (trainer_error is None and failure is None and signals["received"] is None
+                 and len(job.steps()) >= config.steps)
     if completed:
         written = write_report(config.state_dir / "report", summary, job.monitor.samples)
     else:
         written = write_report(config.state_dir / "report-partial", summary, job.monitor.samples)
     if emit:
         emit({"event": "end", "completed": completed, "report": [str(p) for p in written],
-              "tokens_per_second": summary["tokens_per_second"], "staleness_violations": summary["staleness_violations"]})
+              "tokens_per_second": summary["tokens_per_second"], "staleness_violations": summary["staleness_violations"],
+              "restarts": len(restarts), **({"failure": failure} if failure else {})})
     else:
         console.print(f"{'finished' if completed else 'stopped'}: {summary['steps']} steps, "
                       f"{summary['response_tokens']:,} tokens, {summary['tokens_per_second']:,.0f} tokens/s "
@@ -190,6 +224,11 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
         console.print(f"  state   {config.state_dir.resolve()}")
         console.print(f"  logs    {(config.state_dir / 'logs').resolve()}")
         console.print(f"  report  {written[0].parent.resolve()}")
+        if restarts:
+            console.print(f"  restarts {len(restarts)}: " + ", ".join(f"{r['component']} ({r['cause']})" for r in restarts))
+    if failure is not None:
+        raise fail(f"the job stopped: {failure}", "fix what the log shows, then continue with: staleflow up --resume"
+                   + (f" --state-dir {config.state_dir}" if str(config.state_dir) != ".staleflow" else ""), code=1)
     if trainer_error is not None:
         raise fail(f"the trainer failed: {trainer_error}", f"see {config.state_dir / 'job.log'} and {config.state_dir / 'logs'}",
                    code=1)

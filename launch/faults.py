@@ -1,17 +1,8 @@
-"""Fault injection for a running job: kill one role at a time, restart only that role, verify.
+"""Fault injection for a running job: kill one role at a time, measure, verify.
 
-``Supervisor`` watches the components of a ``Job`` run with ``--processes`` and restarts only the
-role that failed, at the same port, so the others reconnect by themselves (their clients retry
-transient connection errors). Detection is role-aware:
-
-* services (manager, trajectory server, parameter server, reward, coordinator): the process
-  exited, or its health probe failed ``probe_failures`` times in a row;
-* rollout instances: the process exited, or the coordinator declared the instance failed. The
-  coordinator tells a slow instance (long generations: its snapshots still show progress) from a
-  hung one (no snapshot for ``failure_timeout``, or no progress with work in hand for
-  ``stall_timeout``); a process that is alive but declared failed is killed and replaced. The
-  replacement has a new boot id, so the coordinator hands the old process's trajectories back to
-  the trajectory server and lets the new one join.
+The job repairs itself: every job runs a ``Supervisor`` (``staleflow.launch.supervisor``) that
+restarts only the role that failed, at the same port. This harness only injects the faults and
+measures what the supervisor does.
 
 ``FaultRun`` runs a job, injects faults every few training steps (SIGKILL; SIGSTOP for a hung
 instance), measures per fault the detection time, the recovery time and the rollout throughput
@@ -25,8 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import subprocess
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,8 +24,7 @@ import httpx
 import numpy as np
 
 from staleflow.config import JobConfig
-from staleflow.launch import standby
-from staleflow.launch.job import TRAINER, Job, instance_ids
+from staleflow.launch.job import Job, instance_ids
 from staleflow.servers.clients import http_client
 
 log = logging.getLogger(__name__)
@@ -80,129 +68,6 @@ class Fault:
     def to_json(self) -> dict:
         return {**asdict(self), "detection_s": self.detection_s, "recovery_s": self.recovery_s,
                 "throughput_kept": self.throughput_kept}
-
-
-class Supervisor:
-    """Watches a ``--processes`` job's components and restarts only the one that failed."""
-
-    def __init__(self, job: Job, interval: float = 0.1, probe_timeout: float = 2.0, probe_failures: int = 3,
-                 on_detected=None, on_restarted=None, grace: float = 10.0, warm_standby: bool = True):
-        if not job.config.processes:
-            raise ValueError("the supervisor restarts component processes: run the job with processes=True")
-        self.job = job
-        self.interval = interval
-        self.probe_timeout = probe_timeout
-        self.probe_failures = probe_failures
-        self.grace = grace  # after a restart, the coordinator's old verdict about an instance is ignored this long
-        self.on_detected = on_detected or (lambda name, why, t: None)
-        self.on_restarted = on_restarted or (lambda name, t: None)
-        self.restarts: dict[str, int] = {}
-        self.events: list[dict] = []
-        self._misses: dict[str, int] = {}
-        self._restarted_at: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
-        self.error: BaseException | None = None
-        self.warm_standby = warm_standby
-        self._standby = None
-        self._standbys = 0
-
-    def start(self) -> Supervisor:
-        self._new_standby()
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(90)
-        if self._standby is not None:  # released unused: it exits when its stdin closes
-            self._standby.stdin.close()
-            try:
-                self._standby.wait(10)
-            except subprocess.TimeoutExpired:
-                self._standby.kill()
-                self._standby.wait()
-            self._standby = None
-
-    def _new_standby(self) -> None:
-        if self.warm_standby:
-            self._standbys += 1
-            self._standby_log = self.job.state / "logs" / f"standby-{self._standbys}.log"
-            self._standby = standby.spawn(self._standby_log)
-
-    @property
-    def ready(self) -> bool:
-        """A warm standby is ready to take the next failed role (or none is kept)."""
-        return not self.warm_standby or (self._standby is not None and standby.ready(self._standby_log))
-
-    def _run(self) -> None:
-        urls = {k: v["url"] for k, v in self.job.endpoints.items()}
-        clients = {name: http_client(url, timeout=self.probe_timeout) for name, url in urls.items()}
-        try:
-            while not self._stop.is_set():
-                for name, why in self._failed(clients):
-                    self._recover(name, why)
-                self._stop.wait(self.interval)  # probe pacing
-        except BaseException as exc:  # surfaced by the fault run
-            self.error = exc
-            log.exception("supervisor failed")
-        finally:
-            for c in clients.values():
-                c.close()
-
-    def _failed(self, clients: dict[str, httpx.Client]) -> list[tuple[str, str]]:
-        procs = list(self.job.procs.items())
-        failed = [(name, f"process exited with {proc.returncode}") for name, proc in procs
-                  if proc.poll() is not None and not (name == TRAINER and proc.returncode == 0)]  # 0: trained them all
-        if failed:  # a crash is certain: restart it before spending time on probes
-            return failed
-        for name, _ in procs:
-            if name.startswith("inst-") or name == TRAINER:
-                continue  # instances: the coordinator's verdict (slow is not hung), below
-            if self._healthy(clients[name]):
-                self._misses[name] = 0
-                continue
-            self._misses[name] = self._misses.get(name, 0) + 1
-            if self._misses[name] >= self.probe_failures:
-                failed.append((name, f"health probe failed {self._misses[name]} times"))
-        failed_names = {n for n, _ in failed}
-        for name in self._declared_failed(clients["coordinator"]):
-            if name not in failed_names and time.monotonic() - self._restarted_at.get(name, -1e9) > self.grace:
-                failed.append((name, "the coordinator declared it failed"))
-        return failed
-
-    @staticmethod
-    def _healthy(client: httpx.Client) -> bool:
-        try:
-            return client.get("/v1/health").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def _declared_failed(self, coordinator: httpx.Client) -> list[str]:
-        if self.job.procs["coordinator"].poll() is not None:
-            return []
-        try:
-            listed = coordinator.get("/v1/instances").json()["instances"]
-        except (httpx.HTTPError, ValueError, KeyError):
-            return []
-        return [i["instance_id"] for i in listed if i["status"] == "failed" and i["instance_id"] in self.job.procs]
-
-    def _recover(self, name: str, why: str) -> None:
-        now = time.monotonic()
-        self.events.append({"name": name, "event": "detected", "why": why, "t": now})
-        self.on_detected(name, why, now)
-        log.warning("supervisor: %s failed (%s); restarting it", name, why)
-        warm, self._standby = self._standby, None
-        if warm is not None and warm.poll() is not None:
-            warm = None  # the standby died: start cold
-        self.job.restart(name, standby=warm)
-        self._new_standby()
-        self._misses[name] = 0
-        self._restarted_at[name] = time.monotonic()
-        self.restarts[name] = self.restarts.get(name, 0) + 1
-        self.events.append({"name": name, "event": "restarted", "t": self._restarted_at[name]})
-        self.on_restarted(name, self._restarted_at[name])
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -300,7 +165,11 @@ class FaultRun:
 
     def _drive(self, job: Job, progress) -> FaultRunResult:
         meter = TokenMeter(job)
-        supervisor = Supervisor(job, on_detected=self._detected, on_restarted=self._restarted).start()
+        supervisor = job.supervisor
+        if supervisor is None:
+            raise ValueError("the fault harness measures the job's supervisor: enable supervision in the job config")
+        supervisor.on_detected.append(self._detected)
+        supervisor.on_restarted.append(self._restarted)
         urls = {k: v["url"] for k, v in job.endpoints.items()}
         stats_clients = {i: http_client(u, timeout=1.0) for i, u in meter.urls.items()}
         probe = {n: http_client(urls[n], timeout=1.0) for n in ("manager", "coordinator", "params")}
@@ -328,15 +197,15 @@ class FaultRun:
                     self._inject(job, role, tv, started)
                     progress(f"step {tv}: {self.faults[-1].how} {self.faults[-1].name}")
                     next_fault_at = tv + self.every
-                if supervisor.error:
-                    raise RuntimeError(f"the supervisor failed: {supervisor.error!r}")
+                if supervisor.failure:
+                    raise RuntimeError(f"the supervisor stopped the job: {supervisor.failure}")
                 job.stop.wait(0.1)  # sampling pacing
             finished = self._done(job)
             steps = job.steps()
             wall = steps[-1].finished_at if steps else time.monotonic() - started
             result = FaultRunResult(wall_s=wall, steps=len(steps), faults=self.faults,
                                step_times=[st.finished_at for st in steps],
-                               restarts=dict(supervisor.restarts),
+                               restarts=dict(supervisor.counts),
                                events=[{**e, "t": e["t"] - started} for e in supervisor.events])
             supervisor.stop()
             if not finished:

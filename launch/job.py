@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from fastapi import FastAPI
@@ -31,6 +32,9 @@ from staleflow.servers.auth import TOKEN_ENV, run_token
 from staleflow.servers.clients import http_client
 from staleflow.servers.http import RunningServer, serve_in_thread
 from staleflow.servers.trainer import StepLog, StepRecord, TrainerLoop
+
+if TYPE_CHECKING:
+    from staleflow.launch.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -196,14 +200,15 @@ class Job:
         self.endpoints = plan_endpoints(config)
         self.stop = threading.Event()
         self.started = time.monotonic()
-        self.servers: list[RunningServer] = []
+        self.servers: dict[str, RunningServer] = {}  # components that are threads of this process, by name
         self.processes: list[subprocess.Popen] = []
         self.procs: dict[str, subprocess.Popen] = {}  # by component name, the newest process of each
         self.step_log = step_log(config)
         self.monitor = Monitor(self.endpoints, self.started)
         self.trainer_thread: threading.Thread | None = None
         self.trainer_process: subprocess.Popen | None = None
-        self._trainer_error: BaseException | None = None
+        self.trainer_raised: BaseException | None = None  # what the embedded trainer thread last raised
+        self.supervisor: Supervisor | None = None
 
     def _prepare_state_dir(self, resume: bool, fresh: bool) -> None:
         previous = self.state / "job.json"
@@ -248,8 +253,7 @@ class Job:
             if in_own_process(name, self.config):
                 self._spawn(name)
             else:
-                self.servers.append(serve_in_thread(build_app(name, self.config, self.endpoints),
-                                                    self.config.host, self.endpoints[name]["port"], token=self.token))
+                self.servers[name] = self._serve_thread(name)
             if name == "ts":
                 self._release_previous_instances()
             if on_started:
@@ -262,17 +266,30 @@ class Job:
         if trainer_in_process(self.config):
             self.trainer_process = self._spawn(TRAINER)
         else:
-            self.trainer_thread = threading.Thread(target=self._train, name=TRAINER, daemon=True)
-            self.trainer_thread.start()
+            self._start_trainer_thread()
         if on_started:
             on_started(TRAINER, trainer_label(self.config))
+        if self.config.supervision.enabled:
+            from staleflow.launch.supervisor import Supervisor
+
+            self.supervisor = Supervisor(self, self.config.supervision).start()
+
+    def _serve_thread(self, name: str) -> RunningServer:
+        return serve_in_thread(build_app(name, self.config, self.endpoints), self.config.host,
+                               self.endpoints[name]["port"], token=self.token)
+
+    def _start_trainer_thread(self) -> None:
+        self.trainer_raised = None
+        self.trainer_thread = threading.Thread(target=self._train, name=TRAINER, daemon=True)
+        self.trainer_thread.start()
 
     def _train(self) -> None:
         try:
             run_trainer(self.config, self.endpoints, self.stop, self.started)
         except BaseException as exc:  # surfaced by the job, not lost in a thread
-            self._trainer_error = exc
-            self.stop.set()
+            self.trainer_raised = exc
+            if not self.config.supervision.enabled:
+                self.stop.set()  # else the supervisor restarts the trainer (or stops a crash loop)
 
     def _spawn(self, name: str) -> subprocess.Popen:
         return self._await_up(*self._launch(name))
@@ -298,6 +315,8 @@ class Job:
         with http_client(self.endpoints[name]["url"], timeout=2) as probe:
             deadline = time.monotonic() + limit
             while True:  # the child binds, then serves: wait until it answers
+                if self.stop.is_set():
+                    raise RuntimeError(f"the job stopped while {name} was starting")
                 if proc.poll() is not None:
                     raise RuntimeError(f"component {name} exited with {proc.returncode}; see {log_path}")
                 try:
@@ -309,7 +328,7 @@ class Job:
                     raise RuntimeError(f"component {name} did not come up in {limit} s; see {log_path}")
                 self.stop.wait(0.05)
 
-    # -- one role at a time (the fault supervisor's hooks; --processes only) -------------------
+    # -- one role at a time (the supervisor's and the fault harness's hooks) -------------------
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> subprocess.Popen:
         """Send ``sig`` to component ``name``'s process (SIGKILL: a crash; SIGSTOP: a hang)."""
@@ -317,10 +336,29 @@ class Job:
         proc.send_signal(sig)
         return proc
 
-    def restart(self, name: str, standby: subprocess.Popen | None = None) -> None:
-        """Start component ``name`` again at its planned port, after its process died or was
-        killed; returns once it answers its health probe. A warm ``standby`` process (see
-        ``staleflow.launch.standby``) takes the role without a cold start."""
+    def pid(self, name: str) -> int | None:
+        """The process of component ``name`` (None: a thread of this process)."""
+        proc = self.procs.get(name)
+        return proc.pid if proc is not None else None
+
+    def log_path(self, name: str) -> Path:
+        """Where component ``name`` logs: its own file, or the job's log for a thread of this process."""
+        return self.state / "logs" / f"{name}.log" if name in self.procs else self.state / "job.log"
+
+    def restart(self, name: str, standby: subprocess.Popen | None = None) -> int | None:
+        """Start component ``name`` again at its planned port, after it failed; returns its new
+        process id (None for a thread) once it answers its health probe. A process still alive is
+        killed; a warm ``standby`` process (see ``staleflow.launch.standby``) takes the role without
+        a cold start. A thread is asked to stop and served again (``ComponentStuck`` if it does not
+        stop: a thread cannot be killed)."""
+        if name in self.servers:
+            return self._restart_thread(name, standby)
+        if name == TRAINER and self.trainer_thread is not None:
+            self._release(standby)
+            if self.trainer_thread.is_alive():
+                raise self._stuck(name)
+            self._start_trainer_thread()
+            return None
         old = self.procs[name]
         if old.poll() is None:
             old.kill()
@@ -337,6 +375,28 @@ class Job:
             proc = self._await_up(name, standby, self.state / "logs" / f"{name}.log")
         if name == TRAINER:
             self.trainer_process = proc
+        return proc.pid
+
+    def _restart_thread(self, name: str, standby: subprocess.Popen | None) -> None:
+        self._release(standby)
+        old = self.servers[name]
+        old.stop(timeout=10)
+        if old.thread.is_alive():
+            raise self._stuck(name)
+        self.servers[name] = self._serve_thread(name)
+
+    def _stuck(self, name: str) -> RuntimeError:
+        from staleflow.launch.supervisor import ComponentStuck
+
+        return ComponentStuck(
+            f"{name} stopped working and, as a thread of the job's own process, cannot be stopped or killed; "
+            f"see {self.log_path(name)}. Run with --processes to have a hung component killed and restarted")
+
+    @staticmethod
+    def _release(standby: subprocess.Popen | None) -> None:
+        """A warm standby handed to a restart that does not need it (a thread's) exits unused."""
+        if standby is not None and standby.stdin is not None:
+            standby.stdin.close()
 
     def write_planned_endpoints(self) -> None:
         (self.state / "endpoints.planned.json").write_text(json.dumps(self.endpoints, indent=2))
@@ -348,14 +408,31 @@ class Job:
                 ts.post(f"/v1/instances/{instance_id}/release")
 
     def finished(self) -> bool:
+        """The trainer is done: it trained every step, or (unsupervised) it stopped for good."""
+        supervised = self.supervisor is not None
         if self.trainer_process is not None:
-            return self.trainer_process.poll() is not None
-        return self.trainer_thread is not None and not self.trainer_thread.is_alive()
+            code = self.trainer_process.poll()
+            return code == 0 if supervised else code is not None
+        if self.trainer_thread is None or self.trainer_thread.is_alive():
+            return False
+        return self.trainer_raised is None or not supervised
+
+    @property
+    def failure(self) -> str | None:
+        """Why supervision stopped the job (a component beyond repair), if it did."""
+        return self.supervisor.failure if self.supervisor is not None else None
+
+    @property
+    def restarts(self) -> list[dict]:
+        """Every failure the supervisor handled, in order (the report's ``restarts``)."""
+        return [r.to_json() for r in self.supervisor.restarts] if self.supervisor is not None else []
 
     @property
     def trainer_error(self) -> str | None:
-        if self._trainer_error is not None:
-            return repr(self._trainer_error)
+        if self.supervisor is not None:
+            return None  # a failed trainer is restarted; one that keeps failing is the job's failure
+        if self.trainer_raised is not None:
+            return repr(self.trainer_raised)
         if self.trainer_process is not None and self.trainer_process.poll() not in (None, 0):
             if not self.stop.is_set():
                 return f"the trainer process exited with {self.trainer_process.returncode}; see {self.state / 'logs' / 'trainer.log'}"
@@ -366,6 +443,8 @@ class Job:
 
     def shutdown(self) -> None:
         self.stop.set()
+        if self.supervisor is not None:
+            self.supervisor.stop()  # first: nothing stopped below is restarted
         try:
             self._stop_components()
         finally:
@@ -384,7 +463,7 @@ class Job:
                 self.trainer_process.wait(30)
             except subprocess.TimeoutExpired:
                 self.trainer_process.kill()
-        for server in reversed(self.servers):
+        for server in reversed(list(self.servers.values())):
             server.stop()
         for proc in reversed(self.processes):
             proc.terminate()

@@ -1,7 +1,7 @@
 """A warm standby: a process that has already imported every component's code and waits on
 stdin for the role to take (``{"name", "job", "endpoints"}`` as one JSON line), then serves it.
 
-The fault supervisor keeps one ready so a failed role restarts without a cold start (imports
+The supervisor keeps one ready (with `--processes`) so a failed role restarts without a cold start (imports
 alone take seconds on a loaded machine); cf. RobustRL's warm standbys."""
 
 from __future__ import annotations

@@ -113,11 +113,12 @@ class TrainerStopped(Exception):
 
 class TrainerLoop:
     """Drives one backend through ``steps`` buffers; survives restarts of itself and of the
-    manager, trajectory server and parameter server (transient errors are retried for up to
-    ``outage_s`` seconds)."""
+    manager, trajectory server and parameter server: transient errors are retried until ``stop``
+    (or for ``outage_s`` seconds when given). The job's supervisor, not the trainer, decides when
+    a component is beyond repair (a crash loop stops the job, and with it the trainer)."""
 
     def __init__(self, backend: TrainerBackend, *, steps: int, eta: int, urls: Mapping[str, str], step_log: StepLog,
-                 stop: threading.Event, started: float | None = None, outage_s: float = 300.0,
+                 stop: threading.Event, started: float | None = None, outage_s: float | None = None,
                  on_step: Callable[[StepRecord], None] | None = None):
         self.backend = backend
         self.steps = steps
@@ -133,7 +134,8 @@ class TrainerLoop:
     # -- retries -----------------------------------------------------------------------
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        deadline = time.monotonic() + self.outage_s
+        began = time.monotonic()
+        warned = began
         backoff = 0.05
         while True:
             if self.stop.is_set():
@@ -143,9 +145,14 @@ class TrainerLoop:
             except (httpx.TransportError, ConnectionError, ServiceError) as exc:  # ConnectionError: the PS's raw push socket
                 if isinstance(exc, ServiceError) and exc.status not in TRANSIENT_STATUS:
                     raise
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if self.outage_s is not None and now - began > self.outage_s:
                     raise RuntimeError(f"{what}: still failing after {self.outage_s:.0f} s: {exc}") from exc
-                log.info("%s failed (%s); retrying", what, exc)
+                if now - warned > 30:
+                    warned = now
+                    log.warning("%s: still failing after %.0f s (%s); retrying until it answers", what, now - began, exc)
+                else:
+                    log.info("%s failed (%s); retrying", what, exc)
             self.stop.wait(backoff)  # retry pacing while a component restarts
             backoff = min(backoff * 2, 1.0)
 
@@ -252,8 +259,15 @@ class TrainerLoop:
         self.push_seconds.append(time.perf_counter() - started)
 
     def _free(self, freed_below: int, covered: int) -> int:
+        def free(version: int) -> None:
+            reply = self.ts.delete(f"/v1/batches/{version}")
+            if reply.status_code in TRANSIENT_STATUS:  # the TS could not reach the manager: retried, not lost
+                raise ServiceError(reply.status_code, reply.text)
+            if reply.status_code != 200:
+                log.warning("freeing batch %d: %d %s", version, reply.status_code, reply.text)
+
         for v in range(freed_below, covered):
-            self._retry(f"free batch {v}", lambda v=v: self.ts.delete(f"/v1/batches/{v}"))
+            self._retry(f"free batch {v}", lambda v=v: free(v))
         return max(freed_below, covered)
 
 

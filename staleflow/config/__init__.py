@@ -24,6 +24,7 @@ from staleflow.config.job import (
     JOB_LEDGER,
     AlgorithmConfig,
     JobConfig,
+    SupervisionConfig,
     TrainerConfig,
 )
 from staleflow.config.manager import LedgerConfig, ManagerConfig, ManagerSettings
@@ -61,6 +62,7 @@ __all__ = [
     "SimConfig",
     "StrictModel",
     "TaskConfig",
+    "SupervisionConfig",
     "TrainerConfig",
     "TrajectoryServerConfig",
     "TrajectorySettings",

@@ -58,6 +58,22 @@ class TrainerConfig(StrictModel):
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
 
+class SupervisionConfig(StrictModel):
+    """How a job keeps its components running: a component that crashes or stops answering is
+    restarted in place; one that keeps crashing stops the job (docs/faults.md)."""
+
+    enabled: bool = Field(True, description="restart a component that crashes or stops answering")
+    probe_interval_s: float = Field(0.5, gt=0, description="seconds between health probes of each service")
+    probe_timeout_s: float = Field(2.0, gt=0, description="a health probe not answered in this time failed")
+    probe_failures: int = Field(3, ge=1, description="failed health probes in a row that make a service hung")
+    max_restarts: int = Field(3, ge=0, description="restarts of one component in a row, each failing again within "
+                                                   "restart_window_s, before the job stops as a crash loop")
+    restart_window_s: float = Field(60.0, gt=0, description="a restarted component that stays up this long is "
+                                                            "healthy again: its crash-loop count starts over")
+    warm_standby: bool = Field(True, description="--processes: keep one process with every role's code imported, "
+                                                 "so a failed role restarts without a cold start")
+
+
 JOB_LEDGER: dict[str, Any] = {"eta": 2, "batch_size": 16, "group_size": 8}
 SIM_PRESET: dict[str, Any] = {
     # a simulated cluster: paper-like long responses on four instances, the simulated trainer
@@ -94,6 +110,7 @@ class JobConfig(ComponentConfigs, StrictModel):
     speed: float = Field(40.0, gt=0, description="sim clock: simulated seconds per real second")
     reward: str = Field("auto", description="auto (sim: 'sim', vllm: the reward server), sim, math or a URL")
     trainer: TrainerConfig = TrainerConfig()
+    supervision: SupervisionConfig = SupervisionConfig()
     base_port: int = Field(0, ge=0, le=65000, description="first port of the components; 0 picks free ports")
     host: str = "127.0.0.1"
     processes: bool = Field(False, description="run every component as its own process instead of embedded")

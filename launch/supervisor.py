@@ -1,0 +1,304 @@
+"""Supervision of a running job: restart a component that crashes or stops answering, in place,
+and stop the job when one keeps crashing.
+
+Every ``Job`` started by ``staleflow up`` (embedded or ``--processes``) runs one ``Supervisor``;
+the fault harness (``staleflow.launch.faults``) only injects faults and measures what this does.
+Detection is role-aware:
+
+* every component: its process exited (crash, signal), or, for a component that is a thread of
+  the job's own process, its server thread stopped (the embedded trainer: it raised);
+* services (manager, trajectory server, parameter server, reward, coordinator): its health probe
+  failed ``probe_failures`` times in a row (hung);
+* rollout instances: the coordinator declared the instance failed. The coordinator tells a slow
+  instance (long generations: its snapshots still show progress) from a hung one (no snapshot for
+  ``failure_timeout``, or no progress with work in hand for ``stall_timeout``).
+
+Repair restarts only the failed component at its planned port, so the others reconnect by
+themselves (their clients retry transient connection errors) and durable state (ledger,
+trajectories, parameter versions, the trainer's step log and checkpoints) makes the restart
+exact. A process is killed if still alive and replaced, from a warm standby when one is ready
+(``staleflow.launch.standby``: every role's code already imported). A thread is asked to stop
+and served again; a thread that does not stop cannot be killed from inside the process, so the
+job stops with an error that says so (``--processes`` can kill and replace it).
+
+A component that fails again within ``restart_window_s`` of its restart, more than
+``max_restarts`` times in a row, is crash-looping: the job stops with an error naming it and its
+log instead of restarting it forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import httpx
+
+from staleflow.config import SupervisionConfig
+from staleflow.launch import standby
+from staleflow.servers.clients import http_client
+
+if TYPE_CHECKING:
+    from staleflow.launch.job import Job
+
+log = logging.getLogger(__name__)
+
+TRAINER = "trainer"
+EXIT_CHECK_S = 0.1  # process exits and stopped threads are looked for this often
+COORDINATOR_GRACE_S = 10.0  # after an instance restart, the coordinator's old verdict about it is ignored this long
+
+
+class ComponentStuck(RuntimeError):
+    """A component that is a thread of this process did not stop: it cannot be restarted here."""
+
+
+@dataclass
+class Restart:
+    """One failure of a component and what the supervisor did about it (the report's ``restarts``)."""
+
+    component: str
+    kind: str  # "signal", "exit", "hung", "stopped" (a thread), "error" (the embedded trainer raised)
+    cause: str  # e.g. "killed by SIGKILL", "exited with code 1", "3 health probes failed in a row"
+    at_s: float  # when it was detected, seconds since the run started
+    detected_after_s: float  # from the last sign of life (alive, probe answered, last snapshot) to detection
+    recovered_after_s: float | None = None  # from the same moment until it answered again (None: not restarted)
+    pid: int | None = None  # the new process (None: a thread of the job's process)
+    log: str = ""  # where the component writes its log
+    error: str | None = None  # why it was not restarted, or why the restart failed
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def exit_cause(returncode: int) -> tuple[str, str]:
+    """(kind, cause) of a process that exited with ``returncode``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return "signal", f"killed by {name}"
+    return "exit", f"exited with code {returncode}"
+
+
+class Supervisor:
+    """Watches a job's components and restarts only the one that failed."""
+
+    def __init__(self, job: Job, settings: SupervisionConfig | None = None):
+        self.job = job
+        self.settings = settings or job.config.supervision
+        self.restarts: list[Restart] = []
+        self.counts: dict[str, int] = {}  # successful restarts per component
+        self.events: list[dict] = []  # {"name", "event": "detected"|"restarted", "t": monotonic, ...}
+        self.on_detected: list[Callable[[str, str, float], None]] = []
+        self.on_restarted: list[Callable[[str, float], None]] = []
+        self.failure: str | None = None  # set when a component is beyond repair: the job stops
+        self.error: BaseException | None = None  # the supervisor itself failed (a bug): the job stops
+        self._seen: dict[str, float] = {}  # last time each component was seen alive
+        self._answered: dict[str, float] = {}  # last time each service answered its health probe
+        self._misses: dict[str, int] = {}
+        self._back_at: dict[str, float] = {}  # when each component last came back from a restart
+        self._in_a_row: dict[str, int] = {}  # failures in a row, each within the window of its restart
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
+        self.warm_standby = self.settings.warm_standby and job.config.processes
+        self._standby: subprocess.Popen | None = None
+        self._standby_log = None
+        self._standbys = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> Supervisor:
+        now = time.monotonic()
+        for name in self._watched():
+            self._seen[name] = self._answered[name] = now
+        self._new_standby()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (the job is shutting down: nothing is restarted any more)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(90)
+        if self._standby is not None:  # unused: it holds nothing, so it need not finish its imports
+            self._standby.kill()
+            self._standby.wait()
+            assert self._standby.stdin is not None
+            self._standby.stdin.close()
+            self._standby = None
+
+    @property
+    def ready(self) -> bool:
+        """A warm standby is ready to take the next failed role (or none is kept)."""
+        return not self.warm_standby or (
+            self._standby is not None and self._standby_log is not None and standby.ready(self._standby_log))
+
+    def _new_standby(self) -> None:
+        if self.warm_standby and not self._stopping():
+            self._standbys += 1
+            self._standby_log = self.job.state / "logs" / f"standby-{self._standbys}.log"
+            self._standby = standby.spawn(self._standby_log)
+
+    def _take_standby(self) -> subprocess.Popen | None:
+        warm, self._standby = self._standby, None
+        if warm is not None and warm.poll() is not None:
+            return None  # the standby died: start cold
+        return warm
+
+    def _stopping(self) -> bool:
+        return self._stop.is_set() or self.job.stop.is_set() or self.failure is not None
+
+    # -- the watch -------------------------------------------------------------------------
+
+    def _watched(self) -> list[str]:
+        job = self.job
+        names = [*job.procs, *job.servers]
+        if job.trainer_thread is not None:
+            names.append(TRAINER)
+        return names
+
+    def _run(self) -> None:
+        clients: dict[str, httpx.Client] = {}
+        next_probe = 0.0
+        try:
+            while not self._stopping():
+                failed = self._exited()
+                if not failed and time.monotonic() >= next_probe:
+                    failed = self._hung(clients)
+                    next_probe = time.monotonic() + self.settings.probe_interval_s
+                for name, kind, cause, last_seen in failed:
+                    if self._stopping():
+                        break
+                    self._recover(name, kind, cause, last_seen)
+                self._stop.wait(EXIT_CHECK_S)  # exit-check pacing
+        except BaseException as exc:  # stops the job: an unsupervised job must not pass for a supervised one
+            self.error = exc
+            self.failure = f"the supervisor failed: {exc!r}"
+            log.exception("supervisor failed")
+            self.job.stop.set()
+        finally:
+            for c in clients.values():
+                c.close()
+
+    def _exited(self) -> list[tuple[str, str, str, float]]:
+        now = time.monotonic()
+        failed = []
+        for name, proc in list(self.job.procs.items()):
+            code = proc.poll()
+            if code is None:
+                self._seen[name] = now
+            elif not (name == TRAINER and code == 0):  # 0: it trained every step
+                failed.append((name, *exit_cause(code), self._seen.get(name, now)))
+        for name, server in list(self.job.servers.items()):
+            if server.thread.is_alive():
+                self._seen[name] = now
+            else:
+                failed.append((name, "stopped", "its server thread stopped", self._seen.get(name, now)))
+        thread = self.job.trainer_thread
+        if thread is not None:
+            if thread.is_alive():
+                self._seen[TRAINER] = now
+            elif self.job.trainer_raised is not None:
+                failed.append((TRAINER, "error", f"raised {self.job.trainer_raised!r}", self._seen.get(TRAINER, now)))
+        return failed
+
+    def _hung(self, clients: dict[str, httpx.Client]) -> list[tuple[str, str, str, float]]:
+        failed = []
+        for name in self._watched():
+            if name.startswith("inst-") or name == TRAINER:
+                continue  # instances: the coordinator's verdict (slow is not hung), below
+            client = clients.get(name)
+            if client is None:
+                client = clients[name] = http_client(self.job.endpoints[name]["url"], timeout=self.settings.probe_timeout_s)
+            if self._healthy(client):
+                self._answered[name] = time.monotonic()
+                self._misses[name] = 0
+                continue
+            self._misses[name] = self._misses.get(name, 0) + 1
+            if self._misses[name] >= self.settings.probe_failures:
+                failed.append((name, "hung", f"{self._misses[name]} health probes failed in a row",
+                               self._answered.get(name, time.monotonic())))
+        if failed or "coordinator" not in clients:
+            return failed
+        for name, silent_s in self._declared_failed(clients["coordinator"]):
+            if time.monotonic() - self._back_at.get(name, -1e9) > COORDINATOR_GRACE_S:
+                failed.append((name, "hung", "the coordinator declared it failed", time.monotonic() - silent_s))
+        return failed
+
+    @staticmethod
+    def _healthy(client: httpx.Client) -> bool:
+        try:
+            return client.get("/v1/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _declared_failed(self, coordinator: httpx.Client) -> list[tuple[str, float]]:
+        """Instances the coordinator declared failed, with how long ago each was last heard of."""
+        try:
+            listed = coordinator.get("/v1/instances").json()["instances"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return []
+        watched = set(self._watched())
+        found = []
+        for i in listed:
+            if i["status"] == "failed" and i["instance_id"] in watched:
+                stamp = (i.get("snapshot") or {}).get("timestamp")
+                found.append((i["instance_id"], max(0.0, time.time() - stamp) if stamp else 0.0))
+        return found
+
+    # -- repair ----------------------------------------------------------------------------
+
+    def _recover(self, name: str, kind: str, cause: str, last_seen: float) -> None:
+        now = time.monotonic()
+        window = self.settings.restart_window_s
+        back = self._back_at.get(name)
+        self._in_a_row[name] = self._in_a_row.get(name, 0) + 1 if back is not None and now - back < window else 1
+        record = Restart(component=name, kind=kind, cause=cause, at_s=now - self.job.started,
+                         detected_after_s=max(0.0, now - last_seen), log=str(self.job.log_path(name)))
+        self.events.append({"name": name, "event": "detected", "why": cause, "t": now})
+        for hook in self.on_detected:
+            hook(name, cause, now)
+        if self._in_a_row[name] > self.settings.max_restarts:
+            record.error = "crash loop: not restarted again"
+            self.restarts.append(record)
+            self._give_up(f"{name} keeps failing: {self._in_a_row[name]} failures in a row, each within "
+                          f"{window:.0f} s of its restart (last: {cause}); see its log {record.log}")
+            return
+        log.warning("supervisor: %s failed (%s); restarting it", name, cause)
+        try:
+            pid = self.job.restart(name, standby=self._take_standby())
+        except ComponentStuck as exc:
+            record.error = str(exc)
+            self.restarts.append(record)
+            self._give_up(str(exc))
+            return
+        except Exception as exc:  # it died again while starting: counted, retried on the next check
+            record.error = f"the restart failed: {exc}"
+            self.restarts.append(record)
+            self._back_at[name] = self._seen[name] = self._answered[name] = time.monotonic()
+            self._new_standby()
+            log.warning("supervisor: restarting %s failed: %s", name, exc)
+            return
+        self._new_standby()
+        done = time.monotonic()
+        record.recovered_after_s = done - last_seen
+        record.pid = pid
+        self.restarts.append(record)
+        self._back_at[name] = self._seen[name] = self._answered[name] = done
+        self._misses[name] = 0
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self.events.append({"name": name, "event": "restarted", "t": done})
+        log.warning("supervisor: %s is back after %.2f s", name, record.recovered_after_s)
+        for hook in self.on_restarted:
+            hook(name, done)
+
+    def _give_up(self, message: str) -> None:
+        log.error("supervisor: %s; stopping the job", message)
+        self.failure = message
+        self.job.stop.set()
