@@ -93,7 +93,11 @@ class ManagerConfig(ServiceConfig):
 class AlgorithmConfig(StrictModel):
     """The GRPO/DAPO update and its staleness correction (docs/training.md)."""
 
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (measured on the demo policy: docs/training.md)")
+    lr: float = Field(1e-4, gt=0, description="AdamW peak learning rate (measured on the demo policy: docs/training.md)")
+    lr_warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from lr / (warm-up + 1) to lr")
+    lr_decay: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="after the warm-up: keep lr, or decay it to lr_min_ratio * lr at the job's last step")
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="the decayed learning rate's floor, as a fraction of lr")
     weight_decay: float = Field(0.0, ge=0)
     clip_low: float = Field(0.2, ge=0, le=1, description="PPO ratio clip below: 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="DAPO clip-higher: the ratio is clipped above at 1 + clip_high")
@@ -128,12 +132,15 @@ class TaskConfig(StrictModel):
 
 
 JOB_LEDGER: dict[str, Any] = {"eta": 2, "batch_size": 16, "group_size": 8}
+DEMO_ALGORITHM: dict[str, Any] = {"lr": 1e-3, "lr_warmup_steps": 3}
+"""The update the demo policy trains with (docs/training.md: how it was chosen); a job with its own
+``--model`` starts from ``AlgorithmConfig``'s defaults instead, which suit pretrained LLMs."""
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
     # a simulated cluster: paper-like long responses on four instances, the simulated trainer
     "sim": {"instances": 4, "max_tokens": 2048, "steps": 10},
     # a real job on this machine: two vLLM instances (one process each) and the FSDP2 trainer on
-    # the demo model, whose answers are a few tokens long
-    "vllm": {"instances": 2, "max_tokens": 24, "steps": 20},
+    # the demo model, whose direct answers are a few tokens long (its worked ones do not fit in 24)
+    "vllm": {"instances": 2, "max_tokens": 24, "steps": 20, "task": {"digits": 1, "ops": "+"}},
 }
 
 
@@ -180,8 +187,15 @@ class JobConfig(StrictModel):
         if isinstance(data, dict):
             engine = data.get("engine", "vllm")
             data = {**ENGINE_DEFAULTS.get(engine, {}), **data}
+            if engine == "vllm" and data.get("model") is None and isinstance(data.get("trainer", {}), dict):
+                trainer = data.get("trainer", {})
+                if isinstance(trainer.get("algorithm", {}), dict):  # else validation names the wrong section
+                    data["trainer"] = {**trainer, "algorithm": {**DEMO_ALGORITHM, **trainer.get("algorithm", {})}}
             if isinstance(data.get("ledger"), dict):  # a partial ledger section keeps the job's other defaults
                 data["ledger"] = {**JOB_LEDGER, **data["ledger"]}
+            task = ENGINE_DEFAULTS.get(engine, {}).get("task")
+            if task and isinstance(data.get("task"), dict):  # so does a partial task section
+                data["task"] = {**task, **data["task"]}
         return data
 
     @model_validator(mode="after")
