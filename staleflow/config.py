@@ -93,7 +93,8 @@ class ManagerConfig(ServiceConfig):
 class AlgorithmConfig(StrictModel):
     """The GRPO/DAPO update and its staleness correction (docs/training.md)."""
 
-    lr: float = Field(1e-4, gt=0, description="AdamW peak learning rate (measured on the demo policy: docs/training.md)")
+    lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate (1e-6 suits pretrained LLMs; the demo "
+                                              "policy trains at 3e-4: DEMO_ALGORITHM, docs/training.md)")
     lr_warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from lr / (warm-up + 1) to lr")
     lr_decay: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="after the warm-up: keep lr, or decay it to lr_min_ratio * lr at the job's last step")
@@ -132,7 +133,7 @@ class TaskConfig(StrictModel):
 
 
 JOB_LEDGER: dict[str, Any] = {"eta": 2, "batch_size": 16, "group_size": 8}
-DEMO_ALGORITHM: dict[str, Any] = {"lr": 1e-3, "lr_warmup_steps": 3}
+DEMO_ALGORITHM: dict[str, Any] = {"lr": 3e-4, "lr_warmup_steps": 3, "lr_decay": "cosine", "lr_min_ratio": 0.1}
 """The update the demo policy trains with (docs/training.md: how it was chosen); a job with its own
 ``--model`` starts from ``AlgorithmConfig``'s defaults instead, which suit pretrained LLMs."""
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
