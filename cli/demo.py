@@ -38,7 +38,7 @@ def build_with_progress(digits: int, ops: str, force: bool = False, quiet: bool 
 def register(app: typer.Typer) -> None:
     @app.command("init-demo")
     def init_demo(
-        digits: Annotated[int, typer.Option(help="digits per operand of the arithmetic task")] = 2,
+        digits: Annotated[int, typer.Option(help="digits per operand of the arithmetic task")] = 1,
         ops: Annotated[str, typer.Option(help="operators of the task, from + - *")] = "+",
         force: Annotated[bool, typer.Option("--force", help="rebuild even if it exists")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="print the build report as JSON")] = False,
@@ -47,14 +47,18 @@ def register(app: typer.Typer) -> None:
         a short supervised warm-up (no downloads). Kept in $STALEFLOW_CACHE or ~/.cache/staleflow."""
         if not 1 <= digits <= 12 or not ops or set(ops) - set("+-*"):
             raise fail(f"invalid task: digits={digits}, ops={ops!r}", "use 1-12 digits and operators from '+-*'")
+        from staleflow.training.demo import RESPONSE_BUDGET
+
         directory, info = build_with_progress(digits, ops, force, quiet=as_json)
         if as_json:
             print(json.dumps({"path": str(directory), **info}))
             return
         console.print(f"demo model: {directory}")
         console.print(f"  {info['parameters']:,} parameters; warm-up {info['spec']['sft_steps']} steps in "
-                      f"{info['sft_seconds']:.0f} s, loss {info['sft_loss_last']:.3f}; greedy accuracy "
-                      f"{info['greedy_accuracy']:.0%} on fresh problems (RL starts from here)")
+                      f"{info['sft_seconds']:.0f} s, loss {info['sft_loss_last']:.3f}; starting point on fresh "
+                      f"problems: mean reward {info['sampled_reward']:.2f} sampled within {RESPONSE_BUDGET} tokens, "
+                      f"{info['concise_share']:.0%} of answers direct, arithmetic {info['boxed_greedy_accuracy']:.0%} "
+                      "right (greedy)")
 
     @app.command("rewards")
     def rewards(

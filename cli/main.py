@@ -247,6 +247,7 @@ def _register_commands() -> None:
         bench_systems,
         calibrate,
         demo,
+        experiment,
         faults,
         serve_instance,
         serve_params,
@@ -259,6 +260,7 @@ def _register_commands() -> None:
     bench_systems.register(bench_app)
     calibrate.register(app)
     demo.register(app)
+    experiment.register(app)
     faults.register(app)
     serve_instance.register(serve_app)
     serve_params.register(serve_app)

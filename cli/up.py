@@ -253,8 +253,8 @@ def prepare_real_job(config: JobConfig) -> None:
         from staleflow.cli.demo import build_with_progress
 
         directory, info = build_with_progress(config.task.digits, config.task.ops)
-        console.print(f"  model       demo Qwen2 ({info['parameters']:,} parameters, greedy accuracy "
-                      f"{info['greedy_accuracy']:.0%} after warm-up) at {directory}")
+        console.print(f"  model       demo Qwen2 ({info['parameters']:,} parameters; after warm-up: mean reward "
+                      f"{info['sampled_reward']:.2f} sampled, {info['concise_share']:.0%} direct answers) at {directory}")
     else:
         check_model_directory(config.model)
 

@@ -286,3 +286,34 @@ def plot_time_per_version(path: Path, per_version: dict[str, dict[str, float]], 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_staleness_convergence(path: Path, runs: Sequence[dict]) -> Path:
+    """The paper's Figure 14: mean reward of the batch against the training step (left) and
+    against wall-clock time (right), one line per run (``staleflow.experiments.run_numbers``
+    documents), its tokens/s in the legend; the run without a bound is dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for run in runs:
+        ys = np.array(run["rewards"])
+        style = "-" if run["bounded"] else "--"
+        label = f"{run['label']}: {run['tokens_per_second']:,.0f} tokens/s"
+        line = by_step.plot(range(len(ys)), ys, style, marker=".", alpha=0.8, label=label)[0]
+        by_time.plot(run["finished_at"], ys, style, marker=".", alpha=0.8, color=line.get_color(), label=label)
+    by_step.set_xlabel("training step")
+    by_step.set_ylabel("mean reward of the trained batch")
+    by_time.set_xlabel("wall-clock seconds since the job started")
+    by_step.set_title("reward vs step")
+    by_time.set_title("reward vs time")
+    by_time.legend(fontsize=8, loc="best")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

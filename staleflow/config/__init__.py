@@ -19,6 +19,7 @@ from staleflow.config.common import HttpUrl, ServiceConfig, check_database_url, 
 from staleflow.config.coordinator import CoordinatorConfig, CoordinatorSettings, InstanceEndpoint
 from staleflow.config.instance import InstanceConfig, InstanceSettings, SimConfig, VllmConfig
 from staleflow.config.job import (
+    DEMO_ALGORITHM,
     ENGINE_PRESETS,
     FLAT_SETTINGS,
     JOB_LEDGER,
@@ -37,6 +38,7 @@ CostConfig = CostCoefficients
 """The cost model's coefficients (one model: ``staleflow.calibration.schema.CostCoefficients``)."""
 
 __all__ = [
+    "DEMO_ALGORITHM",
     "ENGINE_PRESETS",
     "FLAT_SETTINGS",
     "JOB_LEDGER",

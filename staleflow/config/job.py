@@ -31,7 +31,12 @@ from staleflow.tracking import LoggerConfig
 class AlgorithmConfig(StrictModel):
     """The GRPO/DAPO update and its staleness correction (docs/training.md)."""
 
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (measured on the demo policy: docs/training.md)")
+    lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate (1e-6 suits pretrained LLMs; the demo "
+                                              "policy trains at 3e-4: DEMO_ALGORITHM, docs/training.md)")
+    lr_warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from lr / (warm-up + 1) to lr")
+    lr_decay: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="after the warm-up: keep lr, or decay it to lr_min_ratio * lr at the job's last step")
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="the decayed learning rate's floor, as a fraction of lr")
     weight_decay: float = Field(0.0, ge=0)
     clip_low: float = Field(0.2, ge=0, le=1, description="PPO ratio clip below: 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="DAPO clip-higher: the ratio is clipped above at 1 + clip_high")
@@ -75,6 +80,9 @@ class SupervisionConfig(StrictModel):
 
 
 JOB_LEDGER: dict[str, Any] = {"eta": 2, "batch_size": 16, "group_size": 8}
+DEMO_ALGORITHM: dict[str, Any] = {"lr": 3e-4, "lr_warmup_steps": 3, "lr_decay": "cosine", "lr_min_ratio": 0.1}
+"""The update the demo policy trains with (docs/training.md: how it was chosen); a job with its own
+``--model`` starts from ``AlgorithmConfig``'s defaults instead, which suit pretrained LLMs."""
 SIM_PRESET: dict[str, Any] = {
     # a simulated cluster: paper-like long responses on four instances, the simulated trainer
     "instances": 4, "max_tokens": 2048, "steps": 10,
@@ -85,8 +93,8 @@ SIM_PRESET: dict[str, Any] = {
 }
 VLLM_PRESET: dict[str, Any] = {
     # a real job on this machine: two vLLM instances (one process each) and the FSDP2 trainer on
-    # the demo model, whose answers are a few tokens long
-    "instances": 2, "max_tokens": 24, "steps": 20,
+    # the demo model, whose direct answers are a few tokens long (its worked ones do not fit in 24)
+    "instances": 2, "max_tokens": 24, "steps": 20, "task": {"digits": 1, "ops": "+"},
     # a real engine on a busy CPU can take tens of seconds for a step or a weight load
     "coordinator": {"failure_timeout": 60.0, "command_timeout": 120.0, "stall_timeout": 120.0},
     "params": {"keep": 3, "fsync": False},
@@ -156,7 +164,10 @@ class JobConfig(ComponentConfigs, StrictModel):
     def _engine_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
             engine = data.get("engine", "vllm")
-            data = merged(nested(ENGINE_PRESETS.get(engine, {})), nested(data))
+            preset = nested(ENGINE_PRESETS.get(engine, {}))
+            if engine == "vllm" and data.get("model") is None:  # the demo policy's own update
+                preset = merged(preset, {"trainer": {"algorithm": DEMO_ALGORITHM}})
+            data = merged(preset, nested(data))
             if isinstance(data.get("ledger"), dict):  # a partial ledger section keeps the job's other defaults
                 data["ledger"] = {**JOB_LEDGER, **data["ledger"]}
         return data

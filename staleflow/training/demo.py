@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,7 +29,7 @@ MARKER = "demo.json"  # written last: a directory without it is an unfinished bu
 class DemoSpec:
     """What the demo model is; the directory is rebuilt when any of this changes."""
 
-    digits: int = 2
+    digits: int = 1
     ops: str = "+"
     vocab_size: int = 384
     hidden_size: int = 128
@@ -36,9 +37,12 @@ class DemoSpec:
     heads: int = 4
     kv_heads: int = 2
     intermediate_size: int = 384
-    # measured greedy accuracy: 200 steps 4 %, 325 steps 12 %, 500 steps 95 % (sampled at T = 1: ~70 %)
-    sft_steps: int = 500
-    sft_batch: int = 64
+    # the warm-up answers directly (``\\boxed{sum}``) in a share ``concise_fraction`` of its
+    # examples; the others are worked answers that open their box only past the job's response
+    # budget (``RESPONSE_BUDGET``): a habit RL has to unlearn
+    concise_fraction: float = 0.25
+    sft_steps: int = 400
+    sft_batch: int = 48
     sft_lr: float = 3e-3
     seed: int = 0
 
@@ -47,7 +51,29 @@ class DemoSpec:
 
 
 def response_text(answer: str) -> str:
+    """The concise answer: what the verifier rewards, in a few tokens."""
     return f"\\boxed{{{answer}}}"
+
+
+_PROBLEM = re.compile(r"Compute (\d+) ([-+*]) (\d+)\.")
+
+
+def worked_text(prompt_text: str, answer: str) -> str:
+    """A worked-out answer: the problem restated, then the boxed result. It takes more tokens than
+    the job's response budget (24) before the box opens, so a sampled one is cut off with no
+    answer: reward 0 (its last number is an operand's digit)."""
+    match = _PROBLEM.search(prompt_text)
+    if match is None:
+        raise ValueError(f"not a task prompt: {prompt_text!r}")
+    a, op, b = match.groups()
+    spell = " ".join
+    return (f"Let me work it out digit by digit: the first number {a} is {spell(a)} and the second number "
+            f"{b} is {spell(b)}, so {a} {op} {b} gives {response_text(answer)}")
+
+
+def warmup_response(prompt_text: str, answer: str, rng: random.Random, concise_fraction: float) -> str:
+    """One warm-up target: concise with probability ``concise_fraction``, else a worked solution."""
+    return response_text(answer) if rng.random() < concise_fraction else worked_text(prompt_text, answer)
 
 
 def demo_ready(directory: Path, spec: DemoSpec) -> bool:
@@ -105,7 +131,8 @@ def _build(directory: Path, spec: DemoSpec, report: Callable[[str, int, int], No
     model.train()
     for step in range(spec.sft_steps):
         prompts = [task.prompt(rng.randrange(1 << 30)) for _ in range(spec.sft_batch)]
-        ids, labels, attention = sft_batch(tokenizer, [(p.text, response_text(p.answer)) for p in prompts])
+        ids, labels, attention = sft_batch(
+            tokenizer, [(p.text, warmup_response(p.text, p.answer, rng, spec.concise_fraction)) for p in prompts])
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,7 +142,7 @@ def _build(directory: Path, spec: DemoSpec, report: Callable[[str, int, int], No
         losses.append(loss.item())
         report("supervised warm-up", step + 1, spec.sft_steps)
     model.eval()
-    accuracy = greedy_accuracy(model, tokenizer, spec.task(seed=spec.seed + 20_000), 128)
+    start = starting_point(model, tokenizer, spec.task(seed=spec.seed + 20_000), 256, seed=spec.seed)
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id)
     model.save_pretrained(directory, safe_serialization=True)
@@ -125,7 +152,7 @@ def _build(directory: Path, spec: DemoSpec, report: Callable[[str, int, int], No
         "sft_seconds": time.perf_counter() - started,
         "sft_loss_first": losses[0] if losses else None,
         "sft_loss_last": sum(losses[-10:]) / max(1, len(losses[-10:])),
-        "greedy_accuracy": accuracy,
+        **start,
     }
     (directory / MARKER).write_text(json.dumps(result, indent=2))
     return result
@@ -148,6 +175,7 @@ def train_tokenizer(task: ArithmeticTask, vocab_size: int):
     for i in range(4000):
         p = task.prompt(i)
         corpus.append(p.text + " " + response_text(p.answer))
+        corpus.append(worked_text(p.text, p.answer))
     tokenizer.train_from_iterator(corpus, trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD,
                                                 model_max_length=512)
@@ -174,9 +202,15 @@ def sft_batch(tokenizer, pairs: list[tuple[str, str]]):
     return ids, labels, attention
 
 
-def greedy_accuracy(model, tokenizer, task: ArithmeticTask, n: int) -> float:
-    """Share of ``n`` fresh problems the model answers exactly with greedy decoding (batched by
-    prompt length, so no padding is involved)."""
+RESPONSE_BUDGET = 24  # the default job's max_tokens: worked answers do not fit in it
+
+
+def starting_point(model, tokenizer, task: ArithmeticTask, n: int, budget: int = RESPONSE_BUDGET,
+                   seed: int = 0) -> dict[str, float]:
+    """Where RL starts, on ``n`` fresh problems: the mean reward of one sample each at temperature 1
+    within ``budget`` tokens (what the first training steps see), the share of samples that answer
+    directly, and the greedy accuracy of the arithmetic itself (the response forced to open with
+    ``\\boxed{``). Batched by prompt length, so no padding is involved."""
     import torch
 
     from staleflow.rewards import verify_math
@@ -186,15 +220,27 @@ def greedy_accuracy(model, tokenizer, task: ArithmeticTask, n: int) -> float:
         p = task.prompt(i)
         ids = tokenizer.encode(p.text)
         by_length.setdefault(len(ids), []).append((ids, p.answer))
-    correct = 0
+    opening = response_text("")[:-1]  # "\\boxed{"
+    opened = tokenizer.encode(opening)
+    reward = concise = correct = 0.0
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for length, items in by_length.items():
             ids = torch.tensor([row for row, _ in items])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            for row, (_, answer) in zip(out[:, length:], items, strict=True):
-                correct += verify_math(tokenizer.decode(row, skip_special_tokens=True), answer)[0] > 0
-    return correct / n
+            torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=generator)))
+            sampled = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=True,
+                                     temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id)
+            for row, (_, answer) in zip(sampled[:, length:], items, strict=True):
+                text = tokenizer.decode(row, skip_special_tokens=True)
+                reward += verify_math(text, answer)[0]
+                concise += text.lstrip().startswith(opening)
+            forced = torch.tensor([row + opened for row, _ in items])
+            greedy = model.generate(forced, attention_mask=torch.ones_like(forced), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            for row, (_, answer) in zip(greedy[:, forced.shape[1]:], items, strict=True):
+                correct += verify_math(opening + tokenizer.decode(row, skip_special_tokens=True), answer)[0] > 0
+    return {"sampled_reward": reward / n, "concise_share": concise / n, "boxed_greedy_accuracy": correct / n}
 
 
 def demo_dir(spec: DemoSpec = DemoSpec()) -> Path:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from staleflow.config import JobConfig, TrainerConfig
 from staleflow.training.base import TrainerBackend
 from staleflow.training.grpo import group_advantages, policy_loss
+from staleflow.training.schedule import learning_rate
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ class FsdpBackend(TrainerBackend):
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        lr = learning_rate(self.algo, version, self.final_version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version = version + 1
@@ -130,6 +134,7 @@ class FsdpBackend(TrainerBackend):
             "clipped_fraction": sums.get("clipped", 0.0) / tokens,
             "negative_logp": sums.get("negative_logp", 0.0) / tokens,
             "advantage_abs_mean": float(advantages.abs().mean()) if len(trajs) else 0.0,
+            "lr": lr,
             "train_seconds": time.perf_counter() - started,
         }
         if "kl" in sums:
