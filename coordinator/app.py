@@ -100,6 +100,14 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             return JSONResponse({"detail": str(exc)}, status_code=409)
         return c.describe(record)
 
+    @app.put("/v1/instances/{instance_id}")
+    async def upsert(request: Request, instance_id: str, body: InstanceEndpoint) -> Any:
+        """Register the instance or re-point it at a new URL (it moved to another machine)."""
+        if body.instance_id != instance_id:
+            return JSONResponse({"detail": f"the body names {body.instance_id!r}, the path {instance_id!r}"},
+                                status_code=422)
+        return co(request).describe(await co(request).upsert_instance(instance_id, body.url, config.cost.cost_model()))
+
     def _record(request: Request, instance_id: str):  # noqa: ANN202
         record = co(request).instances.get(instance_id)
         if record is None:

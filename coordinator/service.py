@@ -132,6 +132,22 @@ class Coordinator:
         self.instances[instance_id] = record
         return record
 
+    async def upsert_instance(self, instance_id: str, url: str, cost: CostModel | None = None) -> InstanceRecord:
+        """Register an instance, or point a registered one at its new address (its process moved
+        to another machine). A moved instance is a new process: its new boot id makes the next
+        snapshot hand the old process's trajectories back, as after a restart in place."""
+        old = self.instances.get(instance_id)
+        if old is None or old.status is InstanceStatus.FAILED:
+            return self.add_instance(instance_id, url, cost)
+        if old.url.rstrip("/") == url.rstrip("/"):
+            return old
+        previous = old.client
+        old.url, old.client = url, async_http_client(url, timeout=self.command_timeout)
+        old.validated = False
+        await previous.aclose()
+        log.warning("instance %s moved to %s", instance_id, url)
+        return old
+
     async def close(self) -> None:
         self._stopping = True
         for record in self.instances.values():

@@ -170,6 +170,11 @@ class VllmEngine(RolloutEngine):
         await self._llm.update_weight_version(str(self.version))
         self._started_at = time.monotonic()
 
+    @property
+    def dead(self) -> bool:
+        """vLLM's engine core died (it does not come back: the process hosting this engine should exit)."""
+        return self._llm is not None and bool(getattr(self._llm, "errored", False))
+
     async def stop(self) -> None:
         if self._llm is None:
             return

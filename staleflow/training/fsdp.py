@@ -253,9 +253,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def rendezvous_from_env() -> tuple[str, int, int, int] | None:
+    """(master address, master port, rank, world size) when a launcher set all four in the
+    environment (the Ray launcher does, one actor per rank), else None."""
+    if not all(os.environ.get(k) for k in RENDEZVOUS_ENV):
+        return None
+    return (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]))
+
+
+def _init(rank: int, world: int, port: int, master_addr: str = "127.0.0.1") -> None:
+    os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)})
+    if master_addr.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one machine: the loopback interface; else the configured one
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -281,6 +294,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: Any, stop: threading.Event,
+                  started: float | None = None) -> None:
+    """One rank of a trainer whose ranks a launcher started on their own (one process each, maybe
+    on other machines), with the rendezvous in the environment: rank 0 runs the trainer role,
+    the others follow it."""
+    from staleflow.servers.trainer import TrainerLoop
+    from staleflow.training.demo import resolve_model
+
+    rendezvous = rendezvous_from_env()
+    if rendezvous is None:
+        raise RuntimeError(f"run_fsdp_rank needs {', '.join(RENDEZVOUS_ENV)} in the environment")
+    master_addr, port, rank, world = rendezvous
+    model_dir = resolve_model(config)
+    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
+    _init(rank, world, port, master_addr)
+    try:
+        local = FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), rank, world, config.steps)
+        if rank > 0:
+            follow(local)
+            return
+        driver = RankDriver(local)
+        try:
+            TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
+                        started=started).run()
+        finally:
+            driver.close()
+    finally:
+        dist.destroy_process_group()
 
 
 def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, stop: threading.Event,
