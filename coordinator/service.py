@@ -63,6 +63,7 @@ class InstanceRecord:
     boot_id: str | None = None  # the instance process's identity: a new one means it restarted
     released: bool = True  # False: failed, but its trajectories could not be handed back yet
     next_probe: float = 0.0  # a failed instance is probed at most once a second for a restart
+    check_orphans: bool = False  # a checkout for it got no answer: the TS may have routed work it never got
 
 
 @dataclass
@@ -137,10 +138,10 @@ class Coordinator:
         to another machine). A moved instance is a new process: its new boot id makes the next
         snapshot hand the old process's trajectories back, as after a restart in place."""
         old = self.instances.get(instance_id)
-        if old is None or old.status is InstanceStatus.FAILED:
+        if old is None:
             return self.add_instance(instance_id, url, cost)
         if old.url.rstrip("/") == url.rstrip("/"):
-            return old
+            return old  # a restart in place: its new boot id tells the rest
         previous = old.client
         old.url, old.client = url, async_http_client(url, timeout=self.command_timeout)
         old.validated = False
@@ -294,6 +295,8 @@ class Coordinator:
             record.last_seen = now
             if record.status is InstanceStatus.JOINING and not await self._return_orphans(record, reply):
                 continue  # the trajectory server is unreachable: join on a later cycle
+            if record.check_orphans and record.in_flight == 0 and await self._return_orphans(record, reply):
+                record.check_orphans = False
             self._observe(record, reply, now)
             if record.status is not InstanceStatus.FAILED and self.stall_timeout and now - record.last_progress > self.stall_timeout:
                 await self._declare_failed(record, f"no progress for {now - record.last_progress:.1f}s with work in hand")
@@ -373,7 +376,13 @@ class Coordinator:
         for d in plan.routes:
             by_instance.setdefault(d.instance_id, []).append({"traj_id": d.traj_id, "v_traj": d.v_traj})
         for instance_id, assignments in by_instance.items():
-            reply = await self.ts.post("/v1/checkout", json={"instance_id": instance_id, "assignments": assignments})
+            try:
+                reply = await self.ts.post("/v1/checkout", json={"instance_id": instance_id, "assignments": assignments})
+            except httpx.TransportError:
+                # the TS may have committed the checkout and died before answering: what it routed
+                # there never reaches the instance; compare with the instance's next snapshot
+                self.instances[instance_id].check_orphans = True
+                raise
             trajectories = reply.json().get("trajectories", []) if reply.status_code == 200 else []
             if trajectories:
                 self.p.routed(instance_id, len(trajectories))

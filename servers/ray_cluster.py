@@ -170,7 +170,8 @@ class Component:
         registry = ray.get_actor(REGISTRY, namespace=namespace)
         endpoints = ray.get(registry.get.remote())
         planned, here = endpoints[name], node_ip()
-        moved = planned["host"] != here
+        node_id = ray.get_runtime_context().get_node_id()
+        moved = planned.get("node_id", node_id) != node_id or planned["host"] != here
         app = build_app(name, config, endpoints)
         timeout = config.cluster.start_timeout_s or (60.0 if config.engine == "sim" else 900.0)
         self.server = None
@@ -182,13 +183,13 @@ class Component:
                 app = build_app(name, config, endpoints)
         if moved:
             port = free_port(here, *config.cluster.port_range)
-            endpoints[name] = {"url": _join(here, port), "host": here, "port": port}
+            endpoints[name] = {"url": _join(here, port), "host": here, "port": port, "node_id": node_id}
             self.server = serve_in_thread(app, here, port, token=token, startup_timeout=timeout)
             ray.get(registry.put.remote(name, endpoints[name]))
             log.warning("%s moved to %s", name, endpoints[name]["url"])
-            if name.startswith("inst-"):
-                threading.Thread(target=self._reregister, args=(endpoints,), daemon=True).start()
         self.url = endpoints[name]["url"]
+        if name.startswith("inst-"):  # every start: a no-op in place, the new address after a move
+            threading.Thread(target=self._reregister, args=(endpoints,), daemon=True).start()
         self.app = app
         threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
 
@@ -201,10 +202,12 @@ class Component:
         while True:
             try:
                 with http_client(endpoints["coordinator"]["url"], timeout=10) as c:
-                    if c.put(f"/v1/instances/{self.name}", json=body).status_code < 300:
-                        return
-            except Exception as exc:  # the coordinator restarting, or moving too
-                log.warning("re-registering %s failed: %s", self.name, exc)
+                    reply = c.put(f"/v1/instances/{self.name}", json=body)
+                if reply.status_code < 300:
+                    return
+                log.error("the coordinator refused %s's registration: %d %s", self.name, reply.status_code, reply.text)
+            except Exception as exc:  # the coordinator not up yet, restarting, or moving too
+                log.info("registering %s with the coordinator failed: %s", self.name, exc)
             time.sleep(delay)  # retry pacing
             delay = min(delay * 2, 5.0)
 
@@ -424,6 +427,7 @@ class RayClusterJob:
         self._watcher: threading.Thread | None = None
         self._restarted_at: dict[str, float] = {}
         self._owner = False
+        self._incarnations: dict[str, tuple] = {}
 
     # -- connecting ------------------------------------------------------------------------
 
@@ -560,7 +564,8 @@ class RayClusterJob:
                                                scheduling_strategy=self._scheduling(name)).remote(
                 low, high, taken.get("any", [])), timeout=120)
             taken.setdefault("any", []).append(where["port"])  # one list: test clusters share one IP
-            planned[name] = {"url": _join(where["host"], where["port"]), "host": where["host"], "port": where["port"]}
+            planned[name] = {"url": _join(where["host"], where["port"]), "host": where["host"], "port": where["port"],
+                             "node_id": where["node_id"]}
         return planned
 
     def _create(self, name: str, config_json: str) -> Any:
@@ -734,8 +739,17 @@ class RayClusterJob:
             return
         for i in listed:
             name = i["instance_id"]
-            if i["status"] == "failed" and name in self.actors and now - self._restarted_at.get(name, -1e9) > grace:
-                self._kill(name, self.actors[name], "the coordinator declared it failed")
+            if i["status"] != "failed" or name not in self.actors:
+                continue
+            view = actor_view(self.ray, self.actors[name])
+            incarnation = (view.get("NumRestarts"), view.get("Pid"))
+            if view.get("State") != "ALIVE":
+                continue  # Ray is restarting it already
+            if self._incarnations.get(name, (None, 0.0))[0] != incarnation:
+                self._incarnations[name] = (incarnation, now)  # a process the coordinator has not judged yet
+                continue
+            if now - max(self._incarnations[name][1], self._restarted_at.get(name, -1e9)) > grace:
+                self._kill(name, self.actors[name], "the coordinator declared it failed (hung)")
 
     def _actor_state(self, name: str) -> str | None:
         """Ray's view of the actor (ALIVE, RESTARTING, DEAD...)."""
@@ -794,12 +808,18 @@ class RayClusterJob:
         return self.ray.get(self.actors[name].info.remote(), timeout=60)
 
 
-def actor_state(ray: Any, actor: Any) -> str | None:
-    from ray._private import state  # the GCS actor table: Ray's own view, without the dashboard
+def actor_view(ray: Any, actor: Any) -> dict:
+    """Ray's own record of an actor (State, NumRestarts, Pid, ...) from the GCS actor table; works
+    without the dashboard."""
+    from ray._private import state
 
     with contextlib.suppress(Exception):
-        return state.actors(actor_id=actor._actor_id.hex()).get("State")
-    return None
+        return state.actors(actor_id=actor._actor_id.hex())
+    return {}
+
+
+def actor_state(ray: Any, actor: Any) -> str | None:
+    return actor_view(ray, actor).get("State")
 
 
 def remove_job(ray: Any, namespace: str) -> dict[str, list[str]]:
