@@ -104,7 +104,7 @@ def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int) -
 
 def bench_size(total_bytes: int, transports: list[str], repeats: int, chunk_mb: int,
                workdir: Path, advance: Callable[[], None]) -> dict:
-    from staleflow.servers.params import ParamsClient
+    from staleflow.transports.client import ParamsClient
 
     source = make_state_dict(total_bytes)
     nbytes = sum(a.nbytes for a in source.values())
@@ -150,7 +150,7 @@ def run_params_bench(sizes: list[int], transports: list[str], repeats: int = 3, 
 
 
 def available_transports() -> list[str]:
-    from staleflow.servers.transports.nixl import nixl_available
+    from staleflow.transports.nixl import nixl_available
 
     return ["http", "shm"] + (["nixl"] if nixl_available()[0] else [])
 

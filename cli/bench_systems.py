@@ -21,8 +21,8 @@ from rich.table import Table as RichTable
 from staleflow.cli.common import console, fail
 from staleflow.simulation import (
     ExperimentSpec,
-    Job,
     RunResult,
+    SimulatedJob,
     SimulationStalled,
     load_workload,
     parse_sweep,
@@ -31,7 +31,7 @@ from staleflow.simulation import (
     scenario,
 )
 from staleflow.simulation.experiment import ALL_VANILLA, plan_jobs
-from staleflow.simulation.report import Table, markdown, tables
+from staleflow.simulation.tables import Table, markdown, tables
 
 PRESETS = {"ci": "ci", "paper-20k": "paper-20k", "paper-40k": "paper-40k"}
 
@@ -92,7 +92,7 @@ def run_with_progress(spec: ExperimentSpec, jobs: int):  # noqa: ANN201
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {spec.scenario.name}", total=total)
 
-        def on_run(job: Job, run: RunResult) -> None:
+        def on_run(job: SimulatedJob, run: RunResult) -> None:
             progress.update(task, advance=1, description=f"{job.system.name} {job.point.label} x{job.instances}: "
                                                          f"{run.throughput:,.0f} tok/s")
 

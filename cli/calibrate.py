@@ -36,7 +36,7 @@ from staleflow.cli.common import console, err_console, fail
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import EngineError
 from staleflow.engines.sim import SimParams
-from staleflow.profiling import Probe, ProfileConfig, SimProbe, VllmProbe, entry_from_profile, profile
+from staleflow.calibration.profile import Probe, ProfileConfig, SimProbe, VllmProbe, entry_from_profile, profile
 
 POOR_FIT_EXIT = 3
 COEFFICIENTS = ("k1", "k2", "k3", "k4", "k5", "kv_budget")

@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         """Kill one role at a time (SIGKILL) during a running job; only that role restarts. Reports
         per role the detection time, recovery time, rollout throughput kept during the outage, the
         ETTR against a fault-free run, and the invariants checked after the run."""
-        from staleflow.servers.faults import FaultRun, summarize, write_report
+        from staleflow.launch.faults import FaultRun, summarize, write_report
 
         wanted = [r.strip() for r in roles.split(",") if r.strip()]
         if every < 1:

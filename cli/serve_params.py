@@ -61,11 +61,11 @@ def register(serve_app: typer.Typer) -> None:
     ) -> None:
         """The parameter server: versioned model weights, pushed by the trainer, pulled by instances."""
         from staleflow.servers.params import ParamStore, create_app
-        from staleflow.servers.transports.base import TransportUnavailable
+        from staleflow.transports.base import TransportUnavailable
 
         config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s)
         if "nixl" in config.transports:
-            from staleflow.servers.transports.nixl import nixl_available
+            from staleflow.transports.nixl import nixl_available
 
             available, reason = nixl_available()
             if not available:

@@ -100,13 +100,13 @@ def _view(config: JobConfig, progress: Progress, sample: Any, steps: list) -> Gr
 def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str = "local",
            namespace: str | None = None, ray_address: str | None = None) -> int:
     from staleflow.report import summarize, write_report
-    from staleflow.servers.job import Job, StateDirInUse, trainer_label
+    from staleflow.launch.job import Job, StateDirInUse, trainer_label
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         filename=str(config.state_dir / "job.log") if config.state_dir.exists() else None)
     try:
         if launcher == "ray":  # imported only here: a local run never loads Ray
-            from staleflow.servers.ray_cluster import LauncherError, RayClusterJob
+            from staleflow.launch.ray_cluster import LauncherError, RayClusterJob
 
             try:
                 job = RayClusterJob(config, resume=resume, fresh=fresh, address=ray_address, namespace=namespace)
@@ -230,7 +230,7 @@ def _serve_trainer(config: JobConfig, endpoints: dict) -> int:
     import os
     import threading
 
-    from staleflow.servers.job import STARTED_ENV, run_trainer
+    from staleflow.launch.job import STARTED_ENV, run_trainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -295,7 +295,7 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
     ) -> None:
         """One component of a `staleflow up` job, in its own process (used by `up --processes`)."""
         from staleflow.servers.http import serve_forever
-        from staleflow.servers.job import TRAINER, build_app
+        from staleflow.launch.job import TRAINER, build_app
 
         try:
             config = JobConfig.model_validate_json(job.read_text())

@@ -15,19 +15,15 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from staleflow.transports.rest import TOKEN_ENV, configured_token  # noqa: F401  (re-exported)
+
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "STALEFLOW_TOKEN"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class InsecureBind(RuntimeError):
     pass
-
-
-def configured_token(token: str | None = None) -> str | None:
-    """The explicit token, else the environment's, else none."""
-    return token or os.environ.get(TOKEN_ENV) or None
 
 
 def write_token_file(path: Path) -> str:

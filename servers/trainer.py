@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
+from staleflow.config import JobConfig
 from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 from staleflow.training.base import TrainerBackend
 
@@ -150,7 +152,7 @@ class TrainerLoop:
             log.info("trainer stopped")  # the job is stopping: what is done is durable, the rest resumes
 
     def _run(self) -> None:
-        from staleflow.servers.params import ParamsClient
+        from staleflow.transports.client import ParamsClient
 
         with ManagerClient(self.urls["manager"]) as manager, http_client(self.urls["ts"], timeout=120) as ts, \
                 ParamsClient(self.urls["params"], timeout=300) as params, \
@@ -247,3 +249,79 @@ class TrainerLoop:
         for v in range(freed_below, covered):
             self._retry(f"free batch {v}", lambda v=v: self.ts.delete(f"/v1/batches/{v}"))
         return max(freed_below, covered)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, stop: threading.Event,
+                     started: float | None = None) -> None:
+    """The trainer role on the FSDP2 backend: this process is rank 0; ranks 1..world-1 are spawned and die with it."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from staleflow.training.demo import resolve_model
+    from staleflow.training.fsdp import FsdpBackend, RankDriver, checkpoint_dir, init_process_group, run_follower
+
+    model_dir = resolve_model(config)
+    world = config.trainer.world_size
+    port = _free_port()
+    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
+    context = mp.get_context("spawn")
+    followers = [context.Process(target=run_follower, args=(r, world, port, config.model_dump_json(), str(model_dir)),
+                                 daemon=True, name=f"rank-{r}") for r in range(1, world)]
+    for p in followers:
+        p.start()
+    init_process_group(0, world, port)
+    driver = RankDriver(FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), 0, world, config.steps))
+    try:
+        TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
+                    started=started).run()
+    finally:
+        driver.close()
+        for p in followers:
+            p.join(30)
+        dist.destroy_process_group()
+
+
+def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog, stop: threading.Event,
+                  started: float | None = None) -> None:
+    """One rank of an FSDP2 trainer whose ranks a launcher started on their own (one process each,
+    maybe on other machines) with the rendezvous in the environment (``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``): rank 0 runs the trainer role, the others follow it."""
+    import torch.distributed as dist
+
+    from staleflow.training.demo import resolve_model
+    from staleflow.training.fsdp import (
+        RENDEZVOUS_ENV,
+        FsdpBackend,
+        RankDriver,
+        checkpoint_dir,
+        follow,
+        init_process_group,
+        rendezvous_from_env,
+    )
+
+    rendezvous = rendezvous_from_env()
+    if rendezvous is None:
+        raise RuntimeError(f"run_fsdp_rank needs {', '.join(RENDEZVOUS_ENV)} in the environment")
+    master_addr, port, rank, world = rendezvous
+    model_dir = resolve_model(config)
+    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
+    init_process_group(rank, world, port, master_addr)
+    try:
+        local = FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), rank, world, config.steps)
+        if rank > 0:
+            follow(local)
+            return
+        driver = RankDriver(local)
+        try:
+            TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
+                        started=started).run()
+        finally:
+            driver.close()
+    finally:
+        dist.destroy_process_group()

@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from staleflow.calibration import CalibrationRef
 from staleflow.cost_model import CostModel
 from staleflow.ledger import LedgerParams
+from staleflow.strict import StrictModel
 
 
 def _check_http_url(value: str) -> str:
@@ -26,10 +27,6 @@ def _check_http_url(value: str) -> str:
 
 HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
 """An http(s) URL with a host, kept as a string (no trailing slash)."""
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class CostConfig(BaseModel):

@@ -12,6 +12,17 @@ from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app
 
 
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/e2e/ runs whole jobs: it is marked ``slow``, so ``-m "not slow"`` is
+    the fast tier (tests/unit and tests/integration)."""
+    for item in items:
+        if (TESTS / "e2e") in item.path.parents:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def manager(tmp_path: Path) -> Iterator[ManagerClient]:
     """A staleness manager on a loopback port, with a client."""

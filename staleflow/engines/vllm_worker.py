@@ -24,7 +24,7 @@ class StaleflowWorkerExtension:
     def staleflow_pull_weights(self, url: str, version: int, transport: str = "auto") -> int:
         """Pull ``version`` from a StaleFlow parameter server and load it in place, tensor by
         tensor as each lands (verified), without a copy of the whole state dict."""
-        from staleflow.servers.params import ParamsClient
+        from staleflow.transports.client import ParamsClient
 
         with ParamsClient(url, timeout=600) as params:
             loaded = params.iter_pull(version, transport, as_torch=True)

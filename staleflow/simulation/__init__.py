@@ -6,26 +6,26 @@ sweeps. See docs/benchmarks.md.
 """
 
 from staleflow.simulation.cluster import ClusterSimulation, CountedRequest, SimulationStalled, simulate
-from staleflow.simulation.config import ClusterConfig, CommandCosts, TrainerModel
 from staleflow.simulation.experiment import (
     PAPER_TARGETS,
     ExperimentResult,
     ExperimentSpec,
-    Job,
     Point,
     PointResult,
+    SimulatedJob,
     parse_sweep,
     run_experiment,
     run_job,
 )
-from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, StepRecord, Timeline
+from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
 from staleflow.simulation.scenarios import SCENARIOS, ReplayWorkload, Scenario, load_workload, scenario
+from staleflow.simulation.settings import ClusterConfig, CommandCosts, TrainerModel
 from staleflow.simulation.systems import Family, Pipeline, SystemSpec, catalog, resolve
 
 __all__ = [
     "PAPER_TARGETS", "SCENARIOS", "Breakdown", "ClusterConfig", "ClusterSimulation", "CommandCosts", "CountedRequest",
-    "DecisionStats", "ExperimentResult", "ExperimentSpec", "Family", "Job", "Pipeline", "Point", "PointResult",
-    "ReplayWorkload", "RunResult", "Scenario", "SimulationStalled", "StepRecord", "SystemSpec", "Timeline",
+    "DecisionStats", "ExperimentResult", "ExperimentSpec", "Family", "SimulatedJob", "Pipeline", "Point", "PointResult",
+    "ReplayWorkload", "RunResult", "Scenario", "SimulationStalled", "SimStepRecord", "SystemSpec", "Timeline",
     "TrainerModel", "catalog", "load_workload", "parse_sweep", "resolve", "run_experiment", "run_job", "scenario",
     "simulate",
 ]

@@ -39,9 +39,9 @@ from dataclasses import dataclass, replace
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError, LedgerParams, Transition
-from staleflow.simulation.config import ClusterConfig
-from staleflow.simulation.pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
-from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, StepRecord, Timeline
+from staleflow.simulation.settings import ClusterConfig
+from staleflow.simulation.trajectory_pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
+from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
 from staleflow.simulation.systems import Pipeline
 from staleflow.strategies import CyclePlan, InstanceState, StrategyConfig, SyncMode, plan_cycle, plan_migrations
 
@@ -129,7 +129,7 @@ class ClusterSimulation:
         self._steps_target = 0
         self._steps_started = 0
         self._steps_done = 0
-        self._steps: list[StepRecord] = []
+        self._steps: list[SimStepRecord] = []
         self._staleness: dict[int, dict[int, int]] = {}
         self._violations = 0
         self._counters: Counter[str] = Counter()
@@ -334,7 +334,7 @@ class ClusterSimulation:
         self._refill()
         self._mark_dirty()
 
-    def _record_batch(self, buffer: int, groups: list[SimGroup]) -> StepRecord:
+    def _record_batch(self, buffer: int, groups: list[SimGroup]) -> SimStepRecord:
         lengths: list[int] = []
         trained = 0
         hist: Counter[int] = Counter()
@@ -349,7 +349,7 @@ class ClusterSimulation:
                 lengths.append(traj.generated)
                 trained += traj.context
         self._staleness[buffer] = dict(sorted(hist.items()))
-        return StepRecord(
+        return SimStepRecord(
             step=len(self._steps) + 1, buffer=buffer, start_s=self.now, end_s=math.nan, groups=len(groups),
             trajectories=len(lengths), response_tokens=sum(lengths), trained_tokens=trained,
             mean_response=sum(lengths) / len(lengths) if lengths else 0.0, max_response=max(lengths, default=0),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from staleflow.cost_model import CostModel
 from staleflow.simulation.cluster import simulate
-from staleflow.simulation.config import ClusterConfig
+from staleflow.simulation.settings import ClusterConfig
 from staleflow.simulation.result import RunResult
 from staleflow.simulation.scenarios import Scenario
 from staleflow.simulation.systems import Family, SystemSpec
@@ -121,7 +121,7 @@ def apply_sweep(scenario: Scenario, key: str, value: float) -> tuple[Scenario, i
 
 
 @dataclass(frozen=True)
-class Job:
+class SimulatedJob:
     """One simulation: a system at a point with a rollout instance count."""
 
     point: Point
@@ -147,7 +147,7 @@ class Job:
         return self.system.name, eta, self.point.scenario, self.point.mu, self.instances, self.steps, self.timeline
 
 
-def run_job(job: Job) -> RunResult:
+def run_job(job: SimulatedJob) -> RunResult:
     """Run one job (a top-level function, so process pools can pickle it)."""
     return simulate(job.config(), job.steps)
 
@@ -304,12 +304,12 @@ def _tune_point(points: list[Point], point: Point, eta: int) -> Point:
     return next(p for p in points if p.sweep_value == point.sweep_value and p.eta == eta)
 
 
-def plan_jobs(spec: ExperimentSpec) -> tuple[list[Point], list[Job], list[tuple[Point, SystemSpec]]]:
+def plan_jobs(spec: ExperimentSpec) -> tuple[list[Point], list[SimulatedJob], list[tuple[Point, SystemSpec]]]:
     """The points, the jobs runnable now, and the (point, system) pairs that wait for a split:
     StaleFlow's (its variants), or their own at the tuning eta (``tune="once"``)."""
     points = spec.points()
     names = {s.name for s in spec.systems}
-    now: list[Job] = []
+    now: list[SimulatedJob] = []
     later: list[tuple[Point, SystemSpec]] = []
     for point in points:
         for system in spec.systems:
@@ -319,14 +319,14 @@ def plan_jobs(spec: ExperimentSpec) -> tuple[list[Point], list[Job], list[tuple[
                     own and _tuned_later(spec, point, system)):
                 later.append((point, system))
                 continue
-            now += [Job(point, system, n, spec.steps, timeline) for n in _candidates(spec, point, system)]
+            now += [SimulatedJob(point, system, n, spec.steps, timeline) for n in _candidates(spec, point, system)]
     return points, now, later
 
 
 def run_experiment(
     spec: ExperimentSpec,
     executor: Executor | None = None,
-    on_run: Callable[[Job, RunResult], None] | None = None,
+    on_run: Callable[[SimulatedJob, RunResult], None] | None = None,
 ) -> ExperimentResult:
     """Run every job (in ``executor`` if given) and keep each system's best split per point."""
     started = time.perf_counter()
@@ -334,15 +334,15 @@ def run_experiment(
     results: dict[tuple, RunResult] = {}
     by_point = {p.index: PointResult(p) for p in points}
 
-    def record(job: Job, run: RunResult) -> None:
+    def record(job: SimulatedJob, run: RunResult) -> None:
         pr = by_point[job.point.index]
         pr.tried.setdefault(job.system.name, {})[job.instances] = run.throughput
         best = pr.runs.get(job.system.name)
         if best is None or run.throughput > best.throughput:
             pr.runs[job.system.name] = run
 
-    def execute(batch: list[Job]) -> None:
-        unique: dict[tuple, Job] = {}
+    def execute(batch: list[SimulatedJob]) -> None:
+        unique: dict[tuple, SimulatedJob] = {}
         for job in batch:
             if job.key() not in results:
                 unique.setdefault(job.key(), job)
@@ -374,10 +374,10 @@ def run_experiment(
         reference = by_point[source.index].runs.get(name)
         instances = reference.instances if reference else _candidates(spec, point, system)[0]
         timeline = spec.detail_eta == point.eta and system.name in (REFERENCE, ALL_VANILLA)
-        second.append(Job(point, system, instances, spec.steps, timeline))
+        second.append(SimulatedJob(point, system, instances, spec.steps, timeline))
         if system.name == ALL_VANILLA and IN_FLIGHT in names:  # the all-vanilla check compares at the same split
             baseline = next(s for s in spec.systems if s.name == IN_FLIGHT)
-            second.append(Job(point, baseline, instances, spec.steps))
+            second.append(SimulatedJob(point, baseline, instances, spec.steps))
     execute(second)
     order = {s.name: k for k, s in enumerate(spec.systems)}
     for pr in by_point.values():

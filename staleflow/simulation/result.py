@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass
-class StepRecord:
+class SimStepRecord:
     step: int  # 1-based training step
     buffer: int  # V_buf: the batch trains version buffer -> buffer + 1
     start_s: float  # consumed (training starts)
@@ -86,7 +86,7 @@ class RunResult:
     throughput: float  # response_tokens / total_time_s
     mean_response: float
     max_response: int
-    step_records: list[StepRecord]
+    step_records: list[SimStepRecord]
     breakdown: Breakdown
     staleness: dict[int, dict[int, int]]  # V_buf -> {V_buf - V_traj: trajectories}
     violations: int  # trained trajectories outside V_traj <= V_buf <= V_traj + eta (must be 0)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from staleflow.cost_model import CostModel
 from staleflow.engines.sim import SimParams
-from staleflow.simulation.config import CommandCosts, TrainerModel
+from staleflow.simulation.settings import CommandCosts, TrainerModel
 from staleflow.simulation.systems import REDUNDANCY_RATIO
 from staleflow.workload import WorkloadModel, preset
 

@@ -1,9 +1,10 @@
 """The FSDP2 trainer: GRPO/DAPO on a Hugging Face causal LM, sharded with ``fully_shard``.
 
-Rank 0 runs the trainer role (``TrainerLoop``: consume, fetch, push, free) with a ``RankDriver``
-backend that broadcasts each call (train, weights, checkpoint) to the other ranks, which run the
-same call on their shard (``follow``). Every rank trains an equal number of micro-batches of its
-share of the batch, so the FSDP collectives line up. gloo on CPU, NCCL on GPU.
+Rank 0 runs the trainer role (``TrainerLoop``: consume, fetch, push, free; its process
+orchestration is ``staleflow.servers.trainer.run_fsdp_trainer``) with a ``RankDriver`` backend
+that broadcasts each call (train, weights, checkpoint) to the other ranks, which run the same call
+on their shard (``follow``). Every rank trains an equal number of micro-batches of its share of
+the batch, so the FSDP collectives line up. gloo on CPU, NCCL on GPU.
 
 Checkpoints are ``torch.distributed.checkpoint`` directories (model and optimizer, sharded) plus a
 ``latest.json`` written last; a restarted trainer loads the newest and resumes from its version.
@@ -19,8 +20,6 @@ import math
 import os
 import shutil
 import signal
-import socket
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -265,7 +264,7 @@ def rendezvous_from_env() -> tuple[str, int, int, int] | None:
             int(os.environ["WORLD_SIZE"]))
 
 
-def _init(rank: int, world: int, port: int, master_addr: str = "127.0.0.1") -> None:
+def init_process_group(rank: int, world: int, port: int, master_addr: str = "127.0.0.1") -> None:
     os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)})
     if master_addr.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one machine: the loopback interface; else the configured one
@@ -276,10 +275,10 @@ def _init(rank: int, world: int, port: int, master_addr: str = "127.0.0.1") -> N
     dist.init_process_group(backend, rank=rank, world_size=world)
 
 
-def _follower(rank: int, world: int, port: int, config_json: str, model_dir: str) -> None:
+def run_follower(rank: int, world: int, port: int, config_json: str, model_dir: str) -> None:
     _die_with_parent()
     config = JobConfig.model_validate_json(config_json)
-    _init(rank, world, port)
+    init_process_group(rank, world, port)
     try:
         follow(FsdpBackend(config.trainer, Path(model_dir), checkpoint_dir(config), rank, world, config.steps))
     finally:
@@ -288,68 +287,3 @@ def _follower(rank: int, world: int, port: int, config_json: str, model_dir: str
 
 def checkpoint_dir(config: JobConfig) -> Path:
     return config.state_dir / "trainer" / "checkpoints"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: Any, stop: threading.Event,
-                  started: float | None = None) -> None:
-    """One rank of a trainer whose ranks a launcher started on their own (one process each, maybe
-    on other machines), with the rendezvous in the environment: rank 0 runs the trainer role,
-    the others follow it."""
-    from staleflow.servers.trainer import TrainerLoop
-    from staleflow.training.demo import resolve_model
-
-    rendezvous = rendezvous_from_env()
-    if rendezvous is None:
-        raise RuntimeError(f"run_fsdp_rank needs {', '.join(RENDEZVOUS_ENV)} in the environment")
-    master_addr, port, rank, world = rendezvous
-    model_dir = resolve_model(config)
-    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
-    _init(rank, world, port, master_addr)
-    try:
-        local = FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), rank, world, config.steps)
-        if rank > 0:
-            follow(local)
-            return
-        driver = RankDriver(local)
-        try:
-            TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
-                        started=started).run()
-        finally:
-            driver.close()
-    finally:
-        dist.destroy_process_group()
-
-
-def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, stop: threading.Event,
-                     started: float | None = None) -> None:
-    """This process is rank 0; ranks 1..world-1 are spawned and die with it."""
-    import torch.multiprocessing as mp
-
-    from staleflow.servers.trainer import TrainerLoop
-    from staleflow.training.demo import resolve_model
-
-    model_dir = resolve_model(config)
-    world = config.trainer.world_size
-    port = _free_port()
-    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
-    context = mp.get_context("spawn")
-    followers = [context.Process(target=_follower, args=(r, world, port, config.model_dump_json(), str(model_dir)),
-                                 daemon=True, name=f"rank-{r}") for r in range(1, world)]
-    for p in followers:
-        p.start()
-    _init(0, world, port)
-    driver = RankDriver(FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), 0, world, config.steps))
-    try:
-        TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
-                    started=started).run()
-    finally:
-        driver.close()
-        for p in followers:
-            p.join(30)
-        dist.destroy_process_group()

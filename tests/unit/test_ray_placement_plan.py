@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config import JobConfig
-from staleflow.servers.ray_cluster import LauncherError, PlacementPlan, preflight
+from staleflow.launch.ray_cluster import LauncherError, PlacementPlan, preflight
 
 
 def node(node_id: str, labels: dict | None = None, **resources: float) -> dict:

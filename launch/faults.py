@@ -1,0 +1,543 @@
+"""Fault injection for a running job: kill one role at a time, restart only that role, verify.
+
+``Supervisor`` watches the components of a ``Job`` run with ``--processes`` and restarts only the
+role that failed, at the same port, so the others reconnect by themselves (their clients retry
+transient connection errors). Detection is role-aware:
+
+* services (manager, trajectory server, parameter server, reward, coordinator): the process
+  exited, or its health probe failed ``probe_failures`` times in a row;
+* rollout instances: the process exited, or the coordinator declared the instance failed. The
+  coordinator tells a slow instance (long generations: its snapshots still show progress) from a
+  hung one (no snapshot for ``failure_timeout``, or no progress with work in hand for
+  ``stall_timeout``); a process that is alive but declared failed is killed and replaced. The
+  replacement has a new boot id, so the coordinator hands the old process's trajectories back to
+  the trajectory server and lets the new one join.
+
+``FaultRun`` runs a job, injects faults every few training steps (SIGKILL; SIGSTOP for a hung
+instance), measures per fault the detection time, the recovery time and the rollout throughput
+kept during the outage, and after the run verifies the invariants: no trajectory lost or
+consumed twice, every consumed trajectory within the staleness bound, the trainer's version never
+going backwards, the parameter server serving a complete newest version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from staleflow.config import JobConfig
+from staleflow.launch import standby
+from staleflow.launch.job import TRAINER, Job, instance_ids
+from staleflow.servers.clients import http_client
+
+log = logging.getLogger(__name__)
+
+ROLES = ("instance", "ts", "params", "manager", "coordinator", "trainer")
+SERVICE_OF_ROLE = {"ts": "ts", "params": "params", "manager": "manager", "coordinator": "coordinator",
+                   "reward": "reward"}
+
+
+def role_of(name: str) -> str:
+    return "instance" if name.startswith("inst-") else name
+
+
+@dataclass
+class Fault:
+    role: str
+    name: str  # the component killed
+    how: str  # "kill" (SIGKILL) or "hang" (SIGSTOP)
+    at: float  # seconds since the run started
+    step: int  # the train version when it was injected
+    detected_at: float | None = None
+    detected_by: str = ""
+    restarted_at: float | None = None
+    recovered_at: float | None = None
+    tokens_per_s_before: float = 0.0
+    tokens_per_s_during: float = 0.0
+    steps_during: int = 0
+
+    @property
+    def detection_s(self) -> float | None:
+        return None if self.detected_at is None else self.detected_at - self.at
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - self.at
+
+    @property
+    def throughput_kept(self) -> float | None:
+        return self.tokens_per_s_during / self.tokens_per_s_before if self.tokens_per_s_before else None
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "detection_s": self.detection_s, "recovery_s": self.recovery_s,
+                "throughput_kept": self.throughput_kept}
+
+
+class Supervisor:
+    """Watches a ``--processes`` job's components and restarts only the one that failed."""
+
+    def __init__(self, job: Job, interval: float = 0.1, probe_timeout: float = 2.0, probe_failures: int = 3,
+                 on_detected=None, on_restarted=None, grace: float = 10.0, warm_standby: bool = True):  # noqa: ANN001
+        if not job.config.processes:
+            raise ValueError("the supervisor restarts component processes: run the job with processes=True")
+        self.job = job
+        self.interval = interval
+        self.probe_timeout = probe_timeout
+        self.probe_failures = probe_failures
+        self.grace = grace  # after a restart, the coordinator's old verdict about an instance is ignored this long
+        self.on_detected = on_detected or (lambda name, why, t: None)
+        self.on_restarted = on_restarted or (lambda name, t: None)
+        self.restarts: dict[str, int] = {}
+        self.events: list[dict] = []
+        self._misses: dict[str, int] = {}
+        self._restarted_at: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
+        self.error: BaseException | None = None
+        self.warm_standby = warm_standby
+        self._standby = None
+        self._standbys = 0
+
+    def start(self) -> Supervisor:
+        self._new_standby()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(90)
+        if self._standby is not None:  # released unused: it exits when its stdin closes
+            self._standby.stdin.close()
+            try:
+                self._standby.wait(10)
+            except subprocess.TimeoutExpired:
+                self._standby.kill()
+                self._standby.wait()
+            self._standby = None
+
+    def _new_standby(self) -> None:
+        if self.warm_standby:
+            self._standbys += 1
+            self._standby_log = self.job.state / "logs" / f"standby-{self._standbys}.log"
+            self._standby = standby.spawn(self._standby_log)
+
+    @property
+    def ready(self) -> bool:
+        """A warm standby is ready to take the next failed role (or none is kept)."""
+        return not self.warm_standby or (self._standby is not None and standby.ready(self._standby_log))
+
+    def _run(self) -> None:
+        urls = {k: v["url"] for k, v in self.job.endpoints.items()}
+        clients = {name: http_client(url, timeout=self.probe_timeout) for name, url in urls.items()}
+        try:
+            while not self._stop.is_set():
+                for name, why in self._failed(clients):
+                    self._recover(name, why)
+                self._stop.wait(self.interval)  # probe pacing
+        except BaseException as exc:  # surfaced by the fault run
+            self.error = exc
+            log.exception("supervisor failed")
+        finally:
+            for c in clients.values():
+                c.close()
+
+    def _failed(self, clients: dict[str, httpx.Client]) -> list[tuple[str, str]]:
+        procs = list(self.job.procs.items())
+        failed = [(name, f"process exited with {proc.returncode}") for name, proc in procs
+                  if proc.poll() is not None and not (name == TRAINER and proc.returncode == 0)]  # 0: trained them all
+        if failed:  # a crash is certain: restart it before spending time on probes
+            return failed
+        for name, _ in procs:
+            if name.startswith("inst-") or name == TRAINER:
+                continue  # instances: the coordinator's verdict (slow is not hung), below
+            if self._healthy(clients[name]):
+                self._misses[name] = 0
+                continue
+            self._misses[name] = self._misses.get(name, 0) + 1
+            if self._misses[name] >= self.probe_failures:
+                failed.append((name, f"health probe failed {self._misses[name]} times"))
+        failed_names = {n for n, _ in failed}
+        for name in self._declared_failed(clients["coordinator"]):
+            if name not in failed_names and time.monotonic() - self._restarted_at.get(name, -1e9) > self.grace:
+                failed.append((name, "the coordinator declared it failed"))
+        return failed
+
+    @staticmethod
+    def _healthy(client: httpx.Client) -> bool:
+        try:
+            return client.get("/v1/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _declared_failed(self, coordinator: httpx.Client) -> list[str]:
+        if self.job.procs["coordinator"].poll() is not None:
+            return []
+        try:
+            listed = coordinator.get("/v1/instances").json()["instances"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return []
+        return [i["instance_id"] for i in listed if i["status"] == "failed" and i["instance_id"] in self.job.procs]
+
+    def _recover(self, name: str, why: str) -> None:
+        now = time.monotonic()
+        self.events.append({"name": name, "event": "detected", "why": why, "t": now})
+        self.on_detected(name, why, now)
+        log.warning("supervisor: %s failed (%s); restarting it", name, why)
+        warm, self._standby = self._standby, None
+        if warm is not None and warm.poll() is not None:
+            warm = None  # the standby died: start cold
+        self.job.restart(name, standby=warm)
+        self._new_standby()
+        self._misses[name] = 0
+        self._restarted_at[name] = time.monotonic()
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.events.append({"name": name, "event": "restarted", "t": self._restarted_at[name]})
+        self.on_restarted(name, self._restarted_at[name])
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+class TokenMeter:
+    """Rollout tokens generated so far over all instances, sampled from their /v1/stats; a
+    restarted instance's counter starts again at zero, so its previous total is carried."""
+
+    def __init__(self, job: Job):
+        self.urls = {i: job.endpoints[i]["url"] for i in instance_ids(job.config)}
+        self.last: dict[str, int] = {}
+        self.carried: dict[str, int] = {}
+        self.samples: list[tuple[float, int, int]] = []  # (t, tokens, train_version)
+
+    def sample(self, clients: dict[str, httpx.Client], train_version: int) -> None:
+        for name, client in clients.items():
+            try:
+                value = int(client.get("/v1/stats").json().get("tokens_generated", 0))
+            except (httpx.HTTPError, ValueError):
+                continue
+            if value < self.last.get(name, 0):
+                self.carried[name] = self.carried.get(name, 0) + self.last[name]
+            self.last[name] = value
+        total = sum(self.last.values()) + sum(self.carried.values())
+        self.samples.append((time.monotonic(), total, train_version))
+
+    def rate(self, start: float, end: float) -> float:
+        inside = [(t, n) for t, n, _ in self.samples if start <= t <= end]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return 0.0
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+    def steps(self, start: float, end: float) -> int:
+        inside = [v for t, _, v in self.samples if start <= t <= end]
+        return (max(inside) - min(inside)) if inside else 0
+
+
+@dataclass
+class FaultRunResult:
+    wall_s: float  # the training phase: components up -> last step
+    steps: int
+    faults: list[Fault] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    checks: dict[str, object] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    events: list[dict] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # when each step finished, s since the start
+
+    @property
+    def pace_s(self) -> float:
+        """The median step interval away from faults: from each fault to its recovery plus one
+        step is the outage's; the rest is the run's own fault-free pace."""
+        times = [0.0, *self.step_times]
+        spans = [(f.at, (f.recovered_at or f.at)) for f in self.faults]
+        clean = []
+        for a, b in zip(times, times[1:], strict=False):
+            if not any(a <= end and b >= start for start, end in spans):
+                clean.append(b - a)
+        return float(np.median(clean)) if clean else 0.0
+
+    def to_json(self) -> dict:
+        return {"wall_s": self.wall_s, "steps": self.steps, "faults": [f.to_json() for f in self.faults],
+                "violations": self.violations, "checks": self.checks, "restarts": self.restarts,
+                "events": self.events, "step_times": self.step_times, "pace_s": self.pace_s}
+
+
+class FaultRun:
+    """One job with faults injected every ``every`` training steps, cycling through ``roles``."""
+
+    def __init__(self, config: JobConfig, roles: list[str], every: int = 3, hang_instance: bool = False,
+                 deadline_s: float = 300.0, settle_steps: int = 1):
+        unknown = [r for r in roles if r not in ROLES and r != "reward"]
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; roles are {', '.join(ROLES)}")
+        self.config = config.model_copy(update={"processes": True})
+        self.roles = roles
+        self.every = every
+        self.hang_instance = hang_instance
+        self.deadline_s = deadline_s
+        self.settle_steps = settle_steps
+        self.faults: list[Fault] = []
+        self._instance_turn = 0
+
+    # -- the run --------------------------------------------------------------------------
+
+    def run(self, progress=None) -> FaultRunResult:  # noqa: ANN001
+        job = Job(self.config, fresh=True)
+        job.write_planned_endpoints()
+        try:
+            job.start()
+            return self._drive(job, progress or (lambda msg: None))
+        finally:
+            job.shutdown()
+
+    def _drive(self, job: Job, progress) -> FaultRunResult:  # noqa: ANN001
+        meter = TokenMeter(job)
+        supervisor = Supervisor(job, on_detected=self._detected, on_restarted=self._restarted).start()
+        urls = {k: v["url"] for k, v in job.endpoints.items()}
+        stats_clients = {i: http_client(u, timeout=1.0) for i, u in meter.urls.items()}
+        probe = {n: http_client(urls[n], timeout=1.0) for n in ("manager", "coordinator", "params")}
+        versions: list[int] = []
+        ps_versions: list[int] = []
+        started = job.started
+        deadline = started + self.deadline_s
+        next_fault_at = self.every
+        queue = list(self.roles)
+        try:
+            while not self._done(job) and time.monotonic() < deadline:
+                tv = self._train_version(probe["manager"], versions)
+                ps = self._ps_version(probe["params"])
+                if ps is not None:
+                    ps_versions.append(ps)
+                meter.sample(stats_clients, versions[-1] if versions else 0)
+                current = self.faults[-1] if self.faults else None
+                if current is not None and current.recovered_at is None:
+                    if self._recovered(current, job, probe):
+                        current.recovered_at = time.monotonic() - started
+                        next_fault_at = max(next_fault_at, (tv or 0) + self.settle_steps)
+                        progress(f"{current.role} recovered in {current.recovery_s:.2f}s")
+                elif queue and tv is not None and tv >= next_fault_at and supervisor.ready:
+                    role = queue.pop(0)
+                    self._inject(job, role, tv, started)
+                    progress(f"step {tv}: {self.faults[-1].how} {self.faults[-1].name}")
+                    next_fault_at = tv + self.every
+                if supervisor.error:
+                    raise RuntimeError(f"the supervisor failed: {supervisor.error!r}")
+                job.stop.wait(0.1)  # sampling pacing
+            finished = self._done(job)
+            steps = job.steps()
+            wall = steps[-1].finished_at if steps else time.monotonic() - started
+            result = FaultRunResult(wall_s=wall, steps=len(steps), faults=self.faults,
+                               step_times=[st.finished_at for st in steps],
+                               restarts=dict(supervisor.restarts),
+                               events=[{**e, "t": e["t"] - started} for e in supervisor.events])
+            supervisor.stop()
+            if not finished:
+                result.violations.append(f"the job did not finish in {self.deadline_s:.0f}s "
+                                         f"({len(steps)} of {self.config.steps} steps)")
+            for fault in self.faults:
+                end = started + fault.recovered_at if fault.recovered_at is not None else time.monotonic()
+                start_abs = started + fault.at
+                window = max(end - start_abs, 3.0)
+                fault.tokens_per_s_before = meter.rate(start_abs - max(window, 10.0), start_abs)
+                fault.tokens_per_s_during = meter.rate(start_abs, start_abs + window)
+                fault.steps_during = meter.steps(start_abs, end)
+            self._verify(job, versions, ps_versions, result)
+            return result
+        finally:
+            supervisor.stop()
+            for c in [*stats_clients.values(), *probe.values()]:
+                c.close()
+
+    @staticmethod
+    def _done(job: Job) -> bool:
+        """The trainer process exited by itself, having trained every step (a killed one is not done)."""
+        return job.finished() and job.trainer_process is not None and job.trainer_process.returncode == 0
+
+    def _inject(self, job: Job, role: str, tv: int, started: float) -> None:
+        how = "kill"
+        if role == "instance":
+            names = instance_ids(self.config)
+            name = names[self._instance_turn % len(names)]
+            self._instance_turn += 1
+            if self.hang_instance and self._instance_turn % 2 == 0:
+                how = "hang"
+        elif role == "trainer":
+            name = "trainer"
+        else:
+            name = SERVICE_OF_ROLE[role]
+        self.faults.append(Fault(role, name, how, time.monotonic() - started, tv))
+        self._started = started
+        job.kill(name, signal.SIGSTOP if how == "hang" else signal.SIGKILL)
+
+    def _current(self, name: str) -> Fault | None:
+        f = self.faults[-1] if self.faults else None
+        return f if f is not None and f.name == name and f.restarted_at is None else None
+
+    def _detected(self, name: str, why: str, t: float) -> None:
+        fault = self._current(name)
+        if fault is not None:
+            fault.detected_at, fault.detected_by = t - self._started, why
+
+    def _restarted(self, name: str, t: float) -> None:
+        fault = self._current(name)
+        if fault is not None:
+            fault.restarted_at = t - self._started
+
+    def _recovered(self, fault: Fault, job: Job, probe: dict[str, httpx.Client]) -> bool:
+        """The failed role is back in service (not merely restarted)."""
+        if fault.restarted_at is None:
+            return False
+        try:
+            if fault.role == "instance" or fault.role == "coordinator":
+                listed = probe["coordinator"].get("/v1/instances").json()["instances"]
+                wanted = [i for i in listed if fault.role == "coordinator" or i["instance_id"] == fault.name]
+                return bool(wanted) and all(i["status"] in ("live", "syncing") for i in wanted)
+            if fault.role == "trainer":  # back at work: a step trained after the restart
+                return any(s.finished_at > fault.restarted_at for s in job.steps())
+            return True  # a service: it answered its health probe at the restart
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    @staticmethod
+    def _train_version(manager: httpx.Client, versions: list[int]) -> int | None:
+        try:
+            tv = manager.get("/v1/buffers").json()["train_version"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return versions[-1] if versions else None
+        versions.append(tv)
+        return tv
+
+    @staticmethod
+    def _ps_version(params: httpx.Client) -> int | None:
+        try:
+            reply = params.get("/v1/params/latest")
+            return reply.json()["version"] if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
+    # -- after the run ----------------------------------------------------------------------
+
+    def _verify(self, job: Job, versions: list[int], ps_versions: list[int], result: FaultRunResult) -> None:
+        cfg, eta, v = self.config, self.config.ledger.eta, result.violations
+        if any(b < a for a, b in zip(versions, versions[1:], strict=False)):
+            v.append("the ledger's train version went backwards")
+        if any(b < a for a, b in zip(ps_versions, ps_versions[1:], strict=False)):
+            v.append("the parameter server's newest version went backwards")
+        steps = job.steps()
+        trained = [s.version for s in steps]
+        if trained != list(range(len(trained))):
+            v.append(f"the trainer's versions are not 0, 1, 2, ... once each: {trained}")
+        group_size = cfg.ledger.group_size
+        for s in steps:
+            if s.trajectories != s.groups * group_size:
+                v.append(f"step {s.version}: {s.trajectories} trajectories for {s.groups} groups of {group_size}")
+            if any(k > eta or k < 0 for k in s.staleness):
+                v.append(f"step {s.version}: staleness {s.staleness} outside [0, {eta}]")
+        # the ledger's own durable record: every group consumed once, within the bound
+        db = sqlite3.connect(cfg.state_dir / "ledger.db")
+        try:
+            consumed: list[str] = []
+            for (detail,) in db.execute("SELECT detail FROM ledger_events WHERE op = 'consume' ORDER BY id"):
+                consumed += json.loads(detail).get("consumed") or []
+            fates = db.execute("SELECT group_id, v_traj, buffer FROM ledger_retired WHERE fate = 'consumed'").fetchall()
+        finally:
+            db.close()
+        if len(consumed) != len(set(consumed)):
+            v.append(f"{len(consumed) - len(set(consumed))} groups consumed twice")
+        if len(consumed) != len(trained) * cfg.ledger.batch_size:
+            v.append(f"{len(consumed)} groups consumed for {len(trained)} steps of {cfg.ledger.batch_size}")
+        late = [(g, vt, b) for g, vt, b in fates if not 0 <= b - vt <= eta]
+        if late:
+            v.append(f"{len(late)} consumed groups outside the bound, e.g. {late[0]}")
+        lost = self._lost_trajectories(job)
+        if lost:
+            v.append(f"{len(lost)} trajectories routed to an instance that does not hold them: {lost[:3]}")
+        expected = len(trained)
+        try:
+            from staleflow.transports.client import ParamsClient
+
+            with ParamsClient(job.endpoints["params"]["url"]) as params:
+                latest = params.latest()["version"]
+                weights = params.pull(latest)["weights"]
+            complete = latest == expected and weights.size == cfg.trainer.push_bytes and bool(
+                np.all(np.asarray(weights) == latest % 256))
+        except Exception as exc:  # reported, not raised: the run's other checks still count
+            complete, latest = False, f"unreadable ({exc!r})"
+        if not complete:
+            v.append(f"the parameter server does not serve a complete version {expected} (newest: {latest})")
+        result.checks = {"groups_consumed": len(consumed), "groups_consumed_twice": len(consumed) - len(set(consumed)),
+                         "consumed_outside_bound": len(late), "lost_trajectories": len(lost),
+                         "train_versions_monotone": not any(b < a for a, b in zip(versions, versions[1:], strict=False)),
+                         "ps_latest": latest, "ps_complete": complete}
+
+    @staticmethod
+    def _lost_trajectories(job: Job) -> list[str]:
+        """Trajectories the TS believes routed to an instance that holds none of them, seen
+        twice a second apart (a completion in flight is not lost)."""
+        urls = {k: v["url"] for k, v in job.endpoints.items()}
+        suspects: set[str] | None = None
+        for attempt in range(2):
+            now: set[str] = set()
+            with http_client(urls["ts"], timeout=10) as ts:
+                routed = ts.get("/v1/routed").json()["trajectories"]
+            held: dict[str, set[str]] = {}
+            for t in routed:
+                inst = t.get("instance_id")
+                if inst not in held:
+                    try:
+                        with http_client(urls[inst], timeout=5) as c:
+                            s = c.get("/v1/snapshot").json()
+                        held[inst] = set(s["run_trajs"]) | set(s["wait_trajs"]) | set(s["complete_trajs"])
+                    except (httpx.HTTPError, KeyError, ValueError):
+                        held[inst] = set()
+                if t["traj_id"] not in held[inst]:
+                    now.add(t["traj_id"])
+            suspects = now if suspects is None else suspects & now
+            if not suspects:
+                return []
+            if attempt == 0:
+                job.stop.wait(1.0)  # let completions in flight land
+        return sorted(suspects or ())
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:
+    per_role: dict[str, dict] = {}
+    for f in faulty.faults:
+        r = per_role.setdefault(f"{f.role}" + (" (hung)" if f.how == "hang" else ""), {"faults": 0, "detection_s": [],
+                                                                                          "recovery_s": [], "kept": []})
+        r["faults"] += 1
+        if f.detection_s is not None:
+            r["detection_s"].append(f.detection_s)
+        if f.recovery_s is not None:
+            r["recovery_s"].append(f.recovery_s)
+        if f.throughput_kept is not None:
+            r["kept"].append(f.throughput_kept)
+    table = {role: {"faults": r["faults"],
+                    "detection_s": float(np.mean(r["detection_s"])) if r["detection_s"] else None,
+                    "recovery_s": float(np.mean(r["recovery_s"])) if r["recovery_s"] else None,
+                    "throughput_kept": float(np.mean(r["kept"])) if r["kept"] else None} for role, r in per_role.items()}
+    vs_baseline = baseline.wall_s / faulty.wall_s if baseline and faulty.wall_s and not baseline.violations else None
+    pace = faulty.pace_s
+    ettr = min(1.0, faulty.steps * pace / faulty.wall_s) if faulty.wall_s else None
+    return {"per_role": table, "ettr": ettr, "pace_s": pace, "ettr_vs_baseline": vs_baseline, "faults": len(faulty.faults), "steps": faulty.steps,
+            "fault_every_steps": None, "baseline_wall_s": baseline.wall_s if baseline else None,
+            "faulty_wall_s": faulty.wall_s, "violations": faulty.violations, "checks": faulty.checks,
+            "baseline": baseline.to_json() if baseline else None, "faulty": faulty.to_json()}
+
+
+def write_report(path: Path, report: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))
+    return path

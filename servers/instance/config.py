@@ -1,0 +1,94 @@
+"""The instance server's settings (``InstanceConfig`` with the sim and vLLM engine sections) and
+``create_engine``, which builds the engine they describe."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from staleflow.config import CostConfig, StrictModel
+from staleflow.engines.base import (
+    RolloutEngine,
+)
+from staleflow.engines.sim import Clock, SimEngine, SimParams
+from staleflow.workload import PRESETS, preset
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+
+
+class SimConfig(CostConfig):
+    """Parameters of the simulated engine (see ``staleflow.engines.sim``): its cost-model
+    coefficients (inherited, flat: k1..k5, kv_budget) and the rest below."""
+    workload: str = "paper-20k"
+    workload_seed: int = 0
+    prefill_seconds_per_token: float = Field(SimParams.prefill_seconds_per_token, ge=0)
+    pull_bandwidth_bytes_per_s: float = Field(SimParams.pull_bandwidth_bytes_per_s, gt=0)
+    pull_latency_s: float = Field(SimParams.pull_latency_s, ge=0)
+    model_bytes: int = Field(SimParams.model_bytes, ge=0)
+    max_running: int = Field(SimParams.max_running, ge=1)
+    noise: float = Field(0.0, ge=0)
+    noise_block_steps: int = Field(SimParams.noise_block_steps, ge=1)
+    seed: int = 0
+    initial_version: int = Field(0, ge=0)
+    clock: Clock = Clock.VIRTUAL
+    speed: float = Field(1.0, gt=0)
+
+    @field_validator("workload")
+    @classmethod
+    def _known_workload(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown workload preset {value!r}; choose one of {sorted(PRESETS)}")
+        return value
+
+    def params(self) -> SimParams:
+        cost = self.cost_model()
+        rest = self.model_dump(exclude={"k1", "k2", "k3", "k4", "k5", "kv_budget", "workload", "workload_seed",
+                                        "clock", "speed"})
+        return SimParams(cost=cost, workload=preset(self.workload, self.workload_seed), **rest)
+
+
+class VllmConfig(StrictModel):
+    """Parameters of the vLLM engine (see ``staleflow.engines.vllm_engine``)."""
+
+    model: str = Field(min_length=1, description="local model directory (config, safetensors, tokenizer)")
+    dtype: str = "bfloat16"
+    max_model_len: int = Field(4096, ge=1)
+    seed: int = 0
+    enforce_eager: bool = True
+    kv_cache_gib: int | None = Field(None, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU builds")
+    max_num_seqs: int | None = Field(None, ge=1)
+    initial_version: int = Field(0, ge=0)
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="extra AsyncEngineArgs")
+
+
+class InstanceConfig(StrictModel):
+    """One rollout instance: its id, its engine and where it listens."""
+
+    instance_id: str = Field(pattern=ID_PATTERN)
+    engine: Literal["sim", "vllm"] = "sim"
+    sim: SimConfig = Field(default_factory=SimConfig)
+    vllm: VllmConfig | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    completion_callback_url: str | None = Field(None, pattern=r"^https?://")
+    callback_batch: int = Field(64, ge=1)
+    outbox_limit: int = Field(100_000, ge=1, description="unacknowledged completions kept before the oldest drop")
+    idempotency_window: int = Field(10_000, ge=1, description="command ids remembered for retries")
+
+    @model_validator(mode="after")
+    def _engine_section(self) -> InstanceConfig:
+        if self.engine == "vllm" and self.vllm is None:
+            raise ValueError("vllm: this section is required when engine is 'vllm' (at least vllm.model)")
+        return self
+
+
+def create_engine(config: InstanceConfig) -> RolloutEngine:
+    if config.engine == "sim":
+        sim = config.sim
+        return SimEngine(sim.params(), instance_id=config.instance_id, clock=sim.clock, speed=sim.speed)
+    from staleflow.engines.vllm_engine import VllmEngine, VllmEngineParams
+
+    assert config.vllm is not None
+    params = VllmEngineParams(**config.vllm.model_dump())
+    return VllmEngine(params)

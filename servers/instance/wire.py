@@ -1,0 +1,211 @@
+"""The instance server's wire models: commands, trajectories, weights sources, the sim clock's advance,
+and the error body ``{"error": {"code", "message"}}`` with its code -> status table."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from dataclasses import asdict
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from staleflow.config import StrictModel
+from staleflow.engines.base import (
+    CompletedTrajectory,
+    EngineError,
+    SamplingParams,
+    Segment,
+    SimWeights,
+    Trajectory,
+    TrajectoryRequest,
+    WeightsBlob,
+    WeightsFromParams,
+    WeightsPath,
+    WeightsRef,
+)
+from staleflow.servers.instance.config import ID_PATTERN
+
+
+class SamplingIn(StrictModel):
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return value
+
+
+class RoutedSegmentIn(StrictModel):
+    version: int = Field(ge=0)
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class TrajectoryIn(StrictModel):
+    """A trajectory on the wire, fresh or partial. Partials from Interrupt can be sent back as is."""
+
+    traj_id: str = Field(pattern=ID_PATTERN)
+    group_id: str = Field(min_length=1)
+    prompt_ids: list[TokenId] = Field(min_length=1)
+    v_traj: int = Field(ge=0, description="assigned by the coordinator before routing; never null")
+    sampling: SamplingIn
+    tokens: list[TokenId] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    segments: list[RoutedSegmentIn] = Field(default_factory=list)
+
+    def to_request(self) -> TrajectoryRequest:
+        return TrajectoryRequest(
+            **self.model_dump(exclude={"sampling", "segments"}),
+            sampling=SamplingParams(**self.sampling.model_dump()),
+            segments=[Segment(**s.model_dump()) for s in self.segments],
+        )
+
+
+class SimWeightsIn(StrictModel):
+    source: Literal["sim"] = "sim"
+    size_bytes: int | None = Field(None, ge=0)
+
+
+class PathWeightsIn(StrictModel):
+    source: Literal["path"]
+    path: str = Field(min_length=1)
+
+
+class BytesWeightsIn(StrictModel):
+    source: Literal["bytes"]
+    data_b64: str = Field(min_length=1, description="base64 of safetensors.torch.save(state_dict)")
+
+
+class ParamsWeightsIn(StrictModel):
+    source: Literal["params"]
+    url: str = Field(pattern=r"^https?://", max_length=2048, description="the parameter server")
+    transport: Literal["auto", "http", "shm", "nixl"] = "auto"
+
+
+WeightsIn = Annotated[SimWeightsIn | PathWeightsIn | BytesWeightsIn | ParamsWeightsIn, Field(discriminator="source")]
+
+
+class _CommandBase(StrictModel):
+    command_id: str = Field(pattern=ID_PATTERN)
+
+
+class RouteCommand(_CommandBase):
+    kind: Literal["route"]
+    trajectories: list[TrajectoryIn] = Field(min_length=1)
+
+
+class InterruptCommand(_CommandBase):
+    kind: Literal["interrupt"]
+    traj_ids: list[str] = Field(min_length=1)
+
+
+class AbortCommand(_CommandBase):
+    kind: Literal["abort"]
+    traj_ids: list[str] = Field(min_length=1)
+
+
+class PullCommand(_CommandBase):
+    kind: Literal["pull"]
+    version: int = Field(ge=0)
+    weights: WeightsIn | None = Field(None, description="default for the sim engine: the configured model size")
+
+    def weights_ref(self) -> WeightsRef:
+        w = self.weights
+        if w is None or isinstance(w, SimWeightsIn):
+            return SimWeights(self.version, None if w is None else w.size_bytes)
+        if isinstance(w, PathWeightsIn):
+            return WeightsPath(self.version, w.path)
+        if isinstance(w, ParamsWeightsIn):
+            return WeightsFromParams(self.version, w.url, w.transport)
+        try:
+            return WeightsBlob(self.version, base64.b64decode(w.data_b64, validate=True))
+        except binascii.Error as exc:
+            raise EngineError("invalid_weights", f"weights.data_b64 is not base64: {exc}") from None
+
+
+AnyCommand = RouteCommand | InterruptCommand | AbortCommand | PullCommand
+Command = Annotated[AnyCommand, Field(discriminator="kind")]
+
+
+class CommandEnvelope(BaseModel):
+    command: Command
+
+
+MAX_SIM_SECONDS = 1e9  # ~31 simulated years: beyond this, float time steps lose their meaning
+
+
+class AdvanceIn(StrictModel):
+    to: float | None = Field(None, ge=0, le=MAX_SIM_SECONDS)
+    by: float | None = Field(None, ge=0, le=MAX_SIM_SECONDS)
+    until_idle: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> AdvanceIn:
+        given = (self.to is not None) + (self.by is not None) + self.until_idle
+        if given != 1:
+            raise ValueError("give exactly one of 'to', 'by' or 'until_idle'")
+        for name in ("to", "by"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be finite")
+        return self
+
+
+def trajectory_json(t: Trajectory) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "traj_id": t.traj_id,
+        "group_id": t.group_id,
+        "prompt_ids": list(t.prompt_ids),
+        "v_traj": t.v_traj,
+        "sampling": {**asdict(t.sampling), "stop_token_ids": list(t.sampling.stop_token_ids)},
+        "tokens": list(t.tokens),
+        "logprobs": list(t.logprobs),
+        "segments": [{"version": s.version, "start": s.start, "end": s.end} for s in t.segments],
+    }
+    if isinstance(t, CompletedTrajectory):
+        data["finish_reason"] = t.finish_reason.value
+    return data
+
+
+ERROR_STATUS = {
+    "duplicate_trajectory": 409,
+    "version_too_new": 409,
+    "version_regression": 409,
+    "command_id_reused": 409,
+    "wrong_clock": 409,
+    "time_backwards": 409,
+    "not_sim": 404,
+}
+
+
+def error_response(code: str, message: str, status: int | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, **extra}}, status_code=status or ERROR_STATUS.get(code, 422))
+
+
+def describe_errors(errors: list[dict[str, Any]]) -> str:
+    parts = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "command"))
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    return "; ".join(parts)
+
+
+def plain_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
+        for e in errors
+    ]

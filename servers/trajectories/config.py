@@ -1,0 +1,53 @@
+"""The trajectory server's settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from staleflow.config import HttpUrl, LedgerConfig, ServiceConfig, TaskConfig
+
+
+class SamplingConfig(BaseModel):
+    model_config = {"extra": "forbid", "frozen": True}
+    max_tokens: int = Field(1024, ge=1, description="response length limit per trajectory")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class TrajectoryServerConfig(ServiceConfig):
+    ledger: LedgerConfig = LedgerConfig()
+    manager_url: HttpUrl = "http://127.0.0.1:8321"
+    state_dir: Path = Path(".staleflow")
+    db_url: str | None = None
+    dataset: Path | None = Field(None, description="JSONL or Parquet with prompt and answer fields; default: built-in task")
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    max_prompt_chars: int = Field(8192, ge=1)
+    max_prompt_tokens: int = Field(4096, ge=1, description="prompts longer than this (in tokens) are skipped and counted")
+    tokenizer: Path | None = Field(None, description="the model's tokenizer (directory or tokenizer.json); "
+                                                     "default: UTF-8 bytes, for simulated engines")
+    task: TaskConfig = TaskConfig(digits=3, ops="+-*")
+    seed: int = 0
+    sampling: SamplingConfig = SamplingConfig()
+    reward: Literal["math", "sim"] | str = Field(
+        "math", description="'math' (built-in verifier), 'sim' (seeded random, for the sim engine) or a reward server URL"
+    )
+    sim_success_rate: float = Field(0.5, ge=0, le=1, description="mean reward of the 'sim' reward")
+    filter_zero_variance: bool = Field(False, description="DAPO: abort groups whose rewards are all equal")
+    follow_interval: float = Field(0.2, gt=0, description="seconds between polls of the ledger's event log")
+
+    @model_validator(mode="after")
+    def _reward_choice(self) -> TrajectoryServerConfig:
+        if self.reward not in ("math", "sim") and not self.reward.startswith(("http://", "https://")):
+            raise ValueError(f"reward must be 'math', 'sim' or a reward server URL, got {self.reward!r}")
+        return self
+
+    def database_url(self) -> str:
+        return self.db_url or f"sqlite:///{(self.state_dir / 'trajectories.db').resolve()}"
+
+    def target_groups(self) -> int:
+        """Groups kept in flight: (eta + 1) x the groups admitted per buffer."""
+        return (self.ledger.eta + 1) * self.ledger.params().capacity

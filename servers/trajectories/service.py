@@ -1,0 +1,209 @@
+"""``TrajectoryServer``: checkout, return and completion of trajectories, rewards, group closing and
+the manager's ledger calls, over the durable ``TrajectoryStore``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from staleflow.servers.clients import AsyncManagerClient, ServiceError
+from staleflow.servers.trajectories.config import TrajectoryServerConfig
+from staleflow.servers.trajectories.rewards import RewardFn
+from staleflow.servers.trajectories.store import (
+    GroupRecord,
+    GroupState,
+    StoreConflict,
+    TrajectoryStore,
+    TrajState,
+)
+from staleflow.servers.trajectories.wire import CheckoutRequest, CompletedRequest, traj_payload
+from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
+
+log = logging.getLogger(__name__)
+
+
+class TrajectoryServer:
+    def __init__(self, config: TrajectoryServerConfig, store: TrajectoryStore, manager: AsyncManagerClient,
+                 reward: RewardFn):
+        self.config = config
+        self.store = store
+        self.manager = manager
+        self.reward = reward
+        self.tokenizer = HfTokenizer(config.tokenizer) if config.tokenizer else ByteTokenizer()
+        self.prompts = DatasetPrompts(config.dataset, config.prompt_field, config.answer_field,
+                                      config.max_prompt_chars) if config.dataset else ArithmeticTask(
+                                          config.seed, config.task.digits, config.task.ops)
+        self.too_long = SkippedRows()  # prompts over max_prompt_tokens, counted once each, never routed
+        self._too_long_seen: set[str] = set()
+        self._warned_nothing_fits = False
+        params = config.ledger.params()
+        self.members, self.needed = params.group_members, params.group_size
+        self._work = asyncio.Event()
+        self._stopping = False
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def refill(self) -> int:
+        missing = self.config.target_groups() - self.store.live_groups()
+        if missing <= 0:
+            return 0
+        start = int(self.store.meta.get("next_prompt", "0"))
+        rows, index = [], start
+        while len(rows) < missing and index < start + 100 * missing:  # never spin on a dataset of long prompts
+            p = self.prompts.prompt(index)
+            index += 1
+            ids = tuple(self.tokenizer.encode(p.text))
+            if len(ids) > self.config.max_prompt_tokens:
+                if p.text not in self._too_long_seen:  # a cycled dataset meets the same row again
+                    self._too_long_seen.add(p.text)
+                    self.too_long.add(f"prompt longer than {self.config.max_prompt_tokens} tokens")
+                continue
+            rows.append((p.index, p.text, p.answer, ids))
+        if not rows and not self._warned_nothing_fits:
+            self._warned_nothing_fits = True
+            log.warning("no prompt of the %d read fits max_prompt_tokens=%d: nothing to sample; raise it or "
+                        "shorten the dataset's prompts", index - start, self.config.max_prompt_tokens)
+        self.store.add_groups(rows, self.members, self.needed, index)
+        return len(rows)
+
+    # -- routing -------------------------------------------------------------------------
+
+    async def checkout(self, request: CheckoutRequest) -> dict:
+        refused: list[dict] = []
+        granted: list[str] = []
+        for a in request.assignments:
+            t = self.store.trajs.get(a.traj_id)
+            if t is None or t.state is not TrajState.PENDING:
+                refused.append({"traj_id": a.traj_id, "reason": "not pending" if t else "unknown trajectory"})
+                continue
+            g = self.store.groups[t.group_id]
+            if g.state is GroupState.SAMPLED:
+                reason = await self._reserve(g, a.v_traj)
+                if reason:
+                    refused.append({"traj_id": a.traj_id, "reason": reason})
+                    continue
+            if g.state is not GroupState.RESERVED:
+                refused.append({"traj_id": a.traj_id, "reason": f"group is {g.state.value}"})
+            elif g.v_traj != a.v_traj:
+                refused.append({"traj_id": a.traj_id, "reason": f"group has v_traj {g.v_traj}, not {a.v_traj}"})
+            else:
+                granted.append(a.traj_id)
+        routed = self.store.checkout(request.instance_id, granted) if granted else []
+        return {"trajectories": [traj_payload(t, g, self.config.sampling) for t, g in routed], "refused": refused}
+
+    async def _reserve(self, g: GroupRecord, v_traj: int) -> str | None:
+        """Reserve the group in the ledger (durably) before any member is routed."""
+        try:
+            await self.manager.reserve(g.group_id, v_traj)
+        except ServiceError as exc:
+            if exc.body.get("code") != "duplicate_group":
+                return exc.detail
+            existing = await self.manager.reservation(g.group_id)  # reserved before a crash of the TS
+            if existing.get("status") not in ("reserved", "occupied"):
+                return f"the ledger has this group as {existing.get('status')}"
+            v_traj = existing["v_traj"]
+        self.store.set_group_version(g.group_id, v_traj)
+        return None
+
+    # -- completion, rewards, occupation --------------------------------------------------
+
+    async def completed(self, request: CompletedRequest) -> int:
+        items = [{"instance_id": it.instance_id or request.instance_id, "trajectory": it.trajectory.model_dump()}
+                 for it in request.items]
+        fresh = self.store.completed(items)
+        if fresh:
+            self._work.set()
+        return len(fresh)
+
+    async def reward_loop(self) -> None:
+        while not self._stopping:
+            await self._work.wait()
+            self._work.clear()
+            try:
+                await self.process_completed()
+            except Exception as exc:  # a failing reward backend or ledger (restarting): retry shortly
+                if isinstance(exc, httpx.TransportError):
+                    log.warning("processing completed trajectories failed (%s: the manager or reward server "
+                                "is unreachable); retrying", exc.__class__.__name__)
+                else:
+                    log.exception("processing completed trajectories failed; retrying")
+                await asyncio.sleep(0.5)  # retry pacing while a peer restarts
+                self._work.set()
+
+    async def process_completed(self) -> None:
+        todo = [t for t in self.store.trajs.values() if t.state is TrajState.COMPLETED]
+        if todo:
+            batch = [(t.traj_id, self.tokenizer.decode(t.tokens), self.store.groups[t.group_id].answer) for t in todo]
+            scores = await self.reward(batch)
+            self.store.rewarded({t.traj_id: s for t, s in zip(todo, scores, strict=True)})
+        # every group with enough rewarded members, including those whose Occupy failed before
+        # (the manager restarting) or was cut short by a restart of this server
+        for g in self.store.closable_groups():
+            await self._close_reserved_group(g)
+        self.refill()
+
+    async def _close_reserved_group(self, g: GroupRecord) -> None:
+        rewards = [t.reward for t in self.store.group_rewarded(g)][: g.needed]
+        if self.config.filter_zero_variance and len(set(rewards)) == 1:
+            await self._ledger_call(self.manager.abort, g.group_id, ok_codes=("unknown_group", "retired_group"))
+            self.store.close_group(g.group_id, GroupState.ABORTED)
+            return
+        reply = await self._ledger_call(self.manager.occupy, g.group_id, ok_codes=("invalid_status",))
+        self.store.close_group(g.group_id, GroupState.OCCUPIED)
+        for cancelled in (reply or {}).get("cancelled", []):
+            self.cancel_group(cancelled)
+
+    async def _ledger_call(self, fn, group_id: str, ok_codes: tuple[str, ...]):  # noqa: ANN001, ANN202
+        try:
+            return await fn(group_id)
+        except ServiceError as exc:
+            if exc.body.get("code") in ok_codes:  # already applied before a retry or a restart
+                return None
+            raise
+
+    def cancel_group(self, group_id: str) -> None:
+        if group_id in self.store.groups:
+            self.store.close_group(group_id, GroupState.ABORTED)
+
+    async def follow_ledger(self) -> None:
+        """Surplus groups aborted by the ledger (redundancy) are cancelled here too."""
+        cursor = int(self.store.meta.get("ledger_cursor", "0"))
+        while not self._stopping:
+            try:
+                page = await self.manager.events(after=cursor)
+            except Exception as exc:  # the manager may be restarting: keep trying
+                log.debug("ledger event poll failed: %s", exc)
+            else:
+                for event in page["events"]:
+                    if event["op"] == "consume":
+                        self.store.mark_consumed(event["detail"].get("consumed", []))
+                    for group_id in event["detail"].get("cancelled", []):
+                        self.cancel_group(group_id)
+                    if event["op"] == "abort" and event["group_id"] in self.store.groups:
+                        self.cancel_group(event["group_id"])
+                if page["next"] != cursor:
+                    cursor = page["next"]
+                    self.store.set_meta("ledger_cursor", str(cursor))
+                    self.refill()
+                    continue
+            await asyncio.sleep(self.config.follow_interval)  # poll pacing
+
+    # -- the trainer's side --------------------------------------------------------------
+
+    async def batch(self, version: int) -> dict:
+        buffer = await self.manager.buffer(version)
+        if buffer.get("state") != "consumed":
+            raise StoreConflict(f"buffer {version} has not been consumed yet (it is {buffer.get('state')})")
+        group_ids = [e["group_id"] for e in buffer["entries"]]
+        items = self.store.batch(group_ids)
+        return {
+            "version": version,
+            "groups": group_ids,
+            "trajectories": [
+                {**traj_payload(t, g, self.config.sampling), "reward": t.reward, "finish_reason": t.finish_reason,
+                 "answer": g.answer}
+                for t, g in items
+            ],
+        }

@@ -1,0 +1,88 @@
+"""The trajectory server's wire models, and the JSON it serves for a trajectory."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from staleflow.servers.trajectories.config import SamplingConfig
+from staleflow.servers.trajectories.store import (
+    GroupRecord,
+    TrajRecord,
+)
+
+
+class Assignment(BaseModel):
+    traj_id: str
+    v_traj: int = Field(ge=0)
+
+
+class CheckoutRequest(BaseModel):
+    instance_id: str = Field(min_length=1, max_length=200)
+    assignments: list[Assignment] = Field(min_length=1, max_length=100_000)
+
+
+class ReturnedSegmentIn(BaseModel):
+    version: int = Field(ge=0)
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+
+
+class PartialIn(BaseModel):
+    traj_id: str
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    segments: list[ReturnedSegmentIn] = []
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PartialIn:
+        if len(self.tokens) != len(self.logprobs):
+            raise ValueError(f"{self.traj_id}: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
+        if (self.segments[-1].end if self.segments else 0) != len(self.tokens):
+            raise ValueError(f"{self.traj_id}: segments do not cover the tokens")
+        return self
+
+
+class ReturnRequest(BaseModel):
+    instance_id: str | None = None
+    partials: list[PartialIn] = Field(max_length=100_000)
+
+
+class CompletedTrajectoryIn(PartialIn):
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+class CompletedItem(BaseModel):
+    seq: int | None = None
+    instance_id: str | None = None
+    trajectory: CompletedTrajectoryIn
+
+
+class CompletedRequest(BaseModel):
+    instance_id: str
+    items: list[CompletedItem] = Field(max_length=100_000)
+
+
+class AckRequest(BaseModel):
+    traj_ids: list[str] = Field(max_length=100_000)
+
+
+def traj_payload(t: TrajRecord, g: GroupRecord, sampling: SamplingConfig) -> dict:
+    """The trajectory as an instance's Route command carries it."""
+    return {
+        "traj_id": t.traj_id,
+        "group_id": g.group_id,
+        "prompt_ids": list(g.prompt_ids),
+        "v_traj": g.v_traj,
+        "sampling": {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p},
+        "tokens": list(t.tokens),
+        "logprobs": list(t.logprobs),
+        "segments": [{"version": v, "start": s, "end": e} for v, s, e in t.segments],
+    }
+
+
+def summary(t: TrajRecord, g: GroupRecord) -> dict:
+    return {"traj_id": t.traj_id, "group_id": g.group_id, "state": t.state.value, "v_traj": g.v_traj,
+            "length": len(g.prompt_ids) + len(t.tokens), "generated": len(t.tokens), "instance_id": t.instance_id,
+            "seq": t.seq}

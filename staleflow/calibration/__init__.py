@@ -1,0 +1,77 @@
+"""Calibration: fitting the cost model to an engine and the calibration file.
+
+* ``fit``: the pure fits (decode-step latency, KV footprint, prefill), no I/O;
+* ``schema``: the calibration file's models and ``build_entry``;
+* ``files``: reading and writing calibration files, ``CalibrationRef``;
+* ``profile``: the engine-driving probes and the measurement driver (imports the engines, so it
+  is not re-exported here);
+* ``cpu``: the ``/proc`` meter of other processes' CPU use.
+"""
+
+from staleflow.calibration.files import (
+    CalibrationRef,
+    calibrated_cost,
+    entry_summary,
+    load_calibration,
+    load_entry,
+    read_calibration,
+    write_calibration,
+)
+from staleflow.calibration.fit import (
+    PAPER_MAPE,
+    CalibrationError,
+    DecodeFit,
+    DecodeReport,
+    DecodeSample,
+    FitMetrics,
+    bootstrap_spread,
+    fit_decode,
+    fit_kv_footprint,
+    fit_prefill,
+    fit_step_latency,
+    fold_points,
+    metrics,
+    score,
+)
+from staleflow.calibration.schema import (
+    CalibrationEntry,
+    CalibrationFile,
+    CostCoefficients,
+    FitQuality,
+    ProfileGridInfo,
+    Thresholds,
+    build_entry,
+    judge,
+)
+
+__all__ = [
+    "PAPER_MAPE",
+    "CalibrationEntry",
+    "CalibrationError",
+    "CalibrationFile",
+    "CalibrationRef",
+    "CostCoefficients",
+    "DecodeFit",
+    "DecodeReport",
+    "DecodeSample",
+    "FitMetrics",
+    "FitQuality",
+    "ProfileGridInfo",
+    "Thresholds",
+    "bootstrap_spread",
+    "build_entry",
+    "calibrated_cost",
+    "entry_summary",
+    "fit_decode",
+    "fit_kv_footprint",
+    "fit_prefill",
+    "fit_step_latency",
+    "fold_points",
+    "judge",
+    "load_calibration",
+    "load_entry",
+    "metrics",
+    "read_calibration",
+    "score",
+    "write_calibration",
+]

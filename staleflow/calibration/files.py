@@ -1,0 +1,146 @@
+"""Reading and writing calibration files, and ``CalibrationRef``, which names an entry in one from a
+config."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from staleflow.calibration.fit import CalibrationError
+from staleflow.calibration.schema import CalibrationEntry, CalibrationFile
+from staleflow.cost_model import CostModel
+from staleflow.strict import StrictModel
+
+
+def read_calibration(path: str | os.PathLike[str]) -> CalibrationFile:
+    """Parse and validate a calibration file (CalibrationError naming the problem otherwise)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise CalibrationError(
+            f"calibration file {str(p)!r} does not exist (write one with `staleflow calibrate`)"
+        ) from None
+    try:
+        return CalibrationFile.model_validate(json.loads(text))
+    except (ValueError, ValidationError) as exc:
+        raise CalibrationError(f"calibration file {str(p)!r} is not valid: {exc}") from None
+
+
+def write_calibration(path: str | os.PathLike[str], entry: CalibrationEntry) -> CalibrationFile:
+    """Add or replace ``entry`` (by model and parallelism) in the file, atomically."""
+    p = Path(path)
+    current = read_calibration(p) if p.exists() else CalibrationFile()
+    entries = {model: dict(by_par) for model, by_par in current.entries.items()}
+    entries.setdefault(entry.model, {})[entry.parallelism] = entry
+    updated = CalibrationFile(entries=entries)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(updated.model_dump_json(indent=2) + "\n")
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return updated
+
+
+def load_entry(
+    path: str | os.PathLike[str], model: str, parallelism: str = "tp1", *, allow_poor: bool = False
+) -> CalibrationEntry:
+    """The entry for (model, parallelism); refuses a poor fit unless ``allow_poor``."""
+    file = read_calibration(path)
+    by_par = file.entries.get(model)
+    if by_par is None:
+        known = ", ".join(sorted(file.entries)) or "none"
+        raise CalibrationError(f"{str(path)!r} has no calibration for model {model!r} (models: {known})")
+    entry = by_par.get(parallelism)
+    if entry is None:
+        known = ", ".join(sorted(by_par))
+        raise CalibrationError(
+            f"{str(path)!r} has no calibration for model {model!r} with parallelism {parallelism!r} (has: {known})"
+        )
+    if not entry.ok and not allow_poor:
+        raise CalibrationError(
+            f"the calibration of {model!r} / {parallelism!r} is a poor fit ({'; '.join(entry.problems)}); "
+            "re-run `staleflow calibrate` or pass allow_poor=True"
+        )
+    return entry
+
+
+def load_calibration(
+    path: str | os.PathLike[str], model: str, parallelism: str = "tp1", *, allow_poor: bool = False
+) -> CostModel:
+    """The calibrated ``CostModel`` for (model, parallelism) from a calibration file."""
+    return load_entry(path, model, parallelism, allow_poor=allow_poor).cost.cost_model()
+
+
+class CalibrationRef(StrictModel):
+    """Where a service's cost model comes from: an entry of a calibration file (``calibration:`` in a
+    job or coordinator config). Validating it loads the entry, so a missing file, an unknown model or
+    a poor fit is refused when the config is read, naming the field."""
+
+    file: Path = Field(description="calibration file written by `staleflow calibrate`")
+    model: str | None = Field(None, description="model key; may be left out when the file has one model")
+    parallelism: str | None = Field(None, description="parallelism key; may be left out when the model has one")
+    allow_poor: bool = Field(False, description="use an entry marked ok=false (a poor fit)")
+
+    @field_validator("file")
+    @classmethod
+    def _absolute(cls, file: Path) -> Path:
+        return file.absolute()  # components started in another directory (`up --processes`) find it too
+
+    def entry(self) -> CalibrationEntry:
+        """The referenced entry (CalibrationError naming the problem otherwise)."""
+        file = read_calibration(self.file)
+        model = self.model or _only(file.entries, f"{str(self.file)!r} holds models", "model")
+        parallelism = self.parallelism
+        if parallelism is None and model in file.entries:
+            parallelism = _only(file.entries[model], f"model {model!r} has parallelisms", "parallelism")
+        return load_entry(self.file, model, parallelism or "tp1", allow_poor=self.allow_poor)
+
+    def cost(self) -> dict[str, float]:
+        """The coefficients as the coordinator's ``cost`` section (``CostConfig``) takes them."""
+        return self.entry().cost.model_dump()
+
+    @model_validator(mode="after")
+    def _loads(self) -> CalibrationRef:
+        self.entry()
+        return self
+
+
+def _only(keys: dict[str, Any], what: str, field: str) -> str:
+    if len(keys) == 1:
+        return next(iter(keys))
+    raise CalibrationError(f"{what} {sorted(keys) or 'none'}: name the one to use with calibration.{field}")
+
+
+def calibrated_cost(data: Any) -> Any:
+    """For a config's ``mode="before"`` validator: fill ``cost`` from ``calibration`` when one is given.
+
+    A ``cost`` that differs from the calibrated one is refused (which would win is not obvious); the
+    same one (a dumped config read back) is fine. A config without ``calibration`` is returned as is.
+    """
+    if not isinstance(data, dict) or data.get("calibration") is None:
+        return data
+    ref = data["calibration"]
+    ref = ref if isinstance(ref, CalibrationRef) else CalibrationRef.model_validate(ref)
+    cost, given = ref.cost(), data.get("cost")
+    if given is not None and (given.model_dump() if isinstance(given, BaseModel) else dict(given)) != cost:
+        raise ValueError("give either cost (coefficients) or calibration (a calibration file), not both")
+    return {**data, "calibration": ref, "cost": cost}
+
+
+def entry_summary(entry: CalibrationEntry) -> dict[str, Any]:
+    """The headline numbers of an entry, flat (for tables and logs)."""
+    q = entry.quality
+    return {
+        **entry.cost.model_dump(), "crossover_n": entry.crossover_n, "regime": entry.regime,
+        "r2": q.r2, "mape": q.mape, "holdout_mape": q.holdout_mape, "samples": q.samples, "ok": entry.ok,
+    }

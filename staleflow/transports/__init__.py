@@ -1,0 +1,31 @@
+"""How a version's bytes move between the parameter server and its clients.
+
+Every transport moves byte ranges of one format (``base``): ``http`` (anywhere, multi-node),
+``shm`` (same host, shared memory) and ``nixl`` (NIXL/UCX, optional extra).
+"""
+
+from staleflow.transports.base import (
+    ByteRegions,
+    ChecksumMismatch,
+    ChunkSpec,
+    FormatError,
+    Manifest,
+    PullLease,
+    PushSession,
+    TensorSpec,
+    Transport,
+    TransportUnavailable,
+)
+
+__all__ = [
+    "ByteRegions",
+    "ChecksumMismatch",
+    "ChunkSpec",
+    "FormatError",
+    "Manifest",
+    "PullLease",
+    "PushSession",
+    "TensorSpec",
+    "Transport",
+    "TransportUnavailable",
+]

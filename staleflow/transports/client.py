@@ -1,0 +1,268 @@
+"""The parameter server's client (``ParamsClient``): push from numpy arrays, torch tensors or raw bytes,
+pull over any transport into fresh or preallocated buffers, verifying checksums chunk by chunk."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from staleflow.transports.base import (
+    ByteRegions,
+    ChecksumMismatch,
+    ChunkHasher,
+    ChunkSpec,
+    FormatError,
+    Manifest,
+    PullLease,
+    PushSession,
+    TensorSpec,
+    Transport,
+    checksum_algorithm,
+    checksum_algorithms,
+    layout_tensors,
+    numpy_dtype,
+    safetensors_dtype,
+)
+from staleflow.transports.http import HttpTransport
+from staleflow.transports.rest import RestClient, ServiceError
+from staleflow.transports.shm import ShmTransport, host_id
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor given as raw bytes, for dtypes the caller has no array type for (e.g. BF16)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: Any  # any buffer: bytes, bytearray, memoryview, numpy array
+
+
+def _as_bytes(value: Any) -> tuple[str, tuple[int, ...], Any]:
+    """(safetensors dtype, shape, a buffer holding the bytes) for numpy arrays, torch tensors and
+    RawTensor; no copy for contiguous CPU data."""
+    if isinstance(value, RawTensor):
+        return value.dtype, tuple(value.shape), value.data
+    if type(value).__module__.startswith("torch"):
+        return _torch_bytes(value)
+    array = np.asarray(value)
+    return safetensors_dtype(array.dtype), array.shape, np.ascontiguousarray(array)
+
+
+_TORCH_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                 "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                 "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "uint16": "U16", "uint32": "U32", "uint64": "U64"}
+
+
+def _torch_bytes(tensor: Any) -> tuple[str, tuple[int, ...], Any]:
+    import torch
+
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in _TORCH_DTYPES:
+        raise FormatError(f"torch dtype {tensor.dtype} has no safetensors equivalent")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return _TORCH_DTYPES[name], tuple(tensor.shape), flat.view(torch.uint8).numpy()
+
+
+def _as_torch(array: np.ndarray, spec: TensorSpec) -> Any:
+    import torch
+
+    dtype = getattr(torch, {v: k for k, v in _TORCH_DTYPES.items()}[spec.dtype])
+    raw = torch.from_numpy(array.reshape(-1).view(np.uint8))
+    return raw.view(dtype).reshape(spec.shape)
+
+
+class ParamsClient(RestClient):
+    """The parameter server's API for the trainer (push), the instances (pull) and the coordinator
+    (versions, latest). Not thread-safe: one per thread. ``token`` (default: $STALEFLOW_TOKEN) is
+    sent with every request, as the services' bearer-token check wants it for pushes."""
+
+    def __init__(self, url: str, timeout: float = 60.0, token: str | None = None):
+        super().__init__(url, token, timeout)
+        self.url = url
+        self.timeout = timeout
+        self._transports: dict[str, Transport] = {}
+
+    def close(self) -> None:
+        for transport in self._transports.values():
+            transport.close()
+        super().close()
+
+    def transport(self, name: str) -> Transport:
+        if name not in self._transports:
+            if name == "http":
+                auth = {"Authorization": self.http.headers["authorization"]} if "authorization" in self.http.headers else {}
+                self._transports[name] = HttpTransport(self.url, self.timeout, auth)
+            elif name == "shm":
+                self._transports[name] = ShmTransport()
+            elif name == "nixl":
+                from staleflow.transports.nixl import NixlTransport
+
+                self._transports[name] = NixlTransport()
+            else:
+                raise ValueError(f"unknown transport {name!r}: use http, shm or nixl")
+        return self._transports[name]
+
+    # -- queries
+
+    def health(self) -> dict:
+        return self._call("GET", "/v1/health")
+
+    def versions(self) -> dict:
+        return self._call("GET", "/v1/params")
+
+    def latest(self) -> dict:
+        return self._call("GET", "/v1/params/latest")
+
+    def manifest(self, version: int | str = "latest") -> Manifest:
+        return Manifest.from_json(self._call("GET", f"/v1/params/{version}/manifest"))
+
+    # -- push (trainer)
+
+    def push(self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+             metadata: Mapping[str, str] | None = None) -> dict:
+        """Store ``tensors`` (numpy arrays, torch tensors or RawTensor) as ``version``; returns
+        the committed version's summary. The bytes are sent from the caller's buffers in chunks,
+        never copied whole."""
+        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        converted = [(name, *_as_bytes(value)) for name, value in items]
+        begin = self._call("POST", f"/v1/params/{version}", json={
+            "tensors": [{"name": n, "dtype": d, "shape": list(s)} for n, d, s, _ in converted],
+            "metadata": dict(metadata or {}),
+        })
+        laid = layout_tensors([(n, d, s) for n, d, s, _ in converted])
+        source = ByteRegions.per_tensor(laid, {n: buf for n, _, _, buf in converted})
+        algorithm = next(a for a in begin["checksum_algorithms"] + ["crc32"] if a in checksum_algorithms())
+        session = PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]), algorithm)
+        try:
+            self.transport("http").push(session, source)
+            return self._call("POST", f"/v1/params/{version}/commit", params={"push_id": session.push_id})
+        except BaseException:
+            with contextlib.suppress(httpx.HTTPError):
+                self.http.delete(f"/v1/params/{version}/push", params={"push_id": session.push_id})
+            raise
+
+    # -- pull (instances)
+
+    def open_pull(self, version: int | str = "latest", transport: str = "http", wait_s: float = 0.0) -> PullLease:
+        body = self._call("POST", f"/v1/params/{version}/pulls", json={"transport": transport, "wait_s": wait_s},
+                          timeout=self.timeout + wait_s)
+        return PullLease(body["lease_id"], Manifest.from_json(body["manifest"]), body["transport"],
+                         body["details"], body["ttl_s"])
+
+    def close_pull(self, lease: PullLease) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # else the lease lapses on its own
+            self.http.delete(f"/v1/pulls/{lease.lease_id}")
+
+    def _open_auto(self, version: int | str, wait_s: float) -> PullLease:
+        """shm when the PS offers it and runs on this host, else http."""
+        try:
+            lease = self.open_pull(version, "shm", wait_s)
+        except ServiceError as exc:
+            if exc.status != 422:  # 422: shm not enabled there
+                raise
+        else:
+            if lease.details.get("host_id") == host_id():
+                return lease
+            self.close_pull(lease)
+        return self.open_pull(version, "http", wait_s)
+
+    def iter_pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
+                  as_torch: bool = False, verify: bool = True, wait_s: float = 0.0) -> Iterator[tuple[str, Any]]:
+        """Yields (name, tensor) as each tensor's chunks have landed and been verified. Into
+        ``out`` (name -> preallocated array of the right size) if given, else into one new buffer
+        of the version's size. ``transport="auto"`` picks shm on the PS's host, http elsewhere."""
+        lease = self._open_auto(version, wait_s) if transport == "auto" else self.open_pull(version, transport, wait_s)
+        try:
+            yield from self.receive(lease, out=out, as_torch=as_torch, verify=verify)
+        finally:
+            self.close_pull(lease)
+
+    def pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
+             as_torch: bool = False, verify: bool = True, wait_s: float = 0.0) -> dict[str, Any]:
+        """The whole state dict of ``version`` (a number, 'latest' or 'latest-N')."""
+        return dict(self.iter_pull(version, transport, out=out, as_torch=as_torch, verify=verify, wait_s=wait_s))
+
+    def receive(self, lease: PullLease, *, out: Mapping[str, Any] | None = None, as_torch: bool = False,
+                verify: bool = True) -> Iterator[tuple[str, Any]]:
+        """The tensors of an open lease (see ``open_pull``), as ``iter_pull`` yields them."""
+        manifest = lease.manifest
+        if out is not None:
+            arrays = {t.name: _writable_array(out, t) for t in manifest.tensors}
+            into = ByteRegions.per_tensor(manifest.tensors, arrays)
+        else:
+            flat = np.empty(manifest.total_bytes, np.uint8)
+            arrays = {t.name: _view_of(flat, t) for t in manifest.tensors}
+            into = ByteRegions.flat(flat)
+        pending = sorted(manifest.tensors, key=lambda t: t.offset + t.nbytes)
+        next_tensor = 0
+        for verified_end in _verified_prefixes(self.transport(lease.transport), lease, into, verify):
+            while next_tensor < len(pending) and pending[next_tensor].offset + pending[next_tensor].nbytes <= verified_end:
+                spec = pending[next_tensor]
+                next_tensor += 1
+                if out is not None:
+                    yield spec.name, out[spec.name]
+                else:
+                    yield spec.name, _as_torch(arrays[spec.name], spec) if as_torch else arrays[spec.name]
+
+
+def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions, verify: bool) -> Iterator[int]:
+    """Runs the transport; yields the end of the data section verified so far after each chunk."""
+    chunks = lease.manifest.chunks
+    yield 0  # zero-size tensors at the front
+    if not chunks:
+        return
+    index, landed = 0, 0
+    hasher = ChunkHasher(checksum_algorithm(chunks[0].checksum)) if verify else None
+    for offset, length in transport.pull(lease, into):
+        chunk = chunks[index]
+        if offset != chunk.offset + landed:
+            raise FormatError(f"transport {transport.name} delivered byte {offset}, expected {chunk.offset + landed}")
+        if hasher is not None:
+            for view in into.views(offset, length):
+                hasher.update(view)
+        landed += length
+        if landed == chunk.length:
+            if hasher is not None:
+                actual = hasher.hexdigest()
+                if actual != chunk.checksum:
+                    raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual)
+            yield chunk.offset + chunk.length
+            index, landed = index + 1, 0
+            if hasher is not None and index < len(chunks):
+                hasher = ChunkHasher(checksum_algorithm(chunks[index].checksum))
+    if index != len(chunks):
+        raise FormatError(f"transport {transport.name} stopped after {index} of {len(chunks)} chunks")
+
+
+def _view_of(flat: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    dtype = numpy_dtype(spec.dtype)
+    if spec.nbytes == 0:
+        return np.empty(spec.shape, dtype)
+    return flat[spec.offset:spec.offset + spec.nbytes].view(dtype).reshape(spec.shape)
+
+
+def _writable_array(out: Mapping[str, Any], spec: TensorSpec) -> Any:
+    if spec.name not in out:
+        raise FormatError(f"out has no buffer for tensor {spec.name!r}")
+    target = out[spec.name]
+    if type(target).__module__.startswith("torch"):
+        target = _torch_bytes_target(target)
+    if not isinstance(target, np.ndarray) or not target.flags.writeable or not target.flags.c_contiguous:
+        raise FormatError(f"out[{spec.name!r}] must be a writable C-contiguous numpy array or CPU torch tensor")
+    nbytes = target.nbytes
+    if nbytes != spec.nbytes:
+        raise FormatError(f"out[{spec.name!r}] holds {nbytes} bytes; version has {spec.nbytes} ({spec.dtype} {list(spec.shape)})")
+    return target
+
+
+def _torch_bytes_target(tensor: Any) -> np.ndarray:
+    import torch
+
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise FormatError("out tensors must be contiguous CPU tensors")
+    return tensor.reshape(-1).view(torch.uint8).numpy()

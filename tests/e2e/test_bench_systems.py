@@ -1,0 +1,137 @@
+"""``staleflow bench systems`` on the CI preset: the smoke run a user (and CI) does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from staleflow.cli import bench_systems
+from staleflow.simulation import ExperimentSpec, resolve, run_experiment, scenario
+from staleflow.simulation.tables import markdown, tables
+from staleflow.simulation.systems import catalog
+
+runner = CliRunner()
+ALL = [s.name for s in catalog()]
+
+
+def _app() -> typer.Typer:
+    app, bench = typer.Typer(), typer.Typer()
+    app.add_typer(bench, name="bench")
+    bench_systems.register(bench)
+    return app
+
+
+APP = _app()
+
+
+def invoke(*args: str):  # noqa: ANN201
+    return runner.invoke(APP, ["bench", "systems", "--preset", "ci", "--jobs", "1", *args])
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    result = invoke("--json", str(out / "results.json"), "--out", str(out / "figures"), "--markdown")
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "results.json").read_text()), out, result.output
+
+
+def test_smoke_run_completes_within_the_bound_with_every_system(smoke: tuple[dict, Path, str]) -> None:
+    data, _, output = smoke
+    assert "0 violations" in output
+    assert data["summary"]["violations"] == 0
+    assert data["systems"] == ALL
+    assert [p["eta"] for p in data["points"]] == [1, 2, 3, 4]
+    for point in data["points"]:
+        assert list(point["runs"]) == ALL
+        for name, run in point["runs"].items():
+            assert run["violations"] == 0, name
+            staleness = {int(s) for hist in run["staleness"].values() for s in hist}
+            assert staleness and max(staleness) <= run["eta"]
+            assert run["steps"] == 10 and len(run["step_records"]) == 10
+
+
+def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
+    data, _, _ = smoke
+    typed = {"throughput": float, "total_time_s": float, "response_tokens": int, "mean_response": float,
+             "max_response": int, "instances": int, "train_gpus": int, "eta": int, "violations": int,
+             "system": str, "family": str, "wall_s": float, "step_time_s": float, "steady_throughput": float}
+    for point in data["points"]:
+        for run in point["runs"].values():
+            for key, kind in typed.items():
+                assert isinstance(run[key], kind), (key, run[key])
+            assert set(run["breakdown"]) == {"decode_s", "prefill_s", "pull_s", "route_s", "interrupt_s", "train_s",
+                                             "idle_s"}
+            assert abs(sum(run["breakdown_fractions"].values()) - 1) < 1e-9
+            assert {"mean_ms", "p99_ms", "planned", "cycles"} <= set(run["decisions"])
+            assert run["decisions"]["planned"] >= 1
+        assert set(point["ratios"]["sf-rsm"]) == {"synchronous", "one-step", "in-flight-limited"}
+        assert all(isinstance(v, float) and v > 0 for v in point["ratios"]["sf-rsm"].values())
+    vs = data["summary"]["vs"]
+    assert set(vs) == {"synchronous", "one-step", "in-flight-limited"}
+    assert set(data["summary"]["steady_vs"]) == set(vs)
+    assert vs["synchronous"]["paper_max"] == 2.68
+    assert data["summary"]["all_vanilla_vs_in_flight"]["max_deviation"] >= 0
+
+
+def test_smoke_writes_figures_and_markdown(smoke: tuple[dict, Path, str]) -> None:
+    _, out, output = smoke
+    figures = out / "figures"
+    for name in ("fig13_throughput", "fig16_ablation", "fig17_instance_load", "fig18_staleness"):
+        assert (figures / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
+    md = (figures / "results.md").read_text()
+    assert "| sf-rsm |" in md and "Gains" in md and "cf. Table 3" in md
+    assert "| ratio |" in output, "--markdown prints the tables"
+
+
+def test_same_seed_same_numbers() -> None:
+    def numbers(seed: int) -> list:
+        spec = ExperimentSpec(scenario("ci", seed), tuple(resolve("headline")), (1, 3), steps=4)
+        result = run_experiment(spec)
+        return [(p.point.label, name, r.throughput, r.total_time_s, r.staleness) for p in result.points
+                for name, r in p.runs.items()]
+
+    assert numbers(7) == numbers(7)
+    assert numbers(7) != numbers(8)
+
+
+def test_sweep_and_workload_file(tmp_path: Path) -> None:
+    lengths = tmp_path / "lengths.jsonl"
+    lengths.write_text("\n".join(json.dumps([10 * (g + 1) + m for m in range(4)]) for g in range(6)))
+    result = invoke("--systems", "headline", "--eta", "1", "--steps", "3", "--sweep", "gpus=8,12",
+                    "--workload", str(lengths), "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "f"))
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["sweep"] == {"key": "gpus", "values": [8, 12]}
+    assert data["scenario"]["workload"] == "lengths" and data["scenario"]["max_response_tokens"] == 63
+    assert [p["label"] for p in data["points"]] == ["8, eta=1", "12, eta=1"]
+    assert (tmp_path / "f" / "fig15_scaling.png").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--systems", "nope"), "unknown system"),
+    (("--sweep", "colour=1"), "--sweep takes"),
+    (("--eta", "x"), "--eta takes"),
+    (("--preset", "huge"), "unknown preset"),
+    (("--workload", "/nonexistent/lengths.json"), "cannot use --workload"),
+])
+def test_bad_options_say_what_to_fix(args: tuple[str, ...], message: str) -> None:
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_report_tables_have_a_row_per_system() -> None:
+    spec = ExperimentSpec(scenario("ci"), tuple(resolve("headline")), (2,), steps=3, detail_eta=2)
+    result = run_experiment(spec)
+    throughput, gains, detail, breakdown = tables(result)
+    assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "sf-rsm"]
+    assert len(gains.rows) == 6 and all(len(r) == len(gains.header) for r in gains.rows)  # all steps, second half
+    assert [row[0] for row in detail.rows] == [row[0] for row in breakdown.rows]
+    md = markdown(result, "staleflow bench systems --preset ci")
+    assert sum(line.startswith("|---") for line in md.splitlines()) == 4, "four tables"
+    assert "staleflow bench systems --preset ci" in md

