@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from staleflow.config import ClusterConfig, JobConfig, NodeSelector
+from staleflow.config import JobConfig, NodeSelector
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +158,9 @@ class Component:
 
     def __init__(self, name: str, config_json: str, token: str, namespace: str):
         import ray
-
+        from staleflow.launch.job import build_app
         from staleflow.servers.auth import TOKEN_ENV
         from staleflow.servers.http import serve_in_thread
-        from staleflow.launch.job import build_app
 
         os.environ[TOKEN_ENV] = token  # for this process's clients; never in the actor's runtime_env
         self.name = name
@@ -237,7 +236,6 @@ class TrainerRank:
     def __init__(self, rank: int, world: int, master: tuple[str, int], config_json: str, token: str,
                  namespace: str, started: float | None):
         import ray
-
         from staleflow.servers.auth import TOKEN_ENV
 
         os.environ[TOKEN_ENV] = token
@@ -451,8 +449,8 @@ class RayClusterJob:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self, on_started: Callable[[str, str], None] | None = None) -> None:
-        from staleflow.servers.auth import write_token_file
         from staleflow.launch.job import component_names, trainer_label
+        from staleflow.servers.auth import write_token_file
 
         ray = self.ray
         self.connect()
@@ -491,6 +489,7 @@ class RayClusterJob:
         self._publish()
         self.started = self.monitor.started = time.monotonic()
         self._start_trainer()
+        self._write_placement()
         if on_started:
             on_started("trainer", trainer_label(self.config))
         self._watcher = threading.Thread(target=self._watch, name="ray-launcher", daemon=True)
@@ -591,8 +590,8 @@ class RayClusterJob:
                 on_started(name, info["url"])
 
     def _release_previous_instances(self) -> None:
-        from staleflow.servers.clients import http_client
         from staleflow.launch.job import instance_ids
+        from staleflow.servers.clients import http_client
 
         with http_client(self.endpoints["ts"]["url"]) as ts:
             for instance_id in instance_ids(self.config):
@@ -630,6 +629,17 @@ class RayClusterJob:
                 rank, world, (master["host"], master["port"]), config_json, self.token, self.namespace, self.started))
         ray.get([r.state.remote() for r in self.ranks], timeout=300)
 
+    def _write_placement(self) -> None:
+        """``<state>/placement.json``: where each actor runs (node, IP, pid, GPU ids), for people
+        and tools; rewritten after a gang restart of the trainer."""
+        ray = self.ray
+        names = list(self.actors)
+        infos = ray.get([self.actors[n].info.remote() for n in names] + [r.state.remote() for r in self.ranks], timeout=120)
+        placement = {}
+        for name, info in zip([*names, *(trainer_rank_name(i) for i in range(len(self.ranks)))], infos, strict=True):
+            placement[name] = {k: info[k] for k in ("node_id", "host", "pid", "gpu_ids")}
+        (self.state / "placement.json").write_text(json.dumps(placement, indent=2))
+
     def _restart_trainer(self, why: str) -> None:
         """NCCL/gloo cannot take a rank back: stop every rank, start the gang again; it resumes
         from the newest checkpoint and the step log."""
@@ -655,6 +665,8 @@ class RayClusterJob:
             return
         self._start_trainer()
         self.events.append({"name": "trainer", "event": "restarted", "t": time.monotonic()})
+        with contextlib.suppress(Exception):  # a component restarting now: the file is informative only
+            self._write_placement()
 
     # -- watching --------------------------------------------------------------------------
 
@@ -787,8 +799,8 @@ class RayClusterJob:
                 self.ray.util.remove_placement_group(pg)
 
     def engine_stats(self) -> dict[str, dict]:
-        from staleflow.servers.clients import http_client
         from staleflow.launch.job import instance_ids
+        from staleflow.servers.clients import http_client
 
         stats = {}
         for name in instance_ids(self.config):

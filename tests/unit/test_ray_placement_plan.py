@@ -4,9 +4,9 @@ naming the missing resource or label (pure: node records as ``ray.nodes()`` retu
 from __future__ import annotations
 
 import pytest
+from staleflow.launch.ray_cluster import LauncherError, PlacementPlan, preflight
 
 from staleflow.config import JobConfig
-from staleflow.launch.ray_cluster import LauncherError, PlacementPlan, preflight
 
 
 def node(node_id: str, labels: dict | None = None, **resources: float) -> dict:
