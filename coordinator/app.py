@@ -23,6 +23,8 @@ class InstanceEndpoint(BaseModel):
     model_config = {"extra": "forbid", "frozen": True}
     instance_id: str = Field(pattern=INSTANCE_ID)
     url: HttpUrl
+    params_url: HttpUrl | None = Field(None, description="where this instance pulls weights (a parameter-server "
+                                                         "relay on its machine); default: the job's parameter server")
 
 
 class CoordinatorConfig(ServiceConfig):
@@ -67,7 +69,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             sim_weights_bytes=config.sim_weights_bytes,
         )
         for endpoint in config.instances:
-            coordinator.add_instance(endpoint.instance_id, endpoint.url, config.cost.cost_model())
+            coordinator.add_instance(endpoint.instance_id, endpoint.url, config.cost.cost_model(), endpoint.params_url)
         app.state.coordinator = coordinator
         loop = asyncio.create_task(coordinator.run())
         try:
@@ -95,7 +97,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
     async def register(request: Request, body: InstanceEndpoint) -> dict:
         c = co(request)
         try:
-            record = c.add_instance(body.instance_id, body.url, config.cost.cost_model())
+            record = c.add_instance(body.instance_id, body.url, config.cost.cost_model(), body.params_url)
         except ValueError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=409)
         return c.describe(record)
@@ -106,7 +108,8 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         if body.instance_id != instance_id:
             return JSONResponse({"detail": f"the body names {body.instance_id!r}, the path {instance_id!r}"},
                                 status_code=422)
-        return co(request).describe(await co(request).upsert_instance(instance_id, body.url, config.cost.cost_model()))
+        return co(request).describe(await co(request).upsert_instance(instance_id, body.url, config.cost.cost_model(),
+                                                                      body.params_url))
 
     def _record(request: Request, instance_id: str):  # noqa: ANN202
         record = co(request).instances.get(instance_id)

@@ -64,6 +64,7 @@ class InstanceRecord:
     released: bool = True  # False: failed, but its trajectories could not be handed back yet
     next_probe: float = 0.0  # a failed instance is probed at most once a second for a restart
     check_orphans: bool = False  # a checkout for it got no answer: the TS may have routed work it never got
+    params_url: str | None = None  # where it pulls weights (a relay on its machine), else the job's parameter server
 
 
 @dataclass
@@ -119,7 +120,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ membership
 
-    def add_instance(self, instance_id: str, url: str, cost: CostModel | None = None) -> InstanceRecord:
+    def add_instance(self, instance_id: str, url: str, cost: CostModel | None = None,
+                     params_url: str | None = None) -> InstanceRecord:
         """Register an instance (at start or at runtime: elastic pool). It joins after its first
         snapshot is adopted and it has pulled the newest version."""
         old = self.instances.get(instance_id)
@@ -129,17 +131,20 @@ class Coordinator:
             if old.worker:
                 old.worker.cancel()
         record = InstanceRecord(instance_id, url, async_http_client(url, timeout=self.command_timeout), cost or CostModel())
+        record.params_url = str(params_url).rstrip("/") if params_url else None
         record.worker = asyncio.create_task(self._command_worker(record))
         self.instances[instance_id] = record
         return record
 
-    async def upsert_instance(self, instance_id: str, url: str, cost: CostModel | None = None) -> InstanceRecord:
+    async def upsert_instance(self, instance_id: str, url: str, cost: CostModel | None = None,
+                              params_url: str | None = None) -> InstanceRecord:
         """Register an instance, or point a registered one at its new address (its process moved
         to another machine). A moved instance is a new process: its new boot id makes the next
         snapshot hand the old process's trajectories back, as after a restart in place."""
         old = self.instances.get(instance_id)
         if old is None:
-            return self.add_instance(instance_id, url, cost)
+            return self.add_instance(instance_id, url, cost, params_url)
+        old.params_url = str(params_url).rstrip("/") if params_url else None
         if old.url.rstrip("/") == url.rstrip("/"):
             return old  # a restart in place: its new boot id tells the rest
         previous = old.client
@@ -337,7 +342,7 @@ class Coordinator:
             if snap["inst_version"] < self.ps_version and not (run or wait):
                 record.status = InstanceStatus.SYNCING  # a (re)joining instance starts from the newest weights
                 self.p.pulled(record.instance_id, self.ps_version)
-                self._enqueue(record, "pull", {"version": self.ps_version, **self._weights()}, 1)
+                self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record)}, 1)
         if record.in_flight:
             record.validated = False
             return
@@ -370,7 +375,7 @@ class Coordinator:
             record = self.instances[instance_id]
             record.status = InstanceStatus.SYNCING
             self.p.pulled(instance_id, self.ps_version)
-            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights()}, 1)
+            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record)}, 1)
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
         by_instance: dict[str, list[dict]] = {}
         for d in plan.routes:
@@ -388,10 +393,10 @@ class Coordinator:
                 self.p.routed(instance_id, len(trajectories))
                 self._enqueue(self.instances[instance_id], "route", {"trajectories": trajectories}, len(trajectories))
 
-    def _weights(self) -> dict:
+    def _weights(self, record: InstanceRecord) -> dict:
         if self.params is None:
             return {"weights": {"source": "sim", "size_bytes": self.sim_weights_bytes}} if self.sim_weights_bytes else {}
-        return {"weights": {"source": "params", "url": self.params_url}}
+        return {"weights": {"source": "params", "url": record.params_url or self.params_url}}
 
     async def _cancel_surplus(self) -> None:
         reply = await self.ts.get("/v1/cancellations")
@@ -466,6 +471,7 @@ class Coordinator:
         return {
             "instance_id": record.instance_id,
             "url": record.url,
+            "params_url": record.params_url or self.params_url,
             "status": record.status.value,
             "validated": record.validated,
             "snapshot": {k: s.get(k) for k in ("kv_cache", "run_trajs", "wait_trajs", "complete_trajs", "inst_version",

@@ -117,7 +117,8 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
 
         return create_app(CoordinatorConfig(
             manager_url=url["manager"], ts_url=url["ts"], params_url=url["params"],
-            instances=[InstanceEndpoint(instance_id=i, url=url[i]) for i in instance_ids(config)],
+            instances=[InstanceEndpoint(instance_id=i, url=url[i], params_url=endpoints[i].get("params_url"))
+                       for i in instance_ids(config)],
             routing=config.routing, sync=config.sync, migration=config.migration, mu=config.mu,
             phi_wait=config.phi_wait, phi_throughput=config.phi_throughput, cycle_period=config.cycle_period,
             # a real engine on a busy CPU can take tens of seconds for a step or a weight load

@@ -116,6 +116,26 @@ def probe(low: int, high: int, taken: list[int]) -> dict:
             "node_id": ray.get_runtime_context().get_node_id()}
 
 
+def is_relay(name: str) -> bool:
+    return name.startswith("relay-")
+
+
+def relay_on(endpoints: dict[str, dict], node_id: str) -> str | None:
+    """The URL of the parameter-server relay on node ``node_id``, if the job has one there."""
+    return next((e["url"] for n, e in sorted(endpoints.items())
+                 if is_relay(n) and isinstance(e, dict) and e.get("node_id") == node_id), None)
+
+
+def relay_app(config: JobConfig, namespace: str, name: str):  # noqa: ANN201
+    """A relay's parameter server, its versions in node-local storage (shared memory serves them)."""
+    import tempfile
+
+    from staleflow.servers.params import ParamsConfig, create_app
+
+    where = Path(tempfile.gettempdir()) / f"staleflow-{namespace}-{name}"
+    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False))
+
+
 def _join(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -171,7 +191,11 @@ class Component:
         planned, here = endpoints[name], node_ip()
         node_id = ray.get_runtime_context().get_node_id()
         moved = planned.get("node_id", node_id) != node_id or planned["host"] != here
-        app = build_app(name, config, endpoints)
+        self.namespace = namespace
+        self.params_url = relay_on(endpoints, node_id) if name.startswith("inst-") else None
+        make_app = (lambda: relay_app(config, namespace, name)) if is_relay(name) else \
+            (lambda: build_app(name, config, endpoints))
+        app = make_app()
         timeout = config.cluster.start_timeout_s or (60.0 if config.engine == "sim" else 900.0)
         self.server = None
         if not moved:
@@ -179,16 +203,24 @@ class Component:
                 self.server = serve_in_thread(app, here, planned["port"], token=token, startup_timeout=timeout)
             except OSError:  # someone took the port since: serve on another one, like a moved component
                 moved = True
-                app = build_app(name, config, endpoints)
+                app = make_app()
         if moved:
             port = free_port(here, *config.cluster.port_range)
             endpoints[name] = {"url": _join(here, port), "host": here, "port": port, "node_id": node_id}
+            if self.params_url:
+                endpoints[name]["params_url"] = self.params_url
             self.server = serve_in_thread(app, here, port, token=token, startup_timeout=timeout)
             ray.get(registry.put.remote(name, endpoints[name]))
             log.warning("%s moved to %s", name, endpoints[name]["url"])
         self.url = endpoints[name]["url"]
         if name.startswith("inst-"):  # every start: a no-op in place, the new address after a move
             threading.Thread(target=self._reregister, args=(endpoints,), daemon=True).start()
+        if is_relay(name):
+            from staleflow.servers.params.relay import Mirror
+
+            self.stop_mirror = threading.Event()
+            self.mirror = Mirror(endpoints["params"]["url"], self.url, self.stop_mirror)
+            threading.Thread(target=self.mirror.run, daemon=True, name="mirror").start()
         self.app = app
         threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
 
@@ -196,7 +228,7 @@ class Component:
         """Tell the coordinator where this instance serves now (retried until it answers)."""
         from staleflow.servers.clients import http_client
 
-        body = {"instance_id": self.name, "url": self.url}
+        body = {"instance_id": self.name, "url": self.url, "params_url": self.params_url}
         delay = 0.2
         while True:
             try:
@@ -449,7 +481,7 @@ class RayClusterJob:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self, on_started: Callable[[str, str], None] | None = None) -> None:
-        from staleflow.launch.job import component_names, trainer_label
+        from staleflow.launch.job import trainer_label
         from staleflow.servers.auth import write_token_file
 
         ray = self.ray
@@ -473,7 +505,7 @@ class RayClusterJob:
                                           **self._options()).remote(self.endpoints, registry_path)
         ray.get(self.registry.get.remote())
         timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
-        names = component_names(self.config)
+        names = self._names()
         pending: list[str] = []
         for name in names:
             if name == "coordinator":  # instances start side by side (a vLLM engine takes a while)
@@ -535,14 +567,25 @@ class RayClusterJob:
         self.trainer_bundles = sorted(nodes, key=lambda i: (ips.get(nodes[i], ""), nodes[i], i))
         rollout = ray.util.placement_group_table(self.pgs["rollout"])["bundles_to_node_id"]
         self.rollout_bundles = sorted(rollout, key=lambda i: (ips.get(rollout[i], ""), rollout[i], i))
+        self.relay_bundles: list[int] = []
+        if c.ps_relay == "per_rollout_node":  # the first bundle of each rollout node hosts its relay
+            seen: set[str] = set()
+            for i in self.rollout_bundles:
+                if rollout[i] not in seen:
+                    seen.add(rollout[i])
+                    self.relay_bundles.append(i)
 
     def _scheduling(self, name: str) -> Any:
         if name.startswith("inst-"):
             return self._in("rollout", self.rollout_bundles[int(name.split("-")[1])])
+        if is_relay(name):  # beside the first instance of its node, in that instance's bundle
+            return self._in("rollout", self.relay_bundles[int(name.split("-")[1])])
         return self._in("control", CONTROL_SERVICES.index(name))
 
     def _resources(self, name: str) -> dict:
         c = self.config.cluster
+        if is_relay(name):
+            return {"num_cpus": 0, "resources": {}}
         if name.startswith("inst-"):
             return {"num_cpus": c.cpus_per_instance, "num_gpus": c.gpus_per_instance,
                     "resources": self._marker(c.rollout)}
@@ -550,14 +593,13 @@ class RayClusterJob:
 
     def _plan_endpoints(self) -> dict[str, dict]:
         """Each component's address, found on the node that will serve it."""
-        from staleflow.launch.job import component_names
 
         ray = self.ray
         low, high = self.config.cluster.port_range
         probe_task = ray.remote(probe)
         planned: dict[str, dict] = {}
         taken: dict[str, list[int]] = {}
-        for name in component_names(self.config):
+        for name in self._names():
             res = self._resources(name)
             where = ray.get(probe_task.options(num_cpus=0, resources=res["resources"],
                                                scheduling_strategy=self._scheduling(name)).remote(
@@ -565,7 +607,18 @@ class RayClusterJob:
             taken.setdefault("any", []).append(where["port"])  # one list: test clusters share one IP
             planned[name] = {"url": _join(where["host"], where["port"]), "host": where["host"], "port": where["port"],
                              "node_id": where["node_id"]}
+            if name.startswith("inst-") and (relay := relay_on(planned, where["node_id"])):
+                planned[name]["params_url"] = relay
         return planned
+
+    def _names(self) -> list[str]:
+        """Start order: the control services, the relays, the instances, the coordinator."""
+        from staleflow.launch.job import component_names
+
+        names = component_names(self.config)
+        relays = [f"relay-{k}" for k in range(len(self.relay_bundles))]
+        at = names.index("ts") + 1
+        return [*names[:at], *relays, *names[at:]]
 
     def _create(self, name: str, config_json: str) -> Any:
         ray = self.ray
@@ -715,6 +768,7 @@ class RayClusterJob:
         if not changed:
             return
         self.endpoints.update(current)
+        self._repoint_pulls()
         self._publish()
         moved_services = changed & set(CONTROL_SERVICES)
         if moved_services:  # everyone else was built with the old address: restart them to read the new one
@@ -723,6 +777,24 @@ class RayClusterJob:
                 if name not in moved_services:
                     self._kill(name, actor, "a service it calls moved")
             self._restart_trainer(f"{', '.join(sorted(moved_services))} moved")
+
+    def _repoint_pulls(self) -> None:
+        """After a relay or an instance moved: each instance pulls from the relay on its node now
+        (or from the central parameter server where there is none); the registry and the
+        coordinator learn it."""
+        from staleflow.servers.clients import http_client
+
+        for name, entry in list(self.endpoints.items()):
+            if not name.startswith("inst-") or not isinstance(entry, dict):
+                continue
+            wanted = relay_on(self.endpoints, entry.get("node_id", ""))
+            if entry.get("params_url") == wanted:
+                continue
+            entry = {**{k: v for k, v in entry.items() if k != "params_url"}, **({"params_url": wanted} if wanted else {})}
+            self.endpoints[name] = entry
+            self.ray.get(self.registry.put.remote(name, entry), timeout=10)
+            with contextlib.suppress(Exception), http_client(self.endpoints["coordinator"]["url"], timeout=10) as c:
+                c.put(f"/v1/instances/{name}", json={"instance_id": name, "url": entry["url"], "params_url": wanted})
 
     def _kill(self, name: str, actor: Any, why: str) -> None:
         self.events.append({"name": name, "event": "detected", "why": why, "t": time.monotonic()})

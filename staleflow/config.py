@@ -156,6 +156,9 @@ class ClusterConfig(StrictModel):
     port_range: tuple[int, int] = Field(
         (20000, 29999), description="ports for StaleFlow's services, outside Ray's worker ports (10002-19999) "
                                     "and the ephemeral range (32768+)")
+    ps_relay: Literal["none", "per_rollout_node"] = Field(
+        "none", description="per_rollout_node: a parameter-server relay on each rollout node mirrors every version "
+                            "once; the instances there pull from it (shared memory) instead of the central server")
     network_interface: str | None = Field(None, description="NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME of trainer ranks")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of every actor (no secrets)")
     placement_timeout_s: float = Field(60.0, gt=0, description="a placement not ready this long fails the start")

@@ -6,6 +6,10 @@ name through ``collective_rpc`` (no pickled callables, no VLLM_ALLOW_INSECURE_SE
 
 from __future__ import annotations
 
+PULL_WAIT_S = 120.0
+"""How long a pull waits for a version its parameter server does not hold yet (a relay still
+copying it); the job's own parameter server always holds the versions it is asked for."""
+
 
 class StaleflowWorkerExtension:
     def staleflow_reload_weights(self, weights_path: str | None = None, weights_blob: bytes | None = None) -> bool:
@@ -27,7 +31,8 @@ class StaleflowWorkerExtension:
         from staleflow.transports.client import ParamsClient
 
         with ParamsClient(url, timeout=600) as params:
-            loaded = params.iter_pull(version, transport, as_torch=True)
+            # a relay may still be copying the version from the parameter server: wait for it
+            loaded = params.iter_pull(version, transport, as_torch=True, wait_s=PULL_WAIT_S)
             self.reload_weights(weights_iterator=loaded)  # type: ignore[attr-defined]
         self._staleflow_repack_tied_lm_head()
         return version

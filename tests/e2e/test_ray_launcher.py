@@ -102,7 +102,7 @@ def local_cluster() -> Iterator[LocalCluster]:
 def job_file(tmp: Path, cluster: Any, namespace: str, **overrides: Any) -> Path:
     data = {"engine": "sim", "workload": "ci-tiny", "max_tokens": 48, "instances": 2, "steps": 200, "speed": 20,
             "ledger": {"eta": 1, "batch_size": 4, "group_size": 2},
-            "cluster": {"address": cluster.address, "namespace": namespace,
+            "cluster": {"address": cluster.address, "namespace": namespace, "ps_relay": "per_rollout_node",
                         "rollout": {"resource": "staleflow_rollout"}, "trainer": {"resource": "staleflow_trainer"}},
             **overrides}
     path = tmp / f"{namespace}.yaml"
@@ -217,7 +217,12 @@ def test_placement_puts_each_role_on_its_nodes(local_cluster: LocalCluster, job:
     assert {i["node_id"] for i in instances.values()} == {gpu} and trainer["node_id"] == gpu
     gpu_ids = [g for i in instances.values() for g in i["gpu_ids"]] + trainer["gpu_ids"]
     assert len(gpu_ids) == 3 and len(set(gpu_ids)) == 3, f"instances and trainer share GPUs: {gpu_ids}"
-    nodes_used = {i["node_id"] for i in [*services.values(), *instances.values(), trainer]}
+    relay = where("relay-0")
+    assert relay["node_id"] == gpu, "the parameter-server relay sits on the rollout node"
+    wait_for(lambda: get_json(relay["url"], "/v1/params/latest")["version"] >= 1, 120, "the relay mirrors versions")
+    assert {i: c["params_url"] for i, c in coordinator_instances().items()} == {i: relay["url"] for i in INSTANCES}, \
+        "each instance's Pull names the relay on its node"
+    nodes_used = {i["node_id"] for i in [*services.values(), *instances.values(), trainer, relay]}
     assert head not in nodes_used, "nothing of StaleFlow runs on the head node"
     published = json.loads((job.state / "endpoints.json").read_text())
     assert published["launcher"] == "ray" and published["namespace"] == NAMESPACE
@@ -237,7 +242,7 @@ def test_a_second_process_finds_the_job_by_its_namespace(local_cluster: LocalClu
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     status = cli("status")
-    assert set(status) == {*SERVICES, *INSTANCES} and all(row["up"] for row in status.values()), status
+    assert set(status) == {*SERVICES, *INSTANCES, "relay-0"} and all(row["up"] for row in status.values()), status
     assert {i["instance_id"] for i in cli("instances")["instances"]} == set(INSTANCES)
     assert cli("buffers")["train_version"] >= 0
 
@@ -286,7 +291,7 @@ def test_loss_of_a_node_moves_its_work(local_cluster: LocalCluster, job: Running
     replacement = local_cluster.cluster.add_node(**GPU_NODE)
     local_cluster.cluster.wait_for_nodes()
     lost = local_cluster.gpu.node_id
-    victims = [where(n) for n in (*INSTANCES, "trainer-0")]
+    victims = [where(n) for n in (*INSTANCES, "trainer-0", "relay-0")]
     assert all(v["node_id"] == lost for v in victims)
     old_urls = {n: registry()[n]["url"] for n in INSTANCES}
     local_cluster.cluster.remove_node(local_cluster.gpu, allow_graceful=False)
@@ -302,6 +307,9 @@ def test_loss_of_a_node_moves_its_work(local_cluster: LocalCluster, job: Running
         wait_for(lambda: (c := coordinator_instances()[name])["url"] == moved["url"] and c["status"] == "live", 120,
                  f"{name} re-registered with the coordinator")
     wait_for(lambda: where("trainer-0")["node_id"] == replacement.node_id, 180, "the trainer gang restarted on the new node")
+    relay = wait_for(lambda: (w := where("relay-0"))["node_id"] == replacement.node_id and w, 180, "the relay moved")
+    wait_for(lambda: all(c["params_url"] == relay["url"] for c in coordinator_instances().values()), 120,
+             "the moved instances pull from the moved relay")
     steps = step_count(job)
     wait_for(lambda: step_count(job) > steps, 180, "training goes on after the node loss")
     print(f"\nnode loss: instances and trainer back on the new node, training again {time.monotonic() - lost_at:.1f} s "
