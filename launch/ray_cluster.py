@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from staleflow.config import JobConfig, NodeSelector
 
 log = logging.getLogger(__name__)
@@ -646,9 +648,12 @@ class RayClusterJob:
         from staleflow.launch.job import instance_ids
         from staleflow.servers.clients import http_client
 
-        with http_client(self.endpoints["ts"]["url"]) as ts:
+        with http_client(self.endpoints["ts"]["url"], token=self.token) as ts:
             for instance_id in instance_ids(self.config):
-                ts.post(f"/v1/instances/{instance_id}/release")
+                reply = ts.post(f"/v1/instances/{instance_id}/release")
+                if reply.status_code >= 300:
+                    raise LauncherError(f"the trajectory server refused to release {instance_id}'s trajectories: "
+                                        f"{reply.status_code} {reply.text[:200]}")
 
     def _publish(self) -> None:
         from staleflow.launch.job import trainer_label
@@ -793,8 +798,15 @@ class RayClusterJob:
             entry = {**{k: v for k, v in entry.items() if k != "params_url"}, **({"params_url": wanted} if wanted else {})}
             self.endpoints[name] = entry
             self.ray.get(self.registry.put.remote(name, entry), timeout=10)
-            with contextlib.suppress(Exception), http_client(self.endpoints["coordinator"]["url"], timeout=10) as c:
-                c.put(f"/v1/instances/{name}", json={"instance_id": name, "url": entry["url"], "params_url": wanted})
+            try:
+                with http_client(self.endpoints["coordinator"]["url"], token=self.token, timeout=10) as c:
+                    reply = c.put(f"/v1/instances/{name}", json={"instance_id": name, "url": entry["url"],
+                                                                 "params_url": wanted})
+                if reply.status_code >= 300:
+                    log.error("the coordinator refused %s's new parameter server: %d %s", name, reply.status_code,
+                              reply.text[:200])
+            except httpx.HTTPError as exc:  # the coordinator restarting: it reads the registry when it starts
+                log.warning("cannot tell the coordinator where %s pulls from: %s", name, exc)
 
     def _kill(self, name: str, actor: Any, why: str) -> None:
         self.events.append({"name": name, "event": "detected", "why": why, "t": time.monotonic()})
@@ -804,40 +816,40 @@ class RayClusterJob:
             self.ray.kill(actor, no_restart=False)
 
     def _check_hung(self, probes: dict, misses: dict[str, int]) -> None:
-        grace = 30.0  # a restarted component gets this long before it is judged again
+        """Ray sees processes die, not hang: a service alive to Ray whose health probe keeps
+        failing, or an instance the coordinator declared failed, is killed (Ray restarts it)."""
+        grace = 30.0  # a service the launcher restarted gets this long before it is judged again
+        settle = 10.0  # an instance process that answered gets this long for the coordinator to adopt it
         now = time.monotonic()
+        views = actor_views(self.ray)
         for name, (_, client) in probes.items():
-            if name.startswith("inst-") or now - self._restarted_at.get(name, -1e9) < grace:
+            if name.startswith("inst-"):  # note when each instance process first answers
+                view = views.get(self.actors[name]._actor_id.hex(), {})
+                incarnation = (view.get("NumRestarts"), view.get("Pid"))
+                if self._incarnations.get(name, (None, None))[0] != incarnation:
+                    self._incarnations[name] = (incarnation, None)
+                if self._incarnations[name][1] is None and view.get("State") == "ALIVE" and _healthy(client):
+                    self._incarnations[name] = (incarnation, now)
                 continue
-            try:
-                ok = client.get("/v1/health").status_code == 200
-            except Exception:
-                ok = False
-            misses[name] = 0 if ok else misses.get(name, 0) + 1
-            if misses[name] >= 20 and self._actor_state(name) == "ALIVE":  # alive to Ray, silent to us: hung
+            if now - self._restarted_at.get(name, -1e9) < grace:
+                continue
+            misses[name] = 0 if _healthy(client) else misses.get(name, 0) + 1
+            state = views.get(self.actors[name]._actor_id.hex(), {}).get("State")
+            if misses[name] >= 20 and state == "ALIVE":  # alive to Ray, silent to us: hung
                 misses[name] = 0
                 self._kill(name, self.actors[name], "alive but its health probe failed for 10 s")
         try:
             listed = probes["coordinator"][1].get("/v1/instances").json()["instances"]
-        except Exception:
+        except (httpx.HTTPError, ValueError, KeyError):
             return
         for i in listed:
             name = i["instance_id"]
             if i["status"] != "failed" or name not in self.actors:
                 continue
-            view = actor_view(self.ray, self.actors[name])
-            incarnation = (view.get("NumRestarts"), view.get("Pid"))
-            if view.get("State") != "ALIVE":
-                continue  # Ray is restarting it already
-            if self._incarnations.get(name, (None, 0.0))[0] != incarnation:
-                self._incarnations[name] = (incarnation, now)  # a process the coordinator has not judged yet
-                continue
-            if now - max(self._incarnations[name][1], self._restarted_at.get(name, -1e9)) > grace:
+            answered = self._incarnations.get(name, (None, None))[1]
+            state = views.get(self.actors[name]._actor_id.hex(), {}).get("State")
+            if state == "ALIVE" and answered is not None and now - max(answered, self._restarted_at.get(name, -1e9)) > settle:
                 self._kill(name, self.actors[name], "the coordinator declared it failed (hung)")
-
-    def _actor_state(self, name: str) -> str | None:
-        """Ray's view of the actor (ALIVE, RESTARTING, DEAD...)."""
-        return actor_state(self.ray, self.actors[name])
 
     # -- the surface `staleflow up` uses -----------------------------------------------------
 
@@ -892,18 +904,20 @@ class RayClusterJob:
         return self.ray.get(self.actors[name].info.remote(), timeout=60)
 
 
-def actor_view(ray: Any, actor: Any) -> dict:
-    """Ray's own record of an actor (State, NumRestarts, Pid, ...) from the GCS actor table; works
-    without the dashboard."""
+def _healthy(client: httpx.Client) -> bool:
+    try:
+        return client.get("/v1/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def actor_views(ray: Any) -> dict[str, dict]:
+    """Ray's records of every actor, by actor id (one call to the GCS actor table)."""
     from ray._private import state
 
     with contextlib.suppress(Exception):
-        return state.actors(actor_id=actor._actor_id.hex())
+        return state.actors()
     return {}
-
-
-def actor_state(ray: Any, actor: Any) -> str | None:
-    return actor_view(ray, actor).get("State")
 
 
 def remove_job(ray: Any, namespace: str) -> dict[str, list[str]]:

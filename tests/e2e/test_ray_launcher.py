@@ -247,13 +247,14 @@ def test_a_second_process_finds_the_job_by_its_namespace(local_cluster: LocalClu
     assert cli("buffers")["train_version"] >= 0
 
 
-ROLE_ORDER = ("inst-0", "ts", "params", "manager", "reward", "coordinator", "trainer-0")
+ROLE_ORDER = ("inst-0", "ts", "params", "manager", "reward", "coordinator", "trainer-0", "inst-1 (hung)")
 
 
 @pytest.mark.timeout(900)
 def test_sigkill_of_each_role_recovers_in_place(job: RunningJob) -> None:
     timings: dict[str, dict] = {}
-    for name in ROLE_ORDER:
+    for role in ROLE_ORDER:
+        name, hung = role.split(" ")[0], role.endswith("(hung)")
         before = wait_for(lambda: train_version() >= 1 and train_version(), 120, f"training progresses before {name}")
         wait_for(lambda: train_version() > before, 120, f"a step trained before killing {name}")
         old = where(name)
@@ -262,9 +263,13 @@ def test_sigkill_of_each_role_recovers_in_place(job: RunningJob) -> None:
         url = registry().get(name, {}).get("url")
         steps_before = step_count(job)
         killed_at = time.monotonic()
-        os.kill(old["pid"], signal.SIGKILL)
-        # services and instances: Ray restarts the actor; trainer ranks: the launcher restarts the gang
-        wait_for(lambda: died(name, seen), 60, f"Ray sees {name} die", pace=0.01)
+        if hung:  # alive to Ray: the coordinator's verdict, then the launcher, end it
+            os.kill(old["pid"], signal.SIGSTOP)
+            wait_for(lambda: coordinator_instances()[name]["status"] == "failed", 120, f"{name} declared failed")
+        else:
+            os.kill(old["pid"], signal.SIGKILL)
+            # services and instances: Ray restarts the actor; trainer ranks: the launcher restarts the gang
+            wait_for(lambda: died(name, seen), 60, f"Ray sees {name} die", pace=0.01)
         detected = time.monotonic() - killed_at
         new = wait_for(lambda: (w := where(name))["pid"] != old["pid"] and w, 120, f"{name} restarted")
         restarted = time.monotonic() - killed_at
@@ -279,7 +284,7 @@ def test_sigkill_of_each_role_recovers_in_place(job: RunningJob) -> None:
             if name == "coordinator":
                 wait_for(lambda: all(i["status"] in ("live", "syncing") for i in coordinator_instances().values()),
                          120, "the restarted coordinator adopts every instance")
-        timings[name] = {"detection_s": round(detected, 2), "restarted_s": round(restarted, 2),
+        timings[role] = {"detection_s": round(detected, 2), "restarted_s": round(restarted, 2),
                          "recovery_s": round(time.monotonic() - killed_at, 2)}
     TIMINGS.write_text(json.dumps(timings, indent=2))
     print("\nper-role detection and recovery under --launcher ray (s):", json.dumps(timings))
