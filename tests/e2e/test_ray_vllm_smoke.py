@@ -1,5 +1,6 @@
 """A real-engine smoke of `staleflow up --launcher ray`: one vLLM instance on a rollout node holding a
-fake GPU, two gloo trainer ranks (FSDP2 on CPU) on two trainer nodes, the demo model, two steps.
+fake GPU, two gloo trainer ranks (FSDP2 on CPU) on two trainer nodes, the demo model, three steps;
+the follower rank is SIGKILLed after the first step, and the gang restarts from the checkpoint.
 
 The cluster (a head with no CPUs, a control node, a rollout node, two trainer nodes) is selected by
 the default `cluster:` section: custom resources and `staleflow.io/role` labels together. It runs in
@@ -15,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,22 +53,35 @@ def test_vllm_instance_and_two_gloo_ranks_on_two_nodes_train_two_steps(tmp_path:
             cluster.wait_for_nodes()
             config = tmp_path / "smoke.yaml"
             config.write_text(yaml.safe_dump({
-                "engine": "vllm", "steps": 2, "instances": 1, "trainer": {"world_size": 2, "checkpoint_every": 1},
+                "engine": "vllm", "steps": 3, "instances": 1, "trainer": {"world_size": 2, "checkpoint_every": 1},
                 "ledger": {"eta": 1, "batch_size": 2, "group_size": 2},
                 "cluster": {"address": cluster.address, "namespace": "staleflow-vllm-smoke", "trainer_nodes": 2,
                             "gpus_per_rank": 0, "cpus_per_rank": 0.5, "gpus_per_instance": 1,
                             "cpus_per_instance": 1}}))
-            out = subprocess.run([sys.executable, "-m", "staleflow.cli", "up", "--launcher", "ray", "--config",
-                                  str(config), "--state-dir", str(tmp_path / "state"), "--json-log"],
-                                 capture_output=True, text=True, timeout=1700,
-                                 env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-            print(out.stdout[-4000:], out.stderr[-4000:])
-            events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+            state = tmp_path / "state"
+            up = subprocess.Popen([sys.executable, "-m", "staleflow.cli", "up", "--launcher", "ray", "--config",
+                                   str(config), "--state-dir", str(state), "--json-log"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+            output: list[str] = []
+            threading.Thread(target=lambda: output.extend(up.stdout), daemon=True).start()  # type: ignore[arg-type]
+            step_log = state / "trainer" / "steps.jsonl"
+            # one rank of the gang dies after the first step: both restart from the newest checkpoint
+            wait_for(lambda: step_log.exists() and step_log.read_text().strip() or up.poll() is not None, 1500,
+                     "the first step trained")
+            assert up.poll() is None, "".join(output[-60:])
+            follower = json.loads((state / "placement.json").read_text())["trainer-1"]["pid"]
+            os.kill(follower, signal.SIGKILL)
+            up.wait(1500)
+            text = "".join(output)
+            print(text[-4000:])
+            events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
             end = next((e for e in events if e["event"] == "end"), None)
-            assert out.returncode == 0 and end is not None and end["completed"], out.stdout[-3000:] + out.stderr[-3000:]
+            assert up.returncode == 0 and end is not None and end["completed"], text[-4000:]
             assert end["staleness_violations"] == 0
-            steps = [json.loads(line) for line in (tmp_path / "state" / "trainer" / "steps.jsonl").read_text().splitlines()]
-            assert [s["version"] for s in steps] == [0, 1]
+            steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+            assert [s["version"] for s in steps] == [0, 1, 2], "each version trained once across the gang restart"
+            assert json.loads((state / "placement.json").read_text())["trainer-1"]["pid"] != follower
             ranks = sorted((tmp_path / "state" / "logs").glob("trainer-*.log"))
             assert [p.name for p in ranks] == ["trainer-0.log", "trainer-1.log"]
             placement = json.loads((tmp_path / "state" / "placement.json").read_text())
