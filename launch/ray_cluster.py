@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 REGISTRY = "endpoints"
 CONTROL_SERVICES = ("manager", "params", "reward", "ts", "coordinator")
 PLACEMENT_GROUPS = ("control", "rollout", "trainer")
+HUNG_AFTER_S = 10.0  # a service alive to Ray whose health probe fails this long is killed (Ray restarts it)
 RESOURCE_SHARE = 0.001  # of a role's custom resource per actor: the resource marks nodes, it does not count
 RAY_MISSING = "the Ray launcher needs Ray: pip install 'staleflow[ray]' (Ray 2.60 or newer)"
 
@@ -734,7 +735,7 @@ class RayClusterJob:
         from staleflow.servers.clients import http_client
 
         probes = {}
-        misses: dict[str, int] = {}
+        failing_since: dict[str, float] = {}
         while not self.stop.is_set():
             try:
                 self._check_trainer()
@@ -745,7 +746,7 @@ class RayClusterJob:
                     url = self.endpoints[name]["url"]
                     if name not in probes or probes[name][0] != url:
                         probes[name] = (url, http_client(url, timeout=2))
-                self._check_hung(probes, misses)
+                self._check_hung(probes, failing_since)
             except Exception:  # the watcher must not die: log and go on
                 log.exception("the Ray launcher's watcher failed a round")
             self.stop.wait(0.5)  # watch pacing
@@ -815,7 +816,7 @@ class RayClusterJob:
         with contextlib.suppress(Exception):
             self.ray.kill(actor, no_restart=False)
 
-    def _check_hung(self, probes: dict, misses: dict[str, int]) -> None:
+    def _check_hung(self, probes: dict, failing_since: dict[str, float]) -> None:
         """Ray sees processes die, not hang: a service alive to Ray whose health probe keeps
         failing, or an instance the coordinator declared failed, is killed (Ray restarts it)."""
         grace = 30.0  # a service the launcher restarted gets this long before it is judged again
@@ -833,11 +834,14 @@ class RayClusterJob:
                 continue
             if now - self._restarted_at.get(name, -1e9) < grace:
                 continue
-            misses[name] = 0 if _healthy(client) else misses.get(name, 0) + 1
             state = views.get(self.actors[name]._actor_id.hex(), {}).get("State")
-            if misses[name] >= 20 and state == "ALIVE":  # alive to Ray, silent to us: hung
-                misses[name] = 0
-                self._kill(name, self.actors[name], "alive but its health probe failed for 10 s")
+            if state != "ALIVE" or _healthy(client):
+                failing_since.pop(name, None)
+                continue
+            since = failing_since.setdefault(name, now)
+            if now - since >= HUNG_AFTER_S:  # alive to Ray, silent to us: hung
+                failing_since.pop(name, None)
+                self._kill(name, self.actors[name], f"alive but its health probe failed for {now - since:.0f} s")
         try:
             listed = probes["coordinator"][1].get("/v1/instances").json()["instances"]
         except (httpx.HTTPError, ValueError, KeyError):

@@ -100,7 +100,7 @@ def local_cluster() -> Iterator[LocalCluster]:
 
 
 def job_file(tmp: Path, cluster: Any, namespace: str, **overrides: Any) -> Path:
-    data = {"engine": "sim", "workload": "ci-tiny", "max_tokens": 48, "instances": 2, "steps": 200, "speed": 20,
+    data = {"engine": "sim", "workload": "ci-tiny", "max_tokens": 48, "instances": 2, "steps": 240, "speed": 20,
             "ledger": {"eta": 1, "batch_size": 4, "group_size": 2},
             "cluster": {"address": cluster.address, "namespace": namespace, "ps_relay": "per_rollout_node",
                         "rollout": {"resource": "staleflow_rollout"}, "trainer": {"resource": "staleflow_trainer"}},
@@ -247,11 +247,11 @@ def test_a_second_process_finds_the_job_by_its_namespace(local_cluster: LocalClu
     assert cli("buffers")["train_version"] >= 0
 
 
-ROLE_ORDER = ("inst-0", "ts", "params", "manager", "reward", "coordinator", "trainer-0", "inst-1 (hung)")
+ROLE_ORDER = ("inst-0", "ts", "params", "manager", "reward", "coordinator", "trainer-0", "inst-1 (hung)", "params (hung)")
 
 
 @pytest.mark.timeout(900)
-def test_sigkill_of_each_role_recovers_in_place(job: RunningJob) -> None:
+def test_each_role_killed_or_hung_recovers_in_place(job: RunningJob) -> None:
     timings: dict[str, dict] = {}
     for role in ROLE_ORDER:
         name, hung = role.split(" ")[0], role.endswith("(hung)")
@@ -263,9 +263,12 @@ def test_sigkill_of_each_role_recovers_in_place(job: RunningJob) -> None:
         url = registry().get(name, {}).get("url")
         steps_before = step_count(job)
         killed_at = time.monotonic()
-        if hung:  # alive to Ray: the coordinator's verdict, then the launcher, end it
+        if hung and name.startswith("inst-"):  # alive to Ray: the coordinator's verdict, then the launcher, end it
             os.kill(old["pid"], signal.SIGSTOP)
             wait_for(lambda: coordinator_instances()[name]["status"] == "failed", 120, f"{name} declared failed")
+        elif hung:  # alive to Ray: the launcher's health probe finds it and kills it
+            os.kill(old["pid"], signal.SIGSTOP)
+            wait_for(lambda: died(name, seen), 120, f"the launcher ends the hung {name}", pace=0.01)
         else:
             os.kill(old["pid"], signal.SIGKILL)
             # services and instances: Ray restarts the actor; trainer ranks: the launcher restarts the gang
