@@ -117,6 +117,7 @@ class Coordinator:
         self._run_id = f"{int(time.time() * 1000):x}"
         self.ps_version = 0
         self._stopping = False
+        self._orphan_since: dict[str, tuple[str, float]] = {}  # traj id -> (instance, first seen missing there)
 
     # ------------------------------------------------------------------ membership
 
@@ -230,6 +231,7 @@ class Coordinator:
         if not ready:
             return
         pending_reply, routed_reply = await asyncio.gather(self.ts.get("/v1/pending"), self.ts.get("/v1/routed"))
+        await self._sweep_orphans(ready, routed_reply.json()["trajectories"])
         try:
             admission = await self.manager.admission()
         except httpx.TransportError:  # the manager is restarting: route only groups it already reserved
@@ -305,6 +307,34 @@ class Coordinator:
             self._observe(record, reply, now)
             if record.status is not InstanceStatus.FAILED and self.stall_timeout and now - record.last_progress > self.stall_timeout:
                 await self._declare_failed(record, f"no progress for {now - record.last_progress:.1f}s with work in hand")
+
+    async def _sweep_orphans(self, ready: list[InstanceRecord], routed: list[dict]) -> None:
+        """Trajectories the trajectory server has routed to an instance that, with no command in
+        flight, has not held them for ``reconcile_after`` seconds go back to pending: a restarted
+        trajectory server can lose track of a hand-back or a completion it acknowledged, and
+        nothing else would ever route them again. A completion that arrives later still counts once."""
+        now = time.monotonic()
+        held = {r.instance_id: set(r.snapshot.get("run_trajs") or []) | set(r.snapshot.get("wait_trajs") or [])
+                | set(r.snapshot.get("complete_trajs") or []) for r in ready if r.snapshot}
+        suspects = {}
+        for t in routed:
+            instance_id = t.get("instance_id")
+            if instance_id in held and t["traj_id"] not in held[instance_id]:
+                before = self._orphan_since.get(t["traj_id"])
+                suspects[t["traj_id"]] = before if before and before[0] == instance_id else (instance_id, now)
+        self._orphan_since = suspects
+        due: dict[str, list[str]] = {}
+        for traj_id, (instance_id, since) in suspects.items():
+            if now - since > self.reconcile_after:
+                due.setdefault(instance_id, []).append(traj_id)
+        for instance_id, traj_ids in due.items():
+            await self.ts.post("/v1/return", json={"instance_id": instance_id,
+                                                   "partials": [{"traj_id": t} for t in traj_ids]})
+            self.stats.released += len(traj_ids)
+            for t in traj_ids:
+                self._orphan_since.pop(t, None)
+            log.warning("%d trajectories routed to %s but not there for %.0fs: back to pending", len(traj_ids),
+                        instance_id, self.reconcile_after)
 
     async def _return_orphans(self, record: InstanceRecord, snap: dict) -> bool:
         """Before an instance joins (at start, after a restart of it or of this coordinator):

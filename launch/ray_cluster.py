@@ -438,6 +438,7 @@ class RayClusterJob:
         from staleflow.launch.job import Job, Monitor, step_log
 
         self.ray = import_ray()
+        self.resume = resume
         self.config = config
         self.state = config.state_dir
         self.namespace = namespace or namespace_of(config)
@@ -491,8 +492,12 @@ class RayClusterJob:
         self.connect()
         if REGISTRY in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                         if a["namespace"] == self.namespace}:
-            raise LauncherError(f"a job is already running in Ray namespace {self.namespace!r}; stop it with "
-                                f"`staleflow down --namespace {self.namespace}` or choose another cluster.namespace")
+            if not self.resume:
+                raise LauncherError(f"a job is already running in Ray namespace {self.namespace!r}: take it over with "
+                                    f"--resume, stop it with `staleflow down --namespace {self.namespace}`, or choose "
+                                    "another cluster.namespace")
+            self._attach(on_started)
+            return
         preflight(self.config, ray.nodes())
         self._owner = True  # from here on, what is in the namespace is this job's
         self.token = write_token_file(self.state / "token")
@@ -524,6 +529,48 @@ class RayClusterJob:
         self._publish()
         self.started = self.monitor.started = time.monotonic()
         self._start_trainer()
+        self._write_placement()
+        if on_started:
+            on_started("trainer", trainer_label(self.config))
+        self._watcher = threading.Thread(target=self._watch, name="ray-launcher", daemon=True)
+        self._watcher.start()
+
+    def _attach(self, on_started: Callable[[str, str], None] | None) -> None:
+        """Take over a job whose actors outlived their driver (``--resume`` while they run): the
+        same actors, placement groups and token; the trainer gang restarted if any rank is gone."""
+        from ray.util.placement_group import get_placement_group
+
+        from staleflow.launch.job import trainer_label
+        from staleflow.servers.auth import read_token_file
+
+        ray = self.ray
+        token = read_token_file(self.state / "token")
+        if token is None:
+            raise LauncherError(f"a job runs in Ray namespace {self.namespace!r} but {self.state / 'token'} is missing: "
+                                "resume it from the state directory it was started with")
+        self.token, self._owner = token, True
+        self.pgs = {group: get_placement_group(f"{self.namespace}-{group}") for group in PLACEMENT_GROUPS}
+        self._order_bundles()
+        self.registry = ray.get_actor(REGISTRY, namespace=self.namespace)
+        self.endpoints.update(ray.get(self.registry.get.remote(), timeout=60))
+        self.monitor.endpoints = self.endpoints
+        for name in self._names():
+            self.actors[name] = ray.get_actor(name, namespace=self.namespace)
+        timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+        self._await(list(self.actors), timeout, on_started)
+        self._publish()
+        self.started = self.monitor.started = time.monotonic()
+        try:
+            self.ranks = [ray.get_actor(trainer_rank_name(r), namespace=self.namespace)
+                          for r in range(trainer_world(self.config))]
+            states = ray.get([r.state.remote() for r in self.ranks], timeout=60)
+            if any(s["error"] for s in states):
+                raise RuntimeError("a trainer rank failed")
+        except (ValueError, RuntimeError, ray.exceptions.RayError):
+            for rank in range(trainer_world(self.config)):
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(trainer_rank_name(rank), namespace=self.namespace), no_restart=True)
+            self._start_trainer()
         self._write_placement()
         if on_started:
             on_started("trainer", trainer_label(self.config))
@@ -564,6 +611,11 @@ class RayClusterJob:
                     f"placement group {group} ({len(bundles)} × {_need_text(bundles[0])}, {strategy}) was not placed in "
                     f"{c.placement_timeout_s:g} s on the {_selector_text(group, selector)}: the cluster lacks free room "
                     "for it (other jobs may hold it); see `ray status`")
+        self._order_bundles()
+
+    def _order_bundles(self) -> None:
+        """Instances and trainer ranks in (node IP, node) order of their bundles; one relay bundle per rollout node."""
+        ray, c = self.ray, self.config.cluster
         table = ray.util.placement_group_table(self.pgs["trainer"])
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         nodes = table["bundles_to_node_id"]

@@ -162,9 +162,9 @@ def actor(name: str, namespace: str = NAMESPACE) -> Any:
     return ray.get_actor(name, namespace=namespace)
 
 
-def where(name: str) -> dict:
+def where(name: str, namespace: str = NAMESPACE) -> dict:
     """Where a component runs now: pid, node, GPUs, URL (from the actor itself)."""
-    handle = actor(name)
+    handle = actor(name, namespace)
     return ray.get((handle.state if name.startswith("trainer-") else handle.info).remote(), timeout=120)
 
 
@@ -351,6 +351,36 @@ def test_the_job_finishes_with_nothing_lost_or_consumed_twice(job: RunningJob) -
     assert late == 0, "every consumed group within the staleness bound"
     assert (job.state / "report" / "summary.json").exists()
     assert not ray.util.list_named_actors(all_namespaces=True), "the finished job removed its actors"
+
+
+@pytest.mark.timeout(600)
+def test_resume_takes_over_a_job_whose_driver_died(local_cluster: LocalCluster, tmp_path: Path) -> None:
+    namespace = "staleflow-ray-e2e-resumed"
+    config, state = job_file(tmp_path, local_cluster.cluster, namespace, steps=30), tmp_path / "state"
+    first = start_up(tmp_path, config, state)
+    try:
+        wait_for(lambda: first.event("component", "trainer") or first.proc.poll() is not None, 240, "the job started")
+        assert first.proc.poll() is None, "".join(first.output)
+        first.proc.kill()  # the driver dies; the detached actors train on
+        first.proc.wait()
+        pids = {name: where(name, namespace)["pid"] for name in ("manager", "inst-0")}
+        second = subprocess.run([sys.executable, "-m", "staleflow.cli", "up", "--launcher", "ray", "--resume",
+                                 "--config", str(config), "--state-dir", str(state), "--json-log"],
+                                capture_output=True, text=True, timeout=500, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        end = [json.loads(line) for line in second.stdout.splitlines() if line.startswith("{")][-1]
+        assert second.returncode == 0 and end["event"] == "end" and end["completed"], second.stdout[-3000:] + second.stderr[-3000:]
+        assert end["staleness_violations"] == 0
+        started = {e["name"]: e["url"] for e in (json.loads(line) for line in second.stdout.splitlines()
+                                                   if line.startswith("{")) if e["event"] == "component"}
+        assert set(started) >= {*SERVICES, *INSTANCES, "trainer"}, "the new driver took over every component"
+        versions = [json.loads(line)["version"] for line in (state / "trainer" / "steps.jsonl").read_text().splitlines()]
+        assert versions == list(range(30)), "each version trained once across the change of driver"
+        placement = json.loads((state / "placement.json").read_text())  # written by the new driver
+        assert {n: placement[n]["pid"] for n in pids} == pids, "it took over the running components, not new ones"
+        assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+    finally:
+        if first.proc.poll() is None:
+            first.proc.kill()
 
 
 @pytest.mark.timeout(600)
