@@ -129,13 +129,17 @@ def relay_on(endpoints: dict[str, dict], node_id: str) -> str | None:
                  if is_relay(n) and isinstance(e, dict) and e.get("node_id") == node_id), None)
 
 
-def relay_app(config: JobConfig, namespace: str, name: str):  # noqa: ANN201
-    """A relay's parameter server, its versions in node-local storage (shared memory serves them)."""
+def relay_app(config: JobConfig, namespace: str, name: str, token: str):  # noqa: ANN201
+    """A relay's parameter server, its versions in node-local storage (shared memory serves them),
+    in a directory of this run's own (named after its token's hash): a later job in the same
+    namespace must never find this one's versions there."""
+    import hashlib
     import tempfile
 
     from staleflow.servers.params import ParamsConfig, create_app
 
-    where = Path(tempfile.gettempdir()) / f"staleflow-{namespace}-{name}"
+    run = hashlib.sha256(token.encode()).hexdigest()[:12]
+    where = Path(tempfile.gettempdir()) / f"staleflow-relay-{namespace}-{name}-{run}"
     return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False))
 
 
@@ -196,7 +200,7 @@ class Component:
         moved = planned.get("node_id", node_id) != node_id or planned["host"] != here
         self.namespace = namespace
         self.params_url = relay_on(endpoints, node_id) if name.startswith("inst-") else None
-        make_app = (lambda: relay_app(config, namespace, name)) if is_relay(name) else \
+        make_app = (lambda: relay_app(config, namespace, name, token)) if is_relay(name) else \
             (lambda: build_app(name, config, endpoints))
         app = make_app()
         timeout = config.cluster.start_timeout_s or (60.0 if config.engine == "sim" else 900.0)
