@@ -24,6 +24,7 @@ from staleflow.cli.common import (
     resolve_url,
     validation_failure,
 )
+from staleflow.cli.ray_launcher import Launcher, Namespace, RayAddress, job_endpoints
 from staleflow.config import LedgerConfig, ManagerConfig, default_of
 from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 
@@ -126,9 +127,12 @@ def _buffer_table(data: dict) -> Table:
 
 
 @app.command()
-def buffers(url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> None:
+def buffers(url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False,
+            launcher: Launcher = "local", namespace: Namespace = None, ray_address: RayAddress = None) -> None:
     """Show the staleness buffers of a running manager."""
-    url = resolve_url(url, "manager", state_dir, "STALEFLOW_MANAGER_URL", DEFAULT_MANAGER_URL)
+    on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
+    url = url or (on_ray["manager"]["url"] if on_ray else
+                  resolve_url(url, "manager", state_dir, "STALEFLOW_MANAGER_URL", DEFAULT_MANAGER_URL))
     try:
         with ManagerClient(url, token=job_token(state_dir)) as client:
             data = client.buffers()
@@ -163,9 +167,12 @@ CoordinatorUrl = Annotated[str | None, typer.Option("--url", help="coordinator U
 
 
 @app.command()
-def instances(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> None:
+def instances(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False,
+              launcher: Launcher = "local", namespace: Namespace = None, ray_address: RayAddress = None) -> None:
     """Rollout instances as the coordinator sees them: snapshot, speculative state, status."""
-    url = resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340")
+    on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
+    url = url or (on_ray["coordinator"]["url"] if on_ray else
+                  resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340"))
     data = _get(url, "/v1/instances", "coordinator", state_dir)
     if as_json:
         typer.echo(json.dumps(data))
@@ -214,9 +221,10 @@ def _health_detail(health: dict) -> str:
 
 
 @app.command()
-def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> None:
-    """Every component of the running job in --state-dir: up or not, and its headline numbers."""
-    known = endpoints(state_dir)
+def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False, launcher: Launcher = "local",
+           namespace: Namespace = None, ray_address: RayAddress = None) -> None:
+    """Every component of the running job in --state-dir (or Ray namespace): up or not, and its headline numbers."""
+    known = job_endpoints(launcher, namespace, ray_address, state_dir) or endpoints(state_dir)
     if not known:
         raise fail(f"no job in {state_dir} (no endpoints.json)", "start one with `staleflow up`, or pass --state-dir")
     rows = {}
@@ -231,7 +239,8 @@ def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False) -> 
     if as_json:
         typer.echo(json.dumps(rows))
         return
-    table = Table(title=f"job in {state_dir}")
+    table = Table(title=f"job in Ray namespace {namespace or endpoints(state_dir).get('namespace')}"
+                  if launcher == "ray" else f"job in {state_dir}")
     for col in ("component", "url", "state", "detail"):
         table.add_column(col)
     for name, row in rows.items():
@@ -249,6 +258,7 @@ def _register_commands() -> None:
         demo,
         experiment,
         faults,
+        ray_launcher,
         serve_instance,
         serve_params,
         serve_reward,
@@ -262,6 +272,7 @@ def _register_commands() -> None:
     demo.register(app)
     experiment.register(app)
     faults.register(app)
+    ray_launcher.register(app)
     serve_instance.register(serve_app)
     serve_params.register(serve_app)
     serve_reward.register(serve_app)

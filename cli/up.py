@@ -111,7 +111,8 @@ def _back(restart: dict) -> str:
     return restart["error"] or "not restarted"
 
 
-def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
+def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str = "local",
+           namespace: str | None = None, ray_address: str | None = None) -> int:
     from staleflow.launch.job import Job, JobTracking, StateDirInUse, trainer_label
     from staleflow.report import summarize, write_report
     from staleflow.tracking import missing_backends
@@ -126,7 +127,15 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
     from staleflow.servers.db import DatabaseError
 
     try:
-        job = Job(config, resume=resume, fresh=fresh)
+        if launcher == "ray":  # imported only here: a local run never loads Ray
+            from staleflow.launch.ray_cluster import LauncherError, RayClusterJob
+
+            try:
+                job = RayClusterJob(config, resume=resume, fresh=fresh, address=ray_address, namespace=namespace)
+            except LauncherError as exc:
+                raise fail(str(exc)) from None
+        else:
+            job = Job(config, resume=resume, fresh=fresh)
     except (StateDirInUse, DatabaseError, DatabaseUrlError) as exc:
         raise fail(str(exc)) from None
     signals = {"received": None}
@@ -153,7 +162,7 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool) -> int:
         console.print(f"  tracking    {tracking.directory}")
     try:
         job.start(started)
-    except Exception as exc:
+    except Exception as exc:  # a launcher's own errors say what to change; others name the logs
         tracking.close()
         job.shutdown()
         raise fail(f"could not start the job: {exc}", f"see the logs in {config.state_dir / 'logs'}") from None
@@ -320,6 +329,11 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
             help="`staleflow calibrate` file for the coordinator's cost model (one model in it)")] = None,
         logger: Annotated[str | None, typer.Option(
             help="per-step metrics to: console, tensorboard, wandb, mlflow (comma-separated)")] = None,
+        launcher: Annotated[str, typer.Option(help="local (this machine) or ray (a Ray cluster; extra [ray])")] = "local",
+        namespace: Annotated[str | None, typer.Option(help="ray: the job's Ray namespace (default: cluster.namespace, "
+                                                           "else staleflow-<state dir name>)")] = None,
+        ray_address: Annotated[str | None, typer.Option("--ray-address", help="ray: cluster address "
+                                                                             "(default: cluster.address, $RAY_ADDRESS, auto)")] = None,
     ) -> None:
         """Run StaleFlow on this machine: every component, a short RL job, a report at the end."""
         job = job_config(config, engine=engine, steps=steps, state_dir=state_dir, eta=eta, batch_size=batch_size,
@@ -327,9 +341,11 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
                          workload=workload, max_tokens=max_tokens, seed=seed, speed=speed, base_port=base_port,
                          processes=processes, model=model, trainer_ranks=trainer_ranks, logger=logger,
                          calibration={"file": str(calibration)} if calibration else None)
+        if launcher not in ("local", "ray"):
+            raise fail(f"--launcher {launcher!r} is not a launcher", "use --launcher local or --launcher ray")
         if job.engine == "vllm":
             prepare_real_job(job)
-        raise typer.Exit(run_up(job, resume, fresh, json_log))
+        raise typer.Exit(run_up(job, resume, fresh, json_log, launcher, namespace, ray_address))
 
     @serve_app.command("component")
     def serve_component(

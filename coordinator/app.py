@@ -53,6 +53,7 @@ class InstanceView(BaseModel):
     model_config = ConfigDict(extra="forbid")
     instance_id: str
     url: str
+    params_url: str | None = Field(None, description="where the instance pulls weights")
     status: str = Field(description="joining, live, syncing or failed")
     validated: bool
     snapshot: dict[str, Any] | None
@@ -122,7 +123,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             sim_weights_bytes=config.sim_weights_bytes,
         )
         for endpoint in config.instances:
-            coordinator.add_instance(endpoint.instance_id, endpoint.url, cost)
+            coordinator.add_instance(endpoint.instance_id, endpoint.url, cost, endpoint.params_url)
         app.state.coordinator = coordinator
         loop = asyncio.create_task(coordinator.run())
         try:
@@ -146,7 +147,15 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
 
     @app.post("/v1/instances", status_code=201, response_model=InstanceView)
     async def register(c: CoordinatorDep, body: InstanceEndpoint) -> dict:
-        return c.describe(c.add_instance(body.instance_id, body.url, cost))
+        return c.describe(c.add_instance(body.instance_id, body.url, cost, body.params_url))
+
+    @app.put("/v1/instances/{instance_id}", response_model=InstanceView)
+    async def upsert(c: CoordinatorDep, instance_id: str, body: InstanceEndpoint) -> dict:
+        """Register the instance or re-point it at a new URL (it moved to another machine)."""
+        if body.instance_id != instance_id:
+            raise StaleFlowError(ErrorCode.INVALID_REQUEST,
+                                 f"the body names {body.instance_id!r}, the path {instance_id!r}")
+        return c.describe(await c.upsert_instance(instance_id, body.url, cost, body.params_url))
 
     def _record(c: Coordinator, instance_id: str) -> InstanceRecord:
         record = c.instances.get(instance_id)

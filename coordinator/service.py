@@ -54,6 +54,8 @@ class InstanceRecord(Liveness):
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_flight: int = 0  # commands queued or running
     worker: asyncio.Task | None = None
+    check_orphans: bool = False  # a checkout for it got no answer: the TS may have routed work it never got
+    params_url: str | None = None  # where it pulls weights (a relay on its machine), else the job's parameter server
 
 
 @dataclass
@@ -112,10 +114,12 @@ class Coordinator:
         self._run_id = f"{int(time.time() * 1000):x}"
         self.ps_version = 0
         self._stopping = False
+        self._orphan_since: dict[str, tuple[str, float]] = {}  # traj id -> (instance, first seen missing there)
 
     # ------------------------------------------------------------------ membership
 
-    def add_instance(self, instance_id: str, url: str, cost: CostModel | None = None) -> InstanceRecord:
+    def add_instance(self, instance_id: str, url: str, cost: CostModel | None = None,
+                     params_url: str | None = None) -> InstanceRecord:
         """Register an instance (at start or at runtime: elastic pool). It joins after its first
         snapshot is adopted and it has pulled the newest version."""
         old = self.instances.get(instance_id)
@@ -125,9 +129,28 @@ class Coordinator:
             if old.worker:
                 old.worker.cancel()
         record = InstanceRecord(instance_id, url, async_http_client(url, timeout=self.command_timeout), cost or CostModel())
+        record.params_url = str(params_url).rstrip("/") if params_url else None
         record.worker = asyncio.create_task(self._command_worker(record))
         self.instances[instance_id] = record
         return record
+
+    async def upsert_instance(self, instance_id: str, url: str, cost: CostModel | None = None,
+                              params_url: str | None = None) -> InstanceRecord:
+        """Register an instance, or point a registered one at its new address (its process moved
+        to another machine). A moved instance is a new process: its new boot id makes the next
+        snapshot hand the old process's trajectories back, as after a restart in place."""
+        old = self.instances.get(instance_id)
+        if old is None:
+            return self.add_instance(instance_id, url, cost, params_url)
+        old.params_url = str(params_url).rstrip("/") if params_url else None
+        if old.url.rstrip("/") == url.rstrip("/"):
+            return old  # a restart in place: its new boot id tells the rest
+        previous = old.client
+        old.url, old.client = url, async_http_client(url, timeout=self.command_timeout)
+        old.validated = False
+        await previous.aclose()
+        log.warning("instance %s moved to %s", instance_id, url)
+        return old
 
     async def close(self) -> None:
         self._stopping = True
@@ -203,6 +226,7 @@ class Coordinator:
         if not ready:
             return
         pending_reply, routed_reply = await asyncio.gather(self.ts.get("/v1/pending"), self.ts.get("/v1/routed"))
+        await self._sweep_orphans(ready, routed_reply.json()["trajectories"])
         try:
             admission = await self.manager.admission()
         except httpx.TransportError:  # the manager is restarting: route only groups it already reserved
@@ -268,7 +292,37 @@ class Coordinator:
             record.last_seen = now
             if record.status is InstanceStatus.JOINING and not await self._return_orphans(record, snapshot):
                 continue  # the trajectory server is unreachable: join on a later cycle
+            if record.check_orphans and record.in_flight == 0 and await self._return_orphans(record, snapshot):
+                record.check_orphans = False
             await self._carry_out(record, *self._observe(record, snapshot, now))
+
+    async def _sweep_orphans(self, ready: list[InstanceRecord], routed: list[dict]) -> None:
+        """Trajectories the trajectory server has routed to an instance that, with no command in
+        flight, has not held them for ``reconcile_after`` seconds go back to pending: a restarted
+        trajectory server can lose track of a hand-back or a completion it acknowledged, and
+        nothing else would ever route them again. A completion that arrives later still counts once."""
+        now = time.monotonic()
+        held = {r.instance_id: set(r.snapshot.get("run_trajs") or []) | set(r.snapshot.get("wait_trajs") or [])
+                | set(r.snapshot.get("complete_trajs") or []) for r in ready if r.snapshot}
+        suspects = {}
+        for t in routed:
+            instance_id = t.get("instance_id")
+            if instance_id in held and t["traj_id"] not in held[instance_id]:
+                before = self._orphan_since.get(t["traj_id"])
+                suspects[t["traj_id"]] = before if before and before[0] == instance_id else (instance_id, now)
+        self._orphan_since = suspects
+        due: dict[str, list[str]] = {}
+        for traj_id, (instance_id, since) in suspects.items():
+            if now - since > self.reconcile_after:
+                due.setdefault(instance_id, []).append(traj_id)
+        for instance_id, traj_ids in due.items():
+            await self.ts.post("/v1/return", json={"instance_id": instance_id,
+                                                   "partials": [{"traj_id": t} for t in traj_ids]})
+            self.stats.released += len(traj_ids)
+            for t in traj_ids:
+                self._orphan_since.pop(t, None)
+            log.warning("%d trajectories routed to %s but not there for %.0fs: back to pending", len(traj_ids),
+                        instance_id, self.reconcile_after)
 
     async def _return_orphans(self, record: InstanceRecord, snap: dict) -> bool:
         """Before an instance joins (at start, after a restart of it or of this coordinator):
@@ -305,7 +359,7 @@ class Coordinator:
             self.p.adopt(record.instance_id, snap["inst_version"], len(run | wait | done))
         if Action.PULL in joined:  # a (re)joining instance starts from the newest weights
             self.p.pulled(record.instance_id, self.ps_version)
-            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights()}, 1)
+            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record)}, 1)
         if record.in_flight:
             record.validated = False
             return stalled
@@ -339,22 +393,28 @@ class Coordinator:
             record = self.instances[instance_id]
             self.membership.sync_started(record)
             self.p.pulled(instance_id, self.ps_version)
-            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights()}, 1)
+            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record)}, 1)
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
         by_instance: dict[str, list[dict]] = {}
         for d in plan.routes:
             by_instance.setdefault(d.instance_id, []).append({"traj_id": d.traj_id, "v_traj": d.v_traj})
         for instance_id, assignments in by_instance.items():
-            reply = await self.ts.post("/v1/checkout", json={"instance_id": instance_id, "assignments": assignments})
+            try:
+                reply = await self.ts.post("/v1/checkout", json={"instance_id": instance_id, "assignments": assignments})
+            except httpx.TransportError:
+                # the TS may have committed the checkout and died before answering: what it routed
+                # there never reaches the instance; compare with the instance's next snapshot
+                self.instances[instance_id].check_orphans = True
+                raise
             trajectories = reply.json().get("trajectories", []) if reply.status_code == 200 else []
             if trajectories:
                 self.p.routed(instance_id, len(trajectories))
                 self._enqueue(self.instances[instance_id], "route", {"trajectories": trajectories}, len(trajectories))
 
-    def _weights(self) -> dict:
+    def _weights(self, record: InstanceRecord) -> dict:
         if self.params is None:
             return {"weights": {"source": "sim", "size_bytes": self.sim_weights_bytes}} if self.sim_weights_bytes else {}
-        return {"weights": {"source": "params", "url": self.params_url}}
+        return {"weights": {"source": "params", "url": record.params_url or self.params_url}}
 
     async def _cancel_surplus(self) -> None:
         reply = await self.ts.get("/v1/cancellations")
@@ -432,6 +492,7 @@ class Coordinator:
         return {
             "instance_id": record.instance_id,
             "url": record.url,
+            "params_url": record.params_url or self.params_url,
             "status": record.status.value,
             "validated": record.validated,
             "snapshot": {k: s.get(k) for k in ("kv_cache", "run_trajs", "wait_trajs", "complete_trajs", "inst_version",

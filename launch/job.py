@@ -103,7 +103,8 @@ def build_app(name: str, config: JobConfig, endpoints: dict[str, dict]) -> FastA
     if name == "coordinator":
         from staleflow.coordinator.app import create_app as coordinator_app
 
-        return coordinator_app(config.coordinator_config(url, instance_ids(config)))
+        return coordinator_app(config.coordinator_config(
+            url, instance_ids(config), {i: endpoints[i].get("params_url") for i in instance_ids(config)}))
     raise ValueError(f"unknown component {name!r}; components are {', '.join(component_names(config))}")
 
 

@@ -305,3 +305,43 @@ def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, 
         for p in followers:
             p.join(30)
         dist.destroy_process_group()
+
+
+def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog, stop: threading.Event,
+                  started: float | None = None) -> None:
+    """One rank of an FSDP2 trainer whose ranks a launcher started on their own (one process each,
+    maybe on other machines) with the rendezvous in the environment (``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``): rank 0 runs the trainer role, the others follow it."""
+    import torch.distributed as dist
+
+    from staleflow.training.demo import resolve_model
+    from staleflow.training.fsdp import (
+        RENDEZVOUS_ENV,
+        FsdpBackend,
+        RankDriver,
+        checkpoint_dir,
+        follow,
+        init_process_group,
+        rendezvous_from_env,
+    )
+
+    rendezvous = rendezvous_from_env()
+    if rendezvous is None:
+        raise RuntimeError(f"run_fsdp_rank needs {', '.join(RENDEZVOUS_ENV)} in the environment")
+    master_addr, port, rank, world = rendezvous
+    model_dir = resolve_model(config)
+    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
+    init_process_group(rank, world, port, master_addr)
+    try:
+        local = FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), rank, world, config.steps)
+        if rank > 0:
+            follow(local)
+            return
+        driver = RankDriver(local)
+        try:
+            TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
+                        started=started).run()
+        finally:
+            driver.close()
+    finally:
+        dist.destroy_process_group()

@@ -15,6 +15,7 @@ adds where it listens and what it talks to, and is what the service runs with. T
 coefficients are declared once, ``CostCoefficients`` (``CostConfig`` here)."""
 
 from staleflow.calibration.schema import CostCoefficients
+from staleflow.config.cluster import ClusterConfig, NodeSelector
 from staleflow.config.common import HttpUrl, ServiceConfig, check_database_url, default_of
 from staleflow.config.coordinator import CoordinatorConfig, CoordinatorSettings, InstanceEndpoint
 from staleflow.config.instance import InstanceConfig, InstanceSettings, SimConfig, VllmConfig
@@ -38,6 +39,8 @@ CostConfig = CostCoefficients
 """The cost model's coefficients (one model: ``staleflow.calibration.schema.CostCoefficients``)."""
 
 __all__ = [
+    "ClusterConfig",
+    "NodeSelector",
     "DEMO_ALGORITHM",
     "ENGINE_PRESETS",
     "FLAT_SETTINGS",

@@ -52,7 +52,10 @@ class ComponentConfigs:
         return InstanceConfig(**dict(self.instance), instance_id=name, engine=self.engine,
                               completion_callback_url=f"{urls['ts']}/v1/completed", **engine)
 
-    def coordinator_config(self: JobConfig, urls: dict[str, str], instance_ids: list[str]) -> CoordinatorConfig:
+    def coordinator_config(self: JobConfig, urls: dict[str, str], instance_ids: list[str],
+                           params_urls: dict[str, str | None] | None = None) -> CoordinatorConfig:
+        """``params_urls``: where each instance pulls weights, if not from the job's parameter server."""
         return CoordinatorConfig(
             **dict(self.coordinator), manager_url=urls["manager"], ts_url=urls["ts"], params_url=urls["params"],
-            instances=[InstanceEndpoint(instance_id=i, url=urls[i]) for i in instance_ids])
+            instances=[InstanceEndpoint(instance_id=i, url=urls[i], params_url=(params_urls or {}).get(i))
+                       for i in instance_ids])

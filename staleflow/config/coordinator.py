@@ -38,6 +38,8 @@ def strategy_inline(data: Any) -> Any:
 class InstanceEndpoint(StrictModel):
     instance_id: str = Field(pattern=INSTANCE_ID)
     url: HttpUrl
+    params_url: HttpUrl | None = Field(None, description="where this instance pulls weights (a parameter-server "
+                                                         "relay on its machine); default: the job's parameter server")
 
 
 class CoordinatorSettings(StrictModel):

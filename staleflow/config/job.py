@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from staleflow.config.cluster import ClusterConfig
 from staleflow.config.common import STATE_DIR, check_database_url
 from staleflow.config.compose import ComponentConfigs
 from staleflow.config.coordinator import CoordinatorSettings
@@ -127,6 +128,7 @@ class JobConfig(ComponentConfigs, StrictModel):
     task: TaskConfig = TaskConfig()
     logger: LoggerConfig = Field(LoggerConfig(), description="per-step metrics: console, tensorboard, wandb, mlflow")
     dataset: Path | None = Field(None, description="JSONL/Parquet prompts with answers instead of the built-in task")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="--launcher ray: placement on a Ray cluster")
     vllm_args: dict[str, Any] = Field(
         default_factory=lambda: {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1, "max_num_seqs": 128},
         description="vllm: settings of each instance's engine (staleflow.config.VllmConfig)")

@@ -270,6 +270,10 @@ class RolloutEngine(abc.ABC):
     consumer stream of finished (and aborted) trajectories.
     """
 
+    dead: bool = False
+    """The engine failed for good (e.g. its engine-core process died): its host process should exit
+    so that whatever supervises it starts a fresh one."""
+
     @abc.abstractmethod
     async def start(self) -> None:
         """Start background work (generation loops); idempotent."""

@@ -196,6 +196,11 @@ class VllmEngine(RolloutEngine):
         self._started_at = time.monotonic()
         self._timeline = EngineTimeline()
 
+    @property
+    def dead(self) -> bool:
+        """vLLM's engine core died (it does not come back: the process hosting this engine should exit)."""
+        return self._llm is not None and bool(getattr(self._llm, "errored", False))
+
     async def stop(self) -> None:
         if self._llm is None:
             return

@@ -10,6 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+PULL_WAIT_S = 120.0
+"""How long a pull waits for a version its parameter server does not hold yet (a relay still
+copying it); the job's own parameter server always holds the versions it is asked for."""
+
 
 class StaleflowWorkerExtension:
     def staleflow_start_accounting(self) -> bool:
@@ -80,7 +84,8 @@ class StaleflowWorkerExtension:
 
         def pull_and_load() -> None:
             with ParamsClient(url, timeout=600) as params:
-                loaded = params.iter_pull(version, transport, as_torch=True)
+                # a relay may still be copying the version from the parameter server: wait for it
+                loaded = params.iter_pull(version, transport, as_torch=True, wait_s=PULL_WAIT_S)
                 self.reload_weights(weights_iterator=loaded)  # type: ignore[attr-defined]
 
         self._staleflow_timed_load(pull_and_load)

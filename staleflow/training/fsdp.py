@@ -257,9 +257,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def init_process_group(rank: int, world: int, port: int) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def rendezvous_from_env() -> tuple[str, int, int, int] | None:
+    """(master address, master port, rank, world size) when a launcher set all four in the
+    environment (the Ray launcher does, one actor per rank), else None."""
+    if not all(os.environ.get(k) for k in RENDEZVOUS_ENV):
+        return None
+    return (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]))
+
+
+def init_process_group(rank: int, world: int, port: int, master_addr: str = "127.0.0.1") -> None:
+    os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)})
+    if master_addr.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one machine: the loopback interface; else the configured one
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

@@ -20,7 +20,7 @@ CASES = [  # (flags, config file text or None, what the message must say)
     ([], "ledger:\n  eta: -2\n", ["ledger.eta (--eta)", "(got -2)", "0 or more"]),
     ([], "steps: many\n", ["steps (--steps): got 'many', which is not a whole number", "give steps (--steps) a whole number"]),
     ([], "ledger:\n  etta: 2\n", ["ledger.etta: unknown setting", "did you mean 'eta'?"]),
-    ([], "colour: blue\n", ["colour: unknown setting", "the settings at the top level are", "max_tokens"]),
+    ([], "flavour: blue\n", ["flavour: unknown setting", "the settings at the top level are", "max_tokens"]),
     ([], "ledger: 3\n", ["ledger", "LedgerConfig"]),
     ([], "trainer:\n  algorithm:\n    lr: 0\n", ["trainer.algorithm.lr:", "greater than 0", "more than 0"]),
     ([], "engine: sim\nkv_budget: 60\nmax_tokens: 20\n", ["sim KV budget (kv_budget, tokens) is 60", "longest prompt (51 tokens)",

@@ -1,0 +1,1026 @@
+"""`staleflow up --launcher ray`: the job's components as detached, named Ray actors.
+
+Ray places and restarts the processes; StaleFlow's own HTTP contracts stay the data and control
+plane. Each component (manager, parameter server, reward, trajectory server, rollout instances,
+coordinator) is one actor running what ``staleflow serve component NAME`` runs: ``build_app`` +
+an HTTP server on the node that hosts it. Trainer ranks are one actor each.
+
+* **Placement.** Detached placement groups in a per-job namespace: ``control`` (every control
+  service, one node), ``rollout`` (one bundle per instance, holding its GPUs) and ``trainer`` (one
+  bundle per trainer node, ranks split evenly, bundles sorted by node IP). Nodes are chosen by the
+  custom resources and node labels of the job's ``cluster:`` section; the head node gets nothing.
+  A plan the cluster cannot satisfy fails before anything starts, naming what is missing.
+* **Endpoints** are planned on the node that serves them: a probe task in the component's bundle
+  returns the node's IP and a free port from ``cluster.port_range``. The map is published in
+  ``<state>/endpoints.json`` and in the ``endpoints`` registry actor, so any machine attached to the
+  cluster finds the job by its namespace.
+* **Faults.** Service and instance actors restart in place (``max_restarts``), re-binding their
+  planned port; one that comes back on another node takes a new port there, updates the registry
+  and, for an instance, re-registers with the coordinator (``PUT /v1/instances/{id}``). An instance
+  whose engine died exits so Ray restarts it; the launcher still kills instances the coordinator
+  declares failed (hung) and services whose health probe keeps failing. Trainer ranks restart as a
+  gang (NCCL cannot repair a communicator), resuming from the newest checkpoint and the step log.
+* **Token.** The run's bearer token is a constructor argument each actor puts into its own
+  environment, never a ``runtime_env`` variable (Ray's dashboard shows those).
+
+Ray is imported lazily: nothing here runs unless ``--launcher ray`` is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from staleflow.config import JobConfig, NodeSelector
+
+log = logging.getLogger(__name__)
+
+REGISTRY = "endpoints"
+CONTROL_SERVICES = ("manager", "params", "reward", "ts", "coordinator")
+PLACEMENT_GROUPS = ("control", "rollout", "trainer")
+HUNG_AFTER_S = 10.0  # a service alive to Ray whose health probe fails this long is killed (Ray restarts it)
+RESOURCE_SHARE = 0.001  # of a role's custom resource per actor: the resource marks nodes, it does not count
+RAY_MISSING = "the Ray launcher needs Ray: pip install 'staleflow[ray]' (Ray 2.60 or newer)"
+
+
+class LauncherError(RuntimeError):
+    """The Ray launcher cannot do what was asked; the message says why and what to change."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise LauncherError(RAY_MISSING) from None
+    return ray
+
+
+def namespace_of(config: JobConfig) -> str:
+    if config.cluster.namespace:
+        return config.cluster.namespace
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", config.state_dir.resolve().name).strip("-.") or "job"
+    return f"staleflow-{name}"
+
+
+def trainer_rank_name(rank: int) -> str:
+    return f"trainer-{rank}"
+
+
+def trainer_world(config: JobConfig) -> int:
+    return 1 if config.engine == "sim" else config.trainer.world_size
+
+
+# ---------------------------------------------------------------------------- on the nodes
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port(host: str, low: int, high: int, taken: set[int] | frozenset = frozenset()) -> int:
+    """A port free on ``host`` now, from [low, high], not in ``taken``; tried from a random start
+    so that launchers on one node rarely race for the same port."""
+    span = high - low + 1
+    start = random.randrange(span)
+    for i in range(span):
+        port = low + (start + i) % span
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise LauncherError(f"no free port on {host} in {low}-{high}; widen cluster.port_range")
+
+
+def probe(low: int, high: int, taken: list[int]) -> dict:
+    """Run inside a component's placement: where it will serve."""
+    import ray
+
+    host = node_ip()
+    return {"host": host, "port": free_port(host, low, high, set(taken)),
+            "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def is_relay(name: str) -> bool:
+    return name.startswith("relay-")
+
+
+def relay_on(endpoints: dict[str, dict], node_id: str) -> str | None:
+    """The URL of the parameter-server relay on node ``node_id``, if the job has one there."""
+    return next((e["url"] for n, e in sorted(endpoints.items())
+                 if is_relay(n) and isinstance(e, dict) and e.get("node_id") == node_id), None)
+
+
+def relay_app(config: JobConfig, namespace: str, name: str, token: str):
+    """A relay's parameter server, its versions in node-local storage (shared memory serves them),
+    in a directory of this run's own (named after its token's hash): a later job in the same
+    namespace must never find this one's versions there."""
+    import hashlib
+    import tempfile
+
+    from staleflow.servers.params import ParamsConfig, create_app
+
+    run = hashlib.sha256(token.encode()).hexdigest()[:12]
+    where = Path(tempfile.gettempdir()) / f"staleflow-relay-{namespace}-{name}-{run}"
+    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False))
+
+
+def _join(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _log_to_state(config: JobConfig, name: str) -> None:
+    """Each actor also logs to ``<state>/logs/NAME.log`` where the state directory is reachable
+    (the control node's volume, a shared file system); Ray's own worker logs have it anyway."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(OSError):
+        (config.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(config.state_dir / "logs" / f"{name}.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(handler)
+
+
+class Registry:
+    """The job's endpoints map, for any machine attached to the cluster; kept in a file on its
+    node too, so a restarted registry starts from the newest map, not from the first one."""
+
+    def __init__(self, endpoints: dict[str, dict], path: str):
+        self.path = Path(path)
+        self.endpoints = dict(endpoints)
+        with contextlib.suppress(OSError, ValueError):
+            self.endpoints.update(json.loads(self.path.read_text()))
+
+    def get(self) -> dict[str, dict]:
+        return self.endpoints
+
+    def put(self, name: str, entry: dict) -> dict[str, dict]:
+        self.endpoints[name] = entry
+        with contextlib.suppress(OSError):
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.endpoints, indent=2))
+            os.replace(tmp, self.path)
+        return self.endpoints
+
+
+class Component:
+    """One component of the job, serving on the node Ray placed it on."""
+
+    def __init__(self, name: str, config_json: str, token: str, namespace: str):
+        import ray
+
+        from staleflow.launch.job import build_app
+        from staleflow.servers.auth import TOKEN_ENV
+        from staleflow.servers.http import serve_in_thread
+
+        os.environ[TOKEN_ENV] = token  # for this process's clients; never in the actor's runtime_env
+        self.name = name
+        config = JobConfig.model_validate_json(config_json)
+        _log_to_state(config, name)
+        registry = ray.get_actor(REGISTRY, namespace=namespace)
+        endpoints = ray.get(registry.get.remote())
+        planned, here = endpoints[name], node_ip()
+        node_id = ray.get_runtime_context().get_node_id()
+        moved = planned.get("node_id", node_id) != node_id or planned["host"] != here
+        self.namespace = namespace
+        self.params_url = relay_on(endpoints, node_id) if name.startswith("inst-") else None
+        make_app = (lambda: relay_app(config, namespace, name, token)) if is_relay(name) else \
+            (lambda: build_app(name, config, endpoints))
+        app = make_app()
+        timeout = config.cluster.start_timeout_s or (60.0 if config.engine == "sim" else 900.0)
+        self.server = None
+        if not moved:
+            try:
+                self.server = serve_in_thread(app, here, planned["port"], token=token, startup_timeout=timeout)
+            except OSError:  # someone took the port since: serve on another one, like a moved component
+                moved = True
+                app = make_app()
+        if moved:
+            port = free_port(here, *config.cluster.port_range)
+            endpoints[name] = {"url": _join(here, port), "host": here, "port": port, "node_id": node_id}
+            if self.params_url:
+                endpoints[name]["params_url"] = self.params_url
+            self.server = serve_in_thread(app, here, port, token=token, startup_timeout=timeout)
+            ray.get(registry.put.remote(name, endpoints[name]))
+            log.warning("%s moved to %s", name, endpoints[name]["url"])
+        self.url = endpoints[name]["url"]
+        if name.startswith("inst-"):  # every start: a no-op in place, the new address after a move
+            threading.Thread(target=self._reregister, args=(endpoints,), daemon=True).start()
+        if is_relay(name):
+            from staleflow.servers.params.relay import Mirror
+
+            self.stop_mirror = threading.Event()
+            self.mirror = Mirror(endpoints["params"]["url"], self.url, self.stop_mirror)
+            threading.Thread(target=self.mirror.run, daemon=True, name="mirror").start()
+        self.app = app
+        threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
+
+    def _reregister(self, endpoints: dict[str, dict]) -> None:
+        """Tell the coordinator where this instance serves now (retried until it answers)."""
+        from staleflow.servers.clients import http_client
+
+        body = {"instance_id": self.name, "url": self.url, "params_url": self.params_url}
+        delay = 0.2
+        while True:
+            try:
+                with http_client(endpoints["coordinator"]["url"], timeout=10) as c:
+                    reply = c.put(f"/v1/instances/{self.name}", json=body)
+                if reply.status_code < 300:
+                    return
+                log.error("the coordinator refused %s's registration: %d %s", self.name, reply.status_code, reply.text)
+            except Exception as exc:  # the coordinator not up yet, restarting, or moving too
+                log.info("registering %s with the coordinator failed: %s", self.name, exc)
+            time.sleep(delay)  # retry pacing
+            delay = min(delay * 2, 5.0)
+
+    def _watch(self) -> None:
+        """Exit the process when the server stopped or the engine died: Ray then restarts it."""
+        while True:
+            time.sleep(0.5)  # watchdog pacing
+            instance = getattr(self.app.state, "instance", None)
+            engine_dead = bool(getattr(getattr(instance, "engine", None), "dead", False))
+            if engine_dead or not self.server.thread.is_alive():
+                log.error("%s: %s; exiting so Ray restarts it", self.name,
+                          "its engine died" if engine_dead else "its server stopped")
+                os._exit(1)
+
+    def info(self) -> dict:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"name": self.name, "url": self.url, "pid": os.getpid(), "node_id": context.get_node_id(),
+                "host": node_ip(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+
+class TrainerRank:
+    """One trainer rank. Rank 0 runs the trainer role; the others follow it (FSDP2). The loop
+    runs in a thread so that ``state`` answers while it trains."""
+
+    def __init__(self, rank: int, world: int, master: tuple[str, int], config_json: str, token: str,
+                 namespace: str, started: float | None):
+        import ray
+
+        from staleflow.servers.auth import TOKEN_ENV
+
+        os.environ[TOKEN_ENV] = token
+        os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
+                           "WORLD_SIZE": str(world)})
+        self.rank, self.world = rank, world
+        self.config = JobConfig.model_validate_json(config_json)
+        if self.config.cluster.network_interface:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", self.config.cluster.network_interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", self.config.cluster.network_interface)
+        _log_to_state(self.config, trainer_rank_name(rank))
+        self.endpoints = ray.get(ray.get_actor(REGISTRY, namespace=namespace).get.remote())
+        self.stop_event = threading.Event()
+        self.done = False
+        self.error: str | None = None
+        self.started = started
+        self.thread = threading.Thread(target=self._run, daemon=True, name=trainer_rank_name(rank))
+        self.thread.start()
+
+    def _run(self) -> None:
+        from staleflow.launch.job import step_log
+
+        urls = {k: v["url"] for k, v in self.endpoints.items() if isinstance(v, dict) and "url" in v}
+        try:
+            if self.config.engine == "sim":
+                from staleflow.launch.job import run_trainer
+
+                run_trainer(self.config, self.endpoints, self.stop_event, self.started)
+            else:
+                from staleflow.servers.trainer import run_fsdp_rank
+
+                run_fsdp_rank(self.config, urls, step_log(self.config), self.stop_event, self.started)
+            self.done = True
+        except BaseException as exc:  # reported through state(); the launcher restarts the gang
+            log.exception("trainer rank %d failed", self.rank)
+            self.error = repr(exc)
+
+    def state(self) -> dict:
+        import ray
+
+        return {"rank": self.rank, "done": self.done, "error": self.error, "pid": os.getpid(),
+                "alive": self.thread.is_alive(), "node_id": ray.get_runtime_context().get_node_id(),
+                "host": node_ip(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+    def steps(self) -> list:
+        from staleflow.launch.job import step_log
+
+        return step_log(self.config).read()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
+# ---------------------------------------------------------------------------- planning on the driver
+
+
+def _selector_text(role: str, selector: NodeSelector) -> str:
+    parts = []
+    if selector.resource:
+        parts.append(f"custom resource {selector.resource!r}")
+    if selector.labels:
+        parts.append("labels " + ", ".join(f"{k}={v}" for k, v in selector.labels.items()))
+    return f"{role} nodes ({' and '.join(parts) or 'any node'})"
+
+
+def _bundle(selector: NodeSelector, cpus: float, gpus: float = 0.0) -> dict[str, float]:
+    bundle: dict[str, float] = {}
+    if cpus:
+        bundle["CPU"] = cpus
+    if gpus:
+        bundle["GPU"] = gpus
+    if selector.resource:
+        bundle[selector.resource] = RESOURCE_SHARE
+    return bundle or {"CPU": 0.001}  # a bundle must hold something
+
+
+@dataclass
+class PlacementPlan:
+    """What each placement group asks for, and the nodes that may host it."""
+
+    control: list[dict[str, float]]
+    rollout: list[dict[str, float]]
+    trainer: list[dict[str, float]]  # one bundle per trainer node
+    ranks_per_node: int
+
+    @staticmethod
+    def of(config: JobConfig) -> PlacementPlan:
+        c = config.cluster
+        world = trainer_world(config)
+        if world % c.trainer_nodes:
+            raise LauncherError(f"{world} trainer ranks do not split evenly over cluster.trainer_nodes "
+                                f"{c.trainer_nodes}; make trainer.world_size a multiple of it")
+        per_node = world // c.trainer_nodes
+        return PlacementPlan(
+            control=[_bundle(c.control, c.cpus_per_service) for _ in (*CONTROL_SERVICES, REGISTRY)],
+            rollout=[_bundle(c.rollout, c.cpus_per_instance, c.gpus_per_instance) for _ in range(config.instances)],
+            trainer=[_bundle(c.trainer, c.cpus_per_rank * per_node, c.gpus_per_rank * per_node)
+                     for _ in range(c.trainer_nodes)],
+            ranks_per_node=per_node)
+
+
+def _matches(node: dict, selector: NodeSelector) -> bool:
+    if selector.resource and node["Resources"].get(selector.resource, 0) <= 0:
+        return False
+    labels = node.get("Labels") or {}
+    return all(labels.get(k) == v for k, v in selector.labels.items())
+
+
+def _fits(bundle: dict[str, float], capacity: dict[str, float]) -> bool:
+    return all(capacity.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())
+
+
+def _need_text(bundle: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in bundle.items() if v != RESOURCE_SHARE)
+
+
+def preflight(config: JobConfig, nodes: list[dict]) -> None:
+    """Fail now, naming what is missing, when the cluster cannot host the plan (a placement group
+    it cannot satisfy would otherwise wait in PENDING without a word)."""
+    plan = PlacementPlan.of(config)
+    alive = [n for n in nodes if n.get("Alive")]
+    c = config.cluster
+    problems = []
+    for role, selector, bundles, spread in (("control", c.control, plan.control, False),
+                                            ("rollout", c.rollout, plan.rollout, False),
+                                            ("trainer", c.trainer, plan.trainer, True)):
+        candidates = [n for n in alive if _matches(n, selector)]
+        what = _selector_text(role, selector)
+        if not candidates:
+            problems.append(f"no alive node of the Ray cluster is one of the {what}")
+            continue
+        if role == "control":  # all on one node
+            total = {k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}
+            if not any(_fits(total, n["Resources"]) for n in candidates):
+                problems.append(f"no single one of the {what} has room for the control services "
+                                f"({_need_text(total)})")
+        elif spread:
+            hosts = [n for n in candidates if _fits(bundles[0], n["Resources"])]
+            if len(hosts) < len(bundles):
+                problems.append(f"the trainer needs {len(bundles)} of the {what} with {_need_text(bundles[0])} each; "
+                                f"the cluster has {len(hosts)}")
+        else:
+            capacity = {n["NodeID"]: dict(n["Resources"]) for n in candidates}
+            for i, bundle in enumerate(bundles):
+                host = next((cap for cap in capacity.values() if _fits(bundle, cap)), None)
+                if host is None:
+                    gpus = sum(n["Resources"].get("GPU", 0) for n in candidates)
+                    problems.append(f"the {what} cannot hold {len(bundles)} instances of {_need_text(bundle)} "
+                                    f"(room for {i}; GPUs on them: {gpus:g})")
+                    break
+                for k, v in bundle.items():
+                    host[k] = host.get(k, 0.0) - v
+    if problems:
+        raise LauncherError("the Ray cluster cannot host this job: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------- the job
+
+
+class RayClusterJob:
+    """A job whose components are Ray actors; the surface of ``Job`` that ``staleflow up`` uses."""
+
+    def __init__(self, config: JobConfig, resume: bool = False, fresh: bool = False,
+                 address: str | None = None, namespace: str | None = None):
+        from staleflow.launch.job import Job, Monitor, step_log
+
+        self.ray = import_ray()
+        self.resume = resume
+        self.config = config
+        self.state = config.state_dir
+        self.namespace = namespace or namespace_of(config)
+        self.address = address or config.cluster.address or os.environ.get("RAY_ADDRESS") or "auto"
+        Job._prepare_state_dir(self, resume, fresh)  # the same state-directory rules as a local run
+        self.stop = threading.Event()
+        self.started = time.monotonic()
+        self.endpoints: dict[str, dict] = {}
+        self.monitor = Monitor(self.endpoints, self.started)
+        self.step_log = step_log(config)
+        self.actors: dict[str, Any] = {}
+        self.ranks: list[Any] = []
+        self.pgs: dict[str, Any] = {}
+        self.trainer_bundles: list[int] = []
+        self.events: list[dict] = []
+        self.restarts: dict[str, int] = {}
+        self._trainer_error: str | None = None
+        self._trainer_done = False
+        self._steps: list = []
+        self._watcher: threading.Thread | None = None
+        self._restarted_at: dict[str, float] = {}
+        self._owner = False
+        self._incarnations: dict[str, tuple] = {}
+
+    # -- connecting ------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            try:
+                ray.init(address=self.address, namespace=self.namespace, log_to_driver=False,
+                         logging_level=logging.WARNING, configure_logging=False)
+            except ConnectionError as exc:
+                raise LauncherError(f"cannot reach the Ray cluster at {self.address}: {exc}; start one "
+                                    "(`ray start --head`) or set cluster.address / $RAY_ADDRESS") from None
+
+    def _options(self, **extra: Any) -> dict:
+        env = dict(self.config.cluster.env)
+        options = {"namespace": self.namespace, "lifetime": "detached", **extra}
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        return options
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self, on_started: Callable[[str, str], None] | None = None) -> None:
+        from staleflow.launch.job import trainer_label
+        from staleflow.servers.auth import write_token_file
+
+        ray = self.ray
+        self.connect()
+        if REGISTRY in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["namespace"] == self.namespace}:
+            if not self.resume:
+                raise LauncherError(f"a job is already running in Ray namespace {self.namespace!r}: take it over with "
+                                    f"--resume, stop it with `staleflow down --namespace {self.namespace}`, or choose "
+                                    "another cluster.namespace")
+            self._attach(on_started)
+            return
+        preflight(self.config, ray.nodes())
+        self._owner = True  # from here on, what is in the namespace is this job's
+        self.token = write_token_file(self.state / "token")
+        self._place()
+        self.endpoints.update(self._plan_endpoints())
+        self.monitor.endpoints = self.endpoints
+        config_json = self.config.model_dump_json()
+        registry_path = str((self.state / "endpoints.registry.json").resolve())
+        Registry_ = ray.remote(Registry)
+        self.registry = Registry_.options(name=REGISTRY, max_restarts=-1, max_task_retries=-1,
+                                          num_cpus=self._control_cpus(), resources=self._marker(self.config.cluster.control),
+                                          scheduling_strategy=self._in("control", len(CONTROL_SERVICES)),
+                                          **self._options()).remote(self.endpoints, registry_path)
+        ray.get(self.registry.get.remote())
+        timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+        names = self._names()
+        pending: list[str] = []
+        for name in names:
+            if name == "coordinator":  # instances start side by side (a vLLM engine takes a while)
+                self._await(pending, timeout, on_started)
+                pending = []
+            self.actors[name] = self._create(name, config_json)
+            pending.append(name)
+            if name == "ts":
+                self._await(pending, timeout, on_started)
+                pending = []
+                self._release_previous_instances()
+        self._await(pending, timeout, on_started)
+        self._publish()
+        self.started = self.monitor.started = time.monotonic()
+        self._start_trainer()
+        self._write_placement()
+        if on_started:
+            on_started("trainer", trainer_label(self.config))
+        self._watcher = threading.Thread(target=self._watch, name="ray-launcher", daemon=True)
+        self._watcher.start()
+
+    def _attach(self, on_started: Callable[[str, str], None] | None) -> None:
+        """Take over a job whose actors outlived their driver (``--resume`` while they run): the
+        same actors, placement groups and token; the trainer gang restarted if any rank is gone."""
+        from ray.util.placement_group import get_placement_group
+
+        from staleflow.launch.job import trainer_label
+        from staleflow.servers.auth import read_token_file
+
+        ray = self.ray
+        token = read_token_file(self.state / "token")
+        if token is None:
+            raise LauncherError(f"a job runs in Ray namespace {self.namespace!r} but {self.state / 'token'} is missing: "
+                                "resume it from the state directory it was started with")
+        self.token, self._owner = token, True
+        self.pgs = {group: get_placement_group(f"{self.namespace}-{group}") for group in PLACEMENT_GROUPS}
+        self._order_bundles()
+        self.registry = ray.get_actor(REGISTRY, namespace=self.namespace)
+        self.endpoints.update(ray.get(self.registry.get.remote(), timeout=60))
+        self.monitor.endpoints = self.endpoints
+        for name in self._names():
+            self.actors[name] = ray.get_actor(name, namespace=self.namespace)
+        timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+        self._await(list(self.actors), timeout, on_started)
+        self._publish()
+        self.started = self.monitor.started = time.monotonic()
+        try:
+            self.ranks = [ray.get_actor(trainer_rank_name(r), namespace=self.namespace)
+                          for r in range(trainer_world(self.config))]
+            states = ray.get([r.state.remote() for r in self.ranks], timeout=60)
+            if any(s["error"] for s in states):
+                raise RuntimeError("a trainer rank failed")
+        except (ValueError, RuntimeError, ray.exceptions.RayError):
+            for rank in range(trainer_world(self.config)):
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(trainer_rank_name(rank), namespace=self.namespace), no_restart=True)
+            self._start_trainer()
+        self._write_placement()
+        if on_started:
+            on_started("trainer", trainer_label(self.config))
+        self._watcher = threading.Thread(target=self._watch, name="ray-launcher", daemon=True)
+        self._watcher.start()
+
+    def _marker(self, selector: NodeSelector) -> dict[str, float]:
+        return {selector.resource: RESOURCE_SHARE} if selector.resource else {}
+
+    def _control_cpus(self) -> float:
+        return self.config.cluster.cpus_per_service or (0.001 if not self.config.cluster.control.resource else 0)
+
+    def _in(self, group: str, index: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.pgs[group], placement_group_bundle_index=index)
+
+    def _place(self) -> None:
+        """The detached placement groups, ready within ``placement_timeout_s`` or a clear error."""
+        ray, c = self.ray, self.config.cluster
+        from ray.util.placement_group import placement_group
+
+        plan = PlacementPlan.of(self.config)
+        asks = {"control": (plan.control, "STRICT_PACK", c.control), "rollout": (plan.rollout, "PACK", c.rollout),
+                "trainer": (plan.trainer, "STRICT_SPREAD" if len(plan.trainer) > 1 else "PACK", c.trainer)}
+        for group, (bundles, strategy, selector) in asks.items():
+            options = {"bundle_label_selector": [dict(selector.labels) for _ in bundles]} if selector.labels else {}
+            self.pgs[group] = placement_group(bundles, strategy=strategy, name=f"{self.namespace}-{group}",
+                                              lifetime="detached", **options)
+        deadline = time.monotonic() + c.placement_timeout_s
+        for group, pg in self.pgs.items():
+            left = max(0.1, deadline - time.monotonic())
+            ready, _ = ray.wait([pg.ready()], timeout=left)
+            if not ready:
+                bundles, strategy, selector = asks[group]
+                self._remove_groups()
+                raise LauncherError(
+                    f"placement group {group} ({len(bundles)} × {_need_text(bundles[0])}, {strategy}) was not placed in "
+                    f"{c.placement_timeout_s:g} s on the {_selector_text(group, selector)}: the cluster lacks free room "
+                    "for it (other jobs may hold it); see `ray status`")
+        self._order_bundles()
+
+    def _order_bundles(self) -> None:
+        """Instances and trainer ranks in (node IP, node) order of their bundles; one relay bundle per rollout node."""
+        ray, c = self.ray, self.config.cluster
+        table = ray.util.placement_group_table(self.pgs["trainer"])
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        nodes = table["bundles_to_node_id"]
+        self.trainer_bundles = sorted(nodes, key=lambda i: (ips.get(nodes[i], ""), nodes[i], i))
+        rollout = ray.util.placement_group_table(self.pgs["rollout"])["bundles_to_node_id"]
+        self.rollout_bundles = sorted(rollout, key=lambda i: (ips.get(rollout[i], ""), rollout[i], i))
+        self.relay_bundles: list[int] = []
+        if c.ps_relay == "per_rollout_node":  # the first bundle of each rollout node hosts its relay
+            seen: set[str] = set()
+            for i in self.rollout_bundles:
+                if rollout[i] not in seen:
+                    seen.add(rollout[i])
+                    self.relay_bundles.append(i)
+
+    def _scheduling(self, name: str) -> Any:
+        if name.startswith("inst-"):
+            return self._in("rollout", self.rollout_bundles[int(name.split("-")[1])])
+        if is_relay(name):  # beside the first instance of its node, in that instance's bundle
+            return self._in("rollout", self.relay_bundles[int(name.split("-")[1])])
+        return self._in("control", CONTROL_SERVICES.index(name))
+
+    def _resources(self, name: str) -> dict:
+        c = self.config.cluster
+        if is_relay(name):
+            return {"num_cpus": 0, "resources": {}}
+        if name.startswith("inst-"):
+            return {"num_cpus": c.cpus_per_instance, "num_gpus": c.gpus_per_instance,
+                    "resources": self._marker(c.rollout)}
+        return {"num_cpus": self._control_cpus(), "resources": self._marker(c.control)}
+
+    def _plan_endpoints(self) -> dict[str, dict]:
+        """Each component's address, found on the node that will serve it."""
+
+        ray = self.ray
+        low, high = self.config.cluster.port_range
+        probe_task = ray.remote(probe)
+        planned: dict[str, dict] = {}
+        taken: dict[str, list[int]] = {}
+        for name in self._names():
+            res = self._resources(name)
+            where = ray.get(probe_task.options(num_cpus=0, resources=res["resources"],
+                                               scheduling_strategy=self._scheduling(name)).remote(
+                low, high, taken.get("any", [])), timeout=120)
+            taken.setdefault("any", []).append(where["port"])  # one list: test clusters share one IP
+            planned[name] = {"url": _join(where["host"], where["port"]), "host": where["host"], "port": where["port"],
+                             "node_id": where["node_id"]}
+            if name.startswith("inst-") and (relay := relay_on(planned, where["node_id"])):
+                planned[name]["params_url"] = relay
+        return planned
+
+    def _names(self) -> list[str]:
+        """Start order: the control services, the relays, the instances, the coordinator."""
+        from staleflow.launch.job import component_names
+
+        names = component_names(self.config)
+        relays = [f"relay-{k}" for k in range(len(self.relay_bundles))]
+        at = names.index("ts") + 1
+        return [*names[:at], *relays, *names[at:]]
+
+    def _create(self, name: str, config_json: str) -> Any:
+        ray = self.ray
+        Actor = ray.remote(Component)
+        return Actor.options(name=name, max_restarts=self.config.cluster.max_restarts, max_task_retries=0,
+                             max_concurrency=4, scheduling_strategy=self._scheduling(name),
+                             **self._resources(name), **self._options()).remote(
+            name, config_json, self.token, self.namespace)
+
+    def _await(self, names: list[str], timeout: float, on_started: Callable[[str, str], None] | None) -> None:
+        ray = self.ray
+        refs = {name: self.actors[name].info.remote() for name in names}
+        for name, ref in refs.items():
+            try:
+                info = ray.get(ref, timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise LauncherError(f"component {name} did not come up in {timeout:g} s; see "
+                                    f"{self.state / 'logs' / (name + '.log')} or its Ray worker log") from None
+            except ray.exceptions.RayActorError as exc:
+                raise LauncherError(f"component {name} failed to start: {exc}") from None
+            if on_started:
+                on_started(name, info["url"])
+
+    def _release_previous_instances(self) -> None:
+        from staleflow.launch.job import instance_ids
+        from staleflow.servers.clients import http_client
+
+        with http_client(self.endpoints["ts"]["url"], token=self.token) as ts:
+            for instance_id in instance_ids(self.config):
+                reply = ts.post(f"/v1/instances/{instance_id}/release")
+                if reply.status_code >= 300:
+                    raise LauncherError(f"the trajectory server refused to release {instance_id}'s trajectories: "
+                                        f"{reply.status_code} {reply.text[:200]}")
+
+    def _publish(self) -> None:
+        from staleflow.launch.job import trainer_label
+
+        (self.state / "endpoints.json").write_text(json.dumps(
+            {**self.endpoints, "state_dir": str(self.state.resolve()), "trainer": trainer_label(self.config),
+             "token_file": str((self.state / "token").resolve()), "launcher": "ray", "namespace": self.namespace,
+             "ray_address": self.address}, indent=2))
+
+    # -- the trainer gang ------------------------------------------------------------------
+
+    def _start_trainer(self) -> None:
+        ray = self.ray
+        c = self.config.cluster
+        world = trainer_world(self.config)
+        per_node = world // c.trainer_nodes
+        first = self.trainer_bundles[0]
+        probe_task = ray.remote(probe)
+        master = ray.get(probe_task.options(num_cpus=0, resources=self._marker(c.trainer),
+                                            scheduling_strategy=self._in("trainer", first)).remote(
+            *c.port_range, [v["port"] for v in self.endpoints.values()]), timeout=120)
+        Rank = ray.remote(TrainerRank)
+        config_json = self.config.model_dump_json()
+        self.ranks = []
+        for rank in range(world):
+            bundle = self.trainer_bundles[rank // per_node]
+            self.ranks.append(Rank.options(
+                name=trainer_rank_name(rank), max_restarts=0, max_concurrency=4, num_cpus=c.cpus_per_rank,
+                num_gpus=c.gpus_per_rank, resources=self._marker(c.trainer),
+                scheduling_strategy=self._in("trainer", bundle), **self._options()).remote(
+                rank, world, (master["host"], master["port"]), config_json, self.token, self.namespace, self.started))
+        ray.get([r.state.remote() for r in self.ranks], timeout=300)
+
+    def _write_placement(self) -> None:
+        """``<state>/placement.json``: where each actor runs (node, IP, pid, GPU ids), for people
+        and tools; rewritten after a gang restart of the trainer."""
+        ray = self.ray
+        names = list(self.actors)
+        infos = ray.get([self.actors[n].info.remote() for n in names] + [r.state.remote() for r in self.ranks], timeout=120)
+        placement = {}
+        for name, info in zip([*names, *(trainer_rank_name(i) for i in range(len(self.ranks)))], infos, strict=True):
+            placement[name] = {k: info[k] for k in ("node_id", "host", "pid", "gpu_ids")}
+        (self.state / "placement.json").write_text(json.dumps(placement, indent=2))
+
+    def _restart_trainer(self, why: str) -> None:
+        """NCCL/gloo cannot take a rank back: stop every rank, start the gang again; it resumes
+        from the newest checkpoint and the step log."""
+        ray = self.ray
+        now = time.monotonic()
+        self.events.append({"name": "trainer", "event": "detected", "why": why, "t": now})
+        log.warning("trainer gang restart: %s", why)
+        for r in self.ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(r, no_restart=True)
+        for rank in range(len(self.ranks)):  # the names are free once the old actors are gone
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(trainer_rank_name(rank), namespace=self.namespace)
+                except ValueError:
+                    break
+                self.stop.wait(0.1)  # name release pacing
+        self.restarts["trainer"] = self.restarts.get("trainer", 0) + 1
+        if self.restarts["trainer"] > self.config.cluster.trainer_restarts:
+            self._trainer_error = f"the trainer failed {self.restarts['trainer']} times, last: {why}"
+            self.stop.set()
+            return
+        self._start_trainer()
+        self.events.append({"name": "trainer", "event": "restarted", "t": time.monotonic()})
+        with contextlib.suppress(Exception):  # a component restarting now: the file is informative only
+            self._write_placement()
+
+    # -- watching --------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """The launcher's supervision beside Ray's restarts: the trainer gang, hung services and
+        instances, moved components."""
+        from staleflow.servers.clients import http_client
+
+        probes = {}
+        failing_since: dict[str, float] = {}
+        while not self.stop.is_set():
+            try:
+                self._check_trainer()
+                if self._trainer_done or self.stop.is_set():
+                    return
+                self._refresh_endpoints()
+                for name in list(self.actors):
+                    url = self.endpoints[name]["url"]
+                    if name not in probes or probes[name][0] != url:
+                        probes[name] = (url, http_client(url, timeout=2))
+                self._check_hung(probes, failing_since)
+            except Exception:  # the watcher must not die: log and go on
+                log.exception("the Ray launcher's watcher failed a round")
+            self.stop.wait(0.5)  # watch pacing
+
+    def _check_trainer(self) -> None:
+        ray = self.ray
+        try:
+            states = ray.get([r.state.remote() for r in self.ranks], timeout=30)
+        except ray.exceptions.RayActorError as exc:
+            self._restart_trainer(f"a trainer rank died ({exc.__class__.__name__})")
+            return
+        except ray.exceptions.GetTimeoutError:
+            return  # busy or hung: NCCL's own timeout ends a hung collective
+        failed = [s for s in states if s["error"]]
+        if failed:
+            self._restart_trainer(f"rank {failed[0]['rank']} failed: {failed[0]['error']}")
+            return
+        self._trainer_done = bool(states) and states[0]["done"]
+        with contextlib.suppress(Exception):
+            self._steps = ray.get(self.ranks[0].steps.remote(), timeout=30)
+
+    def _refresh_endpoints(self) -> None:
+        current = self.ray.get(self.registry.get.remote(), timeout=10)
+        changed = {n for n, e in current.items() if self.endpoints.get(n) != e}
+        if not changed:
+            return
+        self.endpoints.update(current)
+        self._repoint_pulls()
+        self._publish()
+        moved_services = changed & set(CONTROL_SERVICES)
+        if moved_services:  # everyone else was built with the old address: restart them to read the new one
+            log.warning("%s moved; restarting the components that call them", ", ".join(sorted(moved_services)))
+            for name, actor in self.actors.items():
+                if name not in moved_services:
+                    self._kill(name, actor, "a service it calls moved")
+            self._restart_trainer(f"{', '.join(sorted(moved_services))} moved")
+
+    def _repoint_pulls(self) -> None:
+        """After a relay or an instance moved: each instance pulls from the relay on its node now
+        (or from the central parameter server where there is none); the registry and the
+        coordinator learn it."""
+        from staleflow.servers.clients import http_client
+
+        for name, entry in list(self.endpoints.items()):
+            if not name.startswith("inst-") or not isinstance(entry, dict):
+                continue
+            wanted = relay_on(self.endpoints, entry.get("node_id", ""))
+            if entry.get("params_url") == wanted:
+                continue
+            entry = {**{k: v for k, v in entry.items() if k != "params_url"}, **({"params_url": wanted} if wanted else {})}
+            self.endpoints[name] = entry
+            self.ray.get(self.registry.put.remote(name, entry), timeout=10)
+            try:
+                with http_client(self.endpoints["coordinator"]["url"], token=self.token, timeout=10) as c:
+                    reply = c.put(f"/v1/instances/{name}", json={"instance_id": name, "url": entry["url"],
+                                                                 "params_url": wanted})
+                if reply.status_code >= 300:
+                    log.error("the coordinator refused %s's new parameter server: %d %s", name, reply.status_code,
+                              reply.text[:200])
+            except httpx.HTTPError as exc:  # the coordinator restarting: it reads the registry when it starts
+                log.warning("cannot tell the coordinator where %s pulls from: %s", name, exc)
+
+    def _kill(self, name: str, actor: Any, why: str) -> None:
+        self.events.append({"name": name, "event": "detected", "why": why, "t": time.monotonic()})
+        self._restarted_at[name] = time.monotonic()
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        with contextlib.suppress(Exception):
+            self.ray.kill(actor, no_restart=False)
+
+    def _check_hung(self, probes: dict, failing_since: dict[str, float]) -> None:
+        """Ray sees processes die, not hang: a service alive to Ray whose health probe keeps
+        failing, or an instance the coordinator declared failed, is killed (Ray restarts it)."""
+        grace = 30.0  # a service the launcher restarted gets this long before it is judged again
+        settle = 10.0  # an instance process that answered gets this long for the coordinator to adopt it
+        now = time.monotonic()
+        views = actor_views(self.ray)
+        for name, (_, client) in probes.items():
+            if name.startswith("inst-"):  # note when each instance process first answers
+                view = views.get(self.actors[name]._actor_id.hex(), {})
+                incarnation = (view.get("NumRestarts"), view.get("Pid"))
+                if self._incarnations.get(name, (None, None))[0] != incarnation:
+                    self._incarnations[name] = (incarnation, None)
+                if self._incarnations[name][1] is None and view.get("State") == "ALIVE" and _healthy(client):
+                    self._incarnations[name] = (incarnation, now)
+                continue
+            if now - self._restarted_at.get(name, -1e9) < grace:
+                continue
+            state = views.get(self.actors[name]._actor_id.hex(), {}).get("State")
+            if state != "ALIVE" or _healthy(client):
+                failing_since.pop(name, None)
+                continue
+            since = failing_since.setdefault(name, now)
+            if now - since >= HUNG_AFTER_S:  # alive to Ray, silent to us: hung
+                failing_since.pop(name, None)
+                self._kill(name, self.actors[name], f"alive but its health probe failed for {now - since:.0f} s")
+        try:
+            listed = probes["coordinator"][1].get("/v1/instances").json()["instances"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return
+        for i in listed:
+            name = i["instance_id"]
+            if i["status"] != "failed" or name not in self.actors:
+                continue
+            answered = self._incarnations.get(name, (None, None))[1]
+            state = views.get(self.actors[name]._actor_id.hex(), {}).get("State")
+            if state == "ALIVE" and answered is not None and now - max(answered, self._restarted_at.get(name, -1e9)) > settle:
+                self._kill(name, self.actors[name], "the coordinator declared it failed (hung)")
+
+    # -- the surface `staleflow up` uses -----------------------------------------------------
+
+    def finished(self) -> bool:
+        return self._trainer_done or self._trainer_error is not None
+
+    @property
+    def trainer_error(self) -> str | None:
+        return self._trainer_error
+
+    def steps(self) -> list:
+        if self._steps:
+            return list(self._steps)
+        return self.step_log.read() if self.step_log.path.exists() else []
+
+    def write_planned_endpoints(self) -> None:
+        """Endpoints are planned on the nodes at start (``start``); nothing to write before."""
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(60)
+        with contextlib.suppress(Exception):
+            self._steps = self.ray.get(self.ranks[0].steps.remote(), timeout=30) if self.ranks else self._steps
+        if self.ray.is_initialized() and self._owner:
+            remove_job(self.ray, self.namespace)
+
+    def _remove_groups(self) -> None:
+        for pg in self.pgs.values():
+            with contextlib.suppress(Exception):
+                self.ray.util.remove_placement_group(pg)
+
+    def engine_stats(self) -> dict[str, dict]:
+        from staleflow.launch.job import instance_ids
+        from staleflow.servers.clients import http_client
+
+        stats = {}
+        for name in instance_ids(self.config):
+            with contextlib.suppress(Exception), http_client(self.endpoints[name]["url"], timeout=5) as c:
+                stats[name] = c.get("/v1/stats").json()
+        return stats
+
+    def command_times(self) -> dict[str, float]:
+        from staleflow.launch.job import Job
+
+        return Job.command_times(self)
+
+    def info(self, name: str) -> dict:
+        """Where a component runs now (pid, node, GPUs), from the actor itself."""
+        if name.startswith("trainer-"):
+            return self.ray.get(self.ranks[int(name.split("-")[1])].state.remote(), timeout=60)
+        return self.ray.get(self.actors[name].info.remote(), timeout=60)
+
+
+def _healthy(client: httpx.Client) -> bool:
+    try:
+        return client.get("/v1/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def actor_views(ray: Any) -> dict[str, dict]:
+    """Ray's records of every actor, by actor id (one call to the GCS actor table)."""
+    from ray._private import state
+
+    with contextlib.suppress(Exception):
+        return state.actors()
+    return {}
+
+
+def remove_job(ray: Any, namespace: str) -> dict[str, list[str]]:
+    """Kill every named actor of the job's namespace and remove its placement groups."""
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace:
+            continue
+        with contextlib.suppress(Exception):
+            ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
+            killed.append(entry["name"])
+    removed = []
+    for group_id, entry in ray.util.placement_group_table().items():
+        name = entry.get("name") or ""
+        if name.startswith(f"{namespace}-") and name[len(namespace) + 1:] in PLACEMENT_GROUPS \
+                and entry.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+                removed.append(name)
+    return {"actors": killed, "placement_groups": removed}
+
+
+def connect(address: str | None, namespace: str) -> Any:
+    """Attach this process to the cluster as a driver in the job's namespace (for the CLI)."""
+    ray = import_ray()
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING,
+                 configure_logging=False)
+    except ConnectionError as exc:
+        raise LauncherError(f"cannot reach the Ray cluster at {address}: {exc}; pass --ray-address or set $RAY_ADDRESS") from None
+    return ray
+
+
+def registry_endpoints(address: str | None, namespace: str) -> dict[str, dict]:
+    """The endpoints map of the job in ``namespace``, from its registry actor."""
+    ray = connect(address, namespace)
+    try:
+        registry = ray.get_actor(REGISTRY, namespace=namespace)
+    except ValueError:
+        raise LauncherError(f"no StaleFlow job in Ray namespace {namespace!r} (no {REGISTRY!r} actor there)") from None
+    return ray.get(registry.get.remote(), timeout=30)

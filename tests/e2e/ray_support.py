@@ -1,0 +1,86 @@
+"""Helpers of the Ray launcher's end-to-end tests: a loopback-only network namespace, polling
+with a deadline, the processes a local cluster ran."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import subprocess
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+CLONE_NEWNET = 0x40000000
+NODE = {"node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
+"""Every node of a test cluster: bound to 127.0.0.1, a small object store."""
+
+
+@contextlib.contextmanager
+def loopback_only_network() -> Iterator[None]:
+    """Put this thread, and every process and thread it starts from now on, into a new network
+    namespace with only the loopback interface up; back to the original one at the end."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        os.close(original)
+        warnings.warn(f"cannot create a network namespace ({os.strerror(ctypes.get_errno())}; needs root or "
+                      "CAP_SYS_ADMIN): the Ray tests run in this machine's network, bound to 127.0.0.1", stacklevel=2)
+        yield
+        return
+    try:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        yield
+    finally:
+        libc.setns(original, CLONE_NEWNET)
+        os.close(original)
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state) of a live process, None if it is gone (or a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in "ZX" else (int(fields[1]), fields[0])
+
+
+def descendants(root: int) -> list[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _stat(int(entry.name))):
+            parents[int(entry.name)] = st[0]
+    found, frontier = [], {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier}
+        found += sorted(frontier)
+    return found
+
+
+def still_running(pids: list[int]) -> list[str]:
+    alive = []
+    for pid in pids:
+        if _stat(pid) is not None:
+            with contextlib.suppress(OSError):
+                alive.append(f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes().replace(bytes(1), b' ')[:120]!r}")
+    return alive
+
+
+# ---------------------------------------------------------------------------- the cluster and the job
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, pace: float = 0.05) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(Exception):
+            value = condition()
+            if value:
+                return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(pace)  # polling pace
+
+

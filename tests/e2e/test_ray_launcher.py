@@ -1,0 +1,442 @@
+"""`staleflow up --launcher ray` on a local multi-node Ray cluster.
+
+One cluster for the module (``ray.cluster_utils.Cluster``): a head that runs nothing of StaleFlow,
+a control node (selected by its label and custom resource) and a node with four fake GPUs carrying
+the rollout and trainer resources; the node-loss test adds a second such node and removes the
+first. Everything runs inside a loopback-only network namespace this module creates (Ray would
+otherwise probe public DNS to learn its address), every Ray process bound to 127.0.0.1.
+
+One sim job, started as a user starts it, runs through the tests in file order: placement,
+discovery from a second process, SIGKILL of each role's actor process, the loss of a node, the job
+finishing with nothing lost or consumed twice and no bound violated. Then a job whose driver dies
+(its detached actors keep serving) is removed with ``staleflow down``, an infeasible plan fails
+fast, and the cluster's teardown leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray", reason="the Ray launcher's tests need Ray (the [ray] extra)")
+
+from ray_support import (  # noqa: E402
+    NODE,
+    descendants,
+    loopback_only_network,
+    still_running,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+NAMESPACE = "staleflow-ray-e2e"
+SERVICES = ("manager", "params", "reward", "ts", "coordinator")
+INSTANCES = ("inst-0", "inst-1")
+GPU_NODE = {**NODE, "num_cpus": 2, "num_gpus": 4, "resources": {"staleflow_rollout": 1, "staleflow_trainer": 1}}
+TIMINGS = Path(os.environ.get("STALEFLOW_RAY_TIMINGS", "/tmp/staleflow-ray-fault-timings.json"))
+
+
+@dataclass
+class LocalCluster:
+    cluster: Any
+    control: Any
+    gpu: Any
+    stopped: bool = False
+
+    def stop(self) -> list[int]:
+        """Stop the cluster; the processes it ran (this process's descendants just before)."""
+        if self.stopped:
+            return []
+        self.stopped = True
+        ran = descendants(os.getpid())
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        self.cluster.shutdown()
+        return ran
+
+
+@pytest.fixture(scope="module")
+def local_cluster() -> Iterator[LocalCluster]:
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    with loopback_only_network():
+        cluster = Cluster(initialize_head=True, head_node_args={
+            **NODE, "num_cpus": 0, "include_dashboard": False,
+            # a lost node is declared dead after 3 missed checks 0.5 s apart (default: ~16 s)
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
+        local = None
+        try:
+            control = cluster.add_node(**NODE, num_cpus=1, resources={"staleflow_control": 1},
+                                       labels={"staleflow.io/role": "control"})
+            gpu = cluster.add_node(**GPU_NODE)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+            local = LocalCluster(cluster, control, gpu)
+            yield local
+        finally:
+            if local is None:
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                cluster.shutdown()
+            else:
+                local.stop()
+
+
+def job_file(tmp: Path, cluster: Any, namespace: str, **overrides: Any) -> Path:
+    data = {"engine": "sim", "workload": "ci-tiny", "max_tokens": 48, "instances": 2, "steps": 240, "speed": 20,
+            "ledger": {"eta": 1, "batch_size": 4, "group_size": 2},
+            "cluster": {"address": cluster.address, "namespace": namespace, "ps_relay": "per_rollout_node",
+                        "rollout": {"resource": "staleflow_rollout"}, "trainer": {"resource": "staleflow_trainer"}},
+            **overrides}
+    path = tmp / f"{namespace}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@dataclass
+class RunningJob:
+    proc: subprocess.Popen
+    state: Path
+    config: Path
+    events: list[dict] = field(default_factory=list)
+    output: list[str] = field(default_factory=list)
+
+    def read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    self.events.append(json.loads(line))
+
+    def event(self, kind: str, name: str | None = None) -> dict | None:
+        return next((e for e in self.events if e["event"] == kind and (name is None or e.get("name") == name)), None)
+
+
+def start_up(tmp: Path, config: Path, state: Path) -> RunningJob:
+    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", "up", "--launcher", "ray", "--config", str(config),
+                             "--state-dir", str(state), "--json-log"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    job = RunningJob(proc, state, config)
+    threading.Thread(target=job.read, daemon=True).start()
+    return job
+
+
+@pytest.fixture(scope="module")
+def job(local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningJob]:
+    tmp = tmp_path_factory.mktemp("ray-job")
+    running = start_up(tmp, job_file(tmp, local_cluster.cluster, NAMESPACE), tmp / "state")
+    try:
+        wait_for(lambda: running.event("component", "trainer") or running.proc.poll() is not None, 240,
+                 "every component of the job started")
+        assert running.proc.poll() is None, "".join(running.output)
+        yield running
+    finally:
+        if running.proc.poll() is None:
+            running.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                running.proc.wait(60)
+        if running.proc.poll() is None:
+            running.proc.kill()
+
+
+def actor(name: str, namespace: str = NAMESPACE) -> Any:
+    return ray.get_actor(name, namespace=namespace)
+
+
+def where(name: str, namespace: str = NAMESPACE) -> dict:
+    """Where a component runs now: pid, node, GPUs, URL (from the actor itself)."""
+    handle = actor(name, namespace)
+    return ray.get((handle.state if name.startswith("trainer-") else handle.info).remote(), timeout=120)
+
+
+def registry(namespace: str = NAMESPACE) -> dict:
+    return ray.get(actor("endpoints", namespace).get.remote(), timeout=30)
+
+
+def get_json(url: str, path: str) -> dict:
+    with httpx.Client(base_url=url, timeout=3) as client:
+        reply = client.get(path)
+        reply.raise_for_status()
+        return reply.json()
+
+
+def train_version() -> int:
+    return get_json(registry()["manager"]["url"], "/v1/buffers")["train_version"]
+
+
+def coordinator_instances() -> dict[str, dict]:
+    return {i["instance_id"]: i for i in get_json(registry()["coordinator"]["url"], "/v1/instances")["instances"]}
+
+
+def step_count(running: RunningJob) -> int:
+    path = running.state / "trainer" / "steps.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def ray_view(name: str) -> dict:
+    """Ray's own record of the actor now holding ``name`` (State, NumRestarts, Pid)."""
+    from ray._private import state
+
+    return state.actors(actor_id=actor(name)._actor_id.hex())
+
+
+def died(name: str, old: dict) -> bool:
+    view = ray_view(name)
+    return view["State"] != "ALIVE" or view["NumRestarts"] > old["NumRestarts"] or view["Pid"] != old["Pid"]
+
+
+# ---------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.timeout(600)  # the module's cluster and job start with the first test
+def test_placement_puts_each_role_on_its_nodes(local_cluster: LocalCluster, job: RunningJob) -> None:
+    control, gpu, head = local_cluster.control.node_id, local_cluster.gpu.node_id, local_cluster.cluster.head_node.node_id
+    services = {name: where(name) for name in SERVICES}
+    assert {s["node_id"] for s in services.values()} == {control}, services
+    instances = {name: where(name) for name in INSTANCES}
+    trainer = where("trainer-0")
+    assert {i["node_id"] for i in instances.values()} == {gpu} and trainer["node_id"] == gpu
+    gpu_ids = [g for i in instances.values() for g in i["gpu_ids"]] + trainer["gpu_ids"]
+    assert len(gpu_ids) == 3 and len(set(gpu_ids)) == 3, f"instances and trainer share GPUs: {gpu_ids}"
+    relay = where("relay-0")
+    assert relay["node_id"] == gpu, "the parameter-server relay sits on the rollout node"
+    wait_for(lambda: get_json(relay["url"], "/v1/params/latest")["version"] >= 1, 120, "the relay mirrors versions")
+    assert {i: c["params_url"] for i, c in coordinator_instances().items()} == {i: relay["url"] for i in INSTANCES}, \
+        "each instance's Pull names the relay on its node"
+    nodes_used = {i["node_id"] for i in [*services.values(), *instances.values(), trainer, relay]}
+    assert head not in nodes_used, "nothing of StaleFlow runs on the head node"
+    published = json.loads((job.state / "endpoints.json").read_text())
+    assert published["launcher"] == "ray" and published["namespace"] == NAMESPACE
+    assert {k: v for k, v in published.items() if k in registry()} == registry()
+    low, high = 20000, 29999
+    assert all(low <= e["port"] <= high for e in registry().values()), "ports come from cluster.port_range"
+
+
+def test_a_second_process_finds_the_job_by_its_namespace(local_cluster: LocalCluster, job: RunningJob,
+                                                         tmp_path: Path) -> None:
+    def cli(*args: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "staleflow.cli", *args, "--launcher", "ray", "--namespace", NAMESPACE,
+                              "--ray-address", local_cluster.cluster.address, "--json"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path,  # no state dir there
+                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        assert out.returncode == 0, out.stdout + out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    status = cli("status")
+    assert set(status) == {*SERVICES, *INSTANCES, "relay-0"} and all(row["up"] for row in status.values()), status
+    assert {i["instance_id"] for i in cli("instances")["instances"]} == set(INSTANCES)
+    assert cli("buffers")["train_version"] >= 0
+
+
+ROLE_ORDER = ("inst-0", "ts", "params", "manager", "reward", "coordinator", "trainer-0", "inst-1 (hung)", "params (hung)")
+
+
+@pytest.mark.timeout(900)
+def test_each_role_killed_or_hung_recovers_in_place(job: RunningJob) -> None:
+    timings: dict[str, dict] = {}
+    for role in ROLE_ORDER:
+        name, hung = role.split(" ")[0], role.endswith("(hung)")
+        before = wait_for(lambda: train_version() >= 1 and train_version(), 120, f"training progresses before {name}")
+        wait_for(lambda: train_version() > before, 120, f"a step trained before killing {name}")
+        old = where(name)
+        seen = ray_view(name)
+        assert seen["Pid"] == old["pid"]
+        url = registry().get(name, {}).get("url")
+        steps_before = step_count(job)
+        killed_at = time.monotonic()
+        if hung and name.startswith("inst-"):  # alive to Ray: the coordinator's verdict, then the launcher, end it
+            os.kill(old["pid"], signal.SIGSTOP)
+            wait_for(lambda: coordinator_instances()[name]["status"] == "failed", 120, f"{name} declared failed")
+        elif hung:  # alive to Ray: the launcher's health probe finds it and kills it
+            os.kill(old["pid"], signal.SIGSTOP)
+            wait_for(lambda: died(name, seen), 120, f"the launcher ends the hung {name}", pace=0.01)
+        else:
+            os.kill(old["pid"], signal.SIGKILL)
+            # services and instances: Ray restarts the actor; trainer ranks: the launcher restarts the gang
+            wait_for(lambda: died(name, seen), 60, f"Ray sees {name} die", pace=0.01)
+        detected = time.monotonic() - killed_at
+        new = wait_for(lambda: (w := where(name))["pid"] != old["pid"] and w, 120, f"{name} restarted")
+        restarted = time.monotonic() - killed_at
+        if name.startswith("trainer-"):
+            wait_for(lambda: step_count(job) > steps_before, 180, "the restarted trainer trains a step")
+        elif name.startswith("inst-"):
+            assert new["url"] == url, f"{name} came back on its node at another URL"
+            wait_for(lambda: coordinator_instances()[name]["status"] == "live", 120, f"{name} live again")
+        else:
+            assert new["url"] == url, f"{name} came back on its node at another URL"
+            wait_for(lambda: get_json(url, "/v1/health"), 120, f"{name} answers")
+            if name == "coordinator":
+                wait_for(lambda: all(i["status"] in ("live", "syncing") for i in coordinator_instances().values()),
+                         120, "the restarted coordinator adopts every instance")
+        timings[role] = {"detection_s": round(detected, 2), "restarted_s": round(restarted, 2),
+                         "recovery_s": round(time.monotonic() - killed_at, 2)}
+    TIMINGS.write_text(json.dumps(timings, indent=2))
+    print("\nper-role detection and recovery under --launcher ray (s):", json.dumps(timings))
+    assert job.proc.poll() is None, "the job kept running through every fault"
+
+
+@pytest.mark.timeout(600)
+def test_loss_of_a_node_moves_its_work(local_cluster: LocalCluster, job: RunningJob) -> None:
+    replacement = local_cluster.cluster.add_node(**GPU_NODE)
+    local_cluster.cluster.wait_for_nodes()
+    lost = local_cluster.gpu.node_id
+    victims = [where(n) for n in (*INSTANCES, "trainer-0", "relay-0")]
+    assert all(v["node_id"] == lost for v in victims)
+    old_urls = {n: registry()[n]["url"] for n in INSTANCES}
+    local_cluster.cluster.remove_node(local_cluster.gpu, allow_graceful=False)
+    for v in victims:  # the node's processes die with it (removing the raylet alone leaves them running)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(v["pid"], signal.SIGKILL)
+    local_cluster.gpu = replacement
+    lost_at = time.monotonic()
+    for name in INSTANCES:
+        moved = wait_for(lambda: (w := where(name))["node_id"] == replacement.node_id and w, 180, f"{name} moved")
+        assert moved["url"] != old_urls[name], "a moved instance serves at a new address"
+        wait_for(lambda: registry()[name]["url"] == moved["url"], 60, f"the registry knows where {name} went")
+        wait_for(lambda: (c := coordinator_instances()[name])["url"] == moved["url"] and c["status"] == "live", 120,
+                 f"{name} re-registered with the coordinator")
+    wait_for(lambda: where("trainer-0")["node_id"] == replacement.node_id, 180, "the trainer gang restarted on the new node")
+    relay = wait_for(lambda: (w := where("relay-0"))["node_id"] == replacement.node_id and w, 180, "the relay moved")
+    wait_for(lambda: all(c["params_url"] == relay["url"] for c in coordinator_instances().values()), 120,
+             "the moved instances pull from the moved relay")
+    steps = step_count(job)
+    wait_for(lambda: step_count(job) > steps, 180, "training goes on after the node loss")
+    print(f"\nnode loss: instances and trainer back on the new node, training again {time.monotonic() - lost_at:.1f} s "
+          "after the node was removed")
+
+
+@pytest.mark.timeout(900)
+def test_the_job_finishes_with_nothing_lost_or_consumed_twice(job: RunningJob) -> None:
+    job.proc.wait(600)
+    end = job.event("end")
+    assert job.proc.returncode == 0 and end is not None, "".join(job.output[-40:])
+    assert end["completed"] and end["staleness_violations"] == 0, end
+    config = yaml.safe_load(job.config.read_text())
+    steps = [json.loads(line) for line in (job.state / "trainer" / "steps.jsonl").read_text().splitlines()]
+    versions = [s["version"] for s in steps]
+    assert versions == list(range(config["steps"])), f"each version trained once, in order: {versions}"
+    ledger = config["ledger"]
+    for s in steps:
+        assert s["trajectories"] == s["groups"] * ledger["group_size"]
+        assert all(0 <= int(k) <= ledger["eta"] for k in s["staleness"]), s["staleness"]
+    db = sqlite3.connect(job.state / "ledger.db")
+    try:
+        consumed: list[str] = []
+        for (detail,) in db.execute("SELECT detail FROM ledger_events WHERE op = 'consume' ORDER BY id"):
+            consumed += json.loads(detail).get("consumed") or []
+        late = db.execute("SELECT COUNT(*) FROM ledger_retired WHERE fate = 'consumed' AND "
+                          "(buffer - v_traj < 0 OR buffer - v_traj > ?)", (ledger["eta"],)).fetchone()[0]
+    finally:
+        db.close()
+    assert len(consumed) == len(set(consumed)) == config["steps"] * ledger["batch_size"], "every group consumed once"
+    assert late == 0, "every consumed group within the staleness bound"
+    assert (job.state / "report" / "summary.json").exists()
+    assert not ray.util.list_named_actors(all_namespaces=True), "the finished job removed its actors"
+
+
+@pytest.mark.timeout(600)
+def test_resume_takes_over_a_job_whose_driver_died(local_cluster: LocalCluster, tmp_path: Path) -> None:
+    namespace = "staleflow-ray-e2e-resumed"
+    config, state = job_file(tmp_path, local_cluster.cluster, namespace, steps=30), tmp_path / "state"
+    first = start_up(tmp_path, config, state)
+    try:
+        wait_for(lambda: first.event("component", "trainer") or first.proc.poll() is not None, 240, "the job started")
+        assert first.proc.poll() is None, "".join(first.output)
+        first.proc.kill()  # the driver dies; the detached actors train on
+        first.proc.wait()
+        pids = {name: where(name, namespace)["pid"] for name in ("manager", "inst-0")}
+        second = subprocess.run([sys.executable, "-m", "staleflow.cli", "up", "--launcher", "ray", "--resume",
+                                 "--config", str(config), "--state-dir", str(state), "--json-log"],
+                                capture_output=True, text=True, timeout=500, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        end = [json.loads(line) for line in second.stdout.splitlines() if line.startswith("{")][-1]
+        assert second.returncode == 0 and end["event"] == "end" and end["completed"], second.stdout[-3000:] + second.stderr[-3000:]
+        assert end["staleness_violations"] == 0
+        started = {e["name"]: e["url"] for e in (json.loads(line) for line in second.stdout.splitlines()
+                                                   if line.startswith("{")) if e["event"] == "component"}
+        assert set(started) >= {*SERVICES, *INSTANCES, "trainer"}, "the new driver took over every component"
+        versions = [json.loads(line)["version"] for line in (state / "trainer" / "steps.jsonl").read_text().splitlines()]
+        assert versions == list(range(30)), "each version trained once across the change of driver"
+        placement = json.loads((state / "placement.json").read_text())  # written by the new driver
+        assert {n: placement[n]["pid"] for n in pids} == pids, "it took over the running components, not new ones"
+        assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+    finally:
+        if first.proc.poll() is None:
+            first.proc.kill()
+
+
+@pytest.mark.timeout(600)
+def test_down_removes_a_job_whose_driver_died(local_cluster: LocalCluster, tmp_path: Path) -> None:
+    namespace = "staleflow-ray-e2e-orphan"
+    orphan = start_up(tmp_path, job_file(tmp_path, local_cluster.cluster, namespace, steps=1000), tmp_path / "state")
+    try:
+        wait_for(lambda: orphan.event("component", "trainer") or orphan.proc.poll() is not None, 240, "the job started")
+        assert orphan.proc.poll() is None, "".join(orphan.output)
+        orphan.proc.kill()  # the driver dies; the detached actors do not depend on it
+        orphan.proc.wait()
+        manager = registry(namespace)["manager"]["url"]
+        assert get_json(manager, "/v1/health")
+        down = subprocess.run([sys.executable, "-m", "staleflow.cli", "down", "--namespace", namespace,
+                               "--ray-address", local_cluster.cluster.address], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+        left = [pg for pg in ray.util.placement_group_table().values()
+                if (pg.get("name") or "").startswith(namespace) and pg["state"] != "REMOVED"]
+        assert not left, left
+        wait_for(lambda: not _answers(manager), 60, "the removed job's services stop answering")
+    finally:
+        if orphan.proc.poll() is None:
+            orphan.proc.kill()
+
+
+def _answers(url: str) -> bool:
+    try:
+        get_json(url, "/v1/health")
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def test_an_infeasible_plan_fails_fast_naming_what_is_missing(local_cluster: LocalCluster, tmp_path: Path) -> None:
+    from staleflow.config import JobConfig
+    from staleflow.launch.ray_cluster import LauncherError, RayClusterJob
+
+    too_big = JobConfig.model_validate(yaml.safe_load(job_file(tmp_path, local_cluster.cluster, "staleflow-too-big",
+                                                               instances=8).read_text()) | {"state_dir": str(tmp_path / "a")})
+    with pytest.raises(LauncherError, match="cannot hold 8 instances of CPU 0.5, GPU 1"):
+        RayClusterJob(too_big).start()
+    config = job_file(tmp_path, local_cluster.cluster, "staleflow-no-such-label")
+    data = yaml.safe_load(config.read_text())
+    data["cluster"]["trainer"] = {"labels": {"staleflow.io/role": "trainer"}}
+    config.write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, "-m", "staleflow.cli", "up", "--launcher", "ray", "--config", str(config),
+                          "--state-dir", str(tmp_path / "b")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "COLUMNS": "300"})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "labels staleflow.io/role=trainer" in out.stderr, out.stderr
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"].startswith("staleflow-")]
+
+
+def test_teardown_leaves_no_ray_process(local_cluster: LocalCluster) -> None:
+    ran = local_cluster.stop()
+    assert ran, "the cluster's processes were this process's children"
+    wait_for(lambda: not still_running(ran), 30, "every process of the cluster exits")
