@@ -944,15 +944,16 @@ class RayClusterJob:
             with contextlib.suppress(Exception):
                 self.ray.util.remove_placement_group(pg)
 
+    # the job's views read the components over HTTP, wherever they run: the same code as Job's
     def engine_stats(self) -> dict[str, dict]:
-        from staleflow.launch.job import instance_ids
-        from staleflow.servers.clients import http_client
+        from staleflow.launch.job import Job
 
-        stats = {}
-        for name in instance_ids(self.config):
-            with contextlib.suppress(Exception), http_client(self.endpoints[name]["url"], timeout=5) as c:
-                stats[name] = c.get("/v1/stats").json()
-        return stats
+        return Job.engine_stats(self)
+
+    def coordinator_stats(self) -> dict | None:
+        from staleflow.launch.job import Job
+
+        return Job.coordinator_stats(self)
 
     def command_times(self) -> dict[str, float]:
         from staleflow.launch.job import Job
