@@ -117,6 +117,10 @@ _BASELINE_STRATEGY = StrategyConfig(routing=RoutingMode.VANILLA, sync=SyncMode.G
 # StaleFlow's strategies when on (each measured against the alternatives in docs/benchmarks.md)
 STALEFLOW_SYNC = SyncMode.LOAD_AWARE
 STALEFLOW_MIGRATION = MigrationMode.STARVED
+# Starved migration fires when a peer's throughput exceeds twice the starved instance's (the
+# authors' scripts: 5). At 5, paper-20k eta = 3 with stragglers (sigma = 0.25) gave 48.8K tokens/s,
+# at 3 50.4K, at 2 52.9K; homogeneous 57.9K at 5, 57.3K at 2 (docs/benchmarks.md).
+STALEFLOW_PHI_THROUGHPUT = 2.0
 
 
 def _staleflow(r: bool, s: bool, m: bool) -> SystemSpec:
@@ -127,6 +131,7 @@ def _staleflow(r: bool, s: bool, m: bool) -> SystemSpec:
         sync=STALEFLOW_SYNC if s else SyncMode.GREEDY,
         migration=STALEFLOW_MIGRATION if m else MigrationMode.NONE,
         pin_partials=not m,  # without migration nothing moves: a sync resumes the instance's own work
+        phi_throughput=STALEFLOW_PHI_THROUGHPUT,
     )
     return SystemSpec(f"sf-{code}", f"StaleFlow {marks}", Family.STALEFLOW, Pipeline.STREAM, strategy,
                       tuned=(r and s and m))
