@@ -125,6 +125,7 @@ def test_sweep_and_workload_file(tmp_path: Path) -> None:
     (("--eta", "x"), "--eta takes"),
     (("--preset", "huge"), "unknown preset"),
     (("--workload", "/nonexistent/lengths.json"), "cannot use --workload"),
+    (("--straggler-sigma", "-0.5"), "--straggler-sigma must be >= 0"),
 ])
 def test_bad_options_say_what_to_fix(args: tuple[str, ...], message: str) -> None:
     result = invoke(*args)
@@ -146,3 +147,15 @@ def test_report_tables_have_a_row_per_system() -> None:
     md = markdown(result, "staleflow bench systems --preset ci")
     assert sum(line.startswith("|---") for line in md.splitlines()) == 4, "four tables"
     assert "staleflow bench systems --preset ci" in md
+
+
+def test_straggler_sigma_is_a_sweep_key_and_changes_the_run(tmp_path: Path) -> None:
+    result = invoke("--systems", "in-flight,staleflow,oracle", "--eta", "2", "--steps", "4",
+                    "--sweep", "straggler_sigma=0,0.5", "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    homogeneous, straggling = data["points"]
+    assert [homogeneous["sweep_value"], straggling["sweep_value"]] == [0, 0.5]
+    assert homogeneous["runs"]["in-flight"]["total_time_s"] != straggling["runs"]["in-flight"]["total_time_s"]
+    assert homogeneous["oracle_share"]["oracle"] == 1.0
+    assert 0 < data["summary"]["oracle_share"]["sf-rsm"]["mean"]
