@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from staleflow.simulation.experiment import ALL_VANILLA, CHECK, ORACLE, REFERENCE, ExperimentResult, PointResult
+from staleflow.simulation.experiment import (
+    ALL_VANILLA,
+    CHECK,
+    ORACLE,
+    REFERENCE,
+    ExperimentResult,
+    PointResult,
+)
+from staleflow.simulation.result import RunResult
 from staleflow.simulation.systems import BASELINES
 
 
@@ -104,7 +112,7 @@ def detail_table(result: ExperimentResult, point: PointResult | None = None) -> 
     return Table(f"Details at {p.point.label}", header, rows)
 
 
-def _exceeded(run) -> str:  # noqa: ANN001
+def _exceeded(run: RunResult) -> str:
     trained = sum(r.trajectories for r in run.step_records)
     if not run.exceedances:
         return "0"

@@ -25,6 +25,7 @@ from staleflow.strategies.state import (
     PendingTrajectory,
     StrategyConfig,
 )
+from staleflow.strategies.sync import Routable
 
 
 def plan_migrations(instances: Sequence[InstanceState], config: StrategyConfig,
@@ -69,8 +70,6 @@ def _busiest_over_slowest(instances: Sequence[InstanceState], config: StrategyCo
 
 def _feed_starved(instances: Sequence[InstanceState], config: StrategyConfig, pending: Sequence[PendingTrajectory],
                   budget: AdmissionBudget, group_versions: dict[str, int]) -> InstanceState | None:
-    from staleflow.strategies.sync import Routable  # sync imports routing, which imports state only
-
     routable = Routable(pending, group_versions)
     throughputs = {inst.instance_id: inst.throughput() for inst in instances}
     best: tuple[float, float, InstanceState] | None = None
