@@ -41,20 +41,8 @@ from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError, LedgerParams, Transition
 from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.config import ClusterConfig
-from staleflow.simulation.pool import (
-    GroupStatus,
-    SimGroup,
-    SimTrajectory,
-    TrajectoryPool,
-    TrajStatus,
-)
-from staleflow.simulation.result import (
-    Breakdown,
-    DecisionStats,
-    RunResult,
-    StepRecord,
-    Timeline,
-)
+from staleflow.simulation.pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
+from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, StepRecord, Timeline
 from staleflow.simulation.systems import Pipeline, WeightSync
 from staleflow.strategies import (
     AdmissionBudget,
@@ -105,7 +93,7 @@ def straggler_slowdowns(instances: int, sigma: float, seed: int) -> list[float]:
 
 
 class _InstanceTime:
-    __slots__ = ("interrupt_s", "route_s")
+    __slots__ = ("route_s", "interrupt_s")
 
     def __init__(self) -> None:
         self.route_s = 0.0
