@@ -91,7 +91,8 @@ def build_spec(preset: str, steps: int | None, eta: str, sweep: str | None, syst
 
 def run_with_progress(spec: ExperimentSpec, jobs: int):  # noqa: ANN201
     _, first, later = plan_jobs(spec)
-    total = len({j.key() for j in first}) + len(later) + sum(s.name == ALL_VANILLA for _, s in later)
+    total = (len({j.key() for j in first}) + len(later) + sum(s.name == ALL_VANILLA for _, s in later)
+             + sum(j.system.name == ALL_VANILLA for j in first))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {spec.scenario.name}", total=total)

@@ -278,6 +278,14 @@ def test_tuning_once_reuses_each_systems_split_at_the_other_etas() -> None:
         ExperimentSpec(CI, systems, (1,), steps=1, tune="sometimes")
 
 
+def test_all_vanilla_is_checked_against_its_twin_at_a_fixed_split_too() -> None:
+    spec = ExperimentSpec(CI, tuple(resolve("in-flight,sf-xxx", CI.redundancy)), (2,), steps=3, instances=2)
+    point = run_experiment(spec).points[0]
+    twin = point.checks["in-flight@ps"]
+    assert twin.instances == point.runs["sf-xxx"].instances == 2
+    assert point.same_split_ratio("sf-xxx", "in-flight@ps") == 1.0, "all-vanilla StaleFlow is in-flight on the PS"
+
+
 def test_sweep_parsing_and_points() -> None:
     assert parse_sweep("response=32,64") == ("response", (32, 64))
     assert parse_sweep("mu=0.1,0.3") == ("mu", (0.1, 0.3))

@@ -415,6 +415,9 @@ def run_experiment(
     execute(jobs)
     second = []
     names = {s.name for s in spec.systems}
+    for job in jobs:  # all-vanilla StaleFlow ran at a split of its own (fixed instances, no StaleFlow to follow)
+        if job.system.name == ALL_VANILLA:
+            second.append(Job(job.point, IN_FLIGHT_ON_PS, job.instances, spec.steps))
     for point, system in later:
         if system.tuned or REFERENCE not in names:  # its own split at the tuning eta
             source, name = _tune_point(points, point, spec.tune_eta), system.name
