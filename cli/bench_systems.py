@@ -33,7 +33,7 @@ from staleflow.simulation import (
 from staleflow.simulation.experiment import ALL_VANILLA, plan_jobs
 from staleflow.simulation.tables import Table, markdown, tables
 
-PRESETS = {"ci": "ci", "paper-20k": "paper-20k", "paper-40k": "paper-40k"}
+PRESETS = {"ci": "ci", "paper-20k": "paper-20k", "paper-40k": "paper-40k", "paper-dense-32b": "paper-dense-32b"}
 
 
 def _rich(table: Table) -> RichTable:
@@ -55,11 +55,15 @@ def _etas(text: str) -> tuple[int, ...]:
     return values
 
 
-def build_spec(preset: str, steps: int, eta: str, sweep: str | None, systems: str, workload: Path | None,
-               instances: int | None, tune: str, seed: int, detail_eta: int | None) -> ExperimentSpec:
+def build_spec(preset: str, steps: int | None, eta: str, sweep: str | None, systems: str, workload: Path | None,
+               instances: int | None, tune: str, seed: int, detail_eta: int | None,
+               straggler_sigma: float = 0.0) -> ExperimentSpec:
     if preset not in PRESETS:
         raise fail(f"unknown preset {preset!r}", f"choose one of {', '.join(PRESETS)}")
-    base = scenario(PRESETS[preset], seed)
+    if straggler_sigma < 0:
+        raise fail(f"--straggler-sigma must be >= 0, got {straggler_sigma}")
+    base = replace(scenario(PRESETS[preset], seed), straggler_sigma=straggler_sigma)
+    steps = base.steps if steps is None else steps
     if workload is not None:
         try:
             base = replace(base, workload=load_workload(workload.read_text(), base.workload, workload.stem).with_seed(seed))
@@ -87,7 +91,8 @@ def build_spec(preset: str, steps: int, eta: str, sweep: str | None, systems: st
 
 def run_with_progress(spec: ExperimentSpec, jobs: int):
     _, first, later = plan_jobs(spec)
-    total = len({j.key() for j in first}) + len(later) + sum(s.name == ALL_VANILLA for _, s in later)
+    total = (len({j.key() for j in first}) + len(later) + sum(s.name == ALL_VANILLA for _, s in later)
+             + sum(j.system.name == ALL_VANILLA for j in first))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {spec.scenario.name}", total=total)
@@ -105,14 +110,19 @@ def run_with_progress(spec: ExperimentSpec, jobs: int):
 def register(bench_app: typer.Typer) -> None:
     @bench_app.command("systems")
     def systems_cmd(
-        preset: Annotated[str, typer.Option(help="cluster scenario: ci, paper-20k or paper-40k")] = "paper-20k",
-        steps: Annotated[int, typer.Option(min=1, help="training steps per run")] = 10,
+        preset: Annotated[str, typer.Option(
+            help="cluster scenario: ci, paper-20k, paper-40k or paper-dense-32b")] = "paper-20k",
+        steps: Annotated[int | None, typer.Option(
+            min=1, help="training steps per run (default: the preset's, 20 for the paper presets)")] = None,
         eta: Annotated[str, typer.Option(help="staleness bounds, comma-separated")] = "1,2,3,4",
         sweep: Annotated[str | None, typer.Option(
-            help="KEY=V1,V2,...: eta, response, batch, group, gpus, instances, mu, prefill, kv, train, cycle")] = None,
+            help="KEY=V1,V2,...: eta, response, batch, group, gpus, instances, mu, prefill, kv, k5, train, cycle, "
+                 "straggler_sigma, nccl")] = None,
         systems: Annotated[str, typer.Option(
-            help="all, headline, ablation, or names: verl, one-step, in-flight, staleflow (sf-rsm), "
-                 "sf-[r|x][s|x][m|x], sf-rsm+batch, sf-rsm+group")] = "all",
+            help="all, headline, ablation, or names: verl, one-step, in-flight, in-flight-fifo, staleflow (sf-rsm), "
+                 "sf-[r|x][s|x][m|x], sf-rsm+batch, sf-rsm+group, oracle")] = "all",
+        straggler_sigma: Annotated[float, typer.Option(
+            help="persistent per-instance speed spread: log-normal sigma of each instance's fixed speed factor")] = 0.0,
         workload: Annotated[Path | None, typer.Option(
             help="replay response lengths (JSON [[...],...] or JSONL) or a distribution object (JSON)")] = None,
         instances: Annotated[int | None, typer.Option(help="fix the rollout instance count (no split tuning)")] = None,
@@ -130,7 +140,7 @@ def register(bench_app: typer.Typer) -> None:
     ) -> None:
         """Simulated whole RL jobs: synchronous, one-step, in-flight-limited and StaleFlow (R/S/M, redundancy)."""
         spec = build_spec(preset, steps, eta, sweep, systems, workload, instances, "none" if no_tune else tune, seed,
-                          detail_eta)
+                          detail_eta, straggler_sigma)
         try:
             result = run_with_progress(spec, jobs)
         except SimulationStalled as exc:

@@ -9,7 +9,9 @@ Model
 -----
 * A decode step generates one token for every running trajectory and takes
   ``CostModel.step_latency(kv, n)`` (Appendix B, Eq. 11) times an optional seeded noise factor,
-  plus ``prefill_seconds_per_token`` for each context token of trajectories admitted in that step
+  plus the prefill of trajectories admitted in that step: ``prefill_seconds_per_token`` per context
+  token and ``prefill_attention_seconds x c^2 / 2`` for a context of ``c`` tokens (causal
+  attention), times the instance's persistent ``slowdown``
   (new ones, resumed ones and re-admitted preempted ones all re-prefill prompt + response).
 * KV budget ``M`` (``CostModel.kv_budget``, KV units, ``k5`` units per token). Before each step every
   running trajectory needs room for one more token; when it is missing, the most recently admitted
@@ -85,14 +87,19 @@ class SimParams:
     pull_latency_s: float = 0.5
     model_bytes: int = 61_000_000_000  # Qwen3-30B-A3B in bf16
     max_running: int = 256  # vLLM's max_num_seqs
+    prefill_attention_seconds: float = 0.0  # per (query, key) pair of causal prefill attention
+    reprefill: bool = True  # False: only a trajectory's first admission prefills (an upper bound's engine)
+    slowdown: float = 1.0  # persistent factor on every step and prefill (a straggler: > 1)
     noise: float = 0.0  # sigma of the log-normal step-latency factor (mean 1)
     noise_block_steps: int = 64  # steps that share one noise draw
     seed: int = 0
     initial_version: int = 0
 
     def __post_init__(self) -> None:
-        if self.prefill_seconds_per_token < 0:
-            raise ValueError("prefill_seconds_per_token must be >= 0")
+        if self.prefill_seconds_per_token < 0 or self.prefill_attention_seconds < 0:
+            raise ValueError("prefill_seconds_per_token and prefill_attention_seconds must be >= 0")
+        if not self.slowdown > 0:
+            raise ValueError("slowdown must be > 0")
         if self.pull_bandwidth_bytes_per_s <= 0:
             raise ValueError("pull_bandwidth_bytes_per_s must be > 0")
         if self.pull_latency_s < 0 or self.model_bytes < 0:
@@ -348,7 +355,7 @@ class SimCore:
             self._step_end = None
             return
         decode = self._noise(self._steps) * self.cost.step_latency(self.kv_units, n)
-        self._step_prefill = sum(self._step_admitted.values()) * self.params.prefill_seconds_per_token
+        self._step_prefill = self._noise(self._steps) * sum(map(self._prefill_seconds, self._step_admitted.values()))
         self._step_end = self._clock + decode + self._step_prefill
 
     def _complete_steps(self, steps: int, seconds: float, prefill_seconds: float = 0.0) -> None:
@@ -408,15 +415,20 @@ class SimCore:
             steps -= chunk
         return total
 
+    def _prefill_seconds(self, context: int) -> float:
+        p = self.params
+        return p.prefill_seconds_per_token * context + p.prefill_attention_seconds * context * context / 2
+
     def _noise(self, step: int) -> float:
+        """The latency factor of step ``step``: the persistent slowdown times the noise draw."""
         if not self.params.noise:
-            return 1.0
+            return self.params.slowdown
         block = step // self.params.noise_block_steps
         if block != self._noise_block:
             sigma = self.params.noise
             z = stable_normal("noise", self.params.seed, self.instance_id, block)
             self._noise_block, self._noise_factor = block, math.exp(sigma * z - sigma * sigma / 2)
-        return self._noise_factor
+        return self.params.slowdown * self._noise_factor
 
     # ------------------------------------------------------------------ internals: scheduling
 
@@ -450,7 +462,8 @@ class SimCore:
             self._kv_tokens += context
             self._tiebreak += 1
             heapq.heappush(self._completions, (live.finish_step, self._tiebreak, live.request.traj_id))
-            admitted[live.request.traj_id] = context
+            # the upper bound's engine keeps every trajectory's KV: only its first admission prefills
+            admitted[live.request.traj_id] = context if self.params.reprefill or not live.generated else 0
         return admitted
 
     def _preempt_to_fit(self) -> bool:

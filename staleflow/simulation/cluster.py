@@ -39,11 +39,21 @@ from dataclasses import dataclass, replace
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError, LedgerParams, Transition
+from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
 from staleflow.simulation.settings import ClusterConfig
-from staleflow.simulation.systems import Pipeline
+from staleflow.simulation.systems import Pipeline, WeightSync
 from staleflow.simulation.trajectory_pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
-from staleflow.strategies import CyclePlan, InstanceState, StrategyConfig, SyncMode, plan_cycle, plan_migrations
+from staleflow.strategies import (
+    AdmissionBudget,
+    CyclePlan,
+    InstanceState,
+    StrategyConfig,
+    SyncMode,
+    plan_cycle,
+    plan_migrations,
+)
+from staleflow.workload import stable_normal
 
 
 class SimulationStalled(RuntimeError):
@@ -70,7 +80,16 @@ class CountedRequest(TrajectoryRequest):
 
 
 # event kinds, in the order they are handled at equal times
-_CORE, _LAND, _TRAIN_END, _PUBLISH, _CYCLE = range(5)
+_CORE, _LAND, _TRAIN_END, _PUBLISH, _TRAINER_FREE, _CYCLE = range(6)
+
+
+def straggler_slowdowns(instances: int, sigma: float, seed: int) -> list[float]:
+    """Persistent per-instance latency factors: instance ``i`` runs at speed ``exp(sigma z_i -
+    sigma^2 / 2)`` (log-normal, mean 1, ``z_i`` a seeded standard normal), i.e. its every step and
+    prefill take ``1 / speed`` times the cost model's time. ``sigma = 0``: identical instances."""
+    if sigma < 0:
+        raise ValueError("straggler sigma must be >= 0")
+    return [math.exp(sigma * sigma / 2 - sigma * stable_normal("straggler", seed, i)) for i in range(instances)]
 
 
 class _InstanceTime:
@@ -90,18 +109,28 @@ class ClusterSimulation:
         self.eta = config.effective_eta
         w = config.workload
         self.workload = w
-        self.ledger = Ledger(LedgerParams(self.eta, w.batch_size, self.system.batch_redundancy, w.group_size,
-                                          self.system.group_redundancy))
+        ledger_params = LedgerParams(self.eta, w.batch_size, self.system.batch_redundancy, w.group_size,
+                                     self.system.group_redundancy)
+        self.completion_order = self.system.completion_order
+        self.ledger: Ledger | CompletionOrderLedger = (
+            CompletionOrderLedger(ledger_params, self.system.bounded) if self.completion_order else Ledger(ledger_params))
         params = self.ledger.params
         self.group_redundant = params.group_members > params.group_size
         self.pool = TrajectoryPool(w, w.batch_size, params.group_members)
         self.strategy: StrategyConfig = self.system.strategy_for(self.eta, w.batch_size, params.group_members)
-        sim = replace(config.sim, workload=w)
+        sim = replace(config.sim, workload=w, reprefill=self.system.reprefill)
+        if self.system.max_num_seqs is not None:
+            sim = replace(sim, max_running=self.system.max_num_seqs)
+        self.nccl = self.system.weight_sync is WeightSync.NCCL_BROADCAST and not self.system.colocated
+        if self.nccl:  # every instance waits for the trainer's broadcast instead of a Pull
+            sim = replace(sim, pull_latency_s=config.nccl_broadcast_s, model_bytes=0)
         room = sim.cost.kv_budget / sim.cost.k5
         if w.max_prompt_tokens + w.max_response_tokens > room:
             raise ValueError(f"a trajectory of up to {w.max_prompt_tokens} prompt + {w.max_response_tokens} response "
                              f"tokens cannot fit an instance's KV budget of {room:g} tokens")
-        self.cores = [SimCore(sim, f"inst-{i}") for i in range(config.rollout_instances)]
+        slowdowns = straggler_slowdowns(config.rollout_instances, config.straggler_sigma, sim.seed)
+        self.cores = [SimCore(replace(sim, slowdown=f), f"inst-{i}") for i, f in enumerate(slowdowns)]
+        self.nominal_cost = sim.cost  # what the coordinator's cost model says (it does not know the speeds)
         self._index = {core.instance_id: i for i, core in enumerate(self.cores)}
         self.sampling = SamplingParams(max_tokens=w.max_response_tokens)
         self.colocated = self.system.colocated
@@ -132,6 +161,8 @@ class ClusterSimulation:
         self._steps: list[SimStepRecord] = []
         self._staleness: dict[int, dict[int, int]] = {}
         self._violations = 0
+        self._exceedances = 0
+        self._max_exceedance = 0
         self._counters: Counter[str] = Counter()
         self._timeline = Timeline([c.instance_id for c in self.cores]) if config.record_timeline else None
         self._last_sample = -math.inf
@@ -163,6 +194,9 @@ class ClusterSimulation:
                 self._on_train_end(payload)  # type: ignore[arg-type]
             elif kind == _PUBLISH:
                 self._on_publish(payload)  # type: ignore[arg-type]
+            elif kind == _TRAINER_FREE:
+                self._training = False
+                self._try_train()
             else:
                 self._on_cycle(t)
         return self._result(time.perf_counter() - started)
@@ -344,7 +378,10 @@ class ClusterSimulation:
                 staleness = buffer - group.v_traj
                 hist[staleness] += 1
                 oldest = traj.oldest_version
-                if not 0 <= staleness <= self.eta or oldest is None or oldest < group.v_traj:
+                if self.completion_order and staleness > self.eta:  # the system's own rule allows it
+                    self._exceedances += 1
+                    self._max_exceedance = max(self._max_exceedance, staleness - self.eta)
+                elif not 0 <= staleness <= self.eta or oldest is None or oldest < group.v_traj:
                     self._violations += 1
                 lengths.append(traj.generated)
                 trained += traj.context
@@ -357,10 +394,14 @@ class ClusterSimulation:
         )
 
     def _on_train_end(self, buffer: int) -> None:
-        self._training = False
         self._steps_done += 1
         next(r for r in self._steps if r.buffer == buffer).end_s = self.now
-        push = 0.0 if self.colocated else self.config.trainer.push_s
+        if self.nccl:  # the broadcast starts now and holds the trainer until it is over
+            self._push(self.now, _PUBLISH, buffer + 1)
+            self._push(self.now + self.config.nccl_broadcast_s, _TRAINER_FREE)
+            return
+        self._training = False
+        push = 0.0 if self.colocated or self.system.weight_sync is WeightSync.NONE else self.config.trainer.push_s
         self._push(self.now + push, _PUBLISH, buffer + 1)
         self._try_train()
 
@@ -406,7 +447,7 @@ class ClusterSimulation:
             if snap.loading_weights:
                 continue
             states.append(InstanceState(self.cores[i].instance_id, snap.inst_version, float(snap.kv_cache),
-                                        list(snap.run_trajs), list(snap.wait_trajs), self.cores[i].cost))
+                                        list(snap.run_trajs), list(snap.wait_trajs), self.nominal_cost))
         version = self._visible_version()
         if self.strategy.sync is SyncMode.GLOBAL and len(states) < len(self.cores):
             states = [s for s in states if s.version >= version]  # a global sync waits for everyone
@@ -446,10 +487,10 @@ class ClusterSimulation:
 
     def _may_act(self, states: list[InstanceState], pending: list, version: int, admission: dict[int, int]) -> bool:
         """False only when plan_cycle would certainly return an empty plan."""
-        lagging = any(s.version < version for s in states)
+        lagging = self.strategy.sync is not SyncMode.NEVER and any(s.version < version for s in states)
         if lagging and self.strategy.sync is not SyncMode.SELECTIVE:
             return True
-        if plan_migrations(states, self.strategy):
+        if plan_migrations(states, self.strategy, pending, AdmissionBudget(admission)):
             return True
         if not pending:
             return False  # selective sync needs something to route on the new version
@@ -643,6 +684,7 @@ class ClusterSimulation:
             mean_response=tokens / trajectories if trajectories else 0.0,
             max_response=max((r.max_response for r in self._steps), default=0),
             step_records=self._steps, breakdown=breakdown, staleness=self._staleness, violations=self._violations,
+            exceedances=self._exceedances, max_exceedance=self._max_exceedance,
             decisions=DecisionStats.of(self._cycles, self._skipped, self._decision_ms),
             counters=dict(sorted(counters.items())), wall_s=wall_s, timeline=self._timeline,
         )

@@ -23,7 +23,7 @@ from staleflow.simulation.cluster import simulate
 from staleflow.simulation.result import RunResult
 from staleflow.simulation.scenarios import Scenario
 from staleflow.simulation.settings import ClusterConfig
-from staleflow.simulation.systems import Family, SystemSpec
+from staleflow.simulation.systems import IN_FLIGHT_ON_PS, Family, SystemSpec
 
 PAPER_TARGETS = {  # §6.2: StaleFlow's gain over each baseline family, (max, mean)
     Family.SYNCHRONOUS.value: (2.68, 2.01),
@@ -34,6 +34,8 @@ TUNE_MODES = ("each", "once", "none")
 REFERENCE = "sf-rsm"  # full StaleFlow: its split is reused by its variants
 ALL_VANILLA = "sf-xxx"
 IN_FLIGHT = "in-flight"
+ORACLE = "oracle"
+CHECK = IN_FLIGHT_ON_PS.name  # all-vanilla StaleFlow's twin, run at its split for the checked property
 
 SWEEP_KEYS = {
     "eta": "staleness bound",
@@ -48,6 +50,8 @@ SWEEP_KEYS = {
     "k5": "KV units per token (Table 4's k1 per unit; the token budget is kept)",
     "train": "trainer GPU-seconds per token",
     "cycle": "coordinator cycle period (s)",
+    "straggler_sigma": "persistent per-instance speed spread (log-normal sigma)",
+    "nccl": "VeRL-like systems' NCCL weight broadcast (s, trainer blocked)",
 }
 
 
@@ -114,6 +118,14 @@ def apply_sweep(scenario: Scenario, key: str, value: float) -> tuple[Scenario, i
         return replace(scenario, sim=replace(sim, cost=cost)), None, None
     if key == "train":
         return replace(scenario, trainer=replace(scenario.trainer, gpu_seconds_per_token=float(value))), None, None
+    if key == "straggler_sigma":
+        if value < 0:
+            raise ValueError("--sweep straggler_sigma: values must be >= 0")
+        return replace(scenario, straggler_sigma=float(value)), None, None
+    if key == "nccl":
+        if value < 0:
+            raise ValueError("--sweep nccl: values must be >= 0")
+        return replace(scenario, nccl_broadcast_s=float(value)), None, None
     if key == "cycle":
         period = float(value)
         return replace(scenario, cycle_period_s=period, recheck_period_s=max(period, scenario.recheck_period_s)), None, None
@@ -140,6 +152,7 @@ class SimulatedJob:
             train_gpus=s.total_gpus if system.colocated else s.train_gpus(self.instances), sim=s.sim,
             trainer=s.trainer, commands=s.commands, cycle_period_s=s.cycle_period_s,
             recheck_period_s=s.recheck_period_s, record_timeline=self.timeline, timeline_period_s=s.cycle_period_s,
+            straggler_sigma=s.straggler_sigma, nccl_broadcast_s=s.nccl_broadcast_s,
         )
 
     def key(self) -> tuple:
@@ -201,12 +214,25 @@ class PointResult:
     point: Point
     runs: dict[str, RunResult] = field(default_factory=dict)  # best run per system
     tried: dict[str, dict[int, float]] = field(default_factory=dict)  # system -> {instances: throughput}
+    checks: dict[str, RunResult] = field(default_factory=dict)  # runs for checked properties, not rows
 
     def same_split_ratio(self, system: str, baseline: str) -> float | None:
         """``system`` over ``baseline`` run with the same rollout/training split (None if not run)."""
         run = self.runs.get(system)
         other = self.tried.get(baseline, {}).get(run.instances) if run else None
         return run.throughput / other if run and other else None
+
+    def oracle_share(self, system: str) -> float | None:
+        """``system``'s throughput as a share of the upper bound's at this point."""
+        run, oracle = self.runs.get(system), self.runs.get(ORACLE)
+        return run.throughput / oracle.throughput if run and oracle and oracle.throughput > 0 else None
+
+    def gap_recovered(self, system: str, baseline: str = IN_FLIGHT) -> float | None:
+        """How much of ``baseline``'s gap to the upper bound ``system`` closes (1: all of it)."""
+        run, base, oracle = self.runs.get(system), self.runs.get(baseline), self.runs.get(ORACLE)
+        if not (run and base and oracle) or oracle.throughput <= base.throughput:
+            return None
+        return (run.throughput - base.throughput) / (oracle.throughput - base.throughput)
 
     def ratios(self, system: str, steady: bool = False) -> dict[str, float]:
         """Throughput of ``system`` over each baseline family's run at this point (``steady``:
@@ -216,7 +242,7 @@ class PointResult:
         if run is None:
             return out
         for other in self.runs.values():
-            if other.family != Family.STALEFLOW.value and other.throughput > 0:
+            if other.family not in (Family.STALEFLOW.value, Family.ORACLE.value) and other.throughput > 0:
                 out[other.family] = (run.steady_throughput / other.steady_throughput if steady
                                      else run.throughput / other.throughput)
         return out
@@ -244,14 +270,31 @@ class ExperimentResult:
                     "mean": statistics.fmean(values), "max": max(values), "min": min(values), "n": len(values),
                     "paper_max": paper[0] if paper else None, "paper_mean": paper[1] if paper else None,
                 }
-        vanilla = [p.same_split_ratio(ALL_VANILLA, IN_FLIGHT) for p in self.points]
+        vanilla = [p.same_split_ratio(ALL_VANILLA, CHECK) for p in self.points]
         vanilla = [v for v in vanilla if v is not None]
         out["all_vanilla_vs_in_flight"] = {"mean": statistics.fmean(vanilla), "max_deviation": max(
             abs(v - 1) for v in vanilla)} if vanilla else None
-        runs = [r for p in self.points for r in p.runs.values()]
+        runs = [r for p in self.points for r in (*p.runs.values(), *p.checks.values())]
         out["violations"] = sum(r.violations for r in runs)
         out["runs"] = len(runs)
+        out["exceedances"] = {}
+        for name in self._systems():
+            mine = [r for p in self.points if (r := p.runs.get(name))]
+            out["exceedances"][name] = {"count": sum(r.exceedances for r in mine),
+                                        "max": max((r.max_exceedance for r in mine), default=0),
+                                        "trained": sum(x.trajectories for r in mine for x in r.step_records)}
+        out["oracle_share"] = {}
+        for name in self._systems():
+            shares = [v for p in self.points if (v := p.oracle_share(name)) is not None]
+            if shares:
+                out["oracle_share"][name] = {"mean": statistics.fmean(shares), "min": min(shares), "max": max(shares)}
+        recovered = [v for p in self.points if (v := p.gap_recovered(system)) is not None]
+        out["gap_recovered"] = {"mean": statistics.fmean(recovered), "min": min(recovered),
+                                "n": len(recovered)} if recovered else None
         return out
+
+    def _systems(self) -> list[str]:
+        return [s.name for s in self.spec.systems]
 
     def to_dict(self, timelines: bool = False) -> dict:
         spec = self.spec
@@ -264,6 +307,8 @@ class ExperimentResult:
                 "rollout_candidates": list(s.rollout_candidates), "cycle_period_s": s.cycle_period_s,
                 "prefill_seconds_per_token": s.sim.prefill_seconds_per_token,
                 "trainer_gpu_seconds_per_token": s.trainer.gpu_seconds_per_token, "seed": s.workload.seed,
+                "kv_budget_tokens": s.sim.cost.kv_budget / s.sim.cost.k5, "max_num_seqs": s.sim.max_running,
+                "straggler_sigma": s.straggler_sigma, "nccl_broadcast_s": s.nccl_broadcast_s,
             },
             "systems": [x.name for x in spec.systems],
             "etas": list(spec.etas),
@@ -275,6 +320,8 @@ class ExperimentResult:
                     "runs": {name: r.to_dict(timeline=timelines) for name, r in p.runs.items()},
                     "tried": {name: {str(n): thr for n, thr in t.items()} for name, t in p.tried.items()},
                     "ratios": {name: p.ratios(name) for name in p.runs},
+                    "oracle_share": {name: p.oracle_share(name) for name in p.runs},
+                    "checks": {name: r.to_dict(timeline=False) for name, r in p.checks.items()},
                 }
                 for p in self.points
             ],
@@ -337,6 +384,9 @@ def run_experiment(
     def record(job: SimulatedJob, run: RunResult) -> None:
         pr = by_point[job.point.index]
         pr.tried.setdefault(job.system.name, {})[job.instances] = run.throughput
+        if job.system.name == CHECK:
+            pr.checks[CHECK] = run
+            return
         best = pr.runs.get(job.system.name)
         if best is None or run.throughput > best.throughput:
             pr.runs[job.system.name] = run
@@ -365,6 +415,9 @@ def run_experiment(
     execute(jobs)
     second = []
     names = {s.name for s in spec.systems}
+    for job in jobs:  # all-vanilla StaleFlow ran at a split of its own (fixed instances, no StaleFlow to follow)
+        if job.system.name == ALL_VANILLA:
+            second.append(SimulatedJob(job.point, IN_FLIGHT_ON_PS, job.instances, spec.steps))
     for point, system in later:
         if system.tuned or REFERENCE not in names:  # its own split at the tuning eta
             source, name = _tune_point(points, point, spec.tune_eta), system.name
@@ -375,9 +428,8 @@ def run_experiment(
         instances = reference.instances if reference else _candidates(spec, point, system)[0]
         timeline = spec.detail_eta == point.eta and system.name in (REFERENCE, ALL_VANILLA)
         second.append(SimulatedJob(point, system, instances, spec.steps, timeline))
-        if system.name == ALL_VANILLA and IN_FLIGHT in names:  # the all-vanilla check compares at the same split
-            baseline = next(s for s in spec.systems if s.name == IN_FLIGHT)
-            second.append(SimulatedJob(point, baseline, instances, spec.steps))
+        if system.name == ALL_VANILLA:  # the all-vanilla check: in-flight on StaleFlow's PS and engine, same split
+            second.append(SimulatedJob(point, IN_FLIGHT_ON_PS, instances, spec.steps))
     execute(second)
     order = {s.name: k for k, s in enumerate(spec.systems)}
     for pr in by_point.values():

@@ -12,8 +12,10 @@ from staleflow.simulation.experiment import ALL_VANILLA, REFERENCE, ExperimentRe
 from staleflow.simulation.result import RunResult
 from staleflow.simulation.systems import HEADLINE
 
-_SHORT = {"synchronous": "vs sync", "one-step": "vs 1-step", "in-flight-limited": "vs in-flight"}
-_COLORS = {"verl": "#9e9e9e", "one-step": "#f2a541", "in-flight": "#4c78a8", "sf-rsm": "#d62728"}
+_SHORT = {"synchronous": "vs sync", "one-step": "vs 1-step", "in-flight-limited": "vs in-flight",
+          "completion-order": "vs in-flight-fifo"}
+_COLORS = {"verl": "#9e9e9e", "one-step": "#f2a541", "in-flight": "#4c78a8", "in-flight-fifo": "#72b7b2",
+           "sf-rsm": "#d62728", "oracle": "#2ca02c"}
 
 
 def _headline(result: ExperimentResult) -> list[str]:

@@ -94,6 +94,8 @@ class RunResult:
     counters: dict[str, int]
     wall_s: float
     timeline: Timeline | None = None
+    exceedances: int = 0  # completion-order systems: trained trajectories older than eta allows (their rule)
+    max_exceedance: int = 0  # by how many versions the worst of them exceeded eta
 
     @property
     def step_time_s(self) -> float:

@@ -4,21 +4,26 @@ A scenario fixes everything but the system and the staleness bound: the workload
 budget, how many GPUs one rollout instance takes, which rollout/training splits a disaggregated
 system may choose from, the engine, the trainer and the coordinator timing.
 
-Paper scenarios (``paper-20k``, ``paper-40k``; §6.1 and §6.5): 128 GPUs, 4 per rollout instance
-(a colocated system runs 32 instances), B = 128 groups of G = 16. Engine: the paper's Table 4 cost
-model with a KV budget of 2M tokens per instance. Table 4 does not say in which unit ``kv_cache``
-is counted; ``k1`` is "the inverse effective memory bandwidth for accessing the KV cache"
-(Appendix B). Counted in tokens, k1 = 7.28e-8 s would mean reading one token's KV (Qwen3-30B-A3B:
-48 layers x 4 KV heads x 128 x 2 x 2 bytes = 98 KB) at 1.35 TB/s, 8 % of the 16 TB/s HBM of a
-4 x H20 instance; a unit of 8 tokens (k5 = 1/8) is 67 % of it, what paged attention reaches. The
-presets therefore count one KV unit as 8 tokens (``paper_cost``); ``--sweep k5=...`` shows what the
-other readings give. Prefill costs ``k3`` seconds per token: prefill
-is compute-bound, and ``k3`` is the cost model's own price of one token through the GEMMs in the
-compute-bound regime (the engine default, 2e-5, would make re-prefill 6x cheaper than decoding a
-token at large batch). Trainer: 6.5e-4 GPU-seconds per trained token (about 1,500 tokens/s per
-GPU for a 3B-active MoE with log-prob recomputation, ~36 % MFU on an H20), 5 s per step of fixed
-overhead, 3 s to push weights; with the default splits training takes roughly half of a
-rollout-bound step, so rollout dominates as in the paper's Figure 1.
+Paper scenarios (§6.1, Table 2, and the authors' scripts ``examples/paper_exp/e2e/*.sh`` in
+``Somoku/psrl`` at commit 968b836): 128 H20 GPUs, B = 128 groups of G = 16, 20 training steps.
+
+* ``paper-20k`` / ``paper-40k``: Qwen3-30B-A3B, one rollout instance per GPU (``GEN_TP=1``), the
+  paper's Table 4 cost model per token (the authors' ``qwen_moe_30b.json`` is keyed ``TP1_PP1``
+  and its attention coefficient multiplies a token count) and the KV capacity of one H20 at
+  ``gpu_memory_utilization = 0.9`` (``hardware.RolloutInstance``: 86.4 GB - 61 GB of weights -
+  3.5 GB of activations = 21.9 GB, 98,304 bytes per token: about 223K tokens). Splits at node
+  granularity in the proportions of the authors' 64-GPU scripts (2+6, 3+5 and 4+4 nodes of rollout
+  + training): 32, 48 or 64 rollout instances, the rest trains.
+* ``paper-dense-32b``: Qwen3-32B on TP2 instances (2 GPUs: 65.6 GB of weights, 256 KB per token,
+  about 382K tokens), decode coefficients derived with the efficiencies Table 4 implies; 16, 24 or
+  32 rollout instances.
+
+Prefill: the cost model's ``k3`` per context token plus causal attention (``hardware``). Trainer:
+6.5e-4 GPU-seconds per trained token for the MoE (about 26 GFLOPs per token, forward, backward and
+log-prob recomputation over 3.3B active parameters, at 40 TFLOP/s, 27 % of an H20), 5.1e-3 for the
+dense 32B (8 x 32.8B FLOPs at 35 % MFU), 5 s of overhead per step, 3 s to push weights to the
+parameter server. VeRL-like baselines broadcast weights over NCCL instead (``nccl_broadcast_s``,
+see ``NCCL_BROADCAST_S``).
 
 Workload files (``load_workload``): a JSON list of groups of response lengths
 (``[[120, 300, ...], ...]``), JSONL with one group per line (a list, or an object with a
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from staleflow.cost_model import CostModel
 from staleflow.engines.sim import SimParams
+from staleflow.simulation.hardware import H20, QWEN3_30B_A3B, QWEN3_32B, RolloutInstance
 from staleflow.simulation.settings import CommandCosts, TrainerModel
 from staleflow.simulation.systems import REDUNDANCY_RATIO
 from staleflow.workload import WorkloadModel, preset
@@ -53,6 +59,9 @@ class Scenario:
     cycle_period_s: float = 2.0
     recheck_period_s: float = 10.0
     redundancy: float = REDUNDANCY_RATIO
+    steps: int = 20  # the authors' total_training_steps
+    straggler_sigma: float = 0.0  # persistent per-instance speed spread (log-normal sigma)
+    nccl_broadcast_s: float = 8.1  # VeRL-like systems' weight sync, trainer and instances blocked
 
     def __post_init__(self) -> None:
         if self.gpus_per_instance < 1 or self.total_gpus < 2 * self.gpus_per_instance:
@@ -81,27 +90,49 @@ class Scenario:
         return replace(self, total_gpus=total_gpus, rollout_candidates=candidates)
 
 
-# One KV unit of Table 4's k1 is PAPER_KV_TOKENS_PER_UNIT tokens (see the module docstring).
-PAPER_KV_TOKENS_PER_UNIT = 8
-PAPER_KV_BUDGET_TOKENS = 2_000_000
+# VeRL-like weight sync: an NCCL broadcast of the bf16 weights from the trainer to every instance,
+# trainer and instances blocked. The paper's Figure 19 compares sync times only as a plot
+# (StaleFlow's Pull is "the minimal latency in most settings"); 61 GB at an effective 10 GB/s
+# (bucketed per-tensor broadcasts gathered from FSDP shards over 400 Gb/s links) plus 2 s of
+# pausing and resuming the engines is an estimate, swept with ``--sweep nccl=...``.
+NCCL_BROADCAST_S = 2.0 + QWEN3_30B_A3B.weight_bytes / 10e9
+MOE_TRAINER = TrainerModel(gpu_seconds_per_token=6.5e-4, step_overhead_s=5.0, push_s=3.0)
+DENSE_32B_TRAINER = TrainerModel(gpu_seconds_per_token=5.1e-3, step_overhead_s=5.0, push_s=3.0)
+MAX_NUM_SEQS = 256  # StaleFlow's vLLM max_num_seqs (the authors used 96-256; baselines 1024)
 
 
-def paper_cost(tokens_per_unit: float = PAPER_KV_TOKENS_PER_UNIT) -> CostModel:
-    """Table 4 with a KV unit of ``tokens_per_unit`` tokens and a 2M-token KV budget."""
-    k5 = 1.0 / tokens_per_unit
-    return CostModel(k5=k5, kv_budget=PAPER_KV_BUDGET_TOKENS * k5)
+def instance_params(instance: RolloutInstance) -> SimParams:
+    """The simulated engine of one hardware-derived rollout instance."""
+    cost = instance.cost_model()
+    return SimParams(cost=cost, prefill_seconds_per_token=cost.k3,
+                     prefill_attention_seconds=instance.prefill_attention_seconds,
+                     model_bytes=instance.weight_bytes, max_running=MAX_NUM_SEQS)
 
 
-def _paper(name: str) -> Scenario:
-    cost = paper_cost()
+def _paper(name: str, workload: str) -> Scenario:
     return Scenario(
         name=name,
-        workload=preset(name),
+        workload=preset(workload),
         total_gpus=128,
-        gpus_per_instance=4,
-        rollout_candidates=(18, 20, 22, 24, 26),
-        sim=SimParams(cost=cost, prefill_seconds_per_token=cost.k3),
-        trainer=TrainerModel(gpu_seconds_per_token=6.5e-4, step_overhead_s=5.0, push_s=3.0),
+        gpus_per_instance=1,
+        rollout_candidates=(32, 48, 64),
+        sim=instance_params(RolloutInstance(H20, QWEN3_30B_A3B)),
+        trainer=MOE_TRAINER,
+        nccl_broadcast_s=NCCL_BROADCAST_S,
+    )
+
+
+def _dense() -> Scenario:
+    instance = RolloutInstance(H20, QWEN3_32B, tp=2)
+    return Scenario(
+        name="paper-dense-32b",
+        workload=replace(preset("paper-20k"), name="paper-dense-32b"),
+        total_gpus=128,
+        gpus_per_instance=2,
+        rollout_candidates=(16, 24, 32),
+        sim=instance_params(instance),
+        trainer=DENSE_32B_TRAINER,
+        nccl_broadcast_s=2.0 + instance.weight_bytes / 10e9,
     )
 
 
@@ -121,15 +152,18 @@ def _ci() -> Scenario:
         cycle_period_s=0.05,
         recheck_period_s=0.25,
         redundancy=0.25,  # B = G = 4: 1/16 would add nothing
+        steps=10,
+        nccl_broadcast_s=0.2,
     )
 
 
 def _paper_40k() -> Scenario:
     # trajectories run about twice as long as in paper-20k: a proportionally longer cycle (results move < 1.5 %)
-    return replace(_paper("paper-40k"), cycle_period_s=4.0, recheck_period_s=20.0)
+    return replace(_paper("paper-40k", "paper-40k"), cycle_period_s=4.0, recheck_period_s=20.0)
 
 
-SCENARIOS = {"ci": _ci, "paper-20k": lambda: _paper("paper-20k"), "paper-40k": _paper_40k}
+SCENARIOS = {"ci": _ci, "paper-20k": lambda: _paper("paper-20k", "paper-20k"), "paper-40k": _paper_40k,
+             "paper-dense-32b": _dense}
 
 
 def scenario(name: str, seed: int = 0) -> Scenario:

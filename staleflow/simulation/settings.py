@@ -78,6 +78,8 @@ class ClusterConfig:
     recheck_period_s: float = 5.0
     record_timeline: bool = False
     timeline_period_s: float = 10.0
+    straggler_sigma: float = 0.0  # persistent per-instance speed spread (``cluster.straggler_slowdowns``)
+    nccl_broadcast_s: float = 8.1  # VeRL-like weight sync: trainer and instances blocked this long
 
     def __post_init__(self) -> None:
         if self.eta < 0:
@@ -88,6 +90,8 @@ class ClusterConfig:
             raise ValueError("cycle_period_s must be > 0 and recheck_period_s >= cycle_period_s")
         if self.timeline_period_s <= 0:
             raise ValueError("timeline_period_s must be > 0")
+        if self.straggler_sigma < 0 or self.nccl_broadcast_s < 0:
+            raise ValueError("straggler_sigma and nccl_broadcast_s must be >= 0")
 
     @property
     def effective_eta(self) -> int:

@@ -9,14 +9,31 @@ strategies (``staleflow.strategies``) decide routing, synchronization and migrat
 * ``one-step`` - one-step off-policy, VeRL-Pipeline-like: disaggregated; batch ``k`` is generated
   whole by version ``k - 1`` while batch ``k - 1`` trains (eta = 1, global sync between batches,
   no partial rollout).
-* ``in-flight`` - in-flight-limited asynchronous, VeRL-Async / AReaL / ROLL-Flash-like: at most
-  (eta + 1) x B groups in flight, partial rollout, every instance syncs as soon as a new version
-  exists (global sync) and resumes its own interrupted trajectories (fixed assignment, paper
-  §2.4: no migration), count-balancing routing of new work.
+* ``in-flight`` - in-flight-limited asynchronous, strict: at most (eta + 1) x B groups in flight,
+  partial rollout, every instance syncs as soon as a new version exists (global sync) and resumes
+  its own interrupted trajectories (fixed assignment, paper §2.4: no migration), count-balancing
+  routing of new work, and StaleFlow's per-group staleness deadlines (no trajectory exceeds eta).
+* ``in-flight-fifo`` - the same cluster behaviour with the real systems' staleness rule
+  (AReaL / VeRL-Async): a global in-flight counter admits new groups and the trainer consumes
+  groups in completion order, so long groups may be trained more than eta versions late
+  (reported as exceedances, see ``completion_order``).
+* ``oracle`` - the upper bound on the same cluster and workload: instances never pause for
+  weights (no Pull, no sync cost, nothing interrupted), no trajectory is ever prefilled twice
+  (preempted ones keep their KV), staleness is unbounded and (eta + 1) x B groups stay in flight,
+  so no instance idles while work exists. No real coordinator can do better; every system's
+  throughput is also reported as its share of this one.
 * ``sf-<r><s><m>`` - StaleFlow with each of its three strategies throughput-oriented (letter) or
   vanilla (``x``): routing (``r``: cost-model waterfall / ``x``: fewest trajectories), sync
-  (``s``: selective / ``x``: greedy per instance), migration (``m``: Algorithm 5 / ``x``: none).
-  ``staleflow`` is ``sf-rsm``.
+  (``s``: load-aware / ``x``: greedy per instance), migration (``m``: starved-instance migration /
+  ``x``: none, a sync's trajectories go straight back to their instance). ``staleflow`` is ``sf-rsm``.
+
+Engine and weight sync per system: the baselines run vLLM with ``max_num_seqs`` = 1024 (the
+authors' vanilla scripts) and the VeRL-like ones (``one-step``, ``in-flight``, ``in-flight-fifo``)
+update weights with an NCCL broadcast that blocks the trainer and every instance for
+``ClusterConfig.nccl_broadcast_s``; StaleFlow Pulls from the parameter server
+(``SimParams.pull_seconds``) while the trainer goes on, with the scenario's ``max_num_seqs``.
+``in-flight`` with StaleFlow's engine and sync (``in-flight@ps``) is what all-vanilla StaleFlow
+must match: the checked property that StaleFlow's machinery costs nothing by itself.
 * ``sf-rsm+batch`` / ``sf-rsm+group`` - StaleFlow with batch- or group-level redundant rollout
   (Appendix C, ratio 1/16 by default).
 """
@@ -39,11 +56,20 @@ class Family(StrEnum):
     SYNCHRONOUS = "synchronous"
     ONE_STEP = "one-step"
     IN_FLIGHT = "in-flight-limited"
+    COMPLETION_ORDER = "completion-order"
     STALEFLOW = "staleflow"
+    ORACLE = "oracle"
 
 
-BASELINES = (Family.SYNCHRONOUS, Family.ONE_STEP, Family.IN_FLIGHT)
+class WeightSync(StrEnum):
+    PARAMETER_SERVER = "parameter-server"  # instance Pulls (PCIe DMA from a co-located PS); trainer unblocked
+    NCCL_BROADCAST = "nccl-broadcast"  # trainer broadcasts to every instance; both sides wait for it
+    NONE = "none"  # the upper bound: no weight transfer at all
+
+
+BASELINES = (Family.SYNCHRONOUS, Family.ONE_STEP, Family.IN_FLIGHT, Family.COMPLETION_ORDER)
 REDUNDANCY_RATIO = 1 / 16  # Appendix C
+BASELINE_MAX_NUM_SEQS = 1024  # the authors' vanilla scripts (examples/paper_exp/e2e/moe_greedy.sh)
 
 
 @dataclass(frozen=True)
@@ -60,6 +86,11 @@ class SystemSpec:
     group_redundancy: float = 0.0
     tuned: bool = True  # choose its best rollout/training split (ablation variants reuse StaleFlow's)
     resume_in_place: bool = False  # a sync resumes the instance's own trajectories on it (fixed assignment)
+    completion_order: bool = False  # the trainer takes groups as they complete; a counter admits (AReaL-like)
+    bounded: bool = True  # completion order: False admits without limit (the pool is the only cap)
+    max_num_seqs: int | None = None  # vLLM's max_num_seqs for this system (None: the scenario's)
+    weight_sync: WeightSync = WeightSync.PARAMETER_SERVER
+    reprefill: bool = True  # False: no trajectory is prefilled twice (the upper bound)
 
     def eta_for(self, eta: int) -> int:
         return eta if self.fixed_eta is None else self.fixed_eta
@@ -77,12 +108,19 @@ class SystemSpec:
         s = self.strategy
         return " ".join((
             "R" if s.routing is RoutingMode.THROUGHPUT else "x",
-            "S" if s.sync is SyncMode.SELECTIVE else "x",
-            "M" if s.migration is MigrationMode.THROUGHPUT else "x",
+            "S" if s.sync not in (SyncMode.GREEDY, SyncMode.GLOBAL) else "x",
+            "M" if s.migration is not MigrationMode.NONE else "x",
         ))
 
 
 _BASELINE_STRATEGY = StrategyConfig(routing=RoutingMode.VANILLA, sync=SyncMode.GLOBAL, migration=MigrationMode.NONE)
+# StaleFlow's strategies when on (each measured against the alternatives in docs/benchmarks.md)
+STALEFLOW_SYNC = SyncMode.LOAD_AWARE
+STALEFLOW_MIGRATION = MigrationMode.STARVED
+# Starved migration fires when a peer's throughput exceeds twice the starved instance's (the
+# authors' scripts: 5). At 5, paper-20k eta = 3 with stragglers (sigma = 0.25) gave 48.8K tokens/s,
+# at 3 50.4K, at 2 52.9K; homogeneous 57.9K at 5, 57.3K at 2 (docs/benchmarks.md).
+STALEFLOW_PHI_THROUGHPUT = 2.0
 
 
 def _staleflow(r: bool, s: bool, m: bool) -> SystemSpec:
@@ -90,8 +128,10 @@ def _staleflow(r: bool, s: bool, m: bool) -> SystemSpec:
     marks = " ".join(f"{k}{'✓' if on else '×'}" for k, on in (("R", r), ("S", s), ("M", m)))
     strategy = StrategyConfig(
         routing=RoutingMode.THROUGHPUT if r else RoutingMode.VANILLA,
-        sync=SyncMode.SELECTIVE if s else SyncMode.GREEDY,
-        migration=MigrationMode.THROUGHPUT if m else MigrationMode.NONE,
+        sync=STALEFLOW_SYNC if s else SyncMode.GREEDY,
+        migration=STALEFLOW_MIGRATION if m else MigrationMode.NONE,
+        pin_partials=not m,  # without migration nothing moves: a sync resumes the instance's own work
+        phi_throughput=STALEFLOW_PHI_THROUGHPUT,
     )
     return SystemSpec(f"sf-{code}", f"StaleFlow {marks}", Family.STALEFLOW, Pipeline.STREAM, strategy,
                       tuned=(r and s and m))
@@ -99,28 +139,46 @@ def _staleflow(r: bool, s: bool, m: bool) -> SystemSpec:
 
 def catalog(redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:
     """Every system, baselines first, then StaleFlow's eight R/S/M variants, then redundancy."""
+    nccl = WeightSync.NCCL_BROADCAST
     systems = [
         SystemSpec("verl", "Synchronous (VeRL-like)", Family.SYNCHRONOUS, Pipeline.BATCH, _BASELINE_STRATEGY,
-                   fixed_eta=0, colocated=True),
+                   fixed_eta=0, colocated=True, max_num_seqs=BASELINE_MAX_NUM_SEQS),
         SystemSpec("one-step", "One-step off-policy (VeRL-Pipeline-like)", Family.ONE_STEP, Pipeline.BATCH,
-                   _BASELINE_STRATEGY, fixed_eta=1),
-        SystemSpec("in-flight", "In-flight-limited (VeRL-Async/AReaL-like)", Family.IN_FLIGHT, Pipeline.STREAM,
-                   _BASELINE_STRATEGY, limit_in_flight=True, resume_in_place=True),
+                   _BASELINE_STRATEGY, fixed_eta=1, max_num_seqs=BASELINE_MAX_NUM_SEQS, weight_sync=nccl),
+        IN_FLIGHT_SPEC,
+        replace(IN_FLIGHT_SPEC, name="in-flight-fifo", label="In-flight, completion order (AReaL/VeRL-Async-like)",
+                family=Family.COMPLETION_ORDER, completion_order=True),
     ]
     flags = sorted(itertools.product((True, False), repeat=3), reverse=True)  # RSM first, xxx last
     systems += [_staleflow(*f) for f in flags]
-    full = systems[3]
+    full = systems[4]
     systems += [
         replace(full, name="sf-rsm+batch", label=f"StaleFlow + batch redundancy {redundancy:g}",
                 batch_redundancy=redundancy, tuned=False),
         replace(full, name="sf-rsm+group", label=f"StaleFlow + group redundancy {redundancy:g}",
                 group_redundancy=redundancy, tuned=False),
+        ORACLE_SPEC,
     ]
     return systems
 
 
-ALIASES = {"staleflow": "sf-rsm", "synchronous": "verl", "one-step-off-policy": "one-step", "inflight": "in-flight"}
-HEADLINE = ("verl", "one-step", "in-flight", "sf-rsm")  # the Figure 13 systems
+IN_FLIGHT_SPEC = SystemSpec(
+    "in-flight", "In-flight-limited, strict (VeRL-Async/AReaL-like)", Family.IN_FLIGHT, Pipeline.STREAM,
+    _BASELINE_STRATEGY, limit_in_flight=True, resume_in_place=True, max_num_seqs=BASELINE_MAX_NUM_SEQS,
+    weight_sync=WeightSync.NCCL_BROADCAST)
+# all-vanilla StaleFlow's twin: in-flight on StaleFlow's engine settings and parameter-server sync
+IN_FLIGHT_ON_PS = replace(IN_FLIGHT_SPEC, name="in-flight@ps", label="In-flight-limited on StaleFlow's PS and engine",
+                          max_num_seqs=None, weight_sync=WeightSync.PARAMETER_SERVER, tuned=False)
+ORACLE_SPEC = SystemSpec(
+    "oracle", "Upper bound (no re-prefill, no idle, no sync cost)", Family.ORACLE, Pipeline.STREAM,
+    StrategyConfig(routing=RoutingMode.VANILLA, sync=SyncMode.NEVER, migration=MigrationMode.NONE),
+    limit_in_flight=True, completion_order=True, bounded=False, max_num_seqs=BASELINE_MAX_NUM_SEQS,
+    weight_sync=WeightSync.NONE, reprefill=False)
+
+
+ALIASES = {"staleflow": "sf-rsm", "synchronous": "verl", "one-step-off-policy": "one-step", "inflight": "in-flight",
+           "fifo": "in-flight-fifo", "upper-bound": "oracle"}
+HEADLINE = ("verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "oracle")  # Figure 13 and the bound
 
 
 def resolve(names: str | list[str], redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:

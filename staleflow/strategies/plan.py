@@ -58,17 +58,27 @@ def plan_cycle(
         inst.discard(set(traj_ids))
 
     plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions)
+    pinned: list[RouteDecision] = []
     for instance_id in plan.syncs:
         inst = states[instance_id]
+        if config.pin_partials:  # its trajectories come straight back after the Pull
+            if inst.trajectories:
+                plan.interrupts[instance_id] = inst.trajectories
+            pinned += [RouteDecision(instance_id, t, known.group_id, known.v_traj, False)
+                       for t in inst.trajectories if (known := on_instances.get(t)) is not None
+                       and known.v_traj is not None]
+            inst.version = ps_version
+            continue
         if inst.trajectories:
             hand_back(inst, inst.trajectories)
         inst.version = ps_version
         inst.kv_cache = 0.0
     migrated: dict[str, str] = {}  # trajectory -> the instance a migration takes it from
-    for instance_id, traj_ids in plan_migrations(list(states.values()), config).items():
+    for instance_id, traj_ids in plan_migrations(list(states.values()), config, waiting, budget,
+                                                 group_versions).items():
         hand_back(states[instance_id], traj_ids)
         migrated.update(dict.fromkeys(traj_ids, instance_id))
-    plan.routes = route(states.values(), waiting, budget, config, group_versions)
+    plan.routes = pinned + route(states.values(), waiting, budget, config, group_versions)
     if migrated:
         _keep_in_place(plan, migrated)
     return plan

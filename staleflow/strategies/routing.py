@@ -7,7 +7,11 @@ staleness bound (Algorithm 2): an initial trajectory may start at an instance's 
 the ledger still admits a group of that version; a trajectory with a version may only resume on
 an instance at least that new. Candidates are grouped by ascending version and scanned like a
 waterfall: the first group whose best marginal gain (Eq. 3) reaches ``mu`` times the ideal gain
-(Eq. 4) takes it. When no group does, routing stops and the rest waits in the trajectory server.
+(Eq. 4) takes it. When no group does, the trajectory waits in the trajectory server; with
+``scan_withheld`` (the authors' router) the pass goes on with the rest of its level (a shorter
+trajectory may still fit) and ends with that level, otherwise it ends at once. With
+``order_by_reserve`` the version groups of an initial trajectory are scanned by how many new
+groups the ledger still admits at their version (fewest first), as the authors order candidates.
 
 Groups: the first member of an initial group that is routed fixes the group's V_traj (and the
 group is reserved in the ledger); its other members then have that version and follow the rules
@@ -44,6 +48,7 @@ class RouteDecision:
 class _MultiLevelQueue:
     def __init__(self, pending: Iterable[PendingTrajectory], group_versions: dict[str, int]):
         self.levels: dict[int, deque[PendingTrajectory]] = {}
+        self.withheld = False  # a trajectory of the current level was passed over: the pass ends with it
         self.initial: dict[str, deque[PendingTrajectory]] = {}  # by group, groups in arrival order
         for t in sorted(pending, key=_SEQ):
             v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
@@ -59,6 +64,10 @@ class _MultiLevelQueue:
             if self.levels[v]:
                 return self.levels[v][0], v
             del self.levels[v]
+            if self.withheld:
+                return None
+        if self.withheld:
+            return None
         for group in self.initial.values():
             return group[0], None
         return None
@@ -71,6 +80,11 @@ class _MultiLevelQueue:
                 del self.initial[traj.group_id]
         else:
             self.levels[v].popleft()
+
+    def withhold(self, v: int) -> None:
+        """Pass over the head of level ``v``; the pass ends when this level is exhausted."""
+        self.levels[v].popleft()
+        self.withheld = True
 
     def promote_group(self, group_id: str, v: int) -> None:
         """The group now has version v: its remaining initial members join level v."""
@@ -191,6 +205,9 @@ def route(
             break
         if v is None:  # Algorithm 2, initial: start at the instance's version if the ledger admits it
             candidates = [g for g in groups if budget.allows(g.version)]
+            if config.order_by_reserve:  # the version with the fewest admissible groups left first
+                admissible = budget.as_dict()
+                candidates.sort(key=lambda g: (admissible.get(g.version, 0), g.version))
         else:  # Algorithm 2, versioned: only instances at least as new as V_traj
             candidates = [g for g in groups if g.version >= v]
         if not candidates:
@@ -199,8 +216,11 @@ def route(
             chosen = _best_gain(candidates, traj.length, config.mu)
         else:
             chosen = choose(candidates, traj.length, config.mu)
-        if chosen is None:
-            break  # withheld: no instance gains enough now; ongoing work may change that
+        if chosen is None:  # withheld: no instance gains enough now; ongoing work may change that
+            if v is None or not config.scan_withheld:
+                break  # new groups all bring about a prompt: the next one would be withheld too
+            queue.withhold(v)  # a shorter trajectory of the same level may still fit
+            continue
         group, i = chosen
         queue.pop(traj, v)
         reserves = v is None

@@ -1,4 +1,14 @@
-"""Synchronization strategy (paper §5.3, Appendix D Algorithm 4) and its counterparts."""
+"""Synchronization strategies: the authors' load-aware sync, paper Appendix D Algorithm 4 as
+printed, and the baselines' greedy and global syncs.
+
+Load-aware (``SyncMode.LOAD_AWARE``, what the authors' code does): a lagging instance Pulls when
+its waiting queue is empty, its KV use is at most ``sync_kv_threshold`` of its budget and no
+waiting trajectory that already has a V_traj may still run on it at its version (new groups do
+not hold it back: they can start at the new version as well). A busy instance therefore keeps
+generating at its version and syncs while its load is low, which interrupts fewer trajectories
+than a sync the moment a version appears (greedy, global) and than Algorithm 4, whose first step
+(no waiting trajectory may run at its version) is almost never true while new groups are admitted
+at old versions."""
 
 from __future__ import annotations
 
@@ -17,14 +27,29 @@ from staleflow.strategies.state import (
 def can_route_any(inst: InstanceState, pending: Sequence[PendingTrajectory], budget: AdmissionBudget,
                   group_versions: dict[str, int]) -> bool:
     """Whether some waiting trajectory may run on ``inst`` at its current version (Algorithm 2)."""
-    for t in pending:
-        v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
-        if v is None:
-            if budget.allows(inst.version):
-                return True
-        elif inst.version >= v:
+    return Routable(pending, group_versions).on(inst, budget)
+
+
+class Routable:
+    """What waits in the trajectory server, reduced to what Algorithm 2 asks of it: whether a new
+    group waits (it may start on any instance whose version the ledger admits) and the oldest
+    V_traj of a versioned one (it may run on any instance at least as new). Built once per cycle,
+    asked per instance."""
+
+    def __init__(self, pending: Sequence[PendingTrajectory], group_versions: dict[str, int]):
+        self.initial = False
+        self.oldest: int | None = None
+        for t in pending:
+            v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
+            if v is None:
+                self.initial = True
+            elif self.oldest is None or v < self.oldest:
+                self.oldest = v
+
+    def on(self, inst: InstanceState, budget: AdmissionBudget) -> bool:
+        if self.oldest is not None and self.oldest <= inst.version:
             return True
-    return False
+        return self.initial and budget.allows(inst.version)
 
 
 def plan_syncs(
@@ -36,14 +61,19 @@ def plan_syncs(
     group_versions: dict[str, int] | None = None,
 ) -> list[str]:
     """Instances that should Pull ``ps_version`` now."""
+    if config.sync is SyncMode.NEVER:
+        return []
     lagging = [inst for inst in instances if inst.version < ps_version]
     if config.sync in (SyncMode.GREEDY, SyncMode.GLOBAL):
         return [inst.instance_id for inst in lagging]
     group_versions = group_versions or {}
+    if config.sync is SyncMode.LOAD_AWARE:
+        return _load_aware(lagging, pending, config, group_versions)
     syncs = []
+    routable = Routable(pending, group_versions)
     for inst in lagging:
         # step 1: only an instance that cannot take any waiting trajectory at its version
-        if can_route_any(inst, pending, budget, group_versions):
+        if routable.on(inst, budget):
             continue
         # step 2: a tentative update must let routing place work on it
         tentative = [other if other is not inst else _at_version(inst, ps_version) for other in instances]
@@ -57,3 +87,18 @@ def _at_version(inst: InstanceState, version: int) -> InstanceState:
     updated = inst.copy()
     updated.version = version
     return updated
+
+
+def _load_aware(lagging: list[InstanceState], pending: Sequence[PendingTrajectory], config: StrategyConfig,
+                group_versions: dict[str, int]) -> list[str]:
+    if not lagging:
+        return []
+    oldest = Routable(pending, group_versions).oldest  # a versioned trajectory may run on any instance this new
+    syncs = []
+    for inst in lagging:
+        if inst.waiting or inst.kv_cache > config.sync_kv_threshold * inst.cost.kv_budget:
+            continue
+        if oldest is not None and oldest <= inst.version:
+            continue
+        syncs.append(inst.instance_id)
+    return syncs

@@ -51,8 +51,15 @@ def test_smoke_run_completes_within_the_bound_with_every_system(smoke: tuple[dic
         for name, run in point["runs"].items():
             assert run["violations"] == 0, name
             staleness = {int(s) for hist in run["staleness"].values() for s in hist}
-            assert staleness and max(staleness) <= run["eta"]
+            if name in ("in-flight-fifo", "oracle"):  # completion order: over-eta trajectories are counted
+                assert (run["exceedances"] > 0) == (max(staleness) > run["eta"]), name
+            else:
+                assert staleness and max(staleness) <= run["eta"] and run["exceedances"] == 0, name
             assert run["steps"] == 10 and len(run["step_records"]) == 10
+    summary = data["summary"]
+    assert set(summary["exceedances"]) == set(ALL) and set(summary["oracle_share"]) == set(ALL)
+    assert summary["oracle_share"]["oracle"]["mean"] == 1.0
+    assert {"vs", "steady_vs", "violations", "gap_recovered", "all_vanilla_vs_in_flight"} <= set(summary)
 
 
 def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
@@ -69,10 +76,10 @@ def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
             assert abs(sum(run["breakdown_fractions"].values()) - 1) < 1e-9
             assert {"mean_ms", "p99_ms", "planned", "cycles"} <= set(run["decisions"])
             assert run["decisions"]["planned"] >= 1
-        assert set(point["ratios"]["sf-rsm"]) == {"synchronous", "one-step", "in-flight-limited"}
+        assert set(point["ratios"]["sf-rsm"]) == {"synchronous", "one-step", "in-flight-limited", "completion-order"}
         assert all(isinstance(v, float) and v > 0 for v in point["ratios"]["sf-rsm"].values())
     vs = data["summary"]["vs"]
-    assert set(vs) == {"synchronous", "one-step", "in-flight-limited"}
+    assert set(vs) == {"synchronous", "one-step", "in-flight-limited", "completion-order"}
     assert set(data["summary"]["steady_vs"]) == set(vs)
     assert vs["synchronous"]["paper_max"] == 2.68
     assert data["summary"]["all_vanilla_vs_in_flight"]["max_deviation"] >= 0
@@ -118,6 +125,7 @@ def test_sweep_and_workload_file(tmp_path: Path) -> None:
     (("--eta", "x"), "--eta takes"),
     (("--preset", "huge"), "unknown preset"),
     (("--workload", "/nonexistent/lengths.json"), "cannot use --workload"),
+    (("--straggler-sigma", "-0.5"), "--straggler-sigma must be >= 0"),
 ])
 def test_bad_options_say_what_to_fix(args: tuple[str, ...], message: str) -> None:
     result = invoke(*args)
@@ -129,9 +137,25 @@ def test_report_tables_have_a_row_per_system() -> None:
     spec = ExperimentSpec(scenario("ci"), tuple(resolve("headline")), (2,), steps=3, detail_eta=2)
     result = run_experiment(spec)
     throughput, gains, detail, breakdown = tables(result)
-    assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "sf-rsm"]
-    assert len(gains.rows) == 6 and all(len(r) == len(gains.header) for r in gains.rows)  # all steps, second half
+    assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "oracle"]
+    labels = [r[0] for r in gains.rows]
+    assert sum(label.startswith("StaleFlow / ") for label in labels) == 8  # four baselines, all steps and second half
+    assert sum("/ oracle" in label for label in labels) == 5, "every system's share of the upper bound"
+    assert any("gap to the oracle" in label for label in labels)
+    assert all(len(r) == len(gains.header) for r in gains.rows)
     assert [row[0] for row in detail.rows] == [row[0] for row in breakdown.rows]
     md = markdown(result, "staleflow bench systems --preset ci")
     assert sum(line.startswith("|---") for line in md.splitlines()) == 4, "four tables"
     assert "staleflow bench systems --preset ci" in md
+
+
+def test_straggler_sigma_is_a_sweep_key_and_changes_the_run(tmp_path: Path) -> None:
+    result = invoke("--systems", "in-flight,staleflow,oracle", "--eta", "2", "--steps", "4",
+                    "--sweep", "straggler_sigma=0,0.5", "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    homogeneous, straggling = data["points"]
+    assert [homogeneous["sweep_value"], straggling["sweep_value"]] == [0, 0.5]
+    assert homogeneous["runs"]["in-flight"]["total_time_s"] != straggling["runs"]["in-flight"]["total_time_s"]
+    assert homogeneous["oracle_share"]["oracle"] == 1.0
+    assert 0 < data["summary"]["oracle_share"]["sf-rsm"]["mean"]

@@ -73,7 +73,13 @@ def test_every_system_respects_its_staleness_bound(eta: int) -> None:
         r = run(system.name, eta=eta, steps=5)
         bound = system.eta_for(eta)
         assert r.violations == 0, system.name
-        assert max(r.staleness_total()) <= bound, system.name
+        if system.completion_order:  # its own rule lets long groups through; they are counted, not hidden
+            over = sum(n for s, n in r.staleness_total().items() if s > bound)
+            assert r.exceedances == over
+            assert r.max_exceedance == max(r.staleness_total()) - bound if over else r.max_exceedance == 0
+        else:
+            assert max(r.staleness_total()) <= bound, system.name
+            assert r.exceedances == 0
         assert min(r.staleness_total()) >= 0, system.name
         assert sum(r.staleness_total().values()) == 5 * 16, "B x G trajectories per step"
         assert r.steps == 5 and r.total_time_s > 0 and r.throughput > 0
@@ -91,7 +97,7 @@ def test_partial_rollout_and_migration_happen_and_cost_prefill() -> None:
         assert r.counters["prefill_tokens"] > r.counters["routed"], "resumed trajectories re-prefill their context"
 
 
-def test_in_flight_resumes_in_place_while_vanilla_staleflow_migrates_passively(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_migration_a_synced_instance_resumes_its_own_trajectories(monkeypatch: pytest.MonkeyPatch) -> None:
     visits: dict[str, dict[str, set[int]]] = {}
     original = ClusterSimulation._route_now
 
@@ -102,9 +108,12 @@ def test_in_flight_resumes_in_place_while_vanilla_staleflow_migrates_passively(m
 
     monkeypatch.setattr(ClusterSimulation, "_route_now", spy)
     inflight, vanilla = run("in-flight", eta=3, steps=8, instances=3), run("sf-xxx", eta=3, steps=8, instances=3)
+    migrating = run("sf-xxm", eta=3, steps=8, instances=3)
     assert inflight.counters["interrupted"] > 0 and vanilla.counters["interrupted"] > 0
     assert all(len(where) == 1 for where in visits["in-flight"].values()), "fixed assignment"
-    assert any(len(where) > 1 for where in visits["sf-xxx"].values()), "re-routed after a sync"
+    assert all(len(where) == 1 for where in visits["sf-xxx"].values()), "no migration: pinned to its instance"
+    assert migrating.counters["migrated"] > 0
+    assert any(len(where) > 1 for where in visits["sf-xxm"].values()), "migration moves trajectories"
 
 
 def test_batch_redundancy_aborts_surplus_groups() -> None:
@@ -259,13 +268,22 @@ def test_tuning_once_reuses_each_systems_split_at_the_other_etas() -> None:
         assert set(tuned.tried[name]) == set(CI.rollout_candidates)
     for p in result.points:
         assert p.runs["sf-rsm"].instances == tuned.runs["sf-rsm"].instances
-        # in-flight: its own split, or StaleFlow's if better there (it also runs at it for the all-vanilla check)
-        assert p.runs["in-flight"].instances in (tuned.runs["in-flight"].instances, tuned.runs["sf-rsm"].instances)
+        assert p.runs["in-flight"].instances == tuned.runs["in-flight"].instances
         assert p.runs["sf-xxx"].instances == tuned.runs["sf-rsm"].instances
-        assert p.same_split_ratio("sf-xxx", "in-flight") is not None
+        # the all-vanilla check runs in-flight on StaleFlow's PS and engine at all-vanilla's split
+        assert p.checks["in-flight@ps"].instances == p.runs["sf-xxx"].instances
+        assert p.same_split_ratio("sf-xxx", "in-flight@ps") is not None
     assert result.summary()["violations"] == 0
     with pytest.raises(ValueError, match="tune"):
         ExperimentSpec(CI, systems, (1,), steps=1, tune="sometimes")
+
+
+def test_all_vanilla_is_checked_against_its_twin_at_a_fixed_split_too() -> None:
+    spec = ExperimentSpec(CI, tuple(resolve("in-flight,sf-xxx", CI.redundancy)), (2,), steps=3, instances=2)
+    point = run_experiment(spec).points[0]
+    twin = point.checks["in-flight@ps"]
+    assert twin.instances == point.runs["sf-xxx"].instances == 2
+    assert point.same_split_ratio("sf-xxx", "in-flight@ps") == 1.0, "all-vanilla StaleFlow is in-flight on the PS"
 
 
 def test_sweep_parsing_and_points() -> None:
@@ -283,15 +301,23 @@ def test_sweep_parsing_and_points() -> None:
 def test_kv_sweeps_keep_the_budget_in_tokens() -> None:
     paper = scenario("paper-20k")
     cost = paper.sim.cost
-    assert cost.k5 == 1 / 8 and cost.kv_budget / cost.k5 == 2_000_000, "Table 4's KV unit is 8 tokens"
-    as_tokens = apply_sweep(paper, "k5", 1.0)[0].sim.cost
-    assert as_tokens.k5 == 1.0 and as_tokens.kv_budget == 2_000_000
+    assert cost.k5 == 1 and 200_000 < cost.kv_budget < 240_000, "Table 4 per token, one H20's KV"
+    per_8 = apply_sweep(paper, "k5", 0.125)[0].sim.cost
+    assert per_8.k5 == 0.125 and per_8.kv_budget / per_8.k5 == cost.kv_budget
     bigger = apply_sweep(paper, "kv", 3_000_000)[0].sim.cost
     assert bigger.kv_budget / bigger.k5 == 3_000_000
+
+
+def test_new_sweep_keys_set_stragglers_and_the_broadcast() -> None:
+    paper = scenario("paper-20k")
+    assert apply_sweep(paper, "straggler_sigma", 0.25)[0].straggler_sigma == 0.25
+    assert apply_sweep(paper, "nccl", 15.0)[0].nccl_broadcast_s == 15.0
+    with pytest.raises(ValueError):
+        apply_sweep(paper, "straggler_sigma", -1.0)
 
 
 def test_unknown_systems_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="sf-rsm"):
         resolve("sf-zzz")
     assert [s.name for s in resolve("staleflow,verl")] == ["verl", "sf-rsm"]
-    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 13
+    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 15
