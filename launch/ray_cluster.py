@@ -460,7 +460,7 @@ class RayClusterJob:
         self.pgs: dict[str, Any] = {}
         self.trainer_bundles: list[int] = []
         self.events: list[dict] = []
-        self.restarts: dict[str, int] = {}
+        self.restart_counts: dict[str, int] = {}  # launcher-made restarts by component (Ray restarts itself too)
         self._trainer_error: str | None = None
         self._trainer_done = False
         self._steps: list = []
@@ -775,9 +775,9 @@ class RayClusterJob:
                 except ValueError:
                     break
                 self.stop.wait(0.1)  # name release pacing
-        self.restarts["trainer"] = self.restarts.get("trainer", 0) + 1
-        if self.restarts["trainer"] > self.config.cluster.trainer_restarts:
-            self._trainer_error = f"the trainer failed {self.restarts['trainer']} times, last: {why}"
+        self.restart_counts["trainer"] = self.restart_counts.get("trainer", 0) + 1
+        if self.restart_counts["trainer"] > self.config.cluster.trainer_restarts:
+            self._trainer_error = f"the trainer failed {self.restart_counts['trainer']} times, last: {why}"
             self.stop.set()
             return
         self._start_trainer()
@@ -870,7 +870,7 @@ class RayClusterJob:
     def _kill(self, name: str, actor: Any, why: str) -> None:
         self.events.append({"name": name, "event": "detected", "why": why, "t": time.monotonic()})
         self._restarted_at[name] = time.monotonic()
-        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.restart_counts[name] = self.restart_counts.get(name, 0) + 1
         with contextlib.suppress(Exception):
             self.ray.kill(actor, no_restart=False)
 
