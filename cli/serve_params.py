@@ -32,14 +32,14 @@ def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | Non
 
 
 def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, host: str, port: int,
-                  shm_dir: Path, fsync: bool, lease_ttl_s: float):  # noqa: ANN201 - imported lazily
+                  shm_dir: Path, fsync: bool, lease_ttl_s: float, persist: bool = True):  # noqa: ANN201 - imported lazily
     from staleflow.servers.params import ParamsConfig
 
     try:
         return ParamsConfig(
             state_dir=state_dir, keep=keep, chunk_bytes=int(chunk_mb * (1 << 20)),
             transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
-            host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s,
+            host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s, persist=persist,
         )
     except ValidationError as exc:
         raise validation_failure(exc, FLAG_NAMES) from None
@@ -56,14 +56,16 @@ def register(serve_app: typer.Typer) -> None:
         port: Annotated[int, typer.Option(help="bind port")] = 8331,
         token: Annotated[str | None, typer.Option(help="bearer token for mutating requests (default: $STALEFLOW_TOKEN)")] = None,
         shm_dir: Annotated[Path, typer.Option("--shm-dir", help="shared-memory directory")] = Path("/dev/shm"),
-        fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync each version before it is visible")] = True,
+        fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync each version as it is persisted")] = True,
+        persist: Annotated[bool, typer.Option("--persist/--no-persist",
+                                              help="persist versions to --state-dir in the background (crash recovery)")] = True,
         lease_ttl_s: Annotated[float, typer.Option("--lease-ttl", help="seconds an unused pull lease lives")] = 120.0,
     ) -> None:
         """The parameter server: versioned model weights, pushed by the trainer, pulled by instances."""
         from staleflow.servers.params import ParamStore, create_app
         from staleflow.transports.base import TransportUnavailable
 
-        config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s)
+        config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s, persist)
         if "nixl" in config.transports:
             from staleflow.transports.nixl import nixl_available
 
