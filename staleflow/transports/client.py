@@ -78,6 +78,16 @@ def _torch_bytes(tensor: Any) -> tuple[str, tuple[int, ...], Any]:
     return _TORCH_DTYPES[name], tuple(tensor.shape), flat.view(torch.uint8).numpy()
 
 
+def safetensors_dtype_of(value: Any) -> str:
+    """The safetensors dtype of a numpy array or torch tensor."""
+    if type(value).__module__.startswith("torch"):
+        name = str(value.dtype).removeprefix("torch.")
+        if name not in _TORCH_DTYPES:
+            raise FormatError(f"torch dtype {value.dtype} has no safetensors equivalent")
+        return _TORCH_DTYPES[name]
+    return safetensors_dtype(np.asarray(value).dtype)
+
+
 def _as_torch(array: np.ndarray, spec: TensorSpec) -> Any:
     import torch
 
