@@ -67,6 +67,7 @@ class ShmSlot:
     fd: int | None = None  # the PS's read-write descriptor, open while the slot is in use
     mapping: mmap.mmap | None = None  # the PS's own read-write mapping, kept across versions
     visible: bool = False  # False while a push is filling it
+    allocated: int = 0  # bytes of shared memory already allocated to it
 
     def view(self) -> memoryview:
         assert self.mapping is not None
@@ -117,8 +118,10 @@ class ShmSlots:
                     slot.unmap()
                     slot.fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
                     os.ftruncate(slot.fd, size)
-                if size:
+                    slot.allocated = 0
+                if size and slot.allocated != size:
                     os.posix_fallocate(slot.fd, 0, size)
+                    slot.allocated = size
                     if slot.mapping is None:
                         slot.mapping = mmap.mmap(slot.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError:
