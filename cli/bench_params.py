@@ -4,9 +4,9 @@ in-memory copy of the same bytes, in one run.
 For each state-dict size, ``N`` trainer-rank processes each hold their dim-0 shard of every
 tensor (as FSDP ranks do) and push it at once, over shared memory or HTTP, to a parameter server
 in its own process; ``K`` instance processes wait for the version and pull it, verified, into
-buffers they already hold (an engine's parameters). Per version it records: push time (the last
-rank done), time until visible, each instance's pull time (all ``K`` at once), the end-to-end
-version latency (trainer done -> every instance loaded), each rank's peak extra memory during its
+buffers they already hold (an engine's parameters). Per version it records: push time (until the
+last rank's bytes are in), time until visible, each instance's pull time (all ``K`` at once), the
+end-to-end version latency (trainer done -> every instance loaded), each rank's peak extra memory during its
 push, and the persist time (the copy to disk, after the version is visible and outside the timed
 path). The baseline is ``np.copyto`` of the same bytes into an existing buffer.
 """
@@ -125,12 +125,12 @@ def _rank_main(conn: Connection, url: str, total_bytes: int, rank: int, ranks: i
             with PeakMemory() as memory:
                 started = time.monotonic()
                 reply = client.push_part(version, rank, ranks, table, share.pieces, transport=transport, wait_s=0)
-                done = time.monotonic()
+                delivered = reply["delivered_at_monotonic"]  # its bytes are in (the finish call follows)
                 if not reply["visible"]:  # wait for the other ranks' parts
                     client.close_pull(client.open_pull(version, "http", wait_s=wait_s))
                     reply = {"visible": True}
-            conn.send({"started": started, "done": done, "returned": time.monotonic(), "visible": reply["visible"],
-                       "extra_bytes": memory.extra, "shard_bytes": share.nbytes})
+            conn.send({"started": started, "delivered": delivered, "returned": time.monotonic(),
+                       "visible": reply["visible"], "extra_bytes": memory.extra, "shard_bytes": share.nbytes})
 
 
 def _instance_main(conn: Connection, url: str, total_bytes: int) -> None:
@@ -259,7 +259,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
             continue
         visible = min(p["returned"] for p in pushed) - t0
         rows.append({
-            "push_s": max(p["done"] for p in pushed) - t0,
+            "push_s": max(p["delivered"] for p in pushed) - t0,
             "visible_s": visible,
             "pull_s": [x["loaded"] - x["leased"] for x in loaded],
             "end_to_end_s": max(x["loaded"] for x in loaded) - t0,

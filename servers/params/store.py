@@ -37,7 +37,6 @@ from staleflow.transports.base import (
     checksum_algorithm,
     layout_tensors,
     parse_safetensors_header,
-    plan_chunks,
     safetensors_header,
 )
 from staleflow.transports.http import CHECKSUM_HEADER

@@ -4,6 +4,7 @@ pull over any transport into fresh or preallocated buffers, verifying checksums 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -195,8 +196,10 @@ class ParamsClient(RestClient):
         session = PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]), algorithm,
                               part=part, details=begin["details"])
         checksums = self.transport(via).push(session, source)
-        return self._call("POST", f"/v1/params/{version}/parts/{part}/done", params={"push_id": session.push_id},
-                          json={"checksums": checksums, "wait_s": wait_s}, timeout=self.timeout + wait_s)
+        delivered = time.monotonic()  # the bytes are in; the PS is told next
+        reply = self._call("POST", f"/v1/params/{version}/parts/{part}/done", params={"push_id": session.push_id},
+                           json={"checksums": checksums, "wait_s": wait_s}, timeout=self.timeout + wait_s)
+        return {**reply, "via": via, "delivered_at_monotonic": delivered}
 
     def _shm_here(self) -> bool:
         """The PS offers shared memory and runs on this host."""
