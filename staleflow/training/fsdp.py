@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import torch.distributed as dist
 
@@ -72,8 +73,9 @@ class FsdpBackend(TrainerBackend):
         self.reference = sharded(False) if self.algo.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay)
         self.version = self._load_checkpoint()
-        self._pusher: ThreadPoolExecutor | None = None
+        self._pusher: ThreadPoolExecutor | None = None  # ranks > 0 push on it, one version at a time
         self._pushing: Future | None = None
+        self._params: Any = None  # that thread's parameter-server client
 
     # -- TrainerBackend ------------------------------------------------------------------
 
@@ -154,7 +156,11 @@ class FsdpBackend(TrainerBackend):
             self._pusher = ThreadPoolExecutor(1, thread_name_prefix="push-shards")
         if self._pushing is not None:
             self._pushing.result()  # one push at a time, as on rank 0
-        self._pushing = self._pusher.submit(push_with_retries, share, params_url, version)
+        if self._params is None or self._params.url != params_url:
+            from staleflow.transports.client import ParamsClient
+
+            self._params = ParamsClient(params_url, timeout=300)  # kept: its shared-memory mappings stay warm
+        self._pushing = self._pusher.submit(push_with_retries, share, self._params, version)
 
     def checkpoint(self, version: int) -> bool:
         if version % self.cfg.checkpoint_every and version != self.final_version:
@@ -261,6 +267,8 @@ def follow(local: FsdpBackend) -> None:
         if op == "stop":
             if local._pushing is not None:
                 local._pushing.result()  # the last version's shards
+            if local._params is not None:
+                local._params.close()
             return
         getattr(local, op)(*args)
 
@@ -300,31 +308,29 @@ def sharded_weights(state: Mapping[str, Any], rank: int, world: int, drop: tuple
     return share
 
 
-def push_with_retries(share: ShardedWeights, params_url: str, version: int, outage_s: float = 300.0) -> None:
-    """A follower rank's push: retried through parameter-server restarts, until the version is
-    visible or exists already."""
-    from staleflow.transports.client import ParamsClient
+def push_with_retries(share: ShardedWeights, client: Any, version: int, outage_s: float = 300.0) -> None:
+    """A follower rank's push: retried through parameter-server restarts, until its part is in
+    or the version exists already (rank 0 waits for the version to be visible)."""
     from staleflow.transports.rest import ServiceError
 
     deadline = time.monotonic() + outage_s
     backoff = 0.05
-    with ParamsClient(params_url, timeout=300) as client:
-        while True:
-            try:
-                share.push(client, version, wait_s=0.0)
-                return  # rank 0 waits for the version to be visible
-            except ServiceError as exc:
-                if exc.status == 409 and "already exists" in exc.detail:
-                    return
-                if exc.status not in (404, 409, 502, 503, 504) or time.monotonic() > deadline:
-                    log.error("rank %d: push of version %d failed: %s", share.part, version, exc)
-                    return
-            except (OSError, ConnectionError) as exc:
-                if time.monotonic() > deadline:
-                    log.error("rank %d: push of version %d failed: %s", share.part, version, exc)
-                    return
-            time.sleep(backoff)  # retry pacing while the parameter server restarts
-            backoff = min(backoff * 2, 1.0)
+    while True:
+        try:
+            share.push(client, version, wait_s=0.0)
+            return
+        except ServiceError as exc:
+            if exc.status == 409 and "already exists" in exc.detail:
+                return
+            if exc.status not in (404, 409, 502, 503, 504) or time.monotonic() > deadline:
+                log.error("rank %d: push of version %d failed: %s", share.part, version, exc)
+                return
+        except (OSError, ConnectionError, httpx.HTTPError) as exc:
+            if time.monotonic() > deadline:
+                log.error("rank %d: push of version %d failed: %s", share.part, version, exc)
+                return
+        time.sleep(backoff)  # retry pacing while the parameter server restarts
+        backoff = min(backoff * 2, 1.0)
 
 
 def _die_with_parent() -> None:
