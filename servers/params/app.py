@@ -155,9 +155,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
                                                  int(length) if length and length.isdigit() else None, part)
         try:
             async for piece in request.stream():
-                if writer.add(piece):
-                    await asyncio.to_thread(writer.flush)
-            await asyncio.to_thread(writer.flush)
+                writer.add(piece)
         except ClientDisconnect:
             writer.abandon()
             raise ParamsError("client_gone", f"the client went away in the middle of chunk {index}") from None
