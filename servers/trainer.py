@@ -123,6 +123,7 @@ class TrainerLoop:
         self.outage_s = outage_s
         self.on_step = on_step
         self.push_seconds: list[float] = []
+        self._last_pushed: tuple[int, Mapping[str, Any] | None] | None = None
 
     # -- retries -----------------------------------------------------------------------
 
@@ -238,6 +239,7 @@ class TrainerLoop:
             state = self.params.versions()
             if any(v["version"] == version for v in state["versions"]) or (state["latest"] or -1) > version:
                 return  # pushed before a restart: versions are immutable
+            self._repush_lost(state)
             for pending in state["pushes"]:
                 # left unfinished by a killed trainer of another shape (a part that joins again starts over)
                 if pending["version"] == version and (parts == 1 or pending.get("parts") != parts):
@@ -251,6 +253,23 @@ class TrainerLoop:
 
         self._retry(f"push version {version}", push)
         self.push_seconds.append(time.perf_counter() - started)
+        self._last_pushed = (version, None if isinstance(tensors, ShardedWeights) else tensors)  # a share is not re-pushable
+
+    def _repush_lost(self, state: Mapping[str, Any]) -> None:
+        """The PS serves versions from memory first and persists them after: one that was visible
+        but not yet on disk when the PS crashed is gone. Push it again while its tensors are held
+        (a sharded share cannot be: the other ranks let theirs go; the next version supersedes it)."""
+        if self._last_pushed is None:
+            return
+        version, tensors = self._last_pushed
+        if state["latest"] is not None and state["latest"] >= version:
+            return
+        if tensors is None:
+            log.warning("the parameter server lost version %d (visible, not yet persisted); version %d supersedes it",
+                        version, version + 1)
+            return
+        log.warning("the parameter server lost version %d (visible, not yet persisted): pushing it again", version)
+        self.params.push(version, tensors)
 
     def _free(self, freed_below: int, covered: int) -> int:
         for v in range(freed_below, covered):

@@ -171,3 +171,24 @@ def test_a_corrupted_slot_fails_verification(url: str) -> None:
         for transport in ("shm", "http"):  # both read the same memory; every puller verifies
             with pytest.raises(ChecksumMismatch):
                 client.pull(1, transport)
+
+
+def test_the_trainer_pushes_again_a_version_the_ps_lost_before_persisting_it(tmp_path: Path) -> None:
+    """Memory first: a version visible but not yet on disk dies with the PS; the trainer role,
+    still holding its tensors, pushes it again before the next one."""
+    from staleflow.servers.trainer import StepLog, TrainerLoop
+    from staleflow.training.simulated import SimulatedBackend
+
+    backend = SimulatedBackend(0.0, 0.0, 1000, 1.0, threading.Event())
+    with serve_in_thread(create_app(config(tmp_path / "a", persist=False))) as first, ParamsClient(first.url) as client:
+        loop = TrainerLoop(backend, steps=3, eta=1, urls={"params": first.url}, step_log=StepLog(tmp_path / "steps"),
+                           stop=threading.Event())
+        loop.params = client
+        loop._push(1, backend.weights(1))
+        assert client.latest()["version"] == 1
+    # the PS stopped with version 1 in memory only (never persisted): its successor finds nothing
+    with serve_in_thread(create_app(config(tmp_path / "a"))) as second, ParamsClient(second.url) as client:
+        loop.params = client
+        loop._push(2, backend.weights(2))
+        assert [v["version"] for v in client.versions()["versions"]] == [1, 2]
+        assert client.pull(1)["weights"].tobytes() == np.full(1000, 1, np.uint8).tobytes()
