@@ -81,7 +81,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
                 app.state.store.close()
 
     app = FastAPI(title="StaleFlow parameter server", version="1", lifespan=lifespan)
-    app.state.body_limit_exempt = r"^/v1/params/[^/]+/chunks/"  # bounded per chunk (chunk_bytes) instead
+    app.state.body_limit_exempt = r"^/v1/params/[^/]+/(?:parts/[^/]+/)?chunks/"  # bounded per chunk (chunk_bytes) instead
 
     @app.exception_handler(ParamsError)
     async def _params_error(_: Request, exc: ParamsError) -> JSONResponse:

@@ -50,7 +50,7 @@ def dim0_share(state: dict[str, np.ndarray], part: int, parts: int) -> list[Shar
 
 
 def config(tmp_path: Path, **overrides: object) -> ParamsConfig:
-    return ParamsConfig(state_dir=tmp_path, port=0, chunk_bytes=CHUNK, fsync=False, **overrides)
+    return ParamsConfig(**{"state_dir": tmp_path, "port": 0, "chunk_bytes": CHUNK, "fsync": False, **overrides})
 
 
 @pytest.fixture
@@ -192,3 +192,11 @@ def test_the_trainer_pushes_again_a_version_the_ps_lost_before_persisting_it(tmp
         loop._push(2, backend.weights(2))
         assert [v["version"] for v in client.versions()["versions"]] == [1, 2]
         assert client.pull(1)["weights"].tobytes() == np.full(1000, 1, np.uint8).tobytes()
+
+
+def test_part_chunks_are_bounded_by_the_chunk_size_not_the_body_limit(tmp_path: Path) -> None:
+    state = full_state(4)
+    app = create_app(config(tmp_path, chunk_bytes=256 << 10))
+    with serve_in_thread(app, body_limit=128 << 10) as server, ParamsClient(server.url) as client:
+        assert client.push_part(1, 0, 1, table(state), dim0_share(state, 0, 1), transport="http")["visible"]
+        assert_equal(client.pull(1, "http"), state)
