@@ -292,7 +292,7 @@ def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], 
     result["memcpy"] = measure_memcpy(total_bytes, repeats)
     memcpy_s = result["memcpy"]["median_s"]
     counter = iter(range(1, 1 << 30))
-    proc, url = start_params_server(workdir / f"ps-{total_bytes}", transports, chunk_mb)
+    proc, url = start_params_server(workdir / f"ps-{total_bytes}", sorted({"http", *transports}), chunk_mb)
     try:
         with ParamsClient(url, timeout=600) as client:
             for n_ranks in rank_counts:
