@@ -129,7 +129,8 @@ def _rank_main(conn: Connection, url: str, total_bytes: int, rank: int, ranks: i
                 if not reply["visible"]:  # wait for the other ranks' parts
                     client.close_pull(client.open_pull(version, "http", wait_s=wait_s))
                     reply = {"visible": True}
-            conn.send({"started": started, "delivered": delivered, "returned": time.monotonic(),
+                returned = time.monotonic()
+            conn.send({"started": started, "delivered": delivered, "returned": returned,
                        "visible": reply["visible"], "extra_bytes": memory.extra, "shard_bytes": share.nbytes})
 
 
@@ -295,8 +296,9 @@ def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], 
     proc, url = start_params_server(workdir / f"ps-{total_bytes}", sorted({"http", *transports}), chunk_mb)
     try:
         with ParamsClient(url, timeout=600) as client:
+            # decided before any slot exists (the slots are counted in the need)
+            k_max = max((k for k in instance_counts if fits(total_bytes, 1, k)[0]), default=0)
             for n_ranks in rank_counts:
-                k_max = max((k for k in instance_counts if fits(total_bytes, n_ranks, k)[0]), default=0)
                 for k in instance_counts:
                     if k > k_max:
                         result["skipped"].append({"ranks": n_ranks, "instances": k, "why": fits(total_bytes, n_ranks, k)[1]})
