@@ -258,7 +258,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
         summary = next(v for v in client.versions()["versions"] if v["version"] == version)
         if i < warmup:
             continue
-        visible = min(p["returned"] for p in pushed) - t0
+        visible = summary["visible_at_monotonic"] - t0  # the PS's own clock reading (same host)
         rows.append({
             "push_s": max(p["delivered"] for p in pushed) - t0,
             "visible_s": visible,

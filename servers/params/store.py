@@ -118,11 +118,13 @@ class StoredVersion:
     persisted: bool = False
     persist_seconds: float | None = None
     visible_seconds: float | None = None  # from the push's start until it was visible
+    visible_at_monotonic: float | None = None  # when it became visible (this host's monotonic clock)
 
     def summary(self) -> dict:
         return {**self.manifest.summary(), "leases": self.leases, "retained": self.retained,
                 "in_memory": self.slot is not None, "persisted": self.persisted,
-                "persist_seconds": self.persist_seconds, "visible_seconds": self.visible_seconds}
+                "persist_seconds": self.persist_seconds, "visible_seconds": self.visible_seconds,
+                "visible_at_monotonic": self.visible_at_monotonic}
 
 
 @dataclass
@@ -500,7 +502,7 @@ class ParamStore:
         )
         push.slot.visible = True
         stored = StoredVersion(manifest, push.fd, push.data_offset + push.total_bytes, slot=push.slot,
-                               visible_seconds=time.monotonic() - push.started)
+                               visible_seconds=time.monotonic() - push.started, visible_at_monotonic=time.monotonic())
         del self.pushes[push.version]
         self.versions[push.version] = stored
         if self.config.persist:
