@@ -425,6 +425,8 @@ def test_a_version_not_yet_persisted_is_lost_whole_on_sigkill(tmp_path: Path) ->
             assert not torn.exists()
             client.push(2, state_dict(2))  # the trainer pushes the lost version again
             assert_same(client.pull(2, "http"), state_dict(2))
+        proc.terminate()  # a clean stop removes its shared-memory slots
+        proc.wait(30)
     finally:
         proc.kill()
         proc.wait(10)
