@@ -1,15 +1,20 @@
-"""``staleflow bench params``: Pull bandwidth of each parameter-server transport, side by side with
-a plain in-memory copy of the same bytes, measured in one run.
+"""``staleflow bench params``: weight sync as the paper measures it (Figure 19), next to a plain
+in-memory copy of the same bytes, in one run.
 
-The PS runs in its own process (as in a deployment: the instances are other processes). Two ways
-to receive are measured: into buffers the caller already has (an engine loading weights into its
-parameters; baseline ``np.copyto`` into the same buffers) and into a fresh allocation (baseline
-``np.empty`` + ``np.copyto``). Pulls into existing buffers are measured with and without checksum
-verification; pulls into a new allocation with verification (the client's default).
+For each state-dict size, ``N`` trainer-rank processes each hold their dim-0 shard of every
+tensor (as FSDP ranks do) and push it at once, over shared memory or HTTP, to a parameter server
+in its own process; ``K`` instance processes wait for the version and pull it, verified, into
+buffers they already hold (an engine's parameters). Per version it records: push time (until the
+last rank's bytes are in), time until visible, each instance's pull time (all ``K`` at once), the
+end-to-end version latency (trainer done -> every instance loaded), each rank's peak extra memory during its
+push, and the persist time (the copy to disk, after the version is visible and outside the timed
+path). The baseline is ``np.copyto`` of the same bytes into an existing buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
 import os
 import re
 import statistics
@@ -19,8 +24,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import typer
@@ -31,9 +37,7 @@ from staleflow.cli.common import console, emit_results, fail
 
 TENSOR_BYTES = 64 << 20  # a large layer of a multi-GB model
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-MODES = (("into", True, "into existing buffers"), ("into_unverified", False, "into existing buffers, unverified"),
-         ("fresh", True, "into a new allocation"))
-GOALS = {("shm", "into"): (0.8, None, "shm >= 80% of copy"), ("http", "into"): (None, 1.0, "http >= 1 GB/s")}
+TARGETS = {"push_visible_shm": 0.8, "http_stream_gb_per_s": 1.0, "pull_shm": 0.8, "end_to_end": 1.5}
 
 
 def parse_size(text: str) -> int:
@@ -43,46 +47,166 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
-def make_state_dict(total_bytes: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    tensors, offset, i = {}, 0, 0
+def tensor_table(total_bytes: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Synthetic state dict: U32 tensors of 64 MiB (the last one smaller), 1024 rows each."""
+    table, offset, i = {}, 0, 0
     while offset < total_bytes:
-        n = min(TENSOR_BYTES, total_bytes - offset) // 4 or 1
-        tensors[f"layers.{i}.weight"] = rng.integers(0, 2**32, n, dtype=np.uint32)
+        n = max(1024, (min(TENSOR_BYTES, total_bytes - offset) // 4096) * 1024)
+        table[f"layers.{i}.weight"] = ("U32", (1024, n // 1024))
         offset += n * 4
         i += 1
-    return tensors
+    return table
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> dict:
+def rank_pieces(table: dict[str, tuple[str, tuple[int, ...]]], rank: int, ranks: int) -> list:
+    """Rank ``rank``'s dim-0 shard of every tensor (FSDP's split), filled with its own bytes."""
+    from staleflow.transports.client import ShardPiece
+
+    pieces = []
+    for name, (_, shape) in table.items():
+        rows = -(-shape[0] // ranks)
+        local_rows = max(0, min(shape[0], (rank + 1) * rows) - rank * rows)
+        if local_rows:
+            local = np.full((local_rows, shape[1]), rank * 7919 + 1, np.uint32)
+            pieces.append(ShardPiece(name, rank * rows * shape[1] * 4, local))
+    return pieces
+
+
+def rss_anon() -> int:
+    """This process's private resident memory (shared-memory mappings excluded)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """Samples ``rss_anon`` on a thread while a push runs: the push's extra memory."""
+
+    def __init__(self, period_s: float = 0.002):
+        self.period_s = period_s
+        self.base = rss_anon()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):  # sampling period, not synchronization
+            self.peak = max(self.peak, rss_anon())
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_anon())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def _rank_main(conn: Connection, url: str, total_bytes: int, rank: int, ranks: int) -> None:
+    """A trainer rank: holds its shards; on ("push", version, transport, t0) pushes them."""
+    from staleflow.training.base import ShardedWeights
+    from staleflow.transports.client import ParamsClient
+
+    table = tensor_table(total_bytes)
+    share = ShardedWeights(rank, ranks, table, rank_pieces(table, rank, ranks))
+    with ParamsClient(url, timeout=600) as client:
+        conn.send({"ready": True, "shard_bytes": share.nbytes})
+        while True:
+            message = conn.recv()
+            if message is None:
+                return
+            _, version, transport, wait_s = message
+            with PeakMemory() as memory:
+                started = time.monotonic()
+                reply = client.push_part(version, rank, ranks, table, share.pieces, transport=transport, wait_s=0)
+                delivered = reply["delivered_at_monotonic"]  # its bytes are in (the finish call follows)
+                if not reply["visible"]:  # wait for the other ranks' parts
+                    client.close_pull(client.open_pull(version, "http", wait_s=wait_s))
+                    reply = {"visible": True}
+                returned = time.monotonic()
+            conn.send({"started": started, "delivered": delivered, "returned": returned,
+                       "visible": reply["visible"], "extra_bytes": memory.extra, "shard_bytes": share.nbytes})
+
+
+def _instance_main(conn: Connection, url: str, total_bytes: int) -> None:
+    """An instance: holds buffers of the model's size; on ("pull", version, transport) waits
+    for the version and pulls it into them, verified."""
+    from staleflow.transports.client import ParamsClient
+
+    table = tensor_table(total_bytes)
+    out = {name: np.ones(shape, np.uint32) for name, (_, shape) in table.items()}  # touched, like an engine's
+    with ParamsClient(url, timeout=600) as client:
+        conn.send({"ready": True})
+        while True:
+            message = conn.recv()
+            if message is None:
+                return
+            _, version, transport, wait_s = message
+            lease = client.open_pull(version, transport, wait_s=wait_s)
+            leased = time.monotonic()
+            try:
+                for _ in client.receive(lease, out=out):
+                    pass
+            finally:
+                client.close_pull(lease)
+            conn.send({"leased": leased, "loaded": time.monotonic()})
+
+
+class Workers:
+    """Processes of one kind, driven over pipes."""
+
+    def __init__(self, target: Callable[..., None], args_of: Callable[[int], tuple], count: int):
+        context = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(count):
+            parent, child = context.Pipe()
+            proc = context.Process(target=target, args=(child, *args_of(i)), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.hello = [self._recv(c, p) for c, p in zip(self.conns, self.procs, strict=True)]
+
+    @staticmethod
+    def _recv(conn: Connection, proc: Any) -> dict:
+        while not conn.poll(1.0):
+            if not proc.is_alive():
+                raise RuntimeError(f"benchmark worker {proc.name} exited with {proc.exitcode}")
+        return conn.recv()
+
+    def send(self, message: Any, count: int | None = None) -> None:
+        for conn in self.conns[:count]:
+            conn.send(message)
+
+    def gather(self, count: int | None = None) -> list[dict]:
+        return [self._recv(c, p) for c, p in list(zip(self.conns, self.procs, strict=True))[:count]]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def measure_memcpy(total_bytes: int, repeats: int) -> dict:
+    source = np.full(total_bytes // 4, 3, np.uint32)
+    target = np.ones_like(source)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         start = time.perf_counter()
-        fn()
+        np.copyto(target, source)
         times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "best_s": min(times), "runs": repeats}
-
-
-def _rate(nbytes: int, timing: dict) -> dict:
-    return {**timing, "gb_per_s": nbytes / timing["median_s"] / 1e9, "best_gb_per_s": nbytes / timing["best_s"] / 1e9}
-
-
-def measure_copies(source: dict[str, np.ndarray], out: dict[str, np.ndarray], repeats: int) -> dict:
-    """The baselines: copy the same bytes into ``out`` (touched once first, as an engine's
-    parameters are) and into a new allocation."""
-    nbytes = sum(a.nbytes for a in source.values())
-
-    def copy_into() -> None:
-        for name, a in source.items():
-            np.copyto(out[name], a)
-
-    def copy_fresh() -> None:
-        fresh = {name: np.empty_like(a) for name, a in source.items()}
-        for name, a in source.items():
-            np.copyto(fresh[name], a)
-
-    copy_into()
-    return {"copy_into": _rate(nbytes, _timed(copy_into, repeats)), "copy_fresh": _rate(nbytes, _timed(copy_fresh, repeats))}
+    times = times[1:]
+    return {"median_s": statistics.median(times), "best_s": min(times),
+            "gb_per_s": total_bytes / statistics.median(times) / 1e9}
 
 
 def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int) -> tuple[subprocess.Popen, str]:
@@ -91,7 +215,7 @@ def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int) -
     command = ([sys.executable, "-m", "staleflow.cli", "serve", "params"]
                if any(c.name == "params" for c in serve_app.registered_commands)
                else [sys.executable, "-m", "staleflow.cli.serve_params"])
-    proc = subprocess.Popen([*command, "--state-dir", str(state_dir), "--port", "0", "--keep", "1",
+    proc = subprocess.Popen([*command, "--state-dir", str(state_dir), "--port", "0", "--keep", "1", "--no-fsync",
                              "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
@@ -102,126 +226,204 @@ def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int) -
     raise RuntimeError(f"the parameter server exited with {proc.wait()} before listening")
 
 
-def bench_size(total_bytes: int, transports: list[str], repeats: int, chunk_mb: int,
-               workdir: Path, advance: Callable[[], None]) -> dict:
+def fits(total_bytes: int, ranks: int, instances: int) -> tuple[bool, str]:
+    """Shards (one model over all ranks), two shared-memory slots (the visible version and the
+    next), one model per instance, plus 15 % headroom."""
+    need = total_bytes * (1 + 2 + instances)
+    available = available_memory()
+    if need * 1.15 > available:
+        return False, f"needs ~{need / 1e9:.0f} GB (shards, 2 slots, {instances} instance(s)); {available / 1e9:.0f} GB available"
+    return True, ""
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k: int, transport: str,
+               total_bytes: int, repeats: int, next_version: Callable[[], int], memcpy_s: float, warmup: int = 1) -> dict:
+    """``warmup`` unmeasured versions first: they map the shared-memory slots in every process
+    (a fresh mapping costs a page fault per 4 KiB, several times the copy) and open connections."""
+    rows = []
+    for i in range(repeats + warmup):
+        version = next_version()
+        instances.send(("pull", version, transport, 600.0), k)
+        t0 = time.monotonic()  # "trainer done": the ranks start pushing
+        ranks.send(("push", version, transport, 600.0), n_ranks)
+        pushed = ranks.gather(n_ranks)
+        loaded = instances.gather(k)
+        if not all(p["visible"] for p in pushed):
+            raise RuntimeError(f"version {version} did not become visible: {pushed}")
+        client.wait_persisted(version, 600)  # outside the timed path, so the next push runs alone
+        summary = next(v for v in client.versions()["versions"] if v["version"] == version)
+        if i < warmup:
+            continue
+        visible = summary["visible_at_monotonic"] - t0  # the PS's own clock reading (same host)
+        rows.append({
+            "push_s": max(p["delivered"] for p in pushed) - t0,
+            "visible_s": visible,
+            "pull_s": [x["loaded"] - x["leased"] for x in loaded],
+            "end_to_end_s": max(x["loaded"] for x in loaded) - t0,
+            "rank_extra_bytes": max(p["extra_bytes"] for p in pushed),
+            "persist_s": summary["persist_seconds"],
+        })
+    cell = {
+        "transport": transport, "ranks": n_ranks, "instances": k, "runs": repeats,
+        "push_s": _median([r["push_s"] for r in rows]),
+        "visible_s": _median([r["visible_s"] for r in rows]),
+        "pull_s": _median([s for r in rows for s in r["pull_s"]]),
+        "end_to_end_s": _median([r["end_to_end_s"] for r in rows]),
+        "rank_extra_bytes": max(r["rank_extra_bytes"] for r in rows),
+        "persist_s": _median([r["persist_s"] for r in rows if r["persist_s"] is not None]),
+    }
+    cell["push_gb_per_s"] = total_bytes / cell["visible_s"] / 1e9
+    cell["push_gb_per_s_per_stream"] = cell["push_gb_per_s"] / n_ranks
+    cell["visible_vs_memcpy"] = memcpy_s / cell["visible_s"]
+    cell["pull_gb_per_s"] = total_bytes / cell["pull_s"] / 1e9
+    cell["pull_vs_memcpy"] = memcpy_s / cell["pull_s"]
+    return cell
+
+
+def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], instance_counts: list[int],
+               repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None]) -> dict:
     from staleflow.transports.client import ParamsClient
 
-    source = make_state_dict(total_bytes)
-    nbytes = sum(a.nbytes for a in source.values())
-    result: dict = {"bytes": nbytes, "tensors": len(source), "chunk_mb": chunk_mb,
-                    "load_average_before": os.getloadavg()[0]}
-    proc, url = start_params_server(workdir / f"ps-{nbytes}", transports, chunk_mb)
+    result: dict = {"bytes": total_bytes, "tensors": len(tensor_table(total_bytes)), "chunk_mb": chunk_mb,
+                    "load_average_before": os.getloadavg()[0], "cells": [], "skipped": []}
+    result["memcpy"] = measure_memcpy(total_bytes, repeats)
+    memcpy_s = result["memcpy"]["median_s"]
+    counter = iter(range(1, 1 << 30))
+    proc, url = start_params_server(workdir / f"ps-{total_bytes}", sorted({"http", *transports}), chunk_mb)
     try:
         with ParamsClient(url, timeout=600) as client:
-            start = time.perf_counter()
-            client.push(1, source)
-            result["push_http"] = _rate(nbytes, {"median_s": time.perf_counter() - start,
-                                                 "best_s": time.perf_counter() - start, "runs": 1})
-            advance()
-            out = {name: np.empty_like(a) for name, a in source.items()}
-            result.update(measure_copies(source, out, repeats))
-            del source  # keep the peak at ~3 copies of the model (out, shared memory, one pull)
-            advance()
-            for transport in transports:
-                client.pull(1, transport, out=out)  # warm-up: connections, mappings
-                for mode, verify, _ in MODES:
-                    target = out if mode.startswith("into") else None
-                    timing = _timed(lambda t=transport, o=target, v=verify: client.pull(1, t, out=o, verify=v), repeats)
-                    baseline = result["copy_into" if target is not None else "copy_fresh"]
-                    result[f"{transport}_{mode}"] = {**_rate(nbytes, timing),
-                                                     "ratio_to_copy": baseline["median_s"] / timing["median_s"],
-                                                     "best_ratio_to_copy": baseline["best_s"] / timing["best_s"]}
+            # decided before any slot exists (the slots are counted in the need)
+            k_max = max((k for k in instance_counts if fits(total_bytes, 1, k)[0]), default=0)
+            for n_ranks in rank_counts:
+                for k in instance_counts:
+                    if k > k_max:
+                        result["skipped"].append({"ranks": n_ranks, "instances": k, "why": fits(total_bytes, n_ranks, k)[1]})
+                if not k_max:
+                    advance()
+                    continue
+                ranks = Workers(_rank_main, lambda r, n=n_ranks: (url, total_bytes, r, n), n_ranks)
+                instances = Workers(_instance_main, lambda _: (url, total_bytes), k_max)
+                try:
+                    result["shard_bytes"] = result.get("shard_bytes", {}) | {str(n_ranks): max(h["shard_bytes"] for h in ranks.hello)}
+                    warmup = 2  # both slots, in the new processes
+                    for transport in transports:
+                        for k in [k for k in instance_counts if k <= k_max]:
+                            result["cells"].append(bench_cell(ranks, instances, client, n_ranks, k, transport, total_bytes,
+                                                              repeats, lambda: next(counter), memcpy_s, warmup))
+                            warmup = 1
+                finally:
+                    ranks.close()
+                    instances.close()
                 advance()
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(60)
+    one_pull = {c["transport"]: c["pull_s"] for c in result["cells"] if c["instances"] == 1 and c["ranks"] == rank_counts[0]}
+    for cell in result["cells"]:
+        cell["end_to_end_vs_copy_plus_pull"] = cell["end_to_end_s"] / (memcpy_s + one_pull.get(cell["transport"], float("nan")))
+    result["load_average_after"] = os.getloadavg()[0]
     return result
 
 
-def run_params_bench(sizes: list[int], transports: list[str], repeats: int = 3, chunk_mb: int = 64) -> dict:
-    results: dict = {"transports": transports, "repeats": repeats, "sizes": []}
+def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[int], instance_counts: list[int],
+                     repeats: int = 3, chunk_mb: int = 64) -> dict:
+    results: dict = {"transports": transports, "ranks": rank_counts, "instances": instance_counts, "repeats": repeats,
+                     "cpus": os.cpu_count(), "memory_bytes": total_memory(), "targets": TARGETS, "sizes": []}
     with tempfile.TemporaryDirectory(prefix="staleflow-bench-params-") as tmp, \
             Progress(console=console, transient=True) as progress:
-        task = progress.add_task("parameter server benchmark", total=len(sizes) * (2 + len(transports)))
+        task = progress.add_task("parameter server benchmark", total=len(sizes) * len(rank_counts))
         for size in sizes:
-            results["sizes"].append(bench_size(size, transports, repeats, chunk_mb, Path(tmp),
+            if not fits(size, min(rank_counts), 1)[0]:
+                results["sizes"].append({"bytes": size, "cells": [], "skipped": [{"why": fits(size, min(rank_counts), 1)[1]}]})
+                continue
+            results["sizes"].append(bench_size(size, transports, rank_counts, instance_counts, repeats, chunk_mb, Path(tmp),
                                                lambda: progress.advance(task)))
     return results
 
 
-def available_transports() -> list[str]:
-    from staleflow.transports.nixl import nixl_available
-
-    return ["http", "shm"] + (["nixl"] if nixl_available()[0] else [])
-
-
 def _print(results: dict) -> None:
     for size in results["sizes"]:
-        table = Table(title=f"Pull of a {size['bytes'] / 1e9:.2f} GB state dict ({size['tensors']} tensors, "
-                            f"{size['chunk_mb']} MiB chunks; load average {size['load_average_before']:.1f})")
-        for column, justify in (("path", "left"), ("GB/s median", "right"), ("GB/s best", "right"),
-                                ("vs copy (median)", "right"), ("vs copy (best)", "right"), ("goal (median)", "left")):
-            table.add_column(column, justify=justify)
-        for baseline, label in (("into", "into existing buffers"), ("fresh", "into a new allocation")):
-            copy = size[f"copy_{baseline}"]
-            table.add_row(f"in-memory copy, {label}", f"{copy['gb_per_s']:.2f}", f"{copy['best_gb_per_s']:.2f}",
-                          "1.00", "1.00", "")
-            for mode, _, mode_label in MODES:
-                if not mode.startswith(baseline):
-                    continue
-                for transport in results["transports"]:
-                    row = size[f"{transport}_{mode}"]
-                    table.add_row(f"  {transport} pull, {mode_label}", f"{row['gb_per_s']:.2f}",
-                                  f"{row['best_gb_per_s']:.2f}", f"{row['ratio_to_copy']:.2f}",
-                                  f"{row['best_ratio_to_copy']:.2f}", _goal(transport, mode, row))
-        push = size["push_http"]
-        table.add_row("http push (one run, incl. fsync and commit)", f"{push['gb_per_s']:.2f}", "", "", "", "")
+        gb = size["bytes"] / 1e9
+        if "memcpy" not in size:
+            console.print(f"[yellow]{gb:.1f} GB skipped: {size['skipped'][0]['why']}[/]")
+            continue
+        memcpy = size["memcpy"]
+        table = Table(title=f"Weight sync of a {gb:.2f} GB state dict ({size['tensors']} tensors, {size['chunk_mb']} MiB chunks); "
+                            f"memcpy {memcpy['median_s']:.3f} s ({memcpy['gb_per_s']:.1f} GB/s); load average "
+                            f"{size['load_average_before']:.1f} -> {size['load_average_after']:.1f}")
+        columns = ("transport", "ranks", "inst.", "push s", "visible s", "push GB/s", "visible vs memcpy", "pull s",
+                   "pull vs memcpy", "e2e s", "e2e / (memcpy+pull)", "rank extra MB (shard MB)", "persist s")
+        for column in columns:
+            table.add_column(column, justify="left" if column == "transport" else "right")
+        for c in size["cells"]:
+            shard = size.get("shard_bytes", {}).get(str(c["ranks"]), 0)
+            table.add_row(c["transport"], str(c["ranks"]), str(c["instances"]), f"{c['push_s']:.3f}", f"{c['visible_s']:.3f}",
+                          f"{c['push_gb_per_s']:.2f}", _mark(c["visible_vs_memcpy"], c["transport"] == "shm", TARGETS["push_visible_shm"]),
+                          f"{c['pull_s']:.3f}", _mark(c["pull_vs_memcpy"], c["transport"] == "shm" and c["instances"] == 1,
+                                                      TARGETS["pull_shm"]),
+                          f"{c['end_to_end_s']:.3f}", _mark(c["end_to_end_vs_copy_plus_pull"], False, 0),
+                          f"{c['rank_extra_bytes'] / 2**20:.0f} ({shard / 2**20:.0f})", f"{c['persist_s']:.2f}")
         console.print(table)
+        for skipped in size["skipped"]:
+            console.print(f"  [yellow]skipped ranks={skipped.get('ranks')} instances={skipped.get('instances')}: {skipped['why']}[/]")
 
 
-def _goal(transport: str, mode: str, row: dict) -> str:
-    goal = GOALS.get((transport, mode))
-    if goal is None:
-        return ""
-    min_ratio, min_rate, text = goal
-    met = row["ratio_to_copy"] >= min_ratio if min_ratio is not None else row["gb_per_s"] >= min_rate
-    return f"{text}: {'[green]met[/]' if met else '[red]missed[/]'}"
+def _mark(value: float, has_target: bool, target: float) -> str:
+    if not has_target:
+        return f"{value:.2f}"
+    return f"[green]{value:.2f}[/]" if value >= target else f"[red]{value:.2f}[/]"
 
 
 def register(bench_app: typer.Typer) -> None:
     @bench_app.command("params")
     def params_cmd(
-        sizes: Annotated[str, typer.Option(help="state-dict sizes, comma-separated")] = "1GB,4GB",
-        transports: Annotated[str | None, typer.Option(help="comma-separated; default: all available here")] = None,
-        repeats: Annotated[int, typer.Option(help="pulls per measurement (median reported)")] = 3,
+        sizes: Annotated[str, typer.Option(help="state-dict sizes, comma-separated")] = "1GB,4GB,16GB",
+        transports: Annotated[str, typer.Option(help="comma-separated: shm, http")] = "shm,http",
+        ranks: Annotated[str, typer.Option(help="trainer ranks pushing at once, comma-separated")] = "1,2,4",
+        instances: Annotated[str, typer.Option(help="instances pulling at once, comma-separated")] = "1,2,4",
+        repeats: Annotated[int, typer.Option(help="versions per measurement (median reported)")] = 3,
         chunk_mb: Annotated[int, typer.Option("--chunk-mb", help="PS chunk size in MiB")] = 64,
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
         output: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
     ) -> None:
-        """Pull GB/s per transport (http, shm, nixl) vs an in-memory copy, for each state-dict size."""
+        """Push (N ranks at once), visibility, pull (K instances at once) and end-to-end version
+        latency per state-dict size, next to memcpy of the same bytes."""
         try:
             size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
+            rank_list = [int(r) for r in ranks.split(",") if r.strip()]
+            instance_list = [int(k) for k in instances.split(",") if k.strip()]
         except ValueError as exc:
             raise fail(str(exc)) from None
-        chosen = [t.strip() for t in transports.split(",")] if transports else available_transports()
-        if "http" not in chosen:
-            chosen.insert(0, "http")  # pushes go over http
-        if max(size_list) * 4.2 > _available_memory():
-            raise fail(f"{max(size_list) / 1e9:.1f} GB needs ~{max(size_list) * 4.2 / 1e9:.0f} GB of memory "
-                       f"(source, destination, shared memory, one pull); {_available_memory() / 1e9:.0f} GB available",
-                       "pass smaller --sizes")
-        results = run_params_bench(size_list, chosen, repeats, chunk_mb)
+        chosen = [t.strip() for t in transports.split(",") if t.strip()]
+        unknown = set(chosen) - {"shm", "http"}
+        if unknown or not chosen:
+            raise fail(f"transports {sorted(unknown) or chosen}: choose from shm, http")
+        if not rank_list or not instance_list or min(rank_list + instance_list) < 1:
+            raise fail("--ranks and --instances need positive counts")
+        results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb)
         emit_results(results, output, as_json, _print)
 
 
-def _available_memory() -> int:
+def _meminfo(key: str) -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 1 << 62
+
+
+def available_memory() -> int:
+    return _meminfo("MemAvailable")
+
+
+def total_memory() -> int:
+    return _meminfo("MemTotal")
 
 
 if __name__ == "__main__":

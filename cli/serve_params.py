@@ -34,12 +34,12 @@ def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | Non
 
 
 def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, host: str, port: int,
-                  shm_dir: Path, fsync: bool, lease_ttl_s: float) -> ParamsConfig:
+                  shm_dir: Path, fsync: bool, lease_ttl_s: float, persist: bool = True) -> ParamsConfig:
     try:
         return ParamsConfig(
             state_dir=state_dir, keep=keep, chunk_bytes=int(chunk_mb * (1 << 20)),
             transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
-            host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s,
+            host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s, persist=persist,
         )
     except ValidationError as exc:
         names = {**flag_names(OPTIONS), "chunk_bytes": "--chunk-mb", "lease_ttl_s": "--lease-ttl"}
@@ -58,8 +58,11 @@ def register(serve_app: typer.Typer) -> None:
         port: Annotated[int, typer.Option(help="bind port")] = default_of(ParamsConfig, "port"),
         token: Annotated[str | None, typer.Option(help="bearer token for mutating requests (default: $STALEFLOW_TOKEN)")] = None,
         shm_dir: Annotated[Path, typer.Option("--shm-dir", help="shared-memory directory")] = default_of(ParamsConfig, "shm_dir"),
-        fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync each version before it is visible")]
+        fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync each version as it is persisted")]
         = default_of(ParamsConfig, "fsync"),
+        persist: Annotated[bool, typer.Option("--persist/--no-persist",
+                                              help="persist versions to --state-dir in the background (crash recovery)")]
+        = default_of(ParamsConfig, "persist"),
         lease_ttl_s: Annotated[float, typer.Option("--lease-ttl", help="seconds an unused pull lease lives")]
         = default_of(ParamsConfig, "lease_ttl_s"),
     ) -> None:
@@ -67,7 +70,7 @@ def register(serve_app: typer.Typer) -> None:
         from staleflow.servers.params import ParamStore, create_app
         from staleflow.transports.base import TransportUnavailable
 
-        config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s)
+        config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s, persist)
         if "nixl" in config.transports:
             from staleflow.transports.nixl import nixl_available
 

@@ -33,7 +33,7 @@ import numpy as np
 from staleflow.config import JobConfig
 from staleflow.errors import ErrorCode
 from staleflow.servers.clients import ManagerClient, ServiceError, http_client
-from staleflow.training.base import TrainerBackend
+from staleflow.training.base import ShardedWeights, TrainerBackend
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ class TrainerLoop:
         self.outage_s = outage_s
         self.on_step = on_step
         self.push_seconds: list[float] = []
+        self._last_pushed: tuple[int, Mapping[str, Any] | None] | None = None
 
     # -- retries -----------------------------------------------------------------------
 
@@ -243,20 +244,45 @@ class TrainerLoop:
 
         return self._retry(f"fetch batch {version}", fetch)
 
-    def _push(self, version: int, tensors: Mapping[str, Any]) -> None:
+    def _push(self, version: int, tensors: Mapping[str, Any] | ShardedWeights) -> None:
         started = time.perf_counter()
+        parts = tensors.parts if isinstance(tensors, ShardedWeights) else 1
 
         def push() -> None:
             state = self.params.versions()
             if any(v["version"] == version for v in state["versions"]) or (state["latest"] or -1) > version:
                 return  # pushed before a restart: versions are immutable
+            self._repush_lost(state)
             for pending in state["pushes"]:
-                if pending["version"] == version:  # left unfinished by a killed trainer
+                # left unfinished by a killed trainer of another shape (a part that joins again starts over)
+                if pending["version"] == version and (parts == 1 or pending.get("parts") != parts):
                     self.params.http.delete(f"/v1/params/{version}/push", params={"push_id": pending["push_id"]})
-            self.params.push(version, tensors)
+            if isinstance(tensors, ShardedWeights):
+                reply = tensors.push(self.params, version, wait_s=self.outage_s)
+                if not reply.get("visible"):
+                    raise ServiceError(503, f"version {version}: the other ranks' parts did not arrive: {reply}")
+            else:
+                self.params.push(version, tensors)
 
         self._retry(f"push version {version}", push)
         self.push_seconds.append(time.perf_counter() - started)
+        self._last_pushed = (version, None if isinstance(tensors, ShardedWeights) else tensors)  # a share is not re-pushable
+
+    def _repush_lost(self, state: Mapping[str, Any]) -> None:
+        """The PS serves versions from memory first and persists them after: one that was visible
+        but not yet on disk when the PS crashed is gone. Push it again while its tensors are held
+        (a sharded share cannot be: the other ranks let theirs go; the next version supersedes it)."""
+        if self._last_pushed is None:
+            return
+        version, tensors = self._last_pushed
+        if state["latest"] is not None and state["latest"] >= version:
+            return
+        if tensors is None:
+            log.warning("the parameter server lost version %d (visible, not yet persisted); version %d supersedes it",
+                        version, version + 1)
+            return
+        log.warning("the parameter server lost version %d (visible, not yet persisted): pushing it again", version)
+        self.params.push(version, tensors)
 
     def _free(self, freed_below: int, covered: int) -> int:
         def free(version: int) -> None:
@@ -296,7 +322,8 @@ def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, 
     for p in followers:
         p.start()
     init_process_group(0, world, port)
-    driver = RankDriver(FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), 0, world, config.steps))
+    driver = RankDriver(FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), 0, world, config.steps),
+                        params_url=urls["params"])
     try:
         TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
                     started=started).run()

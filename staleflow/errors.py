@@ -69,6 +69,10 @@ class ErrorCode(StrEnum):
     PUSH_IN_PROGRESS = "push_in_progress"
     UNKNOWN_PUSH = "unknown_push"
     PUSH_ID_MISMATCH = "push_id_mismatch"
+    INVALID_PART = "invalid_part"  # a sharded push part that does not fit the version
+    UNKNOWN_PART = "unknown_part"
+    PART_CONFLICT = "part_conflict"  # parts that overlap, leave bytes uncovered or disagree on the version
+    MEMORY_FULL = "memory_full"  # no host memory for another version
     BUSY = "busy"  # being received or committed right now: retry later
     UNKNOWN_CHUNK = "unknown_chunk"
     CHUNK_LENGTH_MISMATCH = "chunk_length_mismatch"
@@ -149,6 +153,10 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.PUSH_IN_PROGRESS: _CONFLICT,
     ErrorCode.UNKNOWN_PUSH: 404,
     ErrorCode.PUSH_ID_MISMATCH: _CONFLICT,
+    ErrorCode.INVALID_PART: 422,
+    ErrorCode.UNKNOWN_PART: 404,
+    ErrorCode.PART_CONFLICT: _CONFLICT,
+    ErrorCode.MEMORY_FULL: 503,
     ErrorCode.BUSY: _CONFLICT,
     ErrorCode.UNKNOWN_CHUNK: 404,
     ErrorCode.CHUNK_LENGTH_MISMATCH: 422,

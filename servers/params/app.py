@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
@@ -20,7 +20,7 @@ from staleflow.servers.http import service_app
 from staleflow.servers.params.config import ParamsConfig, ParamsError, TransportName
 from staleflow.servers.params.store import ParamStore, StoredVersion
 from staleflow.transports.base import checksum_algorithms
-from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range
+from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range, stream_mapped_range
 from staleflow.transports.shm import host_id
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,20 @@ class TensorIn(BaseModel):
 class PushBegin(BaseModel):
     tensors: list[TensorIn] = Field(min_length=1)
     metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class PartJoin(BaseModel):
+    tensors: list[TensorIn] = Field(min_length=1, description="the whole version's tensor table, the same for every part")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    parts: int = Field(ge=1, le=65536, description="how many parts the version is pushed in")
+    ranges: list[tuple[int, int]] | None = Field(None, description="(offset, length) byte ranges of the data section "
+                                                                     "this part delivers; absent: all of it")
+    via: Literal["http", "shm"] = "http"
+
+
+class PartDone(BaseModel):
+    checksums: dict[int, str] | None = Field(None, description="chunk index -> checksum, for a part written over shm")
+    wait_s: float = Field(0.0, ge=0, le=3600, description="wait this long for the other parts to finish")
 
 
 class PullBegin(BaseModel):
@@ -53,6 +67,8 @@ class ParamsHealth(_Answer):
     status: str
     latest: int | None
     versions: int
+    transports: list[str]
+    host_id: str
 
 
 class VersionSummary(_Answer):
@@ -67,15 +83,24 @@ class VersionSummary(_Answer):
 class StoredSummary(VersionSummary):
     leases: int
     retained: bool
+    in_memory: bool = Field(description="the version is served from host memory")
+    persisted: bool = Field(description="a copy is on disk (crash recovery)")
+    persist_seconds: float | None = Field(description="visible to on disk, seconds (off the critical path)")
+    visible_seconds: float | None = Field(description="push start to visible, seconds")
+    visible_at_monotonic: float | None
 
 
 class PushProgress(_Answer):
     version: int
     push_id: str
+    parts: int = Field(description="parts the version is pushed in (one per pushing rank)")
+    parts_joined: list[int]
+    parts_done: list[int]
     chunks: int
     received_chunks: int
     received_bytes: int
-    writing: list[int]
+    total_bytes: int
+    writing: list[tuple[int, int]] = Field(description="(part, chunk) being received")
     committing: bool
 
 
@@ -87,6 +112,7 @@ class StoreDescription(_Answer):
     readers: dict[str, int]
     writers: int
     transports: list[str]
+    persist: bool
     shm: dict[str, Any] | None
 
 
@@ -123,6 +149,23 @@ class PushStarted(_Answer):
     total_bytes: int
     chunks: list[ChunkOut]
     checksum_algorithms: list[str]
+
+
+class PartJoined(_Answer):
+    push_id: str
+    version: int
+    part: int
+    chunk_bytes: int
+    total_bytes: int
+    data_offset: int
+    details: dict[str, Any] = Field(description="over shm: the memory slot to write into (path, size, offsets)")
+    chunks: list[ChunkOut]
+    checksum_algorithms: list[str]
+
+
+class Persisted(_Answer):
+    version: int
+    persisted: bool
 
 
 class ChunkReceived(_Answer):
@@ -177,12 +220,13 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
 
     app = service_app("StaleFlow parameter server", lifespan)
     m.mount_metrics(app, "params", lambda: app.state.store.metrics() if hasattr(app.state, "store") else [])
-    app.state.body_limit_exempt = r"^/v1/params/[^/]+/chunks/"  # bounded per chunk (chunk_bytes) instead
+    app.state.body_limit_exempt = r"^/v1/params/[^/]+/(?:parts/[^/]+/)?chunks/"  # bounded per chunk (chunk_bytes) instead
 
     @app.get("/v1/health", response_model=ParamsHealth)
     def health(store: StoreDep) -> dict:
         s = store.describe()
-        return {"status": "ok", "latest": s["latest"], "versions": len(s["versions"])}
+        return {"status": "ok", "latest": s["latest"], "versions": len(s["versions"]),
+                "transports": list(config.transports), "host_id": host_id()}
 
     @app.get("/v1/params", response_model=StoreDescription)
     def list_versions(store: StoreDep) -> dict:
@@ -197,22 +241,51 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         if version < 0:
             raise ParamsError(ErrorCode.INVALID_VERSION, "version must be >= 0")
         push = store.begin_push(version, [(t.name, t.dtype, t.shape) for t in body.tensors], body.metadata)
+        chunks = push.parts[0].chunks
         return {"push_id": push.push_id, "version": version, "chunk_bytes": config.chunk_bytes,
-                "total_bytes": sum(c.length for c in push.chunks),
-                "chunks": [{"index": c.index, "offset": c.offset, "length": c.length} for c in push.chunks],
+                "total_bytes": push.total_bytes,
+                "chunks": [{"index": c.index, "offset": c.offset, "length": c.length} for c in chunks],
                 "checksum_algorithms": checksum_algorithms()}
+
+    @app.post("/v1/params/{version}/parts/{part}", status_code=201, response_model=PartJoined)
+    def join_push(store: StoreDep, version: int, part: int, body: PartJoin) -> dict:
+        if version < 0:
+            raise ParamsError(ErrorCode.INVALID_VERSION, "version must be >= 0")
+        if body.via == "shm" and "shm" not in config.transports:
+            raise ParamsError(ErrorCode.TRANSPORT_DISABLED, "shared memory is not enabled here; push the part over http")
+        push, entry = store.join_push(version, part, body.parts, [(t.name, t.dtype, t.shape) for t in body.tensors],
+                                      body.metadata, body.ranges, body.via)
+        details = ({"path": str(push.slot.path), "size": push.slot.size, "data_offset": push.data_offset,
+                    "host_id": host_id()} if body.via == "shm" else {})
+        return {"push_id": push.push_id, "version": version, "part": part, "chunk_bytes": config.chunk_bytes,
+                "total_bytes": push.total_bytes, "data_offset": push.data_offset, "details": details,
+                "chunks": [{"index": c.index, "offset": c.offset, "length": c.length} for c in entry.chunks],
+                "checksum_algorithms": checksum_algorithms()}
+
+    @app.put("/v1/params/{version}/parts/{part}/chunks/{index}", response_model=ChunkReceived)
+    async def put_part_chunk(request: Request, store: StoreDep, version: int, part: int, index: int,
+                             push_id: Annotated[str, Query()]) -> dict:
+        return await _receive_chunk(request, store, version, index, push_id, part)
+
+    @app.post("/v1/params/{version}/parts/{part}/done", response_model=dict[str, Any])
+    def finish_part(store: StoreDep, version: int, part: int, push_id: Annotated[str, Query()],
+                    body: PartDone | None = None) -> dict:
+        body = body or PartDone()
+        return store.finish_part(version, push_id, part, body.checksums, body.wait_s)
 
     @app.put("/v1/params/{version}/chunks/{index}", response_model=ChunkReceived)
     async def put_chunk(request: Request, store: StoreDep, version: int, index: int,
                         push_id: Annotated[str, Query()]) -> dict:
+        return await _receive_chunk(request, store, version, index, push_id, 0)
+
+    async def _receive_chunk(request: Request, store: ParamStore, version: int, index: int, push_id: str,
+                             part: int) -> dict:
         length = request.headers.get("content-length")
         writer = store.chunk_writer(version, push_id, index, request.headers.get(CHECKSUM_HEADER),
-                                                 int(length) if length and length.isdigit() else None)
+                                    int(length) if length and length.isdigit() else None, part)
         try:
             async for piece in request.stream():
-                if writer.add(piece):
-                    await asyncio.to_thread(writer.flush)
-            await asyncio.to_thread(writer.flush)
+                writer.add(piece)
         except ClientDisconnect:
             writer.abandon()
             raise ParamsError(ErrorCode.CLIENT_DISCONNECTED, f"the client went away in the middle of chunk {index}") from None
@@ -229,6 +302,11 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     def abort_push(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
         store.abort_push(version, push_id)
         return {"version": version, "aborted": True}
+
+    @app.get("/v1/params/{version}/persisted", response_model=Persisted)
+    def persisted(store: StoreDep, version: int, wait_s: Annotated[float, Query(ge=0, le=3600)] = 0.0) -> dict:
+        """Whether ``version`` is on disk yet (waits up to ``wait_s`` for it)."""
+        return {"version": version, "persisted": store.wait_persisted(version, wait_s)}
 
     @app.get("/v1/params/{version}/manifest", response_model=ManifestOut)
     def manifest(store: StoreDep, version: VersionSpec) -> dict:
@@ -261,30 +339,39 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         chunks = stored.manifest.chunks
         if not 0 <= index < len(chunks):
             os.close(fd)
-            s.stream_done()
+            s.stream_done(stored)
             raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{len(chunks) - 1}, not {index}")
         chunk = chunks[index]
-        return _stream(s, fd, stored.manifest.data_offset + chunk.offset, chunk.length,
+        return _stream(s, stored, fd, stored.manifest.data_offset + chunk.offset, chunk.length,
                        {CHECKSUM_HEADER: chunk.checksum or ""})
 
     @app.get("/v1/params/{version}/file", response_class=StreamingResponse)
     def get_file(s: StoreDep, version: VersionSpec) -> StreamingResponse:
         """The whole version as one safetensors file (curl, engines that load a path)."""
         fd, stored = s.open_range(s.resolve_stored(version).manifest.version, None)
-        return _stream(s, fd, 0, stored.file_size,
+        return _stream(s, stored, fd, 0, stored.file_size,
                        {"content-disposition": f'attachment; filename="v{stored.manifest.version}.safetensors"'})
 
     return app
 
 
-def _stream(store: ParamStore, fd: int, offset: int, length: int, headers: dict[str, str]) -> StreamingResponse:
+def _stream(store: ParamStore, stored: StoredVersion, fd: int, offset: int, length: int,
+            headers: dict[str, str]) -> StreamingResponse:
+    """A byte range of a stored version; from its memory slot's mapping when it has one (a copy
+    at memory speed; pread from tmpfs is several times slower here), else from its file."""
+    slot = stored.slot
+
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for piece in stream_file_range(fd, offset, length):
-                yield piece
+            if slot is not None and slot.mapping is not None:
+                async for piece in stream_mapped_range(slot.mapping, offset, length):
+                    yield piece
+            else:
+                async for piece in stream_file_range(fd, offset, length):
+                    yield piece
         finally:
             os.close(fd)
-            store.stream_done()
+            store.stream_done(stored)
 
     return StreamingResponse(body(), headers={"content-length": str(length), **headers},
                              media_type="application/octet-stream")
@@ -293,14 +380,7 @@ def _stream(store: ParamStore, fd: int, offset: int, length: int, headers: dict[
 def _transport_details(store: ParamStore, stored: StoredVersion, transport: str) -> dict:
     version = stored.manifest.version
     if transport == "shm":
-        assert store.shm is not None
-        slot = store.shm.slot_of(version)
-        if slot is None:  # e.g. loaded from disk after a restart
-            try:
-                slot = store.shm.publish(version, stored.fd, stored.file_size)
-            except OSError as exc:
-                raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE,
-                                  f"cannot publish version {version} to shared memory: {exc}; pull over http") from None
+        slot = store.memory_slot(stored)  # a version recovered from disk is loaded on demand
         return {"path": str(slot.path), "size": slot.size, "host_id": host_id()}
     if transport == "nixl":
         assert store.nixl is not None

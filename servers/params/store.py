@@ -1,9 +1,12 @@
-"""The parameter server's durable store: immutable committed versions, pushes in progress, pull leases
-and retention, plus the pure rules they follow (version specs, retention, shared-memory names).
+"""The parameter server's store: immutable versions in host memory, sharded pushes in progress,
+pull leases, retention and background persistence, plus the pure rules they follow (version specs,
+retention, part coverage, shared-memory names).
 
-Durability: a version lives in ``state_dir/versions/vNNNNNNNNNN/`` as one safetensors file plus
-``manifest.json``, written last and renamed into place; a push in progress lives in a
-``.staging-*`` folder that a restart discards.
+Memory first: a push writes straight into a shared-memory slot (``/dev/shm``); the version becomes
+visible from it as soon as every part of the push is in and verified. A background thread then
+persists it to ``state_dir/versions/vNNNNNNNNNN/`` (one safetensors file plus ``manifest.json``,
+written last and renamed into place; ``.staging-*`` folders are what a crash left and a restart
+discards). After a crash the newest persisted versions are served again.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from staleflow.errors import ErrorCode
 from staleflow.servers.params.config import ParamsConfig, ParamsError
@@ -33,11 +38,10 @@ from staleflow.transports.base import (
     checksum_algorithm,
     layout_tensors,
     parse_safetensors_header,
-    plan_chunks,
     safetensors_header,
 )
 from staleflow.transports.http import CHECKSUM_HEADER
-from staleflow.transports.shm import ShmSlots
+from staleflow.transports.shm import ShmSlot, ShmSlots
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +73,74 @@ def versions_to_drop(committed: Iterable[int], keep: int) -> list[int]:
     return sorted(committed)[:-keep] if keep > 0 else sorted(committed)
 
 
+def split_ranges(ranges: Sequence[tuple[int, int]], chunk_bytes: int) -> list[ChunkSpec]:
+    """A part's byte ranges of the data section cut into chunks of at most ``chunk_bytes``,
+    numbered within the part."""
+    chunks: list[ChunkSpec] = []
+    for offset, length in ranges:
+        for start in range(offset, offset + length, chunk_bytes):
+            chunks.append(ChunkSpec(len(chunks), start, min(chunk_bytes, offset + length - start)))
+    return chunks
+
+
+def coverage_gaps(ranges: Iterable[tuple[int, int]], total_bytes: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(overlaps, gaps) of byte ranges against the data section [0, total_bytes): a sharded
+    version is complete when its parts' ranges tile it exactly."""
+    overlaps, gaps = [], []
+    position = 0
+    for offset, length in sorted(r for r in ranges if r[1] > 0):
+        if offset < position:
+            overlaps.append((offset, min(position, offset + length) - offset))
+        elif offset > position:
+            gaps.append((position, offset - position))
+        position = max(position, offset + length)
+    if position < total_bytes:
+        gaps.append((position, total_bytes - position))
+    return overlaps, gaps
+
+
+HEADER_ALIGN = 4096  # the data section starts page-aligned, and the header size does not change with the version number
+
+
 # ---------------------------------------------------------------- the store
 
 
 @dataclass
 class StoredVersion:
+    """A complete, visible version: in a memory slot (``slot``), on disk (``directory``), or both."""
+
     manifest: Manifest
-    directory: Path
-    fd: int
+    fd: int  # where its bytes are read from: the memory slot, else the persisted file
     file_size: int
-    leases: int = 0
+    slot: ShmSlot | None = None
+    directory: Path | None = None
+    leases: int = 0  # pull leases, streams and the persister pin it
     retained: bool = True  # False: beyond the newest K, deleted once ``leases`` reaches 0
+    persisted: bool = False
+    persist_seconds: float | None = None
+    visible_seconds: float | None = None  # from the push's start until it was visible
+    visible_at_monotonic: float | None = None  # when it became visible (this host's monotonic clock)
+
+    def summary(self) -> dict:
+        return {**self.manifest.summary(), "leases": self.leases, "retained": self.retained,
+                "in_memory": self.slot is not None, "persisted": self.persisted,
+                "persist_seconds": self.persist_seconds, "visible_seconds": self.visible_seconds,
+                "visible_at_monotonic": self.visible_at_monotonic}
+
+
+@dataclass
+class PushPart:
+    """What one pusher (e.g. one trainer rank) delivers: its byte ranges of the data section."""
+
+    index: int
+    via: str  # "http": chunk bodies to the PS; "shm": the pusher writes into the slot itself
+    chunks: list[ChunkSpec]
+    received: dict[int, str] = field(default_factory=dict)  # chunk index -> checksum
+    writing: set[int] = field(default_factory=set)
+    done: bool = False
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(c.offset, c.length) for c in self.chunks]
 
 
 @dataclass
@@ -87,21 +148,34 @@ class PendingPush:
     push_id: str
     version: int
     tensors: tuple[TensorSpec, ...]
-    chunks: list[ChunkSpec]
-    directory: Path
-    fd: int
+    total_bytes: int
+    slot: ShmSlot
     data_offset: int
     metadata: dict[str, str]
-    received: dict[int, str] = field(default_factory=dict)  # chunk index -> checksum
-    writing: set[int] = field(default_factory=set)
+    expected_parts: int
+    parts: dict[int, PushPart] = field(default_factory=dict)
     committing: bool = False
+    dropped: str | None = None  # why it was dropped, for parts waiting on it
+    started: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
 
+    @property
+    def fd(self) -> int:
+        assert self.slot.fd is not None
+        return self.slot.fd
+
+    @property
+    def writing(self) -> bool:
+        return any(p.writing for p in self.parts.values())
+
     def progress(self) -> dict:
-        return {"version": self.version, "push_id": self.push_id, "chunks": len(self.chunks),
-                "received_chunks": len(self.received),
-                "received_bytes": sum(self.chunks[i].length for i in self.received),
-                "writing": sorted(self.writing), "committing": self.committing}
+        received = sum(p.chunks[i].length for p in self.parts.values() for i in p.received)
+        return {"version": self.version, "push_id": self.push_id, "parts": self.expected_parts,
+                "parts_joined": sorted(self.parts), "parts_done": sorted(i for i, p in self.parts.items() if p.done),
+                "chunks": sum(len(p.chunks) for p in self.parts.values()),
+                "received_chunks": sum(len(p.received) for p in self.parts.values()),
+                "received_bytes": received, "total_bytes": self.total_bytes,
+                "writing": sorted((i, c) for i, p in self.parts.items() for c in p.writing), "committing": self.committing}
 
 
 @dataclass
@@ -113,50 +187,47 @@ class Lease:
 
 
 class ChunkWriter:
-    """Receives one chunk of a push piece by piece: collects pieces, writes them at the chunk's
-    offset in batches (``flush``, meant for a worker thread: a write can block on a congested
-    disk) and checksums them."""
+    """Receives one chunk of a push piece by piece (as the HTTP server hands them over), copying
+    each straight into the version's memory slot at the chunk's offset and checksumming it there,
+    while it is in cache: no buffering, no thread hop (a piece is tens of KiB)."""
 
-    FLUSH_BYTES = 4 << 20
-
-    def __init__(self, store: ParamStore, push: PendingPush, chunk: ChunkSpec, claimed: str):
-        self.store, self.push, self.chunk, self.claimed = store, push, chunk, claimed
+    def __init__(self, store: ParamStore, push: PendingPush, part: PushPart, chunk: ChunkSpec, claimed: str):
+        self.store, self.push, self.part, self.chunk, self.claimed = store, push, part, chunk, claimed
         self.hasher = ChunkHasher(checksum_algorithm(claimed))
-        self.pending = bytearray()
         self.written = 0
+        start = push.data_offset + chunk.offset
+        self.target: np.ndarray | None = np.frombuffer(push.slot.view()[start:start + chunk.length], np.uint8)
 
-    def add(self, piece: bytes) -> bool:
-        """Collect a piece; True when enough is pending to flush."""
-        if self.written + len(self.pending) + len(piece) > self.chunk.length:
+    def add(self, piece: bytes) -> None:
+        assert self.target is not None
+        if self.written + len(piece) > self.chunk.length:
             raise ParamsError(ErrorCode.BODY_TOO_LARGE, f"chunk {self.chunk.index} is {self.chunk.length} bytes; the body is longer")
-        self.pending += piece
-        return len(self.pending) >= self.FLUSH_BYTES
-
-    def flush(self) -> None:
-        data, self.pending = self.pending, bytearray()
-        os.pwrite(self.push.fd, data, self.push.data_offset + self.chunk.offset + self.written)
-        self.hasher.update(data)
-        self.written += len(data)
+        landed = self.target[self.written:self.written + len(piece)]
+        np.copyto(landed, np.frombuffer(piece, np.uint8))
+        self.hasher.update(landed)
+        self.written += len(piece)
 
     def finish(self) -> str:
+        self.target = None
         actual = self.hasher.hexdigest()
         if self.written != self.chunk.length:
-            self.store.chunk_done(self.push, self.chunk.index, None)
+            self.store.chunk_done(self.push, self.part, self.chunk.index, None)
             raise ParamsError(ErrorCode.INCOMPLETE_CHUNK, f"chunk {self.chunk.index}: received {self.written} of {self.chunk.length} bytes")
         if actual != self.claimed:
-            self.store.chunk_done(self.push, self.chunk.index, None)
+            self.store.chunk_done(self.push, self.part, self.chunk.index, None)
             raise ParamsError(ErrorCode.CHECKSUM_MISMATCH, f"chunk {self.chunk.index}: bad checksum: the body hashes to {actual}, "
-                                   f"the request claims {self.claimed}; the chunk was not stored, send it again")
-        self.store.chunk_done(self.push, self.chunk.index, actual)
+                                         f"the request claims {self.claimed}; the chunk was not stored, send it again")
+        self.store.chunk_done(self.push, self.part, self.chunk.index, actual)
         return actual
 
     def abandon(self) -> None:
-        self.store.chunk_done(self.push, self.chunk.index, None)
+        self.target = None
+        self.store.chunk_done(self.push, self.part, self.chunk.index, None)
 
 
 class ParamStore:
-    """Durable versioned storage with leases. Thread-safe; metadata under one condition variable,
-    bulk reads and writes outside it."""
+    """Versioned storage with leases, memory first. Thread-safe; metadata under one condition
+    variable, bulk copies outside it."""
 
     def __init__(self, config: ParamsConfig):
         self.config = config
@@ -172,25 +243,30 @@ class ParamStore:
         self.pushes: dict[int, PendingPush] = {}
         self.leases: dict[str, Lease] = {}
         self.active_streams = 0
-        self.pushes_committed = 0  # since this server started
-        self.pulls_started: dict[str, int] = {}  # by transport, since this server started
         self._closed = False
         self._cond = threading.Condition()
-        self.shm: ShmSlots | None = None
-        if "shm" in config.transports:
-            self.shm = ShmSlots(config.shm_dir, shm_prefix(config.state_dir))
+        self.memory = ShmSlots(config.shm_dir, shm_prefix(config.state_dir))  # the memory tier, shm pulls or not
         self.nixl = None
         if "nixl" in config.transports:
             from staleflow.transports.nixl import NixlExporter
 
             self.nixl = NixlExporter(f"staleflow-ps-{uuid.uuid4().hex[:8]}")
+        self._to_persist: set[int] = set()
         self._recover()
+        self._persister = threading.Thread(target=self._persist_forever, name="params-persist", daemon=True)
+        if config.persist:
+            self._persister.start()
+
+    @property
+    def shm(self) -> ShmSlots | None:
+        """The slots, when shared-memory pulls are offered."""
+        return self.memory if "shm" in self.config.transports else None
 
     # -- startup and shutdown
 
     def _recover(self) -> None:
         for entry in sorted(self.root.iterdir()):
-            if entry.name.startswith("."):  # an unfinished push or a half-deleted version
+            if entry.name.startswith("."):  # an unfinished persist or a half-deleted version
                 log.info("discarding %s", entry.name)
                 shutil.rmtree(entry, ignore_errors=True)
                 continue
@@ -211,16 +287,20 @@ class ParamStore:
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._persister.is_alive():
+            self._persister.join()
         with self._cond:
             for push in list(self.pushes.values()):
-                self._drop_push(push)
+                self._drop_push(push, "the parameter server stopped")
             for stored in self.versions.values():
-                os.close(stored.fd)
+                if stored.slot is None:
+                    os.close(stored.fd)
             self.versions.clear()
             self.leases.clear()
-        if self.shm is not None:
-            self.shm.close()
+        self.memory.close()
         if self.nixl is not None:
             self.nixl.close()
         os.close(self._lock_fd)  # releases the state directory
@@ -238,49 +318,91 @@ class ParamStore:
     def _destroy(self, stored: StoredVersion) -> None:
         version = stored.manifest.version
         del self.versions[version]
-        os.close(stored.fd)  # streams in flight read through their own dup of it
-        if self.shm is not None:
-            self.shm.release(version)
+        self._to_persist.discard(version)
         if self.nixl is not None:
             self.nixl.release(version)
-        trash = self.root / f".trash-{stored.directory.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(stored.directory, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        if stored.slot is not None:
+            self.memory.release(version)
+        else:
+            os.close(stored.fd)
+        if stored.directory is not None:
+            trash = self.root / f".trash-{stored.directory.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(stored.directory, trash)
+            shutil.rmtree(trash, ignore_errors=True)
         log.info("evicted version %d", version)
 
     # -- push
 
-    def begin_push(self, version: int, tensors: Iterable[tuple[str, str, list[int]]], metadata: Mapping[str, str]) -> PendingPush:
+    def join_push(self, version: int, part: int, parts: int, tensors: Iterable[tuple[str, str, list[int]]],
+                  metadata: Mapping[str, str], ranges: Sequence[tuple[int, int]] | None, via: str) -> tuple[PendingPush, PushPart]:
+        """Part ``part`` of ``parts`` joins the push of ``version`` (the first to arrive starts it).
+        Every part names the whole tensor table and its own byte ranges of the data section
+        (``None``: all of it); the version becomes visible once the parts' ranges tile the data
+        section and every part is done. A part that joins again (a restarted pusher) starts over."""
         laid = tuple(layout_tensors(tensors, self.config.max_tensors))
         total = sum(t.nbytes for t in laid)
-        header = safetensors_header(laid, {"format": "pt", **metadata, "staleflow_version": str(version)})
+        if not 0 <= part < parts:
+            raise ParamsError(ErrorCode.INVALID_PART, f"part {part} is outside 0..{parts - 1}")
+        if via not in ("http", "shm"):
+            raise ParamsError(ErrorCode.INVALID_PART, f"a part is pushed over 'http' or 'shm', not {via!r}")
+        ranges = [(0, total)] if ranges is None else [(int(o), int(n)) for o, n in ranges]
+        for offset, length in ranges:
+            if offset < 0 or length < 0 or offset + length > total:
+                raise ParamsError(ErrorCode.INVALID_PART, f"range {offset}+{length} is outside the {total}-byte data section")
+        overlaps, _ = coverage_gaps(ranges, total)
+        if overlaps:
+            raise ParamsError(ErrorCode.INVALID_PART, f"part {part}'s ranges overlap themselves at {overlaps[:3]}")
         with self._cond:
             self._sweep()
             if version in self.versions:
                 raise ParamsError(ErrorCode.VERSION_EXISTS, f"version {version} already exists; versions are immutable, push a new number")
+            push = self.pushes.get(version)
+            if push is None:
+                newest = max(self.versions, default=None)
+                if newest is not None and version < newest:
+                    raise ParamsError(ErrorCode.VERSION_TOO_OLD, f"version {version} is older than the newest complete version {newest}")
+                push = self._start_push(version, laid, total, metadata, parts)
+            elif push.tensors != laid or push.expected_parts != parts:
+                raise ParamsError(ErrorCode.PART_CONFLICT, f"a push of version {version} with another tensor table or number of parts is "
+                                              f"in progress (push_id {push.push_id}); finish or abort it first")
+            elif push.committing:
+                raise ParamsError(ErrorCode.BUSY, f"version {version} is being committed")
+            previous = push.parts.get(part)
+            if previous is not None and previous.writing:
+                raise ParamsError(ErrorCode.BUSY, f"part {part} of version {version} is receiving a chunk right now")
+            others = [r for i, p in push.parts.items() if i != part for r in p.ranges()]
+            overlaps, _ = coverage_gaps(others + ranges, total)
+            if overlaps:
+                raise ParamsError(ErrorCode.PART_CONFLICT, f"part {part}'s ranges overlap another part's at {overlaps[:3]} (offset, length)")
+            entry = PushPart(part, via, split_ranges(ranges, self.config.chunk_bytes))
+            push.parts[part] = entry
+            push.metadata.update(metadata)
+            push.last_active = time.monotonic()
+            return push, entry
+
+    def _start_push(self, version: int, laid: tuple[TensorSpec, ...], total: int, metadata: Mapping[str, str],
+                    parts: int) -> PendingPush:
+        header = safetensors_header(laid, {"format": "pt", **metadata, "staleflow_version": str(version)}, HEADER_ALIGN)
+        try:
+            slot = self.memory.reserve(version, len(header) + total)
+        except OSError as exc:
+            raise ParamsError(ErrorCode.MEMORY_FULL, f"no room for version {version} ({len(header) + total} bytes) in "
+                                             f"{self.config.shm_dir}: {exc}") from None
+        os.pwrite(slot.fd, header, 0)
+        push = PendingPush(uuid.uuid4().hex, version, laid, total, slot, len(header), dict(metadata), parts)
+        self.pushes[version] = push
+        log.info("push of version %d started: %d tensors, %d bytes, %d part(s)", version, len(laid), total, parts)
+        return push
+
+    def begin_push(self, version: int, tensors: Iterable[tuple[str, str, list[int]]], metadata: Mapping[str, str]) -> PendingPush:
+        """A push by one pusher of the whole version (one part, chunks of ``chunk_bytes``)."""
+        with self._cond:
             if version in self.pushes:
-                raise ParamsError(ErrorCode.PUSH_IN_PROGRESS,
-                                  f"a push of version {version} is in progress (push_id {self.pushes[version].push_id}); "
-                                  "finish or abort it first")
-            newest = max(self.versions, default=None)
-            if newest is not None and version < newest:
-                raise ParamsError(ErrorCode.VERSION_TOO_OLD, f"version {version} is older than the newest complete version {newest}")
-            push_id = uuid.uuid4().hex
-            directory = self.root / f".staging-v{version:010d}-{push_id[:8]}"
-            directory.mkdir()
-            fd = os.open(directory / DATA_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.pwrite(fd, header, 0)
-                os.ftruncate(fd, len(header) + total)
-            except OSError:
-                os.close(fd)
-                shutil.rmtree(directory, ignore_errors=True)
-                raise
-            push = PendingPush(push_id, version, laid, plan_chunks(total, self.config.chunk_bytes), directory, fd,
-                               len(header), dict(metadata))
-            self.pushes[version] = push
-            log.info("push of version %d started: %d tensors, %d bytes, %d chunks", version, len(laid), total, len(push.chunks))
-            return push
+                push = self.pushes[version]
+                raise ParamsError(ErrorCode.PUSH_IN_PROGRESS, f"a push of version {version} is in progress (push_id {push.push_id}); "
+                                              "finish or abort it first")
+        push, _ = self.join_push(version, 0, 1, tensors, metadata, None, "http")
+        return push
 
     def _push(self, version: int, push_id: str) -> PendingPush:
         push = self.pushes.get(version)
@@ -291,93 +413,208 @@ class ParamStore:
             raise ParamsError(ErrorCode.PUSH_ID_MISMATCH, f"push_id {push_id!r} does not match the push of version {version} in progress")
         return push
 
-    def chunk_writer(self, version: int, push_id: str, index: int, claimed: str | None, length: int | None) -> ChunkWriter:
+    def _part(self, push: PendingPush, part: int) -> PushPart:
+        entry = push.parts.get(part)
+        if entry is None:
+            raise ParamsError(ErrorCode.UNKNOWN_PART, f"part {part} has not joined the push of version {push.version}")
+        return entry
+
+    def chunk_writer(self, version: int, push_id: str, index: int, claimed: str | None, length: int | None,
+                     part: int = 0) -> ChunkWriter:
         if claimed is None:
-            raise ParamsError(ErrorCode.MISSING_CHECKSUM,
-                              f"header {CHECKSUM_HEADER} is missing: send 'xxh3_64:<hex>' or 'crc32:<hex>' of the chunk")
+            raise ParamsError(ErrorCode.MISSING_CHECKSUM, f"header {CHECKSUM_HEADER} is missing: send 'xxh3_64:<hex>' or 'crc32:<hex>' of the chunk")
         try:
             checksum_algorithm(claimed)
         except FormatError as exc:
             raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
         with self._cond:
             push = self._push(version, push_id)
-            if not 0 <= index < len(push.chunks):
-                raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{len(push.chunks) - 1}, not {index}")
-            chunk = push.chunks[index]
+            entry = self._part(push, part)
+            if not 0 <= index < len(entry.chunks):
+                raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {part} of version {version} has chunks 0..{len(entry.chunks) - 1}, not {index}")
+            chunk = entry.chunks[index]
             if length is not None and length != chunk.length:
                 code = ErrorCode.BODY_TOO_LARGE if length > chunk.length else ErrorCode.CHUNK_LENGTH_MISMATCH
                 raise ParamsError(code, f"chunk {index} is {chunk.length} bytes; Content-Length says {length}")
-            if index in push.writing or push.committing:
+            if index in entry.writing or push.committing or entry.done:
                 raise ParamsError(ErrorCode.BUSY, f"chunk {index} of version {version} is being received or committed right now")
-            push.writing.add(index)
-            push.received.pop(index, None)
+            entry.writing.add(index)
+            entry.received.pop(index, None)
             push.last_active = time.monotonic()
-        return ChunkWriter(self, push, chunk, claimed)
+        return ChunkWriter(self, push, entry, chunk, claimed)
 
-    def chunk_done(self, push: PendingPush, index: int, checksum: str | None) -> None:
+    def chunk_done(self, push: PendingPush, part: PushPart, index: int, checksum: str | None) -> None:
         with self._cond:
-            push.writing.discard(index)
+            part.writing.discard(index)
             if checksum is not None:
-                push.received[index] = checksum
+                part.received[index] = checksum
             push.last_active = time.monotonic()
 
-    def commit(self, version: int, push_id: str) -> Manifest:
+    def finish_part(self, version: int, push_id: str, part: int, checksums: Mapping[int, str] | None = None,
+                    wait_s: float = 0.0) -> dict:
+        """Part ``part`` has delivered its chunks (a part written over shared memory hands in its
+        chunks' checksums here). Returns the push's state; the last part to finish makes the
+        version visible. ``wait_s``: wait that long for the other parts."""
         with self._cond:
             push = self._push(version, push_id)
-            missing = [c.index for c in push.chunks if c.index not in push.received]
-            if push.committing:
-                raise ParamsError(ErrorCode.BUSY, f"version {version} is being committed already")
-            if missing or push.writing:
+            entry = self._part(push, part)
+            if checksums is not None:
+                if entry.via != "shm":
+                    raise ParamsError(ErrorCode.INVALID_PART, f"part {part} sends its chunks over http; checksums come with each chunk")
+                for index, checksum in checksums.items():
+                    if not 0 <= int(index) < len(entry.chunks):
+                        raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {part} has chunks 0..{len(entry.chunks) - 1}, not {index}")
+                    try:
+                        checksum_algorithm(checksum)
+                    except FormatError as exc:
+                        raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
+                    entry.received[int(index)] = checksum
+            missing = [c.index for c in entry.chunks if c.index not in entry.received]
+            if missing or entry.writing:
                 shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
                 reason = f"chunks missing: {shown}" if missing else "chunks are still being received"
                 raise ParamsError(ErrorCode.VERSION_INCOMPLETE, f"version {version} is incomplete "
-                                       f"({len(push.received)}/{len(push.chunks)} chunks): {reason}")
-            push.committing = True
+                                              f"({len(entry.received)}/{len(entry.chunks)} chunks of part {part}): {reason}")
+            entry.done = True
+            push.last_active = time.monotonic()
+            if len(push.parts) == push.expected_parts and all(p.done for p in push.parts.values()) and not push.committing:
+                self._commit(push)
+            deadline = time.monotonic() + wait_s
+            while version not in self.versions and push.dropped is None and time.monotonic() < deadline:
+                self._cond.wait(min(1.0, deadline - time.monotonic()))
+            if push.dropped is not None and version not in self.versions:
+                raise ParamsError(ErrorCode.UNKNOWN_PUSH, f"the push of version {version} was dropped: {push.dropped}; push it again")
+            if version in self.versions:
+                return {"version": version, "visible": True, **self.versions[version].summary()}
+            return {"version": version, "visible": False, **push.progress()}
+
+    def _commit(self, push: PendingPush) -> Manifest:
+        """Under the lock: every part is done; make the version visible if the parts tile it."""
+        _, gaps = coverage_gaps([r for p in push.parts.values() for r in p.ranges()], push.total_bytes)
+        if gaps:
+            raise ParamsError(ErrorCode.PART_CONFLICT, f"version {push.version}: the parts leave bytes {gaps[:3]} (offset, length) uncovered")
+        push.committing = True
+        chunks = sorted(((c, p.received[c.index]) for p in push.parts.values() for c in p.chunks), key=lambda x: x[0].offset)
         manifest = Manifest(
-            version=version, tensors=push.tensors,
-            chunks=tuple(ChunkSpec(c.index, c.offset, c.length, push.received[c.index]) for c in push.chunks),
+            version=push.version, tensors=push.tensors,
+            chunks=tuple(ChunkSpec(i, c.offset, c.length, checksum) for i, (c, checksum) in enumerate(chunks)),
             chunk_bytes=self.config.chunk_bytes, data_offset=push.data_offset, metadata=push.metadata,
             committed_at=time.time(),
         )
-        final = self.root / f"v{version:010d}"
-        try:
-            if self.config.fsync:
-                os.fsync(push.fd)
-            _write_atomically(push.directory / MANIFEST_FILE, json.dumps(manifest.to_json()).encode(), self.config.fsync)
-            os.rename(push.directory, final)
-            if self.config.fsync:
-                _fsync_dir(self.root)
-        except OSError:
-            with self._cond:
-                push.committing = False
-            raise
-        stored = StoredVersion(manifest, final, push.fd, push.data_offset + manifest.total_bytes)
-        if self.shm is not None:
-            try:
-                self.shm.publish(version, stored.fd, stored.file_size)
-            except OSError as exc:  # shm pulls of it will retry; http still serves it
-                log.warning("version %d not published to shared memory: %s", version, exc)
-        with self._cond:
-            del self.pushes[version]
-            self.versions[version] = stored
-            self.pushes_committed += 1
-            self._apply_retention()
-            self._cond.notify_all()
-        log.info("version %d committed (%d bytes)", version, manifest.total_bytes)
+        push.slot.visible = True
+        stored = StoredVersion(manifest, push.fd, push.data_offset + push.total_bytes, slot=push.slot,
+                               visible_seconds=time.monotonic() - push.started, visible_at_monotonic=time.monotonic())
+        del self.pushes[push.version]
+        self.versions[push.version] = stored
+        if self.config.persist:
+            self._to_persist.add(push.version)
+        self._apply_retention()
+        self._cond.notify_all()
+        log.info("version %d visible (%d bytes, %d chunks, %.3f s after the push began)", push.version,
+                 manifest.total_bytes, len(manifest.chunks), stored.visible_seconds)
         return manifest
+
+    def commit(self, version: int, push_id: str) -> Manifest:
+        """The one-pusher API's commit: finish part 0 and return the visible version's manifest."""
+        with self._cond:
+            push = self._push(version, push_id)
+            if push.committing:
+                raise ParamsError(ErrorCode.BUSY, f"version {version} is being committed already")
+            if push.expected_parts != 1:
+                raise ParamsError(ErrorCode.PART_CONFLICT, f"version {version} is pushed in {push.expected_parts} parts; each part finishes itself")
+            entry = self._part(push, 0)
+            missing = [c.index for c in entry.chunks if c.index not in entry.received]
+            if missing or entry.writing:
+                shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+                reason = f"chunks missing: {shown}" if missing else "chunks are still being received"
+                raise ParamsError(ErrorCode.VERSION_INCOMPLETE, f"version {version} is incomplete "
+                                              f"({len(entry.received)}/{len(entry.chunks)} chunks): {reason}")
+            self.finish_part(version, push_id, 0)
+            return self.versions[version].manifest
 
     def abort_push(self, version: int, push_id: str) -> None:
         with self._cond:
             push = self._push(version, push_id)
             if push.committing or push.writing:
                 raise ParamsError(ErrorCode.BUSY, f"version {version} is being committed or received right now")
-            self._drop_push(push)
+            self._drop_push(push, "aborted")
             self._cond.notify_all()
 
-    def _drop_push(self, push: PendingPush) -> None:
+    def _drop_push(self, push: PendingPush, why: str) -> None:
         del self.pushes[push.version]
-        os.close(push.fd)
-        shutil.rmtree(push.directory, ignore_errors=True)
+        push.dropped = why
+        # a pusher that still writes through its own mapping must not write into a reused slot
+        self.memory.release(push.version, discard=any(p.via == "shm" for p in push.parts.values()))
+        log.info("push of version %d dropped: %s", push.version, why)
+
+    # -- persistence (off the critical path)
+
+    def _persist_forever(self) -> None:
+        while True:
+            with self._cond:
+                while not self._to_persist and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                version = max(self._to_persist)
+                self._to_persist.clear()  # older ones are superseded: recovery serves the newest
+                stored = self.versions.get(version)
+                if stored is None or stored.persisted:
+                    continue
+                stored.leases += 1  # pinned: its slot is not reused while it is copied out
+            try:
+                self._persist(stored)
+            except OSError as exc:
+                log.error("version %d was not persisted: %s", version, exc)
+            finally:
+                with self._cond:
+                    stored.leases -= 1
+                    if stored.leases == 0 and not stored.retained and version in self.versions:
+                        self._destroy(stored)
+                    self._cond.notify_all()
+
+    def _persist(self, stored: StoredVersion) -> None:
+        started = time.monotonic()
+        version = stored.manifest.version
+        directory = self.root / f".staging-v{version:010d}-{uuid.uuid4().hex[:8]}"
+        directory.mkdir()
+        try:
+            fd = os.open(directory / DATA_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                copied = 0
+                while copied < stored.file_size:
+                    n = os.sendfile(fd, stored.fd, copied, stored.file_size - copied)
+                    if n == 0:
+                        raise OSError(f"version {version} ended at byte {copied} of {stored.file_size}")
+                    copied += n
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            _write_atomically(directory / MANIFEST_FILE, json.dumps(stored.manifest.to_json()).encode(), self.config.fsync)
+            final = self.root / f"v{version:010d}"
+            os.rename(directory, final)
+            if self.config.fsync:
+                _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        with self._cond:
+            stored.directory, stored.persisted = final, True
+            stored.persist_seconds = time.monotonic() - started
+        log.info("version %d persisted in %.3f s", version, stored.persist_seconds)
+
+    def wait_persisted(self, version: int, timeout_s: float) -> bool:
+        """True once ``version`` is on disk (tests, benchmarks, a clean stop)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                stored = self.versions.get(version)
+                if stored is not None and stored.persisted:
+                    return True
+                if stored is None or time.monotonic() >= deadline:
+                    return False
+                self._cond.wait(min(1.0, deadline - time.monotonic()))
 
     # -- pull
 
@@ -423,7 +660,6 @@ class ParamStore:
             stored.leases += 1
             lease = Lease(uuid.uuid4().hex, version, transport, time.monotonic() + self.config.lease_ttl_s)
             self.leases[lease.lease_id] = lease
-            self.pulls_started[transport] = self.pulls_started.get(transport, 0) + 1
             return lease, stored
 
     def release(self, lease_id: str) -> bool:
@@ -431,11 +667,11 @@ class ParamStore:
             lease = self.leases.pop(lease_id, None)
             if lease is None:
                 return False
-            self._end_lease(lease)
+            self._unpin(lease.version)
             return True
 
-    def _end_lease(self, lease: Lease) -> None:
-        stored = self.versions.get(lease.version)
+    def _unpin(self, version: int) -> None:
+        stored = self.versions.get(version)
         if stored is None:
             return
         stored.leases -= 1
@@ -447,18 +683,20 @@ class ParamStore:
         for lease in [lease for lease in self.leases.values() if lease.expires_at < now]:
             log.warning("pull lease %s on version %d lapsed", lease.lease_id, lease.version)
             del self.leases[lease.lease_id]
-            self._end_lease(lease)
+            self._unpin(lease.version)
         for push in [p for p in self.pushes.values() if not p.writing and not p.committing
                      and now - p.last_active > self.config.push_ttl_s]:
-            log.warning("dropping the idle push of version %d", push.version)
-            self._drop_push(push)
+            waiting = sorted(set(range(push.expected_parts)) - {i for i, p in push.parts.items() if p.done})
+            self._drop_push(push, f"idle for {self.config.push_ttl_s:g} s waiting for part(s) {waiting}")
+            self._cond.notify_all()
 
     def sweep(self) -> None:
         with self._cond:
             self._sweep()
 
     def open_range(self, version: int, lease_id: str | None) -> tuple[int, StoredVersion]:
-        """A private fd (dup) on a stored version, for one stream. With a lease: renews it."""
+        """A private fd (dup) on a stored version, for one stream, which pins the version until
+        ``stream_done``. With a lease: renews it."""
         with self._cond:
             if lease_id is not None:
                 lease = self.leases.get(lease_id)
@@ -471,11 +709,13 @@ class ParamStore:
             if stored is None:
                 raise ParamsError(ErrorCode.UNKNOWN_VERSION, f"version {version} is not stored")
             self.active_streams += 1
+            stored.leases += 1
             return os.dup(stored.fd), stored
 
-    def stream_done(self) -> None:
+    def stream_done(self, stored: StoredVersion) -> None:
         with self._cond:
             self.active_streams -= 1
+            self._unpin(stored.manifest.version)
 
     def resolve_stored(self, spec: str) -> StoredVersion:
         with self._cond:
@@ -484,20 +724,21 @@ class ParamStore:
                 raise ParamsError(ErrorCode.VERSION_BEING_PUSHED if "being pushed" in why else ErrorCode.UNKNOWN_VERSION, why)
             return self.versions[version]
 
-    def metrics(self) -> list:
-        """Prometheus view of the store, read at scrape time."""
-        from staleflow import metrics as m
-
+    def memory_slot(self, stored: StoredVersion) -> ShmSlot:
+        """The version's memory slot; a version recovered from disk is loaded into one first."""
+        if stored.slot is not None:
+            return stored.slot
+        version = stored.manifest.version
+        try:
+            slot = self.memory.publish(version, stored.fd, stored.file_size)
+        except (OSError, ValueError) as exc:
+            raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE, f"cannot load version {version} into shared memory: {exc}; pull over http") from None
         with self._cond:
-            retained = {v: s for v, s in self.versions.items() if s.retained}
-            return [
-                m.PARAMS_LATEST_VERSION.value(max(retained, default=-1)),
-                m.PARAMS_VERSIONS.value(len(retained)),
-                m.PARAMS_STORED_BYTES.value(sum(s.file_size for s in self.versions.values())),
-                m.PARAMS_PUSHES.value(self.pushes_committed),
-                m.PARAMS_PULLS.family([([t], n) for t, n in sorted(self.pulls_started.items())]),
-                m.PARAMS_ACTIVE_PULLS.value(len(self.leases)),
-            ]
+            if stored.slot is None and version in self.versions:
+                assert slot.fd is not None
+                os.close(stored.fd)
+                stored.slot, stored.fd = slot, slot.fd
+        return slot
 
     def describe(self) -> dict:
         with self._cond:
@@ -505,15 +746,13 @@ class ParamStore:
             return {
                 "keep": self.config.keep,
                 "latest": max((v for v, s in self.versions.items() if s.retained), default=None),
-                "versions": [
-                    {**s.manifest.summary(), "leases": s.leases, "retained": s.retained}
-                    for _, s in sorted(self.versions.items())
-                ],
+                "versions": [s.summary() for _, s in sorted(self.versions.items())],
                 "pushes": [p.progress() for _, p in sorted(self.pushes.items())],
                 "readers": {"leases": len(self.leases), "streams": self.active_streams},
                 "writers": len(self.pushes),
                 "transports": list(self.config.transports),
-                "shm": self.shm.usage() if self.shm is not None else None,
+                "persist": self.config.persist,
+                "shm": self.memory.usage(),
             }
 
 
@@ -532,7 +771,7 @@ def _load_version(directory: Path, version: int) -> StoredVersion:
     except BaseException:
         os.close(fd)
         raise
-    return StoredVersion(manifest, directory, fd, expected)
+    return StoredVersion(manifest, fd, expected, directory=directory, persisted=True)
 
 
 def _write_atomically(path: Path, data: bytes, fsync: bool) -> None:

@@ -22,8 +22,10 @@ class ParamsSettings(StrictModel):
     shm_dir: Path = Field(Path("/dev/shm"), description="where shared-memory segments live")
     lease_ttl_s: float = Field(120.0, gt=0, description="a pull lease lapses after this long without use")
     push_ttl_s: float = Field(900.0, gt=0, description="an idle unfinished push is dropped after this long")
-    fsync: bool = Field(True, description="fsync a version before it becomes visible "
+    fsync: bool = Field(True, description="fsync each version when it is persisted "
                                           "(off: faster, survives process crashes but not power loss)")
+    persist: bool = Field(True, description="persist each new version to state_dir in the background, for "
+                                            "crash recovery (off: versions live in host memory only)")
     max_tensors: int = Field(200_000, ge=1)
 
     @model_validator(mode="after")

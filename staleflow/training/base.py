@@ -9,7 +9,29 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
+
+from staleflow.transports.client import ParamsClient, ShardPiece
+
+
+@dataclass
+class ShardedWeights:
+    """One pusher's share of a version that several push at once (a sharded trainer's ranks):
+    the whole tensor table and the pieces this one holds, snapshotted so training can go on."""
+
+    part: int
+    parts: int
+    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, full shape)
+    pieces: list[ShardPiece] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(p.data).nbytes if not hasattr(p.data, "nbytes") else int(p.data.nbytes) for p in self.pieces)
+
+    def push(self, client: ParamsClient, version: int, wait_s: float = 600.0) -> dict:
+        """Push this share; returns when the version is visible (every part in) or ``wait_s`` ran out."""
+        return client.push_part(version, self.part, self.parts, self.tensors, self.pieces, wait_s=wait_s)
 
 
 class TrainerBackend(abc.ABC):
@@ -26,8 +48,9 @@ class TrainerBackend(abc.ABC):
         document); returns the step's metrics, at least ``train_seconds``."""
 
     @abc.abstractmethod
-    def weights(self, version: int) -> Mapping[str, Any]:
-        """The state to push as ``version``, as tensors that the next ``train`` does not modify."""
+    def weights(self, version: int) -> Mapping[str, Any] | ShardedWeights:
+        """The state to push as ``version``, as tensors that the next ``train`` does not modify:
+        the whole state dict, or this process's share of it when every shard holder pushes its own."""
 
     def checkpoint(self, version: int) -> bool:
         """Called after each step with the number of buffers trained so far. Returns True when a

@@ -3,7 +3,8 @@
 Rank 0 runs the trainer role (``TrainerLoop``: consume, fetch, push, free; its process
 orchestration is ``staleflow.servers.trainer.run_fsdp_trainer``) with a ``RankDriver`` backend
 that broadcasts each call (train, weights, checkpoint) to the other ranks, which run the same call
-on their shard (``follow``). Every rank trains an equal number of micro-batches of its share of
+on their shard (``follow``). Weights are pushed by every rank at once, each its own shards (no
+gather on rank 0); the parameter server makes the version visible when all of them are in. Every rank trains an equal number of micro-batches of its share of
 the batch, so the FSDP collectives line up. gloo on CPU, NCCL on GPU.
 
 Checkpoints are ``torch.distributed.checkpoint`` directories (model and optimizer, sharded) plus a
@@ -22,14 +23,16 @@ import shutil
 import signal
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import torch.distributed as dist
 
 from staleflow.config import JobConfig, TrainerConfig
-from staleflow.training.base import TrainerBackend
+from staleflow.training.base import ShardedWeights, TrainerBackend
 from staleflow.training.grpo import group_advantages, policy_loss
 from staleflow.training.schedule import learning_rate
 
@@ -71,6 +74,9 @@ class FsdpBackend(TrainerBackend):
         self.reference = sharded(False) if self.algo.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay)
         self.version = self._load_checkpoint()
+        self._pusher: ThreadPoolExecutor | None = None  # ranks > 0 push on it, one version at a time
+        self._pushing: Future | None = None
+        self._params: Any = None  # that thread's parameter-server client
 
     # -- TrainerBackend ------------------------------------------------------------------
 
@@ -141,13 +147,25 @@ class FsdpBackend(TrainerBackend):
             metrics["kl"] = sums["kl"] / tokens
         return metrics
 
-    def weights(self, version: int) -> Mapping[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def weights(self, version: int) -> ShardedWeights:
+        """This rank's share of the version: a host copy of its own dim-0 shard of every
+        parameter (no gather: peak extra memory is the shard), placed by its offset in the full
+        tensor; replicated tensors come from rank 0. Every rank pushes its share (``push_shards``)."""
+        return sharded_weights(self.model.state_dict(), self.rank, self.world, drop=("lm_head.weight",) if self.tied else ())
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.tied:
-            state.pop("lm_head.weight", None)  # vLLM ties it to the embedding, as save_pretrained does
-        return state
+    def push_shards(self, version: int, params_url: str) -> None:
+        """Ranks > 0: snapshot this rank's share and push it in the background (rank 0's trainer
+        role pushes its own share and waits for the version to be visible)."""
+        share = self.weights(version)
+        if self._pusher is None:
+            self._pusher = ThreadPoolExecutor(1, thread_name_prefix="push-shards")
+        if self._pushing is not None:
+            self._pushing.result()  # one push at a time, as on rank 0
+        if self._params is None or self._params.url != params_url:
+            from staleflow.transports.client import ParamsClient
+
+            self._params = ParamsClient(params_url, timeout=300)  # kept: its shared-memory mappings stay warm
+        self._pushing = self._pusher.submit(push_with_retries, share, self._params, version)
 
     def checkpoint(self, version: int) -> bool:
         if version % self.cfg.checkpoint_every and version != self.final_version:
@@ -216,9 +234,10 @@ class FsdpBackend(TrainerBackend):
 class RankDriver(TrainerBackend):
     """Rank 0's view: each call is broadcast to the other ranks, then run on this rank's shard."""
 
-    def __init__(self, local: FsdpBackend):
+    def __init__(self, local: FsdpBackend, params_url: str | None = None):
         self.local = local
         self.label = local.label
+        self.params_url = params_url
 
     def _all(self, op: str, *args: Any) -> Any:
         dist.broadcast_object_list([(op, args)], src=0)
@@ -230,8 +249,11 @@ class RankDriver(TrainerBackend):
     def train(self, version: int, batch: Mapping[str, Any]) -> dict[str, float]:
         return self._all("train", version, batch)
 
-    def weights(self, version: int) -> Mapping[str, Any]:
-        return self._all("weights", version)
+    def weights(self, version: int) -> ShardedWeights:
+        if self.params_url is None:
+            raise RuntimeError("RankDriver needs the parameter server's URL: every rank pushes its own shards")
+        dist.broadcast_object_list([("push_shards", (version, self.params_url))], src=0)
+        return self.local.weights(version)
 
     def checkpoint(self, version: int) -> bool:
         return self._all("checkpoint", version)
@@ -248,8 +270,72 @@ def follow(local: FsdpBackend) -> None:
         dist.broadcast_object_list(message, src=0)
         op, args = message[0]
         if op == "stop":
+            if local._pushing is not None:
+                local._pushing.result()  # the last version's shards
+            if local._params is not None:
+                local._params.close()
             return
         getattr(local, op)(*args)
+
+
+def sharded_weights(state: Mapping[str, Any], rank: int, world: int, drop: tuple[str, ...] = ()) -> ShardedWeights:
+    """This rank's share of a (possibly DTensor) state dict: its dim-0 shard of each sharded
+    tensor as a byte range of the full tensor, and the replicated tensors on rank 0."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from staleflow.transports.client import ShardPiece, safetensors_dtype_of
+
+    share = ShardedWeights(rank, world, {})
+    for name, value in state.items():
+        if name in drop:
+            continue
+        full_shape = tuple(value.shape)
+        share.tensors[name] = (safetensors_dtype_of(value), full_shape)
+        if isinstance(value, DTensor):
+            placements = tuple(value.placements)
+            if any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and p.dim != 0) for p in placements):
+                raise ValueError(f"{name}: placements {placements} are not dim-0 shards; cannot push it without a gather")
+            if not any(isinstance(p, Shard) for p in placements):
+                if rank == 0:
+                    share.pieces.append(ShardPiece(name, 0, value.to_local().detach().to("cpu", copy=True).contiguous()))
+                continue
+            local_shape, offset = compute_local_shape_and_global_offset(full_shape, value.device_mesh, placements)
+            local = value.to_local().detach()
+            if tuple(local.shape) != tuple(local_shape):  # padded storage: keep the real rows only
+                local = local[: local_shape[0]]
+            if local.numel() == 0:
+                continue
+            row_bytes = local.element_size() * (math.prod(full_shape[1:]) if len(full_shape) > 1 else 1)
+            share.pieces.append(ShardPiece(name, offset[0] * row_bytes, local.to("cpu", copy=True).contiguous()))
+        elif rank == 0:
+            share.pieces.append(ShardPiece(name, 0, value.detach().to("cpu", copy=True).contiguous()))
+    return share
+
+
+def push_with_retries(share: ShardedWeights, client: Any, version: int, outage_s: float = 300.0) -> None:
+    """A follower rank's push: retried through parameter-server restarts, until its part is in
+    or the version exists already (rank 0 waits for the version to be visible)."""
+    from staleflow.transports.rest import ServiceError
+
+    deadline = time.monotonic() + outage_s
+    backoff = 0.05
+    while True:
+        try:
+            share.push(client, version, wait_s=0.0)
+            return
+        except ServiceError as exc:
+            if exc.status == 409 and "already exists" in exc.detail:
+                return
+            if exc.status not in (404, 409, 502, 503, 504) or time.monotonic() > deadline:
+                log.error("rank %d: push of version %d failed: %s", share.part, version, exc)
+                return
+        except (OSError, ConnectionError, httpx.HTTPError) as exc:
+            if time.monotonic() > deadline:
+                log.error("rank %d: push of version %d failed: %s", share.part, version, exc)
+                return
+        time.sleep(backoff)  # retry pacing while the parameter server restarts
+        backoff = min(backoff * 2, 1.0)
 
 
 def _die_with_parent() -> None:

@@ -167,15 +167,16 @@ def plan_chunks(total_bytes: int, chunk_bytes: int) -> list[ChunkSpec]:
             for i, off in enumerate(range(0, total_bytes, chunk_bytes))]
 
 
-def safetensors_header(tensors: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> bytes:
-    """The file prefix: length + JSON header, padded with spaces so the data starts 8-aligned."""
+def safetensors_header(tensors: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None, align: int = 8) -> bytes:
+    """The file prefix: length + JSON header, padded with spaces so the data starts ``align``-aligned
+    (a multiple of 8)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for t in tensors:
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
     body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-(8 + len(body)) % 8)
+    body += b" " * (-(8 + len(body)) % align)
     return struct.pack("<Q", len(body)) + body
 
 
@@ -383,10 +384,19 @@ class PullLease:
 
 @dataclass(frozen=True)
 class PushSession:
+    """One pusher's share of a push: its chunks (data-section ranges) and where they go. ``part``
+    is None for a one-pusher push; ``details`` is what the PS said about the memory slot (shm)."""
+
     push_id: str
     version: int
     chunks: tuple[ChunkSpec, ...]
     checksum_algorithm: str
+    part: int | None = None
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def chunk_target(self, index: int) -> str:
+        part = "" if self.part is None else f"/parts/{self.part}"
+        return f"/v1/params/{self.version}{part}/chunks/{index}?push_id={self.push_id}"
 
 
 class Transport(ABC):
@@ -399,8 +409,10 @@ class Transport(ABC):
     @abstractmethod
     def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]: ...
 
-    def push(self, session: PushSession, source: ByteRegions) -> None:
-        raise NotImplementedError(f"transport {self.name!r} only pulls; push over 'http'")
+    def push(self, session: PushSession, source: ByteRegions) -> dict[int, str] | None:
+        """Deliver the session's chunks from ``source``. Returns the chunks' checksums when the PS
+        did not receive the bytes itself (the pusher wrote them into its memory), else None."""
+        raise NotImplementedError(f"transport {self.name!r} only pulls; push over 'http' or 'shm'")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release cached connections or mappings."""

@@ -4,6 +4,7 @@ pull over any transport into fresh or preallocated buffers, verifying checksums 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,16 @@ from staleflow.transports.base import (
 from staleflow.transports.http import HttpTransport
 from staleflow.transports.rest import RestClient, ServiceError
 from staleflow.transports.shm import ShmTransport, host_id
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """Part of a tensor that one pusher holds: bytes ``[start, start + len(data))`` of tensor
+    ``name``'s full row-major bytes (an FSDP rank's dim-0 shard is one such piece)."""
+
+    name: str
+    start: int
+    data: Any  # numpy array, CPU torch tensor or any buffer
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,16 @@ def _torch_bytes(tensor: Any) -> tuple[str, tuple[int, ...], Any]:
     return _TORCH_DTYPES[name], tuple(tensor.shape), flat.view(torch.uint8).numpy()
 
 
+def safetensors_dtype_of(value: Any) -> str:
+    """The safetensors dtype of a numpy array or torch tensor."""
+    if type(value).__module__.startswith("torch"):
+        name = str(value.dtype).removeprefix("torch.")
+        if name not in _TORCH_DTYPES:
+            raise FormatError(f"torch dtype {value.dtype} has no safetensors equivalent")
+        return _TORCH_DTYPES[name]
+    return safetensors_dtype(np.asarray(value).dtype)
+
+
 def _as_torch(array: np.ndarray, spec: TensorSpec) -> Any:
     import torch
 
@@ -87,6 +108,7 @@ class ParamsClient(RestClient):
         self.url = url
         self.timeout = timeout
         self._transports: dict[str, Transport] = {}
+        self._shm_host: bool | None = None
 
     def close(self) -> None:
         for transport in self._transports.values():
@@ -125,27 +147,72 @@ class ParamsClient(RestClient):
     # -- push (trainer)
 
     def push(self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
-             metadata: Mapping[str, str] | None = None) -> dict:
-        """Store ``tensors`` (numpy arrays, torch tensors or RawTensor) as ``version``; returns
-        the committed version's summary. The bytes are sent from the caller's buffers in chunks,
+             metadata: Mapping[str, str] | None = None, transport: str = "auto") -> dict:
+        """Store ``tensors`` (numpy arrays, torch tensors or RawTensor) as ``version`` and return
+        once it is visible, with its summary. The bytes go from the caller's buffers straight into
+        the PS's memory (``shm``; ``auto`` picks it on the PS's host) or chunk by chunk over HTTP;
         never copied whole."""
         items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
         converted = [(name, *_as_bytes(value)) for name, value in items]
-        begin = self._call("POST", f"/v1/params/{version}", json={
-            "tensors": [{"name": n, "dtype": d, "shape": list(s)} for n, d, s, _ in converted],
-            "metadata": dict(metadata or {}),
+        table = {n: (d, tuple(s)) for n, d, s, _ in converted}
+        pieces = [ShardPiece(n, 0, buf) for n, _, _, buf in converted]
+        reply = self.push_part(version, 0, 1, table, pieces, metadata=metadata, transport=transport)
+        if not reply.get("visible"):
+            raise ServiceError(409, f"version {version} did not become visible: {reply}")
+        return reply
+
+    def push_part(self, version: int, part: int, parts: int, tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+                  pieces: Iterable[ShardPiece], *, metadata: Mapping[str, str] | None = None,
+                  transport: str = "auto", wait_s: float = 0.0) -> dict:
+        """Push this pusher's share of ``version``, pushed in ``parts`` parts (e.g. one per
+        trainer rank, all at once). ``tensors``: the whole table, name -> (safetensors dtype,
+        shape), the same on every part; ``pieces``: the bytes this part holds. The PS makes the
+        version visible when every part is done and the parts cover every byte. Over ``shm``
+        (``auto`` on the PS's host) the bytes are copied straight into the PS's memory, else sent
+        over HTTP. Returns the PS's answer: ``visible`` says whether the version is visible (after
+        waiting up to ``wait_s`` for the other parts)."""
+        table = [(name, dtype, list(shape)) for name, (dtype, shape) in tensors.items()]
+        laid = {t.name: t for t in layout_tensors(table)}
+        spans = []
+        for piece in pieces:
+            spec = laid.get(piece.name)
+            if spec is None:
+                raise FormatError(f"piece of {piece.name!r}: no such tensor in the table")
+            view = _byte_view_of(piece.data)
+            if piece.start < 0 or piece.start + len(view) > spec.nbytes:
+                raise FormatError(f"piece of {piece.name!r} covers bytes {piece.start}..{piece.start + len(view)}, "
+                                  f"outside the tensor's {spec.nbytes}")
+            if len(view):
+                spans.append((spec.offset + piece.start, view))
+        spans.sort(key=lambda span: span[0])
+        source = ByteRegions(spans, sum(t.nbytes for t in laid.values()))
+        via = transport
+        if via == "auto":
+            via = "shm" if self._shm_here() else "http"
+        begin = self._call("POST", f"/v1/params/{version}/parts/{part}", json={
+            "tensors": [{"name": n, "dtype": d, "shape": s} for n, d, s in table], "metadata": dict(metadata or {}),
+            "parts": parts, "ranges": [[offset, len(view)] for offset, view in spans], "via": via,
         })
-        laid = layout_tensors([(n, d, s) for n, d, s, _ in converted])
-        source = ByteRegions.per_tensor(laid, {n: buf for n, _, _, buf in converted})
         algorithm = next(a for a in begin["checksum_algorithms"] + ["crc32"] if a in checksum_algorithms())
-        session = PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]), algorithm)
-        try:
-            self.transport("http").push(session, source)
-            return self._call("POST", f"/v1/params/{version}/commit", params={"push_id": session.push_id})
-        except BaseException:
-            with contextlib.suppress(httpx.HTTPError):
-                self.http.delete(f"/v1/params/{version}/push", params={"push_id": session.push_id})
-            raise
+        session = PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]), algorithm,
+                              part=part, details=begin["details"])
+        checksums = self.transport(via).push(session, source)
+        delivered = time.monotonic()  # the bytes are in; the PS is told next
+        reply = self._call("POST", f"/v1/params/{version}/parts/{part}/done", params={"push_id": session.push_id},
+                           json={"checksums": checksums, "wait_s": wait_s}, timeout=self.timeout + wait_s)
+        return {**reply, "via": via, "delivered_at_monotonic": delivered}
+
+    def _shm_here(self) -> bool:
+        """The PS offers shared memory and runs on this host."""
+        if self._shm_host is None:
+            health = self.health()
+            self._shm_host = health.get("host_id") == host_id() and "shm" in health.get("transports", [])
+        return self._shm_host
+
+    def wait_persisted(self, version: int, timeout_s: float) -> bool:
+        """True once ``version`` is persisted on the PS's disk (False when ``timeout_s`` ran out)."""
+        reply = self._call("GET", f"/v1/params/{version}/persisted", params={"wait_s": timeout_s}, timeout=self.timeout + timeout_s)
+        return bool(reply["persisted"])
 
     # -- pull (instances)
 
@@ -217,6 +284,9 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
     yield 0  # zero-size tensors at the front
     if not chunks:
         return
+    if isinstance(transport, ShmTransport):  # copies and verifies chunks on several threads
+        yield from transport.pull_verified(lease, into, verify)
+        return
     index, landed = 0, 0
     hasher = ChunkHasher(checksum_algorithm(chunks[0].checksum)) if verify else None
     for offset, length in transport.pull(lease, into):
@@ -238,6 +308,15 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
                 hasher = ChunkHasher(checksum_algorithm(chunks[index].checksum))
     if index != len(chunks):
         raise FormatError(f"transport {transport.name} stopped after {index} of {len(chunks)} chunks")
+
+
+def _byte_view_of(data: Any) -> memoryview:
+    if type(data).__module__.startswith("torch"):
+        data = _torch_bytes(data)[2]
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    view = memoryview(data)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def _view_of(flat: np.ndarray, spec: TensorSpec) -> np.ndarray:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
-from staleflow.transports.base import ByteRegions, PullLease, PushSession, Transport, checksum_of
+from staleflow.transports.base import ByteRegions, ChunkSpec, PullLease, PushSession, Transport, checksum_of
 from staleflow.transports.rest import ServiceError
 
 CHECKSUM_HEADER = "x-staleflow-checksum"
@@ -178,13 +180,25 @@ class HttpTransport(Transport):
                     offset += n
 
     def push(self, session: PushSession, source: ByteRegions) -> None:
-        with RawHttpConnection(self.url, self.timeout, self.headers) as conn:
-            for chunk in session.chunks:
-                views = source.views(chunk.offset, chunk.length)
-                checksum = checksum_of(session.checksum_algorithm, views)
+        """Chunk by chunk over one connection; the next chunk's checksum is computed on a worker
+        thread (the hash releases the GIL) while this one is on the wire."""
+
+        def checksum(chunk: ChunkSpec) -> str:
+            return checksum_of(session.checksum_algorithm, source.views(chunk.offset, chunk.length))
+
+        chunks = session.chunks
+        with RawHttpConnection(self.url, self.timeout, self.headers) as conn, \
+                ThreadPoolExecutor(1, thread_name_prefix="push-checksum") as hasher:
+            upcoming = hasher.submit(checksum, chunks[0]) if chunks else None
+            for i, chunk in enumerate(chunks):
+                assert upcoming is not None
+                claimed = upcoming.result()
+                if i + 1 < len(chunks):
+                    upcoming = hasher.submit(checksum, chunks[i + 1])
                 status, _, body = conn.request(
-                    "PUT", f"/v1/params/{session.version}/chunks/{chunk.index}?push_id={session.push_id}",
-                    {CHECKSUM_HEADER: checksum, "Content-Type": "application/octet-stream"}, views,
+                    "PUT", session.chunk_target(chunk.index),
+                    {CHECKSUM_HEADER: claimed, "Content-Type": "application/octet-stream"},
+                    source.views(chunk.offset, chunk.length),
                 )
                 raise_for_status(status, body)
 
@@ -201,3 +215,12 @@ async def stream_file_range(fd: int, offset: int, length: int, piece_bytes: int 
         offset += len(piece)
         yield piece
 
+
+
+async def stream_mapped_range(mapping: Any, offset: int, length: int, piece_bytes: int = PIECE_BYTES) -> AsyncIterator[bytes]:
+    """Server side: a byte range of a mapped version (the PS's memory slot) as response pieces."""
+    end = offset + length
+    while offset < end:
+        piece = mapping[offset:min(end, offset + piece_bytes)]
+        offset += len(piece)
+        yield piece

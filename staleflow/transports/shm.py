@@ -17,15 +17,34 @@ Memory: (keep + 1) x model size of shared memory, counted against ``/dev/shm``'s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
-from staleflow.transports.base import ByteRegions, PullLease, Transport, TransportUnavailable, pieces_of
+import numpy as np
+
+from staleflow.transports.base import (
+    ByteRegions,
+    ChecksumMismatch,
+    ChunkHasher,
+    ChunkSpec,
+    PullLease,
+    PushSession,
+    Transport,
+    TransportUnavailable,
+    checksum_algorithm,
+    pieces_of,
+)
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +64,29 @@ class ShmSlot:
     path: Path
     size: int
     version: int | None = None
+    fd: int | None = None  # the PS's read-write descriptor, open while the slot is in use
+    mapping: mmap.mmap | None = None  # the PS's own read-write mapping, kept across versions
+    visible: bool = False  # False while a push is filling it
+    allocated: int = 0  # bytes of shared memory already allocated to it
+
+    def view(self) -> memoryview:
+        assert self.mapping is not None
+        return memoryview(self.mapping)
+
+    def unmap(self) -> None:
+        if self.mapping is not None:
+            with contextlib.suppress(BufferError):  # a view still exported: it unmaps when collected
+                self.mapping.close()
+            self.mapping = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class ShmSlots:
-    """Server side: versions published into reusable shared-memory segments."""
+    """Server side: the PS's host-memory tier. Each version lives in one slot (a file under
+    ``/dev/shm``): a push writes straight into a reserved slot (the pushers over their own
+    mappings, or the PS for bytes received over HTTP), and the version becomes visible from it."""
 
     def __init__(self, directory: Path, prefix: str, spare: int = 1):
         self.directory = directory
@@ -66,36 +104,58 @@ class ShmSlots:
         for path in self.directory.glob(f"{self.prefix}-slot*"):
             path.unlink(missing_ok=True)
 
+    def reserve(self, version: int, size: int) -> ShmSlot:
+        """A slot of ``size`` bytes for a push of ``version``, allocated up front (so running out
+        of shared memory is an error here, not a SIGBUS in a pusher) and mapped read-write."""
+        with self._lock:
+            if any(s.version == version for s in self._slots):
+                raise ValueError(f"version {version} already has a slot")
+            slot = self._free_slot(size)
+            try:
+                if slot.fd is None:
+                    slot.fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
+                if os.fstat(slot.fd).st_size != size:
+                    slot.unmap()
+                    slot.fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
+                    os.ftruncate(slot.fd, size)
+                    slot.allocated = 0
+                if size and slot.allocated != size:
+                    os.posix_fallocate(slot.fd, 0, size)
+                    slot.allocated = size
+                    if slot.mapping is None:
+                        slot.mapping = mmap.mmap(slot.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError:
+                self._discard(slot)
+                raise
+            slot.size, slot.version, slot.visible = size, version, False
+            return slot
+
     def publish(self, version: int, source_fd: int, size: int) -> ShmSlot:
-        """Copy ``size`` bytes of ``source_fd`` (a stored version file) into a free slot."""
+        """Copy ``size`` bytes of ``source_fd`` (a version stored on disk) into a slot."""
         with self._lock:
             for slot in self._slots:
                 if slot.version == version:
                     return slot
-            slot = self._free_slot(size)
-            fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if os.fstat(fd).st_size != size:
-                    os.ftruncate(fd, size)
-                copied = 0
-                while copied < size:
-                    n = os.sendfile(fd, source_fd, copied, size - copied)
-                    if n == 0:
-                        raise OSError(f"stored version {version} is shorter than {size} bytes")
-                    copied += n
-            except OSError:
-                slot.path.unlink(missing_ok=True)
-                self._slots.remove(slot)
-                raise
-            finally:
-                os.close(fd)
-            slot.size, slot.version = size, version
-            return slot
+        slot = self.reserve(version, size)
+        try:
+            view = slot.view()
+            copied = 0
+            while copied < size:
+                n = os.preadv(source_fd, [view[copied:min(size, copied + (64 << 20))]], copied)
+                if n == 0:
+                    raise OSError(f"stored version {version} is shorter than {size} bytes")
+                copied += n
+            view.release()
+        except OSError:
+            self.release(version, discard=True)
+            raise
+        slot.visible = True
+        return slot
 
     def _free_slot(self, size: int) -> ShmSlot:
         free = [s for s in self._slots if s.version is None]
         for slot in free:
-            if slot.size == size:  # the pullers' mappings of it stay valid
+            if slot.size == size:  # the pullers' and pushers' mappings of it stay valid
                 return slot
         if free:
             return free[0]
@@ -104,83 +164,135 @@ class ShmSlots:
         self._slots.append(slot)
         return slot
 
+    def _discard(self, slot: ShmSlot) -> None:
+        slot.unmap()
+        slot.path.unlink(missing_ok=True)
+        if slot in self._slots:
+            self._slots.remove(slot)
+
     def slot_of(self, version: int) -> ShmSlot | None:
         with self._lock:
             return next((s for s in self._slots if s.version == version), None)
 
-    def release(self, version: int) -> None:
-        """The version is gone and unread: its slot may take another one."""
+    def release(self, version: int, discard: bool = False) -> None:
+        """The version is gone and unread: its slot may take another one. ``discard``: unlink it
+        instead (a pusher that may still write through its mapping then writes into nothing
+        anyone reads)."""
         with self._lock:
-            for slot in self._slots:
+            for slot in list(self._slots):
                 if slot.version == version:
-                    slot.version = None
+                    slot.version, slot.visible = None, False
+                    if discard:
+                        self._discard(slot)
             free = [s for s in self._slots if s.version is None]
             for slot in free[self.spare:]:
-                slot.path.unlink(missing_ok=True)
-                self._slots.remove(slot)
+                self._discard(slot)
 
     def usage(self) -> dict:
         with self._lock:
             return {"slots": len(self._slots), "bytes": sum(s.size for s in self._slots),
-                    "versions": sorted(s.version for s in self._slots if s.version is not None)}
+                    "versions": sorted(s.version for s in self._slots if s.version is not None and s.visible)}
 
     def close(self) -> None:
         with self._lock:
-            for slot in self._slots:
-                slot.path.unlink(missing_ok=True)
-            self._slots.clear()
+            for slot in list(self._slots):
+                self._discard(slot)
 
 
 class _Mapping:
-    def __init__(self, path: str):
-        fd = os.open(path, os.O_RDONLY)
+    def __init__(self, path: str, writable: bool = False):
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             st = os.fstat(fd)
             self.identity = (st.st_dev, st.st_ino, st.st_size)
-            self.map = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ) if st.st_size else None
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self.map = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot) if st.st_size else None
         finally:
             os.close(fd)
-        self.view = memoryview(self.map) if self.map is not None else memoryview(b"")
+        self.array = np.frombuffer(self.map, np.uint8) if self.map is not None else np.empty(0, np.uint8)
+        self.view = memoryview(self.array)
 
     def close(self) -> None:
         self.view.release()
+        self.array = None
         if self.map is not None:
-            self.map.close()
+            with contextlib.suppress(BufferError):  # a view still exported: it unmaps when collected
+                self.map.close()
+
+
+def default_workers() -> int:
+    """Copy-and-checksum threads: both release the GIL, so one per core (at most 4)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview], algorithm: str | None) -> str | None:
+    """Copy ``source`` pieces into ``destination`` pieces (the same total length) in steps of
+    ``PIECE_BYTES``, hashing each step of the destination right after it is written, while it is
+    in cache. numpy's copy and xxhash both run without the GIL, so several threads overlap."""
+    hasher = ChunkHasher(algorithm) if algorithm else None
+    src = [np.frombuffer(v, np.uint8) for v in source]
+    dst = [np.frombuffer(v, np.uint8) for v in destination]
+    si = so = 0
+    for d in dst:
+        filled = 0
+        while filled < len(d):
+            n = min(PIECE_BYTES, len(d) - filled, len(src[si]) - so)
+            target = d[filled:filled + n]
+            np.copyto(target, src[si][so:so + n])
+            if hasher is not None:
+                hasher.update(target)
+            filled += n
+            so += n
+            if so == len(src[si]):
+                si, so = si + 1, 0
+    return hasher.hexdigest() if hasher is not None else None
 
 
 class ShmTransport(Transport):
-    """Client side: copy out of the PS's segment; mappings are cached per slot (see module doc)."""
+    """Client side: copy out of (pull) or into (push) the PS's slot; mappings are cached per slot
+    (see module doc). Chunks are copied and checksummed by ``workers`` threads at once."""
 
     name = "shm"
 
-    def __init__(self) -> None:
-        self._mappings: dict[str, _Mapping] = {}
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers or default_workers()
+        self._mappings: dict[tuple[str, bool], _Mapping] = {}
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
-    def _mapping(self, path: str) -> _Mapping:
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shm-copy")
+        return self._pool
+
+    def _mapping(self, path: str, writable: bool = False) -> _Mapping:
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            raise TransportUnavailable(f"shared-memory segment {path} is not on this host; pull over 'http'") from None
+            raise TransportUnavailable(f"shared-memory segment {path} is not on this host; use 'http'") from None
+        key = (path, writable)
         with self._lock:
-            for gone in [p for p in self._mappings if p != path and not os.path.exists(p)]:
+            for gone in [k for k in self._mappings if k != key and not os.path.exists(k[0])]:
                 self._mappings.pop(gone).close()  # a trimmed slot: let its memory go
-            cached = self._mappings.get(path)
+            cached = self._mappings.get(key)
             if cached is not None and cached.identity == (st.st_dev, st.st_ino, st.st_size):
                 return cached
             if cached is not None:
                 cached.close()
-            mapping = self._mappings[path] = _Mapping(path)
+            mapping = self._mappings[key] = _Mapping(path, writable)
             return mapping
 
-    def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]:
-        details = lease.details
+    @staticmethod
+    def _check_host(details: Mapping[str, Any]) -> None:
         if details.get("host_id") != host_id():
-            raise TransportUnavailable("the parameter server runs on another host (or boot); pull over 'http'")
-        source = self._mapping(details["path"]).view
+            raise TransportUnavailable("the parameter server runs on another host (or boot); use 'http'")
+
+    def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]:
+        self._check_host(lease.details)
+        source = self._mapping(lease.details["path"]).view
         base = lease.manifest.data_offset
         if len(source) < base + lease.manifest.total_bytes:
-            raise TransportUnavailable(f"segment {details['path']} is shorter than version {lease.manifest.version}")
+            raise TransportUnavailable(f"segment {lease.details['path']} is shorter than version {lease.manifest.version}")
         for chunk in lease.manifest.chunks:
             for offset, length in pieces_of(chunk, PIECE_BYTES):
                 position = base + offset
@@ -189,8 +301,63 @@ class ShmTransport(Transport):
                     position += len(view)
                 yield offset, length
 
+    def pull_verified(self, lease: PullLease, into: ByteRegions, verify: bool) -> Iterator[int]:
+        """Copies (and verifies) whole chunks on the worker threads; yields the end of the data
+        section verified so far, in order, as chunks complete."""
+        self._check_host(lease.details)
+        source = self._mapping(lease.details["path"]).view
+        base = lease.manifest.data_offset
+        if len(source) < base + lease.manifest.total_bytes:
+            raise TransportUnavailable(f"segment {lease.details['path']} is shorter than version {lease.manifest.version}")
+
+        def one(chunk: ChunkSpec) -> int:
+            algorithm = checksum_algorithm(chunk.checksum) if verify and chunk.checksum else None
+            start = base + chunk.offset
+            actual = copy_and_hash(into.views(chunk.offset, chunk.length), [source[start:start + chunk.length]], algorithm)
+            if algorithm is not None and actual != chunk.checksum:
+                raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual or "")
+            return chunk.offset + chunk.length
+
+        yield from _in_order(self._executor(), one, lease.manifest.chunks, self.workers * 2)
+
+    def push(self, session: PushSession, source: ByteRegions) -> dict[int, str]:
+        """Write the session's chunks straight into the PS's slot; returns their checksums,
+        computed over the bytes as they landed in the slot."""
+        self._check_host(session.details)
+        target = self._mapping(session.details["path"], writable=True).view
+        base = int(session.details["data_offset"])
+
+        def one(chunk: ChunkSpec) -> tuple[int, str]:
+            start = base + chunk.offset
+            checksum = copy_and_hash([target[start:start + chunk.length]], source.views(chunk.offset, chunk.length),
+                                     session.checksum_algorithm)
+            assert checksum is not None
+            return chunk.index, checksum
+
+        return dict(_in_order(self._executor(), one, session.chunks, self.workers * 2))
+
     def close(self) -> None:
         with self._lock:
             for mapping in self._mappings.values():
                 mapping.close()
             self._mappings.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _in_order(pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any], window: int) -> Iterator[T]:
+    """``fn`` over ``items`` on the pool, at most ``window`` in flight, results in order. On an
+    error the rest is cancelled (and waited for: they write into the caller's buffers)."""
+    pending: deque[Future] = deque()
+    position = 0
+    try:
+        while position < len(items) or pending:
+            while position < len(items) and len(pending) < window:
+                pending.append(pool.submit(fn, items[position]))
+                position += 1
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+        wait(pending)

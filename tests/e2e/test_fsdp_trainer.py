@@ -1,9 +1,10 @@
-"""The FSDP2 trainer backend: two gloo ranks train exactly what one process trains, and resume
-from their checkpoint."""
+"""The FSDP2 trainer backend: two gloo ranks train exactly what one process trains, push their
+own shards to the parameter server at once (no gather), and resume from their checkpoint."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
+from staleflow.servers.http import serve_in_thread  # noqa: E402
+from staleflow.servers.params import ParamsConfig, create_app  # noqa: E402
+from staleflow.transports.client import ParamsClient  # noqa: E402
 from staleflow.training.fsdp import FsdpBackend, init_process_group  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
@@ -36,17 +40,23 @@ def _batch() -> dict:
     return {"version": 0, "groups": ["g0", "g1"], "trajectories": trajs}
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, checkpoints: str, out: str) -> None:
+def _rank(rank: int, world: int, port: int, model_dir: str, checkpoints: str, out: str, params_url: str) -> None:
     init_process_group(rank, world, port)
     try:
         backend = FsdpBackend(_config(world), Path(model_dir), Path(checkpoints), rank, world, final_version=1)
         metrics = backend.train(0, _batch())
-        weights = backend.weights(1)
+        share = backend.weights(1)
         backend.checkpoint(1)
+        with ParamsClient(params_url) as client:  # every rank pushes its own shards, at once
+            reply = share.push(client, TWO_RANKS, wait_s=120)
+        assert reply["visible"]
         if rank == 0:
-            torch.save({"metrics": metrics, "weights": dict(weights)}, out)
+            torch.save({"metrics": metrics, "share_bytes": share.nbytes}, out)
     finally:
         dist.destroy_process_group()
+
+
+ONE_RANK, TWO_RANKS, RESUMED = 1, 2, 3  # the versions each trainer pushes
 
 
 def _port() -> int:
@@ -66,24 +76,34 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def _train_here(model_dir: Path, checkpoints: Path) -> dict:
+def _train_here(model_dir: Path, checkpoints: Path, ps: ParamsClient) -> dict:
     """One rank in this process: the reference the two ranks must match."""
     init_process_group(0, 1, _port())
     try:
         backend = FsdpBackend(_config(1), model_dir, checkpoints, 0, 1, final_version=1)
         metrics = backend.train(0, _batch())
-        return {"metrics": metrics, "weights": dict(backend.weights(1))}
+        assert backend.weights(1).push(ps, ONE_RANK)["visible"]
+        return {"metrics": metrics, "weights": ps.pull(ONE_RANK, as_torch=True)}
     finally:
         dist.destroy_process_group()
 
 
-def test_two_ranks_match_one_and_resume_from_the_checkpoint(model_dir: Path, tmp_path: Path) -> None:
-    one = _train_here(model_dir, tmp_path / "ckpt-1")
+@pytest.fixture
+def ps(tmp_path: Path) -> Iterator[ParamsClient]:
+    config = ParamsConfig(state_dir=tmp_path / "params", port=0, fsync=False, keep=5)
+    with serve_in_thread(create_app(config)) as server, ParamsClient(server.url) as client:
+        yield client
+
+
+def test_two_ranks_match_one_and_resume_from_the_checkpoint(model_dir: Path, tmp_path: Path, ps: ParamsClient) -> None:
+    one = _train_here(model_dir, tmp_path / "ckpt-1", ps)
     out, checkpoints = tmp_path / "out-2.pt", tmp_path / "ckpt-2"
     checkpoints.mkdir()
-    mp.start_processes(_rank, args=(2, _port(), str(model_dir), str(checkpoints), str(out)), nprocs=2,
+    mp.start_processes(_rank, args=(2, _port(), str(model_dir), str(checkpoints), str(out), ps.url), nprocs=2,
                        start_method="spawn")
-    two = torch.load(out)
+    two = {**torch.load(out), "weights": ps.pull(TWO_RANKS, as_torch=True)}
+    one_bytes = ps.versions()["versions"][0]["total_bytes"]
+    assert two["share_bytes"] < one_bytes  # rank 0 held its shards (and the small replicated tensors), not the model
     initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert set(two["weights"]) == set(initial) - {"lm_head.weight"}  # tied head left to the engine
     moved = max((two["weights"][k] - initial[k]).abs().max().item() for k in two["weights"])
@@ -98,7 +118,8 @@ def test_two_ranks_match_one_and_resume_from_the_checkpoint(model_dir: Path, tmp
     try:
         resumed = FsdpBackend(_config(1), model_dir, checkpoints, 0, 1, final_version=2)
         assert resumed.resume_version() == 1
-        state = resumed.weights(1)
+        assert resumed.weights(1).push(ps, RESUMED)["visible"]
+        state = ps.pull(RESUMED, as_torch=True)
         for name, tensor in two["weights"].items():
             assert torch.allclose(tensor, state[name], atol=1e-6), name
     finally:

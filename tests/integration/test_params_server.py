@@ -324,10 +324,10 @@ def serve_params_command() -> list[str]:
     return [sys.executable, "-m", "staleflow.cli.serve_params"]
 
 
-def start_ps(state_dir: Path, port: int) -> subprocess.Popen:
+def start_ps(state_dir: Path, port: int, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [*serve_params_command(), "--state-dir", str(state_dir), "--port", str(port), "--keep", "3",
-         "--chunk-mb", str(CHUNK / (1 << 20))],
+         "--chunk-mb", str(CHUNK / (1 << 20)), *extra],
         stderr=subprocess.PIPE, text=True,
     )
     for line in proc.stderr:  # the socket listens before this line; requests queue until served
@@ -347,6 +347,7 @@ def test_complete_versions_survive_sigkill_mid_push(tmp_path: Path) -> None:
         with ParamsClient(url) as client:
             client.push(1, state_dict(1))
             client.push(2, state_dict(2))
+            assert client.wait_persisted(1, 60) and client.wait_persisted(2, 60)
             begin, session = start_raw_push(client, 3, state_dict(3, scale=4))
             source: ByteRegions = session[0]
             with RawHttpConnection(url) as conn:
@@ -361,7 +362,8 @@ def test_complete_versions_survive_sigkill_mid_push(tmp_path: Path) -> None:
                 conn._connection().sendall(views[0][: len(views[0]) // 2])
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
-        assert any(p.name.startswith(".staging") for p in (tmp_path / "versions").iterdir())
+        # memory first: the push in progress lived in shared memory only, nothing of it is on disk
+        assert sorted(p.name for p in (tmp_path / "versions").iterdir()) == ["v0000000001", "v0000000002"]
 
         proc = start_ps(tmp_path, port)
         with ParamsClient(url) as client:
@@ -391,3 +393,40 @@ def test_client_errors_name_the_fix(ps: ParamsClient) -> None:
     assert none_yet.value.status == 404 and "no complete version" in none_yet.value.detail
     with pytest.raises(httpx.HTTPError), ParamsClient("http://127.0.0.1:1", timeout=2) as dead:
         dead.health()
+
+
+def test_a_version_not_yet_persisted_is_lost_whole_on_sigkill(tmp_path: Path) -> None:
+    """Visible from memory first, on disk later: a PS killed in between serves the newest
+    persisted version again, and a persist cut short leaves only a staging folder that the next
+    start discards."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_ps(tmp_path, port)
+    try:
+        with ParamsClient(url) as client:
+            client.push(1, state_dict(1))
+            assert client.wait_persisted(1, 60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc = start_ps(tmp_path, port, "--no-persist")
+        with ParamsClient(url) as client:
+            client.push(2, state_dict(2))
+            assert client.latest()["version"] == 2
+            assert [(v["version"], v["persisted"]) for v in client.versions()["versions"]] == [(1, True), (2, False)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        torn = tmp_path / "versions" / ".staging-v0000000002-killed"  # what a persist cut short leaves
+        torn.mkdir()
+        (torn / "model.safetensors").write_bytes(b"\0" * 1000)
+        proc = start_ps(tmp_path, port)
+        with ParamsClient(url) as client:
+            assert client.latest()["version"] == 1
+            assert_same(client.pull("latest", "shm"), state_dict(1))
+            assert not torn.exists()
+            client.push(2, state_dict(2))  # the trainer pushes the lost version again
+            assert_same(client.pull(2, "http"), state_dict(2))
+        proc.terminate()  # a clean stop removes its shared-memory slots
+        proc.wait(30)
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -1,0 +1,31 @@
+"""``staleflow bench params`` end to end on a tiny state dict: every cell measured, ratios present."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from staleflow.cli.main import app
+from typer.testing import CliRunner
+
+
+def test_bench_params_reports_push_pull_and_end_to_end_per_cell(tmp_path: Path) -> None:
+    output = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "params", "--sizes", "8MB", "--ranks", "1,2", "--instances", "1,2",
+                                      "--repeats", "1", "--chunk-mb", "1", "--output", str(output)])
+    assert result.exit_code == 0, result.output
+    size = json.loads(output.read_text())["sizes"][0]
+    assert size["memcpy"]["median_s"] > 0 and not size["skipped"]
+    cells = {(c["transport"], c["ranks"], c["instances"]): c for c in size["cells"]}
+    assert set(cells) == {(t, n, k) for t in ("shm", "http") for n in (1, 2) for k in (1, 2)}
+    for cell in cells.values():
+        assert 0 < cell["push_s"] <= cell["visible_s"] <= cell["end_to_end_s"]
+        assert cell["pull_s"] > 0 and cell["persist_s"] >= 0
+        for ratio in ("visible_vs_memcpy", "pull_vs_memcpy", "end_to_end_vs_copy_plus_pull"):
+            assert cell[ratio] > 0, ratio
+    assert size["shard_bytes"]["2"] < size["shard_bytes"]["1"]  # each of two ranks holds half
+
+
+def test_bench_params_refuses_unknown_transports() -> None:
+    result = CliRunner().invoke(app, ["bench", "params", "--transports", "carrier-pigeon"])
+    assert result.exit_code != 0 and "choose from shm, http" in result.output
