@@ -242,6 +242,8 @@ class ParamStore:
         self.versions: dict[int, StoredVersion] = {}
         self.pushes: dict[int, PendingPush] = {}
         self.leases: dict[str, Lease] = {}
+        self.pushes_committed = 0  # since this server started
+        self.pulls_started: dict[str, int] = {}  # by transport, since this server started
         self.active_streams = 0
         self._closed = False
         self._cond = threading.Condition()
@@ -373,7 +375,8 @@ class ParamStore:
             others = [r for i, p in push.parts.items() if i != part for r in p.ranges()]
             overlaps, _ = coverage_gaps(others + ranges, total)
             if overlaps:
-                raise ParamsError(ErrorCode.PART_CONFLICT, f"part {part}'s ranges overlap another part's at {overlaps[:3]} (offset, length)")
+                raise ParamsError(ErrorCode.PART_CONFLICT,
+                                  f"part {part}'s ranges overlap another part's at {overlaps[:3]} (offset, length)")
             entry = PushPart(part, via, split_ranges(ranges, self.config.chunk_bytes))
             push.parts[part] = entry
             push.metadata.update(metadata)
@@ -422,7 +425,8 @@ class ParamStore:
     def chunk_writer(self, version: int, push_id: str, index: int, claimed: str | None, length: int | None,
                      part: int = 0) -> ChunkWriter:
         if claimed is None:
-            raise ParamsError(ErrorCode.MISSING_CHECKSUM, f"header {CHECKSUM_HEADER} is missing: send 'xxh3_64:<hex>' or 'crc32:<hex>' of the chunk")
+            raise ParamsError(ErrorCode.MISSING_CHECKSUM,
+                              f"header {CHECKSUM_HEADER} is missing: send 'xxh3_64:<hex>' or 'crc32:<hex>' of the chunk")
         try:
             checksum_algorithm(claimed)
         except FormatError as exc:
@@ -431,7 +435,8 @@ class ParamStore:
             push = self._push(version, push_id)
             entry = self._part(push, part)
             if not 0 <= index < len(entry.chunks):
-                raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {part} of version {version} has chunks 0..{len(entry.chunks) - 1}, not {index}")
+                raise ParamsError(ErrorCode.UNKNOWN_CHUNK,
+                                  f"part {part} of version {version} has chunks 0..{len(entry.chunks) - 1}, not {index}")
             chunk = entry.chunks[index]
             if length is not None and length != chunk.length:
                 code = ErrorCode.BODY_TOO_LARGE if length > chunk.length else ErrorCode.CHUNK_LENGTH_MISMATCH
@@ -492,7 +497,8 @@ class ParamStore:
         """Under the lock: every part is done; make the version visible if the parts tile it."""
         _, gaps = coverage_gaps([r for p in push.parts.values() for r in p.ranges()], push.total_bytes)
         if gaps:
-            raise ParamsError(ErrorCode.PART_CONFLICT, f"version {push.version}: the parts leave bytes {gaps[:3]} (offset, length) uncovered")
+            raise ParamsError(ErrorCode.PART_CONFLICT,
+                              f"version {push.version}: the parts leave bytes {gaps[:3]} (offset, length) uncovered")
         push.committing = True
         chunks = sorted(((c, p.received[c.index]) for p in push.parts.values() for c in p.chunks), key=lambda x: x[0].offset)
         manifest = Manifest(
@@ -506,6 +512,7 @@ class ParamStore:
                                visible_seconds=time.monotonic() - push.started, visible_at_monotonic=time.monotonic())
         del self.pushes[push.version]
         self.versions[push.version] = stored
+        self.pushes_committed += 1
         if self.config.persist:
             self._to_persist.add(push.version)
         self._apply_retention()
@@ -521,7 +528,8 @@ class ParamStore:
             if push.committing:
                 raise ParamsError(ErrorCode.BUSY, f"version {version} is being committed already")
             if push.expected_parts != 1:
-                raise ParamsError(ErrorCode.PART_CONFLICT, f"version {version} is pushed in {push.expected_parts} parts; each part finishes itself")
+                raise ParamsError(ErrorCode.PART_CONFLICT,
+                                  f"version {version} is pushed in {push.expected_parts} parts; each part finishes itself")
             entry = self._part(push, 0)
             missing = [c.index for c in entry.chunks if c.index not in entry.received]
             if missing or entry.writing:
@@ -660,6 +668,7 @@ class ParamStore:
             stored.leases += 1
             lease = Lease(uuid.uuid4().hex, version, transport, time.monotonic() + self.config.lease_ttl_s)
             self.leases[lease.lease_id] = lease
+            self.pulls_started[transport] = self.pulls_started.get(transport, 0) + 1
             return lease, stored
 
     def release(self, lease_id: str) -> bool:
@@ -732,13 +741,29 @@ class ParamStore:
         try:
             slot = self.memory.publish(version, stored.fd, stored.file_size)
         except (OSError, ValueError) as exc:
-            raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE, f"cannot load version {version} into shared memory: {exc}; pull over http") from None
+            raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE,
+                              f"cannot load version {version} into shared memory: {exc}; pull over http") from None
         with self._cond:
             if stored.slot is None and version in self.versions:
                 assert slot.fd is not None
                 os.close(stored.fd)
                 stored.slot, stored.fd = slot, slot.fd
         return slot
+
+    def metrics(self) -> list:
+        """Prometheus view of the store, read at scrape time."""
+        from staleflow import metrics as m
+
+        with self._cond:
+            retained = {v: s for v, s in self.versions.items() if s.retained}
+            return [
+                m.PARAMS_LATEST_VERSION.value(max(retained, default=-1)),
+                m.PARAMS_VERSIONS.value(len(retained)),
+                m.PARAMS_STORED_BYTES.value(sum(s.file_size for s in self.versions.values())),
+                m.PARAMS_PUSHES.value(self.pushes_committed),
+                m.PARAMS_PULLS.family([([t], n) for t, n in sorted(self.pulls_started.items())]),
+                m.PARAMS_ACTIVE_PULLS.value(len(self.leases)),
+            ]
 
     def describe(self) -> dict:
         with self._cond:

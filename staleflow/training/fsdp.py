@@ -4,8 +4,9 @@ Rank 0 runs the trainer role (``TrainerLoop``: consume, fetch, push, free; its p
 orchestration is ``staleflow.servers.trainer.run_fsdp_trainer``) with a ``RankDriver`` backend
 that broadcasts each call (train, weights, checkpoint) to the other ranks, which run the same call
 on their shard (``follow``). Weights are pushed by every rank at once, each its own shards (no
-gather on rank 0); the parameter server makes the version visible when all of them are in. Every rank trains an equal number of micro-batches of its share of
-the batch, so the FSDP collectives line up. gloo on CPU, NCCL on GPU.
+gather on rank 0); the parameter server makes the version visible when all of them are in.
+Every rank trains an equal number of micro-batches of its share of the batch, so the FSDP
+collectives line up. gloo on CPU, NCCL on GPU.
 
 Checkpoints are ``torch.distributed.checkpoint`` directories (model and optimizer, sharded) plus a
 ``latest.json`` written last; a restarted trainer loads the newest and resumes from its version.

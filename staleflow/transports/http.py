@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 import socket
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 

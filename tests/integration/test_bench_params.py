@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from staleflow.cli.main import app
 from typer.testing import CliRunner
+
+from staleflow.cli.main import app
 
 
 def test_bench_params_reports_push_pull_and_end_to_end_per_cell(tmp_path: Path) -> None:
