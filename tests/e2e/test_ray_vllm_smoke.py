@@ -31,7 +31,7 @@ pytest.importorskip("transformers", reason="the real-engine smoke needs the trai
 
 from ray_support import NODE, descendants, loopback_only_network, still_running, wait_for  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.torch, pytest.mark.slow, pytest.mark.smoke]
 
 
 def role(name: str, **resources: float) -> dict:
