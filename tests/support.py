@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
 import threading
+import venv
 from pathlib import Path
 
 from staleflow.config import LedgerConfig, ManagerConfig
@@ -36,3 +38,30 @@ def start_cli(*args: str) -> subprocess.Popen:
         raise AssertionError(f"`staleflow {' '.join(args)}` exited with {proc.wait()}:\n{''.join(seen[-20:])}")
     threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the pipe
     return proc
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def wheel_in_fresh_venv(tmp_path: Path) -> tuple[Path, str]:
+    """Build StaleFlow's wheel from a copy of the checkout and install it into a fresh virtual
+    environment outside it; the dependencies come from this interpreter's site-packages, after the
+    environment's own (which holds the wheel). Returns the environment's python and the folder the
+    wheel was installed into."""
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", ".staleflow", "results",
+        ".ruff_cache"))
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(source)],
+                   check=True, cwd=tmp_path)
+    (wheel,) = wheels.glob("staleflow-*.whl")
+    env_dir = tmp_path / "env"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path)
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    Path(site, "deps.pth").write_text("\n".join(deps) + "\n")
+    return python, site

@@ -11,18 +11,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
-import venv
 from pathlib import Path
 
 import pytest
+from support import wheel_in_fresh_venv
 
 pytest.importorskip("ray", reason="the Ray launcher's tests need Ray (the [ray] extra)")
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 CLUSTER_AND_JOB = textwrap.dedent('''
     import json, os, subprocess, sys
@@ -51,22 +49,7 @@ CLUSTER_AND_JOB = textwrap.dedent('''
 
 @pytest.mark.timeout(900)
 def test_a_wheel_install_runs_the_sim_job_on_a_local_ray_cluster(tmp_path: Path) -> None:
-    source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", ".staleflow", "results",
-        ".ruff_cache"))
-    wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(source)],
-                   check=True, cwd=tmp_path)
-    (wheel,) = wheels.glob("staleflow-*.whl")
-    env_dir = tmp_path / "env"
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path)
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    # the dependencies (Ray among them): this interpreter's site-packages, after the wheel's own
-    Path(site, "deps.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    python, site = wheel_in_fresh_venv(tmp_path)
 
     state = tmp_path / "run"
     # the rollout node carries a role label of its own: select rollout and trainer nodes by resource

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import ast
 import os
-import shutil
 import subprocess
-import sys
-import venv
 from pathlib import Path
 
 import pytest
+from support import wheel_in_fresh_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_IMPORTABLE = {"staleflow.cli.__main__", "staleflow.migrations.env"}  # run on import, by design
@@ -49,31 +47,10 @@ def test_every_source_folder_is_a_package() -> None:
     assert missing == []
 
 
-def _copy_source(target: Path) -> Path:
-    skip = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache",
-                                  ".hypothesis", ".staleflow", "results", ".ruff_cache")
-    shutil.copytree(ROOT, target, ignore=skip)
-    return target
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_wheel_installs_imports_every_module_and_runs_a_job(tmp_path: Path) -> None:
-    source = _copy_source(tmp_path / "source")
-    wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(source)],
-                   check=True, cwd=tmp_path)
-    (wheel,) = wheels.glob("staleflow-*.whl")
-
-    env_dir = tmp_path / "env"
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path)
-    # the dependencies: this interpreter's site-packages, after the environment's own (which holds the wheel)
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
-    Path(site, "deps.pth").write_text("\n".join(deps) + "\n")
+    python, site = wheel_in_fresh_venv(tmp_path)
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     modules = source_modules()
@@ -93,7 +70,7 @@ def test_the_wheel_installs_imports_every_module_and_runs_a_job(tmp_path: Path) 
     imported = subprocess.run([python, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert imported.returncode == 0, imported.stdout + imported.stderr
 
-    staleflow = env_dir / "bin" / "staleflow"
+    staleflow = python.parent / "staleflow"
     job = subprocess.run([staleflow, "up", "--engine", "sim", "--steps", "2", "--state-dir", str(tmp_path / "run"),
                           "--workload", "ci-tiny", "--max-tokens", "48", "--instances", "2", "--batch-size", "4",
                           "--group-size", "2", "--eta", "1", "--speed", "20"],
