@@ -107,6 +107,10 @@ class StepLog:
         return [latest[v] for v in sorted(latest)]
 
 
+PARTS_WAIT_S = 600.0
+"""How long one push of a rank's share waits for the other ranks' parts before it is tried again."""
+
+
 class TrainerStopped(Exception):
     pass
 
@@ -258,7 +262,8 @@ class TrainerLoop:
                 if pending["version"] == version and (parts == 1 or pending.get("parts") != parts):
                     self.params.http.delete(f"/v1/params/{version}/push", params={"push_id": pending["push_id"]})
             if isinstance(tensors, ShardedWeights):
-                reply = tensors.push(self.params, version, wait_s=self.outage_s)
+                # each try waits this long for the other ranks' parts (the retry loop decides when to give up)
+                reply = tensors.push(self.params, version, wait_s=PARTS_WAIT_S)
                 if not reply.get("visible"):
                     raise ServiceError(503, f"version {version}: the other ranks' parts did not arrive: {reply}")
             else:

@@ -57,14 +57,16 @@ class LocalCluster:
     cluster: Any
     control: Any
     gpu: Any
+    before: frozenset[int] = frozenset()  # this process's descendants before the cluster (earlier tests' helpers)
     stopped: bool = False
 
     def stop(self) -> list[int]:
-        """Stop the cluster; the processes it ran (this process's descendants just before)."""
+        """Stop the cluster; the processes it ran (this process's descendants just before, less
+        those that were there before the cluster started)."""
         if self.stopped:
             return []
         self.stopped = True
-        ran = descendants(os.getpid())
+        ran = [pid for pid in descendants(os.getpid()) if pid not in self.before]
         with contextlib.suppress(Exception):
             ray.shutdown()
         self.cluster.shutdown()
@@ -76,6 +78,7 @@ def local_cluster() -> Iterator[LocalCluster]:
     from ray.cluster_utils import Cluster
 
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    before = frozenset(descendants(os.getpid()))  # e.g. multiprocessing's resource tracker from an earlier test
     with loopback_only_network():
         cluster = Cluster(initialize_head=True, head_node_args={
             **NODE, "num_cpus": 0, "include_dashboard": False,
@@ -88,7 +91,7 @@ def local_cluster() -> Iterator[LocalCluster]:
             gpu = cluster.add_node(**GPU_NODE)
             cluster.wait_for_nodes()
             ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-            local = LocalCluster(cluster, control, gpu)
+            local = LocalCluster(cluster, control, gpu, before)
             yield local
         finally:
             if local is None:
