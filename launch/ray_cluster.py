@@ -491,7 +491,6 @@ class RayClusterJob:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self, on_started: Callable[[str, str], None] | None = None) -> None:
-        from staleflow.launch.job import trainer_label
         from staleflow.servers.auth import write_token_file
 
         ray = self.ray
@@ -535,18 +534,13 @@ class RayClusterJob:
         self._publish()
         self.started = self.monitor.started = time.monotonic()
         self._start_trainer()
-        self._write_placement()
-        if on_started:
-            on_started("trainer", trainer_label(self.config))
-        self._watcher = threading.Thread(target=self._watch, name="ray-launcher", daemon=True)
-        self._watcher.start()
+        self._running(on_started)
 
     def _attach(self, on_started: Callable[[str, str], None] | None) -> None:
         """Take over a job whose actors outlived their driver (``--resume`` while they run): the
         same actors, placement groups and token; the trainer gang restarted if any rank is gone."""
         from ray.util.placement_group import get_placement_group
 
-        from staleflow.launch.job import trainer_label
         from staleflow.servers.auth import read_token_file
 
         ray = self.ray
@@ -577,6 +571,12 @@ class RayClusterJob:
                 with contextlib.suppress(ValueError):
                     ray.kill(ray.get_actor(trainer_rank_name(rank), namespace=self.namespace), no_restart=True)
             self._start_trainer()
+        self._running(on_started)
+
+    def _running(self, on_started: Callable[[str, str], None] | None) -> None:
+        """The trainer runs (started or attached to): record where everything is and watch it."""
+        from staleflow.launch.job import trainer_label
+
         self._write_placement()
         if on_started:
             on_started("trainer", trainer_label(self.config))
