@@ -10,6 +10,8 @@ import threading
 import venv
 from pathlib import Path
 
+import typer
+
 from staleflow.config import LedgerConfig, ManagerConfig
 
 
@@ -65,3 +67,17 @@ def wheel_in_fresh_venv(tmp_path: Path) -> tuple[Path, str]:
     deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
     Path(site, "deps.pth").write_text("\n".join(deps) + "\n")
     return python, site
+
+
+def calibrate_cli() -> typer.Typer:
+    """``staleflow calibrate`` alone, as a Typer app for CliRunner."""
+    from staleflow.cli.calibrate import register
+
+    app = typer.Typer()
+
+    @app.callback()
+    def root() -> None:
+        """StaleFlow (test harness)."""
+
+    register(app)
+    return app

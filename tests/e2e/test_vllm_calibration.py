@@ -9,24 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
-import typer
+from support import calibrate_cli as cli
 from typer.testing import CliRunner
 
 from staleflow.calibration import load_entry
-from staleflow.cli.calibrate import register
 
 runner = CliRunner()
-
-
-def cli() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def root() -> None:
-        """StaleFlow (test harness)."""
-
-    register(app)
-    return app
 
 
 @pytest.mark.slow

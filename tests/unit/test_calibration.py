@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import typer
+from support import calibrate_cli as cli
 from typer.testing import CliRunner
 
 from staleflow.calibration import (
@@ -30,7 +31,7 @@ from staleflow.calibration import (
     write_calibration,
 )
 from staleflow.calibration.profile import ProfileConfig, plan_points, trim_outliers
-from staleflow.cli.calibrate import POOR_FIT_EXIT, SIM_GRID, register
+from staleflow.cli.calibrate import POOR_FIT_EXIT, SIM_GRID
 from staleflow.cost_model import CostModel
 
 runner = CliRunner()
@@ -39,17 +40,6 @@ runner = CliRunner()
 HIDDEN = CostModel(k1=1.1e-7, k2=2.5e-3, k3=1.0e-4, k4=7.0e-3, k5=2.0, kv_budget=3_000_000)
 N_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CONTEXTS = (256, 1024, 4096, 16384)
-
-
-def cli() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def root() -> None:
-        """StaleFlow (test harness)."""
-
-    register(app)
-    return app
 
 
 def synthetic(cost: CostModel, noise: float = 0.0, per_point: int = 4, seed: int = 0,
