@@ -264,6 +264,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
             "visible_s": visible,
             "pull_s": [x["loaded"] - x["leased"] for x in loaded],
             "end_to_end_s": max(x["loaded"] for x in loaded) - t0,
+            "lease_after_visible_s": max(x["leased"] for x in loaded) - (t0 + visible),
             "rank_extra_bytes": max(p["extra_bytes"] for p in pushed),
             "persist_s": summary["persist_seconds"],
         })
@@ -273,6 +274,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
         "visible_s": _median([r["visible_s"] for r in rows]),
         "pull_s": _median([s for r in rows for s in r["pull_s"]]),
         "end_to_end_s": _median([r["end_to_end_s"] for r in rows]),
+        "lease_after_visible_s": _median([r["lease_after_visible_s"] for r in rows]),
         "rank_extra_bytes": max(r["rank_extra_bytes"] for r in rows),
         "persist_s": _median([r["persist_s"] for r in rows if r["persist_s"] is not None]),
     }

@@ -92,6 +92,7 @@ def protect(app, host: str, token: str | None, loopback: bool) -> None:
         token = configured_token(token)
     except TokenFileError as exc:
         raise InsecureBind(str(exc)) from None
+    app.state.token = token  # for what the app serves beside its routes (the PS's data plane)
     if token:
         app.add_middleware(BearerTokenMiddleware, token=token)
         return

@@ -18,6 +18,7 @@ from staleflow import metrics as m
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import service_app
 from staleflow.servers.params.config import ParamsConfig, ParamsError, TransportName
+from staleflow.servers.params.dataplane import ChunkDataPlane
 from staleflow.servers.params.store import ParamStore, StoredVersion
 from staleflow.transports.base import checksum_algorithms
 from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range, stream_mapped_range
@@ -69,6 +70,8 @@ class ParamsHealth(_Answer):
     versions: int
     transports: list[str]
     host_id: str
+    data_port: int | None = Field(description="the data plane's port (chunk bodies), on this server's host; "
+                                              "null: chunks go through this port")
 
 
 class VersionSummary(_Answer):
@@ -85,7 +88,8 @@ class StoredSummary(VersionSummary):
     retained: bool
     in_memory: bool = Field(description="the version is served from host memory")
     persisted: bool = Field(description="a copy is on disk (crash recovery)")
-    persist_seconds: float | None = Field(description="visible to on disk, seconds (off the critical path)")
+    persist_seconds: float | None = Field(description="persist start to on disk, seconds (off the critical path)")
+    persist_yielded_seconds: float | None = Field(description="of which the persist waited for pushes and pulls to end")
     visible_seconds: float | None = Field(description="push start to visible, seconds")
     visible_at_monotonic: float | None
 
@@ -209,12 +213,22 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         owned = store is None if owns_store is None else owns_store
         app.state.store = store or await asyncio.to_thread(ParamStore, config)
         sweeper = asyncio.create_task(_sweep_forever(app.state.store, min(config.lease_ttl_s, config.push_ttl_s) / 4))
+        try:
+            app.state.data_plane = (None if config.data_port is None else
+                                    ChunkDataPlane(app.state.store, config.host, config.data_port, getattr(app.state, "token", None)))
+        except BaseException:
+            sweeper.cancel()
+            if owned:
+                app.state.store.close()
+            raise
         log.info("parameter server ready: state=%s keep=%d transports=%s", config.state_dir, config.keep,
                  ",".join(config.transports))
         try:
             yield
         finally:
             sweeper.cancel()
+            if app.state.data_plane is not None:
+                app.state.data_plane.close()
             if owned:
                 app.state.store.close()
 
@@ -226,7 +240,8 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     def health(store: StoreDep) -> dict:
         s = store.describe()
         return {"status": "ok", "latest": s["latest"], "versions": len(s["versions"]),
-                "transports": list(config.transports), "host_id": host_id()}
+                "transports": list(config.transports), "host_id": host_id(),
+                "data_port": app.state.data_plane.port if app.state.data_plane is not None else None}
 
     @app.get("/v1/params", response_model=StoreDescription)
     def list_versions(store: StoreDep) -> dict:

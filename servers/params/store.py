@@ -99,6 +99,7 @@ def coverage_gaps(ranges: Iterable[tuple[int, int]], total_bytes: int) -> tuple[
     return overlaps, gaps
 
 
+PERSIST_STEP = 64 << 20  # bytes a persist copies between looks at the traffic
 HEADER_ALIGN = 4096  # the data section starts page-aligned, and the header size does not change with the version number
 
 
@@ -117,14 +118,16 @@ class StoredVersion:
     leases: int = 0  # pull leases, streams and the persister pin it
     retained: bool = True  # False: beyond the newest K, deleted once ``leases`` reaches 0
     persisted: bool = False
-    persist_seconds: float | None = None
+    persist_seconds: float | None = None  # its persist started until it was on disk
+    persist_yielded_seconds: float | None = None  # of which it waited for pushes and pulls to end
     visible_seconds: float | None = None  # from the push's start until it was visible
     visible_at_monotonic: float | None = None  # when it became visible (this host's monotonic clock)
 
     def summary(self) -> dict:
         return {**self.manifest.summary(), "leases": self.leases, "retained": self.retained,
                 "in_memory": self.slot is not None, "persisted": self.persisted,
-                "persist_seconds": self.persist_seconds, "visible_seconds": self.visible_seconds,
+                "persist_seconds": self.persist_seconds, "persist_yielded_seconds": self.persist_yielded_seconds,
+                "visible_seconds": self.visible_seconds,
                 "visible_at_monotonic": self.visible_at_monotonic}
 
 
@@ -202,10 +205,20 @@ class ChunkWriter:
         assert self.target is not None
         if self.written + len(piece) > self.chunk.length:
             raise ParamsError(ErrorCode.BODY_TOO_LARGE, f"chunk {self.chunk.index} is {self.chunk.length} bytes; the body is longer")
-        landed = self.target[self.written:self.written + len(piece)]
-        np.copyto(landed, np.frombuffer(piece, np.uint8))
-        self.hasher.update(landed)
-        self.written += len(piece)
+        np.copyto(self.target[self.written:self.written + len(piece)], np.frombuffer(piece, np.uint8))
+        self.landed(len(piece))
+
+    def remaining(self) -> memoryview:
+        """Where the rest of the chunk goes, for a receiver that writes into it itself (the data
+        plane's ``recv_into``); it calls ``landed`` after each piece, in order."""
+        assert self.target is not None
+        return memoryview(self.target[self.written:])
+
+    def landed(self, n: int) -> None:
+        """``n`` more bytes are in place: checksum them while they are in cache."""
+        assert self.target is not None
+        self.hasher.update(self.target[self.written:self.written + n])
+        self.written += n
 
     def finish(self) -> str:
         self.target = None
@@ -330,7 +343,10 @@ class ParamStore:
         if stored.directory is not None:
             trash = self.root / f".trash-{stored.directory.name}-{uuid.uuid4().hex[:8]}"
             os.rename(stored.directory, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            # deleting a GB-sized file takes ~0.2 s: not under the lock that commits and leases wait on
+            # (a restart removes what a crash left of it)
+            threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
+                             name="params-evict", daemon=True).start()
         log.info("evicted version %d", version)
 
     # -- push
@@ -589,9 +605,10 @@ class ParamStore:
         try:
             fd = os.open(directory / DATA_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                copied = 0
+                copied, budget = 0, self.config.persist_yield_s
                 while copied < stored.file_size:
-                    n = os.sendfile(fd, stored.fd, copied, stored.file_size - copied)
+                    budget = self._yield_to_traffic(budget)
+                    n = os.sendfile(fd, stored.fd, copied, min(PERSIST_STEP, stored.file_size - copied))
                     if n == 0:
                         raise OSError(f"version {version} ended at byte {copied} of {stored.file_size}")
                     copied += n
@@ -610,7 +627,24 @@ class ParamStore:
         with self._cond:
             stored.directory, stored.persisted = final, True
             stored.persist_seconds = time.monotonic() - started
-        log.info("version %d persisted in %.3f s", version, stored.persist_seconds)
+            stored.persist_yielded_seconds = self.config.persist_yield_s - budget
+        log.info("version %d persisted in %.3f s (%.3f s of it yielding to pushes and pulls)", version,
+                 stored.persist_seconds, stored.persist_yielded_seconds)
+
+    def _traffic(self) -> bool:
+        """Pushes or pulls in flight: a persist competes with them for memory bandwidth and cores."""
+        return bool(self.pushes) or bool(self.leases) or self.active_streams > 0
+
+    def _yield_to_traffic(self, budget: float) -> float:
+        """Wait while pushes or pulls are in flight, at most ``budget`` seconds; returns what is
+        left of it (a PS that is never quiet still persists every version, ``budget`` later)."""
+        if budget <= 0:
+            return 0.0
+        deadline = time.monotonic() + budget
+        with self._cond:
+            while self._traffic() and not self._closed and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+        return max(0.0, deadline - time.monotonic())
 
     def wait_persisted(self, version: int, timeout_s: float) -> bool:
         """True once ``version`` is on disk (tests, benchmarks, a clean stop)."""
@@ -677,6 +711,7 @@ class ParamStore:
             if lease is None:
                 return False
             self._unpin(lease.version)
+            self._cond.notify_all()  # a persist may be waiting for the pulls to end
             return True
 
     def _unpin(self, version: int) -> None:
@@ -725,6 +760,7 @@ class ParamStore:
         with self._cond:
             self.active_streams -= 1
             self._unpin(stored.manifest.version)
+            self._cond.notify_all()
 
     def resolve_stored(self, spec: str) -> StoredVersion:
         with self._cond:

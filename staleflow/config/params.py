@@ -26,6 +26,9 @@ class ParamsSettings(StrictModel):
                                           "(off: faster, survives process crashes but not power loss)")
     persist: bool = Field(True, description="persist each new version to state_dir in the background, for "
                                             "crash recovery (off: versions live in host memory only)")
+    persist_yield_s: float = Field(10.0, ge=0, le=3600,
+                                   description="a persist pauses while pushes or pulls are in flight (they share memory "
+                                               "bandwidth), for at most this long per version; 0: never pauses")
     max_tensors: int = Field(200_000, ge=1)
 
     @model_validator(mode="after")
@@ -41,4 +44,7 @@ class ParamsConfig(ParamsSettings, ServiceConfig):
     """The parameter server: its settings, where it listens and where it stores versions."""
 
     port: int = Field(8331, ge=0, le=65535)
+    data_port: int | None = Field(0, ge=0, le=65535, description="port of the chunk data plane (chunk bodies of pushes "
+                                                                  "and pulls, a thread per connection); 0: any free "
+                                                                  "port; null: none, chunks go through the API port")
     state_dir: Path = Field(Path(".staleflow/params"), description="where complete versions are stored")

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -108,7 +109,7 @@ class ParamsClient(RestClient):
         self.url = url
         self.timeout = timeout
         self._transports: dict[str, Transport] = {}
-        self._shm_host: bool | None = None
+        self._health: dict | None = None
 
     def close(self) -> None:
         for transport in self._transports.values():
@@ -119,7 +120,7 @@ class ParamsClient(RestClient):
         if name not in self._transports:
             if name == "http":
                 auth = {"Authorization": self.http.headers["authorization"]} if "authorization" in self.http.headers else {}
-                self._transports[name] = HttpTransport(self.url, self.timeout, auth)
+                self._transports[name] = HttpTransport(self.url, self.timeout, auth, self._data_url)
             elif name == "shm":
                 self._transports[name] = ShmTransport()
             elif name == "nixl":
@@ -202,12 +203,26 @@ class ParamsClient(RestClient):
                            json={"checksums": checksums, "wait_s": wait_s}, timeout=self.timeout + wait_s)
         return {**reply, "via": via, "delivered_at_monotonic": delivered}
 
+    def _server_health(self, refresh: bool = False) -> dict:
+        """The PS's health answer, asked once per client unless ``refresh`` (a restarted PS may
+        have another data port)."""
+        if self._health is None or refresh:
+            self._health = self.health()
+        return self._health
+
     def _shm_here(self) -> bool:
         """The PS offers shared memory and runs on this host."""
-        if self._shm_host is None:
-            health = self.health()
-            self._shm_host = health.get("host_id") == host_id() and "shm" in health.get("transports", [])
-        return self._shm_host
+        health = self._server_health()
+        return health.get("host_id") == host_id() and "shm" in health.get("transports", [])
+
+    def _data_url(self, refresh: bool = False) -> str | None:
+        """The PS's data plane: its ``data_port`` on the host this client reaches the PS at."""
+        port = self._server_health(refresh).get("data_port")
+        if not port:
+            return None
+        parts = urlsplit(self.url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        return f"{parts.scheme}://{host}:{port}"
 
     def wait_persisted(self, version: int, timeout_s: float) -> bool:
         """True once ``version`` is persisted on the PS's disk (False when ``timeout_s`` ran out)."""

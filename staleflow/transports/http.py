@@ -6,14 +6,19 @@ keep-alive HTTP/1.1 client that receives straight into the destination arrays wi
 ``recv_into`` and sends straight from the source arrays. httpx copies every 64 KiB read into a
 new bytes object; measured on loopback here it moves ~0.6-1 GB/s where ``recv_into`` moves
 ~2.5-3 GB/s.
+
+The chunk bodies go to the PS's data plane when it runs one (its port is in ``/v1/health`` as
+``data_port``; the same paths as the REST API, served by a thread per connection), else to the
+API port.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,11 +26,70 @@ from urllib.parse import urlsplit
 from staleflow.transports.base import ByteRegions, ChunkSpec, PullLease, PushSession, Transport, checksum_of
 from staleflow.transports.rest import ServiceError
 
+log = logging.getLogger(__name__)
+
 CHECKSUM_HEADER = "x-staleflow-checksum"
 # bytes per send / receive step and per verified piece: 0.5-1 MiB pieces measured ~2x faster than
 # 4 MiB (asyncio copies what the socket does not take at once; the verifier hashes in cache)
 PIECE_BYTES = 1 << 20
 _HEAD_LIMIT = 64 << 10
+DATA_PLANE_CONNECT_S = 3.0  # a data port behind a firewall that drops packets is given up on quickly
+
+
+class SocketReader:
+    """Reads HTTP/1.1 message heads and bodies off one socket, keeping what was read past a head
+    (the start of its body) for the body. Bodies land with ``recv_into`` straight in the caller's
+    buffers. Used by the raw client below and by the parameter server's data plane."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.leftover = b""
+
+    def head(self) -> tuple[str, dict[str, str]] | None:
+        """(first line, lower-cased headers) of the next message; None when the peer closed the
+        connection cleanly before sending one."""
+        data = self.leftover
+        while b"\r\n\r\n" not in data:
+            if len(data) > _HEAD_LIMIT:
+                raise ConnectionError("message head too large")
+            piece = self.sock.recv(65536)
+            if not piece:
+                if data:
+                    raise ConnectionError("the connection closed in the middle of a message head")
+                return None
+            data += piece
+        head, self.leftover = data.split(b"\r\n\r\n", 1)
+        first, *lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return first, headers
+
+    def into(self, views: Sequence[memoryview], piece_bytes: int = PIECE_BYTES) -> Iterator[int]:
+        """Fill ``views`` in order from the body; yields the byte count of each piece as it lands."""
+        for view in views:
+            filled = 0
+            while filled < len(view):
+                piece_end = min(len(view), filled + piece_bytes)
+                start = filled
+                if self.leftover:
+                    n = min(len(self.leftover), piece_end - filled)
+                    view[filled:filled + n] = self.leftover[:n]
+                    self.leftover = self.leftover[n:]
+                    filled += n
+                while filled < piece_end:
+                    n = self.sock.recv_into(view[filled:piece_end])
+                    if n == 0:
+                        raise ConnectionError("the connection closed in the middle of a body")
+                    filled += n
+                yield filled - start
+
+    def body(self, length: int) -> bytes:
+        buffer = bytearray(length)
+        for _ in self.into([memoryview(buffer)]):
+            pass
+        return bytes(buffer)
 
 
 class RawHttpConnection:
@@ -39,20 +103,24 @@ class RawHttpConnection:
         self.port = parts.port or 80
         self.timeout = timeout
         self.headers = dict(headers or {})  # sent with every request (e.g. Authorization)
-        self._sock: socket.socket | None = None
-        self._leftover = b""
+        self._reader: SocketReader | None = None
 
-    def _connection(self) -> socket.socket:
-        if self._sock is None:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+    def _connection(self, connect_timeout: float | None = None) -> SocketReader:
+        if self._reader is None:
+            sock = socket.create_connection((self.host, self.port), timeout=connect_timeout or self.timeout)
+            sock.settimeout(self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock, self._leftover = sock, b""
-        return self._sock
+            self._reader = SocketReader(sock)
+        return self._reader
+
+    def connect(self, timeout: float | None = None) -> None:
+        """Open the connection now, waiting at most ``timeout`` (requests open it when needed)."""
+        self._connection(timeout)
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._reader is not None:
+            self._reader.sock.close()
+            self._reader = None
 
     def __enter__(self) -> RawHttpConnection:
         return self
@@ -67,7 +135,7 @@ class RawHttpConnection:
         lines += [f"{k}: {v}" for k, v in {**self.headers, **(headers or {})}.items()]
         if body or method in ("PUT", "POST"):
             lines.append(f"Content-Length: {length}")
-        sock = self._connection()
+        sock = self._connection().sock
         try:
             sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
             for view in body:
@@ -77,28 +145,19 @@ class RawHttpConnection:
             raise
 
     def read_head(self) -> tuple[int, dict[str, str]]:
-        sock = self._connection()
-        data = self._leftover
-        while b"\r\n\r\n" not in data:
-            if len(data) > _HEAD_LIMIT:
-                self.close()
-                raise ConnectionError("response head too large")
-            piece = sock.recv(65536)
-            if not piece:
-                self.close()
+        try:
+            message = self._connection().head()
+            if message is None:
                 raise ConnectionError("the server closed the connection before answering")
-            data += piece
-        head, self._leftover = data.split(b"\r\n\r\n", 1)
-        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        except (OSError, ConnectionError):
+            self.close()
+            raise
+        status_line, headers = message
         try:
             status = int(status_line.split(" ", 2)[1])
         except (IndexError, ValueError):
             self.close()
             raise ConnectionError(f"not an HTTP response: {status_line[:80]!r}") from None
-        headers = {}
-        for line in header_lines:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
         if "content-length" not in headers:
             self.close()
             raise ConnectionError("response without Content-Length")
@@ -106,24 +165,11 @@ class RawHttpConnection:
 
     def read_into(self, views: Sequence[memoryview], piece_bytes: int = PIECE_BYTES) -> Iterator[int]:
         """Fill ``views`` in order from the body; yields the byte count of each piece as it lands."""
-        sock = self._connection()
-        for view in views:
-            filled = 0
-            while filled < len(view):
-                piece_end = min(len(view), filled + piece_bytes)
-                start = filled
-                if self._leftover:
-                    n = min(len(self._leftover), piece_end - filled)
-                    view[filled:filled + n] = self._leftover[:n]
-                    self._leftover = self._leftover[n:]
-                    filled += n
-                while filled < piece_end:
-                    n = sock.recv_into(view[filled:piece_end])
-                    if n == 0:
-                        self.close()
-                        raise ConnectionError("the server closed the connection mid-body")
-                    filled += n
-                yield filled - start
+        try:
+            yield from self._connection().into(views, piece_bytes)
+        except (OSError, ConnectionError):
+            self.close()
+            raise
 
     def read_body(self, length: int) -> bytes:
         buffer = bytearray(length)
@@ -151,10 +197,34 @@ def raise_for_status(status: int, body: bytes) -> None:
 class HttpTransport(Transport):
     name = "http"
 
-    def __init__(self, url: str, timeout: float = 60.0, headers: Mapping[str, str] | None = None):
+    def __init__(self, url: str, timeout: float = 60.0, headers: Mapping[str, str] | None = None,
+                 data_plane: Callable[[bool], str | None] | None = None):
+        """``data_plane(refresh)``: the URL of the PS's data plane, or None when it runs none
+        (``refresh``: ask the PS again, it may have restarted on another port)."""
         self.url = url
         self.timeout = timeout
         self.headers = dict(headers or {})
+        self._data_plane = data_plane
+        self._unreachable: set[str] = set()
+
+    def _connect(self) -> RawHttpConnection:
+        """A connection to the data plane, or to the API port when the data plane is not reachable
+        from here (a firewall, a port not exposed): both serve the chunk routes."""
+        for refresh in (False, True):
+            url = self._data_plane(refresh) if self._data_plane is not None else None
+            if url is None:
+                break
+            if url in self._unreachable:
+                continue
+            conn = RawHttpConnection(url, self.timeout, self.headers)
+            try:
+                conn.connect(min(self.timeout, DATA_PLANE_CONNECT_S))
+                return conn
+            except OSError as exc:
+                log.warning("the parameter server's data plane %s is not reachable (%s); sending chunks through %s",
+                            url, exc, self.url)
+                self._unreachable.add(url)
+        return RawHttpConnection(self.url, self.timeout, self.headers)
 
     def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]:
         chunks = lease.manifest.chunks
@@ -162,7 +232,7 @@ class HttpTransport(Transport):
         def ask(index: int) -> None:
             conn.send("GET", f"/v1/params/{lease.manifest.version}/chunks/{index}?lease={lease.lease_id}")
 
-        with RawHttpConnection(self.url, self.timeout, self.headers) as conn:
+        with self._connect() as conn:
             if chunks:
                 ask(0)
             for chunk in chunks:
@@ -187,7 +257,7 @@ class HttpTransport(Transport):
             return checksum_of(session.checksum_algorithm, source.views(chunk.offset, chunk.length))
 
         chunks = session.chunks
-        with RawHttpConnection(self.url, self.timeout, self.headers) as conn, \
+        with self._connect() as conn, \
                 ThreadPoolExecutor(1, thread_name_prefix="push-checksum") as hasher:
             upcoming = hasher.submit(checksum, chunks[0]) if chunks else None
             for i, chunk in enumerate(chunks):
