@@ -9,6 +9,13 @@ last rank's bytes are in), time until visible, each instance's pull time (all ``
 end-to-end version latency (trainer done -> every instance loaded), each rank's peak extra memory during its
 push, and the persist time (the copy to disk, after the version is visible and outside the timed
 path). The baseline is ``np.copyto`` of the same bytes into an existing buffer.
+
+Each version is deleted after it is measured, so the next one takes its memory slot: the PS
+holds one version at a time. A size whose shards, slot and instance copies do not fit in this
+host's memory runs *pooled*: the ranks' shards and the instances' parameters of same-shaped
+tensors share a ring of buffers (an instance's real parameters live in device memory; equal
+shapes hold equal bytes here, so sharing changes no byte and no checksum), the PS holds every
+byte of the version, and the memcpy baseline copies tensor by tensor between two such rings.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from rich.table import Table
 from staleflow.cli.common import console, emit_results, fail
 
 TENSOR_BYTES = 64 << 20  # a large layer of a multi-GB model
+RING_TENSORS = 8  # buffers behind a pooled state dict: 512 MiB, 16x this host's L3, so no copy is served from cache
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 TARGETS = {"push_visible_shm": 0.8, "http_stream_gb_per_s": 1.0, "pull_shm": 0.8, "end_to_end": 1.5}
 
@@ -47,29 +55,47 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
-def tensor_table(total_bytes: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Synthetic state dict: U32 tensors of 64 MiB (the last one smaller), 1024 rows each."""
+def tensor_table(total_bytes: int, tensor_bytes: int = TENSOR_BYTES) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Synthetic state dict: U32 tensors of ``tensor_bytes`` (the last one smaller), 1024 rows each."""
     table, offset, i = {}, 0, 0
     while offset < total_bytes:
-        n = max(1024, (min(TENSOR_BYTES, total_bytes - offset) // 4096) * 1024)
+        n = max(1024, (min(tensor_bytes, total_bytes - offset) // 4096) * 1024)
         table[f"layers.{i}.weight"] = ("U32", (1024, n // 1024))
         offset += n * 4
         i += 1
     return table
 
 
-def rank_pieces(table: dict[str, tuple[str, tuple[int, ...]]], rank: int, ranks: int) -> list:
-    """Rank ``rank``'s dim-0 shard of every tensor (FSDP's split), filled with its own bytes."""
+def rank_pieces(table: dict[str, tuple[str, tuple[int, ...]]], rank: int, ranks: int, pooled: bool = False) -> list:
+    """Rank ``rank``'s dim-0 shard of every tensor (FSDP's split), filled with its own bytes.
+    ``pooled``: the shards of same-shaped tensors share ``RING_TENSORS`` buffers (a state dict
+    larger than this host's memory; equal shapes hold equal bytes, so sharing changes nothing)."""
     from staleflow.transports.client import ShardPiece
 
-    pieces = []
-    for name, (_, shape) in table.items():
+    pieces, buffers = [], {}
+    for i, (name, (_, shape)) in enumerate(table.items()):
         rows = -(-shape[0] // ranks)
         local_rows = max(0, min(shape[0], (rank + 1) * rows) - rank * rows)
         if local_rows:
-            local = np.full((local_rows, shape[1]), rank * 7919 + 1, np.uint32)
-            pieces.append(ShardPiece(name, rank * rows * shape[1] * 4, local))
+            key = (local_rows, shape[1], i % RING_TENSORS if pooled else i)
+            if key not in buffers:
+                buffers[key] = np.full((local_rows, shape[1]), rank * 7919 + 1, np.uint32)
+            pieces.append(ShardPiece(name, rank * rows * shape[1] * 4, buffers[key]))
     return pieces
+
+
+def engine_buffers(table: dict[str, tuple[str, tuple[int, ...]]], pooled: bool = False) -> dict[str, np.ndarray]:
+    """An instance's parameters to pull into (touched, as an engine's are); ``pooled``: same-shaped
+    tensors share ``RING_TENSORS`` buffers, standing in for device memory the host does not have
+    (every full-size tensor of a version holds the same bytes, so sharing changes nothing)."""
+    buffers: dict[tuple, np.ndarray] = {}
+    out = {}
+    for i, (name, (_, shape)) in enumerate(table.items()):
+        key = (shape, i % RING_TENSORS if pooled else i)
+        if key not in buffers:
+            buffers[key] = np.ones(shape, np.uint32)
+        out[name] = buffers[key]
+    return out
 
 
 def rss_anon() -> int:
@@ -108,13 +134,13 @@ class PeakMemory:
         return self.peak - self.base
 
 
-def _rank_main(conn: Connection, url: str, total_bytes: int, rank: int, ranks: int) -> None:
+def _rank_main(conn: Connection, url: str, total_bytes: int, rank: int, ranks: int, pooled: bool) -> None:
     """A trainer rank: holds its shards; on ("push", version, transport, t0) pushes them."""
     from staleflow.training.base import ShardedWeights
     from staleflow.transports.client import ParamsClient
 
     table = tensor_table(total_bytes)
-    share = ShardedWeights(rank, ranks, table, rank_pieces(table, rank, ranks))
+    share = ShardedWeights(rank, ranks, table, rank_pieces(table, rank, ranks, pooled))
     with ParamsClient(url, timeout=600) as client:
         conn.send({"ready": True, "shard_bytes": share.nbytes})
         while True:
@@ -134,13 +160,12 @@ def _rank_main(conn: Connection, url: str, total_bytes: int, rank: int, ranks: i
                        "visible": reply["visible"], "extra_bytes": memory.extra, "shard_bytes": share.nbytes})
 
 
-def _instance_main(conn: Connection, url: str, total_bytes: int) -> None:
+def _instance_main(conn: Connection, url: str, total_bytes: int, pooled: bool) -> None:
     """An instance: holds buffers of the model's size; on ("pull", version, transport) waits
     for the version and pulls it into them, verified."""
     from staleflow.transports.client import ParamsClient
 
-    table = tensor_table(total_bytes)
-    out = {name: np.ones(shape, np.uint32) for name, (_, shape) in table.items()}  # touched, like an engine's
+    out = engine_buffers(tensor_table(total_bytes), pooled)
     with ParamsClient(url, timeout=600) as client:
         conn.send({"ready": True})
         while True:
@@ -196,26 +221,35 @@ class Workers:
                 proc.kill()
 
 
-def measure_memcpy(total_bytes: int, repeats: int) -> dict:
-    source = np.full(total_bytes // 4, 3, np.uint32)
-    target = np.ones_like(source)
+def measure_memcpy(total_bytes: int, repeats: int, pooled: bool = False) -> dict:
+    """``np.copyto`` of ``total_bytes`` into an existing buffer; ``pooled``: tensor by tensor
+    between two rings of ``RING_TENSORS`` buffers (the bytes do not fit in memory twice)."""
+    if pooled:
+        table = tensor_table(total_bytes)
+        sources, targets = engine_buffers(table, pooled=True), engine_buffers(table, pooled=True)
+        pairs = [(targets[name], sources[name]) for name in table]
+    else:
+        source = np.full(total_bytes // 4, 3, np.uint32)
+        pairs = [(np.ones_like(source), source)]
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        np.copyto(target, source)
+        for target, source in pairs:
+            np.copyto(target, source)
         times.append(time.perf_counter() - start)
     times = times[1:]
     return {"median_s": statistics.median(times), "best_s": min(times),
-            "gb_per_s": total_bytes / statistics.median(times) / 1e9}
+            "gb_per_s": total_bytes / statistics.median(times) / 1e9, "pooled": pooled}
 
 
-def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int) -> tuple[subprocess.Popen, str]:
+def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, persist: bool) -> tuple[subprocess.Popen, str]:
     from staleflow.cli.main import serve_app
 
     command = ([sys.executable, "-m", "staleflow.cli", "serve", "params"]
                if any(c.name == "params" for c in serve_app.registered_commands)
                else [sys.executable, "-m", "staleflow.cli.serve_params"])
     proc = subprocess.Popen([*command, "--state-dir", str(state_dir), "--port", "0", "--keep", "1", "--no-fsync",
+                             "--persist" if persist else "--no-persist",
                              "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
@@ -226,13 +260,30 @@ def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int) -
     raise RuntimeError(f"the parameter server exited with {proc.wait()} before listening")
 
 
-def fits(total_bytes: int, ranks: int, instances: int) -> tuple[bool, str]:
-    """Shards (one model over all ranks), two shared-memory slots (the visible version and the
-    next), one model per instance, plus 15 % headroom."""
-    need = total_bytes * (1 + 2 + instances)
+def memory_need(total_bytes: int, ranks: int, instances: int, pooled: bool) -> int:
+    """Bytes a cell holds at once: the PS's one memory slot (each version is deleted after it is
+    measured, so the next reuses the slot), the ranks' shards and the instances' parameters
+    (whole, or ``RING_TENSORS`` buffers each when pooled)."""
+    ring = min(total_bytes, RING_TENSORS * TENSOR_BYTES)
+    if pooled:
+        return total_bytes + ring * (ranks + instances)
+    return total_bytes * (2 + instances)
+
+
+def choose_pooling(total_bytes: int, rank_counts: list[int], instance_counts: list[int], pool: str) -> bool:
+    """``auto``: pooled only when some cell would not fit in memory unpooled."""
+    if pool != "auto":
+        return pool == "on"
+    return not fits(total_bytes, max(rank_counts), max(instance_counts), False)[0]
+
+
+def fits(total_bytes: int, ranks: int, instances: int, pooled: bool) -> tuple[bool, str]:
+    need = memory_need(total_bytes, ranks, instances, pooled)
     available = available_memory()
-    if need * 1.15 > available:
-        return False, f"needs ~{need / 1e9:.0f} GB (shards, 2 slots, {instances} instance(s)); {available / 1e9:.0f} GB available"
+    if need * 1.15 > available:  # 15 % headroom
+        what = "pooled shards and parameters" if pooled else "shards, parameters"
+        return False, f"needs ~{need / 1e9:.0f} GB (1 slot, {what} of {ranks} rank(s) and {instances} instance(s)); " \
+                      f"{available / 1e9:.0f} GB available"
     return True, ""
 
 
@@ -241,7 +292,8 @@ def _median(values: list[float]) -> float:
 
 
 def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k: int, transport: str,
-               total_bytes: int, repeats: int, next_version: Callable[[], int], memcpy_s: float, warmup: int = 1) -> dict:
+               total_bytes: int, repeats: int, next_version: Callable[[], int], memcpy_s: float, warmup: int = 1,
+               persist: bool = True) -> dict:
     """``warmup`` unmeasured versions first: they map the shared-memory slots in every process
     (a fresh mapping costs a page fault per 4 KiB, several times the copy) and open connections."""
     rows = []
@@ -254,8 +306,10 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
         loaded = instances.gather(k)
         if not all(p["visible"] for p in pushed):
             raise RuntimeError(f"version {version} did not become visible: {pushed}")
-        client.wait_persisted(version, 600)  # outside the timed path, so the next push runs alone
+        if persist:
+            client.wait_persisted(version, 600)  # outside the timed path, so the next push runs alone
         summary = next(v for v in client.versions()["versions"] if v["version"] == version)
+        client.delete_version(version)  # its memory slot takes the next version
         if i < warmup:
             continue
         visible = summary["visible_at_monotonic"] - t0  # the PS's own clock reading (same host)
@@ -276,7 +330,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
         "end_to_end_s": _median([r["end_to_end_s"] for r in rows]),
         "lease_after_visible_s": _median([r["lease_after_visible_s"] for r in rows]),
         "rank_extra_bytes": max(r["rank_extra_bytes"] for r in rows),
-        "persist_s": _median([r["persist_s"] for r in rows if r["persist_s"] is not None]),
+        "persist_s": _median([r["persist_s"] for r in rows if r["persist_s"] is not None]) if persist else None,
     }
     cell["push_gb_per_s"] = total_bytes / cell["visible_s"] / 1e9
     cell["push_gb_per_s_per_stream"] = cell["push_gb_per_s"] / n_ranks
@@ -287,36 +341,36 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
 
 
 def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], instance_counts: list[int],
-               repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None]) -> dict:
+               repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto") -> dict:
     from staleflow.transports.client import ParamsClient
 
-    result: dict = {"bytes": total_bytes, "tensors": len(tensor_table(total_bytes)), "chunk_mb": chunk_mb,
-                    "load_average_before": os.getloadavg()[0], "cells": [], "skipped": []}
-    result["memcpy"] = measure_memcpy(total_bytes, repeats)
+    pooled = choose_pooling(total_bytes, rank_counts, instance_counts, pool)
+    # persisting a version that does not fit in memory twice would measure the disk, not the sync
+    persist = not pooled
+    result: dict = {"bytes": total_bytes, "tensors": len(tensor_table(total_bytes)), "chunk_mb": chunk_mb, "pooled": pooled,
+                    "persist": persist, "load_average_before": os.getloadavg()[0], "cells": [], "skipped": []}
+    result["memcpy"] = measure_memcpy(total_bytes, repeats, pooled)
     memcpy_s = result["memcpy"]["median_s"]
     counter = iter(range(1, 1 << 30))
-    proc, url = start_params_server(workdir / f"ps-{total_bytes}", sorted({"http", *transports}), chunk_mb)
+    proc, url = start_params_server(workdir / f"ps-{total_bytes}", sorted({"http", *transports}), chunk_mb, persist)
     try:
         with ParamsClient(url, timeout=600) as client:
-            # decided before any slot exists (the slots are counted in the need)
-            k_max = max((k for k in instance_counts if fits(total_bytes, 1, k)[0]), default=0)
             for n_ranks in rank_counts:
-                for k in instance_counts:
-                    if k > k_max:
-                        result["skipped"].append({"ranks": n_ranks, "instances": k, "why": fits(total_bytes, n_ranks, k)[1]})
-                if not k_max:
+                runnable = [k for k in instance_counts if fits(total_bytes, n_ranks, k, pooled)[0]]
+                result["skipped"] += [{"ranks": n_ranks, "instances": k, "why": fits(total_bytes, n_ranks, k, pooled)[1]}
+                                      for k in instance_counts if k not in runnable]
+                if not runnable:
                     advance()
                     continue
-                ranks = Workers(_rank_main, lambda r, n=n_ranks: (url, total_bytes, r, n), n_ranks)
-                instances = Workers(_instance_main, lambda _: (url, total_bytes), k_max)
+                ranks = Workers(_rank_main, lambda r, n=n_ranks: (url, total_bytes, r, n, pooled), n_ranks)
+                instances = Workers(_instance_main, lambda _: (url, total_bytes, pooled), max(runnable))
                 try:
                     result["shard_bytes"] = result.get("shard_bytes", {}) | {str(n_ranks): max(h["shard_bytes"] for h in ranks.hello)}
-                    warmup = 2  # both slots, in the new processes
+                    warmup = 1  # maps the slot in the new processes
                     for transport in transports:
-                        for k in [k for k in instance_counts if k <= k_max]:
+                        for k in runnable:
                             result["cells"].append(bench_cell(ranks, instances, client, n_ranks, k, transport, total_bytes,
-                                                              repeats, lambda: next(counter), memcpy_s, warmup))
-                            warmup = 1
+                                                              repeats, lambda: next(counter), memcpy_s, warmup, persist))
                 finally:
                     ranks.close()
                     instances.close()
@@ -332,18 +386,20 @@ def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], 
 
 
 def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[int], instance_counts: list[int],
-                     repeats: int = 3, chunk_mb: int = 64) -> dict:
+                     repeats: int = 3, chunk_mb: int = 64, pool: str = "auto") -> dict:
     results: dict = {"transports": transports, "ranks": rank_counts, "instances": instance_counts, "repeats": repeats,
                      "cpus": os.cpu_count(), "memory_bytes": total_memory(), "targets": TARGETS, "sizes": []}
     with tempfile.TemporaryDirectory(prefix="staleflow-bench-params-") as tmp, \
             Progress(console=console, transient=True) as progress:
         task = progress.add_task("parameter server benchmark", total=len(sizes) * len(rank_counts))
         for size in sizes:
-            if not fits(size, min(rank_counts), 1)[0]:
-                results["sizes"].append({"bytes": size, "cells": [], "skipped": [{"why": fits(size, min(rank_counts), 1)[1]}]})
+            smallest = fits(size, min(rank_counts), min(instance_counts), choose_pooling(size, rank_counts, instance_counts, pool))
+            if not smallest[0]:
+                results["sizes"].append({"bytes": size, "cells": [], "skipped": [{"why": smallest[1]}]})
+                progress.advance(task, len(rank_counts))
                 continue
             results["sizes"].append(bench_size(size, transports, rank_counts, instance_counts, repeats, chunk_mb, Path(tmp),
-                                               lambda: progress.advance(task)))
+                                               lambda: progress.advance(task), pool))
     return results
 
 
@@ -354,7 +410,8 @@ def _print(results: dict) -> None:
             console.print(f"[yellow]{gb:.1f} GB skipped: {size['skipped'][0]['why']}[/]")
             continue
         memcpy = size["memcpy"]
-        table = Table(title=f"Weight sync of a {gb:.2f} GB state dict ({size['tensors']} tensors, {size['chunk_mb']} MiB chunks); "
+        pooled = f"; pooled ({RING_TENSORS} buffers per rank and instance), not persisted" if size.get("pooled") else ""
+        table = Table(title=f"Weight sync of a {gb:.2f} GB state dict ({size['tensors']} tensors, {size['chunk_mb']} MiB chunks{pooled}); "
                             f"memcpy {memcpy['median_s']:.3f} s ({memcpy['gb_per_s']:.1f} GB/s); load average "
                             f"{size['load_average_before']:.1f} -> {size['load_average_after']:.1f}")
         columns = ("transport", "ranks", "inst.", "push s", "visible s", "push GB/s", "visible vs memcpy", "pull s",
@@ -368,7 +425,8 @@ def _print(results: dict) -> None:
                           f"{c['pull_s']:.3f}", _mark(c["pull_vs_memcpy"], c["transport"] == "shm" and c["instances"] == 1,
                                                       TARGETS["pull_shm"]),
                           f"{c['end_to_end_s']:.3f}", _mark(c["end_to_end_vs_copy_plus_pull"], False, 0),
-                          f"{c['rank_extra_bytes'] / 2**20:.0f} ({shard / 2**20:.0f})", f"{c['persist_s']:.2f}")
+                          f"{c['rank_extra_bytes'] / 2**20:.0f} ({shard / 2**20:.0f})",
+                          "off" if c["persist_s"] is None else f"{c['persist_s']:.2f}")
         console.print(table)
         for skipped in size["skipped"]:
             console.print(f"  [yellow]skipped ranks={skipped.get('ranks')} instances={skipped.get('instances')}: {skipped['why']}[/]")
@@ -389,6 +447,9 @@ def register(bench_app: typer.Typer) -> None:
         instances: Annotated[str, typer.Option(help="instances pulling at once, comma-separated")] = "1,2,4",
         repeats: Annotated[int, typer.Option(help="versions per measurement (median reported)")] = 3,
         chunk_mb: Annotated[int, typer.Option("--chunk-mb", help="PS chunk size in MiB")] = 64,
+        pool: Annotated[str, typer.Option(help="auto: when a size does not fit in memory, ranks and instances hold "
+                                               f"{RING_TENSORS} shared buffers of same-shaped tensors (the PS still holds "
+                                               "every byte) and nothing is persisted; on; off")] = "auto",
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
         output: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
     ) -> None:
@@ -406,7 +467,9 @@ def register(bench_app: typer.Typer) -> None:
             raise fail(f"transports {sorted(unknown) or chosen}: choose from shm, http")
         if not rank_list or not instance_list or min(rank_list + instance_list) < 1:
             raise fail("--ranks and --instances need positive counts")
-        results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb)
+        if pool not in ("auto", "on", "off"):
+            raise fail(f"--pool {pool!r}: choose from auto, on, off")
+        results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb, pool)
         emit_results(results, output, as_json, _print)
 
 

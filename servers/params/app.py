@@ -177,6 +177,12 @@ class ChunkReceived(_Answer):
     checksum: str
 
 
+class VersionDeleted(_Answer):
+    version: int
+    deleted: bool = Field(description="gone now; false: it goes when its open pulls end")
+    readers: int = Field(description="pulls still reading it")
+
+
 class PushAborted(_Answer):
     version: int
     aborted: bool
@@ -312,6 +318,12 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     @app.post("/v1/params/{version}/commit", response_model=VersionSummary)
     def commit(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
         return store.commit(version, push_id).summary()
+
+    @app.delete("/v1/params/{version}", response_model=VersionDeleted)
+    def delete_version(store: StoreDep, version: int) -> dict:
+        """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end."""
+        stored = store.delete_version(version)
+        return {"version": version, "deleted": stored.leases == 0, "readers": stored.leases}
 
     @app.delete("/v1/params/{version}/push", response_model=PushAborted)
     def abort_push(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:

@@ -556,6 +556,21 @@ class ParamStore:
             self.finish_part(version, push_id, 0)
             return self.versions[version].manifest
 
+    def delete_version(self, version: int) -> StoredVersion:
+        """Withdraw a complete version (a bad one, or to make room): no new pulls get it, and it
+        leaves memory and disk once the pulls still reading it end."""
+        with self._cond:
+            stored = self.versions.get(version)
+            if stored is None or not stored.retained:
+                raise ParamsError(ErrorCode.UNKNOWN_VERSION, f"version {version} is not kept here")
+            stored.retained = False
+            self._to_persist.discard(version)
+            if stored.leases == 0:
+                self._destroy(stored)
+            self._cond.notify_all()
+            log.info("version %d deleted%s", version, f" once {stored.leases} reader(s) finish" if stored.leases else "")
+            return stored
+
     def abort_push(self, version: int, push_id: str) -> None:
         with self._cond:
             push = self._push(version, push_id)

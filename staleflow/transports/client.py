@@ -224,6 +224,10 @@ class ParamsClient(RestClient):
         host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
         return f"{parts.scheme}://{host}:{port}"
 
+    def delete_version(self, version: int) -> dict:
+        """Withdraw ``version`` from the PS (it goes once the pulls reading it end)."""
+        return self._call("DELETE", f"/v1/params/{version}")
+
     def wait_persisted(self, version: int, timeout_s: float) -> bool:
         """True once ``version`` is persisted on the PS's disk (False when ``timeout_s`` ran out)."""
         reply = self._call("GET", f"/v1/params/{version}/persisted", params={"wait_s": timeout_s}, timeout=self.timeout + timeout_s)

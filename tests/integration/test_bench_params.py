@@ -21,7 +21,7 @@ def test_bench_params_reports_push_pull_and_end_to_end_per_cell(tmp_path: Path) 
     assert set(cells) == {(t, n, k) for t in ("shm", "http") for n in (1, 2) for k in (1, 2)}
     for cell in cells.values():
         assert 0 < cell["push_s"] <= cell["visible_s"] <= cell["end_to_end_s"]
-        assert cell["pull_s"] > 0 and cell["persist_s"] >= 0
+        assert cell["pull_s"] > 0 and cell["persist_s"] >= 0 and cell["lease_after_visible_s"] >= 0
         for ratio in ("visible_vs_memcpy", "pull_vs_memcpy", "end_to_end_vs_copy_plus_pull"):
             assert cell[ratio] > 0, ratio
     assert size["shard_bytes"]["2"] < size["shard_bytes"]["1"]  # each of two ranks holds half
@@ -30,3 +30,16 @@ def test_bench_params_reports_push_pull_and_end_to_end_per_cell(tmp_path: Path) 
 def test_bench_params_refuses_unknown_transports() -> None:
     result = CliRunner().invoke(app, ["bench", "params", "--transports", "carrier-pigeon"])
     assert result.exit_code != 0 and "choose from shm, http" in result.output
+
+
+def test_a_pooled_size_moves_every_byte_through_shared_buffers(tmp_path: Path) -> None:
+    """What runs when a size does not fit in memory: ranks and instances hold a ring of buffers
+    (the pulls are verified, so every byte still matches), nothing is persisted."""
+    output = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "params", "--sizes", "24MiB", "--ranks", "2", "--instances", "1",
+                                      "--repeats", "1", "--chunk-mb", "4", "--pool", "on", "--output", str(output)])
+    assert result.exit_code == 0, result.output
+    size = json.loads(output.read_text())["sizes"][0]
+    assert size["pooled"] and not size["persist"] and size["memcpy"]["pooled"]
+    assert {(c["transport"], c["persist_s"]) for c in size["cells"]} == {("shm", None), ("http", None)}
+    assert all(c["pull_s"] > 0 and c["visible_vs_memcpy"] > 0 for c in size["cells"])

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from support import free_port
 
+from staleflow.errors import ErrorCode
 from staleflow.servers.clients import ServiceError
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, ParamsError, ParamStore, create_app
@@ -434,3 +435,28 @@ def test_a_version_not_yet_persisted_is_lost_whole_on_sigkill(tmp_path: Path) ->
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_deleted_version_is_refused_at_once_and_freed_when_its_readers_end(ps: ParamsClient, tmp_path: Path) -> None:
+    ps.push(1, state_dict(1))
+    ps.push(2, state_dict(2))
+    assert ps.wait_persisted(2, 60)
+    reading = ps.open_pull(2, "shm")
+    answer = ps.delete_version(2)
+    assert answer == {"version": 2, "deleted": False, "readers": 1}
+    assert ps.latest()["version"] == 1  # the newest kept version is the one before
+    with pytest.raises(ServiceError) as refused:
+        ps.open_pull(2)
+    assert refused.value.code is ErrorCode.UNKNOWN_VERSION
+    assert_same(dict(ps.receive(reading)), state_dict(2))  # an open pull still reads it whole
+    ps.close_pull(reading)
+    assert [v["version"] for v in ps.versions()["versions"]] == [1]
+    assert "v0000000002" not in {p.name for p in (tmp_path / "versions").iterdir()}
+    slots_before = ps.versions()["shm"]["slots"]
+    ps.push(3, state_dict(3))  # takes the freed memory slot (same size) instead of a new one
+    assert ps.versions()["shm"]["slots"] == slots_before
+    assert ps.wait_persisted(3, 60)
+    assert ps.delete_version(3) == {"version": 3, "deleted": True, "readers": 0}
+    with pytest.raises(ServiceError) as again:
+        ps.delete_version(3)
+    assert again.value.code is ErrorCode.UNKNOWN_VERSION
