@@ -16,7 +16,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,9 +55,9 @@ class TensorSlice:
         return start, start + quotient + (1 if self.index < remainder else 0)
 
 
-Choice = Union[TensorSlice, None]  # noqa: UP007 - a runtime alias
-Resolved = Union[Mapping[str, Choice], Iterable[str]]  # noqa: UP007
-Selection = Union[Resolved, Callable[[Manifest], Resolved]]  # noqa: UP007
+Choice = TensorSlice | None  # one tensor: whole (None) or one part
+Resolved = Mapping[str, Choice] | Iterable[str]  # a list of names: those tensors whole
+Selection = Resolved | Callable[[Manifest], Resolved]  # a callable is resolved against the manifest
 
 
 def select_where(predicate: Callable[[TensorSpec], bool],
