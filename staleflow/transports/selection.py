@@ -132,10 +132,26 @@ class SelectedTensor:
 
 @dataclass(frozen=True)
 class ChunkStep:
-    """One touched chunk and the copies of the selected bytes in it: (tensor position, block)."""
+    """One touched chunk and the selected tensors with bytes in it: (position, region), in
+    data-section order."""
 
     chunk: ChunkSpec
-    copies: tuple[tuple[int, Block], ...]
+    regions: tuple[tuple[int, Strided], ...]
+
+    @property
+    def copies(self) -> list[tuple[int, Block]]:
+        """The copies of the selected bytes in this chunk: (tensor position, block)."""
+        return self.copies_within(self.chunk.offset, self.chunk.offset + self.chunk.length)
+
+    def copies_within(self, lo: int, hi: int) -> list[tuple[int, Block]]:
+        """The copies of the selected bytes in data-section bytes [lo, hi) of this chunk."""
+        ends = [region.end for _, region in self.regions]  # increasing: tensors do not overlap
+        out = []
+        for position, region in self.regions[bisect.bisect_right(ends, lo):]:
+            if region.offset >= hi:
+                break
+            out.extend((position, block) for block in blocks_within(region, lo, hi))
+        return out
 
 
 @dataclass(frozen=True)
@@ -276,19 +292,18 @@ def plan_selection(manifest: Manifest, select: Selection) -> SelectionPlan:
 
 
 def chunk_steps(chunks: Sequence[ChunkSpec], regions: Sequence[Strided]) -> tuple[ChunkStep, ...]:
-    """Per chunk that holds selected bytes: the copies of them, in data-section order."""
+    """Per chunk that holds selected bytes: the regions with bytes in it, in data-section order."""
     starts = [c.offset for c in chunks]
-    copies: dict[int, list[tuple[int, Block]]] = {}
+    touching: dict[int, list[tuple[int, Strided]]] = {}
     for position, region in enumerate(regions):
         if not region.nbytes:
             continue
         i = max(0, bisect.bisect_right(starts, region.offset) - 1)
         while i < len(chunks) and chunks[i].offset < region.end:
-            chunk = chunks[i]
-            for block in blocks_within(region, chunk.offset, chunk.offset + chunk.length):
-                copies.setdefault(i, []).append((position, block))
+            if blocks_within(region, chunks[i].offset, chunks[i].offset + chunks[i].length):
+                touching.setdefault(i, []).append((position, region))
             i += 1
-    return tuple(ChunkStep(chunks[i], tuple(copies[i])) for i in sorted(copies))
+    return tuple(ChunkStep(chunks[i], tuple(touching[i])) for i in sorted(touching))
 
 
 def copy_blocks(copies: Iterable[tuple[int, Block]], source: np.ndarray, source_start: int,

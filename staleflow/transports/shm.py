@@ -325,9 +325,10 @@ class ShmTransport(Transport):
                       verify: bool) -> Iterator[int]:
         """Copies only the selected bytes out of the slot (strided copies for slices along dim > 0)
         into ``targets`` (one flat byte buffer per selected tensor, in ``plan.tensors`` order), and
-        verifies each touched chunk by hashing it in the slot -- immutable while the lease is open
-        -- after its selected bytes were copied. Chunks go to the worker threads; yields the end of
-        the data section verified so far, in order, as touched chunks complete."""
+        verifies each touched chunk by hashing it whole in the slot -- immutable while the lease is
+        open -- piece by piece, each piece after its selected bytes were copied. Chunks go to the
+        worker threads; yields the end of the data section verified so far, in order, as touched
+        chunks complete."""
         self._check_host(lease.details)
         mapping = self._mapping(lease.details["path"])
         base = lease.manifest.data_offset
@@ -337,13 +338,15 @@ class ShmTransport(Transport):
 
         def one(step: ChunkStep) -> int:
             chunk = step.chunk
-            copy_blocks(step.copies, source, -base, targets)
-            if verify and chunk.checksum:
-                hasher = ChunkHasher(checksum_algorithm(chunk.checksum))
-                hasher.update(view[base + chunk.offset:base + chunk.offset + chunk.length])
+            hasher = ChunkHasher(checksum_algorithm(chunk.checksum)) if verify and chunk.checksum else None
+            for offset, length in pieces_of(chunk, PIECE_BYTES):  # each piece hashed right after its copy, in cache
+                copy_blocks(step.copies_within(offset, offset + length), source, -base, targets)
+                if hasher is not None:
+                    hasher.update(view[base + offset:base + offset + length])
+            if hasher is not None:
                 actual = hasher.hexdigest()
                 if actual != chunk.checksum:
-                    raise ChecksumMismatch(chunk.index, chunk.checksum, actual)
+                    raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual)
             return chunk.offset + chunk.length
 
         yield from _in_order(self._executor(), one, plan.steps, self.workers * 2)

@@ -43,13 +43,18 @@ def stored(manifest: Manifest, data: np.ndarray, name: str) -> np.ndarray:
     return data[spec.offset:spec.offset + spec.nbytes].view(numpy_dtype(spec.dtype)).reshape(spec.shape)
 
 
-def gather(manifest: Manifest, data: np.ndarray, select: object) -> dict[str, np.ndarray]:
-    """The selection's tensors, copied chunk by chunk as the transports do."""
+def gather(manifest: Manifest, data: np.ndarray, select: object, piece_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """The selection's tensors, copied chunk by chunk (and piece by piece) as the transports do."""
     plan = plan_selection(manifest, select)
     targets = [np.full(t.nbytes, 0xEE, np.uint8) for t in plan.tensors]
     for step in plan.steps:
         chunk = step.chunk
-        copy_blocks(step.copies, data[chunk.offset:chunk.offset + chunk.length], chunk.offset, targets)
+        if piece_bytes is None:
+            copy_blocks(step.copies, data[chunk.offset:chunk.offset + chunk.length], chunk.offset, targets)
+        else:
+            for lo in range(chunk.offset, chunk.offset + chunk.length, piece_bytes):
+                hi = min(lo + piece_bytes, chunk.offset + chunk.length)
+                copy_blocks(step.copies_within(lo, hi), data[lo:hi], lo, targets)
     return {t.name: target.view(numpy_dtype(t.spec.dtype)).reshape(t.shape) if t.nbytes else np.empty(t.shape)
             for t, target in zip(plan.tensors, targets, strict=True)}
 
@@ -83,14 +88,15 @@ def test_a_slice_is_numpys_array_split_and_torchs_tensor_split(case: tuple, part
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(sliced_tensors(), min_size=1, max_size=4), st.integers(1, 300), st.data())
-def test_chunk_by_chunk_copies_of_several_tensors_equal_their_slices(cases: list, chunk_bytes: int, data: st.DataObject) -> None:
+@given(st.lists(sliced_tensors(), min_size=1, max_size=4), st.integers(1, 300), st.none() | st.integers(1, 40), st.data())
+def test_chunk_by_chunk_copies_of_several_tensors_equal_their_slices(cases: list, chunk_bytes: int, piece_bytes: int | None,
+                                                                     data: st.DataObject) -> None:
     tensors = {f"t{i}": (dtype, shape) for i, (shape, dtype, _) in enumerate(cases)}
     manifest = manifest_of(tensors, chunk_bytes)
     section = data_section(manifest, chunk_bytes)
     choices = {f"t{i}": data.draw(st.sampled_from([part, None])) for i, (_, _, part) in enumerate(cases)}
     select = data.draw(st.lists(st.sampled_from(sorted(choices)), min_size=1, unique=True))
-    got = gather(manifest, section, {name: choices[name] for name in select})
+    got = gather(manifest, section, {name: choices[name] for name in select}, piece_bytes)
     assert set(got) == set(select)
     for name in select:
         whole = stored(manifest, section, name)
