@@ -16,10 +16,12 @@ from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
 from staleflow.transports.base import ChecksumMismatch, FormatError, PullLease
 from staleflow.transports.client import ParamsClient, RawTensor
+from staleflow.transports.nixl import nixl_available
 from staleflow.transports.selection import TensorSlice, select_prefix
 
 CHUNK = 64 << 10
-TRANSPORTS = ["http", "shm"]
+TRANSPORTS = ["http", "shm"]  # both read the PS's memory slot, where corrupt_slot flips a byte
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available()[0], reason=nixl_available()[1]))
 
 
 def state_dict(seed: int) -> dict[str, object]:
@@ -65,8 +67,9 @@ def assert_selected(got: dict[str, object], whole: dict[str, np.ndarray], select
 
 
 @pytest.fixture
-def ps(tmp_path: Path) -> Iterator[ParamsClient]:
-    config = ParamsConfig(state_dir=tmp_path, port=0, chunk_bytes=CHUNK, fsync=False, keep=2)
+def ps(tmp_path: Path, transport: str) -> Iterator[ParamsClient]:
+    transports = ("http", "shm", "nixl") if transport == "nixl" else ("http", "shm")
+    config = ParamsConfig(state_dir=tmp_path, port=0, chunk_bytes=CHUNK, fsync=False, keep=2, transports=transports)
     with serve_in_thread(create_app(config)) as server, ParamsClient(server.url) as client:
         client.push(1, state_dict(1))
         yield client
@@ -89,7 +92,7 @@ def byte_of(lease: PullLease, name: str, row: int, column_byte: int) -> int:
     return spec.offset + row * (spec.nbytes // spec.shape[0]) + column_byte
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", [*TRANSPORTS, NIXL])
 def test_selected_pulls_equal_the_slices_of_the_whole_pull(ps: ParamsClient, transport: str) -> None:
     whole = ps.pull(1, transport)
     for size in (1, 2, 3, 8):
@@ -97,7 +100,7 @@ def test_selected_pulls_equal_the_slices_of_the_whole_pull(ps: ParamsClient, tra
             select = tensor_parallel(rank, size)
             assert_selected(ps.pull(1, transport, select=select), whole, select)
             assert_selected(ps.pull(1, transport, select=select, verify=False), whole, select)
-    ps.selection_scratch_bytes = 1  # http: one chunk at a time through the scratch buffer
+    ps.selection_scratch_bytes = 1  # http, nixl: one chunk at a time through the scratch buffer
     for rank in range(3):
         select = tensor_parallel(rank, 3)
         assert_selected(ps.pull(1, transport, select=select), whole, select)
@@ -107,7 +110,7 @@ def test_selected_pulls_equal_the_slices_of_the_whole_pull(ps: ParamsClient, tra
     assert_selected(stage, whole, {n: TensorSlice(0, 1, 2) for n in ("layers.0.qkv", "layers.0.o_proj", "layers.0.norm", "layers.0.bf16")})
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", [*TRANSPORTS, NIXL])
 def test_selected_tensors_come_in_data_section_order_into_buffers_of_their_selected_shapes(ps: ParamsClient, transport: str) -> None:
     whole = ps.pull(1, transport)
     select = tensor_parallel(1, 2)
