@@ -16,6 +16,7 @@ from staleflow.transports.base import (
     Transport,
     TransportUnavailable,
 )
+from staleflow.transports.selection import TensorSlice, select_prefix, select_where
 
 __all__ = [
     "ByteRegions",
@@ -25,7 +26,10 @@ __all__ = [
     "Manifest",
     "PullLease",
     "PushSession",
+    "TensorSlice",
     "TensorSpec",
     "Transport",
     "TransportUnavailable",
+    "select_prefix",
+    "select_where",
 ]

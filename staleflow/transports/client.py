@@ -33,6 +33,7 @@ from staleflow.transports.base import (
 )
 from staleflow.transports.http import HttpTransport
 from staleflow.transports.rest import RestClient, ServiceError
+from staleflow.transports.selection import Selection, SelectionPlan, copy_blocks, plan_selection, window_lease
 from staleflow.transports.shm import ShmTransport, host_id
 
 
@@ -91,18 +92,22 @@ def safetensors_dtype_of(value: Any) -> str:
     return safetensors_dtype(np.asarray(value).dtype)
 
 
-def _as_torch(array: np.ndarray, spec: TensorSpec) -> Any:
+def _as_torch(array: np.ndarray, spec: TensorSpec, shape: tuple[int, ...] | None = None) -> Any:
     import torch
 
     dtype = getattr(torch, {v: k for k, v in _TORCH_DTYPES.items()}[spec.dtype])
     raw = torch.from_numpy(array.reshape(-1).view(np.uint8))
-    return raw.view(dtype).reshape(spec.shape)
+    return raw.view(dtype).reshape(spec.shape if shape is None else shape)
 
 
 class ParamsClient(RestClient):
     """The parameter server's API for the trainer (push), the instances (pull) and the coordinator
     (versions, latest). Not thread-safe: one per thread. ``token`` (default: $STALEFLOW_TOKEN) is
     sent with every request, as the services' bearer-token check wants it for pushes."""
+
+    # A selected pull over http (or nixl) receives the chunks it touches into a scratch buffer of
+    # this size (at least one chunk) and copies the selected bytes out of it.
+    selection_scratch_bytes = 64 << 20
 
     def __init__(self, url: str, timeout: float = 60.0, token: str | None = None):
         super().__init__(url, token, timeout)
@@ -259,24 +264,38 @@ class ParamsClient(RestClient):
         return self.open_pull(version, "http", wait_s)
 
     def iter_pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
-                  as_torch: bool = False, verify: bool = True, wait_s: float = 0.0) -> Iterator[tuple[str, Any]]:
+                  as_torch: bool = False, verify: bool = True, wait_s: float = 0.0,
+                  select: Selection | None = None) -> Iterator[tuple[str, Any]]:
         """Yields (name, tensor) as each tensor's chunks have landed and been verified. Into
         ``out`` (name -> preallocated array of the right size) if given, else into one new buffer
-        of the version's size. ``transport="auto"`` picks shm on the PS's host, http elsewhere."""
+        of the version's size. ``transport="auto"`` picks shm on the PS's host, http elsewhere.
+        ``select``: only these tensors, each whole or one tensor-parallel slice (see ``receive``)."""
         lease = self._open_auto(version, wait_s) if transport == "auto" else self.open_pull(version, transport, wait_s)
         try:
-            yield from self.receive(lease, out=out, as_torch=as_torch, verify=verify)
+            yield from self.receive(lease, out=out, as_torch=as_torch, verify=verify, select=select)
         finally:
             self.close_pull(lease)
 
     def pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
-             as_torch: bool = False, verify: bool = True, wait_s: float = 0.0) -> dict[str, Any]:
-        """The whole state dict of ``version`` (a number, 'latest' or 'latest-N')."""
-        return dict(self.iter_pull(version, transport, out=out, as_torch=as_torch, verify=verify, wait_s=wait_s))
+             as_torch: bool = False, verify: bool = True, wait_s: float = 0.0,
+             select: Selection | None = None) -> dict[str, Any]:
+        """The whole state dict of ``version`` (a number, 'latest' or 'latest-N'), or the part of
+        it ``select`` names."""
+        return dict(self.iter_pull(version, transport, out=out, as_torch=as_torch, verify=verify, wait_s=wait_s,
+                                   select=select))
 
     def receive(self, lease: PullLease, *, out: Mapping[str, Any] | None = None, as_torch: bool = False,
-                verify: bool = True) -> Iterator[tuple[str, Any]]:
-        """The tensors of an open lease (see ``open_pull``), as ``iter_pull`` yields them."""
+                verify: bool = True, select: Selection | None = None) -> Iterator[tuple[str, Any]]:
+        """The tensors of an open lease (see ``open_pull``), as ``iter_pull`` yields them.
+
+        ``select`` pulls only some tensors: a mapping name -> ``None`` (whole) or ``TensorSlice``
+        (one tensor-parallel part), a list of names, or a callable that takes the manifest and
+        returns one of those (``select_prefix``, ``select_where``). Tensors then come with their
+        selected shapes, and ``out`` needs a buffer of that shape for each selected tensor. Every
+        chunk the selected bytes come from is verified as in a whole pull."""
+        if select is not None:
+            yield from self._receive_selected(lease, select, out, as_torch, verify)
+            return
         manifest = lease.manifest
         if out is not None:
             arrays = {t.name: _writable_array(out, t) for t in manifest.tensors}
@@ -295,6 +314,35 @@ class ParamsClient(RestClient):
                     yield spec.name, out[spec.name]
                 else:
                     yield spec.name, _as_torch(arrays[spec.name], spec) if as_torch else arrays[spec.name]
+
+    def _receive_selected(self, lease: PullLease, select: Selection, out: Mapping[str, Any] | None, as_torch: bool,
+                          verify: bool) -> Iterator[tuple[str, Any]]:
+        plan = plan_selection(lease.manifest, select)
+        if out is not None:
+            targets = [_selected_target(out, t.name, t.spec.dtype, t.shape, t.nbytes) for t in plan.tensors]
+            arrays = [out[t.name] for t in plan.tensors]
+        else:
+            flat = np.empty(plan.buffer_bytes, np.uint8)
+            targets = [flat[t.target_offset:t.target_offset + t.nbytes] for t in plan.tensors]
+            arrays = [_shaped(target, t.spec, t.shape) for target, t in zip(targets, plan.tensors, strict=True)]
+        transport = self.transport(lease.transport)
+        if isinstance(transport, ShmTransport):
+            verified_ends = transport.pull_selected(lease, plan, targets, verify)
+        else:
+            verified_ends = _pull_windows(transport, lease, plan, targets, verify, self.selection_scratch_bytes)
+        pending = sorted(range(len(plan.tensors)), key=lambda i: (plan.tensors[i].region.end, i))
+        next_tensor = 0
+        for verified_end in (0, *verified_ends, None):  # None: every touched chunk is done
+            while next_tensor < len(pending):
+                position = pending[next_tensor]
+                selected = plan.tensors[position]
+                if verified_end is not None and selected.region.end > verified_end:
+                    break
+                next_tensor += 1
+                if out is None and as_torch:
+                    yield selected.name, _as_torch(arrays[position], selected.spec, selected.shape)
+                else:
+                    yield selected.name, arrays[position]
 
 
 def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions, verify: bool) -> Iterator[int]:
@@ -327,6 +375,53 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
                 hasher = ChunkHasher(checksum_algorithm(chunks[index].checksum))
     if index != len(chunks):
         raise FormatError(f"transport {transport.name} stopped after {index} of {len(chunks)} chunks")
+
+
+def _pull_windows(transport: Transport, lease: PullLease, plan: SelectionPlan, targets: list[np.ndarray],
+                  verify: bool, scratch_bytes: int) -> Iterator[int]:
+    """A selected pull over a transport that moves whole chunks: the touched chunks, a window of
+    adjacent ones at a time, land (verified) in one scratch buffer and the selected bytes are
+    copied out of it. Yields the end of the data section verified and copied so far."""
+    limit = max(scratch_bytes, lease.manifest.chunk_bytes)
+    windows = plan.windows(limit)
+    if not windows:
+        return
+    scratch = np.empty(max(sum(step.chunk.length for step in window) for window in windows), np.uint8)
+    for window in windows:
+        start = window[0].chunk.offset
+        length = sum(step.chunk.length for step in window)
+        landed = 0
+        for verified_end in _verified_prefixes(transport, window_lease(lease, [s.chunk for s in window]),
+                                               ByteRegions.flat(scratch[:length]), verify):
+            while landed < len(window) and window[landed].chunk.offset + window[landed].chunk.length - start <= verified_end:
+                step = window[landed]
+                copy_blocks(step.copies, scratch, start, targets)
+                landed += 1
+                yield step.chunk.offset + step.chunk.length
+
+
+def _shaped(flat: np.ndarray, spec: TensorSpec, shape: tuple[int, ...]) -> np.ndarray:
+    dtype = numpy_dtype(spec.dtype)
+    if not len(flat):
+        return np.empty(shape, dtype)
+    return flat.view(dtype).reshape(shape)
+
+
+def _selected_target(out: Mapping[str, Any], name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> np.ndarray:
+    """The flat bytes of ``out[name]``, which must have the selected shape and size."""
+    if name not in out:
+        raise FormatError(f"out has no buffer for the selected tensor {name!r}")
+    target = out[name]
+    got_shape = tuple(getattr(target, "shape", ()))
+    if got_shape != shape:
+        raise FormatError(f"out[{name!r}] has shape {list(got_shape)}; the selection gives {dtype} {list(shape)}")
+    if type(target).__module__.startswith("torch"):
+        target = _torch_bytes_target(target)
+    if not isinstance(target, np.ndarray) or not target.flags.writeable or not target.flags.c_contiguous:
+        raise FormatError(f"out[{name!r}] must be a writable C-contiguous numpy array or CPU torch tensor")
+    if target.nbytes != nbytes:
+        raise FormatError(f"out[{name!r}] holds {target.nbytes} bytes; the selection gives {nbytes} ({dtype} {list(shape)})")
+    return target.reshape(-1).view(np.uint8)
 
 
 def _byte_view_of(data: Any) -> memoryview:

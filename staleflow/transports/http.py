@@ -234,10 +234,10 @@ class HttpTransport(Transport):
 
         with self._connect() as conn:
             if chunks:
-                ask(0)
-            for chunk in chunks:
-                if chunk.index + 1 < len(chunks):  # pipelined: the server starts on it while we read this one
-                    ask(chunk.index + 1)
+                ask(chunks[0].index)
+            for position, chunk in enumerate(chunks):  # a selected pull's lease lists only some chunks
+                if position + 1 < len(chunks):  # pipelined: the server starts on it while we read this one
+                    ask(chunks[position + 1].index)
                 status, headers = conn.read_head()
                 length = int(headers["content-length"])
                 if status != 200:

@@ -43,6 +43,7 @@ from staleflow.transports.base import (
     checksum_algorithm,
     pieces_of,
 )
+from staleflow.transports.selection import ChunkStep, SelectionPlan, copy_blocks
 
 T = TypeVar("T")
 
@@ -319,6 +320,36 @@ class ShmTransport(Transport):
             return chunk.offset + chunk.length
 
         yield from _in_order(self._executor(), one, lease.manifest.chunks, self.workers * 2)
+
+    def pull_selected(self, lease: PullLease, plan: SelectionPlan, targets: Sequence[np.ndarray],
+                      verify: bool) -> Iterator[int]:
+        """Copies only the selected bytes out of the slot (strided copies for slices along dim > 0)
+        into ``targets`` (one flat byte buffer per selected tensor, in ``plan.tensors`` order), and
+        verifies each touched chunk by hashing it whole in the slot -- immutable while the lease is
+        open -- piece by piece, each piece after its selected bytes were copied. Chunks go to the
+        worker threads; yields the end of the data section verified so far, in order, as touched
+        chunks complete."""
+        self._check_host(lease.details)
+        mapping = self._mapping(lease.details["path"])
+        base = lease.manifest.data_offset
+        if len(mapping.view) < base + lease.manifest.total_bytes:
+            raise TransportUnavailable(f"segment {lease.details['path']} is shorter than version {lease.manifest.version}")
+        source, view = mapping.array, mapping.view
+
+        def one(step: ChunkStep) -> int:
+            chunk = step.chunk
+            hasher = ChunkHasher(checksum_algorithm(chunk.checksum)) if verify and chunk.checksum else None
+            for offset, length in pieces_of(chunk, PIECE_BYTES):  # each piece hashed right after its copy, in cache
+                copy_blocks(step.copies_within(offset, offset + length), source, -base, targets)
+                if hasher is not None:
+                    hasher.update(view[base + offset:base + offset + length])
+            if hasher is not None:
+                actual = hasher.hexdigest()
+                if actual != chunk.checksum:
+                    raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual)
+            return chunk.offset + chunk.length
+
+        yield from _in_order(self._executor(), one, plan.steps, self.workers * 2)
 
     def push(self, session: PushSession, source: ByteRegions) -> dict[int, str]:
         """Write the session's chunks straight into the PS's slot; returns their checksums,
