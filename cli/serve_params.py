@@ -14,8 +14,9 @@ from pydantic import ValidationError
 from staleflow.cli.common import fail, flag_names, validation_failure
 from staleflow.config import ParamsConfig, default_of
 
-OPTIONS = ("state_dir", "keep", "transports", "host", "port", "shm_dir", "fsync")
+OPTIONS = ("state_dir", "keep", "transports", "host", "port", "data_port", "shm_dir", "fsync")
 """Options named after the setting they set; ``--chunk-mb`` and ``--lease-ttl`` are named apart."""
+NO_DATA_PLANE = -1
 
 
 def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | None) -> None:
@@ -34,12 +35,13 @@ def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | Non
 
 
 def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, host: str, port: int,
-                  shm_dir: Path, fsync: bool, lease_ttl_s: float, persist: bool = True) -> ParamsConfig:
+                  shm_dir: Path, fsync: bool, lease_ttl_s: float, persist: bool = True, data_port: int = 0) -> ParamsConfig:
     try:
         return ParamsConfig(
             state_dir=state_dir, keep=keep, chunk_bytes=int(chunk_mb * (1 << 20)),
             transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
             host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s, persist=persist,
+            data_port=None if data_port == NO_DATA_PLANE else data_port,
         )
     except ValidationError as exc:
         names = {**flag_names(OPTIONS), "chunk_bytes": "--chunk-mb", "lease_ttl_s": "--lease-ttl"}
@@ -56,6 +58,9 @@ def register(serve_app: typer.Typer) -> None:
         transports: Annotated[str, typer.Option(help="comma-separated: http,shm,nixl")] = ",".join(default_of(ParamsConfig, "transports")),
         host: Annotated[str, typer.Option(help="bind address")] = default_of(ParamsConfig, "host"),
         port: Annotated[int, typer.Option(help="bind port")] = default_of(ParamsConfig, "port"),
+        data_port: Annotated[int, typer.Option("--data-port", help="port of the chunk data plane (0: any free port; "
+                                                                   f"{NO_DATA_PLANE}: none, chunks go through --port)")]
+        = default_of(ParamsConfig, "data_port"),
         token: Annotated[str | None, typer.Option(help="bearer token for mutating requests (default: $STALEFLOW_TOKEN)")] = None,
         shm_dir: Annotated[Path, typer.Option("--shm-dir", help="shared-memory directory")] = default_of(ParamsConfig, "shm_dir"),
         fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync each version as it is persisted")]
@@ -70,7 +75,7 @@ def register(serve_app: typer.Typer) -> None:
         from staleflow.servers.params import ParamStore, create_app
         from staleflow.transports.base import TransportUnavailable
 
-        config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s, persist)
+        config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s, persist, data_port)
         if "nixl" in config.transports:
             from staleflow.transports.nixl import nixl_available
 
