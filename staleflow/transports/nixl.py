@@ -114,7 +114,7 @@ class NixlExporter:
     """Server side: the PS's one NIXL agent, with registered mappings of the stored versions (for
     pulls) and the registered slots of pushes in progress. The agent has no progress thread; a
     pump thread progresses it (every ``BUSY_PROGRESS_S`` while transfers may run, else every
-    ``IDLE_PROGRESS_S``), so a PS with NIXL enabled costs no core while nothing moves. NIXL's
+    ``IDLE_PROGRESS_S``), so a PS with NIXL enabled costs next to no CPU while idle. NIXL's
     agent is not thread-safe without its listener: every call into it holds ``_lock``."""
 
     def __init__(self, name_prefix: str):
@@ -131,6 +131,8 @@ class NixlExporter:
 
     def _started_agent(self) -> Any:
         """Under ``_lock``: the agent, created (with its pump) on first use."""
+        if self._stopped.is_set():
+            raise TransportUnavailable("the parameter server is stopping")
         if self._agent is None:
             self._agent = _new_agent(self.name_prefix)
             self._pump = threading.Thread(target=self._progress_forever, name="nixl-progress", daemon=True)
@@ -170,7 +172,7 @@ class NixlExporter:
             return {**self._details(agent), "base_address": base_address, "data_offset": data_offset, "size": size}
 
     def release_push(self, push_id: str) -> None:
-        """The push committed, was dropped or the PS stops: its slot takes no more writes."""
+        """The push committed, was dropped or the PS stops: its slot is registered no more."""
         with self._lock:
             registration = self._pushes.pop(push_id, None)
             if registration is not None:
