@@ -2,7 +2,7 @@
 in-memory copy of the same bytes, in one run.
 
 For each state-dict size, ``N`` trainer-rank processes each hold their dim-0 shard of every
-tensor (as FSDP ranks do) and push it at once, over shared memory or HTTP, to a parameter server
+tensor (as FSDP ranks do) and push it at once, over shared memory, HTTP or NIXL, to a parameter server
 in its own process; ``K`` instance processes wait for the version and pull it, verified, into
 buffers they already hold (an engine's parameters). Per version it records: push time (until the
 last rank's bytes are in), time until visible, each instance's pull time (all ``K`` at once), the
@@ -442,7 +442,7 @@ def register(bench_app: typer.Typer) -> None:
     @bench_app.command("params")
     def params_cmd(
         sizes: Annotated[str, typer.Option(help="state-dict sizes, comma-separated")] = "1GB,4GB,16GB",
-        transports: Annotated[str, typer.Option(help="comma-separated: shm, http")] = "shm,http",
+        transports: Annotated[str, typer.Option(help="comma-separated: shm, http, nixl")] = "shm,http",
         ranks: Annotated[str, typer.Option(help="trainer ranks pushing at once, comma-separated")] = "1,2,4",
         instances: Annotated[str, typer.Option(help="instances pulling at once, comma-separated")] = "1,2,4",
         repeats: Annotated[int, typer.Option(help="versions per measurement (median reported)")] = 3,
@@ -462,9 +462,15 @@ def register(bench_app: typer.Typer) -> None:
         except ValueError as exc:
             raise fail(str(exc)) from None
         chosen = [t.strip() for t in transports.split(",") if t.strip()]
-        unknown = set(chosen) - {"shm", "http"}
+        unknown = set(chosen) - {"shm", "http", "nixl"}
         if unknown or not chosen:
-            raise fail(f"transports {sorted(unknown) or chosen}: choose from shm, http")
+            raise fail(f"transports {sorted(unknown) or chosen}: choose from shm, http, nixl")
+        if "nixl" in chosen:
+            from staleflow.transports.nixl import nixl_available
+
+            available, reason = nixl_available()
+            if not available:
+                raise fail(reason, "drop nixl from --transports or install it")
         if not rank_list or not instance_list or min(rank_list + instance_list) < 1:
             raise fail("--ranks and --instances need positive counts")
         if pool not in ("auto", "on", "off"):

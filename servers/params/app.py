@@ -44,11 +44,11 @@ class PartJoin(BaseModel):
     parts: int = Field(ge=1, le=65536, description="how many parts the version is pushed in")
     ranges: list[tuple[int, int]] | None = Field(None, description="(offset, length) byte ranges of the data section "
                                                                      "this part delivers; absent: all of it")
-    via: Literal["http", "shm"] = "http"
+    via: Literal["http", "shm", "nixl"] = "http"
 
 
 class PartDone(BaseModel):
-    checksums: dict[int, str] | None = Field(None, description="chunk index -> checksum, for a part written over shm")
+    checksums: dict[int, str] | None = Field(None, description="chunk index -> checksum, for a part written over shm or nixl")
     wait_s: float = Field(0.0, ge=0, le=3600, description="wait this long for the other parts to finish")
 
 
@@ -162,7 +162,8 @@ class PartJoined(_Answer):
     chunk_bytes: int
     total_bytes: int
     data_offset: int
-    details: dict[str, Any] = Field(description="over shm: the memory slot to write into (path, size, offsets)")
+    details: dict[str, Any] = Field(description="over shm: the memory slot to write into (path, size, offsets); "
+                                                "over nixl: the PS's agent metadata, the slot's address and data offset")
     chunks: list[ChunkOut]
     checksum_algorithms: list[str]
 
@@ -274,10 +275,14 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
             raise ParamsError(ErrorCode.INVALID_VERSION, "version must be >= 0")
         if body.via == "shm" and "shm" not in config.transports:
             raise ParamsError(ErrorCode.TRANSPORT_DISABLED, "shared memory is not enabled here; push the part over http")
+        if body.via == "nixl" and "nixl" not in config.transports:
+            raise ParamsError(ErrorCode.TRANSPORT_DISABLED, "NIXL is not enabled here; push the part over http")
         push, entry = store.join_push(version, part, body.parts, [(t.name, t.dtype, t.shape) for t in body.tensors],
                                       body.metadata, body.ranges, body.via)
         details = ({"path": str(push.slot.path), "size": push.slot.size, "data_offset": push.data_offset,
                     "host_id": host_id()} if body.via == "shm" else {})
+        if body.via == "nixl":
+            details = store.nixl_push_details(push)
         return {"push_id": push.push_id, "version": version, "part": part, "chunk_bytes": config.chunk_bytes,
                 "total_bytes": push.total_bytes, "data_offset": push.data_offset, "details": details,
                 "chunks": [{"index": c.index, "offset": c.offset, "length": c.length} for c in entry.chunks],

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,18 +31,20 @@ import numpy as np
 from staleflow.errors import ErrorCode
 from staleflow.servers.params.config import ParamsConfig, ParamsError
 from staleflow.transports.base import (
+    ByteRegions,
     ChunkHasher,
     ChunkSpec,
     FormatError,
     Manifest,
     TensorSpec,
     checksum_algorithm,
+    chunk_checksums,
     layout_tensors,
     parse_safetensors_header,
     safetensors_header,
 )
 from staleflow.transports.http import CHECKSUM_HEADER
-from staleflow.transports.shm import ShmSlot, ShmSlots
+from staleflow.transports.shm import ShmSlot, ShmSlots, default_workers
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +139,7 @@ class PushPart:
     """What one pusher (e.g. one trainer rank) delivers: its byte ranges of the data section."""
 
     index: int
-    via: str  # "http": chunk bodies to the PS; "shm": the pusher writes into the slot itself
+    via: str  # "http": chunk bodies to the PS; "shm", "nixl": the pusher writes into the slot itself
     chunks: list[ChunkSpec]
     received: dict[int, str] = field(default_factory=dict)  # chunk index -> checksum
     writing: set[int] = field(default_factory=set)
@@ -361,8 +364,8 @@ class ParamStore:
         total = sum(t.nbytes for t in laid)
         if not 0 <= part < parts:
             raise ParamsError(ErrorCode.INVALID_PART, f"part {part} is outside 0..{parts - 1}")
-        if via not in ("http", "shm"):
-            raise ParamsError(ErrorCode.INVALID_PART, f"a part is pushed over 'http' or 'shm', not {via!r}")
+        if via not in ("http", "shm", "nixl"):
+            raise ParamsError(ErrorCode.INVALID_PART, f"a part is pushed over 'http', 'shm' or 'nixl', not {via!r}")
         ranges = [(0, total)] if ranges is None else [(int(o), int(n)) for o, n in ranges]
         for offset, length in ranges:
             if offset < 0 or length < 0 or offset + length > total:
@@ -412,6 +415,20 @@ class ParamStore:
         self.pushes[version] = push
         log.info("push of version %d started: %d tensors, %d bytes, %d part(s)", version, len(laid), total, parts)
         return push
+
+    def nixl_push_details(self, push: PendingPush) -> dict:
+        """For a part pushed over NIXL: the push's slot registered with the PS's NIXL agent (once
+        per push, until it commits or is dropped) and what the pusher needs to WRITE into it."""
+        if self.nixl is None:
+            raise ParamsError(ErrorCode.TRANSPORT_DISABLED, "NIXL is not enabled here; push the part over http")
+        assert push.slot.mapping is not None
+        details = self.nixl.push_details(push.push_id, int(np.frombuffer(push.slot.mapping, np.uint8).ctypes.data),
+                                         push.data_offset, push.total_bytes)
+        with self._cond:
+            if self.pushes.get(push.version) is not push:  # dropped while it was being registered
+                self.nixl.release_push(push.push_id)
+                raise ParamsError(ErrorCode.UNKNOWN_PUSH, f"the push of version {push.version} was dropped: {push.dropped}; push it again")
+        return details
 
     def begin_push(self, version: int, tensors: Iterable[tuple[str, str, list[int]]], metadata: Mapping[str, str]) -> PendingPush:
         """A push by one pusher of the whole version (one part, chunks of ``chunk_bytes``)."""
@@ -473,9 +490,11 @@ class ParamStore:
 
     def finish_part(self, version: int, push_id: str, part: int, checksums: Mapping[int, str] | None = None,
                     wait_s: float = 0.0) -> dict:
-        """Part ``part`` has delivered its chunks (a part written over shared memory hands in its
-        chunks' checksums here). Returns the push's state; the last part to finish makes the
+        """Part ``part`` has delivered its chunks (a part written over shared memory or NIXL hands
+        in its chunks' checksums here). Returns the push's state; the last part to finish makes the
         version visible. ``wait_s``: wait that long for the other parts."""
+        if checksums is not None and self._verify_landed(version, push_id, part, checksums):
+            checksums = None  # a part written over NIXL: its verified chunks are recorded already
         with self._cond:
             push = self._push(version, push_id)
             entry = self._part(push, part)
@@ -509,6 +528,53 @@ class ParamStore:
                 return {"version": version, "visible": True, **self.versions[version].summary()}
             return {"version": version, "visible": False, **push.progress()}
 
+    def _verify_landed(self, version: int, push_id: str, part: int, checksums: Mapping[int, str]) -> bool:
+        """A part written over NIXL hands in checksums of its *source* bytes: hash the bytes that
+        landed in the slot (off the lock; on a few threads, off the GIL) and record the chunks
+        that match. A mismatch leaves the part not done. False for parts not written over NIXL."""
+        with self._cond:
+            push = self._push(version, push_id)
+            entry = self._part(push, part)
+            if entry.via != "nixl":
+                return False
+            if entry.writing or push.committing:
+                raise ParamsError(ErrorCode.BUSY, f"part {part} of version {version} is being verified or committed right now")
+            claimed: dict[int, str] = {}
+            for index, checksum in checksums.items():
+                if not 0 <= int(index) < len(entry.chunks):
+                    raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {part} has chunks 0..{len(entry.chunks) - 1}, not {index}")
+                try:
+                    checksum_algorithm(checksum)
+                except FormatError as exc:
+                    raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
+                claimed[int(index)] = checksum
+            entry.writing.update(claimed)  # not swept, aborted or joined again while it is hashed
+            for index in claimed:
+                entry.received.pop(index, None)
+            push.last_active = time.monotonic()
+        chunks = [entry.chunks[i] for i in sorted(claimed)]
+        landed: list[str] = []
+        try:
+            view = push.slot.view()[push.data_offset:push.data_offset + push.total_bytes]
+            with ThreadPoolExecutor(min(default_workers(), max(1, len(chunks))), thread_name_prefix="params-verify") as pool:
+                landed = list(chunk_checksums(ByteRegions.flat(view), chunks, [checksum_algorithm(claimed[c.index]) for c in chunks],
+                                              pool))
+        finally:
+            with self._cond:
+                entry.writing.difference_update(claimed)
+                for chunk, actual in zip(chunks, landed, strict=False):
+                    if actual == claimed[chunk.index]:
+                        entry.received[chunk.index] = actual
+                push.last_active = time.monotonic()
+                self._cond.notify_all()
+        mismatched = [(c.index, actual, claimed[c.index]) for c, actual in zip(chunks, landed, strict=True) if actual != claimed[c.index]]
+        if mismatched:
+            index, actual, expected = mismatched[0]
+            raise ParamsError(ErrorCode.CHECKSUM_MISMATCH,
+                              f"part {part} of version {version}: {len(mismatched)} chunk(s) landed other than the pusher hashed them "
+                              f"(chunk {index}: {actual} in the PS's memory, {expected} claimed); the part is not done, push it again")
+        return True
+
     def _commit(self, push: PendingPush) -> Manifest:
         """Under the lock: every part is done; make the version visible if the parts tile it."""
         _, gaps = coverage_gaps([r for p in push.parts.values() for r in p.ranges()], push.total_bytes)
@@ -527,6 +593,8 @@ class ParamStore:
         stored = StoredVersion(manifest, push.fd, push.data_offset + push.total_bytes, slot=push.slot,
                                visible_seconds=time.monotonic() - push.started, visible_at_monotonic=time.monotonic())
         del self.pushes[push.version]
+        if self.nixl is not None:
+            self.nixl.release_push(push.push_id)
         self.versions[push.version] = stored
         self.pushes_committed += 1
         if self.config.persist:
@@ -582,8 +650,10 @@ class ParamStore:
     def _drop_push(self, push: PendingPush, why: str) -> None:
         del self.pushes[push.version]
         push.dropped = why
-        # a pusher that still writes through its own mapping must not write into a reused slot
-        self.memory.release(push.version, discard=any(p.via == "shm" for p in push.parts.values()))
+        # a pusher that still writes through its own mapping (or NIXL) must not write into a reused slot
+        if self.nixl is not None:
+            self.nixl.release_push(push.push_id)
+        self.memory.release(push.version, discard=any(p.via in ("shm", "nixl") for p in push.parts.values()))
         log.info("push of version %d dropped: %s", push.version, why)
 
     # -- persistence (off the critical path)

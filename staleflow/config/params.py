@@ -18,7 +18,8 @@ class ParamsSettings(StrictModel):
 
     keep: int = Field(2, ge=1, le=10_000, description="complete versions kept: the newest K")
     chunk_bytes: int = Field(64 << 20, ge=4096, le=1 << 30, description="bytes per chunk (the per-request payload limit)")
-    transports: tuple[TransportName, ...] = Field(("http", "shm"), description="pull transports offered; http is always on")
+    transports: tuple[TransportName, ...] = Field(("http", "shm"), description="transports offered for pulls, and for "
+                                                                                 "pushes besides http; http is always on")
     shm_dir: Path = Field(Path("/dev/shm"), description="where shared-memory segments live")
     lease_ttl_s: float = Field(120.0, gt=0, description="a pull lease lapses after this long without use")
     push_ttl_s: float = Field(900.0, gt=0, description="an idle unfinished push is dropped after this long")

@@ -18,6 +18,7 @@ import struct
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -296,6 +297,15 @@ def checksum_algorithm(checksum: str) -> str:
     return algorithm
 
 
+def chunk_checksums(regions: ByteRegions, chunks: Sequence[ChunkSpec], algorithms: Sequence[str],
+                    pool: Executor) -> Iterator[str]:
+    """Each chunk's checksum over its bytes in ``regions`` (with the algorithm at the same
+    position), hashed on ``pool``'s threads: xxhash and zlib release the GIL on large buffers, so
+    the hashes run beside each other and beside the caller. Submitted at once, yielded in order."""
+    return pool.map(lambda item: checksum_of(item[1], regions.views(item[0].offset, item[0].length)),
+                    zip(chunks, algorithms, strict=True))
+
+
 # ---------------------------------------------------------------- byte regions
 
 
@@ -385,7 +395,8 @@ class PullLease:
 @dataclass(frozen=True)
 class PushSession:
     """One pusher's share of a push: its chunks (data-section ranges) and where they go. ``part``
-    is None for a one-pusher push; ``details`` is what the PS said about the memory slot (shm)."""
+    is None for a one-pusher push; ``details`` is what the PS said about the memory slot (its
+    path for shm; its NIXL agent and address for nixl)."""
 
     push_id: str
     version: int
@@ -412,7 +423,7 @@ class Transport(ABC):
     def push(self, session: PushSession, source: ByteRegions) -> dict[int, str] | None:
         """Deliver the session's chunks from ``source``. Returns the chunks' checksums when the PS
         did not receive the bytes itself (the pusher wrote them into its memory), else None."""
-        raise NotImplementedError(f"transport {self.name!r} only pulls; push over 'http' or 'shm'")
+        raise NotImplementedError(f"transport {self.name!r} only pulls; push over 'http', 'shm' or 'nixl'")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release cached connections or mappings."""

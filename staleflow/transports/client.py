@@ -175,8 +175,10 @@ class ParamsClient(RestClient):
         shape), the same on every part; ``pieces``: the bytes this part holds. The PS makes the
         version visible when every part is done and the parts cover every byte. Over ``shm``
         (``auto`` on the PS's host) the bytes are copied straight into the PS's memory, else sent
-        over HTTP. Returns the PS's answer: ``visible`` says whether the version is visible (after
-        waiting up to ``wait_s`` for the other parts)."""
+        over HTTP; ``nixl`` (only when asked for: ``auto`` never picks it) WRITEs them into the
+        PS's memory with NIXL and the PS verifies what landed. Returns the PS's answer:
+        ``visible`` says whether the version is visible (after waiting up to ``wait_s`` for the
+        other parts)."""
         table = [(name, dtype, list(shape)) for name, (dtype, shape) in tensors.items()]
         laid = {t.name: t for t in layout_tensors(table)}
         spans = []
@@ -193,7 +195,7 @@ class ParamsClient(RestClient):
         spans.sort(key=lambda span: span[0])
         source = ByteRegions(spans, sum(t.nbytes for t in laid.values()))
         via = transport
-        if via == "auto":
+        if via == "auto":  # nixl never: on the PS's host shm is faster, elsewhere only the caller knows whether RDMA is there
             via = "shm" if self._shm_here() else "http"
         begin = self._call("POST", f"/v1/params/{version}/parts/{part}", json={
             "tensors": [{"name": n, "dtype": d, "shape": s} for n, d, s in table], "metadata": dict(metadata or {}),

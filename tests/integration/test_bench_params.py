@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from staleflow.cli.main import app
+from staleflow.transports.nixl import nixl_available
 
 
 def test_bench_params_reports_push_pull_and_end_to_end_per_cell(tmp_path: Path) -> None:
@@ -27,9 +29,19 @@ def test_bench_params_reports_push_pull_and_end_to_end_per_cell(tmp_path: Path) 
     assert size["shard_bytes"]["2"] < size["shard_bytes"]["1"]  # each of two ranks holds half
 
 
+@pytest.mark.skipif(not nixl_available()[0], reason=nixl_available()[1])
+def test_bench_params_pushes_and_pulls_over_nixl(tmp_path: Path) -> None:
+    output = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "params", "--sizes", "4MB", "--ranks", "1", "--instances", "1", "--repeats", "1",
+                                      "--chunk-mb", "1", "--transports", "nixl", "--output", str(output)])
+    assert result.exit_code == 0, result.output
+    (cell,) = json.loads(output.read_text())["sizes"][0]["cells"]
+    assert cell["transport"] == "nixl" and 0 < cell["push_s"] <= cell["visible_s"] <= cell["end_to_end_s"] and cell["pull_s"] > 0
+
+
 def test_bench_params_refuses_unknown_transports() -> None:
     result = CliRunner().invoke(app, ["bench", "params", "--transports", "carrier-pigeon"])
-    assert result.exit_code != 0 and "choose from shm, http" in result.output
+    assert result.exit_code != 0 and "choose from shm, http, nixl" in result.output
 
 
 def test_a_pooled_size_moves_every_byte_through_shared_buffers(tmp_path: Path) -> None:
