@@ -244,9 +244,9 @@ class SharePusher:
 
 class BackgroundSharePushes:
     """A rank's pushes on a thread of their own, one at a time, so training goes on meanwhile:
-    ``submit`` waits for the previous version to be visible, then pushes the next in the
-    background. Between pushes the thread keeps the last share until the PS persisted it,
-    pushing it again if the PS loses it (see ``SharePusher``)."""
+    ``wait`` for the previous version to be visible, then ``submit`` the next. Between pushes the
+    thread keeps the last share until the PS persisted it, pushing it again if the PS loses it
+    (see ``SharePusher``), so that the other ranks are never left waiting for its part."""
 
     def __init__(self, url: str, part: int, *, wait_s: float = VISIBLE_WAIT_S, poll_s: float = KEPT_POLL_S):
         self.url = url
@@ -264,15 +264,22 @@ class BackgroundSharePushes:
         return None if kept is None else kept[0]
 
     def submit(self, version: int, share: ShardedWeights) -> None:
-        self.wait()
+        """Push ``share`` as this rank's part of ``version`` in the background; the previous push
+        must be over (``wait``)."""
+        if self._pushing is not None:
+            raise RuntimeError("one push at a time: wait() for the previous version before submitting the next")
         self._superseded = threading.Event()
         self._pushing = self._executor.submit(self._push, version, share, self._superseded)
 
     def wait(self) -> None:
-        """Until the last submitted version is visible (or its push failed or was stopped)."""
+        """Until the last submitted version is visible (or its push failed or was stopped); then
+        its share is let go if the PS persisted it, before the caller snapshots the next one."""
         self._superseded.set()
         if self._pushing is not None:
             self._pushing.result()
+            self._pushing = None
+            if not self._stop.is_set():
+                self._executor.submit(self._release_if_persisted).result()
 
     def close(self) -> None:
         """Stop: a push in flight is abandoned (the trainer is stopping)."""
@@ -289,8 +296,12 @@ class BackgroundSharePushes:
             self._pusher.keep_until_persisted(self._client, superseded, self.poll_s)
         except PushStopped:
             log.info("rank %d: push of version %d stopped", self._pusher.part, version)
-        except Exception:  # the rank goes on training; rank 0's push of this version reports it
+        except Exception:  # a refusal that retrying cannot fix: logged, and the rank goes on training
             log.exception("rank %d: push of version %d failed", self._pusher.part, version)
+
+    def _release_if_persisted(self) -> None:
+        if self._client is not None:
+            self._pusher.release_if_persisted(self._client)
 
     def _close_client(self) -> None:
         if self._client is not None:

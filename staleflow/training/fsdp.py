@@ -158,7 +158,7 @@ class FsdpBackend(TrainerBackend):
         if self._pushes is None or self._pushes.url != params_url:
             self.stop_pushes()
             self._pushes = BackgroundSharePushes(params_url, self.rank)
-        self._pushes.wait()
+        self._pushes.wait()  # before the snapshot: the previous share may go meanwhile
         self._pushes.submit(version, self.weights(version))
 
     def stop_pushes(self) -> None:

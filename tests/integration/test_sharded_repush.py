@@ -6,11 +6,9 @@ pushers, each with its own ParamsClient."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
-import signal
-import subprocess
-import sys
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from support import free_port
+from support import ParamsProcess
 
 from staleflow.servers.trainer import StepLog, TrainerLoop
 from staleflow.training.base import BackgroundSharePushes, ShardedWeights
@@ -57,48 +55,9 @@ def share_of(state: dict[str, np.ndarray], rank: int) -> ShardedWeights:
     return share
 
 
-class ParamsProcess:
-    """A parameter server in a process of its own on a fixed port and state directory, so that
-    it can be SIGKILLed and started again where the ranks expect it."""
-
-    def __init__(self, state_dir: Path):
-        self.state_dir = state_dir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, persist: bool) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "staleflow.cli", "serve", "params", "--state-dir", str(self.state_dir),
-             "--port", str(self.port), "--keep", "3", "--chunk-mb", str(CHUNK / (1 << 20)), "--no-fsync",
-             "--persist" if persist else "--no-persist"],
-            stderr=subprocess.PIPE, text=True)
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:  # the socket listens before this line; requests queue until served
-            if "listening on" in line:
-                break
-        else:
-            raise AssertionError(f"parameter server exited early with {self.proc.wait()}")
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # a clean stop removes its shared-memory slots
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture
 def ps(tmp_path: Path) -> Iterator[ParamsProcess]:
-    server = ParamsProcess(tmp_path / "params")
+    server = ParamsProcess(tmp_path / "params", "--keep", "3", "--chunk-mb", str(CHUNK / (1 << 20)))
     try:
         yield server
     finally:
@@ -163,11 +122,15 @@ class Ranks:
         """Ranks ``ranks`` (default: all followers) snapshot and submit ``version``; returns their threads."""
         threads = []
         for rank in ranks or list(range(1, RANKS)):
-            share = share_of(full_state(version), rank)
-            thread = threading.Thread(target=self.followers[rank - 1].submit, args=(version, share))
+            thread = threading.Thread(target=self._follow, args=(self.followers[rank - 1], version, rank))
             thread.start()
             threads.append(thread)
         return threads
+
+    @staticmethod
+    def _follow(pushes: BackgroundSharePushes, version: int, rank: int) -> None:
+        pushes.wait()  # FSDP's push_shards: the previous version is visible, then the snapshot
+        pushes.submit(version, share_of(full_state(version), rank))
 
     def lead(self, version: int) -> None:
         self.loop._push(version, share_of(full_state(version), 0))
@@ -241,6 +204,9 @@ def test_a_restart_with_parts_pending_makes_every_rank_send_its_part_again(ps: P
                 assert ranks.client.wait_persisted(1, 60)
                 ranks.loop._release_persisted_share()
                 assert ranks.loop._share_pusher is not None and ranks.loop._share_pusher.kept is None
+                for follower in ranks.followers:
+                    follower.wait()  # as before the next snapshot
+                    assert follower.kept_version is None  # persisted: no rank holds a share of it any more
 
             rank0 = threading.Thread(target=ranks.lead, args=(2,))
             rank0.start()
@@ -264,3 +230,99 @@ def test_a_restart_with_parts_pending_makes_every_rank_send_its_part_again(ps: P
         assert watch.mismatches == []
     finally:
         ranks.close()
+
+
+class Partition:
+    """A TCP relay between one rank and the PS that can drop the PS's answers (a network
+    partition), so that the rank misses its version becoming visible."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.cut = threading.Event()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()  # the PS is down: so is the relay
+                continue
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket, answers: bool) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if not (answers and self.cut.is_set()):
+                    target.sendall(data)
+        except OSError:
+            pass
+        for s in (source, target):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def heal(self) -> None:
+        """Answers flow again; connections of the cut ended."""
+        self.cut.clear()
+        for s in self._sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        self._sockets.clear()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.heal()
+
+
+def test_a_rank_that_missed_its_version_becoming_visible_pushes_it_again_not_the_older_one(
+        ps: ParamsProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 hands in its part of version 2 and misses the answer that version 2 is visible; the
+    PS dies before persisting it (and version 1). Ranks 1 and 2 saw version 2 visible and let
+    their shares of version 1 go, so rank 0 must not wait for version 1: every rank pushes version
+    2 again (ranks 1 and 2 between pushes, as they hold it until it is persisted)."""
+    caplog.set_level(logging.WARNING, logger="staleflow.training.base")
+    ps.start(persist=False)
+    partition = Partition(ps.port)
+    ranks = Ranks(partition.url, tmp_path)
+    ranks.followers = [BackgroundSharePushes(ps.url, rank, wait_s=WAIT_S, poll_s=POLL_S) for rank in range(1, RANKS)]
+    try:
+        with TornVersionWatch(ps.url) as watch, ParamsClient(ps.url) as observer:
+            followers = ranks.follow(1)
+            ranks.lead(1)
+            for thread in followers:
+                thread.join()
+
+            rank0 = threading.Thread(target=ranks.lead, args=(2,))
+            rank0.start()
+            while not any(p["version"] == 2 and 0 in p["parts_done"] for p in observer.versions()["pushes"]):
+                time.sleep(0.02)  # poll pacing until rank 0's part is in
+            partition.cut.set()
+            for thread in ranks.follow(2):
+                thread.join()
+            while any(f.kept_version != 2 for f in ranks.followers):
+                time.sleep(0.02)  # poll pacing until ranks 1 and 2 saw version 2 visible
+            assert [v["version"] for v in observer.versions()["versions"]] == [1, 2]
+            ps.kill()
+            partition.heal()
+            ps.start(persist=False)
+
+            rank0.join()
+            for follower in ranks.followers:
+                follower.wait()
+        assert_visible_with_the_right_bytes(ps.url, [2])
+        assert watch.mismatches == []
+        assert not [r.getMessage() for r in caplog.records if "lost version 1" in r.getMessage()]
+        assert any("lost version 2" in r.getMessage() for r in caplog.records)
+    finally:
+        ranks.close()
+        partition.close()
