@@ -376,7 +376,7 @@ def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog,
         if rank > 0:
             follow(local)
             return
-        driver = RankDriver(local)
+        driver = RankDriver(local, params_url=urls["params"])
         try:
             TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
                         started=started).run()

@@ -182,7 +182,7 @@ class SharePusher:
     def _see_through(self, client: ParamsClient, version: int, share: ShardedWeights,
                      kept: tuple[int, ShardedWeights] | None) -> None:
         push_id: str | None = None
-        handed_in = False  # this part reached some PS's finish: the version may have become visible unseen
+        handed_in = False  # once this part may have been handed in, the version may become visible unseen
         failing_since: float | None = None
         warned = time.monotonic()
         backoff = 0.05
