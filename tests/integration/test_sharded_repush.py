@@ -72,6 +72,7 @@ class TornVersionWatch:
         self.url = url
         self.seen: set[int] = set()
         self.mismatches: list[int] = []
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -82,8 +83,16 @@ class TornVersionWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        if self.error is not None:
+            raise self.error
 
     def _watch(self) -> None:
+        try:
+            self._pull_over_and_over()
+        except BaseException as exc:  # surfaced in the test's thread
+            self.error = exc
+
+    def _pull_over_and_over(self) -> None:
         with ParamsClient(self.url, timeout=30) as client:
             while not self._stop.is_set():
                 try:
