@@ -7,7 +7,10 @@ Exactly-once across crashes of any role:
   trainer retrains from its newest checkpoint with the batches it consumed after it;
 * the parameter server refuses to overwrite a version, so a retrained step whose version was
   already pushed is not pushed again, and a checkpoint newer than the newest pushed version is
-  pushed first: instances never wait for a version the trainer has moved past.
+  pushed first: instances never wait for a version the trainer has moved past;
+* the parameter server makes a version visible from memory before it persists it, so the
+  trainer keeps what it pushed last (each rank of a sharded trainer its share, until persisted)
+  and pushes it again before the next version when a crashed PS lost it.
 
 Every step lands in ``steps.jsonl`` (fsynced) in the trainer's state directory: the job's live
 view, its report and the fault harness read it, whether the trainer is a thread or a process.

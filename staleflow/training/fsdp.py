@@ -5,6 +5,8 @@ orchestration is ``staleflow.servers.trainer.run_fsdp_trainer``) with a ``RankDr
 that broadcasts each call (train, weights, checkpoint) to the other ranks, which run the same call
 on their shard (``follow``). Weights are pushed by every rank at once, each its own shards (no
 gather on rank 0); the parameter server makes the version visible when all of them are in.
+Each rank sees its version through to visible, across parameter-server restarts, and keeps its
+share until the PS persisted it (``SharePusher``, ``BackgroundSharePushes`` in ``base``).
 Every rank trains an equal number of micro-batches of its share of the batch, so the FSDP
 collectives line up. gloo on CPU, NCCL on GPU.
 
