@@ -7,7 +7,10 @@ Exactly-once across crashes of any role:
   trainer retrains from its newest checkpoint with the batches it consumed after it;
 * the parameter server refuses to overwrite a version, so a retrained step whose version was
   already pushed is not pushed again, and a checkpoint newer than the newest pushed version is
-  pushed first: instances never wait for a version the trainer has moved past.
+  pushed first: instances never wait for a version the trainer has moved past;
+* the parameter server makes a version visible from memory before it persists it, so the
+  trainer keeps what it pushed last (each rank of a sharded trainer its share, until persisted)
+  and pushes it again before the next version when a crashed PS lost it.
 
 Every step lands in ``steps.jsonl`` (fsynced) in the trainer's state directory: the job's live
 view, its report and the fault harness read it, whether the trainer is a thread or a process.
@@ -33,7 +36,7 @@ import numpy as np
 from staleflow.config import JobConfig
 from staleflow.errors import ErrorCode
 from staleflow.servers.clients import ManagerClient, ServiceError, http_client
-from staleflow.training.base import ShardedWeights, TrainerBackend
+from staleflow.training.base import PushStopped, ShardedWeights, SharePusher, TrainerBackend, is_visible, pending_push
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +110,6 @@ class StepLog:
         return [latest[v] for v in sorted(latest)]
 
 
-PARTS_WAIT_S = 600.0
-"""How long one push of a rank's share waits for the other ranks' parts before it is tried again."""
-
-
 class TrainerStopped(Exception):
     pass
 
@@ -134,7 +133,8 @@ class TrainerLoop:
         self.outage_s = outage_s
         self.on_step = on_step
         self.push_seconds: list[float] = []
-        self._last_pushed: tuple[int, Mapping[str, Any] | None] | None = None
+        self._last_pushed: tuple[int, Mapping[str, Any]] | None = None  # a whole state dict, held until the next push
+        self._share_pusher: SharePusher | None = None  # a sharded trainer's: keeps this rank's last share
 
     # -- retries -----------------------------------------------------------------------
 
@@ -191,6 +191,7 @@ class TrainerLoop:
                 metrics = self.backend.train(version, batch)
                 if pushing is not None:
                     pushing.result()  # one push at a time; it overlapped this step's training
+                self._release_persisted_share()
                 pushing = pusher.submit(self._push, version + 1, self.backend.weights(version + 1))
                 if self.backend.checkpoint(version + 1):
                     freed_below = self._free(freed_below, version + 1)
@@ -250,41 +251,50 @@ class TrainerLoop:
 
     def _push(self, version: int, tensors: Mapping[str, Any] | ShardedWeights) -> None:
         started = time.perf_counter()
-        parts = tensors.parts if isinstance(tensors, ShardedWeights) else 1
+        if isinstance(tensors, ShardedWeights):
+            self._push_share(version, tensors)
+        else:
+            self._push_whole(version, tensors)
+        self.push_seconds.append(time.perf_counter() - started)
 
+    def _push_share(self, version: int, share: ShardedWeights) -> None:
+        """This rank's share of a sharded version (the other ranks push theirs at once), seen
+        through to visible; a kept share of the previous version is pushed again first if the PS
+        lost it (``SharePusher``)."""
+        if self._share_pusher is None:
+            self._share_pusher = SharePusher(share.part, stop=self.stop, outage_s=self.outage_s)
+        try:
+            self._share_pusher.push(self.params, version, share)
+        except PushStopped as exc:
+            raise TrainerStopped(f"push version {version}") from exc
+
+    def _release_persisted_share(self) -> None:
+        """Before the next snapshot: the kept share goes if the PS persisted its version, so a
+        rank holds one extra share, not two, when persistence keeps up."""
+        if self._share_pusher is not None:
+            self._share_pusher.release_if_persisted(self.params)
+
+    def _push_whole(self, version: int, tensors: Mapping[str, Any]) -> None:
         def push() -> None:
             state = self.params.versions()
-            if any(v["version"] == version for v in state["versions"]) or (state["latest"] or -1) > version:
+            if is_visible(state, version):
                 return  # pushed before a restart: versions are immutable
             self._repush_lost(state)
-            for pending in state["pushes"]:
-                # left unfinished by a killed trainer of another shape (a part that joins again starts over)
-                if pending["version"] == version and (parts == 1 or pending.get("parts") != parts):
-                    self.params.http.delete(f"/v1/params/{version}/push", params={"push_id": pending["push_id"]})
-            if isinstance(tensors, ShardedWeights):
-                # each try waits this long for the other ranks' parts (the retry loop decides when to give up)
-                reply = tensors.push(self.params, version, wait_s=PARTS_WAIT_S)
-                if not reply.get("visible"):
-                    raise ServiceError(503, f"version {version}: the other ranks' parts did not arrive: {reply}")
-            else:
-                self.params.push(version, tensors)
+            pending = pending_push(state, version)
+            if pending is not None:  # left unfinished by a killed trainer (a part that joins again starts over)
+                self.params.http.delete(f"/v1/params/{version}/push", params={"push_id": pending["push_id"]})
+            self.params.push(version, tensors)
 
         self._retry(f"push version {version}", push)
-        self.push_seconds.append(time.perf_counter() - started)
-        self._last_pushed = (version, None if isinstance(tensors, ShardedWeights) else tensors)  # a share is not re-pushable
+        self._last_pushed = (version, tensors)
 
     def _repush_lost(self, state: Mapping[str, Any]) -> None:
         """The PS serves versions from memory first and persists them after: one that was visible
-        but not yet on disk when the PS crashed is gone. Push it again while its tensors are held
-        (a sharded share cannot be: the other ranks let theirs go; the next version supersedes it)."""
+        but not yet on disk when the PS crashed is gone. Push it again while its tensors are held."""
         if self._last_pushed is None:
             return
         version, tensors = self._last_pushed
-        if state["latest"] is not None and state["latest"] >= version:
-            return
-        if tensors is None:
-            log.warning("the parameter server lost version %d (visible, not yet persisted); version %d supersedes it",
-                        version, version + 1)
+        if is_visible(state, version):
             return
         log.warning("the parameter server lost version %d (visible, not yet persisted): pushing it again", version)
         self.params.push(version, tensors)
@@ -369,7 +379,7 @@ def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog,
         if rank > 0:
             follow(local)
             return
-        driver = RankDriver(local)
+        driver = RankDriver(local, params_url=urls["params"])
         try:
             TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
                         started=started).run()

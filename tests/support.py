@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +41,36 @@ def start_cli(*args: str) -> subprocess.Popen:
         raise AssertionError(f"`staleflow {' '.join(args)}` exited with {proc.wait()}:\n{''.join(seen[-20:])}")
     threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the pipe
     return proc
+
+
+class ParamsProcess:
+    """A parameter server in a process of its own on a fixed port and state directory, so that a
+    test can SIGKILL it and start it again where its clients expect it."""
+
+    def __init__(self, state_dir: Path, *options: str):
+        self.state_dir = state_dir
+        self.options = options
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, persist: bool) -> None:
+        self.proc = start_cli("serve", "params", "--state-dir", str(self.state_dir), "--port", str(self.port),
+                              "--no-fsync", "--persist" if persist else "--no-persist", *self.options)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # a clean stop removes its shared-memory slots
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,6 +5,8 @@ orchestration is ``staleflow.servers.trainer.run_fsdp_trainer``) with a ``RankDr
 that broadcasts each call (train, weights, checkpoint) to the other ranks, which run the same call
 on their shard (``follow``). Weights are pushed by every rank at once, each its own shards (no
 gather on rank 0); the parameter server makes the version visible when all of them are in.
+Each rank sees its version through to visible, across parameter-server restarts, and keeps its
+share until the PS persisted it (``SharePusher``, ``BackgroundSharePushes`` in ``base``).
 Every rank trains an equal number of micro-batches of its share of the batch, so the FSDP
 collectives line up. gloo on CPU, NCCL on GPU.
 
@@ -24,16 +26,14 @@ import shutil
 import signal
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 import torch.distributed as dist
 
 from staleflow.config import JobConfig, TrainerConfig
-from staleflow.training.base import ShardedWeights, TrainerBackend
+from staleflow.training.base import BackgroundSharePushes, ShardedWeights, TrainerBackend
 from staleflow.training.grpo import group_advantages, policy_loss
 from staleflow.training.schedule import learning_rate
 
@@ -75,9 +75,7 @@ class FsdpBackend(TrainerBackend):
         self.reference = sharded(False) if self.algo.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay)
         self.version = self._load_checkpoint()
-        self._pusher: ThreadPoolExecutor | None = None  # ranks > 0 push on it, one version at a time
-        self._pushing: Future | None = None
-        self._params: Any = None  # that thread's parameter-server client
+        self._pushes: BackgroundSharePushes | None = None  # ranks > 0: their shares, one version at a time
 
     # -- TrainerBackend ------------------------------------------------------------------
 
@@ -155,18 +153,20 @@ class FsdpBackend(TrainerBackend):
         return sharded_weights(self.model.state_dict(), self.rank, self.world, drop=("lm_head.weight",) if self.tied else ())
 
     def push_shards(self, version: int, params_url: str) -> None:
-        """Ranks > 0: snapshot this rank's share and push it in the background (rank 0's trainer
-        role pushes its own share and waits for the version to be visible)."""
-        share = self.weights(version)
-        if self._pusher is None:
-            self._pusher = ThreadPoolExecutor(1, thread_name_prefix="push-shards")
-        if self._pushing is not None:
-            self._pushing.result()  # one push at a time, as on rank 0
-        if self._params is None or self._params.url != params_url:
-            from staleflow.transports.client import ParamsClient
+        """Ranks > 0: snapshot this rank's share and push it in the background, seen through to
+        visible (rank 0's trainer role pushes its own share and waits for the version to be
+        visible). One push at a time: this waits for the previous version to be visible first,
+        and the last share is kept until the PS persisted it (``BackgroundSharePushes``)."""
+        if self._pushes is None or self._pushes.url != params_url:
+            self.stop_pushes()
+            self._pushes = BackgroundSharePushes(params_url, self.rank)
+        self._pushes.wait()  # before the snapshot: the previous share may go meanwhile
+        self._pushes.submit(version, self.weights(version))
 
-            self._params = ParamsClient(params_url, timeout=300)  # kept: its shared-memory mappings stay warm
-        self._pushing = self._pusher.submit(push_with_retries, share, self._params, version)
+    def stop_pushes(self) -> None:
+        if self._pushes is not None:
+            self._pushes.close()
+            self._pushes = None
 
     def checkpoint(self, version: int) -> bool:
         if version % self.cfg.checkpoint_every and version != self.final_version:
@@ -271,10 +271,7 @@ def follow(local: FsdpBackend) -> None:
         dist.broadcast_object_list(message, src=0)
         op, args = message[0]
         if op == "stop":
-            if local._pushing is not None:
-                local._pushing.result()  # the last version's shards
-            if local._params is not None:
-                local._params.close()
+            local.stop_pushes()  # rank 0 saw the last version visible, or the trainer is stopping
             return
         getattr(local, op)(*args)
 
@@ -312,31 +309,6 @@ def sharded_weights(state: Mapping[str, Any], rank: int, world: int, drop: tuple
         elif rank == 0:
             share.pieces.append(ShardPiece(name, 0, value.detach().to("cpu", copy=True).contiguous()))
     return share
-
-
-def push_with_retries(share: ShardedWeights, client: Any, version: int, outage_s: float = 300.0) -> None:
-    """A follower rank's push: retried through parameter-server restarts, until its part is in
-    or the version exists already (rank 0 waits for the version to be visible)."""
-    from staleflow.transports.rest import ServiceError
-
-    deadline = time.monotonic() + outage_s
-    backoff = 0.05
-    while True:
-        try:
-            share.push(client, version, wait_s=0.0)
-            return
-        except ServiceError as exc:
-            if exc.status == 409 and "already exists" in exc.detail:
-                return
-            if exc.status not in (404, 409, 502, 503, 504) or time.monotonic() > deadline:
-                log.error("rank %d: push of version %d failed: %s", share.part, version, exc)
-                return
-        except (OSError, ConnectionError, httpx.HTTPError) as exc:
-            if time.monotonic() > deadline:
-                log.error("rank %d: push of version %d failed: %s", share.part, version, exc)
-                return
-        time.sleep(backoff)  # retry pacing while the parameter server restarts
-        backoff = min(backoff * 2, 1.0)
 
 
 def _die_with_parent() -> None:

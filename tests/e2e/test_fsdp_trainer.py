@@ -1,13 +1,17 @@
 """The FSDP2 trainer backend: two gloo ranks train exactly what one process trains, push their
-own shards to the parameter server at once (no gather), and resume from their checkpoint."""
+own shards to the parameter server at once (no gather), and resume from their checkpoint; through a
+parameter-server crash, every rank pushes again the version the PS lost before persisting it."""
 
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from support import ParamsProcess
 
 torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install 'staleflow[train]')")
 transformers = pytest.importorskip("transformers", reason="the trainer needs transformers")
@@ -18,7 +22,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
 from staleflow.servers.http import serve_in_thread  # noqa: E402
 from staleflow.servers.params import ParamsConfig, create_app  # noqa: E402
-from staleflow.training.fsdp import FsdpBackend, init_process_group  # noqa: E402
+from staleflow.servers.trainer import StepLog, TrainerLoop  # noqa: E402
+from staleflow.training.fsdp import FsdpBackend, RankDriver, follow, init_process_group  # noqa: E402
 from staleflow.transports.client import ParamsClient  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
@@ -124,3 +129,68 @@ def test_two_ranks_match_one_and_resume_from_the_checkpoint(model_dir: Path, tmp
             assert torch.allclose(tensor, state[name], atol=1e-6), name
     finally:
         dist.destroy_process_group()
+
+
+def _trainer_rank(rank: int, world: int, port: int, model_dir: str, state: str, params_url: str,
+                  pushed: Any, restarted: Any) -> None:
+    """Rank 0 runs the trainer role's push (``TrainerLoop._push``) with the ``RankDriver``; the
+    other ranks follow it and push their shares in the background, as in a job."""
+    init_process_group(rank, world, port)
+    try:
+        local = FsdpBackend(_config(world), Path(model_dir), Path(state) / "checkpoints", rank, world, final_version=2)
+        if rank > 0:
+            follow(local)
+            return
+        driver = RankDriver(local, params_url)
+        loop = TrainerLoop(driver, steps=2, eta=1, urls={"params": params_url}, step_log=StepLog(Path(state) / "steps.jsonl"),
+                           stop=threading.Event())
+        with ParamsClient(params_url) as client:
+            loop.params = client
+            try:
+                for version in (1, 2):
+                    driver.train(version - 1, _batch())
+                    loop._push(version, driver.weights(version))
+                    if version == 1:
+                        pushed.set()
+                        restarted.wait()  # the test kills the parameter server and starts it again
+            finally:
+                driver.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_pushes_again_a_version_the_ps_lost_before_persisting_it(model_dir: Path, tmp_path: Path) -> None:
+    """Version 1 is visible in the PS's memory only when the PS is SIGKILLed: before version 2,
+    both ranks push their shares of version 1 again, then version 2."""
+    server = ParamsProcess(tmp_path / "params", "--keep", "3")
+    server.start(persist=False)  # a PS that never persists: a visible version lives in its memory only
+    context = mp.get_context("spawn")
+    pushed, restarted = context.Event(), context.Event()
+    (tmp_path / "checkpoints").mkdir()
+    port = _port()
+    ranks = [context.Process(target=_trainer_rank, args=(r, 2, port, str(model_dir), str(tmp_path), server.url, pushed, restarted))
+             for r in range(2)]
+    try:
+        for process in ranks:
+            process.start()
+        while not pushed.wait(1):  # poll pacing: a rank that dies fails the test instead of hanging it
+            assert all(p.is_alive() for p in ranks), [p.exitcode for p in ranks]
+        with ParamsClient(server.url) as client:
+            first = {name: t.tobytes() for name, t in client.pull(1).items()}
+        server.kill()
+        server.start(persist=False)
+        restarted.set()
+        for process in ranks:
+            process.join()
+            assert process.exitcode == 0
+        with ParamsClient(server.url) as client:
+            assert [v["version"] for v in client.versions()["versions"]] == [1, 2]
+            assert {name: t.tobytes() for name, t in client.pull(1).items()} == first  # the same bytes again
+            second = {name: t.tobytes() for name, t in client.pull(2).items()}
+            assert set(second) == set(first) and second != first  # the next step's weights, complete
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        server.stop()
