@@ -171,7 +171,7 @@ class SharePusher:
         if self.kept is None:
             return
         try:
-            state = client._call("GET", "/v1/params", timeout=timeout_s)
+            state = client.versions(timeout=timeout_s)
         except (httpx.TransportError, OSError, ServiceError):
             return
         if is_persisted(state, self.kept[0]):
@@ -204,8 +204,7 @@ class SharePusher:
                     client.http.delete(f"/v1/params/{version}/push", params={"push_id": pending["push_id"]})
                     pending = None
                 if pending is not None and pending["push_id"] == push_id and self.part in pending["parts_done"]:
-                    reply = client._call("POST", f"/v1/params/{version}/parts/{self.part}/done", params={"push_id": push_id},
-                                         json={"wait_s": self.wait_s}, timeout=client.timeout + self.wait_s)
+                    reply = client.finish_part(version, self.part, push_id, wait_s=self.wait_s)
                 else:
                     handed_in = True
                     reply = share.push(client, version, wait_s=self.wait_s)

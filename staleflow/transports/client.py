@@ -141,8 +141,8 @@ class ParamsClient(RestClient):
     def health(self) -> dict:
         return self._call("GET", "/v1/health")
 
-    def versions(self) -> dict:
-        return self._call("GET", "/v1/params")
+    def versions(self, timeout: float | None = None) -> dict:
+        return self._call("GET", "/v1/params", **({"timeout": timeout} if timeout is not None else {}))
 
     def latest(self) -> dict:
         return self._call("GET", "/v1/params/latest")
@@ -206,9 +206,16 @@ class ParamsClient(RestClient):
                               part=part, details=begin["details"])
         checksums = self.transport(via).push(session, source)
         delivered = time.monotonic()  # the bytes are in; the PS is told next
-        reply = self._call("POST", f"/v1/params/{version}/parts/{part}/done", params={"push_id": session.push_id},
-                           json={"checksums": checksums, "wait_s": wait_s}, timeout=self.timeout + wait_s)
+        reply = self.finish_part(version, part, session.push_id, checksums=checksums, wait_s=wait_s)
         return {**reply, "via": via, "delivered_at_monotonic": delivered}
+
+    def finish_part(self, version: int, part: int, push_id: str, *, checksums: Mapping[int, str] | None = None,
+                    wait_s: float = 0.0) -> dict:
+        """Tell the PS that part ``part`` of ``version`` is in (with its chunks' checksums when it
+        wrote them itself, over shm or NIXL); waits up to ``wait_s`` for the version to be visible.
+        Called again on a part that is done, it only waits."""
+        return self._call("POST", f"/v1/params/{version}/parts/{part}/done", params={"push_id": push_id},
+                          json={"checksums": checksums, "wait_s": wait_s}, timeout=self.timeout + wait_s)
 
     def _server_health(self, refresh: bool = False) -> dict:
         """The PS's health answer, asked once per client unless ``refresh`` (a restarted PS may
