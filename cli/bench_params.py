@@ -352,13 +352,14 @@ def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], 
     result["memcpy"] = measure_memcpy(total_bytes, repeats, pooled)
     memcpy_s = result["memcpy"]["median_s"]
     counter = iter(range(1, 1 << 30))
+    # decided before the PS's slot exists (the slot is counted in the need)
+    verdicts = {(n, k): fits(total_bytes, n, k, pooled) for n in rank_counts for k in instance_counts}
+    result["skipped"] = [{"ranks": n, "instances": k, "why": why} for (n, k), (ok, why) in verdicts.items() if not ok]
     proc, url = start_params_server(workdir / f"ps-{total_bytes}", sorted({"http", *transports}), chunk_mb, persist)
     try:
         with ParamsClient(url, timeout=600) as client:
             for n_ranks in rank_counts:
-                runnable = [k for k in instance_counts if fits(total_bytes, n_ranks, k, pooled)[0]]
-                result["skipped"] += [{"ranks": n_ranks, "instances": k, "why": fits(total_bytes, n_ranks, k, pooled)[1]}
-                                      for k in instance_counts if k not in runnable]
+                runnable = [k for k in instance_counts if verdicts[n_ranks, k][0]]
                 if not runnable:
                     advance()
                     continue

@@ -270,10 +270,10 @@ class ParamStore:
 
             self.nixl = NixlExporter(f"staleflow-ps-{uuid.uuid4().hex[:8]}")
         self._to_persist: set[int] = set()
+        self._trash: list[Path] = []  # evicted versions' folders, deleted by the disk thread
         self._recover()
-        self._persister = threading.Thread(target=self._persist_forever, name="params-persist", daemon=True)
-        if config.persist:
-            self._persister.start()
+        self._disk = threading.Thread(target=self._disk_forever, name="params-disk", daemon=True)
+        self._disk.start()
 
     @property
     def shm(self) -> ShmSlots | None:
@@ -308,8 +308,9 @@ class ParamStore:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._persister.is_alive():
-            self._persister.join()
+        self._disk.join()
+        for trash in self._trash:
+            shutil.rmtree(trash, ignore_errors=True)
         with self._cond:
             for push in list(self.pushes.values()):
                 self._drop_push(push, "the parameter server stopped")
@@ -346,10 +347,8 @@ class ParamStore:
         if stored.directory is not None:
             trash = self.root / f".trash-{stored.directory.name}-{uuid.uuid4().hex[:8]}"
             os.rename(stored.directory, trash)
-            # deleting a GB-sized file takes ~0.2 s: not under the lock that commits and leases wait on
-            # (a restart removes what a crash left of it)
-            threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
-                             name="params-evict", daemon=True).start()
+            self._trash.append(trash)  # deleted by the disk thread (a restart removes what a crash left)
+            self._cond.notify_all()
         log.info("evicted version %d", version)
 
     # -- push
@@ -658,19 +657,27 @@ class ParamStore:
 
     # -- persistence (off the critical path)
 
-    def _persist_forever(self) -> None:
+    def _disk_forever(self) -> None:
+        """The disk work, off the critical path: persisting new versions, then deleting evicted ones."""
         while True:
+            trash: Path | None = None
             with self._cond:
-                while not self._to_persist and not self._closed:
+                while not self._to_persist and not self._trash and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                version = max(self._to_persist)
-                self._to_persist.clear()  # older ones are superseded: recovery serves the newest
-                stored = self.versions.get(version)
-                if stored is None or stored.persisted:
-                    continue
-                stored.leases += 1  # pinned: its slot is not reused while it is copied out
+                if self._to_persist:
+                    version = max(self._to_persist)
+                    self._to_persist.clear()  # older ones are superseded: recovery serves the newest
+                    stored = self.versions.get(version)
+                    if stored is None or stored.persisted:
+                        continue
+                    stored.leases += 1  # pinned: its slot is not reused while it is copied out
+                else:
+                    trash = self._trash.pop(0)
+            if trash is not None:
+                self._delete(trash)
+                continue
             try:
                 self._persist(stored)
             except OSError as exc:
@@ -715,6 +722,21 @@ class ParamStore:
             stored.persist_yielded_seconds = self.config.persist_yield_s - budget
         log.info("version %d persisted in %.3f s (%.3f s of it yielding to pushes and pulls)", version,
                  stored.persist_seconds, stored.persist_yielded_seconds)
+
+    def _delete(self, trash: Path) -> None:
+        """Delete an evicted version's folder, its data file a step at a time: freeing a GB file
+        takes ~0.2 s of kernel time, which a push or pull on the same cores would wait for."""
+        budget = self.config.persist_yield_s
+        try:
+            with open(trash / DATA_FILE, "r+b") as data:
+                size = os.fstat(data.fileno()).st_size
+                while size > 0:
+                    budget = self._yield_to_traffic(budget)
+                    size = max(0, size - PERSIST_STEP)
+                    os.ftruncate(data.fileno(), size)
+        except OSError:
+            pass  # already gone, or not a version folder: removed whole below
+        shutil.rmtree(trash, ignore_errors=True)
 
     def _traffic(self) -> bool:
         """Pushes or pulls in flight: a persist competes with them for memory bandwidth and cores."""
