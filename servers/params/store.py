@@ -500,14 +500,7 @@ class ParamStore:
             if checksums is not None:
                 if entry.via != "shm":
                     raise ParamsError(ErrorCode.INVALID_PART, f"part {part} sends its chunks over http; checksums come with each chunk")
-                for index, checksum in checksums.items():
-                    if not 0 <= int(index) < len(entry.chunks):
-                        raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {part} has chunks 0..{len(entry.chunks) - 1}, not {index}")
-                    try:
-                        checksum_algorithm(checksum)
-                    except FormatError as exc:
-                        raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
-                    entry.received[int(index)] = checksum
+                entry.received.update(_claimed_checksums(entry, checksums))
             missing = [c.index for c in entry.chunks if c.index not in entry.received]
             if missing or entry.writing:
                 shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
@@ -538,15 +531,7 @@ class ParamStore:
                 return False
             if entry.writing or push.committing:
                 raise ParamsError(ErrorCode.BUSY, f"part {part} of version {version} is being verified or committed right now")
-            claimed: dict[int, str] = {}
-            for index, checksum in checksums.items():
-                if not 0 <= int(index) < len(entry.chunks):
-                    raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {part} has chunks 0..{len(entry.chunks) - 1}, not {index}")
-                try:
-                    checksum_algorithm(checksum)
-                except FormatError as exc:
-                    raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
-                claimed[int(index)] = checksum
+            claimed = _claimed_checksums(entry, checksums)
             entry.writing.update(claimed)  # not swept, aborted or joined again while it is hashed
             for index in claimed:
                 entry.received.pop(index, None)
@@ -922,6 +907,20 @@ class ParamStore:
                 "persist": self.config.persist,
                 "shm": self.memory.usage(),
             }
+
+
+def _claimed_checksums(entry: PushPart, checksums: Mapping[int, str]) -> dict[int, str]:
+    """A part's checksums as its pusher hands them in (over shm or NIXL), validated."""
+    claimed: dict[int, str] = {}
+    for index, checksum in checksums.items():
+        if not 0 <= int(index) < len(entry.chunks):
+            raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {entry.index} has chunks 0..{len(entry.chunks) - 1}, not {index}")
+        try:
+            checksum_algorithm(checksum)
+        except FormatError as exc:
+            raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
+        claimed[int(index)] = checksum
+    return claimed
 
 
 def _load_version(directory: Path, version: int) -> StoredVersion:
