@@ -3,8 +3,10 @@
 Exactly-once across crashes of any role:
 * consume names the buffer it means (``POST /v1/consume?version=v``), so a retry after a lost
   reply replays instead of consuming the next buffer;
-* a batch is freed on the trajectory server only once a checkpoint covers it, so a restarted
-  trainer retrains from its newest checkpoint with the batches it consumed after it;
+* a batch is freed on the trajectory server only once a checkpoint covers it (for a backend
+  without checkpoints of its own: once the version it produced is visible), so a restarted
+  trainer retrains from its newest checkpoint with the batches it consumed after it, and a
+  retrained step's record follows its first try's in ``steps.jsonl``;
 * the parameter server refuses to overwrite a version, so a retrained step whose version was
   already pushed is not pushed again, and a checkpoint newer than the newest pushed version is
   pushed first: instances never wait for a version the trainer has moved past;
@@ -177,6 +179,9 @@ class TrainerLoop:
                 ThreadPoolExecutor(1, thread_name_prefix="push") as pusher:
             self.manager, self.ts, self.params = manager, ts, params
             trained = self._resume_point()
+            # a backend without checkpoints of its own resumes from the newest visible version, so
+            # its batches are covered (and freed) once the version they produced is visible
+            own_checkpoints = self.backend.resume_version() is not None
             train_version = self._retry("read the ledger", manager.buffers)["train_version"]
             freed_below = max(0, trained - self.eta - 2)
             freed_below = self._free(freed_below, trained)
@@ -189,19 +194,25 @@ class TrainerLoop:
                     train_version = version + 1
                 batch = self._batch(version)
                 metrics = self.backend.train(version, batch)
-                if pushing is not None:
-                    pushing.result()  # one push at a time; it overlapped this step's training
-                self._release_persisted_share()
-                pushing = pusher.submit(self._push, version + 1, self.backend.weights(version + 1))
-                if self.backend.checkpoint(version + 1):
-                    freed_below = self._free(freed_below, version + 1)
+                # recorded before a checkpoint or a visible version covers the step: a crash in
+                # between retrains it (a second record), never leaves it trained but unrecorded
                 record = batch_record(version, batch, time.monotonic() - self.started, metrics)
                 self.step_log.append(record)
                 if self.on_step:
                     self.on_step(record)
+                if pushing is not None:
+                    pushing.result()  # one push at a time; it overlapped this step's training
+                    if not own_checkpoints:
+                        freed_below = self._free(freed_below, version)
+                self._release_persisted_share()
+                pushing = pusher.submit(self._push, version + 1, self.backend.weights(version + 1))
+                if self.backend.checkpoint(version + 1) and own_checkpoints:
+                    freed_below = self._free(freed_below, version + 1)
                 version += 1
             if pushing is not None:
                 pushing.result()
+                if not own_checkpoints:
+                    self._free(freed_below, version)
 
     def _resume_point(self) -> int:
         latest = self._latest_pushed()

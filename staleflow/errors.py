@@ -60,6 +60,7 @@ class ErrorCode(StrEnum):
     UNKNOWN_TRAJECTORY = "unknown_trajectory"
     TRAJECTORY_CONFLICT = "trajectory_conflict"  # the request disagrees with the trajectory's state
     NOT_CONSUMED = "not_consumed"  # a batch asked for before its buffer was consumed
+    BATCH_FREED = "batch_freed"  # ... or after the trainer freed it (its payloads are gone)
     # the parameter server
     UNKNOWN_VERSION = "unknown_version"
     VERSION_EXISTS = "version_exists"
@@ -145,6 +146,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNKNOWN_TRAJECTORY: 404,
     ErrorCode.TRAJECTORY_CONFLICT: _CONFLICT,
     ErrorCode.NOT_CONSUMED: _CONFLICT,
+    ErrorCode.BATCH_FREED: 410,
     ErrorCode.UNKNOWN_VERSION: 404,
     ErrorCode.VERSION_EXISTS: _CONFLICT,
     ErrorCode.VERSION_TOO_OLD: _CONFLICT,

@@ -332,6 +332,8 @@ class TrajectoryBook:
                 raise StoreConflict(f"group {gid} is unknown to this trajectory server", ErrorCode.UNKNOWN_GROUP)
             members = [self.trajs[m] for m in g.member_ids
                        if self.trajs[m].state in (TrajState.REWARDED, TrajState.CONSUMED)]
+            if any(t.state is TrajState.CONSUMED for t in members):
+                raise StoreConflict(f"group {gid} was freed: its batch's payloads are gone", ErrorCode.BATCH_FREED)
             out.extend((t, g) for t in members[: g.needed])
         return out
 

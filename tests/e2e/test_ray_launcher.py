@@ -251,6 +251,7 @@ def test_a_second_process_finds_the_job_by_its_namespace(local_cluster: LocalClu
 
 
 ROLE_ORDER = ("inst-0", "ts", "params", "manager", "reward", "coordinator", "trainer-0", "inst-1 (hung)", "params (hung)")
+TRAINER_RESTARTS = 2  # its SIGKILL above and the loss of its node
 
 
 @pytest.mark.timeout(900)
@@ -335,8 +336,14 @@ def test_the_job_finishes_with_nothing_lost_or_consumed_twice(job: RunningJob) -
     assert end["completed"] and end["staleness_violations"] == 0, end
     config = yaml.safe_load(job.config.read_text())
     steps = [json.loads(line) for line in (job.state / "trainer" / "steps.jsonl").read_text().splitlines()]
+    first_tries: dict[int, dict] = {}
+    for s in steps:  # a restarted trainer retrains the step whose version was not yet visible: same batch
+        first = first_tries.setdefault(s["version"], s)
+        assert (s["groups"], s["response_tokens"]) == (first["groups"], first["response_tokens"]), (first, s)
+    assert sorted(first_tries) == list(range(config["steps"])), f"every version trained: {sorted(first_tries)}"
     versions = [s["version"] for s in steps]
-    assert versions == list(range(config["steps"])), f"each version trained once, in order: {versions}"
+    assert all(b <= a + 1 for a, b in zip(versions, versions[1:], strict=False)), f"in order: {versions}"
+    assert len(steps) - len(first_tries) <= TRAINER_RESTARTS, f"a step retrained per trainer restart at most: {versions}"
     ledger = config["ledger"]
     for s in steps:
         assert s["trajectories"] == s["groups"] * ledger["group_size"]

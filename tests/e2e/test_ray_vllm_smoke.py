@@ -79,8 +79,9 @@ def test_vllm_instance_and_two_gloo_ranks_on_two_nodes_train_two_steps(tmp_path:
             end = next((e for e in events if e["event"] == "end"), None)
             assert up.returncode == 0 and end is not None and end["completed"], text[-4000:]
             assert end["staleness_violations"] == 0
-            steps = [json.loads(line) for line in step_log.read_text().splitlines()]
-            assert [s["version"] for s in steps] == [0, 1, 2], "each version trained once across the gang restart"
+            versions = [json.loads(line)["version"] for line in step_log.read_text().splitlines()]
+            # a step the killed gang trained after its newest checkpoint is trained again
+            assert sorted(set(versions)) == [0, 1, 2] and len(versions) <= 4, f"each version trained: {versions}"
             assert json.loads((state / "placement.json").read_text())["trainer-1"]["pid"] != follower
             ranks = sorted((tmp_path / "state" / "logs").glob("trainer-*.log"))
             assert [p.name for p in ranks] == ["trainer-0.log", "trainer-1.log"]

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -18,8 +20,13 @@ from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
 from staleflow.servers.manager import create_app as manager_app
+from staleflow.servers.params import ParamsConfig
+from staleflow.servers.params import create_app as params_app
+from staleflow.servers.trainer import StepLog, TrainerLoop
 from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
 from staleflow.servers.trajectories import create_app as ts_app
+from staleflow.training.simulated import SimulatedBackend
+from staleflow.transports.client import ParamsClient
 
 GROUP = 2
 
@@ -106,6 +113,8 @@ def test_prompts_flow_to_the_trainer_with_payload_intact(cluster: Cluster) -> No
         assert t["segments"] == [{"version": 0, "start": 0, "end": len(t["tokens"])}]
         assert t["reward"] in (0.0, 1.0) and t["v_traj"] == 0 and t["finish_reason"] in ("stop", "length")
     assert cluster.ts.delete(f"/v1/batches/{consumed['version']}").json()["freed_groups"] == 2
+    refused = cluster.ts.get(f"/v1/batches/{consumed['version']}")
+    assert refused.status_code == 410 and refused.json()["code"] == "batch_freed", "a freed batch is never served empty"
     # freed groups are replaced by fresh prompts: the TS keeps (eta + 1) x B groups in flight
     wait_for(lambda: len(cluster.ts.get("/v1/pending").json()["trajectories"]) == 4 * GROUP)
 
@@ -183,3 +192,54 @@ def test_rewards_come_from_the_math_verifier(tmp_path: Path, backend: str) -> No
             scores = asyncio.run(http_reward(server.url)(batch))
     assert [r for r, _ in scores] == [1.0, 0.0, 0.0]
     assert scores[0][1] == "correct" and scores[2][1] == "no_answer"
+
+
+class KilledMidPush(Mapping):
+    """Weights whose push dies on its first read, as a SIGKILL of the trainer during the push would."""
+
+    def __getitem__(self, key: str) -> object:
+        raise RuntimeError("killed")
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("killed")
+
+    def __len__(self) -> int:
+        raise RuntimeError("killed")
+
+
+class KilledWhilePushing(SimulatedBackend):
+    """The simulated trainer, killed while it pushes version ``killed_at``."""
+
+    def __init__(self, killed_at: int | None, stop: threading.Event):
+        super().__init__(0.0, 0.0, 1024, 1.0, stop)
+        self.killed_at = killed_at
+
+    def weights(self, version: int) -> Mapping:
+        return KilledMidPush() if version == self.killed_at else super().weights(version)
+
+
+def test_a_stateless_trainer_frees_a_batch_only_once_the_version_it_produced_is_visible(
+        cluster: Cluster, tmp_path: Path) -> None:
+    pending = cluster.ts.get("/v1/pending").json()["trajectories"]
+    for p in pending:  # fill buffers 0 and 1 (eta = 1: both at v_traj 0)
+        cluster.route("a", [p["traj_id"]], v_traj=0)
+    cluster.run_until_idle("a")
+    wait_for(lambda: [b["state"] for b in cluster.manager.buffers()["buffers"][:2]] == ["ready", "ready"])
+    params = ParamsConfig(state_dir=tmp_path / "params", port=0, fsync=False)
+    with serve_in_thread(params_app(params)) as ps:
+        urls = {"manager": cluster.manager_url, "ts": cluster.ts_url, "params": ps.url}
+        log = StepLog(tmp_path / "steps.jsonl")
+        stop = threading.Event()
+        crashed = TrainerLoop(KilledWhilePushing(2, stop), steps=2, eta=1, urls=urls, step_log=log, stop=stop)
+        with pytest.raises(RuntimeError, match="killed"):
+            crashed.run()  # trained 0 (version 1 visible) and 1, then died pushing version 2
+        assert cluster.ts.get("/v1/batches/0").json()["code"] == "batch_freed", "version 1 covers batch 0"
+        kept = cluster.ts.get("/v1/batches/1")
+        assert kept.status_code == 200 and all(t["tokens"] for t in kept.json()["trajectories"])
+        TrainerLoop(KilledWhilePushing(None, stop), steps=2, eta=1, urls=urls, step_log=log, stop=stop).run()
+        with ParamsClient(ps.url) as client:
+            assert client.latest()["version"] == 2
+    records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in records] == [0, 1, 1], "the restarted trainer trained step 1 again"
+    assert records[1]["response_tokens"] == records[2]["response_tokens"] > 0, "on the same batch"
+    assert cluster.ts.get("/v1/batches/1").json()["code"] == "batch_freed", "version 2 covers batch 1"

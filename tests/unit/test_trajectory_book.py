@@ -9,6 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from staleflow.errors import ErrorCode
 from staleflow.trajectory_book import (
     GROUP_TRANSITIONS,
     TRAJ_TRANSITIONS,
@@ -196,6 +197,9 @@ class BookMachine(RuleBasedStateMachine):
         assert len(batch) == needed and all(t.state is TrajState.REWARDED for t, _ in batch)
         self.book.free([group_id])
         assert all(t.state is TrajState.CONSUMED and not t.tokens for t, _ in batch)
+        with pytest.raises(StoreConflict) as freed:  # a freed batch is refused, never handed out empty
+            self.book.batch([group_id])
+        assert freed.value.code is ErrorCode.BATCH_FREED
 
     # -- what must hold after every step
 
