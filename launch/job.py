@@ -139,7 +139,7 @@ def run_trainer(config: JobConfig, endpoints: dict[str, dict], stop: threading.E
         t = config.trainer
         backend = SimulatedBackend(t.seconds_per_step, t.seconds_per_token, t.push_bytes, config.speed, stop)
         TrainerLoop(backend, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log(config),
-                    stop=stop, started=started).run()
+                    stop=stop, started=started, remote_push=t.remote_push).run()
         return
     from staleflow.servers.trainer import run_fsdp_trainer
 

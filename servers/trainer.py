@@ -124,8 +124,9 @@ class TrainerLoop:
 
     def __init__(self, backend: TrainerBackend, *, steps: int, eta: int, urls: Mapping[str, str], step_log: StepLog,
                  stop: threading.Event, started: float | None = None, outage_s: float | None = None,
-                 on_step: Callable[[StepRecord], None] | None = None):
+                 on_step: Callable[[StepRecord], None] | None = None, remote_push: str = "http"):
         self.backend = backend
+        self.remote_push = remote_push
         self.steps = steps
         self.eta = eta
         self.urls = dict(urls)
@@ -175,7 +176,7 @@ class TrainerLoop:
         from staleflow.transports.client import ParamsClient
 
         with ManagerClient(self.urls["manager"]) as manager, http_client(self.urls["ts"], timeout=120) as ts, \
-                ParamsClient(self.urls["params"], timeout=300) as params, \
+                ParamsClient(self.urls["params"], timeout=300, remote_push=self.remote_push) as params, \
                 ThreadPoolExecutor(1, thread_name_prefix="push") as pusher:
             self.manager, self.ts, self.params = manager, ts, params
             trained = self._resume_point()
@@ -352,7 +353,7 @@ def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, 
                         params_url=urls["params"])
     try:
         TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
-                    started=started).run()
+                    started=started, remote_push=config.trainer.remote_push).run()
     finally:
         driver.close()
         for p in followers:
@@ -393,7 +394,7 @@ def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog,
         driver = RankDriver(local, params_url=urls["params"])
         try:
             TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
-                        started=started).run()
+                        started=started, remote_push=config.trainer.remote_push).run()
         finally:
             driver.close()
     finally:

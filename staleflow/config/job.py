@@ -60,6 +60,9 @@ class TrainerConfig(StrictModel):
     push_bytes: int = Field(1 << 20, ge=1, description="sim: bytes of the parameter blob pushed to the PS each step")
     world_size: int = Field(2, ge=1, le=64, description="FSDP2 ranks (processes; gloo on CPU, NCCL on GPU)")
     checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints (model, optimizer, version)")
+    remote_push: Literal["http", "nixl"] = Field(
+        "http", description="how a rank off the parameter server's host pushes its weights: http, or nixl (RDMA; "
+                            "params.transports must offer it); ranks on the PS's host push over shm")
     mixed_precision: bool = Field(False, description="bf16 parameters in forward/backward, fp32 master weights")
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
@@ -191,6 +194,14 @@ class JobConfig(ComponentConfigs, StrictModel):
         return self
 
     _db_url_supported = field_validator("db_url")(check_database_url)
+
+    @model_validator(mode="after")
+    def _remote_push_offered(self) -> JobConfig:
+        if self.trainer.remote_push not in self.params.transports:
+            offered = ", ".join(self.params.transports)
+            raise ValueError(f"trainer.remote_push is {self.trainer.remote_push!r} but the parameter server offers "
+                             f"{offered}: add it to params.transports (e.g. [{offered}, {self.trainer.remote_push}])")
+        return self
 
     @model_validator(mode="after")
     def _one_database(self) -> JobConfig:

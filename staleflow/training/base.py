@@ -247,8 +247,10 @@ class BackgroundSharePushes:
     thread keeps the last share until the PS persisted it, pushing it again if the PS loses it
     (see ``SharePusher``), so that the other ranks are never left waiting for its part."""
 
-    def __init__(self, url: str, part: int, *, wait_s: float = VISIBLE_WAIT_S, poll_s: float = KEPT_POLL_S):
+    def __init__(self, url: str, part: int, *, wait_s: float = VISIBLE_WAIT_S, poll_s: float = KEPT_POLL_S,
+                 remote_push: str = "http"):
         self.url = url
+        self.remote_push = remote_push
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._pusher = SharePusher(part, stop=self._stop, wait_s=wait_s)
@@ -289,7 +291,7 @@ class BackgroundSharePushes:
 
     def _push(self, version: int, share: ShardedWeights, superseded: threading.Event) -> None:
         if self._client is None:
-            self._client = ParamsClient(self.url, timeout=300)
+            self._client = ParamsClient(self.url, timeout=300, remote_push=self.remote_push)
         try:
             self._pusher.push(self._client, version, share)
             self._pusher.keep_until_persisted(self._client, superseded, self.poll_s)

@@ -159,7 +159,7 @@ class FsdpBackend(TrainerBackend):
         and the last share is kept until the PS persisted it (``BackgroundSharePushes``)."""
         if self._pushes is None or self._pushes.url != params_url:
             self.stop_pushes()
-            self._pushes = BackgroundSharePushes(params_url, self.rank)
+            self._pushes = BackgroundSharePushes(params_url, self.rank, remote_push=self.cfg.remote_push)
         self._pushes.wait()  # before the snapshot: the previous share may go meanwhile
         self._pushes.submit(version, self.weights(version))
 

@@ -103,16 +103,21 @@ def _as_torch(array: np.ndarray, spec: TensorSpec, shape: tuple[int, ...] | None
 class ParamsClient(RestClient):
     """The parameter server's API for the trainer (push), the instances (pull) and the coordinator
     (versions, latest). Not thread-safe: one per thread. ``token`` (default: $STALEFLOW_TOKEN) is
-    sent with every request, as the services' bearer-token check wants it for pushes."""
+    sent with every request, as the services' bearer-token check wants it for pushes.
+    ``remote_push``: how an ``auto`` push goes when the PS runs on another host (``http``, or
+    ``nixl`` where the hosts have RDMA between them); on the PS's host it goes over ``shm``."""
 
     # A selected pull over http (or nixl) receives the chunks it touches into a scratch buffer of
     # this size (at least one chunk) and copies the selected bytes out of it.
     selection_scratch_bytes = 64 << 20
 
-    def __init__(self, url: str, timeout: float = 60.0, token: str | None = None):
+    def __init__(self, url: str, timeout: float = 60.0, token: str | None = None, remote_push: str = "http"):
         super().__init__(url, token, timeout)
+        if remote_push not in ("http", "nixl"):
+            raise ValueError(f"remote_push {remote_push!r}: use http or nixl")
         self.url = url
         self.timeout = timeout
+        self.remote_push = remote_push
         self._transports: dict[str, Transport] = {}
         self._health: dict | None = None
 
@@ -175,8 +180,8 @@ class ParamsClient(RestClient):
         shape), the same on every part; ``pieces``: the bytes this part holds. The PS makes the
         version visible when every part is done and the parts cover every byte. Over ``shm``
         (``auto`` on the PS's host) the bytes are copied straight into the PS's memory, else sent
-        over HTTP; ``nixl`` (only when asked for: ``auto`` never picks it) WRITEs them into the
-        PS's memory with NIXL and the PS verifies what landed. Returns the PS's answer:
+        over HTTP; ``nixl`` (asked for, or ``auto`` off the PS's host with ``remote_push="nixl"``)
+        WRITEs them into the PS's memory with NIXL and the PS verifies what landed. Returns the PS's answer:
         ``visible`` says whether the version is visible (after waiting up to ``wait_s`` for the
         other parts)."""
         table = [(name, dtype, list(shape)) for name, (dtype, shape) in tensors.items()]
@@ -195,8 +200,9 @@ class ParamsClient(RestClient):
         spans.sort(key=lambda span: span[0])
         source = ByteRegions(spans, sum(t.nbytes for t in laid.values()))
         via = transport
-        if via == "auto":  # nixl never: on the PS's host shm is faster, elsewhere only the caller knows whether RDMA is there
-            via = "shm" if self._shm_here() else "http"
+        if via == "auto":  # on the PS's host shm is fastest; elsewhere only the caller knows whether RDMA is there
+            via = "shm" if self._shm_here() else self.remote_push
+        mover = self.transport(via)  # before joining: a transport this host lacks fails here, leaving no push behind
         begin = self._call("POST", f"/v1/params/{version}/parts/{part}", json={
             "tensors": [{"name": n, "dtype": d, "shape": s} for n, d, s in table], "metadata": dict(metadata or {}),
             "parts": parts, "ranges": [[offset, len(view)] for offset, view in spans], "via": via,
@@ -204,7 +210,7 @@ class ParamsClient(RestClient):
         algorithm = next(a for a in begin["checksum_algorithms"] + ["crc32"] if a in checksum_algorithms())
         session = PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]), algorithm,
                               part=part, details=begin["details"])
-        checksums = self.transport(via).push(session, source)
+        checksums = mover.push(session, source)
         delivered = time.monotonic()  # the bytes are in; the PS is told next
         reply = self.finish_part(version, part, session.push_id, checksums=checksums, wait_s=wait_s)
         return {**reply, "via": via, "delivered_at_monotonic": delivered}

@@ -104,6 +104,19 @@ def test_a_sharded_push_over_nixl_pulls_back_byte_exact(ps: tuple[str, ParamStor
     assert registered_pushes(store) == 0  # the commit released the slot's registration
 
 
+def test_an_auto_push_off_the_ps_host_goes_over_the_remote_transport_asked_for(tmp_path: Path) -> None:
+    # a PS that offers no shared memory is, to its pushers, a PS on another host
+    config = ParamsConfig(state_dir=tmp_path / "ps", port=0, chunk_bytes=CHUNK, fsync=False, keep=3,
+                          transports=("http", "nixl"))
+    state = full_state(5)
+    with serve_in_thread(create_app(config)) as server:
+        for version, remote in enumerate(("nixl", "http"), start=1):
+            with ParamsClient(server.url, remote_push=remote) as client:
+                assert client.push(version, state)["via"] == remote
+                pulled = client.pull(version, "http")
+                assert all(pulled[n].tobytes() == a.tobytes() for n, a in state.items())
+
+
 def join_over_nixl(client: ParamsClient, version: int, data: np.ndarray) -> PushSession:
     """Part 0 of 1 of a one-tensor version joins over NIXL (the first half of ``push_part``)."""
     begin = client._call("POST", f"/v1/params/{version}/parts/0", json={

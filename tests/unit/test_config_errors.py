@@ -38,6 +38,8 @@ CASES = [  # (flags, config file text or None, what the message must say)
                                                            "one of 'throughput' or 'vanilla'"]),
     ([], "coordinator:\n  stall_timeout: -1\n", ["coordinator.stall_timeout:", "to 0.0 or more"]),
     ([], "params:\n  keep: 0\n", ["params.keep:", "to 1 or more"]),
+    ([], "trainer:\n  remote_push: nixl\n", ["trainer.remote_push is 'nixl'", "offers http, shm",
+                                              "add it to params.transports (e.g. [http, shm, nixl])"]),
     ([], "params:\n  port: 80\n", ["params.port: unknown setting", "the settings at params are", "keep"]),
     ([], "- a list\n", ["must hold a mapping of settings"]),
     ([], "steps: [unclosed\n", ["is not valid"]),
