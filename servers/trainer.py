@@ -38,12 +38,19 @@ import numpy as np
 from staleflow.config import JobConfig
 from staleflow.errors import ErrorCode
 from staleflow.servers.clients import ManagerClient, ServiceError, http_client
-from staleflow.training.base import PushStopped, ShardedWeights, SharePusher, TrainerBackend, is_visible, pending_push
+from staleflow.training.base import (
+    TRANSIENT_STATUS,
+    PushStopped,
+    ShardedWeights,
+    SharePusher,
+    TrainerBackend,
+    is_visible,
+    pending_push,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-TRANSIENT_STATUS = (502, 503, 504)
 
 
 @dataclass

@@ -81,6 +81,7 @@ VISIBLE_WAIT_S = 5.0
 KEPT_POLL_S = 1.0
 """Between pushes, how often a rank asks the PS whether its last version is persisted (or lost)."""
 TRANSIENT_STATUS = (502, 503, 504)
+"""Replies that mean the service is restarting or cannot reach its own dependency: retried."""
 RETRIED_CODES = (
     ErrorCode.UNKNOWN_PUSH,  # the PS restarted or dropped the push: join it again
     ErrorCode.PUSH_ID_MISMATCH,  # ... and another rank started a new one

@@ -144,6 +144,13 @@ class Ranks:
     def lead(self, version: int) -> None:
         self.loop._push(version, share_of(full_state(version), 0))
 
+    def push(self, version: int) -> None:
+        """Every rank pushes ``version`` at once; returns when rank 0 saw it visible and every follower submitted."""
+        followers = self.follow(version)
+        self.lead(version)
+        for thread in followers:
+            thread.join()
+
     def close(self) -> None:
         for follower in self.followers:
             follower.close()
@@ -166,10 +173,7 @@ def test_every_rank_pushes_again_a_version_the_ps_lost_then_the_next(ps: ParamsP
     ranks = Ranks(ps.url, tmp_path)
     try:
         with TornVersionWatch(ps.url) as watch:
-            followers = ranks.follow(1)
-            ranks.lead(1)
-            for thread in followers:
-                thread.join()
+            ranks.push(1)
             state = ranks.client.versions()
             assert [(v["version"], v["persisted"]) for v in state["versions"]] == [(1, False)]
 
@@ -178,10 +182,7 @@ def test_every_rank_pushes_again_a_version_the_ps_lost_then_the_next(ps: ParamsP
             with pytest.raises(ServiceError):
                 ranks.client.latest()  # version 1 died with the PS
 
-            followers = ranks.follow(2)
-            ranks.lead(2)  # rank 0 finds version 1 lost and pushes its share again before version 2
-            for thread in followers:
-                thread.join()
+            ranks.push(2)  # rank 0 finds version 1 lost and pushes its share again before version 2
             for follower in ranks.followers:
                 follower.wait()
                 assert follower.kept_version == 2  # the older share went when version 2 was visible
@@ -205,10 +206,7 @@ def test_a_restart_with_parts_pending_makes_every_rank_send_its_part_again(ps: P
     ranks = Ranks(ps.url, tmp_path)
     try:
         with TornVersionWatch(ps.url) as watch:
-            followers = ranks.follow(1)
-            ranks.lead(1)
-            for thread in followers:
-                thread.join()
+            ranks.push(1)
             if persisted:
                 assert ranks.client.wait_persisted(1, 60)
                 ranks.loop._release_persisted_share()
@@ -306,10 +304,7 @@ def test_a_rank_that_missed_its_version_becoming_visible_pushes_it_again_not_the
     ranks.followers = [BackgroundSharePushes(ps.url, rank, wait_s=WAIT_S, poll_s=POLL_S) for rank in range(1, RANKS)]
     try:
         with TornVersionWatch(ps.url) as watch, ParamsClient(ps.url) as observer:
-            followers = ranks.follow(1)
-            ranks.lead(1)
-            for thread in followers:
-                thread.join()
+            ranks.push(1)
 
             rank0 = threading.Thread(target=ranks.lead, args=(2,))
             rank0.start()
