@@ -11,12 +11,15 @@ Endpoints (all JSON; errors are ``{"detail", "code", ...}`` with a 4xx status, a
   last applied command) and timestamps. Taken under the command lock, so it reflects exactly the
   commands up to ``seq``.
 * ``GET /v1/completed?after=SEQ&limit=N&wait_s=S`` -- the completed-trajectory feed. Items carry
-  increasing ``seq`` numbers; asking for ``after=SEQ`` also acknowledges everything up to ``SEQ``,
-  which is then released (the feed has one consumer, the trajectory server). ``wait_s`` long-polls.
+  increasing ``seq`` numbers; ``wait_s`` long-polls. Reading changes nothing.
+* ``POST /v1/completed/ack`` -- ``{"seqs": [...]}``: the consumer holds these items, which then leave
+  the outbox. Only items handed out (by the feed or the callback) can be acknowledged; others
+  are listed as ignored. Like every mutating endpoint, it needs the token when one is set.
 * Optional push: with ``completion_callback_url`` set, batches ``{"instance_id", "items"}`` are
-  POSTed there in order, retried with capped exponential backoff on connection errors and 5xx
-  (at-least-once: receivers deduplicate on ``(instance_id, seq)``); a 4xx answer drops the batch.
-  A delivered batch is acknowledged like a poll.
+  POSTed there in order (at-least-once: receivers deduplicate on ``(instance_id, seq)``). The
+  receiver being unreachable or restarting (network errors, 502/503/504) is retried with capped,
+  jittered backoff; a 4xx, or another server error that persists, drops the batch (logged), and
+  the coordinator's reconciliation hands those trajectories back. A delivered batch is acknowledged.
 * ``GET /v1/health``.
 * ``POST /v1/sim/advance`` -- sim engine on the virtual clock only: ``{"to": t}``, ``{"by": dt}``
   or ``{"until_idle": true}``; returns after the finished trajectories reached the feed.

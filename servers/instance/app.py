@@ -16,6 +16,8 @@ from staleflow.servers.http import service_app
 from staleflow.servers.instance.config import InstanceConfig
 from staleflow.servers.instance.state import InstanceServer
 from staleflow.servers.instance.wire import (
+    AckIn,
+    AckOut,
     Advanced,
     AdvanceIn,
     AnyCommand,
@@ -102,11 +104,12 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
         limit: Annotated[int, Query(ge=1, le=10_000)] = 256,
         wait_s: Annotated[float, Query(ge=0, le=60)] = 0.0,
     ) -> dict[str, Any]:
+        """The items after ``after``; reading changes nothing (acknowledging is ``POST /v1/completed/ack``)."""
         outbox = server.outbox
-        outbox.ack(after)
         if wait_s > 0:
             await outbox.wait_after(after, wait_s)
         items = outbox.after(after, limit)
+        outbox.handed_out(items)
         return {
             "items": items,
             "next_after": items[-1]["seq"] if items else after,
@@ -114,6 +117,12 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
             "oldest_seq": outbox.oldest_seq,
             "dropped": outbox.dropped,
         }
+
+    @app.post("/v1/completed/ack", response_model=AckOut)
+    async def acknowledge(body: AckIn) -> dict[str, Any]:
+        """The consumer holds these items: they leave the outbox. Only items it was handed count."""
+        acknowledged, ignored = server.outbox.ack(body.seqs)
+        return {"acknowledged": acknowledged, "ignored": ignored}
 
     @app.get("/v1/health", response_model=InstanceHealth)
     async def health() -> dict[str, Any]:

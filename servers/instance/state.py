@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import random
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,8 +35,13 @@ from staleflow.servers.instance.wire import (
     RouteCommand,
     trajectory_json,
 )
+from staleflow.training.base import TRANSIENT_STATUS
 
 log = logging.getLogger(__name__)
+
+CALLBACK_BACKOFF_S = 0.1  # first retry of a failed delivery; doubled up to CALLBACK_MAX_BACKOFF_S
+CALLBACK_MAX_BACKOFF_S = 5.0
+CALLBACK_ERROR_ATTEMPTS = 5  # a server error other than 502/503/504 this many times in a row: the batch is dropped
 
 
 @dataclass
@@ -45,44 +52,68 @@ class _Recorded:
 
 
 class Outbox:
-    """Completed trajectories numbered 1, 2, ... and kept until acknowledged."""
+    """Completed trajectories numbered 1, 2, ...; each is kept until a consumer that was handed it
+    acknowledges it by its ``seq``. Reading never removes anything: an acknowledged item leaves
+    memory, and beyond ``limit`` unacknowledged items the oldest is dropped (counted)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.next_seq = 1
-        self.acked = 0
+        self.acked = 0  # items acknowledged so far
         self.dropped = 0
-        self._items: deque[tuple[int, dict[str, Any]]] = deque()
+        self._items: dict[int, dict[str, Any]] = {}  # by seq, in seq order
+        self._delivered: set[int] = set()  # seqs handed to a consumer at least once
         self._arrived = asyncio.Event()
 
     def add(self, instance_id: str, trajectory: CompletedTrajectory) -> None:
         seq = self.next_seq
         self.next_seq += 1
-        self._items.append((seq, {"seq": seq, "instance_id": instance_id, "finished_at": time.time(),
-                                  "trajectory": trajectory_json(trajectory)}))
+        self._items[seq] = {"seq": seq, "instance_id": instance_id, "finished_at": time.time(),
+                            "trajectory": trajectory_json(trajectory)}
         if len(self._items) > self.limit:
-            lost, _ = self._items.popleft()
+            lost = next(iter(self._items))
+            self._forget(lost)
             self.dropped += 1
             log.warning("outbox over its limit of %d: dropped completed trajectory seq %d unacknowledged", self.limit, lost)
         self._arrived.set()
 
-    def ack(self, seq: int) -> None:
-        self.acked = max(self.acked, min(seq, self.next_seq - 1))
-        while self._items and self._items[0][0] <= self.acked:
-            self._items.popleft()
+    def _forget(self, seq: int) -> None:
+        del self._items[seq]
+        self._delivered.discard(seq)
+
+    def handed_out(self, items: list[dict[str, Any]]) -> None:
+        """These items reached a consumer: from now on they may be acknowledged."""
+        self._delivered.update(item["seq"] for item in items if item["seq"] in self._items)
+
+    def ack(self, seqs: Iterable[int]) -> tuple[list[int], list[int]]:
+        """Acknowledge items that were handed out; returns (acknowledged, ignored): an unknown,
+        already acknowledged or never delivered seq is ignored."""
+        acknowledged, ignored = [], []
+        for seq in dict.fromkeys(seqs):
+            if seq in self._delivered:
+                self._forget(seq)
+                acknowledged.append(seq)
+            else:
+                ignored.append(seq)
+        self.acked += len(acknowledged)
+        return acknowledged, ignored
 
     def after(self, seq: int, limit: int) -> list[dict[str, Any]]:
         out = []
-        for item_seq, item in self._items:
+        for item_seq, item in self._items.items():
             if item_seq > seq:
                 out.append(item)
                 if len(out) >= limit:
                     break
         return out
 
+    def has_after(self, seq: int) -> bool:
+        return bool(self._items) and next(reversed(self._items)) > seq
+
     async def wait_after(self, seq: int, timeout: float) -> None:
+        """Until an item newer than ``seq`` is held, or ``timeout`` seconds passed."""
         deadline = time.monotonic() + timeout
-        while self.next_seq - 1 <= seq:
+        while not self.has_after(seq):
             self._arrived.clear()
             left = deadline - time.monotonic()
             if left <= 0:
@@ -92,7 +123,7 @@ class Outbox:
 
     @property
     def oldest_seq(self) -> int | None:
-        return self._items[0][0] if self._items else None
+        return next(iter(self._items), None)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -136,31 +167,45 @@ class InstanceServer:
             self.outbox.add(self.instance_id, trajectory)
 
     async def _push_completions(self) -> None:
+        """Deliver the outbox to the callback in order. A batch is acknowledged (and leaves the
+        outbox) once the receiver took it, or refused it for good (a 4xx, or a server error that
+        persists for ``CALLBACK_ERROR_ATTEMPTS`` tries): a refused batch is dropped and logged,
+        and the coordinator's reconciliation hands its trajectories back for another try. The
+        receiver being unreachable or restarting (network errors, 502/503/504) is retried until
+        it answers, with capped, jittered backoff."""
         url = self.config.completion_callback_url
         assert url is not None
-        backoff = 0.1
         async with async_http_client("", timeout=30.0) as client:  # absolute URL; carries the token
             while True:
                 await self.outbox.wait_after(self.callback_delivered, 3600.0)
                 batch = self.outbox.after(self.callback_delivered, self.config.callback_batch)
-                if not batch:
-                    continue
-                try:
-                    reply = await client.post(url, json={"instance_id": self.instance_id, "items": batch})
-                except httpx.HTTPError as exc:
-                    log.warning("completion callback %s failed (%s); retrying in %.1fs", url, exc, backoff)
-                else:
-                    if reply.status_code < 500:
-                        if reply.status_code >= 400:
-                            log.error("completion callback %s refused seq %d-%d with %d: dropped",
-                                      url, batch[0]["seq"], batch[-1]["seq"], reply.status_code)
-                        self.callback_delivered = batch[-1]["seq"]
-                        self.outbox.ack(self.callback_delivered)
-                        backoff = 0.1
-                        continue
-                    log.warning("completion callback %s answered %d; retrying in %.1fs", url, reply.status_code, backoff)
-                await asyncio.sleep(backoff)  # retry pacing, not synchronisation
-                backoff = min(backoff * 2, 5.0)
+                if batch:
+                    await self._deliver(client, url, batch)
+
+    async def _deliver(self, client: httpx.AsyncClient, url: str, batch: list[dict[str, Any]]) -> None:
+        first, last = batch[0]["seq"], batch[-1]["seq"]
+        backoff, errors = CALLBACK_BACKOFF_S, 0
+        while True:
+            try:
+                reply = await client.post(url, json={"instance_id": self.instance_id, "items": batch})
+            except httpx.HTTPError as exc:
+                problem = f"failed ({exc.__class__.__name__}: {exc})"
+            else:
+                status = reply.status_code
+                if status < 400:
+                    break
+                if status < 500 or (status not in TRANSIENT_STATUS and errors + 1 >= CALLBACK_ERROR_ATTEMPTS):
+                    log.error("completion callback %s refused seq %d-%d with %d (%s): dropped; the coordinator "
+                              "hands these trajectories back", url, first, last, status, reply.text[:500])
+                    break
+                errors += status not in TRANSIENT_STATUS
+                problem = f"answered {status}"
+            log.warning("completion callback %s %s; retrying seq %d-%d in %.1fs", url, problem, first, last, backoff)
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))  # retry pacing, not synchronisation
+            backoff = min(backoff * 2, CALLBACK_MAX_BACKOFF_S)
+        self.callback_delivered = last
+        self.outbox.handed_out(batch)
+        self.outbox.ack(item["seq"] for item in batch)
 
     # ------------------------------------------------------------------ commands
 

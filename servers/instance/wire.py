@@ -26,6 +26,13 @@ from staleflow.engines.base import (
 from staleflow.errors import ErrorCode
 from staleflow.servers.instance.config import ID_PATTERN
 
+MAX_TOKEN_ID = 2**31 - 1  # token ids are stored as int32
+MIN_LOGPROB = -3.0e38  # log-probs are stored as float32: anything lower would become -inf
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+LogProb = Annotated[float, Field(ge=MIN_LOGPROB, le=0.0, allow_inf_nan=False,
+                                 description="the sampled token's log-probability: finite, at most 0")]
+
 
 class SamplingIn(StrictModel):
     max_tokens: int = Field(ge=1)
@@ -33,7 +40,7 @@ class SamplingIn(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
     seed: int | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
 
     @field_validator("top_k")
@@ -50,7 +57,6 @@ class RoutedSegmentIn(StrictModel):
     end: int = Field(ge=1)
 
 
-TokenId = Annotated[int, Field(ge=0)]
 
 
 class TrajectoryIn(StrictModel):
@@ -62,7 +68,7 @@ class TrajectoryIn(StrictModel):
     v_traj: int = Field(ge=0, description="assigned by the coordinator before routing; never null")
     sampling: SamplingIn
     tokens: list[TokenId] = Field(default_factory=list)
-    logprobs: list[float] = Field(default_factory=list)
+    logprobs: list[LogProb] = Field(default_factory=list)
     segments: list[RoutedSegmentIn] = Field(default_factory=list)
 
     def to_request(self) -> TrajectoryRequest:
@@ -263,6 +269,16 @@ class CompletedFeed(_Answer):
     last_seq: int
     oldest_seq: int | None
     dropped: int
+
+
+class AckIn(StrictModel):
+    seqs: list[Annotated[int, Field(ge=1)]] = Field(min_length=1, max_length=10_000,
+                                                    description="the seqs of completed items the consumer holds")
+
+
+class AckOut(_Answer):
+    acknowledged: list[int]
+    ignored: list[int] = Field(description="unknown, already acknowledged, or never handed out: nothing changed")
 
 
 class InstanceHealth(_Answer):

@@ -121,8 +121,10 @@ def test_route_snapshot_and_completed_feed(inst: httpx.Client) -> None:
     assert g0["segments"] == [{"version": 0, "start": 0, "end": len(g0["tokens"])}]
     assert sorted(snapshot(inst)["complete_trajs"]) == ["g/0", "g/1"]
 
-    # asking after=2 acknowledges both: they are released
-    feed = ok(inst.get("/v1/completed", params={"after": 2}))
+    # reading acknowledges nothing; an acknowledgement (a POST) releases what it names
+    assert ok(inst.get("/v1/completed", params={"after": 2}))["oldest_seq"] == 1
+    assert ok(inst.post("/v1/completed/ack", json={"seqs": [1, 2, 7]})) == {"acknowledged": [1, 2], "ignored": [7]}
+    feed = ok(inst.get("/v1/completed", params={"after": 0}))
     assert feed["items"] == [] and feed["oldest_seq"] is None
     assert ok(inst.get("/v1/health"))["outbox"] == {"last_seq": 2, "acked": 2, "pending": 0, "dropped": 0}
 
@@ -316,6 +318,80 @@ def test_completions_are_pushed_to_the_callback_with_retry(serve: Callable[[Inst
     assert [i["seq"] for i in received] == [1, 2, 3, 4]
     assert {i["trajectory"]["traj_id"] for i in received} == {f"cb/{i}" for i in range(4)}
     assert ok(inst.get("/v1/health"))["callback"]["delivered_seq"] == 4
+
+
+def test_a_read_of_the_feed_acknowledges_nothing_and_an_ack_only_what_was_handed_out(inst: httpx.Client) -> None:
+    ok(command(inst, "route", trajectories=[trajectory(f"ro/{i}") for i in range(3)]))
+    advance(inst, until_idle=True)
+    for _ in range(5):  # what an unauthenticated client can do: read far past the newest item
+        huge = ok(inst.get("/v1/completed", params={"after": 10**12, "limit": 1}))
+        assert huge["items"] == [] and huge["last_seq"] == 3
+    assert ok(inst.get("/v1/health"))["outbox"] == {"last_seq": 3, "acked": 0, "pending": 3, "dropped": 0}
+    first = ok(inst.get("/v1/completed", params={"after": 0, "limit": 1}))["items"]
+    assert [i["seq"] for i in first] == [1]
+    # seq 2 and 3 were never handed out: acknowledging them changes nothing
+    assert ok(inst.post("/v1/completed/ack", json={"seqs": [1, 2, 3]})) == {"acknowledged": [1], "ignored": [2, 3]}
+    rest = ok(inst.get("/v1/completed", params={"after": 0}))["items"]
+    assert sorted(i["trajectory"]["traj_id"] for i in rest + first) == ["ro/0", "ro/1", "ro/2"]
+    assert [i["seq"] for i in rest] == [2, 3]
+    for bad in ({"seqs": []}, {"seqs": [0]}, {"seqs": "1"}, {"through": 3}):
+        assert inst.post("/v1/completed/ack", json=bad).status_code == 422, bad
+
+
+def test_reads_of_the_feed_do_not_lose_completions_or_stop_the_callback(
+        serve: Callable[[InstanceConfig], httpx.Client]) -> None:
+    """Reading the feed far past its newest item (once, this acknowledged everything, undelivered
+    completions included, and left the callback spinning without yielding the event loop)."""
+    received: list[dict[str, Any]] = []
+    gate = threading.Event()
+    receiver = FastAPI()
+
+    @receiver.post("/completed")
+    async def collect(request: Request) -> JSONResponse:
+        if not gate.is_set():
+            return JSONResponse({"detail": "restarting", "code": "store_unavailable"}, status_code=503)
+        received.extend((await request.json())["items"])
+        return JSONResponse({"accepted": 1})
+
+    with serve_in_thread(receiver) as sink:
+        inst = serve(sim_config("reader").model_copy(update={"completion_callback_url": f"{sink.url}/completed"}))
+        ok(command(inst, "route", trajectories=[trajectory(f"lost/{i}") for i in range(4)]))
+        advance(inst, until_idle=True)
+        for _ in range(20):
+            ok(inst.get("/v1/completed", params={"after": 10**12, "limit": 1}))
+        assert ok(inst.get("/v1/health"))["outbox"]["pending"] == 4  # nothing was dropped by reading
+        gate.set()
+        wait_until(lambda: len(received) >= 4)
+        ok(command(inst, "route", trajectories=[trajectory("lost/after")]))  # the instance still serves
+        advance(inst, until_idle=True)
+        wait_until(lambda: len(received) >= 5)
+    assert sorted(i["trajectory"]["traj_id"] for i in received) == sorted([f"lost/{i}" for i in range(4)] + ["lost/after"])
+    assert ok(inst.get("/v1/health"))["outbox"] == {"last_seq": 5, "acked": 5, "pending": 0, "dropped": 0}
+
+
+def test_the_callback_drops_a_refused_batch_instead_of_retrying_it_forever(
+        serve: Callable[[InstanceConfig], httpx.Client]) -> None:
+    calls: list[list[str]] = []
+    receiver = FastAPI()
+
+    @receiver.post("/completed")
+    async def refuse_the_first(request: Request) -> JSONResponse:
+        ids = [i["trajectory"]["traj_id"] for i in (await request.json())["items"]]
+        calls.append(ids)
+        if "bad/0" in ids:
+            return JSONResponse({"detail": "token id out of range", "code": "invalid_request"}, status_code=422)
+        return JSONResponse({"accepted": len(ids)})
+
+    with serve_in_thread(receiver) as sink:
+        inst = serve(sim_config("refused").model_copy(update={"completion_callback_url": f"{sink.url}/completed"}))
+        ok(command(inst, "route", trajectories=[trajectory("bad/0")]))
+        advance(inst, until_idle=True)
+        wait_until(lambda: ok(inst.get("/v1/health"))["callback"]["delivered_seq"] == 1)
+        ok(command(inst, "route", trajectories=[trajectory("good/0")]))
+        advance(inst, until_idle=True)
+        wait_until(lambda: ["good/0"] in calls)
+    assert calls == [["bad/0"], ["good/0"]]  # refused once, not retried
+    assert ok(inst.get("/v1/health"))["outbox"]["pending"] == 0
 
 
 def test_real_clock_instance_completes_on_its_own(serve: Callable[[InstanceConfig], httpx.Client]) -> None:
