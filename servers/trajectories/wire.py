@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from staleflow.servers.instance.wire import LogProb, TokenId
 from staleflow.servers.trajectories.config import SamplingConfig
 from staleflow.servers.trajectories.store import (
     GroupRecord,
@@ -31,8 +32,8 @@ class ReturnedSegmentIn(BaseModel):
 
 class PartialIn(BaseModel):
     traj_id: str
-    tokens: list[int] = []
-    logprobs: list[float] = []
+    tokens: list[TokenId] = []
+    logprobs: list[LogProb] = []
     segments: list[ReturnedSegmentIn] = []
 
     @model_validator(mode="after")

@@ -3,6 +3,8 @@ URL check and ``ServiceConfig`` (where a service listens)."""
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
@@ -11,6 +13,20 @@ from pydantic import AfterValidator, Field
 
 from staleflow.database_url import normalize_url
 from staleflow.strict import StrictModel
+
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def valid_host(host: str) -> bool:
+    """An IP address, or a host name as RFC 1123 allows: at most 253 characters, dot-separated
+    labels of 1-63 letters, digits and inner hyphens."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host
+    return 0 < len(name) <= 253 and all(_HOST_LABEL.match(label) for label in name.split("."))
 
 
 def _check_http_url(value: str) -> str:
@@ -21,6 +37,9 @@ def _check_http_url(value: str) -> str:
         raise ValueError(f"{value!r} is not a valid URL: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or any(ord(c) < 33 for c in value):
         raise ValueError(f"{value!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8350")
+    if not valid_host(parts.hostname):
+        raise ValueError(f"{value[:300]!r}: the host is neither an IP address nor a valid host name (RFC 1123: at "
+                         "most 253 characters, labels of 1-63 letters, digits and inner hyphens)")
     return value.rstrip("/")
 
 

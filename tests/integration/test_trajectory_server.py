@@ -243,3 +243,31 @@ def test_a_stateless_trainer_frees_a_batch_only_once_the_version_it_produced_is_
     assert [r["version"] for r in records] == [0, 1, 1], "the restarted trainer trained step 1 again"
     assert records[1]["response_tokens"] == records[2]["response_tokens"] > 0, "on the same batch"
     assert cluster.ts.get("/v1/batches/1").json()["code"] == "batch_freed", "version 2 covers batch 1"
+
+
+def test_completions_out_of_bounds_are_refused_with_422_and_change_nothing(cluster: Cluster) -> None:
+    """A token id beyond int32 (the storage type) once failed the store's write: 503, a reload
+    of the whole store, and an instance retrying forever."""
+    traj_id = cluster.ts.get("/v1/pending").json()["trajectories"][0]["traj_id"]
+    checkout = cluster.ts.post("/v1/checkout", json={"instance_id": "a", "assignments": [{"traj_id": traj_id, "v_traj": 0}]})
+    assert checkout.status_code == 200 and not checkout.json()["refused"]
+
+    def completion(tokens: list[int], logprobs: list[float]) -> httpx.Response:
+        item = {"seq": 1, "trajectory": {"traj_id": traj_id, "tokens": tokens, "logprobs": logprobs, "finish_reason": "stop",
+                                         "segments": [{"version": 0, "start": 0, "end": len(tokens)}]}}
+        return cluster.ts.post("/v1/completed", content=json.dumps({"instance_id": "a", "items": [item]}),
+                               headers={"content-type": "application/json"})
+
+    for tokens, logprobs, mentions in [([2**31], [-0.5], "less than or equal to 2147483647"),
+                                       ([10**30], [-0.5], "less than or equal"), ([-1], [-0.5], "greater than"),
+                                       ([7], [float("nan")], "finite"), ([7], [float("-inf")], "finite"),
+                                       ([7], [0.25], "less than or equal to 0"), ([7], [-1e39], "greater than")]:
+        refused = completion(tokens, logprobs)
+        assert refused.status_code == 422, (tokens, logprobs, refused.text)
+        assert refused.json()["code"] == "invalid_request" and mentions in refused.json()["detail"]
+    detail = cluster.ts.get(f"/v1/trajectories/{traj_id}").json()
+    assert (detail["state"], detail["instance_id"], detail["generated"]) == ("routed", "a", 0)
+    assert cluster.ts.get("/v1/health").json()["status"] == "ok"
+    accepted = completion([2**31 - 1, 0], [0.0, -3.0e38])  # the bounds themselves are fine
+    assert accepted.status_code == 200 and accepted.json() == {"accepted": 1}
+    assert cluster.ts.get(f"/v1/trajectories/{traj_id}").json()["tokens"] == [2**31 - 1, 0]
