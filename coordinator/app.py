@@ -67,6 +67,12 @@ class InstancesOut(BaseModel):
     instances: list[InstanceView]
 
 
+class Removed(BaseModel):
+    instance_id: str
+    released: int | None = Field(description="trajectories handed back to pending; null: the trajectory server was "
+                                             "unreachable, and reconciliation hands them back after its grace period")
+
+
 class CommandView(BaseModel):
     command_id: str
     instance_id: str
@@ -95,6 +101,8 @@ class CoordinatorStatsOut(BaseModel):
     failures: int
     rejoined: int
     released: int
+    reconciled: int
+    strays_aborted: int
     decisions: int
     decision_ms_total: float
     command_count: dict[str, int]
@@ -120,6 +128,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             config.manager_url, config.ts_url, config.strategy, params_url=config.params_url,
             cycle_period=config.cycle_period, command_timeout=config.command_timeout,
             failure_timeout=config.failure_timeout, stall_timeout=config.stall_timeout,
+            reconcile_after=config.reconcile_after,
             sim_weights_bytes=config.sim_weights_bytes,
         )
         for endpoint in config.instances:
@@ -167,6 +176,11 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
     async def instance(c: CoordinatorDep, instance_id: str) -> dict:
         return c.describe(_record(c, instance_id))
 
+    @app.delete("/v1/instances/{instance_id}", response_model=Removed)
+    async def remove(c: CoordinatorDep, instance_id: str) -> dict:
+        """Take the instance out of the pool; what was routed to it goes back to pending."""
+        return {"instance_id": instance_id, "released": await c.remove_instance(instance_id)}
+
     @app.get("/v1/instances/{instance_id}/snapshot", response_model=SnapshotOut)
     async def instance_snapshot(c: CoordinatorDep, instance_id: str) -> dict:
         record = _record(c, instance_id)
@@ -190,6 +204,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "command_count": s.command_count, "command_seconds": s.command_seconds,
             "routed": s.routed, "interrupted": s.interrupted, "pulls": s.pulls, "aborts": s.aborts,
             "failures": s.failures, "rejoined": s.rejoined, "released": s.released,
+            "reconciled": s.reconciled, "strays_aborted": s.strays_aborted,
             "strategy": {k: str(v) for k, v in vars(c.strategy).items()},
         }
 

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, Membership
+from staleflow.coordinator.reconcile import Suspicion, reconcile
 from staleflow.cost_model import CostModel
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.clients import AsyncManagerClient, async_http_client
@@ -56,6 +57,8 @@ class InstanceRecord(Liveness):
     worker: asyncio.Task | None = None
     check_orphans: bool = False  # a checkout for it got no answer: the TS may have routed work it never got
     params_url: str | None = None  # where it pulls weights (a relay on its machine), else the job's parameter server
+    commands_issued: int = 0  # every command ever queued or sent to it: a snapshot is settled if none came meanwhile
+    settled: tuple[int, frozenset[str]] | None = None  # this cycle's settled snapshot: (commands_issued, run + wait)
 
 
 @dataclass
@@ -84,6 +87,8 @@ class CoordinatorStats:
     failures: int = 0
     rejoined: int = 0  # failed or restarted instances that joined again (a new boot id)
     released: int = 0  # trajectories of failed instances handed back to the trajectory server
+    reconciled: int = 0  # routed to an instance that did not hold them: handed back after the grace period
+    strays_aborted: int = 0  # held by an instance the trajectory server had not routed them to: aborted there
     command_count: dict[str, int] = field(default_factory=dict)  # by kind, answered or not
     command_seconds: dict[str, float] = field(default_factory=dict)  # by kind: issued to answered
 
@@ -91,7 +96,7 @@ class CoordinatorStats:
 class Coordinator:
     def __init__(self, manager_url: str, ts_url: str, strategy: StrategyConfig, *, params_url: str | None = None,
                  cycle_period: float, command_timeout: float, failure_timeout: float, stall_timeout: float,
-                 reconcile_after: float = 5.0, sim_weights_bytes: int | None = None):
+                 reconcile_after: float, sim_weights_bytes: int | None = None):
         """The timeouts and the cycle period have no defaults here: they are declared once, in
         ``staleflow.config.coordinator.CoordinatorSettings``."""
         self.strategy = strategy
@@ -114,7 +119,7 @@ class Coordinator:
         self._run_id = f"{int(time.time() * 1000):x}"
         self.ps_version = 0
         self._stopping = False
-        self._orphan_since: dict[str, tuple[str, float]] = {}  # traj id -> (instance, first seen missing there)
+        self._suspects: dict[Suspicion, float] = {}  # mismatches between the TS and the instances, since when
 
     # ------------------------------------------------------------------ membership
 
@@ -151,6 +156,29 @@ class Coordinator:
         await previous.aclose()
         log.warning("instance %s moved to %s", instance_id, url)
         return old
+
+    async def remove_instance(self, instance_id: str) -> int | None:
+        """Take an instance out of the pool: no command goes to it any more, and what the trajectory
+        server routed to it goes back to pending (the number handed back; None if the trajectory
+        server could not be reached, in which case reconciliation hands them back once the grace
+        period has passed). A late completion from it still counts once."""
+        record = self.instances.pop(instance_id, None)
+        if record is None:
+            raise StaleFlowError(ErrorCode.UNKNOWN_INSTANCE, f"instance {instance_id!r} is not registered")
+        if record.worker:
+            record.worker.cancel()
+        self.p.forget(instance_id)
+        await record.client.aclose()
+        log.warning("instance %s removed", instance_id)
+        try:
+            reply = await self.ts.post(f"/v1/instances/{instance_id}/release")
+            released = int(reply.json()["released"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.error("trajectories of removed instance %s could not be handed back yet (%s); reconciliation "
+                      "will", instance_id, exc)
+            return None
+        self.stats.released += released
+        return released
 
     async def close(self) -> None:
         self._stopping = True
@@ -222,11 +250,13 @@ class Coordinator:
         self.stats.cycles += 1
         await self._capture()
         await self._cancel_surplus()
+        routed = (await self.ts.get("/v1/routed")).json()["trajectories"]
+        if await self._reconcile(routed):
+            return  # the views changed: plan on the next cycle's
         ready = [r for r in self.instances.values() if r.validated and r.status is InstanceStatus.LIVE and r.in_flight == 0]
         if not ready:
             return
-        pending_reply, routed_reply = await asyncio.gather(self.ts.get("/v1/pending"), self.ts.get("/v1/routed"))
-        await self._sweep_orphans(ready, routed_reply.json()["trajectories"])
+        pending_reply = await self.ts.get("/v1/pending")
         try:
             admission = await self.manager.admission()
         except httpx.TransportError:  # the manager is restarting: route only groups it already reserved
@@ -236,7 +266,7 @@ class Coordinator:
         except httpx.TransportError:  # the PS is restarting: its newest version is the one last seen
             pass
         pending = [self._pending(t) for t in pending_reply.json()["trajectories"]]
-        on_instances = {t["traj_id"]: self._pending(t) for t in routed_reply.json()["trajectories"]}
+        on_instances = {t["traj_id"]: self._pending(t) for t in routed}
         states = [self._state(r) for r in ready]
         if self.strategy.sync is SyncMode.GLOBAL and any(
                 r.status is not InstanceStatus.FAILED and not (r.validated and r in ready) for r in self.instances.values()):
@@ -267,14 +297,20 @@ class Coordinator:
 
     async def _capture(self) -> None:
         now = time.monotonic()
-        for record in self.instances.values():
+        for record in list(self.instances.values()):
             if record.status is InstanceStatus.FAILED and not record.released:
                 await self._release(record)
         records = [r for r in self.instances.values() if self.membership.to_probe(r, now)]
+        for record in self.instances.values():
+            record.settled = None
+        quiet = {r.instance_id: r.commands_issued for r in records if r.in_flight == 0}
         replies = await asyncio.gather(*(self._snapshot(r) for r in records), return_exceptions=True)
         now = time.monotonic()
         for record, reply in zip(records, replies, strict=True):
             snapshot = reply if isinstance(reply, dict) else None
+            if snapshot and quiet.get(record.instance_id) == record.commands_issued and record.in_flight == 0:
+                record.settled = (record.commands_issued,
+                                  frozenset(snapshot.get("run_trajs", [])) | frozenset(snapshot.get("wait_trajs", [])))
             if record.status is InstanceStatus.FAILED:
                 # a failed instance stays out until its process is replaced (a supervisor restarted it)
                 if snapshot and self.membership.restarted(record, snapshot.get("boot_id")):
@@ -296,33 +332,36 @@ class Coordinator:
                 record.check_orphans = False
             await self._carry_out(record, *self._observe(record, snapshot, now))
 
-    async def _sweep_orphans(self, ready: list[InstanceRecord], routed: list[dict]) -> None:
-        """Trajectories the trajectory server has routed to an instance that, with no command in
-        flight, has not held them for ``reconcile_after`` seconds go back to pending: a restarted
-        trajectory server can lose track of a hand-back or a completion it acknowledged, and
-        nothing else would ever route them again. A completion that arrives later still counts once."""
-        now = time.monotonic()
-        held = {r.instance_id: set(r.snapshot.get("run_trajs") or []) | set(r.snapshot.get("wait_trajs") or [])
-                | set(r.snapshot.get("complete_trajs") or []) for r in ready if r.snapshot}
-        suspects = {}
-        for t in routed:
-            instance_id = t.get("instance_id")
-            if instance_id in held and t["traj_id"] not in held[instance_id]:
-                before = self._orphan_since.get(t["traj_id"])
-                suspects[t["traj_id"]] = before if before and before[0] == instance_id else (instance_id, now)
-        self._orphan_since = suspects
-        due: dict[str, list[str]] = {}
-        for traj_id, (instance_id, since) in suspects.items():
-            if now - since > self.reconcile_after:
-                due.setdefault(instance_id, []).append(traj_id)
-        for instance_id, traj_ids in due.items():
+    async def _reconcile(self, routed: list[dict]) -> bool:
+        """Make the trajectory server's view of what runs where and the instances' agree again
+        (``staleflow.coordinator.reconcile``): trajectories routed to an instance that has not
+        held them for ``reconcile_after`` seconds go back to pending, and trajectories an instance
+        holds without the trajectory server routing them there are aborted on it. True if
+        anything was done."""
+        held: dict[str, frozenset[str] | None] = {}
+        for record in self.instances.values():
+            settled = record.settled
+            fresh = (settled is not None and record.status is InstanceStatus.LIVE and record.in_flight == 0
+                     and settled[0] == record.commands_issued)
+            held[record.instance_id] = settled[1] if fresh else None
+        outcome = reconcile(time.monotonic(), self.reconcile_after,
+                            {t["traj_id"]: t["instance_id"] for t in routed if t.get("instance_id")}, held,
+                            self._suspects)
+        self._suspects = outcome.suspects
+        for instance_id, traj_ids in outcome.hand_back.items():
             await self.ts.post("/v1/return", json={"instance_id": instance_id,
                                                    "partials": [{"traj_id": t} for t in traj_ids]})
-            self.stats.released += len(traj_ids)
-            for t in traj_ids:
-                self._orphan_since.pop(t, None)
-            log.warning("%d trajectories routed to %s but not there for %.0fs: back to pending", len(traj_ids),
+            self.stats.reconciled += len(traj_ids)
+            log.warning("%d trajectories routed to %s but not held there for %.0fs: back to pending", len(traj_ids),
                         instance_id, self.reconcile_after)
+        for instance_id, traj_ids in outcome.abort.items():
+            log.warning("%s holds %d trajectories the trajectory server has not routed to it: aborting them there",
+                        instance_id, len(traj_ids))
+            record = self.instances.get(instance_id)
+            reply = record and await self._command(record, "abort", {"traj_ids": traj_ids}, len(traj_ids))
+            if reply:
+                self.stats.strays_aborted += len(reply.get("aborted", []))
+        return not outcome.empty
 
     async def _return_orphans(self, record: InstanceRecord, snap: dict) -> bool:
         """Before an instance joins (at start, after a restart of it or of this coordinator):
@@ -424,12 +463,14 @@ class Coordinator:
             if record and record.status is not InstanceStatus.FAILED and record.validated and record.in_flight == 0:
                 by_instance.setdefault(record.instance_id, []).append(t["traj_id"])
         for instance_id, traj_ids in by_instance.items():
-            reply = await self._command(self.instances[instance_id], "abort", {"traj_ids": traj_ids}, len(traj_ids))
-            if reply is not None:
+            record = self.instances.get(instance_id)
+            reply = record and await self._command(record, "abort", {"traj_ids": traj_ids}, len(traj_ids))
+            if reply:
                 await self.ts.post("/v1/cancellations/ack", json={"traj_ids": traj_ids})
 
     def _enqueue(self, record: InstanceRecord, kind: str, body: dict, size: int) -> None:
         record.in_flight += 1
+        record.commands_issued += 1
         record.queue.put_nowait((kind, body, size))
 
     async def _command_worker(self, record: InstanceRecord) -> None:
@@ -446,6 +487,7 @@ class Coordinator:
         """Send one command; returns its reply, or None when its effect is unknown."""
         if not queued:
             record.in_flight += 1
+            record.commands_issued += 1
         command_id = f"{self._run_id}-{next(self._ids)}"
         entry = CommandRecord(command_id, record.instance_id, kind, size, time.time())
         self.commands.append(entry)

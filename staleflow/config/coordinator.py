@@ -51,6 +51,9 @@ class CoordinatorSettings(StrictModel):
     command_timeout: float = Field(30.0, gt=0, description="seconds a command to an instance may take")
     failure_timeout: float = Field(10.0, gt=0, description="an instance silent this long is declared failed")
     stall_timeout: float = Field(60.0, ge=0, description="running work with no progress this long: failed (0: never)")
+    reconcile_after: float = Field(5.0, gt=0, description="grace period: a trajectory routed to an instance but not "
+                                   "held there this long goes back to pending, and one an instance holds without "
+                                   "being routed there is aborted on it")
     cost: CostCoefficients = Field(default_factory=CostCoefficients,
                                    description="cost-model coefficients of every instance (default: paper Table 4)")
     calibration: CalibrationRef | None = Field(
