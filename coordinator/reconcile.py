@@ -67,9 +67,10 @@ def reconcile(now: float, grace: float, routed: Mapping[str, str], held: Mapping
 
     kept: dict[Suspicion, float] = {}
     for suspicion, since in suspects.items():
-        _, _, instance_id = suspicion
-        if suspicion not in observed and instance_id in held and held[instance_id] is None:
-            kept[suspicion] = since  # no settled look at that instance this round
+        kind, traj_id, instance_id = suspicion
+        unseen = suspicion not in observed and instance_id in held and held[instance_id] is None
+        if unseen and (kind is Mismatch.STRAY or routed.get(traj_id) == instance_id):
+            kept[suspicion] = since  # no settled look at that instance this round, and still routed there
     hand_back: dict[str, list[str]] = {}
     abort: dict[str, list[str]] = {}
     for suspicion, confirmed in observed.items():
