@@ -9,7 +9,9 @@ concurrently. A Route needs its trajectories in the trajectory server, so the pa
 Interrupt returns are handed back before any checkout. A command that fails or times out is not
 retried blindly: the instance's P is reconciled from its next snapshot. When an instance joins,
 fails or restarts is decided by the pure ``Membership`` rules (``staleflow.coordinator.membership``);
-this service carries out the actions they return.
+this service carries out the actions they return. Every cycle also reconciles what the trajectory
+server has routed with what the instances hold (``staleflow.coordinator.reconcile``), so a lost
+message never stalls a job.
 """
 
 from __future__ import annotations

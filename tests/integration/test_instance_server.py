@@ -22,6 +22,7 @@ from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimParams
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, create_app
+from staleflow.servers.instance.state import CALLBACK_ERROR_ATTEMPTS
 from staleflow.workload import preset
 
 
@@ -392,6 +393,42 @@ def test_the_callback_drops_a_refused_batch_instead_of_retrying_it_forever(
         wait_until(lambda: ["good/0"] in calls)
     assert calls == [["bad/0"], ["good/0"]]  # refused once, not retried
     assert ok(inst.get("/v1/health"))["outbox"]["pending"] == 0
+
+
+def test_the_callback_gives_up_on_a_server_error_that_persists(serve: Callable[[InstanceConfig], httpx.Client]) -> None:
+    calls: list[list[str]] = []
+    receiver = FastAPI()
+
+    @receiver.post("/completed")
+    async def crash_on_the_first(request: Request) -> JSONResponse:
+        ids = [i["trajectory"]["traj_id"] for i in (await request.json())["items"]]
+        calls.append(ids)
+        if "poison/0" in ids:
+            return JSONResponse({"detail": "crashed", "code": "internal_error"}, status_code=500)
+        return JSONResponse({"accepted": len(ids)})
+
+    with serve_in_thread(receiver) as sink:
+        inst = serve(sim_config("poisoned").model_copy(update={"completion_callback_url": f"{sink.url}/completed"}))
+        ok(command(inst, "route", trajectories=[trajectory("poison/0")]))
+        advance(inst, until_idle=True)
+        wait_until(lambda: ok(inst.get("/v1/health"))["callback"]["delivered_seq"] == 1)
+        ok(command(inst, "route", trajectories=[trajectory("fine/0")]))
+        advance(inst, until_idle=True)
+        wait_until(lambda: ["fine/0"] in calls)
+    assert calls.count(["poison/0"]) == CALLBACK_ERROR_ATTEMPTS and calls[-1] == ["fine/0"]
+
+
+def test_acknowledging_needs_the_token() -> None:
+    with serve_in_thread(create_app(sim_config("guarded")), token="s3cret") as server, \
+            httpx.Client(base_url=server.url, timeout=30.0) as anyone, \
+            httpx.Client(base_url=server.url, timeout=30.0, headers={"Authorization": "Bearer s3cret"}) as owner:
+        ok(command(owner, "route", trajectories=[trajectory("tok/0")]))
+        advance(owner, until_idle=True)
+        (item,) = ok(anyone.get("/v1/completed"))["items"]  # reads stay open
+        assert anyone.post("/v1/completed/ack", json={"seqs": [item["seq"]]}).status_code == 401
+        assert len(ok(anyone.get("/v1/completed"))["items"]) == 1, "a refused acknowledgement changes nothing"
+        assert ok(owner.post("/v1/completed/ack", json={"seqs": [item["seq"]]})) == {"acknowledged": [item["seq"]],
+                                                                                     "ignored": []}
 
 
 def test_real_clock_instance_completes_on_its_own(serve: Callable[[InstanceConfig], httpx.Client]) -> None:
