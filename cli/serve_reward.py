@@ -32,8 +32,8 @@ def register(serve_app: typer.Typer) -> None:
             "--verifier", help="a user verifier NAME=module.path:function (repeatable)")] = None,
         default: Annotated[str, typer.Option("--default", help="verifier for requests that name none")]
         = default_of(RewardConfig, "default_verifier"),
-        workers: Annotated[int, typer.Option(help="processes for user verifiers")] = default_of(RewardConfig, "workers"),
-        timeout_s: Annotated[float, typer.Option("--timeout", help="seconds per user-verifier call")]
+        workers: Annotated[int, typer.Option(help="processes running the verifiers")] = default_of(RewardConfig, "workers"),
+        timeout_s: Annotated[float, typer.Option("--timeout", help="deadline in seconds per item, for every verifier")]
         = default_of(RewardConfig, "timeout_s"),
         host: Annotated[str, typer.Option(help="bind address")] = default_of(RewardConfig, "host"),
         port: Annotated[int, typer.Option(help="bind port")] = default_of(RewardConfig, "port"),

@@ -3,8 +3,9 @@
 * ``POST /v1/rewards`` -- a batch ``[{id, response_text, answer, verifier?}]`` -> ``[{id, reward,
   reason, detail?}]`` in the same order. ``verifier`` is a built-in ("math", "exact"), a name from
   the configuration, or a configured "module.path:function"; default: the configured default.
-  Reasons: "correct", "wrong_answer", "no_answer", "timeout" (a user verifier overran its time and
-  its worker was replaced), "error" (it raised or returned something that is not a reward), or
+  Every verifier, the built-ins too, runs in a worker process with a deadline per item (``timeout_s``).
+  Reasons: "correct", "wrong_answer", "no_answer", "timeout" (the verifier overran its deadline and
+  its worker was replaced; counted in ``/v1/health`` and ``staleflow_reward_timeouts_total``), "error" (it raised or returned something that is not a reward), or
   whatever a user verifier says.
 * ``GET /v1/verifiers``, ``GET /v1/health``.
 """
@@ -25,7 +26,8 @@ from staleflow import metrics as m
 from staleflow.config.reward import RewardConfig
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.rewards import RewardRequest, RewardScorer
-from staleflow.rewards.registry import BUILTIN_VERIFIERS
+from staleflow.rewards.pool import TIMEOUT
+from staleflow.rewards.registry import BUILTIN_VERIFIERS, Verdict
 from staleflow.servers.clients import RestClient
 from staleflow.servers.http import service_app
 
@@ -45,18 +47,22 @@ class RewardTally:
         self.batches = 0
         self.batch_seconds = 0.0
         self.by_verifier: dict[str, list[float]] = {}  # verifier -> [items, sum of rewards]
+        self.timeouts: dict[str, int] = {}
 
-    def add(self, seconds: float, rewards: list[tuple[str, float]]) -> None:
+    def add(self, seconds: float, verdicts: list[tuple[str, Verdict]]) -> None:
         self.batches += 1
         self.batch_seconds += seconds
-        for verifier, reward in rewards:
+        for verifier, verdict in verdicts:
             tally = self.by_verifier.setdefault(verifier, [0, 0.0])
             tally[0] += 1
-            tally[1] += reward
+            tally[1] += verdict.reward
+            if verdict.reason == TIMEOUT:
+                self.timeouts[verifier] = self.timeouts.get(verifier, 0) + 1
 
     def metrics(self) -> list:
         verifiers = sorted(self.by_verifier.items())
         return [m.REWARD_ITEMS.family([([v], n) for v, (n, _) in verifiers]),
+                m.REWARD_TIMEOUTS.family([([v], n) for v, n in sorted(self.timeouts.items())]),
                 m.REWARD_SECONDS.summary([((), self.batches, self.batch_seconds)]),
                 m.REWARD_VALUE.summary([([v], int(n), total) for v, (n, total) in verifiers])]
 
@@ -73,6 +79,7 @@ class RewardHealth(BaseModel):
     status: str
     workers: int
     replaced_workers: int
+    timeouts: dict[str, int]  # by verifier: items that overran their deadline
 
 
 class VerifiersOut(BaseModel):
@@ -110,8 +117,8 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
 
     @app.get("/v1/health", response_model=RewardHealth)
     def health(scorer: ScorerDep) -> dict:
-        pool = scorer.pool
-        return {"status": "ok", "workers": pool.workers if pool else 0, "replaced_workers": pool.replaced if pool else 0}
+        return {"status": "ok", "workers": scorer.pool.workers, "replaced_workers": scorer.pool.replaced,
+                "timeouts": dict(tally.timeouts)}
 
     @app.get("/v1/verifiers", response_model=VerifiersOut)
     def verifiers() -> dict:
@@ -129,7 +136,7 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
         started = time.perf_counter()
         verdicts = await asyncio.to_thread(scorer.score, requests)
         tally.add(time.perf_counter() - started,
-                  [(i.verifier or config.default_verifier, v.reward) for i, v in zip(items, verdicts, strict=True)])
+                  [(i.verifier or config.default_verifier, v) for i, v in zip(items, verdicts, strict=True)])
         return [{"id": item.id, **verdict.to_json()} for item, verdict in zip(items, verdicts, strict=True)]
 
     return app

@@ -166,6 +166,8 @@ PARAMS_ACTIVE_PULLS = Metric("staleflow_params_active_pulls", "gauge", "pulls in
 # ---------------------------------------------------------------------------- reward server
 
 REWARD_ITEMS = Metric("staleflow_reward_items", "counter", "items scored, by verifier", ("verifier",))
+REWARD_TIMEOUTS = Metric("staleflow_reward_timeouts", "counter",
+                         "items whose verifier overran its deadline (its worker was replaced), by verifier", ("verifier",))
 REWARD_SECONDS = Metric("staleflow_reward_batch_seconds", "summary", "time to score one request's batch")
 REWARD_VALUE = Metric("staleflow_reward_value", "summary", "rewards given, by verifier", ("verifier",))
 

@@ -18,8 +18,9 @@ class RewardSettings(StrictModel):
 
     default_verifier: str = Field("math", description="used when a request names none")
     verifiers: dict[str, str] = Field(default_factory=dict, description="user verifiers: name -> 'module.path:function'")
-    workers: int = Field(2, ge=1, le=256, description="processes running user verifiers")
-    timeout_s: float = Field(5.0, gt=0, le=3600, description="per call, for user verifiers")
+    workers: int = Field(2, ge=1, le=256, description="processes running the verifiers (built-in and user)")
+    timeout_s: float = Field(5.0, gt=0, le=3600, description="deadline per item, for every verifier: an item "
+                             "that overruns it scores 0 with reason 'timeout' and its worker is replaced")
     max_batch: int = Field(4096, ge=1, description="items per request")
     max_chars: int = Field(200_000, ge=1, description="characters per response_text or answer")
 

@@ -13,6 +13,12 @@ percent signs, thousands separators ("1,234"), a leading "x =", and unifies ``\\
 ``\\tfrac`` / ``\\frac12`` / ``a/b``. Two answers are equal when their normal forms are equal,
 or both are numbers with the same exact value (0.5 == 1/2 == \\frac{1}{2}; a percent sign is
 dropped, so 50\\% == 50), or both are tuples/lists whose items are pairwise equal.
+
+A policy writes what it likes, so every step is linear in its input and bounded: braces are
+matched in one pass, ``\\frac`` groups nested deeper than ``MAX_FRAC_NESTING`` are left as they
+are, and a number with more than ``MAX_NUMBER_CHARS`` characters or an exponent beyond
+``MAX_EXPONENT`` is not evaluated (``1e10000000`` would need 10,000,000 digits): it equals only
+the same text.
 """
 
 from __future__ import annotations
@@ -34,32 +40,39 @@ _SLASH_FRACTION = re.compile(r"^([+-]?\d+(?:\.\d+)?)/([+-]?\d+(?:\.\d+)?)$")
 _LEADING_ASSIGNMENT = re.compile(r"^[a-zA-Z](?:_\{?\w+\}?)?\s*=\s*(?=\S)")
 _UNIT_SUFFIX = re.compile(r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?)\s+[a-zA-Z][a-zA-Z\s^{}\d]*$")
 _DOLLARS = re.compile(r"\\?\$")
-_OPENERS = {"(": ")", "[": "]", "\\{": "\\}", "{": "}"}
+_BOXED_BARE_TOKEN = re.compile(r"[^\s$.,]+")
+_EXPONENT = re.compile(r"e([+-]?\d+)$")
+
+MAX_NUMBER_CHARS = 200
+MAX_EXPONENT = 400
+MAX_FRAC_NESTING = 64
 
 
-def _balanced_group(text: str, start: int) -> tuple[str, int] | None:
-    """The content of the brace group opening at ``text[start] == '{'`` and the index after it."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i], i + 1
-    return None
+def matching_braces(text: str) -> dict[int, int]:
+    """The index of the ``}`` that closes each ``{`` of ``text`` (unclosed ones are absent), in one pass."""
+    closes: dict[int, int] = {}
+    opened: list[int] = []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            opened.append(i)
+        elif ch == "}" and opened:
+            closes[opened.pop()] = i
+    return closes
 
 
 def last_boxed(text: str) -> str | None:
     found = None
+    closes: dict[int, int] | None = None
     for match in _BOXED.finditer(text):
         end = match.end()
         if end < len(text) and text[end] == "{":
-            group = _balanced_group(text, end)
-            if group is not None:
-                found = group[0]
+            if closes is None:
+                closes = matching_braces(text)
+            close = closes.get(end)
+            if close is not None:
+                found = text[end + 1:close]
         elif end < len(text) and match.group(0).endswith(" "):  # \boxed 5
-            token = re.match(r"[^\s$.,]+", text[end:])
+            token = _BOXED_BARE_TOKEN.match(text, end)
             if token:
                 found = token.group(0)
     return found
@@ -75,7 +88,7 @@ def extract_answer(text: str) -> tuple[str | None, str]:
         return hashes[-1].strip(), "gsm8k"
     stated = _ANSWER_IS.findall(text)
     if stated:
-        answer = re.split(r"\$|\.\s|\.$|\s+I hope", stated[-1].strip())[0]
+        answer = re.split(r"\$|\.\s|\.$|\sI hope", stated[-1].strip())[0]
         if answer.strip():
             return answer.strip(), "answer_is"
     numbers = _NUMBER.findall(text)
@@ -85,18 +98,41 @@ def extract_answer(text: str) -> tuple[str | None, str]:
 
 
 def _strip_frac_groups(s: str) -> str:
-    """``\\frac{a}{b}`` -> ``(a)/(b)`` with nested groups, innermost first."""
-    while True:
-        i = s.find("\\frac{")
-        if i < 0:
-            return s
-        numerator = _balanced_group(s, i + 5)
-        if numerator is None or numerator[1] >= len(s) or s[numerator[1]] != "{":
-            return s
-        denominator = _balanced_group(s, numerator[1])
-        if denominator is None:
-            return s
-        s = s[:i] + f"{_atom(numerator[0])}/{_atom(denominator[0])}" + s[denominator[1]:]
+    """``\\frac{a}{b}`` -> ``(a)/(b)`` with nested groups converted too. One pass over ``s``; a
+    ``\\frac`` without both groups ends the conversion there, and one nested deeper than
+    ``MAX_FRAC_NESTING`` leaves ``s`` as it is."""
+    if "\\frac{" not in s:
+        return s
+    closes = matching_braces(s)
+
+    def convert(start: int, end: int, depth: int) -> str | None:
+        if depth > MAX_FRAC_NESTING:
+            return None
+        out: list[str] = []
+        position = start
+        while True:
+            i = s.find("\\frac{", position, end)
+            if i < 0:
+                break
+            numerator_open = i + 5
+            numerator_close = closes.get(numerator_open)
+            denominator_open = (numerator_close or 0) + 1
+            if numerator_close is None or denominator_open >= end or s[denominator_open] != "{":
+                break
+            denominator_close = closes.get(denominator_open)
+            if denominator_close is None or denominator_close >= end:
+                break
+            numerator = convert(numerator_open + 1, numerator_close, depth + 1)
+            denominator = convert(denominator_open + 1, denominator_close, depth + 1)
+            if numerator is None or denominator is None:
+                return None
+            out += [s[position:i], f"{_atom(numerator)}/{_atom(denominator)}"]
+            position = denominator_close + 1
+        out.append(s[position:end])
+        return "".join(out)
+
+    converted = convert(0, len(s), 0)
+    return s if converted is None else converted
 
 
 def _atom(x: str) -> str:
@@ -145,6 +181,11 @@ def parse_number(s: str) -> Fraction | None:
     s = s.strip()
     if s.startswith("(") and s.endswith(")") and s.count("(") == 1:
         s = s[1:-1]
+    if len(s) > MAX_NUMBER_CHARS:
+        return None
+    exponent = _EXPONENT.search(s)
+    if exponent and abs(int(exponent.group(1))) > MAX_EXPONENT:
+        return None
     try:
         if _DECIMAL.match(s):
             return Fraction(s)

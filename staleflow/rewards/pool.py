@@ -1,9 +1,12 @@
-"""User verifiers in worker processes, each call under a timeout.
+"""Verifiers in worker processes, each call under a deadline.
 
-A thread cannot be killed, so a verifier that hangs would hold its thread forever; a process can.
+Every verifier runs here, the built-ins too: a response can make any parser slow, a thread cannot
+be killed, and a thread that computes holds the interpreter lock the server's event loop needs
+(health probes would fail while it runs); a process can be killed, and waiting on its pipe holds
+nothing.
 Each worker imports the configured verifiers once, then serves calls one at a time over a pipe.
-When a call overruns its timeout the worker is killed (SIGKILL), the call scores 0 with reason
-"timeout", and a fresh worker is started in the background to take its place.
+When a call overruns its deadline the worker is killed (SIGKILL), the call scores 0 with reason
+``"timeout"`` (counted in ``VerifierPool.timeouts``), and a fresh worker is started in the background to take its place.
 
 Workers are started with the ``spawn`` method (a fork of a threaded server is unsafe). As with
 any spawn pool, a program that builds the pool from a script must guard its entry point with
@@ -21,7 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from staleflow.rewards.registry import Verdict, VerifierError, load_function, run_verifier
+from staleflow.rewards.registry import BUILTIN_VERIFIERS, Verdict, VerifierError, load_function, run_verifier
+
+TIMEOUT = "timeout"
+"""The reason of an item whose verifier overran its deadline."""
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ def _serve(conn: Connection, targets: Sequence[str]) -> None:
     errors: dict[str, str] = {}
     for target in targets:
         try:
-            loaded[target] = load_function(target)
+            loaded[target] = BUILTIN_VERIFIERS.get(target) or load_function(target)
         except VerifierError as exc:
             errors[target] = str(exc)
     conn.send(("ready", errors))
@@ -71,7 +77,8 @@ class _Worker:
 
 
 class VerifierPool:
-    """Calls ``"module:function"`` verifiers in ``workers`` processes, each call at most ``timeout_s``."""
+    """Calls verifiers (built-in names or ``"module:function"``) in ``workers`` processes, each
+    call at most ``timeout_s``."""
 
     def __init__(self, targets: Sequence[str], workers: int = 2, timeout_s: float = 5.0, start_timeout_s: float = 60.0):
         if workers < 1:
@@ -87,6 +94,7 @@ class VerifierPool:
         self._closed = False
         self._restarts: list[threading.Thread] = []
         self.replaced = 0
+        self.timeouts = 0
         with ThreadPoolExecutor(workers) as starter:
             for worker in starter.map(lambda _: self._new_worker(), range(workers)):
                 self._idle.put(worker)
@@ -127,7 +135,9 @@ class VerifierPool:
             worker.conn.send((target, response_text, answer))
             if not worker.conn.poll(self.timeout_s):
                 self._replace(worker)
-                return Verdict(0.0, "timeout", f"verifier {target} took longer than {self.timeout_s:g} s")
+                with self._lock:
+                    self.timeouts += 1
+                return Verdict(0.0, TIMEOUT, f"verifier {target} took longer than {self.timeout_s:g} s")
             reward, reason, detail = worker.conn.recv()
         except (EOFError, OSError) as exc:
             self._replace(worker)

@@ -1,4 +1,4 @@
-"""Scoring batches: built-in verifiers in-process, user verifiers in the process pool."""
+"""Scoring batches: every verifier, built-in or user, runs in the process pool under its deadline."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from staleflow.rewards.pool import VerifierPool
-from staleflow.rewards.registry import BUILTIN_VERIFIERS, IMPORT_PATH, Verdict, VerifierError, run_verifier
+from staleflow.rewards.registry import BUILTIN_VERIFIERS, IMPORT_PATH, Verdict, VerifierError
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class RewardScorer:
                 raise VerifierError(f"verifier {name!r}: {target!r} is not 'module.path:function'")
         self.default = default
         self.resolve(default)
-        targets = sorted(set(self.user_verifiers.values()))
-        self.pool = VerifierPool(targets, workers, timeout_s) if targets else None
+        targets = sorted(BUILTIN_VERIFIERS) + sorted(set(self.user_verifiers.values()))
+        self.pool = VerifierPool(targets, workers, timeout_s)
 
     def names(self) -> list[str]:
         return sorted(BUILTIN_VERIFIERS) + sorted(self.user_verifiers)
@@ -50,18 +50,13 @@ class RewardScorer:
 
     def score(self, requests: Sequence[RewardRequest]) -> list[Verdict]:
         resolved = [self.resolve(r.verifier) for r in requests]  # refuse the batch before running any of it
-        verdicts: list[Verdict | None] = [None] * len(requests)
-        pooled = [i for i, target in enumerate(resolved) if target not in BUILTIN_VERIFIERS]
-        if pooled:
-            assert self.pool is not None
-            calls = [(resolved[i], requests[i].response_text, requests[i].answer) for i in pooled]
-            for i, verdict in zip(pooled, self.pool.map(calls), strict=True):
-                verdicts[i] = verdict
-        for i, target in enumerate(resolved):
-            if target in BUILTIN_VERIFIERS:
-                verdicts[i] = run_verifier(BUILTIN_VERIFIERS[target], requests[i].response_text, requests[i].answer)
-        return [v for v in verdicts if v is not None]
+        return self.pool.map([(target, r.response_text, r.answer) for target, r in zip(resolved, requests, strict=True)])
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
+        self.pool.close()
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,17 +1,20 @@
-"""Rewards: the math verifier's rules, user verifiers by name in worker processes, timeouts that
-replace a stuck worker, and the REST batch endpoint."""
+"""Rewards: the math verifier's rules and its bounds on hostile input, every verifier in worker
+processes under a deadline per item, timeouts that replace a stuck worker (counted), health probes
+that answer while a batch is scored, and the REST batch endpoint."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from fractions import Fraction
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from staleflow.rewards import RewardRequest, RewardScorer, VerifierError, answers_equal, extract_answer, normalize, verify_math
+from staleflow.rewards.math_verify import MAX_EXPONENT, parse_number
 from staleflow.servers.clients import ServiceError
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.reward import RewardClient, RewardConfig, create_app
@@ -36,8 +39,13 @@ def not_a_reward(response_text: str, answer: str) -> object:
     return ["nope"]
 
 
+def spins(response_text: str, answer: str) -> float:
+    while True:  # computes without sleeping: holds its interpreter's lock the whole time
+        pass
+
+
 USER_VERIFIERS = {"half": f"{__name__}:half_credit", "hang": f"{__name__}:hangs", "raise": f"{__name__}:raises",
-                  "bad": f"{__name__}:not_a_reward"}
+                  "bad": f"{__name__}:not_a_reward", "spin": f"{__name__}:spins"}
 TIMEOUT_S = 0.5
 
 # ---------------------------------------------------------------- the math verifier
@@ -112,6 +120,96 @@ NESTED_BRACES = st.recursive(st.text(alphabet="abc123+-", max_size=5),
 @given(NESTED_BRACES)
 def test_boxed_extraction_keeps_nested_braces(content: str) -> None:
     assert extract_answer(f"so \\boxed{{{content}}} is it")[0] == content
+
+
+# ---------------------------------------------------------------- hostile input, bounded
+
+# strings a policy can write by itself, each of which once held the reward server for 24-95 s
+HUGE_EXPONENT = "\\boxed{1e10000000}"
+UNCLOSED_BOXES = "\\boxed{" * 8000
+NESTED_FRACTIONS = "\\frac{1}{" * 4000
+PROBE_STRINGS = [HUGE_EXPONENT, UNCLOSED_BOXES, NESTED_FRACTIONS,
+                 "\\boxed{" + "\\frac{1}{" * 4000 + "2" + "}" * 8000 + "}"]
+
+
+def test_a_number_beyond_the_bounds_is_not_evaluated() -> None:
+    assert parse_number("1e10000000") is None
+    assert parse_number(f"1e{MAX_EXPONENT + 1}") is None
+    assert parse_number("9" * 5000) is None
+    assert parse_number(f"2e{MAX_EXPONENT}") == Fraction(2 * 10**MAX_EXPONENT)
+    assert answers_equal("1e10000000", "1e10000000")  # the same text is still the same answer
+    assert not answers_equal("1e10000000", "1e10000001")
+    assert verify_math(HUGE_EXPONENT, "1e10000000")[:2] == (1.0, "correct")
+
+
+def test_deep_fraction_nesting_is_left_as_written() -> None:
+    deep = "\\frac{1}{" * 200 + "2" + "}" * 200
+    assert "\\frac" in normalize(deep) and normalize(deep) == normalize(normalize(deep))
+    assert normalize("\\frac{1}{\\frac{1}{2}}") == "1/(1/2)"  # shallow nesting still converts
+
+
+@pytest.fixture(scope="module")
+def deadline_scorer() -> Iterator[RewardScorer]:
+    s = RewardScorer(USER_VERIFIERS, workers=2, timeout_s=DEADLINE_S)
+    yield s
+    s.close()
+
+
+DEADLINE_S = 5.0
+SLACK_S = 20.0  # a killed worker's replacement may have to start before the next call runs
+RESULT_REASONS = {"correct", "wrong_answer", "no_answer", "timeout"}
+
+
+def test_the_probe_strings_score_a_result_within_the_deadline(deadline_scorer: RewardScorer) -> None:
+    start = time.monotonic()
+    verdicts = deadline_scorer.score([RewardRequest(text, "7") for text in PROBE_STRINGS])
+    assert time.monotonic() - start < DEADLINE_S + SLACK_S
+    assert [v.reason for v in verdicts] == ["wrong_answer", "no_answer", "wrong_answer", "wrong_answer"]
+
+
+def test_a_built_in_verifier_that_overruns_its_deadline_is_killed_and_counted() -> None:
+    with RewardScorer(workers=1, timeout_s=1e-4) as scorer:
+        verdict = scorer.score([RewardRequest("1 + " * 50_000 + "\\boxed{2}", "2")])[0]
+        assert (verdict.reward, verdict.reason) == (0.0, "timeout")
+        assert scorer.pool.timeouts == 1 and scorer.pool.replaced == 1
+
+
+ADVERSARIAL_PIECES = ["\\boxed{", "\\fbox{", "\\boxed ", "\\frac{1}{", "\\frac", "\\dfrac{", "{", "}", "\\{",
+                      "1e10000000", "1e-99999999", "9" * 300, "-.5", "1/0", "0/0", ",", "(", ")", "[", "]",
+                      "\\text{", "\\sqrt", "^\\circ", "\\left(", "\\right)", "$", "\\%", "answer is ",
+                      "#### ", " ", "\n", ". I hope", "x = ", "\\,", "cm ", "1,234", "e", "."]
+ADVERSARIAL_TEXT = st.lists(st.tuples(st.sampled_from(ADVERSARIAL_PIECES), st.integers(1, 3000)),
+                            min_size=1, max_size=6).map(lambda runs: "".join(piece * n for piece, n in runs))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ADVERSARIAL_TEXT, st.sampled_from(["1", "1e10000000", "\\frac{1}{2}", "(1,2)"]))
+def test_any_response_returns_within_its_deadline(deadline_scorer: RewardScorer, text: str, reference: str) -> None:
+    text = text[:200_000]  # the server's max_chars
+    start = time.monotonic()
+    verdict = deadline_scorer.pool.call("math", text, reference)
+    assert time.monotonic() - start < DEADLINE_S + SLACK_S
+    assert verdict.reason in RESULT_REASONS, verdict
+
+
+def test_health_probes_answer_while_a_batch_is_scored(deadline_scorer: RewardScorer) -> None:
+    config = RewardConfig(port=0, verifiers=USER_VERIFIERS, timeout_s=DEADLINE_S)
+    batch = [{"id": i, "response_text": text, "answer": "1"} for i, text in enumerate(PROBE_STRINGS)]
+    batch += [{"id": "spin", "response_text": "x", "answer": "1", "verifier": "spin"}]
+    with serve_in_thread(create_app(config, deadline_scorer)) as server, RewardClient(server.url) as client, \
+            RewardClient(server.url, timeout=5.0) as prober:
+        results: list[list[dict]] = []
+        scoring = threading.Thread(target=lambda: results.append(client.score(batch)))
+        scoring.start()
+        probes = 0
+        while scoring.is_alive():
+            assert prober.health()["status"] == "ok"  # raises if a probe goes unanswered for 5 s
+            probes += 1
+            scoring.join(0.05)
+        assert probes >= 1
+        assert [r["reason"] for r in results[0]][-1] == "timeout"
+        assert prober.health()["timeouts"] == {"spin": 1}
+        assert 'staleflow_reward_timeouts_total{verifier="spin"} 1.0' in prober.http.get("/metrics").text
 
 
 # ---------------------------------------------------------------- user verifiers in processes
