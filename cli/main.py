@@ -33,6 +33,14 @@ serve_app = typer.Typer(help="Run one component in the foreground.", no_args_is_
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks (not tests): measured numbers, side by side.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
+
+
+@serve_app.callback()
+def _serve_privately(ctx: typer.Context) -> None:
+    """Run one component in the foreground."""
+    from staleflow.servers.auth import private_files
+
+    ctx.with_resource(private_files())  # its state files are owner-only from creation
 app.add_typer(db_app, name="db")
 app.add_typer(bench_app, name="bench")
 

@@ -113,6 +113,14 @@ def _back(restart: dict) -> str:
 
 def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str = "local",
            namespace: str | None = None, ray_address: str | None = None) -> int:
+    from staleflow.servers.auth import private_files
+
+    with private_files(config.state_dir):  # the ledger, trajectories, logs and weights: owner-only from creation
+        return _run_up(config, resume, fresh, json_log, launcher, namespace, ray_address)
+
+
+def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str,
+            namespace: str | None, ray_address: str | None) -> int:
     from staleflow.launch.job import Job, JobTracking, StateDirInUse, trainer_label
     from staleflow.report import summarize, write_report
     from staleflow.tracking import missing_backends

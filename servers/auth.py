@@ -1,8 +1,10 @@
 """Bearer-token protection of the control plane.
 
 Mutating requests (anything but GET, HEAD and OPTIONS) need ``Authorization: Bearer <token>``
-whenever a token is configured; reads stay open so dashboards and scrapers work. A component
-bound to a non-loopback address without a token refuses to start."""
+whenever a token is configured; reads stay open so dashboards and scrapers work. The scheme is
+case-insensitive (RFC 7235); a request with more than one Authorization header is refused, since
+proxies and servers disagree on which one counts. A component bound to a non-loopback address
+without a token refuses to start."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,6 +35,36 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 class InsecureBind(RuntimeError):
     pass
+
+
+PRIVATE_UMASK = 0o077
+"""Files 0600 and directories 0700: a run's state holds every prompt and response, its token and weights."""
+
+
+@contextmanager
+def private_files(state_dir: Path | None = None) -> Iterator[None]:
+    """While inside, what this process (and the processes it starts) creates is its owner's only.
+    ``state_dir``, if given, is created 0700, and what it already holds (a resumed run) is made
+    owner-only too. The process's umask is restored on the way out."""
+    previous = os.umask(PRIVATE_UMASK)
+    try:
+        if state_dir is not None:
+            state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_private(state_dir)
+        yield
+    finally:
+        os.umask(previous)
+
+
+def make_private(root: Path) -> None:
+    """Take group and other permissions off ``root`` and everything under it."""
+    for path in [root, *root.rglob("*")]:
+        try:
+            mode = path.lstat().st_mode
+            if not path.is_symlink() and mode & 0o077:
+                path.chmod(mode & ~0o077 & 0o7777)
+        except OSError:  # vanished meanwhile, or not ours: nothing to protect here
+            continue
 
 
 def run_token(state_dir: Path) -> tuple[str, Path]:
@@ -62,20 +96,33 @@ def read_token_file(path: Path) -> str | None:
         return None
 
 
+def bearer_refusal(values: list[bytes], token: str) -> str | None:
+    """Why the Authorization header ``values`` of one request do not carry ``token``; None if they do."""
+    if not values:
+        return "missing bearer token"
+    if len(values) > 1:
+        return f"{len(values)} Authorization headers; send exactly one"
+    scheme, _, credentials = values[0].strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return "not a bearer token"
+    if not hmac.compare_digest(credentials.strip(), token.encode()):
+        return "wrong bearer token"
+    return None
+
+
 class BearerTokenMiddleware:
     def __init__(self, app: ASGIApp, token: str):
         self.app = app
-        self.expected = f"Bearer {token}".encode()
+        self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        reason = bearer_refusal([value for name, value in scope["headers"] if name == b"authorization"], self.token)
+        if reason is None:
             await self.app(scope, receive, send)
             return
-        reason = "missing bearer token" if not given else "wrong bearer token"
         body = json.dumps(error_body(ErrorCode.UNAUTHORIZED,
                                      f"{reason}: mutating requests need 'Authorization: Bearer <token>' "
                                      f"(the job's token file, or ${TOKEN_ENV})")).encode()

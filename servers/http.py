@@ -1,10 +1,12 @@
 """The HTTP side every service shares: ``service_app`` (the app with the one error contract), the
-request-body limit, and running apps under uvicorn, in a background thread (embedded mode, tests)
+request-body limit, the connection limits (``ConnectionLimits``: slow clients are shed, surplus
+connections refused), and running apps under uvicorn, in a background thread (embedded mode, tests)
 or in the foreground (``staleflow serve``). The listening socket is bound before uvicorn starts, so
 the URL is valid immediately: connections queue in the backlog until the server accepts them."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import logging
@@ -221,8 +223,127 @@ def url_for(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
-def _uvicorn_config(app: FastAPI, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How a server sheds slow and surplus clients (uvicorn itself has no header deadline)."""
+
+    max_connections: int = 1024
+    """Open connections at once; one more is answered 503 ``too_many_connections`` and closed."""
+    header_timeout_s: float = 10.0
+    """From the connection (or the previous response) until a request's head has arrived."""
+    body_timeout_s: float = 60.0
+    """The longest pause in a request body while the server is waiting for it."""
+    keep_alive_s: float = 5.0
+    """An idle keep-alive connection is closed after this long."""
+    max_head_bytes: int = 64 << 10
+    """A request line and headers longer than this close the connection."""
+
+
+def _refusal(limit: int) -> bytes:
+    body = json.dumps(error_body(ErrorCode.TOO_MANY_CONNECTIONS,
+                                 f"this server holds its limit of {limit} open connections; retry later")).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\nretry-after: 1\r\n\r\n")
+    return head.encode() + body
+
+
+def _uvicorn_protocol() -> type:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        return HttpToolsProtocol
+    except ImportError:  # httptools is optional for uvicorn
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+        return H11Protocol
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol with ``limits``: a deadline for each request head, a deadline for
+    each pause in a body while the server waits for it (not while the app is busy or holds the
+    client back), a cap on head bytes, and a cap on connections."""
+    base: Any = _uvicorn_protocol()
+    tick = min(limits.header_timeout_s, limits.body_timeout_s) / 4
+    refusal = _refusal(limits.max_connections)
+
+    class GuardedProtocol(base):
+        _refused = False
+        _timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            if len(self.connections) >= limits.max_connections:
+                # half-close after the refusal and drain what the client sends: closing with unread
+                # input would reset the connection, and the client might not read the refusal
+                self._refused = True
+                self.transport = transport
+                transport.write(refusal)
+                if transport.can_write_eof():
+                    transport.write_eof()
+                self._timer = self.loop.call_later(limits.header_timeout_s, transport.close)
+                return
+            super().connection_made(transport)
+            self._head_since = self._last_read = self.loop.time()
+            self._head_bytes = 0
+            self._timer = self.loop.call_later(tick, self._check)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            if not self._refused:
+                super().connection_lost(exc)
+
+        def eof_received(self) -> Any:
+            if self._refused:
+                self.transport.close()
+                return None
+            return super().eof_received()
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            self._last_read = self.loop.time()
+            super().data_received(data)
+            if self._awaiting_head():
+                self._head_bytes += len(data)
+                if self._head_bytes > limits.max_head_bytes and not self.transport.is_closing():
+                    log.info("closing a connection whose request head passed %d bytes", limits.max_head_bytes)
+                    self.transport.close()
+            else:
+                self._head_bytes = 0
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._head_since = self.loop.time()
+            self._head_bytes = 0
+
+        def _awaiting_head(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _check(self) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            now = self.loop.time()
+            cycle = self.cycle
+            if self._awaiting_head():
+                if now - self._head_since > limits.header_timeout_s:
+                    log.info("closing a connection that sent no complete request head in %g s", limits.header_timeout_s)
+                    self.transport.close()
+                    return
+            elif cycle.more_body and not cycle.waiting_for_100_continue and not self.flow.read_paused:
+                if now - self._last_read > limits.body_timeout_s:
+                    log.info("closing a connection whose request body paused for %g s", limits.body_timeout_s)
+                    self.transport.close()
+                    return
+            else:  # the app's turn: the client is not holding anything up
+                self._last_read = now
+            self._timer = self.loop.call_later(tick, self._check)
+
+    return GuardedProtocol
+
+
+def _uvicorn_config(app: FastAPI, log_level: str, limits: ConnectionLimits | None) -> uvicorn.Config:
+    limits = limits or ConnectionLimits()
+    return uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+                          http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_s)
 
 
 @dataclass
@@ -248,14 +369,14 @@ class StartupFailed(RuntimeError):
 
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                     startup_timeout: float = 60.0, token: str | None = None,
-                    body_limit: int | None = None) -> RunningServer:
+                    body_limit: int | None = None, limits: ConnectionLimits | None = None) -> RunningServer:
     """Serve ``app`` from a daemon thread; returns once its lifespan has started.
 
     A lifespan that fails raises ``StartupFailed`` here instead of leaving a socket that never
     answers. Request bodies over ``body_limit`` bytes (default: ``max_body_bytes()``) get 413."""
     harden(app, host, token, body_limit)
     sock = bind_socket(host, port)
-    server = uvicorn.Server(_uvicorn_config(app, log_level))
+    server = uvicorn.Server(_uvicorn_config(app, log_level, limits))
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -277,7 +398,7 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_le
 
 
 def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info", token: str | None = None,
-                  body_limit: int | None = None) -> None:
+                  body_limit: int | None = None, limits: ConnectionLimits | None = None) -> None:
     """Serve in the foreground until SIGINT/SIGTERM (uvicorn handles both gracefully).
 
     With a token (or $STALEFLOW_TOKEN), mutating requests need it; without one, a non-loopback
@@ -286,4 +407,4 @@ def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info", t
     sock = bind_socket(host, port)
     # printed at every log level: supervisors (staleflow up, tests) wait for this line
     print(f"{app.title} listening on {url_for(sock)}", file=sys.stderr, flush=True)
-    uvicorn.Server(_uvicorn_config(app, log_level)).run(sockets=[sock])
+    uvicorn.Server(_uvicorn_config(app, log_level, limits)).run(sockets=[sock])

@@ -5,8 +5,8 @@
   the configuration, or a configured "module.path:function"; default: the configured default.
   Every verifier, the built-ins too, runs in a worker process with a deadline per item (``timeout_s``).
   Reasons: "correct", "wrong_answer", "no_answer", "timeout" (the verifier overran its deadline and
-  its worker was replaced; counted in ``/v1/health`` and ``staleflow_reward_timeouts_total``), "error" (it raised or returned something that is not a reward), or
-  whatever a user verifier says.
+  its worker was replaced; counted in ``/v1/health`` and ``staleflow_reward_timeouts_total``),
+  "error" (it raised or returned something that is not a reward), or whatever a user verifier says.
 * ``GET /v1/verifiers``, ``GET /v1/health``.
 """
 

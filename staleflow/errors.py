@@ -22,6 +22,7 @@ class ErrorCode(StrEnum):
     INTERNAL_ERROR = "internal_error"  # a bug: the service's log has the traceback
     BODY_TOO_LARGE = "body_too_large"
     UNAUTHORIZED = "unauthorized"  # a mutating request without the right bearer token
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # the server holds its limit of open connections: retry later
     UPSTREAM_ERROR = "upstream_error"  # a service this one depends on refused or failed
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"  # ... or could not be reached
     # the staleness ledger
@@ -111,6 +112,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INTERNAL_ERROR: 500,
     ErrorCode.BODY_TOO_LARGE: 413,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.TOO_MANY_CONNECTIONS: 503,
     ErrorCode.UPSTREAM_ERROR: 502,
     ErrorCode.UPSTREAM_UNAVAILABLE: 503,
     ErrorCode.UNKNOWN_GROUP: 404,

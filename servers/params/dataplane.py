@@ -15,13 +15,14 @@ It serves the REST API's chunk routes, with the same paths, rules, bearer token 
 * ``GET /v1/params/{version}/chunks/{index}?lease=...``
 
 Leases, joins and commits stay on the API port; clients find this port in ``/v1/health``
-(``data_port``) and fall back to the API port when it is not reachable.
+(``data_port``) and fall back to the API port when it is not reachable. At most
+``max_connections`` are served at once (one more is answered 503 ``too_many_connections`` and
+closed), and a request that says ``Connection: close`` closes its connection once answered.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -31,7 +32,8 @@ import threading
 from urllib.parse import parse_qs, urlsplit
 
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.servers.http import bind_socket
+from staleflow.servers.auth import bearer_refusal
+from staleflow.servers.http import ConnectionLimits, bind_socket
 from staleflow.servers.params.store import ParamStore
 from staleflow.transports.http import CHECKSUM_HEADER, PIECE_BYTES, SocketReader
 
@@ -49,11 +51,13 @@ class _Refused(StaleFlowError):
 class ChunkDataPlane:
     """Serves the chunk routes of ``store`` on ``host:port`` (0: any free port) until ``close``."""
 
-    def __init__(self, store: ParamStore, host: str, port: int, token: str | None):
+    def __init__(self, store: ParamStore, host: str, port: int, token: str | None,
+                 max_connections: int = ConnectionLimits.max_connections):
         self.store = store
         self._listener = bind_socket(host, port)
         self.port: int = self._listener.getsockname()[1]
-        self._expected = f"Bearer {token}".encode() if token else None
+        self._token = token
+        self.max_connections = max_connections
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -87,8 +91,12 @@ class ChunkDataPlane:
                 if self._closed:
                     conn.close()
                     return
-                self._connections[conn] = thread
-                thread.start()
+                full = len(self._connections) >= self.max_connections
+                if not full:
+                    self._connections[conn] = thread
+                    thread.start()
+            if full:
+                _refuse_connection(conn, self.max_connections)
 
     def _serve(self, conn: socket.socket) -> None:
         reader = SocketReader(conn)
@@ -98,12 +106,15 @@ class ChunkDataPlane:
                 if message is None:
                     return
                 request_line, headers = message
+                closing = "close" in headers.get("connection", "").lower()
                 try:
                     self._answer(conn, reader, request_line, headers)
                 except StaleFlowError as exc:
-                    _send_json(conn, exc.status, exc.to_json(), close=isinstance(exc, _Refused))
+                    _send_json(conn, exc.status, exc.to_json(), close=closing or isinstance(exc, _Refused))
                     if isinstance(exc, _Refused):
                         return
+                if closing:
+                    return
         except (OSError, ConnectionError):
             pass  # the peer went away (a push in flight was abandoned where it stood)
         except Exception:
@@ -134,8 +145,9 @@ class ChunkDataPlane:
 
     def _receive_chunk(self, conn: socket.socket, reader: SocketReader, version: int, part: int, index: int,
                        query: dict[str, str], headers: dict[str, str]) -> None:
-        if self._expected is not None and not hmac.compare_digest(headers.get("authorization", "").encode(), self._expected):
-            reason = "missing bearer token" if "authorization" not in headers else "wrong bearer token"
+        reason = self._token and bearer_refusal([headers["authorization"].encode("latin-1")]
+                                                 if "authorization" in headers else [], self._token)
+        if reason:
             raise _Refused(ErrorCode.UNAUTHORIZED, f"{reason}: pushes need 'Authorization: Bearer <token>'")
         length = headers.get("content-length", "")
         if not length.isdigit():
@@ -181,6 +193,20 @@ class ChunkDataPlane:
         finally:
             os.close(fd)
             self.store.stream_done(stored)
+
+
+def _refuse_connection(conn: socket.socket, limit: int) -> None:
+    """503 and close, draining what already arrived: closing with unread input would reset the
+    connection before the client read the refusal."""
+    error = StaleFlowError(ErrorCode.TOO_MANY_CONNECTIONS, f"the data plane holds its limit of {limit} connections; "
+                                                            "retry later")
+    with contextlib.suppress(OSError):
+        _send_json(conn, error.status, error.to_json(), close=True)
+        conn.shutdown(socket.SHUT_WR)
+        conn.setblocking(False)
+        while conn.recv(1 << 16):
+            pass
+    conn.close()
 
 
 def _head(status: int, headers: dict[str, str]) -> bytes:

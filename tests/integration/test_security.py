@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -59,8 +60,14 @@ def test_loopback_without_a_token_runs_open_and_says_so(tmp_path: Path, monkeypa
 
 
 def test_up_writes_an_owner_only_token_and_the_cli_uses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and every file and directory of the run's state is owner-only, from its creation on."""
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     state = tmp_path / "run"
+    state.mkdir(mode=0o755)
+    (state / "left-by-an-earlier-run.txt").write_text("x")
+    (state / "left-by-an-earlier-run.txt").chmod(0o644)
+    umask = os.umask(0o022)
+    os.umask(umask)
     result = CliRunner().invoke(app, ["up", "--engine", "sim", "--steps", "1", "--state-dir", str(state), "--workload", "ci-tiny",
                                       "--max-tokens", "32", "--instances", "1", "--batch-size", "2", "--group-size",
                                       "2", "--eta", "1"])
@@ -68,6 +75,10 @@ def test_up_writes_an_owner_only_token_and_the_cli_uses_it(tmp_path: Path, monke
     endpoints = json.loads((state / "endpoints.json").read_text())
     token_file = Path(endpoints["token_file"])
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and len(token_file.read_text()) >= 32
-    import os
-
+    paths = [state, *state.rglob("*")]
+    assert {"ledger.db", "trajectories.db", "job.json", "logs"} <= {p.name for p in paths}
+    exposed = [(str(p.relative_to(tmp_path)), oct(stat.S_IMODE(p.lstat().st_mode))) for p in paths
+               if not p.is_symlink() and stat.S_IMODE(p.lstat().st_mode) & 0o077]
+    assert exposed == []
+    assert os.umask(umask) == umask, "the job restores the process's umask"
     assert TOKEN_ENV not in os.environ, "the job hands its environment back as it found it"
