@@ -333,6 +333,44 @@ class TrainerRank:
 # ---------------------------------------------------------------------------- planning on the driver
 
 
+ROLES = ("control", "rollout", "trainer")
+
+
+def role_marker(role: str) -> NodeSelector:
+    """What marks a node for a role when the job names no nodes for it: the custom resource
+    ``staleflow_<role>``, the label ``staleflow.io/role=<role>``."""
+    return NodeSelector(resource=f"staleflow_{role}", labels={"staleflow.io/role": role})
+
+
+def select_nodes(config: JobConfig, role: str, nodes: list[dict]) -> NodeSelector:
+    """The nodes a role may use. A selector in the job's ``cluster:`` section is kept as it is (no
+    node matching it fails the start). Without one: the nodes marked for the role (its resource,
+    else its label) where any alive node carries the mark, else any node with room, as every
+    Ray cluster starts."""
+    chosen = getattr(config.cluster, role)
+    if chosen is not None:
+        return chosen
+    mark = role_marker(role)
+    alive = [n for n in nodes if n.get("Alive")]
+    if any(n["Resources"].get(mark.resource, 0) > 0 for n in alive):
+        return NodeSelector(resource=mark.resource)
+    if any(_matches(n, NodeSelector(labels=mark.labels)) for n in alive):
+        return NodeSelector(labels=mark.labels)
+    return NodeSelector()
+
+
+def gpus_per_instance(config: JobConfig) -> float:
+    """A simulated instance needs no GPU; a real one its tensor parallelism (1 unless set)."""
+    chosen = config.cluster.gpus_per_instance
+    return chosen if chosen is not None else (0.0 if config.engine == "sim" else 1.0)
+
+
+def gpus_per_rank(config: JobConfig) -> float:
+    """The sim trainer needs no GPU; an FSDP rank one unless set (0: CPU ranks with gloo)."""
+    chosen = config.cluster.gpus_per_rank
+    return chosen if chosen is not None else (0.0 if config.engine == "sim" else 1.0)
+
+
 def _selector_text(role: str, selector: NodeSelector) -> str:
     parts = []
     if selector.resource:
@@ -355,27 +393,32 @@ def _bundle(selector: NodeSelector, cpus: float, gpus: float = 0.0) -> dict[str,
 
 @dataclass
 class PlacementPlan:
-    """What each placement group asks for, and the nodes that may host it."""
+    """What each placement group asks for, and the nodes that may host it: control services on
+    CPU, one bundle per instance holding its GPUs, one bundle per trainer node holding its
+    ranks' GPUs (the GPU count of each split as the job asks)."""
 
     control: list[dict[str, float]]
     rollout: list[dict[str, float]]
     trainer: list[dict[str, float]]  # one bundle per trainer node
     ranks_per_node: int
+    selectors: dict[str, NodeSelector]
 
     @staticmethod
-    def of(config: JobConfig) -> PlacementPlan:
+    def of(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
         c = config.cluster
         world = trainer_world(config)
         if world % c.trainer_nodes:
             raise LauncherError(f"{world} trainer ranks do not split evenly over cluster.trainer_nodes "
                                 f"{c.trainer_nodes}; make trainer.world_size a multiple of it")
         per_node = world // c.trainer_nodes
+        selectors = {role: select_nodes(config, role, nodes) for role in ROLES}
         return PlacementPlan(
-            control=[_bundle(c.control, c.cpus_per_service) for _ in (*CONTROL_SERVICES, REGISTRY)],
-            rollout=[_bundle(c.rollout, c.cpus_per_instance, c.gpus_per_instance) for _ in range(config.instances)],
-            trainer=[_bundle(c.trainer, c.cpus_per_rank * per_node, c.gpus_per_rank * per_node)
+            control=[_bundle(selectors["control"], c.cpus_per_service) for _ in (*CONTROL_SERVICES, REGISTRY)],
+            rollout=[_bundle(selectors["rollout"], c.cpus_per_instance, gpus_per_instance(config))
+                     for _ in range(config.instances)],
+            trainer=[_bundle(selectors["trainer"], c.cpus_per_rank * per_node, gpus_per_rank(config) * per_node)
                      for _ in range(c.trainer_nodes)],
-            ranks_per_node=per_node)
+            ranks_per_node=per_node, selectors=selectors)
 
 
 def _matches(node: dict, selector: NodeSelector) -> bool:
@@ -393,16 +436,15 @@ def _need_text(bundle: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in bundle.items() if v != RESOURCE_SHARE)
 
 
-def preflight(config: JobConfig, nodes: list[dict]) -> None:
+def preflight(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
     """Fail now, naming what is missing, when the cluster cannot host the plan (a placement group
     it cannot satisfy would otherwise wait in PENDING without a word)."""
-    plan = PlacementPlan.of(config)
+    plan = PlacementPlan.of(config, nodes)
     alive = [n for n in nodes if n.get("Alive")]
-    c = config.cluster
     problems = []
-    for role, selector, bundles, spread in (("control", c.control, plan.control, False),
-                                            ("rollout", c.rollout, plan.rollout, False),
-                                            ("trainer", c.trainer, plan.trainer, True)):
+    for role, bundles, spread in (("control", plan.control, False), ("rollout", plan.rollout, False),
+                                  ("trainer", plan.trainer, True)):
+        selector = plan.selectors[role]
         candidates = [n for n in alive if _matches(n, selector)]
         what = _selector_text(role, selector)
         if not candidates:
@@ -431,6 +473,7 @@ def preflight(config: JobConfig, nodes: list[dict]) -> None:
                     host[k] = host.get(k, 0.0) - v
     if problems:
         raise LauncherError("the Ray cluster cannot host this job: " + "; ".join(problems))
+    return plan
 
 
 # ---------------------------------------------------------------------------- the job
@@ -503,7 +546,7 @@ class RayClusterJob:
                                     "another cluster.namespace")
             self._attach(on_started)
             return
-        preflight(self.config, ray.nodes())
+        self.plan = preflight(self.config, ray.nodes())
         self._owner = True  # from here on, what is in the namespace is this job's
         self.token = write_token_file(self.state / "token")
         self._place()
@@ -513,7 +556,7 @@ class RayClusterJob:
         registry_path = str((self.state / "endpoints.registry.json").resolve())
         Registry_ = ray.remote(Registry)
         self.registry = Registry_.options(name=REGISTRY, max_restarts=-1, max_task_retries=-1,
-                                          num_cpus=self._control_cpus(), resources=self._marker(self.config.cluster.control),
+                                          num_cpus=self._control_cpus(), resources=self._marker("control"),
                                           scheduling_strategy=self._in("control", len(CONTROL_SERVICES)),
                                           **self._options()).remote(self.endpoints, registry_path)
         ray.get(self.registry.get.remote())
@@ -549,6 +592,7 @@ class RayClusterJob:
             raise LauncherError(f"a job runs in Ray namespace {self.namespace!r} but {self.state / 'token'} is missing: "
                                 "resume it from the state directory it was started with")
         self.token, self._owner = token, True
+        self.plan = PlacementPlan.of(self.config, ray.nodes())
         self.pgs = {group: get_placement_group(f"{self.namespace}-{group}") for group in PLACEMENT_GROUPS}
         self._order_bundles()
         self.registry = ray.get_actor(REGISTRY, namespace=self.namespace)
@@ -583,11 +627,14 @@ class RayClusterJob:
         self._watcher = threading.Thread(target=self._watch, name="ray-launcher", daemon=True)
         self._watcher.start()
 
-    def _marker(self, selector: NodeSelector) -> dict[str, float]:
+    def _marker(self, role: str) -> dict[str, float]:
+        """The share of the role's custom resource each of its actors asks for (none where the
+        role's nodes are not selected by a resource)."""
+        selector = self.plan.selectors[role]
         return {selector.resource: RESOURCE_SHARE} if selector.resource else {}
 
     def _control_cpus(self) -> float:
-        return self.config.cluster.cpus_per_service or (0.001 if not self.config.cluster.control.resource else 0)
+        return self.config.cluster.cpus_per_service or (0.001 if not self.plan.selectors["control"].resource else 0)
 
     def _in(self, group: str, index: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -599,11 +646,15 @@ class RayClusterJob:
         ray, c = self.ray, self.config.cluster
         from ray.util.placement_group import placement_group
 
-        plan = PlacementPlan.of(self.config)
-        asks = {"control": (plan.control, "STRICT_PACK", c.control), "rollout": (plan.rollout, "PACK", c.rollout),
-                "trainer": (plan.trainer, "STRICT_SPREAD" if len(plan.trainer) > 1 else "PACK", c.trainer)}
-        for group, (bundles, strategy, selector) in asks.items():
-            options = {"bundle_label_selector": [dict(selector.labels) for _ in bundles]} if selector.labels else {}
+        plan = self.plan
+        asks = {"control": (plan.control, "STRICT_PACK"), "rollout": (plan.rollout, "PACK"),
+                "trainer": (plan.trainer, "STRICT_SPREAD" if len(plan.trainer) > 1 else "PACK")}
+        for group, (bundles, strategy) in asks.items():
+            selector = plan.selectors[group]
+            options: dict[str, Any] = {"bundle_label_selector": [dict(selector.labels) for _ in bundles]} \
+                if selector.labels else {}
+            if group == "control" and selector == NodeSelector():  # the driver's node has --state-dir: there if it has room
+                options["_soft_target_node_id"] = ray.get_runtime_context().get_node_id()
             self.pgs[group] = placement_group(bundles, strategy=strategy, name=f"{self.namespace}-{group}",
                                               lifetime="detached", **options)
         deadline = time.monotonic() + c.placement_timeout_s
@@ -611,7 +662,8 @@ class RayClusterJob:
             left = max(0.1, deadline - time.monotonic())
             ready, _ = ray.wait([pg.ready()], timeout=left)
             if not ready:
-                bundles, strategy, selector = asks[group]
+                bundles, strategy = asks[group]
+                selector = plan.selectors[group]
                 self._remove_groups()
                 raise LauncherError(
                     f"placement group {group} ({len(bundles)} × {_need_text(bundles[0])}, {strategy}) was not placed in "
@@ -648,9 +700,9 @@ class RayClusterJob:
         if is_relay(name):
             return {"num_cpus": 0, "resources": {}}
         if name.startswith("inst-"):
-            return {"num_cpus": c.cpus_per_instance, "num_gpus": c.gpus_per_instance,
-                    "resources": self._marker(c.rollout)}
-        return {"num_cpus": self._control_cpus(), "resources": self._marker(c.control)}
+            return {"num_cpus": c.cpus_per_instance, "num_gpus": gpus_per_instance(self.config),
+                    "resources": self._marker("rollout")}
+        return {"num_cpus": self._control_cpus(), "resources": self._marker("control")}
 
     def _plan_endpoints(self) -> dict[str, dict]:
         """Each component's address, found on the node that will serve it."""
@@ -731,7 +783,7 @@ class RayClusterJob:
         per_node = world // c.trainer_nodes
         first = self.trainer_bundles[0]
         probe_task = ray.remote(probe)
-        master = ray.get(probe_task.options(num_cpus=0, resources=self._marker(c.trainer),
+        master = ray.get(probe_task.options(num_cpus=0, resources=self._marker("trainer"),
                                             scheduling_strategy=self._in("trainer", first)).remote(
             *c.port_range, [v["port"] for v in self.endpoints.values()]), timeout=120)
         Rank = ray.remote(TrainerRank)
@@ -741,7 +793,7 @@ class RayClusterJob:
             bundle = self.trainer_bundles[rank // per_node]
             self.ranks.append(Rank.options(
                 name=trainer_rank_name(rank), max_restarts=0, max_concurrency=4, num_cpus=c.cpus_per_rank,
-                num_gpus=c.gpus_per_rank, resources=self._marker(c.trainer),
+                num_gpus=gpus_per_rank(self.config), resources=self._marker("trainer"),
                 scheduling_strategy=self._in("trainer", bundle), **self._options()).remote(
                 rank, world, (master["host"], master["port"]), config_json, self.token, self.namespace, self.started))
         ray.get([r.state.remote() for r in self.ranks], timeout=300)
