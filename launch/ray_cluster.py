@@ -436,41 +436,55 @@ def _need_text(bundle: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in bundle.items() if v != RESOURCE_SHARE)
 
 
+PLACEMENT_ORDER = ("control", "trainer", "rollout")
+"""The order the placement groups are placed in (and checked): the trainer's bundles, one per
+node, are the hardest to fit, so they go before the instances fill the GPUs one by one."""
+
+
+def _take(capacity: dict[str, float], bundle: dict[str, float]) -> None:
+    for k, v in bundle.items():
+        capacity[k] = capacity.get(k, 0.0) - v
+
+
 def preflight(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
     """Fail now, naming what is missing, when the cluster cannot host the plan (a placement group
-    it cannot satisfy would otherwise wait in PENDING without a word)."""
+    it cannot satisfy would otherwise wait in PENDING without a word). Roles may share nodes:
+    each takes its room from what the roles placed before it left."""
     plan = PlacementPlan.of(config, nodes)
     alive = [n for n in nodes if n.get("Alive")]
+    capacity = {n["NodeID"]: dict(n["Resources"]) for n in alive}
     problems = []
-    for role, bundles, spread in (("control", plan.control, False), ("rollout", plan.rollout, False),
-                                  ("trainer", plan.trainer, True)):
-        selector = plan.selectors[role]
-        candidates = [n for n in alive if _matches(n, selector)]
+    for role in PLACEMENT_ORDER:
+        bundles, selector = getattr(plan, role), plan.selectors[role]
+        candidates = [n["NodeID"] for n in alive if _matches(n, selector)]
         what = _selector_text(role, selector)
         if not candidates:
             problems.append(f"no alive node of the Ray cluster is one of the {what}")
             continue
         if role == "control":  # all on one node
             total = {k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}
-            if not any(_fits(total, n["Resources"]) for n in candidates):
+            host = next((node for node in candidates if _fits(total, capacity[node])), None)
+            if host is None:
                 problems.append(f"no single one of the {what} has room for the control services "
                                 f"({_need_text(total)})")
-        elif spread:
-            hosts = [n for n in candidates if _fits(bundles[0], n["Resources"])]
+            else:
+                _take(capacity[host], total)
+        elif role == "trainer":  # one bundle per node, on distinct nodes
+            hosts = [node for node in candidates if _fits(bundles[0], capacity[node])]
             if len(hosts) < len(bundles):
                 problems.append(f"the trainer needs {len(bundles)} of the {what} with {_need_text(bundles[0])} each; "
                                 f"the cluster has {len(hosts)}")
+            for node in hosts[:len(bundles)]:
+                _take(capacity[node], bundles[0])
         else:
-            capacity = {n["NodeID"]: dict(n["Resources"]) for n in candidates}
             for i, bundle in enumerate(bundles):
-                host = next((cap for cap in capacity.values() if _fits(bundle, cap)), None)
+                host = next((node for node in candidates if _fits(bundle, capacity[node])), None)
                 if host is None:
-                    gpus = sum(n["Resources"].get("GPU", 0) for n in candidates)
+                    gpus = sum(n["Resources"].get("GPU", 0) for n in alive if n["NodeID"] in candidates)
                     problems.append(f"the {what} cannot hold {len(bundles)} instances of {_need_text(bundle)} "
                                     f"(room for {i}; GPUs on them: {gpus:g})")
                     break
-                for k, v in bundle.items():
-                    host[k] = host.get(k, 0.0) - v
+                _take(capacity[host], bundle)
     if problems:
         raise LauncherError("the Ray cluster cannot host this job: " + "; ".join(problems))
     return plan
@@ -649,21 +663,17 @@ class RayClusterJob:
         plan = self.plan
         asks = {"control": (plan.control, "STRICT_PACK"), "rollout": (plan.rollout, "PACK"),
                 "trainer": (plan.trainer, "STRICT_SPREAD" if len(plan.trainer) > 1 else "PACK")}
-        for group, (bundles, strategy) in asks.items():
-            selector = plan.selectors[group]
+        deadline = time.monotonic() + c.placement_timeout_s
+        for group in PLACEMENT_ORDER:  # each placed before the next asks: they may share nodes
+            (bundles, strategy), selector = asks[group], plan.selectors[group]
             options: dict[str, Any] = {"bundle_label_selector": [dict(selector.labels) for _ in bundles]} \
                 if selector.labels else {}
             if group == "control" and selector == NodeSelector():  # the driver's node has --state-dir: there if it has room
                 options["_soft_target_node_id"] = ray.get_runtime_context().get_node_id()
             self.pgs[group] = placement_group(bundles, strategy=strategy, name=f"{self.namespace}-{group}",
                                               lifetime="detached", **options)
-        deadline = time.monotonic() + c.placement_timeout_s
-        for group, pg in self.pgs.items():
-            left = max(0.1, deadline - time.monotonic())
-            ready, _ = ray.wait([pg.ready()], timeout=left)
+            ready, _ = ray.wait([self.pgs[group].ready()], timeout=max(0.1, deadline - time.monotonic()))
             if not ready:
-                bundles, strategy = asks[group]
-                selector = plan.selectors[group]
                 self._remove_groups()
                 raise LauncherError(
                     f"placement group {group} ({len(bundles)} × {_need_text(bundles[0])}, {strategy}) was not placed in "

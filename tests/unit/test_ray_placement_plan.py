@@ -47,7 +47,8 @@ def test_a_missing_label_is_named() -> None:
 
 def test_a_dead_node_does_not_count() -> None:
     dead = [n if n["NodeID"] != "trainer" else {**n, "Alive": False} for n in CLUSTER]
-    with pytest.raises(LauncherError, match="trainer nodes"):
+    # no trainer node left alive: the trainer takes two of the rollout node's GPUs, the instances lack them
+    with pytest.raises(LauncherError, match=r"cannot hold 4 instances of CPU 0.5, GPU 1 \(room for 2; GPUs on them: 4\)"):
         preflight(job(engine="vllm"), dead)
 
 
@@ -94,9 +95,21 @@ def test_a_real_job_places_by_gpu_bundles_split_as_it_asks() -> None:
 
 
 def test_a_real_job_on_a_cluster_without_gpus_names_them() -> None:
-    with pytest.raises(LauncherError, match=r"rollout nodes \(any node\) cannot hold 4 instances of CPU 0.5, GPU 1 "
-                                            r"\(room for 0; GPUs on them: 0\).*the trainer needs 1 of the trainer nodes"):
+    with pytest.raises(LauncherError, match=r"the trainer needs 1 of the trainer nodes \(any node\) with CPU 1, GPU 2 "
+                                            r"each; the cluster has 0.*rollout nodes \(any node\) cannot hold 4 "
+                                            r"instances of CPU 0.5, GPU 1 \(room for 0; GPUs on them: 0\)"):
         preflight(job(engine="vllm"), PLAIN_CPU)
+
+
+def test_roles_sharing_nodes_take_their_room_from_what_is_left() -> None:
+    one_node = [node("head"), node("g", GPU=8)]
+    preflight(job(engine="vllm", instances=4, trainer={"world_size": 4}), one_node)
+    with pytest.raises(LauncherError, match=r"rollout nodes .* cannot hold 5 instances of CPU 0.5, GPU 1 \(room for 4"):
+        preflight(job(engine="vllm", instances=5, trainer={"world_size": 4}), one_node)
+    two = [node("a"), node("b")]  # 16 CPUs: 0.6 for the control services, 0.5 for the sim rank, 14.9 for instances
+    preflight(job(instances=29), two)
+    with pytest.raises(LauncherError, match=r"room for 29"):
+        preflight(job(instances=30), two)
 
 
 def test_gpus_asked_for_explicitly_are_honoured_by_a_sim_job() -> None:
