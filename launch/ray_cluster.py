@@ -184,6 +184,16 @@ class Component:
     """One component of the job, serving on the node Ray placed it on."""
 
     def __init__(self, name: str, config_json: str, token: str, namespace: str):
+        try:
+            self._start(name, config_json, token, namespace)
+        except Exception:  # Ray never restarts an actor whose constructor raised: exit instead
+            log.exception("%s failed to start; exiting so Ray restarts it", name)
+            logging.shutdown()
+            os._exit(1)
+
+    def _start(self, name: str, config_json: str, token: str, namespace: str) -> None:
+        """Build the component and serve it. A peer restarting meanwhile may make this fail: the
+        process then exits and Ray starts it again, as for a component that dies later."""
         import ray
 
         from staleflow.launch.job import build_app
@@ -752,29 +762,54 @@ class RayClusterJob:
             name, config_json, self.token, self.namespace)
 
     def _await(self, names: list[str], timeout: float, on_started: Callable[[str, str], None] | None) -> None:
-        ray = self.ray
-        refs = {name: self.actors[name].info.remote() for name in names}
-        for name, ref in refs.items():
+        """Each component up (answering its actor), waiting out the restarts of one that died
+        while starting; ``timeout`` bounds each."""
+        deadline = time.monotonic() + timeout
+        for name in names:
             try:
-                info = ray.get(ref, timeout=timeout)
-            except ray.exceptions.GetTimeoutError:
+                info = self._ask(self.actors[name], "info", deadline)
+            except self.ray.exceptions.GetTimeoutError:
                 raise LauncherError(f"component {name} did not come up in {timeout:g} s; see "
                                     f"{self.state / 'logs' / (name + '.log')} or its Ray worker log") from None
-            except ray.exceptions.RayActorError as exc:
+            except self.ray.exceptions.RayActorError as exc:
                 raise LauncherError(f"component {name} failed to start: {exc}") from None
             if on_started:
                 on_started(name, info["url"])
+
+    def _ask(self, actor: Any, method: str, deadline: float) -> Any:
+        """``actor.method()``, called again while Ray restarts the actor (a restartable actor's
+        call fails while it is down), until ``deadline`` (``time.monotonic()``). Raises Ray's
+        GetTimeoutError after the deadline, RayActorError once the actor is dead for good."""
+        ray = self.ray
+        while True:
+            try:
+                return ray.get(getattr(actor, method).remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                if time.monotonic() >= deadline or actor_views(ray, actor).get("State") == "DEAD":
+                    raise
+                log.info("%s is restarting; asking again", actor)
+            time.sleep(0.2)  # retry pacing while Ray restarts the actor
 
     def _release_previous_instances(self) -> None:
         from staleflow.launch.job import instance_ids
         from staleflow.servers.clients import http_client
 
+        timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+        deadline = time.monotonic() + timeout
         with http_client(self.endpoints["ts"]["url"], token=self.token) as ts:
             for instance_id in instance_ids(self.config):
-                reply = ts.post(f"/v1/instances/{instance_id}/release")
-                if reply.status_code >= 300:
+                while True:  # the trajectory server may be restarting (Ray brings it back at the same URL)
+                    try:
+                        reply = ts.post(f"/v1/instances/{instance_id}/release")
+                        problem = f"{reply.status_code} {reply.text[:200]}" if reply.status_code >= 500 else None
+                    except httpx.HTTPError as exc:
+                        reply, problem = None, str(exc) or exc.__class__.__name__
+                    if problem is None or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.2)  # retry pacing while the trajectory server restarts
+                if reply is None or reply.status_code >= 300:
                     raise LauncherError(f"the trajectory server refused to release {instance_id}'s trajectories: "
-                                        f"{reply.status_code} {reply.text[:200]}")
+                                        f"{problem or f'{reply.status_code} {reply.text[:200]}'}")
 
     def _publish(self) -> None:
         from staleflow.launch.job import trainer_label
@@ -806,16 +841,25 @@ class RayClusterJob:
                 num_gpus=gpus_per_rank(self.config), resources=self._marker("trainer"),
                 scheduling_strategy=self._in("trainer", bundle), **self._options()).remote(
                 rank, world, (master["host"], master["port"]), config_json, self.token, self.namespace, self.started))
-        ray.get([r.state.remote() for r in self.ranks], timeout=300)
+        try:
+            ray.get([r.state.remote() for r in self.ranks], timeout=300)
+        except ray.exceptions.RayActorError as exc:  # the watcher restarts the gang, as for a rank lost later
+            log.warning("a trainer rank died while starting (%s)", exc.__class__.__name__)
 
     def _write_placement(self) -> None:
         """``<state>/placement.json``: where each actor runs (node, IP, pid, GPU ids), for people
         and tools; rewritten after a gang restart of the trainer."""
         ray = self.ray
-        names = list(self.actors)
-        infos = ray.get([self.actors[n].info.remote() for n in names] + [r.state.remote() for r in self.ranks], timeout=120)
+        deadline = time.monotonic() + 120
+        asks = [(n, a, "info") for n, a in self.actors.items()] + \
+               [(trainer_rank_name(i), r, "state") for i, r in enumerate(self.ranks)]
         placement = {}
-        for name, info in zip([*names, *(trainer_rank_name(i) for i in range(len(self.ranks)))], infos, strict=True):
+        for name, actor, method in asks:  # one restarting is waited for; one gone for good is left out
+            try:
+                info = self._ask(actor, method, deadline)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                log.warning("placement.json: where %s runs is unknown (%s)", name, exc.__class__.__name__)
+                continue
             placement[name] = {k: info[k] for k in ("node_id", "host", "pid", "gpu_ids")}
         (self.state / "placement.json").write_text(json.dumps(placement, indent=2))
 
@@ -1036,12 +1080,13 @@ def _healthy(client: httpx.Client) -> bool:
         return False
 
 
-def actor_views(ray: Any) -> dict[str, dict]:
-    """Ray's records of every actor, by actor id (one call to the GCS actor table)."""
+def actor_views(ray: Any, actor: Any = None) -> dict:
+    """Ray's records of every actor, by actor id (one call to the GCS actor table); with ``actor``,
+    that actor's record (State, NumRestarts, Pid), empty if Ray cannot say."""
     from ray._private import state
 
     with contextlib.suppress(Exception):
-        return state.actors()
+        return state.actors(actor_id=actor._actor_id.hex()) if actor is not None else state.actors()
     return {}
 
 

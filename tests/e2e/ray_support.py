@@ -1,15 +1,19 @@
 """Helpers of the Ray launcher's end-to-end tests: a loopback-only network namespace, polling
-with a deadline, the processes a local cluster ran."""
+with a deadline, the processes a local cluster ran, a job started as a user starts it."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import subprocess
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +88,33 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, pace: floa
         time.sleep(pace)  # polling pace
 
 
+
+
+@dataclass
+class RunningJob:
+    proc: subprocess.Popen
+    state: Path
+    config: Path
+    events: list[dict] = field(default_factory=list)
+    output: list[str] = field(default_factory=list)
+
+    def read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    self.events.append(json.loads(line))
+
+    def event(self, kind: str, name: str | None = None) -> dict | None:
+        return next((e for e in self.events if e["event"] == kind and (name is None or e.get("name") == name)), None)
+
+
+def start_up(tmp: Path, config: Path, state: Path) -> RunningJob:
+    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", "up", "--launcher", "ray", "--config", str(config),
+                             "--state-dir", str(state), "--json-log"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    job = RunningJob(proc, state, config)
+    threading.Thread(target=job.read, daemon=True).start()
+    return job

@@ -1,8 +1,8 @@
 """`staleflow up --launcher ray` on a local multi-node Ray cluster.
 
 One cluster for the module (``ray.cluster_utils.Cluster``): a head that runs nothing of StaleFlow,
-a control node (selected by its label and custom resource) and a node with four fake GPUs carrying
-the rollout and trainer resources; the node-loss test adds a second such node and removes the
+a control node (marked for the role by its label and custom resource) and a node with four fake
+GPUs carrying the rollout and trainer resources; the node-loss test adds a second such node and removes the
 first. Everything runs inside a loopback-only network namespace this module creates (Ray would
 otherwise probe public DNS to learn its address), every Ray process bound to 127.0.0.1.
 
@@ -22,10 +22,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,10 @@ ray = pytest.importorskip("ray", reason="the Ray launcher's tests need Ray (the 
 
 from ray_support import (  # noqa: E402
     NODE,
+    RunningJob,
     descendants,
     loopback_only_network,
+    start_up,
     still_running,
     wait_for,
 )
@@ -106,41 +107,12 @@ def job_file(tmp: Path, cluster: Any, namespace: str, **overrides: Any) -> Path:
     data = {"engine": "sim", "workload": "ci-tiny", "max_tokens": 48, "instances": 2, "steps": 240, "speed": 20,
             "ledger": {"eta": 1, "batch_size": 4, "group_size": 2},
             "cluster": {"address": cluster.address, "namespace": namespace, "ps_relay": "per_rollout_node",
-                        "rollout": {"resource": "staleflow_rollout"}, "trainer": {"resource": "staleflow_trainer"}},
+                        "rollout": {"resource": "staleflow_rollout"}, "trainer": {"resource": "staleflow_trainer"},
+                        "gpus_per_instance": 1, "gpus_per_rank": 1},  # a sim job asks for none unless told
             **overrides}
     path = tmp / f"{namespace}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-@dataclass
-class RunningJob:
-    proc: subprocess.Popen
-    state: Path
-    config: Path
-    events: list[dict] = field(default_factory=list)
-    output: list[str] = field(default_factory=list)
-
-    def read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if line.startswith("{"):
-                with contextlib.suppress(ValueError):
-                    self.events.append(json.loads(line))
-
-    def event(self, kind: str, name: str | None = None) -> dict | None:
-        return next((e for e in self.events if e["event"] == kind and (name is None or e.get("name") == name)), None)
-
-
-def start_up(tmp: Path, config: Path, state: Path) -> RunningJob:
-    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", "up", "--launcher", "ray", "--config", str(config),
-                             "--state-dir", str(state), "--json-log"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    job = RunningJob(proc, state, config)
-    threading.Thread(target=job.read, daemon=True).start()
-    return job
 
 
 @pytest.fixture(scope="module")
