@@ -6,15 +6,18 @@ coordinator) is one actor running what ``staleflow serve component NAME`` runs: 
 an HTTP server on the node that hosts it. Trainer ranks are one actor each.
 
 * **Placement.** Detached placement groups in a per-job namespace: ``control`` (every control
-  service, one node), ``rollout`` (one bundle per instance, holding its GPUs) and ``trainer`` (one
-  bundle per trainer node, ranks split evenly, bundles sorted by node IP). Nodes are chosen by the
-  custom resources and node labels of the job's ``cluster:`` section; the head node gets nothing.
+  service on CPU, one node), ``trainer`` (one bundle per trainer node, ranks split evenly, bundles
+  sorted by node IP) and ``rollout`` (one bundle per instance, holding its GPUs; none for the sim
+  engine). On a cluster as Ray starts it, roles go wherever there is room; nodes marked for a role
+  (its custom resource or label) or a selector in the job's ``cluster:`` section narrow that.
   A plan the cluster cannot satisfy fails before anything starts, naming what is missing.
 * **Endpoints** are planned on the node that serves them: a probe task in the component's bundle
   returns the node's IP and a free port from ``cluster.port_range``. The map is published in
   ``<state>/endpoints.json`` and in the ``endpoints`` registry actor, so any machine attached to the
   cluster finds the job by its namespace.
-* **Faults.** Service and instance actors restart in place (``max_restarts``), re-binding their
+* **Faults.** A component that dies while the job starts is restarted like one that dies later
+  (one whose start fails exits, so that Ray restarts it) and the start-up waits for it.
+  Service and instance actors restart in place (``max_restarts``), re-binding their
   planned port; one that comes back on another node takes a new port there, updates the registry
   and, for an instance, re-registers with the coordinator (``PUT /v1/instances/{id}``). An instance
   whose engine died exits so Ray restarts it; the launcher still kills instances the coordinator

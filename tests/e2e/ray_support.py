@@ -75,6 +75,58 @@ def still_running(pids: list[int]) -> list[str]:
 # ---------------------------------------------------------------------------- the cluster and the job
 
 
+@dataclass
+class ClusterRun:
+    """A local Ray cluster a test module started, this process its driver."""
+
+    cluster: Any
+    nodes: list[Any]  # the nodes added beside the head, in order
+    before: frozenset[int] = frozenset()  # this process's descendants before the cluster (earlier tests' helpers)
+    stopped: bool = False
+
+    def stop(self) -> list[int]:
+        """Stop the cluster; the processes it ran (this process's descendants just before, less
+        those that were there before the cluster started)."""
+        import ray
+
+        if self.stopped:
+            return []
+        self.stopped = True
+        ran = [pid for pid in descendants(os.getpid()) if pid not in self.before]
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        self.cluster.shutdown()
+        return ran
+
+
+@contextlib.contextmanager
+def local_ray_cluster(namespace: str, head: dict, nodes: list[dict]) -> Iterator[ClusterRun]:
+    """A ``ray.cluster_utils.Cluster`` (``Cluster.add_node`` arguments for the head and each other
+    node) in a loopback-only network namespace, this process attached as a driver in
+    ``namespace``; stopped at the end."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    before = frozenset(descendants(os.getpid()))  # e.g. multiprocessing's resource tracker from an earlier test
+    with loopback_only_network():
+        cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head})
+        run = None
+        try:
+            added = [cluster.add_node(**node) for node in nodes]
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, namespace=namespace, log_to_driver=False)
+            run = ClusterRun(cluster, added, before)
+            yield run
+        finally:
+            if run is None:
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                cluster.shutdown()
+            else:
+                run.stop()
+
+
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, pace: float = 0.05) -> Any:
     """Poll ``condition`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -36,9 +36,9 @@ ray = pytest.importorskip("ray", reason="the Ray launcher's tests need Ray (the 
 
 from ray_support import (  # noqa: E402
     NODE,
+    ClusterRun,
     RunningJob,
-    descendants,
-    loopback_only_network,
+    local_ray_cluster,
     start_up,
     still_running,
     wait_for,
@@ -55,52 +55,26 @@ TIMINGS = Path(os.environ.get("STALEFLOW_RAY_TIMINGS", "/tmp/staleflow-ray-fault
 
 @dataclass
 class LocalCluster:
-    cluster: Any
+    run: ClusterRun
     control: Any
     gpu: Any
-    before: frozenset[int] = frozenset()  # this process's descendants before the cluster (earlier tests' helpers)
-    stopped: bool = False
+
+    @property
+    def cluster(self) -> Any:
+        return self.run.cluster
 
     def stop(self) -> list[int]:
-        """Stop the cluster; the processes it ran (this process's descendants just before, less
-        those that were there before the cluster started)."""
-        if self.stopped:
-            return []
-        self.stopped = True
-        ran = [pid for pid in descendants(os.getpid()) if pid not in self.before]
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        self.cluster.shutdown()
-        return ran
+        return self.run.stop()
 
 
 @pytest.fixture(scope="module")
 def local_cluster() -> Iterator[LocalCluster]:
-    from ray.cluster_utils import Cluster
-
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    before = frozenset(descendants(os.getpid()))  # e.g. multiprocessing's resource tracker from an earlier test
-    with loopback_only_network():
-        cluster = Cluster(initialize_head=True, head_node_args={
-            **NODE, "num_cpus": 0, "include_dashboard": False,
+    head = {**NODE, "num_cpus": 0,
             # a lost node is declared dead after 3 missed checks 0.5 s apart (default: ~16 s)
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
-        local = None
-        try:
-            control = cluster.add_node(**NODE, num_cpus=1, resources={"staleflow_control": 1},
-                                       labels={"staleflow.io/role": "control"})
-            gpu = cluster.add_node(**GPU_NODE)
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-            local = LocalCluster(cluster, control, gpu, before)
-            yield local
-        finally:
-            if local is None:
-                with contextlib.suppress(Exception):
-                    ray.shutdown()
-                cluster.shutdown()
-            else:
-                local.stop()
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}}
+    control = {**NODE, "num_cpus": 1, "resources": {"staleflow_control": 1}, "labels": {"staleflow.io/role": "control"}}
+    with local_ray_cluster(NAMESPACE, head, [control, GPU_NODE]) as run:
+        yield LocalCluster(run, *run.nodes)
 
 
 def job_file(tmp: Path, cluster: Any, namespace: str, **overrides: Any) -> Path:

@@ -20,7 +20,6 @@ import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import yaml
@@ -29,9 +28,9 @@ ray = pytest.importorskip("ray", reason="the Ray launcher's tests need Ray (the 
 
 from ray_support import (  # noqa: E402
     NODE,
+    ClusterRun,
     RunningJob,
-    descendants,
-    loopback_only_network,
+    local_ray_cluster,
     start_up,
     still_running,
     wait_for,
@@ -45,47 +44,10 @@ PLAIN_NODE = {**NODE, "num_cpus": 2}  # what `ray start` gives a 2-core machine:
 KILLED_WHEN_ALIVE = ("endpoints", "manager", "params", "reward", "ts", "coordinator")  # the start order
 
 
-@dataclass
-class PlainCluster:
-    cluster: Any
-    before: frozenset[int]
-    stopped: bool = False
-
-    def stop(self) -> list[int]:
-        """Stop the cluster; the processes it ran."""
-        if self.stopped:
-            return []
-        self.stopped = True
-        ran = [pid for pid in descendants(os.getpid()) if pid not in self.before]
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        self.cluster.shutdown()
-        return ran
-
-
 @pytest.fixture(scope="module")
-def plain_cluster() -> Iterator[PlainCluster]:
-    from ray.cluster_utils import Cluster
-
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    before = frozenset(descendants(os.getpid()))
-    with loopback_only_network():
-        cluster = Cluster(initialize_head=True, head_node_args={**PLAIN_NODE, "include_dashboard": False})
-        local = None
-        try:
-            for _ in range(2):
-                cluster.add_node(**PLAIN_NODE)
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-            local = PlainCluster(cluster, before)
-            yield local
-        finally:
-            if local is None:
-                with contextlib.suppress(Exception):
-                    ray.shutdown()
-                cluster.shutdown()
-            else:
-                local.stop()
+def plain_cluster() -> Iterator[ClusterRun]:
+    with local_ray_cluster(NAMESPACE, PLAIN_NODE, [PLAIN_NODE, PLAIN_NODE]) as run:
+        yield run
 
 
 def alive_pid(name: str) -> int | None:
@@ -126,7 +88,7 @@ def kill_during_start_up(job: RunningJob, kills: Kills) -> None:
 
 
 @pytest.fixture(scope="module")
-def killed_job(plain_cluster: PlainCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningJob, Kills]]:
+def killed_job(plain_cluster: ClusterRun, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningJob, Kills]]:
     tmp = tmp_path_factory.mktemp("plain-job")
     config = tmp / "job.yaml"
     config.write_text(yaml.safe_dump({
@@ -192,7 +154,7 @@ def test_the_job_finishes_every_step_trained_once(killed_job: tuple[RunningJob, 
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
 
 
-def test_teardown_leaves_no_ray_process(plain_cluster: PlainCluster) -> None:
+def test_teardown_leaves_no_ray_process(plain_cluster: ClusterRun) -> None:
     ran = plain_cluster.stop()
     assert ran, "the cluster's processes were this process's children"
     wait_for(lambda: not still_running(ran), 30, "every process of the cluster exits")
