@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 REGISTRY = "endpoints"
 CONTROL_SERVICES = ("manager", "params", "reward", "ts", "coordinator")
 PLACEMENT_GROUPS = ("control", "rollout", "trainer")
+START_ATTEMPTS = 5  # restarts of a component that never comes up before the start-up gives up on it
 HUNG_AFTER_S = 10.0  # a service alive to Ray whose health probe fails this long is killed (Ray restarts it)
 RESOURCE_SHARE = 0.001  # of a role's custom resource per actor: the resource marks nodes, it does not count
 RAY_MISSING = "the Ray launcher needs Ray: pip install 'staleflow[ray]' (Ray 2.60 or newer)"
@@ -775,20 +776,27 @@ class RayClusterJob:
                 raise LauncherError(f"component {name} did not come up in {timeout:g} s; see "
                                     f"{self.state / 'logs' / (name + '.log')} or its Ray worker log") from None
             except self.ray.exceptions.RayActorError as exc:
-                raise LauncherError(f"component {name} failed to start: {exc}") from None
+                raise LauncherError(f"component {name} failed to start: {exc}; see "
+                                    f"{self.state / 'logs' / (name + '.log')} or its Ray worker log") from None
             if on_started:
                 on_started(name, info["url"])
 
     def _ask(self, actor: Any, method: str, deadline: float) -> Any:
         """``actor.method()``, called again while Ray restarts the actor (a restartable actor's
         call fails while it is down), until ``deadline`` (``time.monotonic()``). Raises Ray's
-        GetTimeoutError after the deadline, RayActorError once the actor is dead for good."""
+        GetTimeoutError after the deadline, RayActorError once the actor is dead for good or has
+        failed ``START_ATTEMPTS`` starts in a row here (a start that can never succeed)."""
         ray = self.ray
+        first_restarts = None
         while True:
             try:
                 return ray.get(getattr(actor, method).remote(), timeout=max(0.1, deadline - time.monotonic()))
             except ray.exceptions.RayActorError:
-                if time.monotonic() >= deadline or actor_views(ray, actor).get("State") == "DEAD":
+                view = actor_views(ray, actor)
+                restarts = view.get("NumRestarts", 0)
+                first_restarts = restarts if first_restarts is None else first_restarts
+                if time.monotonic() >= deadline or view.get("State") == "DEAD" or \
+                        restarts - first_restarts >= START_ATTEMPTS:
                     raise
                 log.info("%s is restarting; asking again", actor)
             time.sleep(0.2)  # retry pacing while Ray restarts the actor
