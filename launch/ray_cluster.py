@@ -6,15 +6,18 @@ coordinator) is one actor running what ``staleflow serve component NAME`` runs: 
 an HTTP server on the node that hosts it. Trainer ranks are one actor each.
 
 * **Placement.** Detached placement groups in a per-job namespace: ``control`` (every control
-  service, one node), ``rollout`` (one bundle per instance, holding its GPUs) and ``trainer`` (one
-  bundle per trainer node, ranks split evenly, bundles sorted by node IP). Nodes are chosen by the
-  custom resources and node labels of the job's ``cluster:`` section; the head node gets nothing.
+  service on CPU, one node), ``trainer`` (one bundle per trainer node, ranks split evenly, bundles
+  sorted by node IP) and ``rollout`` (one bundle per instance, holding its GPUs; none for the sim
+  engine). On a cluster as Ray starts it, roles go wherever there is room; nodes marked for a role
+  (its custom resource or label) or a selector in the job's ``cluster:`` section narrow that.
   A plan the cluster cannot satisfy fails before anything starts, naming what is missing.
 * **Endpoints** are planned on the node that serves them: a probe task in the component's bundle
   returns the node's IP and a free port from ``cluster.port_range``. The map is published in
   ``<state>/endpoints.json`` and in the ``endpoints`` registry actor, so any machine attached to the
   cluster finds the job by its namespace.
-* **Faults.** Service and instance actors restart in place (``max_restarts``), re-binding their
+* **Faults.** A component that dies while the job starts is restarted like one that dies later
+  (one whose start fails exits, so that Ray restarts it) and the start-up waits for it.
+  Service and instance actors restart in place (``max_restarts``), re-binding their
   planned port; one that comes back on another node takes a new port there, updates the registry
   and, for an instance, re-registers with the coordinator (``PUT /v1/instances/{id}``). An instance
   whose engine died exits so Ray restarts it; the launcher still kills instances the coordinator
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 REGISTRY = "endpoints"
 CONTROL_SERVICES = ("manager", "params", "reward", "ts", "coordinator")
 PLACEMENT_GROUPS = ("control", "rollout", "trainer")
+START_ATTEMPTS = 5  # restarts of a component that never comes up before the start-up gives up on it
 HUNG_AFTER_S = 10.0  # a service alive to Ray whose health probe fails this long is killed (Ray restarts it)
 RESOURCE_SHARE = 0.001  # of a role's custom resource per actor: the resource marks nodes, it does not count
 RAY_MISSING = "the Ray launcher needs Ray: pip install 'staleflow[ray]' (Ray 2.60 or newer)"
@@ -184,6 +188,16 @@ class Component:
     """One component of the job, serving on the node Ray placed it on."""
 
     def __init__(self, name: str, config_json: str, token: str, namespace: str):
+        try:
+            self._start(name, config_json, token, namespace)
+        except Exception:  # Ray never restarts an actor whose constructor raised: exit instead
+            log.exception("%s failed to start; exiting so Ray restarts it", name)
+            logging.shutdown()
+            os._exit(1)
+
+    def _start(self, name: str, config_json: str, token: str, namespace: str) -> None:
+        """Build the component and serve it. A peer restarting meanwhile may make this fail: the
+        process then exits and Ray starts it again, as for a component that dies later."""
         import ray
 
         from staleflow.launch.job import build_app
@@ -333,6 +347,44 @@ class TrainerRank:
 # ---------------------------------------------------------------------------- planning on the driver
 
 
+ROLES = ("control", "rollout", "trainer")
+
+
+def role_marker(role: str) -> NodeSelector:
+    """What marks a node for a role when the job names no nodes for it: the custom resource
+    ``staleflow_<role>``, the label ``staleflow.io/role=<role>``."""
+    return NodeSelector(resource=f"staleflow_{role}", labels={"staleflow.io/role": role})
+
+
+def select_nodes(config: JobConfig, role: str, nodes: list[dict]) -> NodeSelector:
+    """The nodes a role may use. A selector in the job's ``cluster:`` section is kept as it is (no
+    node matching it fails the start). Without one: the nodes marked for the role (its resource,
+    else its label) where any alive node carries the mark, else any node with room, as every
+    Ray cluster starts."""
+    chosen = getattr(config.cluster, role)
+    if chosen is not None:
+        return chosen
+    mark = role_marker(role)
+    alive = [n for n in nodes if n.get("Alive")]
+    if any(n["Resources"].get(mark.resource, 0) > 0 for n in alive):
+        return NodeSelector(resource=mark.resource)
+    if any(_matches(n, NodeSelector(labels=mark.labels)) for n in alive):
+        return NodeSelector(labels=mark.labels)
+    return NodeSelector()
+
+
+def gpus_per_instance(config: JobConfig) -> float:
+    """A simulated instance needs no GPU; a real one its tensor parallelism (1 unless set)."""
+    chosen = config.cluster.gpus_per_instance
+    return chosen if chosen is not None else (0.0 if config.engine == "sim" else 1.0)
+
+
+def gpus_per_rank(config: JobConfig) -> float:
+    """The sim trainer needs no GPU; an FSDP rank one unless set (0: CPU ranks with gloo)."""
+    chosen = config.cluster.gpus_per_rank
+    return chosen if chosen is not None else (0.0 if config.engine == "sim" else 1.0)
+
+
 def _selector_text(role: str, selector: NodeSelector) -> str:
     parts = []
     if selector.resource:
@@ -355,27 +407,32 @@ def _bundle(selector: NodeSelector, cpus: float, gpus: float = 0.0) -> dict[str,
 
 @dataclass
 class PlacementPlan:
-    """What each placement group asks for, and the nodes that may host it."""
+    """What each placement group asks for, and the nodes that may host it: control services on
+    CPU, one bundle per instance holding its GPUs, one bundle per trainer node holding its
+    ranks' GPUs (the GPU count of each split as the job asks)."""
 
     control: list[dict[str, float]]
     rollout: list[dict[str, float]]
     trainer: list[dict[str, float]]  # one bundle per trainer node
     ranks_per_node: int
+    selectors: dict[str, NodeSelector]
 
     @staticmethod
-    def of(config: JobConfig) -> PlacementPlan:
+    def of(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
         c = config.cluster
         world = trainer_world(config)
         if world % c.trainer_nodes:
             raise LauncherError(f"{world} trainer ranks do not split evenly over cluster.trainer_nodes "
                                 f"{c.trainer_nodes}; make trainer.world_size a multiple of it")
         per_node = world // c.trainer_nodes
+        selectors = {role: select_nodes(config, role, nodes) for role in ROLES}
         return PlacementPlan(
-            control=[_bundle(c.control, c.cpus_per_service) for _ in (*CONTROL_SERVICES, REGISTRY)],
-            rollout=[_bundle(c.rollout, c.cpus_per_instance, c.gpus_per_instance) for _ in range(config.instances)],
-            trainer=[_bundle(c.trainer, c.cpus_per_rank * per_node, c.gpus_per_rank * per_node)
+            control=[_bundle(selectors["control"], c.cpus_per_service) for _ in (*CONTROL_SERVICES, REGISTRY)],
+            rollout=[_bundle(selectors["rollout"], c.cpus_per_instance, gpus_per_instance(config))
+                     for _ in range(config.instances)],
+            trainer=[_bundle(selectors["trainer"], c.cpus_per_rank * per_node, gpus_per_rank(config) * per_node)
                      for _ in range(c.trainer_nodes)],
-            ranks_per_node=per_node)
+            ranks_per_node=per_node, selectors=selectors)
 
 
 def _matches(node: dict, selector: NodeSelector) -> bool:
@@ -393,44 +450,58 @@ def _need_text(bundle: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in bundle.items() if v != RESOURCE_SHARE)
 
 
-def preflight(config: JobConfig, nodes: list[dict]) -> None:
+PLACEMENT_ORDER = ("control", "trainer", "rollout")
+"""The order the placement groups are placed in (and checked): the trainer's bundles, one per
+node, are the hardest to fit, so they go before the instances fill the GPUs one by one."""
+
+
+def _take(capacity: dict[str, float], bundle: dict[str, float]) -> None:
+    for k, v in bundle.items():
+        capacity[k] = capacity.get(k, 0.0) - v
+
+
+def preflight(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
     """Fail now, naming what is missing, when the cluster cannot host the plan (a placement group
-    it cannot satisfy would otherwise wait in PENDING without a word)."""
-    plan = PlacementPlan.of(config)
+    it cannot satisfy would otherwise wait in PENDING without a word). Roles may share nodes:
+    each takes its room from what the roles placed before it left."""
+    plan = PlacementPlan.of(config, nodes)
     alive = [n for n in nodes if n.get("Alive")]
-    c = config.cluster
+    capacity = {n["NodeID"]: dict(n["Resources"]) for n in alive}
     problems = []
-    for role, selector, bundles, spread in (("control", c.control, plan.control, False),
-                                            ("rollout", c.rollout, plan.rollout, False),
-                                            ("trainer", c.trainer, plan.trainer, True)):
-        candidates = [n for n in alive if _matches(n, selector)]
+    for role in PLACEMENT_ORDER:
+        bundles, selector = getattr(plan, role), plan.selectors[role]
+        candidates = [n["NodeID"] for n in alive if _matches(n, selector)]
         what = _selector_text(role, selector)
         if not candidates:
             problems.append(f"no alive node of the Ray cluster is one of the {what}")
             continue
         if role == "control":  # all on one node
             total = {k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}
-            if not any(_fits(total, n["Resources"]) for n in candidates):
+            host = next((node for node in candidates if _fits(total, capacity[node])), None)
+            if host is None:
                 problems.append(f"no single one of the {what} has room for the control services "
                                 f"({_need_text(total)})")
-        elif spread:
-            hosts = [n for n in candidates if _fits(bundles[0], n["Resources"])]
+            else:
+                _take(capacity[host], total)
+        elif role == "trainer":  # one bundle per node, on distinct nodes
+            hosts = [node for node in candidates if _fits(bundles[0], capacity[node])]
             if len(hosts) < len(bundles):
                 problems.append(f"the trainer needs {len(bundles)} of the {what} with {_need_text(bundles[0])} each; "
                                 f"the cluster has {len(hosts)}")
+            for node in hosts[:len(bundles)]:
+                _take(capacity[node], bundles[0])
         else:
-            capacity = {n["NodeID"]: dict(n["Resources"]) for n in candidates}
             for i, bundle in enumerate(bundles):
-                host = next((cap for cap in capacity.values() if _fits(bundle, cap)), None)
+                host = next((node for node in candidates if _fits(bundle, capacity[node])), None)
                 if host is None:
-                    gpus = sum(n["Resources"].get("GPU", 0) for n in candidates)
+                    gpus = sum(n["Resources"].get("GPU", 0) for n in alive if n["NodeID"] in candidates)
                     problems.append(f"the {what} cannot hold {len(bundles)} instances of {_need_text(bundle)} "
                                     f"(room for {i}; GPUs on them: {gpus:g})")
                     break
-                for k, v in bundle.items():
-                    host[k] = host.get(k, 0.0) - v
+                _take(capacity[host], bundle)
     if problems:
         raise LauncherError("the Ray cluster cannot host this job: " + "; ".join(problems))
+    return plan
 
 
 # ---------------------------------------------------------------------------- the job
@@ -503,7 +574,7 @@ class RayClusterJob:
                                     "another cluster.namespace")
             self._attach(on_started)
             return
-        preflight(self.config, ray.nodes())
+        self.plan = preflight(self.config, ray.nodes())
         self._owner = True  # from here on, what is in the namespace is this job's
         self.token = write_token_file(self.state / "token")
         self._place()
@@ -513,7 +584,7 @@ class RayClusterJob:
         registry_path = str((self.state / "endpoints.registry.json").resolve())
         Registry_ = ray.remote(Registry)
         self.registry = Registry_.options(name=REGISTRY, max_restarts=-1, max_task_retries=-1,
-                                          num_cpus=self._control_cpus(), resources=self._marker(self.config.cluster.control),
+                                          num_cpus=self._control_cpus(), resources=self._marker("control"),
                                           scheduling_strategy=self._in("control", len(CONTROL_SERVICES)),
                                           **self._options()).remote(self.endpoints, registry_path)
         ray.get(self.registry.get.remote())
@@ -549,6 +620,7 @@ class RayClusterJob:
             raise LauncherError(f"a job runs in Ray namespace {self.namespace!r} but {self.state / 'token'} is missing: "
                                 "resume it from the state directory it was started with")
         self.token, self._owner = token, True
+        self.plan = PlacementPlan.of(self.config, ray.nodes())
         self.pgs = {group: get_placement_group(f"{self.namespace}-{group}") for group in PLACEMENT_GROUPS}
         self._order_bundles()
         self.registry = ray.get_actor(REGISTRY, namespace=self.namespace)
@@ -583,11 +655,14 @@ class RayClusterJob:
         self._watcher = threading.Thread(target=self._watch, name="ray-launcher", daemon=True)
         self._watcher.start()
 
-    def _marker(self, selector: NodeSelector) -> dict[str, float]:
+    def _marker(self, role: str) -> dict[str, float]:
+        """The share of the role's custom resource each of its actors asks for (none where the
+        role's nodes are not selected by a resource)."""
+        selector = self.plan.selectors[role]
         return {selector.resource: RESOURCE_SHARE} if selector.resource else {}
 
     def _control_cpus(self) -> float:
-        return self.config.cluster.cpus_per_service or (0.001 if not self.config.cluster.control.resource else 0)
+        return self.config.cluster.cpus_per_service or (0.001 if not self.plan.selectors["control"].resource else 0)
 
     def _in(self, group: str, index: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -599,19 +674,20 @@ class RayClusterJob:
         ray, c = self.ray, self.config.cluster
         from ray.util.placement_group import placement_group
 
-        plan = PlacementPlan.of(self.config)
-        asks = {"control": (plan.control, "STRICT_PACK", c.control), "rollout": (plan.rollout, "PACK", c.rollout),
-                "trainer": (plan.trainer, "STRICT_SPREAD" if len(plan.trainer) > 1 else "PACK", c.trainer)}
-        for group, (bundles, strategy, selector) in asks.items():
-            options = {"bundle_label_selector": [dict(selector.labels) for _ in bundles]} if selector.labels else {}
+        plan = self.plan
+        asks = {"control": (plan.control, "STRICT_PACK"), "rollout": (plan.rollout, "PACK"),
+                "trainer": (plan.trainer, "STRICT_SPREAD" if len(plan.trainer) > 1 else "PACK")}
+        deadline = time.monotonic() + c.placement_timeout_s
+        for group in PLACEMENT_ORDER:  # each placed before the next asks: they may share nodes
+            (bundles, strategy), selector = asks[group], plan.selectors[group]
+            options: dict[str, Any] = {"bundle_label_selector": [dict(selector.labels) for _ in bundles]} \
+                if selector.labels else {}
+            if group == "control" and selector == NodeSelector():  # the driver's node has --state-dir: there if it has room
+                options["_soft_target_node_id"] = ray.get_runtime_context().get_node_id()
             self.pgs[group] = placement_group(bundles, strategy=strategy, name=f"{self.namespace}-{group}",
                                               lifetime="detached", **options)
-        deadline = time.monotonic() + c.placement_timeout_s
-        for group, pg in self.pgs.items():
-            left = max(0.1, deadline - time.monotonic())
-            ready, _ = ray.wait([pg.ready()], timeout=left)
+            ready, _ = ray.wait([self.pgs[group].ready()], timeout=max(0.1, deadline - time.monotonic()))
             if not ready:
-                bundles, strategy, selector = asks[group]
                 self._remove_groups()
                 raise LauncherError(
                     f"placement group {group} ({len(bundles)} × {_need_text(bundles[0])}, {strategy}) was not placed in "
@@ -648,9 +724,9 @@ class RayClusterJob:
         if is_relay(name):
             return {"num_cpus": 0, "resources": {}}
         if name.startswith("inst-"):
-            return {"num_cpus": c.cpus_per_instance, "num_gpus": c.gpus_per_instance,
-                    "resources": self._marker(c.rollout)}
-        return {"num_cpus": self._control_cpus(), "resources": self._marker(c.control)}
+            return {"num_cpus": c.cpus_per_instance, "num_gpus": gpus_per_instance(self.config),
+                    "resources": self._marker("rollout")}
+        return {"num_cpus": self._control_cpus(), "resources": self._marker("control")}
 
     def _plan_endpoints(self) -> dict[str, dict]:
         """Each component's address, found on the node that will serve it."""
@@ -690,29 +766,61 @@ class RayClusterJob:
             name, config_json, self.token, self.namespace)
 
     def _await(self, names: list[str], timeout: float, on_started: Callable[[str, str], None] | None) -> None:
-        ray = self.ray
-        refs = {name: self.actors[name].info.remote() for name in names}
-        for name, ref in refs.items():
+        """Each component up (answering its actor), waiting out the restarts of one that died
+        while starting; ``timeout`` bounds each."""
+        deadline = time.monotonic() + timeout
+        for name in names:
             try:
-                info = ray.get(ref, timeout=timeout)
-            except ray.exceptions.GetTimeoutError:
+                info = self._ask(self.actors[name], "info", deadline)
+            except self.ray.exceptions.GetTimeoutError:
                 raise LauncherError(f"component {name} did not come up in {timeout:g} s; see "
                                     f"{self.state / 'logs' / (name + '.log')} or its Ray worker log") from None
-            except ray.exceptions.RayActorError as exc:
-                raise LauncherError(f"component {name} failed to start: {exc}") from None
+            except self.ray.exceptions.RayActorError as exc:
+                raise LauncherError(f"component {name} failed to start: {exc}; see "
+                                    f"{self.state / 'logs' / (name + '.log')} or its Ray worker log") from None
             if on_started:
                 on_started(name, info["url"])
+
+    def _ask(self, actor: Any, method: str, deadline: float) -> Any:
+        """``actor.method()``, called again while Ray restarts the actor (a restartable actor's
+        call fails while it is down), until ``deadline`` (``time.monotonic()``). Raises Ray's
+        GetTimeoutError after the deadline, RayActorError once the actor is dead for good or has
+        failed ``START_ATTEMPTS`` starts in a row here (a start that can never succeed)."""
+        ray = self.ray
+        first_restarts = None
+        while True:
+            try:
+                return ray.get(getattr(actor, method).remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                view = actor_views(ray, actor)
+                restarts = view.get("NumRestarts", 0)
+                first_restarts = restarts if first_restarts is None else first_restarts
+                if time.monotonic() >= deadline or view.get("State") == "DEAD" or \
+                        restarts - first_restarts >= START_ATTEMPTS:
+                    raise
+                log.info("%s is restarting; asking again", actor)
+            time.sleep(0.2)  # retry pacing while Ray restarts the actor
 
     def _release_previous_instances(self) -> None:
         from staleflow.launch.job import instance_ids
         from staleflow.servers.clients import http_client
 
+        timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+        deadline = time.monotonic() + timeout
         with http_client(self.endpoints["ts"]["url"], token=self.token) as ts:
             for instance_id in instance_ids(self.config):
-                reply = ts.post(f"/v1/instances/{instance_id}/release")
-                if reply.status_code >= 300:
+                while True:  # the trajectory server may be restarting (Ray brings it back at the same URL)
+                    try:
+                        reply = ts.post(f"/v1/instances/{instance_id}/release")
+                        problem = f"{reply.status_code} {reply.text[:200]}" if reply.status_code >= 500 else None
+                    except httpx.HTTPError as exc:
+                        reply, problem = None, str(exc) or exc.__class__.__name__
+                    if problem is None or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.2)  # retry pacing while the trajectory server restarts
+                if reply is None or reply.status_code >= 300:
                     raise LauncherError(f"the trajectory server refused to release {instance_id}'s trajectories: "
-                                        f"{reply.status_code} {reply.text[:200]}")
+                                        f"{problem or f'{reply.status_code} {reply.text[:200]}'}")
 
     def _publish(self) -> None:
         from staleflow.launch.job import trainer_label
@@ -731,7 +839,7 @@ class RayClusterJob:
         per_node = world // c.trainer_nodes
         first = self.trainer_bundles[0]
         probe_task = ray.remote(probe)
-        master = ray.get(probe_task.options(num_cpus=0, resources=self._marker(c.trainer),
+        master = ray.get(probe_task.options(num_cpus=0, resources=self._marker("trainer"),
                                             scheduling_strategy=self._in("trainer", first)).remote(
             *c.port_range, [v["port"] for v in self.endpoints.values()]), timeout=120)
         Rank = ray.remote(TrainerRank)
@@ -741,19 +849,28 @@ class RayClusterJob:
             bundle = self.trainer_bundles[rank // per_node]
             self.ranks.append(Rank.options(
                 name=trainer_rank_name(rank), max_restarts=0, max_concurrency=4, num_cpus=c.cpus_per_rank,
-                num_gpus=c.gpus_per_rank, resources=self._marker(c.trainer),
+                num_gpus=gpus_per_rank(self.config), resources=self._marker("trainer"),
                 scheduling_strategy=self._in("trainer", bundle), **self._options()).remote(
                 rank, world, (master["host"], master["port"]), config_json, self.token, self.namespace, self.started))
-        ray.get([r.state.remote() for r in self.ranks], timeout=300)
+        try:
+            ray.get([r.state.remote() for r in self.ranks], timeout=300)
+        except ray.exceptions.RayActorError as exc:  # the watcher restarts the gang, as for a rank lost later
+            log.warning("a trainer rank died while starting (%s)", exc.__class__.__name__)
 
     def _write_placement(self) -> None:
         """``<state>/placement.json``: where each actor runs (node, IP, pid, GPU ids), for people
         and tools; rewritten after a gang restart of the trainer."""
         ray = self.ray
-        names = list(self.actors)
-        infos = ray.get([self.actors[n].info.remote() for n in names] + [r.state.remote() for r in self.ranks], timeout=120)
+        deadline = time.monotonic() + 120
+        asks = [(n, a, "info") for n, a in self.actors.items()] + \
+               [(trainer_rank_name(i), r, "state") for i, r in enumerate(self.ranks)]
         placement = {}
-        for name, info in zip([*names, *(trainer_rank_name(i) for i in range(len(self.ranks)))], infos, strict=True):
+        for name, actor, method in asks:  # one restarting is waited for; one gone for good is left out
+            try:
+                info = self._ask(actor, method, deadline)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                log.warning("placement.json: where %s runs is unknown (%s)", name, exc.__class__.__name__)
+                continue
             placement[name] = {k: info[k] for k in ("node_id", "host", "pid", "gpu_ids")}
         (self.state / "placement.json").write_text(json.dumps(placement, indent=2))
 
@@ -974,12 +1091,13 @@ def _healthy(client: httpx.Client) -> bool:
         return False
 
 
-def actor_views(ray: Any) -> dict[str, dict]:
-    """Ray's records of every actor, by actor id (one call to the GCS actor table)."""
+def actor_views(ray: Any, actor: Any = None) -> dict:
+    """Ray's records of every actor, by actor id (one call to the GCS actor table); with ``actor``,
+    that actor's record (State, NumRestarts, Pid), empty if Ray cannot say."""
     from ray._private import state
 
     with contextlib.suppress(Exception):
-        return state.actors()
+        return state.actors(actor_id=actor._actor_id.hex()) if actor is not None else state.actors()
     return {}
 
 

@@ -17,10 +17,6 @@ class NodeSelector(StrictModel):
     labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels the role's nodes carry")
 
 
-def _role(name: str) -> NodeSelector:
-    return NodeSelector(resource=f"staleflow_{name}", labels={"staleflow.io/role": name})
-
-
 class ClusterConfig(StrictModel):
     """`staleflow up --launcher ray`: where on a Ray cluster each role runs. Read by the Ray
     launcher only; the single-machine runs ignore it."""
@@ -28,15 +24,21 @@ class ClusterConfig(StrictModel):
     address: str | None = Field(None, description="Ray cluster address (default: $RAY_ADDRESS, else 'auto')")
     namespace: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,100}$",
                                   description="Ray namespace of the job's actors (default: staleflow-<state dir name>)")
-    control: NodeSelector = Field(default_factory=lambda: _role("control"),
-                                  description="manager, parameter server, reward, trajectory server, coordinator")
-    rollout: NodeSelector = Field(default_factory=lambda: _role("rollout"), description="rollout instances")
-    trainer: NodeSelector = Field(default_factory=lambda: _role("trainer"), description="trainer ranks")
+    control: NodeSelector | None = Field(
+        None, description="nodes of the manager, parameter server, reward, trajectory server and coordinator "
+                          "(default: the nodes marked for the role, else any node with room, the driver's first)")
+    rollout: NodeSelector | None = Field(
+        None, description="nodes of the rollout instances (default: the nodes marked for the role, else any node "
+                          "with room)")
+    trainer: NodeSelector | None = Field(
+        None, description="nodes of the trainer ranks (default: the nodes marked for the role, else any node with room)")
     cpus_per_service: float = Field(0.1, ge=0, description="CPUs reserved per control service actor")
     cpus_per_instance: float = Field(0.5, ge=0, description="CPUs reserved per rollout instance")
-    gpus_per_instance: float = Field(1, ge=0, description="GPUs per rollout instance (its tensor parallelism)")
+    gpus_per_instance: float | None = Field(
+        None, ge=0, description="GPUs per rollout instance, its tensor parallelism (default: 1; 0 for the sim engine)")
     cpus_per_rank: float = Field(0.5, ge=0, description="CPUs reserved per trainer rank")
-    gpus_per_rank: float = Field(1, ge=0, description="GPUs per trainer rank (0: CPU ranks with gloo)")
+    gpus_per_rank: float | None = Field(
+        None, ge=0, description="GPUs per trainer rank, 0: CPU ranks with gloo (default: 1; 0 for the sim engine)")
     trainer_nodes: int = Field(1, ge=1, description="nodes the trainer ranks spread over (ranks split evenly)")
     port_range: tuple[int, int] = Field(
         (20000, 29999), description="ports for StaleFlow's services, outside Ray's worker ports (10002-19999) "

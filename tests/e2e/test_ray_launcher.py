@@ -1,8 +1,8 @@
 """`staleflow up --launcher ray` on a local multi-node Ray cluster.
 
 One cluster for the module (``ray.cluster_utils.Cluster``): a head that runs nothing of StaleFlow,
-a control node (selected by its label and custom resource) and a node with four fake GPUs carrying
-the rollout and trainer resources; the node-loss test adds a second such node and removes the
+a control node (marked for the role by its label and custom resource) and a node with four fake
+GPUs carrying the rollout and trainer resources; the node-loss test adds a second such node and removes the
 first. Everything runs inside a loopback-only network namespace this module creates (Ray would
 otherwise probe public DNS to learn its address), every Ray process bound to 127.0.0.1.
 
@@ -22,10 +22,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,10 @@ ray = pytest.importorskip("ray", reason="the Ray launcher's tests need Ray (the 
 
 from ray_support import (  # noqa: E402
     NODE,
-    descendants,
-    loopback_only_network,
+    ClusterRun,
+    RunningJob,
+    local_ray_cluster,
+    start_up,
     still_running,
     wait_for,
 )
@@ -54,93 +55,38 @@ TIMINGS = Path(os.environ.get("STALEFLOW_RAY_TIMINGS", "/tmp/staleflow-ray-fault
 
 @dataclass
 class LocalCluster:
-    cluster: Any
+    run: ClusterRun
     control: Any
     gpu: Any
-    before: frozenset[int] = frozenset()  # this process's descendants before the cluster (earlier tests' helpers)
-    stopped: bool = False
+
+    @property
+    def cluster(self) -> Any:
+        return self.run.cluster
 
     def stop(self) -> list[int]:
-        """Stop the cluster; the processes it ran (this process's descendants just before, less
-        those that were there before the cluster started)."""
-        if self.stopped:
-            return []
-        self.stopped = True
-        ran = [pid for pid in descendants(os.getpid()) if pid not in self.before]
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        self.cluster.shutdown()
-        return ran
+        return self.run.stop()
 
 
 @pytest.fixture(scope="module")
 def local_cluster() -> Iterator[LocalCluster]:
-    from ray.cluster_utils import Cluster
-
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    before = frozenset(descendants(os.getpid()))  # e.g. multiprocessing's resource tracker from an earlier test
-    with loopback_only_network():
-        cluster = Cluster(initialize_head=True, head_node_args={
-            **NODE, "num_cpus": 0, "include_dashboard": False,
+    head = {**NODE, "num_cpus": 0,
             # a lost node is declared dead after 3 missed checks 0.5 s apart (default: ~16 s)
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
-        local = None
-        try:
-            control = cluster.add_node(**NODE, num_cpus=1, resources={"staleflow_control": 1},
-                                       labels={"staleflow.io/role": "control"})
-            gpu = cluster.add_node(**GPU_NODE)
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-            local = LocalCluster(cluster, control, gpu, before)
-            yield local
-        finally:
-            if local is None:
-                with contextlib.suppress(Exception):
-                    ray.shutdown()
-                cluster.shutdown()
-            else:
-                local.stop()
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}}
+    control = {**NODE, "num_cpus": 1, "resources": {"staleflow_control": 1}, "labels": {"staleflow.io/role": "control"}}
+    with local_ray_cluster(NAMESPACE, head, [control, GPU_NODE]) as run:
+        yield LocalCluster(run, *run.nodes)
 
 
 def job_file(tmp: Path, cluster: Any, namespace: str, **overrides: Any) -> Path:
     data = {"engine": "sim", "workload": "ci-tiny", "max_tokens": 48, "instances": 2, "steps": 240, "speed": 20,
             "ledger": {"eta": 1, "batch_size": 4, "group_size": 2},
             "cluster": {"address": cluster.address, "namespace": namespace, "ps_relay": "per_rollout_node",
-                        "rollout": {"resource": "staleflow_rollout"}, "trainer": {"resource": "staleflow_trainer"}},
+                        "rollout": {"resource": "staleflow_rollout"}, "trainer": {"resource": "staleflow_trainer"},
+                        "gpus_per_instance": 1, "gpus_per_rank": 1},  # a sim job asks for none unless told
             **overrides}
     path = tmp / f"{namespace}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-@dataclass
-class RunningJob:
-    proc: subprocess.Popen
-    state: Path
-    config: Path
-    events: list[dict] = field(default_factory=list)
-    output: list[str] = field(default_factory=list)
-
-    def read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if line.startswith("{"):
-                with contextlib.suppress(ValueError):
-                    self.events.append(json.loads(line))
-
-    def event(self, kind: str, name: str | None = None) -> dict | None:
-        return next((e for e in self.events if e["event"] == kind and (name is None or e.get("name") == name)), None)
-
-
-def start_up(tmp: Path, config: Path, state: Path) -> RunningJob:
-    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", "up", "--launcher", "ray", "--config", str(config),
-                             "--state-dir", str(state), "--json-log"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    job = RunningJob(proc, state, config)
-    threading.Thread(target=job.read, daemon=True).start()
-    return job
 
 
 @pytest.fixture(scope="module")

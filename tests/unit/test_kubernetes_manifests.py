@@ -104,10 +104,12 @@ def test_worker_groups_carry_the_labels_and_resources_the_launcher_selects() -> 
         assert float(group["resources"][f"staleflow_{role}"]) > 0 and len(group["resources"]) == 1
         assert group["replicas"] == group["minReplicas"] == group["maxReplicas"], "a fixed-size group"
         assert group["template"]["metadata"]["labels"]["staleflow.io/role"] == role
-        if "cluster" in job_fields:  # the Ray launcher's defaults select exactly these
-            selector = getattr(JobConfig(engine="sim").cluster, role)
-            assert selector.labels.items() <= group["labels"].items()
-            assert selector.resource is None or selector.resource in group["resources"]
+        if "cluster" in job_fields:  # the Ray launcher's defaults select the nodes marked for each role: these
+            from staleflow.launch.ray_cluster import role_marker
+
+            assert getattr(JobConfig(engine="sim").cluster, role) is None, "the job file names no nodes: the defaults"
+            mark = role_marker(role)
+            assert mark.labels.items() <= group["labels"].items() and mark.resource in group["resources"]
 
 
 def test_the_job_file_fits_the_groups() -> None:
