@@ -205,13 +205,44 @@ def inspect_model(path: Path) -> tuple[Any, str, int, bool]:
     return config, type(model).__name__, parameters, has_weights
 
 
-def prepare_model(path: Path, scratch: Path) -> ModelSource:
+HOST_STATE_BYTES_PER_PARAMETER = 16
+"""fp32 parameter, gradient and AdamW's two moments: what the host holds per parameter when the
+state lives there (CPU training, or optimizer offload on a GPU)."""
+
+
+def check_host_memory(parameters: int, cfg: TrainerConfig, on_cuda: bool, available: int | None = None) -> None:
+    """On CPU, or with optimizer offload, the whole state is in this machine's memory (all ranks
+    together): refuse a run that cannot fit instead of being killed by the kernel halfway."""
+    if on_cuda and not getattr(cfg, "optimizer_offload", False):
+        return
+    if available is None:
+        available = _meminfo_bytes("MemAvailable")
+    needed = HOST_STATE_BYTES_PER_PARAMETER * parameters
+    if needed > available:
+        where = "with optimizer offload" if on_cuda else "on CPU"
+        raise BenchInputError(
+            f"{where} the trainer keeps its whole state in host memory: {needed / 2**30:.1f} GiB "
+            f"({HOST_STATE_BYTES_PER_PARAMETER} bytes x {parameters:,} parameters), more than the "
+            f"{available / 2**30:.1f} GiB this machine has available",
+            "use a machine with more memory, a smaller model, or GPUs without optimizer offload")
+
+
+def _meminfo_bytes(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/meminfo has no {key}")
+
+
+def prepare_model(path: Path, scratch: Path, cfg: TrainerConfig) -> ModelSource:
     """The model to train: ``path`` if it has weights, else random bf16 weights from its config,
     initialised as transformers initialises the architecture and saved into ``scratch``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config, architecture, parameters, has_weights = inspect_model(path)
+    check_host_memory(parameters, cfg, torch.cuda.is_available())
     quiet_transformers()
     if has_weights:
         return ModelSource(path, architecture, parameters, int(config.vocab_size), random_init=False)
@@ -439,7 +470,7 @@ def run(spec: BenchSpec, progress: ProgressCallback = _no_progress) -> dict[str,
         scratch = Path(tmp)
         progress("model", 0, 1)
         started = time.perf_counter()
-        source = prepare_model(spec.model, scratch / "model")
+        source = prepare_model(spec.model, scratch / "model", cfg)
         model_seconds = time.perf_counter() - started
         progress("model", 1, 1)
         results = _train_on_ranks(spec, cfg, source, scratch, progress)

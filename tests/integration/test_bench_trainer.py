@@ -29,6 +29,7 @@ from staleflow.training.bench import (  # noqa: E402
     BenchInputError,
     MeteredBackend,
     StepMeter,
+    check_host_memory,
     check_ranks_fit,
     response_lengths,
     trained_tokens,
@@ -137,6 +138,18 @@ def test_a_token_budget_below_the_prompt_is_refused(tiny_config: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "trainer", "--model", str(tiny_config), "--prompt-tokens", "32",
                                       "--set", "max_tokens_per_micro_batch=16"])
     assert result.exit_code == 2 and "smaller than the prompt" in result.output and "fix:" in result.output
+
+
+def test_a_state_larger_than_host_memory_is_refused_before_it_is_built() -> None:
+    cfg = TrainerConfig()
+    check_host_memory(10**6, cfg, on_cuda=False, available=16 * 10**6)
+    with pytest.raises(BenchInputError) as refused:
+        check_host_memory(10**6 + 1, cfg, on_cuda=False, available=16 * 10**6)
+    assert "on CPU" in refused.value.message and "1,000,001 parameters" in refused.value.message
+    check_host_memory(10**9, cfg, on_cuda=True, available=0)  # on the GPU: the host holds none of it
+    if "optimizer_offload" in TrainerConfig.model_fields:
+        with pytest.raises(BenchInputError, match="with optimizer offload"):
+            check_host_memory(10**9, TrainerConfig(optimizer_offload=True), on_cuda=True, available=10**9)
 
 
 def test_more_ranks_than_gpus_names_both_numbers() -> None:
