@@ -205,9 +205,10 @@ def inspect_model(path: Path) -> tuple[Any, str, int, bool]:
     return config, type(model).__name__, parameters, has_weights
 
 
-HOST_STATE_BYTES_PER_PARAMETER = 16
-"""fp32 parameter, gradient and AdamW's two moments: what the host holds per parameter when the
-state lives there (CPU training, or optimizer offload on a GPU)."""
+HOST_BYTES_PER_PARAMETER = 20
+"""What the host holds per parameter when the state lives there (CPU training, or optimizer offload
+on a GPU): fp32 parameter, gradient and AdamW's two moments (16 bytes), plus the temporaries of the
+optimizer step on CPU (its foreach kernels allocate parameter-sized intermediates)."""
 
 
 def check_host_memory(parameters: int, cfg: TrainerConfig, on_cuda: bool, available: int | None = None) -> None:
@@ -217,13 +218,13 @@ def check_host_memory(parameters: int, cfg: TrainerConfig, on_cuda: bool, availa
         return
     if available is None:
         available = _meminfo_bytes("MemAvailable")
-    needed = HOST_STATE_BYTES_PER_PARAMETER * parameters
+    needed = HOST_BYTES_PER_PARAMETER * parameters
     if needed > available:
         where = "with optimizer offload" if on_cuda else "on CPU"
         raise BenchInputError(
             f"{where} the trainer keeps its whole state in host memory: {needed / 2**30:.1f} GiB "
-            f"({HOST_STATE_BYTES_PER_PARAMETER} bytes x {parameters:,} parameters), more than the "
-            f"{available / 2**30:.1f} GiB this machine has available",
+            f"({HOST_BYTES_PER_PARAMETER} bytes x {parameters:,} parameters with the optimizer step's temporaries), "
+            f"more than the {available / 2**30:.1f} GiB this machine has available",
             "use a machine with more memory, a smaller model, or GPUs without optimizer offload")
 
 

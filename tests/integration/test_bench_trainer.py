@@ -25,6 +25,7 @@ from staleflow.cli.main import app  # noqa: E402
 from staleflow.config import TrainerConfig  # noqa: E402
 from staleflow.tracking import step_metrics  # noqa: E402
 from staleflow.training.bench import (  # noqa: E402
+    HOST_BYTES_PER_PARAMETER,
     LONGTAIL_AT_MAX_EVERY,
     BenchInputError,
     MeteredBackend,
@@ -142,9 +143,9 @@ def test_a_token_budget_below_the_prompt_is_refused(tiny_config: Path) -> None:
 
 def test_a_state_larger_than_host_memory_is_refused_before_it_is_built() -> None:
     cfg = TrainerConfig()
-    check_host_memory(10**6, cfg, on_cuda=False, available=16 * 10**6)
+    check_host_memory(10**6, cfg, on_cuda=False, available=HOST_BYTES_PER_PARAMETER * 10**6)
     with pytest.raises(BenchInputError) as refused:
-        check_host_memory(10**6 + 1, cfg, on_cuda=False, available=16 * 10**6)
+        check_host_memory(10**6 + 1, cfg, on_cuda=False, available=HOST_BYTES_PER_PARAMETER * 10**6)
     assert "on CPU" in refused.value.message and "1,000,001 parameters" in refused.value.message
     check_host_memory(10**9, cfg, on_cuda=True, available=0)  # on the GPU: the host holds none of it
     if "optimizer_offload" in TrainerConfig.model_fields:
