@@ -375,7 +375,12 @@ class StepMeter:
     def mfu(self, tokens_per_second: float) -> float | None:
         if self.peak_tflops is None or self.memory.device.type != "cuda":
             return None
-        return 6.0 * self.parameters * tokens_per_second / (self.peak_tflops * 1e12 * self.world_size)
+        return model_flops_utilization(self.parameters, tokens_per_second, self.peak_tflops, self.world_size)
+
+
+def model_flops_utilization(parameters: int, tokens_per_second: float, peak_tflops: float, world_size: int) -> float:
+    """6N FLOPs per trained token (forward 2N, backward 4N) against the GPUs' dense peak."""
+    return 6.0 * parameters * tokens_per_second / (peak_tflops * 1e12 * world_size)
 
 
 class MeteredBackend(TrainerBackend):
@@ -479,11 +484,11 @@ def run(spec: BenchSpec, progress: ProgressCallback = _no_progress) -> dict[str,
     measured = rank0["steps"][1:] or rank0["steps"]
     seconds = sum(measured) / len(measured)
     tokens = rank0["tokens_per_step"]
-    meter_world = spec.world_size
-    peak_tflops = spec.peak_tflops if spec.peak_tflops is not None else rank0["peak_tflops"]
+    peak_tflops = rank0["peak_tflops"]  # --peak-tflops, else the device's from the table
     on_gpu = rank0["device_type"] == "cuda"
     tokens_per_s = tokens / seconds
-    mfu = 6.0 * source.parameters * tokens_per_s / (peak_tflops * 1e12 * meter_world) if on_gpu and peak_tflops else None
+    mfu = model_flops_utilization(source.parameters, tokens_per_s, peak_tflops, spec.world_size) \
+        if on_gpu and peak_tflops else None
     lengths = response_lengths(spec.batch, spec.response_tokens, spec.response_dist, spec.seed)
     return {
         "model": str(spec.model), "architecture": source.architecture, "random_init": source.random_init,
