@@ -187,3 +187,39 @@ def test_the_trainer_roles_steps_carry_the_bench_numbers_into_tracking() -> None
     scalars, _ = step_metrics(record, None)
     assert scalars["train/tokens_per_second"] == pytest.approx(metrics["tokens_per_second"])
     assert scalars["train/peak_memory_bytes"] == metrics["peak_memory_bytes"]
+
+
+ROLE_STEP = """
+import json, socket, sys
+from pathlib import Path
+import torch, transformers
+from staleflow.config import TrainerConfig
+from staleflow.training.bench import MeteredBackend, synthetic_batch, BenchSpec, trained_tokens
+from staleflow.training.fsdp import FsdpBackend, RankDriver, init_process_group
+model_dir, checkpoints = Path(sys.argv[1]), Path(sys.argv[2])
+transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**json.loads(sys.argv[3]))).save_pretrained(model_dir)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+init_process_group(0, 1, port)
+driver = RankDriver(FsdpBackend(TrainerConfig(world_size=1), model_dir, checkpoints, 0, 1, 1))
+batch = synthetic_batch(BenchSpec(model=model_dir, batch=4, prompt_tokens=4, response_tokens=8), 96)
+metrics = MeteredBackend.around(driver).train(0, batch)
+print(json.dumps({"metrics": metrics, "tokens": trained_tokens(batch),
+                  "params": sum(p.numel() for p in driver.local.model.parameters())}))
+"""
+
+
+@pytest.mark.slow
+def test_the_fsdp_trainer_roles_backend_is_metered(tmp_path: Path) -> None:
+    """The trainer role's own wrapping (``MeteredBackend.around`` a ``RankDriver``) on the real backend."""
+    result = subprocess.run([sys.executable, "-c", ROLE_STEP, str(tmp_path / "model"), str(tmp_path / "checkpoints"),
+                             json.dumps({k: v for k, v in TINY_QWEN2.items() if k not in ("model_type", "architectures")})],
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    metrics = out["metrics"]
+    assert out["tokens"] == 4 * (4 + 8)
+    assert metrics["tokens_per_second"] == pytest.approx(out["tokens"] / metrics["step_seconds"])
+    assert metrics["step_seconds"] >= metrics["train_seconds"] > 0
+    assert metrics["peak_memory_bytes"] > 0 and "mfu" not in metrics and math.isfinite(metrics["loss"])
