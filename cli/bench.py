@@ -170,7 +170,10 @@ def _print(results: dict) -> None:
 
 
 def register(bench_app: typer.Typer) -> None:
+    from staleflow.cli import bench_trainer
+
     register_decision_bench(bench_app)
+    bench_trainer.register(bench_app)
 
     @bench_app.command("ledger")
     def ledger_cmd(

@@ -358,8 +358,10 @@ def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, 
     init_process_group(0, world, port)
     driver = RankDriver(FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), 0, world, config.steps),
                         params_url=urls["params"])
+    from staleflow.training.bench import MeteredBackend
+
     try:
-        TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
+        TrainerLoop(MeteredBackend.around(driver), steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
                     started=started, remote_push=config.trainer.remote_push).run()
     finally:
         driver.close()
@@ -399,8 +401,10 @@ def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog,
             follow(local)
             return
         driver = RankDriver(local, params_url=urls["params"])
+        from staleflow.training.bench import MeteredBackend
+
         try:
-            TrainerLoop(driver, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
+            TrainerLoop(MeteredBackend.around(driver), steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
                         started=started, remote_push=config.trainer.remote_push).run()
         finally:
             driver.close()

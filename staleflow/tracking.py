@@ -9,7 +9,10 @@ later), an MLflow file store. Every backend gets the same metric names (``step_m
 * ``staleness/{mean,max}`` and ``staleness/count_{k}`` (V_buf - V_traj = k), plus a histogram
   where the backend has them (TensorBoard, W&B)
 * ``train/*``: whatever the trainer reports (loss, grad_norm, importance_weight_mean / _max,
-  truncated_fraction, clipped_fraction, negative_logp, advantage_abs_mean, kl, seconds)
+  truncated_fraction, clipped_fraction, negative_logp, advantage_abs_mean, kl, seconds); the FSDP2
+  trainer adds its step's ``step_seconds``, ``tokens_per_second`` (trained prompt + response tokens
+  per second of the step), ``peak_memory_bytes`` (rank 0: allocated GPU memory, or the process's RSS
+  on CPU) and, on a GPU of known peak, ``mfu`` (``staleflow.training.bench.MeteredBackend``)
 * ``throughput/tokens_per_second`` (this step) and ``throughput/tokens_per_second_cumulative``
 * ``instance/{id}/{running,waiting,version}`` at the step's end
 * ``control/decision_ms`` (mean planning time of the coordinator's cycles during the step),
