@@ -9,7 +9,7 @@ goes), and a flat one wins over the same one in its section, as a flag wins over
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -77,7 +77,7 @@ class TrainerConfig(StrictModel):
         "auto", description="padding-free micro-batches: sequences concatenated with position ids restarting at 0; "
                             "auto: where the model's attention keeps packed sequences apart (transformers 5 sdpa/eager, "
                             "flash attention), else right-padded rows")
-    logprob_chunk_tokens: int | Literal["auto"] = Field(
+    logprob_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="tokens per chunk of the output head when computing log-probs (the [tokens, vocab] logits "
                             "never exist whole); auto: about 8M logits per chunk")
     fused_logprobs: bool | Literal["auto"] = Field(

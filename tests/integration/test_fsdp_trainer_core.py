@@ -7,7 +7,6 @@ with a message that says what to do."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import free_port, save_tiny_qwen2
 
 torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install 'staleflow[train]')")
 transformers = pytest.importorskip("transformers", reason="the trainer needs transformers")
@@ -32,26 +32,14 @@ pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
 STAFLEFLOW_CODE = str(Path(fsdp.__file__).parents[1])
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-qwen2")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
-                                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
-    return directory
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), tied=False)
 
 
 @pytest.fixture(scope="module")
 def one_rank() -> Iterator[None]:
-    init_process_group(0, 1, _port())
+    init_process_group(0, 1, free_port())
     try:
         yield
     finally:
