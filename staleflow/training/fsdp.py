@@ -112,7 +112,6 @@ class FsdpBackend(TrainerBackend):
         group_ids = {g: i for i, g in enumerate(sorted({t["group_id"] for t in trajs}))}
         groups = torch.tensor([group_ids[t["group_id"]] for t in trajs])
         advantages = group_advantages(rewards, groups, self.algo.normalize_std).float()
-        on_device = advantages.to(self.device)
         global_tokens = float(sum(len(t["tokens"]) for t in trajs))
         mine = list(range(self.rank, len(trajs), self.world))
         chunks = self._micro_batches(trajs, mine)
@@ -130,7 +129,7 @@ class FsdpBackend(TrainerBackend):
             if self.reference is not None:
                 with torch.no_grad():
                     reference = self._token_logp(self.reference, inputs, index)
-            adv = on_device[chunk] if chunk else torch.zeros(1, device=self.device)
+            adv = self._to_device(advantages[chunk] if chunk else torch.zeros(1))
             terms = policy_loss(logp, behaviour, adv, mask, self.algo, global_tokens=global_tokens,
                                 global_sequences=float(len(trajs)), reference=reference)
             (terms.loss * self.world).backward()  # FSDP averages gradients over ranks: undo it
@@ -281,8 +280,14 @@ class FsdpBackend(TrainerBackend):
             inputs["position_ids"] = positions
         else:
             inputs["attention_mask"] = attention
-        to = {"device": self.device, "non_blocking": True}
-        return ({k: v.to(**to) for k, v in inputs.items()}, index.to(**to), mask.to(**to), behaviour.to(**to))
+        to = self._to_device
+        return {k: to(v) for k, v in inputs.items()}, to(index), to(mask), to(behaviour)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor to the device without waiting for the device's queued work (pinned)."""
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _token_logp(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
         """Each position's log-prob of the next token, [rows, width - 1], through the chunked (or
