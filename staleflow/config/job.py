@@ -75,8 +75,8 @@ class TrainerConfig(StrictModel):
                                 "algorithm.micro_batch trajectories each")
     packing: bool | Literal["auto"] = Field(
         "auto", description="padding-free micro-batches: sequences concatenated with position ids restarting at 0; "
-                            "auto: where the model's attention keeps packed sequences apart (transformers 5 sdpa/eager, "
-                            "flash attention), else right-padded rows")
+                            "auto: with flash attention (varlen), else right-padded rows; true also packs for "
+                            "transformers 5's sdpa/eager masks (attention over the whole packed row)")
     logprob_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="tokens per chunk of the output head when computing log-probs (the [tokens, vocab] logits "
                             "never exist whole); auto: about 8M logits per chunk")

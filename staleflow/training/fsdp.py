@@ -61,7 +61,7 @@ class FsdpBackend(TrainerBackend):
         self.model = self._sharded(model_dir, trainable=True, load=not resuming)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.pad_id = self.model.config.pad_token_id or 0
-        self.packing = self.settings.packing and packing_supported(self.model)
+        self.packing = packing_for(self.model, cfg.packing)
         self.chunk_tokens = chunk_tokens_for(self.model.config.vocab_size, self.settings.logprob_chunk_tokens)
         self.reference = self._sharded(model_dir, trainable=False, load=True) if self.algo.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay,
@@ -305,7 +305,6 @@ class ResolvedSettings:
 
     mixed_precision: bool
     activation_checkpointing: bool
-    packing: bool
     fused_logprobs: bool
     logprob_chunk_tokens: int | str
 
@@ -322,20 +321,26 @@ def resolve_settings(cfg: TrainerConfig, device: torch.device) -> ResolvedSettin
                          "set it to auto or false for the chunked head")
     return ResolvedSettings(mixed_precision=pick(cfg.mixed_precision, cuda),
                             activation_checkpointing=pick(cfg.activation_checkpointing, cuda),
-                            packing=pick(cfg.packing, True), fused_logprobs=fused,
+                            fused_logprobs=fused,
                             logprob_chunk_tokens=cfg.logprob_chunk_tokens)
 
 
-def packing_supported(model: torch.nn.Module) -> bool:
-    """Whether the model keeps sequences packed into one row apart given only their restarting
-    position ids: flash attention's varlen path, or transformers' masks that detect packing."""
-    if getattr(model.config, "_attn_implementation", None) in ("flash_attention_2", "flash_attention_3"):
-        return True
-    try:
-        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def packing_for(model: torch.nn.Module, setting: bool | str) -> bool:
+    """Whether micro-batches are packed into one row with restarting position ids. auto: only
+    with flash attention, whose varlen kernels attend within each sequence; transformers' sdpa
+    and eager attention keep packed sequences apart with a [tokens, tokens] mask, which costs
+    attention over the whole packed row, so they pack only when asked (``packing: true``) and
+    where the masks detect packing (transformers 5)."""
+    varlen = getattr(model.config, "_attn_implementation", None) in ("flash_attention_2", "flash_attention_3")
+    if setting == "auto":
+        return varlen
+    if setting and not varlen:
+        try:
+            from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+        except ImportError:
+            raise ValueError("trainer.packing: true needs flash attention or a transformers whose attention masks "
+                             "detect packed sequences (5.x); set packing to auto or false") from None
+    return bool(setting)
 
 
 def token_budget_batches(lengths: Mapping[int, int], budget: int, packed: bool) -> list[list[int]]:
