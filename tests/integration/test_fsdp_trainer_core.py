@@ -1,6 +1,7 @@
 """The FSDP2 trainer's core on one gloo rank: collectives see tensors on the backend's device and
 no host transfer happens per micro-batch; packed micro-batches train what padded ones train;
-micro-batches by token budget; the meta-device sharded load reproduces the saved weights; bad
+micro-batches by token budget; optimizer offload trains the same step; the meta-device sharded
+load reproduces the saved weights; bad
 input (too many ranks for the GPUs, a budget below a prompt, an unknown architecture) is refused
 with a message that says what to do."""
 
@@ -136,6 +137,19 @@ def test_packed_micro_batches_train_what_padded_ones_train(model_dir: Path, tmp_
         assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
     for name, value in packed_state.items():
         assert torch.allclose(value.full_tensor(), padded_state[name].full_tensor(), atol=1e-5), name
+
+
+def test_optimizer_offload_trains_the_same_step(model_dir: Path, tmp_path: Path, one_rank: None) -> None:
+    runs = {}
+    for offload in (False, True):
+        backend = _backend(model_dir, tmp_path / str(offload), optimizer_offload=offload)
+        metrics = backend.train(0, _batch())
+        runs[offload] = metrics, {k: v.full_tensor() for k, v in backend.model.state_dict().items()}
+        assert all(p.to_local().device.type == "cpu" for p in backend.model.parameters()) or not offload
+    (plain, plain_state), (offloaded, offloaded_state) = runs[False], runs[True]
+    assert offloaded["loss"] == pytest.approx(plain["loss"]) and offloaded["grad_norm"] == pytest.approx(plain["grad_norm"])
+    for name, value in plain_state.items():
+        assert torch.allclose(offloaded_state[name], value, atol=1e-6), name
 
 
 def test_the_sharded_load_reproduces_the_saved_weights(model_dir: Path, tmp_path: Path, one_rank: None) -> None:
