@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch", reason="the trainer needs torch (pip install 'staleflow[train]')")
 pytest.importorskip("transformers", reason="the trainer needs transformers")
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SCRIPT = """
 import json, resource, sys, tempfile
