@@ -463,9 +463,14 @@ def rendezvous_from_env() -> tuple[str, int, int, int] | None:
 
 
 def local_gpu(rank: int) -> int:
-    """This rank's GPU on its node: ``LOCAL_RANK`` when a launcher set it, else the rank (all
-    ranks on one node, as the trainer's own spawn starts them)."""
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    """This rank's GPU among those it sees: ``LOCAL_RANK`` when a launcher set it; else the rank
+    when it sees a GPU for every rank up to it (the trainer's own spawn: all ranks on one node);
+    else GPU 0 of the one it was given (Ray sets ``CUDA_VISIBLE_DEVICES`` per actor)."""
+    gpus = torch.cuda.device_count()
+    if "LOCAL_RANK" in os.environ:
+        local = int(os.environ["LOCAL_RANK"])
+    else:
+        local = rank if rank < gpus or gpus != 1 else 0
     check_gpus_for_ranks(local + 1)
     return local
 

@@ -187,9 +187,16 @@ def test_more_ranks_than_gpus_is_refused_naming_both(monkeypatch: pytest.MonkeyP
     check_gpus_for_ranks(2)
     with pytest.raises(ValueError, match=r"3 trainer ranks on this node but only 2 GPUs.*at most 2"):
         check_gpus_for_ranks(3)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert fsdp.local_gpu(1) == 1  # the trainer's own spawn: rank i takes GPU i
+    with pytest.raises(ValueError, match="only 2 GPUs"):
+        fsdp.local_gpu(2)
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(ValueError, match="only 2 GPUs"):
         fsdp.local_gpu(5)
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert fsdp.local_gpu(3) == 0  # a launcher gave this rank its own GPU (Ray: CUDA_VISIBLE_DEVICES)
 
 
 @pytest.mark.parametrize(("config", "message"), [
