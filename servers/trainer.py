@@ -344,10 +344,18 @@ def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, 
     import torch.multiprocessing as mp
 
     from staleflow.training.demo import resolve_model
-    from staleflow.training.fsdp import FsdpBackend, RankDriver, checkpoint_dir, init_process_group, run_follower
+    from staleflow.training.fsdp import (
+        FsdpBackend,
+        RankDriver,
+        check_gpus_for_ranks,
+        checkpoint_dir,
+        init_process_group,
+        run_follower,
+    )
 
-    model_dir = resolve_model(config)
     world = config.trainer.world_size
+    check_gpus_for_ranks(world)  # all ranks on this node: refused before any starts
+    model_dir = resolve_model(config)
     port = _free_port()
     checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
     context = mp.get_context("spawn")

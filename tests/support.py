@@ -27,6 +27,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def save_tiny_qwen2(directory: Path, tied: bool = True) -> Path:
+    """A 2-layer Qwen2 with a 64-token vocabulary, seeded, saved as safetensors (needs the train extra)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied,
+                                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
 def start_cli(*args: str) -> subprocess.Popen:
     """Run ``staleflow ARGS`` as its own process; return once its socket listens (the log line
     comes after the bind, and requests queue in the backlog until the app serves them)."""

@@ -9,7 +9,7 @@ goes), and a flat one wins over the same one in its section, as a flag wins over
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -63,7 +63,28 @@ class TrainerConfig(StrictModel):
     remote_push: Literal["http", "nixl"] = Field(
         "http", description="how a rank off the parameter server's host pushes its weights: http, or nixl (RDMA; "
                             "params.transports must offer it); ranks on the PS's host push over shm")
-    mixed_precision: bool = Field(False, description="bf16 parameters in forward/backward, fp32 master weights")
+    mixed_precision: bool | Literal["auto"] = Field(
+        "auto", description="bf16 parameters and activations in forward/backward, fp32 master weights and gradient "
+                            "reductions; auto: on with CUDA, off (fp32) on CPU")
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute each decoder layer's activations in backward instead of keeping them; "
+                            "auto: on with CUDA, off on CPU")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="micro-batches by token budget: each rank packs trajectories (prompt + response) into "
+                                "micro-batches of at most this many tokens (a longer one trains alone); none: "
+                                "algorithm.micro_batch trajectories each")
+    packing: bool | Literal["auto"] = Field(
+        "auto", description="padding-free micro-batches: sequences concatenated with position ids restarting at 0; "
+                            "auto: with flash attention (varlen), else right-padded rows; true also packs for "
+                            "transformers 5's sdpa/eager masks (attention over the whole packed row)")
+    logprob_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="tokens per chunk of the output head when computing log-probs (the [tokens, vocab] logits "
+                            "never exist whole); auto: about 8M logits per chunk")
+    fused_logprobs: bool | Literal["auto"] = Field(
+        "auto", description="Liger's fused linear cross-entropy for the log-probs on CUDA (the liger extra); auto: "
+                            "when liger_kernel is importable, else the chunked head")
+    optimizer_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in "
+                                                       "host memory (FSDP2 CPUOffloadPolicy): fits larger models, slower")
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
 

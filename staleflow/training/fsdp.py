@@ -26,6 +26,7 @@ import shutil
 import signal
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ import torch.distributed as dist
 from staleflow.config import JobConfig, TrainerConfig
 from staleflow.training.base import BackgroundSharePushes, ShardedWeights, TrainerBackend
 from staleflow.training.grpo import group_advantages, policy_loss
+from staleflow.training.loading import decoder_layers, empty_causal_lm, load_sharded, materialize
+from staleflow.training.logprobs import chunk_tokens_for, head_returns_logprobs, liger_available
 from staleflow.training.schedule import learning_rate
 
 log = logging.getLogger(__name__)
@@ -47,35 +50,53 @@ class FsdpBackend(TrainerBackend):
 
     def __init__(self, cfg: TrainerConfig, model_dir: Path, checkpoint_dir: Path, rank: int, world: int,
                  final_version: int):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
-
         self.cfg, self.algo = cfg, cfg.algorithm
         self.rank, self.world = rank, world
         self.checkpoint_dir = checkpoint_dir
         self.final_version = final_version
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.settings = resolve_settings(cfg, self.device)
         torch.manual_seed(0)
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.mixed_precision
-              else MixedPrecisionPolicy())
-
-        def sharded(trainable: bool) -> torch.nn.Module:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
-            model.config.use_cache = False
-            for layer in model.model.layers:
-                fully_shard(layer, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
-            model.train(trainable)
-            model.requires_grad_(trainable)
-            return model
-
-        self.model = sharded(True)
+        resuming = (checkpoint_dir / "latest.json").exists()
+        self.model = self._sharded(model_dir, trainable=True, load=not resuming)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.pad_id = self.model.config.pad_token_id or 0
-        self.reference = sharded(False) if self.algo.kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay)
+        self.packing = packing_for(self.model, cfg.packing)
+        self.chunk_tokens = chunk_tokens_for(self.model.config.vocab_size, self.settings.logprob_chunk_tokens)
+        self.reference = self._sharded(model_dir, trainable=False, load=True) if self.algo.kl_coef > 0 else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay,
+                                           **({"fused": True} if self.device.type == "cuda" and not cfg.optimizer_offload
+                                              else {}))
         self.version = self._load_checkpoint()
         self._pushes: BackgroundSharePushes | None = None  # ranks > 0: their shares, one version at a time
+
+    def _sharded(self, model_dir: Path, trainable: bool, load: bool) -> torch.nn.Module:
+        """The model built on the meta device, each decoder layer and then the root wrapped with
+        ``fully_shard``, and only this rank's shards allocated and read from ``model_dir``."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if self.settings.mixed_precision else MixedPrecisionPolicy())
+        offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cfg.optimizer_offload and trainable
+                   else OffloadPolicy())
+        model = empty_causal_lm(model_dir)
+        model.config.use_cache = False
+        if trainable and self.settings.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layers = decoder_layers(model)
+        for layer in layers:
+            fully_shard(layer, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mp_policy=mp, offload_policy=offload)
+        for before, after in zip(layers, layers[1:], strict=False):  # gather the next layer while this one computes
+            if hasattr(before, "set_modules_to_forward_prefetch"):
+                before.set_modules_to_forward_prefetch([after])
+                after.set_modules_to_backward_prefetch([before])
+        materialize(model, self.device, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else None)
+        if load:
+            load_sharded(model, model_dir)
+        model.train(trainable)
+        model.requires_grad_(trainable)
+        return model
 
     # -- TrainerBackend ------------------------------------------------------------------
 
@@ -93,26 +114,28 @@ class FsdpBackend(TrainerBackend):
         advantages = group_advantages(rewards, groups, self.algo.normalize_std).float()
         global_tokens = float(sum(len(t["tokens"]) for t in trajs))
         mine = list(range(self.rank, len(trajs), self.world))
-        per_rank = math.ceil(len(trajs) / self.world)
-        micro = max(1, math.ceil(per_rank / self.algo.micro_batch))
+        chunks = self._micro_batches(trajs, mine)
+        count = torch.tensor([len(chunks)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs as many micro-batches: the collectives line up
+        chunks += [[]] * (int(count.item()) - len(chunks))
+        # statistics stay on the device until the step ends: no host sync inside the loop
         totals: dict[str, torch.Tensor] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for m in range(micro):
-            chunk = mine[m * self.algo.micro_batch:(m + 1) * self.algo.micro_batch]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for chunk in chunks:
             rows = [trajs[i] for i in chunk] or [trajs[0]]  # an empty share still joins the collectives
-            ids, attention, mask, behaviour = self._tensors(rows, live=bool(chunk))
-            logp = self._token_logp(self.model, ids, attention)
+            inputs, index, mask, behaviour = self._tensors(rows, live=bool(chunk))
+            logp = self._token_logp(self.model, inputs, index)
             reference = None
             if self.reference is not None:
                 with torch.no_grad():
-                    reference = self._token_logp(self.reference, ids, attention)
-            adv = advantages[chunk] if chunk else torch.zeros(1)
-            terms = policy_loss(logp, behaviour, adv.to(self.device), mask, self.algo, global_tokens=global_tokens,
+                    reference = self._token_logp(self.reference, inputs, index)
+            adv = self._to_device(advantages[chunk] if chunk else torch.zeros(1))
+            terms = policy_loss(logp, behaviour, adv, mask, self.algo, global_tokens=global_tokens,
                                 global_sequences=float(len(trajs)), reference=reference)
             (terms.loss * self.world).backward()  # FSDP averages gradients over ranks: undo it
-            loss_sum += terms.loss.detach().double().cpu()
+            loss_sum += terms.loss.detach().double()
             for k, v in terms.stats.items():
-                v = v.detach().double().cpu()
+                v = v.detach().double()
                 totals[k] = torch.maximum(totals[k], v) if k.endswith("_max") and k in totals else totals.get(k, 0) + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
@@ -123,23 +146,26 @@ class FsdpBackend(TrainerBackend):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version = version + 1
-        summed = torch.stack([loss_sum, *(totals[k] for k in sorted(totals) if not k.endswith("_max"))])
-        maxima = torch.stack([totals[k] for k in sorted(totals) if k.endswith("_max")] or [torch.zeros((), dtype=torch.float64)])
+        names = [k for k in sorted(totals) if not k.endswith("_max")]
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        summed = torch.stack([loss_sum, *(totals[k] for k in names)])
+        maxima = torch.stack([totals[k] for k in sorted(totals) if k.endswith("_max")] or [zero])
         dist.all_reduce(summed)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        names = [k for k in sorted(totals) if not k.endswith("_max")]
-        sums = dict(zip(names, summed[1:].tolist(), strict=True))
+        values = torch.cat([summed, maxima[:1], grad_norm.detach().double().reshape(1).to(self.device)]).tolist()
+        loss, sums = values[0], dict(zip(names, values[1:len(names) + 1], strict=True))
         tokens = max(sums.get("tokens", 0.0), 1.0)
         metrics = {
-            "loss": float(summed[0]),
-            "grad_norm": float(grad_norm),
+            "loss": loss,
+            "grad_norm": values[-1],
             "importance_weight_mean": sums.get("importance_weight", 0.0) / tokens,
-            "importance_weight_max": float(maxima[0]),
+            "importance_weight_max": values[-2],
             "truncated_fraction": sums.get("truncated", 0.0) / tokens,
             "clipped_fraction": sums.get("clipped", 0.0) / tokens,
             "negative_logp": sums.get("negative_logp", 0.0) / tokens,
             "advantage_abs_mean": float(advantages.abs().mean()) if len(trajs) else 0.0,
             "lr": lr,
+            "micro_batches": float(len(chunks)),
             "train_seconds": time.perf_counter() - started,
         }
         if "kl" in sums:
@@ -206,27 +232,135 @@ class FsdpBackend(TrainerBackend):
         log.info("rank %d resumed from checkpoint %s (version %d)", self.rank, info["path"], info["version"])
         return int(info["version"])
 
-    def _tensors(self, rows: list[Mapping[str, Any]], live: bool) -> tuple[torch.Tensor, ...]:
-        """Right-padded prompt+response ids, attention, and per-position (shifted) response mask
-        and behaviour log-probs."""
-        width = max(len(r["prompt_ids"]) + len(r["tokens"]) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
+    def _micro_batches(self, trajs: list[Mapping[str, Any]], mine: list[int]) -> list[list[int]]:
+        """This rank's trajectories in micro-batches: ``algorithm.micro_batch`` at a time, or by
+        token budget (``max_tokens_per_micro_batch``: packed, or padded rows within the budget)."""
+        budget = self.cfg.max_tokens_per_micro_batch
+        if budget is None:
+            size = self.algo.micro_batch
+            return [mine[i:i + size] for i in range(0, len(mine), size)]
+        longest_prompt = max((len(trajs[i]["prompt_ids"]) for i in mine), default=0)
+        if longest_prompt >= budget:
+            raise ValueError(f"trainer.max_tokens_per_micro_batch is {budget} tokens but a prompt has {longest_prompt}: "
+                             f"set it above the longest prompt plus a response (at least {longest_prompt + 1})")
+        return token_budget_batches({i: len(trajs[i]["prompt_ids"]) + len(trajs[i]["tokens"]) for i in mine},
+                                    budget, packed=self.packing)
+
+    def _tensors(self, rows: list[Mapping[str, Any]], live: bool) -> tuple[Any, ...]:
+        """The model's inputs (packed into one row with restarting position ids, or right-padded
+        rows), the index of each row's positions in the flattened output [rows, width - 1], and
+        per-position (shifted) response mask and behaviour log-probs."""
+        lengths = [len(r["prompt_ids"]) + len(r["tokens"]) for r in rows]
+        width = max(lengths)
         mask = torch.zeros((len(rows), width - 1))
         behaviour = torch.zeros((len(rows), width - 1))
-        for i, r in enumerate(rows):
+        index = torch.zeros((len(rows), width - 1), dtype=torch.long)
+        sequences = [torch.tensor(list(r["prompt_ids"]) + list(r["tokens"]), dtype=torch.long) for r in rows]
+        if self.packing:
+            ids = torch.cat(sequences)[None]
+            positions = torch.cat([torch.arange(n) for n in lengths])[None]
+            starts = [0]
+            for n in lengths[:-1]:
+                starts.append(starts[-1] + n)
+        else:
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            attention = torch.zeros((len(rows), width), dtype=torch.long)
+            starts = [i * width for i in range(len(rows))]
+        for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
+            index[i, :n - 1] = torch.arange(starts[i], starts[i] + n - 1)
+            if not self.packing:
+                ids[i, :n] = sequences[i]
+                attention[i, :n] = 1
             p, t = len(r["prompt_ids"]), len(r["tokens"])
-            ids[i, :p + t] = torch.tensor(list(r["prompt_ids"]) + list(r["tokens"]))
-            attention[i, :p + t] = 1
             if live:  # position j predicts token j + 1: the response starts at p - 1
                 mask[i, p - 1:p - 1 + t] = 1
                 behaviour[i, p - 1:p - 1 + t] = torch.tensor(r["logprobs"], dtype=torch.float32)
-        return ids.to(self.device), attention.to(self.device), mask.to(self.device), behaviour.to(self.device)
+        inputs = {"input_ids": ids}
+        if self.packing:
+            inputs["position_ids"] = positions
+        else:
+            inputs["attention_mask"] = attention
+        to = self._to_device
+        return {k: to(v) for k, v in inputs.items()}, to(index), to(mask), to(behaviour)
 
-    @staticmethod
-    def _token_logp(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor to the device without waiting for the device's queued work (pinned)."""
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _token_logp(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+        """Each position's log-prob of the next token, [rows, width - 1], through the chunked (or
+        fused) output head: the [tokens, vocab] logits never exist whole."""
+        ids = inputs["input_ids"]
+        targets = torch.roll(ids, -1, dims=-1)  # across a packed boundary: never indexed
+        with head_returns_logprobs(model, targets, self.chunk_tokens, self.settings.fused_logprobs):
+            flat = model(**inputs).logits.reshape(-1)
+        return flat[index]
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """The trainer's ``auto`` settings resolved for the device it runs on."""
+
+    mixed_precision: bool
+    activation_checkpointing: bool
+    fused_logprobs: bool
+    logprob_chunk_tokens: int | str
+
+
+def resolve_settings(cfg: TrainerConfig, device: torch.device) -> ResolvedSettings:
+    cuda = device.type == "cuda"
+
+    def pick(value: bool | str, auto: bool) -> bool:
+        return auto if value == "auto" else bool(value)
+
+    fused = pick(cfg.fused_logprobs, liger_available(device))
+    if fused and not liger_available(device):
+        raise ValueError("trainer.fused_logprobs needs CUDA and liger_kernel (pip install 'staleflow[liger]'); "
+                         "set it to auto or false for the chunked head")
+    return ResolvedSettings(mixed_precision=pick(cfg.mixed_precision, cuda),
+                            activation_checkpointing=pick(cfg.activation_checkpointing, cuda),
+                            fused_logprobs=fused,
+                            logprob_chunk_tokens=cfg.logprob_chunk_tokens)
+
+
+def packing_for(model: torch.nn.Module, setting: bool | str) -> bool:
+    """Whether micro-batches are packed into one row with restarting position ids. auto: only
+    with flash attention, whose varlen kernels attend within each sequence; transformers' sdpa
+    and eager attention keep packed sequences apart with a [tokens, tokens] mask, which costs
+    attention over the whole packed row, so they pack only when asked (``packing: true``) and
+    where the masks detect packing (transformers 5)."""
+    varlen = getattr(model.config, "_attn_implementation", None) in ("flash_attention_2", "flash_attention_3")
+    if setting == "auto":
+        return varlen
+    if setting and not varlen:
+        try:
+            from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+        except ImportError:
+            raise ValueError("trainer.packing: true needs flash attention or a transformers whose attention masks "
+                             "detect packed sequences (5.x); set packing to auto or false") from None
+    return bool(setting)
+
+
+def token_budget_batches(lengths: Mapping[int, int], budget: int, packed: bool) -> list[list[int]]:
+    """Micro-batches of the given rows (id -> tokens) within ``budget`` tokens each, longest
+    first: packed, a batch costs the sum of its lengths; padded, its row count times its longest
+    row. A row longer than the budget is a micro-batch alone."""
+    batches: list[list[int]] = []
+    cost: list[tuple[int, int]] = []  # (total tokens, longest row) of each batch
+    for row in sorted(lengths, key=lambda r: (-lengths[r], r)):
+        n = lengths[row]
+        for b, (total, longest) in enumerate(cost):
+            new_cost = total + n if packed else (len(batches[b]) + 1) * max(longest, n)
+            if new_cost <= budget:
+                batches[b].append(row)
+                cost[b] = (total + n, max(longest, n))
+                break
+        else:
+            batches.append([row])
+            cost.append((n, n))
+    return [sorted(b) for b in batches]
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -328,15 +462,40 @@ def rendezvous_from_env() -> tuple[str, int, int, int] | None:
             int(os.environ["WORLD_SIZE"]))
 
 
+def local_gpu(rank: int) -> int:
+    """This rank's GPU among those it sees: ``LOCAL_RANK`` when a launcher set it; else the rank
+    when it sees a GPU for every rank up to it (the trainer's own spawn: all ranks on one node);
+    else GPU 0 of the one it was given (Ray sets ``CUDA_VISIBLE_DEVICES`` per actor)."""
+    gpus = torch.cuda.device_count()
+    if "LOCAL_RANK" in os.environ:
+        local = int(os.environ["LOCAL_RANK"])
+    else:
+        local = rank if rank < gpus or gpus != 1 else 0
+    check_gpus_for_ranks(local + 1)
+    return local
+
+
+def check_gpus_for_ranks(ranks_on_node: int) -> None:
+    """One rank per GPU: more ranks on this node than GPUs is refused before anything starts."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and ranks_on_node > gpus:
+        raise ValueError(f"{ranks_on_node} trainer ranks on this node but only {gpus} GPUs: one rank per GPU; set "
+                         f"trainer.world_size (--trainer-ranks) to at most {gpus} per node, or add nodes")
+
+
 def init_process_group(rank: int, world: int, port: int, master_addr: str = "127.0.0.1") -> None:
+    """gloo on CPU; on GPU one device per rank with NCCL for tensors on it and gloo beside it for
+    host tensors, so Python objects (``broadcast_object_list``, barriers) go through gloo."""
     os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)})
     if master_addr.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # one machine: the loopback interface; else the configured one
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_gpu(rank))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def run_follower(rank: int, world: int, port: int, config_json: str, model_dir: str) -> None:

@@ -82,7 +82,8 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.T
         stats = {
             "tokens": mask.sum(),
             "importance_weight": (torch.exp(log_weight) * mask).sum(),
-            "importance_weight_max": (torch.exp(log_weight) * mask).max() if mask.any() else torch.tensor(0.0),
+            # 0 where there are no tokens; no host sync (no branching on the tensor's values)
+            "importance_weight_max": torch.cat([(torch.exp(log_weight) * mask).flatten(), mask.new_zeros(1)]).max(),
             "truncated": ((torch.exp(log_weight) > cfg.tis_cap).to(mask.dtype) * mask).sum(),
             "clipped": clip_active.sum(),
             "negative_logp": (-proximal * mask).sum(),

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import ParamsProcess
+from support import ParamsProcess, save_tiny_qwen2
 
 torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install 'staleflow[train]')")
 transformers = pytest.importorskip("transformers", reason="the trainer needs transformers")
@@ -72,13 +72,7 @@ def _port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-qwen2")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
-    return directory
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 def _train_here(model_dir: Path, checkpoints: Path, ps: ParamsClient) -> dict:
