@@ -21,6 +21,7 @@ byte of the version, and the memcpy baseline copies tensor by tensor between two
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import re
@@ -41,6 +42,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from staleflow.cli.common import console, emit_results, fail
+from staleflow.transports.base import FormatError
+from staleflow.transports.tables import model_tensor_table, table_bytes
 
 TENSOR_BYTES = 64 << 20  # a large layer of a multi-GB model
 RING_TENSORS = 8  # buffers behind a pooled state dict: 512 MiB, 16x this host's L3, so no copy is served from cache
@@ -67,33 +70,36 @@ def tensor_table(total_bytes: int, tensor_bytes: int = TENSOR_BYTES) -> dict[str
 
 
 def rank_pieces(table: dict[str, tuple[str, tuple[int, ...]]], rank: int, ranks: int, pooled: bool = False) -> list:
-    """Rank ``rank``'s dim-0 shard of every tensor (FSDP's split), filled with its own bytes.
-    ``pooled``: the shards of same-shaped tensors share ``RING_TENSORS`` buffers (a state dict
+    """Rank ``rank``'s dim-0 shard of every tensor (FSDP2's split), filled with its own bytes.
+    ``pooled``: the shards of same-sized tensors share ``RING_TENSORS`` buffers (a state dict
     larger than this host's memory; equal shapes hold equal bytes, so sharing changes nothing)."""
     from staleflow.transports.client import ShardPiece
+    from staleflow.transports.tables import fsdp_shard_ranges
 
     pieces, buffers = [], {}
-    for i, (name, (_, shape)) in enumerate(table.items()):
-        rows = -(-shape[0] // ranks)
-        local_rows = max(0, min(shape[0], (rank + 1) * rows) - rank * rows)
-        if local_rows:
-            key = (local_rows, shape[1], i % RING_TENSORS if pooled else i)
-            if key not in buffers:
-                buffers[key] = np.full((local_rows, shape[1]), rank * 7919 + 1, np.uint32)
-            pieces.append(ShardPiece(name, rank * rows * shape[1] * 4, buffers[key]))
+    for i, (name, start, nbytes) in enumerate(fsdp_shard_ranges(table, rank, ranks)):
+        key = (nbytes, i % RING_TENSORS if pooled else i)
+        if key not in buffers:
+            buffers[key] = np.full(nbytes, (rank * 7919 + 1) % 251, np.uint8)
+        pieces.append(ShardPiece(name, start, buffers[key]))
     return pieces
+
+
+_UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def engine_buffers(table: dict[str, tuple[str, tuple[int, ...]]], pooled: bool = False) -> dict[str, np.ndarray]:
     """An instance's parameters to pull into (touched, as an engine's are); ``pooled``: same-shaped
     tensors share ``RING_TENSORS`` buffers, standing in for device memory the host does not have
     (every full-size tensor of a version holds the same bytes, so sharing changes nothing)."""
+    from staleflow.transports.base import DTYPE_SIZES
+
     buffers: dict[tuple, np.ndarray] = {}
     out = {}
-    for i, (name, (_, shape)) in enumerate(table.items()):
-        key = (shape, i % RING_TENSORS if pooled else i)
+    for i, (name, (dtype, shape)) in enumerate(table.items()):
+        key = (dtype, shape, i % RING_TENSORS if pooled else i)
         if key not in buffers:
-            buffers[key] = np.ones(shape, np.uint32)
+            buffers[key] = np.ones(shape, _UINT_OF_WIDTH[DTYPE_SIZES[dtype]])
         out[name] = buffers[key]
     return out
 
@@ -134,13 +140,30 @@ class PeakMemory:
         return self.peak - self.base
 
 
-def _rank_main(conn: Connection, url: str, total_bytes: int, rank: int, ranks: int, pooled: bool) -> None:
-    """A trainer rank: holds its shards; on ("push", version, transport, t0) pushes them."""
-    from staleflow.training.base import ShardedWeights
-    from staleflow.transports.client import ParamsClient
+def _device_tensors(sizes: list[int], device: str, fill: int) -> list:
+    import torch
 
-    table = tensor_table(total_bytes)
-    share = ShardedWeights(rank, ranks, table, rank_pieces(table, rank, ranks, pooled))
+    return [torch.full((n,), fill, dtype=torch.uint8, device=device) for n in sizes]
+
+
+def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, pooled: bool, device: str) -> None:
+    """A trainer rank: holds its shards (host arrays, or tensors on ``device``); on ("push",
+    version, transport, t0) pushes them (from ``device``: copied into one pinned host buffer first)."""
+    from staleflow.training.base import ShardedWeights
+    from staleflow.transports.client import ParamsClient, ShardPiece
+
+    staging = None
+    if device == "host":
+        share = ShardedWeights(rank, ranks, table, rank_pieces(table, rank, ranks, pooled))
+    else:
+        from staleflow.transports.staging import FlatStaging
+        from staleflow.transports.tables import fsdp_shard_ranges
+
+        ranges = fsdp_shard_ranges(table, rank, ranks)
+        staging = FlatStaging(_device_tensors([n for _, _, n in ranges], device, (rank * 7919 + 1) % 251))
+        host = staging.host_array()
+        share = ShardedWeights(rank, ranks, table, [ShardPiece(name, start, host[offset:offset + n])
+                                                    for (name, start, n), offset in zip(ranges, staging.offsets, strict=True)])
     with ParamsClient(url, timeout=600) as client:
         conn.send({"ready": True, "shard_bytes": share.nbytes})
         while True:
@@ -150,22 +173,34 @@ def _rank_main(conn: Connection, url: str, total_bytes: int, rank: int, ranks: i
             _, version, transport, wait_s = message
             with PeakMemory() as memory:
                 started = time.monotonic()
+                if staging is not None:
+                    staging.to_host()
+                staged = time.monotonic()
                 reply = client.push_part(version, rank, ranks, table, share.pieces, transport=transport, wait_s=0)
                 delivered = reply["delivered_at_monotonic"]  # its bytes are in (the finish call follows)
                 if not reply["visible"]:  # wait for the other ranks' parts
                     client.close_pull(client.open_pull(version, "http", wait_s=wait_s))
                     reply = {"visible": True}
                 returned = time.monotonic()
-            conn.send({"started": started, "delivered": delivered, "returned": returned,
+            conn.send({"started": started, "staged": staged, "delivered": delivered, "returned": returned,
                        "visible": reply["visible"], "extra_bytes": memory.extra, "shard_bytes": share.nbytes})
 
 
-def _instance_main(conn: Connection, url: str, total_bytes: int, pooled: bool) -> None:
-    """An instance: holds buffers of the model's size; on ("pull", version, transport) waits
-    for the version and pulls it into them, verified."""
+def _instance_main(conn: Connection, url: str, table: dict, pooled: bool, device: str) -> None:
+    """An instance: holds parameters of the model's size (host arrays, or tensors on ``device``
+    behind one pinned host buffer); on ("pull", version, transport) waits for the version and
+    pulls it into them, verified (from ``device``: into the pinned buffer, then host to device)."""
+    from staleflow.transports.base import DTYPE_SIZES
     from staleflow.transports.client import ParamsClient
 
-    out = engine_buffers(tensor_table(total_bytes), pooled)
+    staging = out = None
+    if device == "host":
+        out = engine_buffers(table, pooled)
+    else:
+        from staleflow.transports.staging import FlatStaging
+
+        sizes = [math.prod(shape) * DTYPE_SIZES[dtype] for dtype, shape in table.values()]
+        staging = FlatStaging(_device_tensors(sizes, device, 1))
     with ParamsClient(url, timeout=600) as client:
         conn.send({"ready": True})
         while True:
@@ -176,11 +211,14 @@ def _instance_main(conn: Connection, url: str, total_bytes: int, pooled: bool) -
             lease = client.open_pull(version, transport, wait_s=wait_s)
             leased = time.monotonic()
             try:
-                for _ in client.receive(lease, out=out):
+                for _ in client.receive(lease, out=out, into=None if staging is None else staging.host):
                     pass
             finally:
                 client.close_pull(lease)
-            conn.send({"leased": leased, "loaded": time.monotonic()})
+            pulled = time.monotonic()
+            if staging is not None:
+                staging.to_device()
+            conn.send({"leased": leased, "pulled": pulled, "loaded": time.monotonic()})
 
 
 class Workers:
@@ -221,15 +259,15 @@ class Workers:
                 proc.kill()
 
 
-def measure_memcpy(total_bytes: int, repeats: int, pooled: bool = False) -> dict:
-    """``np.copyto`` of ``total_bytes`` into an existing buffer; ``pooled``: tensor by tensor
+def measure_memcpy(table: dict, repeats: int, pooled: bool = False) -> dict:
+    """``np.copyto`` of the table's bytes into an existing buffer; ``pooled``: tensor by tensor
     between two rings of ``RING_TENSORS`` buffers (the bytes do not fit in memory twice)."""
+    total_bytes = table_bytes(table)
     if pooled:
-        table = tensor_table(total_bytes)
         sources, targets = engine_buffers(table, pooled=True), engine_buffers(table, pooled=True)
         pairs = [(targets[name], sources[name]) for name in table]
     else:
-        source = np.full(total_bytes // 4, 3, np.uint32)
+        source = np.full(total_bytes, 3, np.uint8)
         pairs = [(np.ones_like(source), source)]
     times = []
     for _ in range(repeats + 1):
@@ -240,6 +278,41 @@ def measure_memcpy(total_bytes: int, repeats: int, pooled: bool = False) -> dict
     times = times[1:]
     return {"median_s": statistics.median(times), "best_s": min(times),
             "gb_per_s": total_bytes / statistics.median(times) / 1e9, "pooled": pooled}
+
+
+def measure_copy_bound(total_bytes: int, repeats: int, device: str) -> dict:
+    """The copy bound of trainer device -> engine device through host memory, in this run:
+    one pinned device-to-host copy, one host memcpy and one pinned host-to-device copy of
+    ``total_bytes``."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    source = torch.full((total_bytes,), 5, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    staged = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=cuda)
+    landed = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=cuda)
+    legs: dict[str, list[float]] = {"d2h_s": [], "memcpy_s": [], "h2d_s": []}
+    for i in range(repeats + 1):
+        synchronize()
+        t0 = time.perf_counter()
+        staged.copy_(source, non_blocking=cuda)
+        synchronize()
+        t1 = time.perf_counter()
+        np.copyto(landed.numpy(), staged.numpy())
+        t2 = time.perf_counter()
+        target.copy_(landed, non_blocking=cuda)
+        synchronize()
+        t3 = time.perf_counter()
+        if i:
+            legs["d2h_s"].append(t1 - t0)
+            legs["memcpy_s"].append(t2 - t1)
+            legs["h2d_s"].append(t3 - t2)
+    bound = {leg: statistics.median(times) for leg, times in legs.items()}
+    bound["copy_bound_s"] = sum(bound.values())
+    bound["d2h_gb_per_s"] = total_bytes / bound["d2h_s"] / 1e9
+    bound["h2d_gb_per_s"] = total_bytes / bound["h2d_s"] / 1e9
+    return bound
 
 
 def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, persist: bool) -> tuple[subprocess.Popen, str]:
@@ -260,11 +333,11 @@ def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, p
     raise RuntimeError(f"the parameter server exited with {proc.wait()} before listening")
 
 
-def memory_need(total_bytes: int, ranks: int, instances: int, pooled: bool) -> int:
+def memory_need(total_bytes: int, ranks: int, instances: int, pooled: bool, largest_tensor: int = TENSOR_BYTES) -> int:
     """Bytes a cell holds at once: the PS's one memory slot (each version is deleted after it is
     measured, so the next reuses the slot), the ranks' shards and the instances' parameters
     (whole, or ``RING_TENSORS`` buffers each when pooled)."""
-    ring = min(total_bytes, RING_TENSORS * TENSOR_BYTES)
+    ring = min(total_bytes, RING_TENSORS * largest_tensor)
     if pooled:
         return total_bytes + ring * (ranks + instances)
     return total_bytes * (2 + instances)
@@ -293,7 +366,7 @@ def _median(values: list[float]) -> float:
 
 def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k: int, transport: str,
                total_bytes: int, repeats: int, next_version: Callable[[], int], memcpy_s: float, warmup: int = 1,
-               persist: bool = True) -> dict:
+               persist: bool = True, device: str = "host") -> dict:
     """``warmup`` unmeasured versions first: they map the shared-memory slots in every process
     (a fresh mapping costs a page fault per 4 KiB, several times the copy) and open connections."""
     rows = []
@@ -321,6 +394,9 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
             "lease_after_visible_s": max(x["leased"] for x in loaded) - (t0 + visible),
             "rank_extra_bytes": max(p["extra_bytes"] for p in pushed),
             "persist_s": summary["persist_seconds"],
+            "d2h_s": max(p["staged"] - p["started"] for p in pushed),
+            "push_to_visible_s": visible - max(p["staged"] - t0 for p in pushed),
+            "h2d_s": max(x["loaded"] - x["pulled"] for x in loaded),
         })
     cell = {
         "transport": transport, "ranks": n_ranks, "instances": k, "runs": repeats,
@@ -332,6 +408,9 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
         "rank_extra_bytes": max(r["rank_extra_bytes"] for r in rows),
         "persist_s": _median([r["persist_s"] for r in rows if r["persist_s"] is not None]) if persist else None,
     }
+    if device != "host":  # the legs of trainer device -> engine device
+        for leg in ("d2h_s", "push_to_visible_s", "h2d_s"):
+            cell[leg] = _median([r[leg] for r in rows])
     cell["push_gb_per_s"] = total_bytes / cell["visible_s"] / 1e9
     cell["push_gb_per_s_per_stream"] = cell["push_gb_per_s"] / n_ranks
     cell["visible_vs_memcpy"] = memcpy_s / cell["visible_s"]
@@ -340,22 +419,27 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
     return cell
 
 
-def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], instance_counts: list[int],
-               repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto") -> dict:
+def bench_table(label: str, table: dict, transports: list[str], rank_counts: list[int], instance_counts: list[int],
+                repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto",
+                device: str = "host") -> dict:
+    """Every cell (transport x ranks x instances) for one tensor table."""
     from staleflow.transports.client import ParamsClient
 
-    pooled = choose_pooling(total_bytes, rank_counts, instance_counts, pool)
+    total_bytes = table_bytes(table)
+    pooled = device == "host" and choose_pooling(total_bytes, rank_counts, instance_counts, pool)
     # persisting a version that does not fit in memory twice would measure the disk, not the sync
     persist = not pooled
-    result: dict = {"bytes": total_bytes, "tensors": len(tensor_table(total_bytes)), "chunk_mb": chunk_mb, "pooled": pooled,
-                    "persist": persist, "load_average_before": os.getloadavg()[0], "cells": [], "skipped": []}
-    result["memcpy"] = measure_memcpy(total_bytes, repeats, pooled)
+    result: dict = {"table": label, "bytes": total_bytes, "tensors": len(table), "chunk_mb": chunk_mb, "pooled": pooled,
+                    "device": device, "persist": persist, "load_average_before": os.getloadavg()[0], "cells": [], "skipped": []}
+    result["memcpy"] = measure_memcpy(table, repeats, pooled)
     memcpy_s = result["memcpy"]["median_s"]
+    if device != "host":
+        result["copy_bound"] = measure_copy_bound(total_bytes, repeats, device)
     counter = iter(range(1, 1 << 30))
     # decided before the PS's slot exists (the slot is counted in the need)
     verdicts = {(n, k): fits(total_bytes, n, k, pooled) for n in rank_counts for k in instance_counts}
     result["skipped"] = [{"ranks": n, "instances": k, "why": why} for (n, k), (ok, why) in verdicts.items() if not ok]
-    proc, url = start_params_server(workdir / f"ps-{total_bytes}", sorted({"http", *transports}), chunk_mb, persist)
+    proc, url = start_params_server(workdir / f"ps-{abs(hash(label))}", sorted({"http", *transports}), chunk_mb, persist)
     try:
         with ParamsClient(url, timeout=600) as client:
             for n_ranks in rank_counts:
@@ -363,15 +447,15 @@ def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], 
                 if not runnable:
                     advance()
                     continue
-                ranks = Workers(_rank_main, lambda r, n=n_ranks: (url, total_bytes, r, n, pooled), n_ranks)
-                instances = Workers(_instance_main, lambda _: (url, total_bytes, pooled), max(runnable))
+                ranks = Workers(_rank_main, lambda r, n=n_ranks: (url, table, r, n, pooled, device), n_ranks)
+                instances = Workers(_instance_main, lambda _: (url, table, pooled, device), max(runnable))
                 try:
                     result["shard_bytes"] = result.get("shard_bytes", {}) | {str(n_ranks): max(h["shard_bytes"] for h in ranks.hello)}
                     warmup = 1  # maps the slot in the new processes
                     for transport in transports:
                         for k in runnable:
                             result["cells"].append(bench_cell(ranks, instances, client, n_ranks, k, transport, total_bytes,
-                                                              repeats, lambda: next(counter), memcpy_s, warmup, persist))
+                                                              repeats, lambda: next(counter), memcpy_s, warmup, persist, device))
                 finally:
                     ranks.close()
                     instances.close()
@@ -382,25 +466,64 @@ def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], 
     one_pull = {c["transport"]: c["pull_s"] for c in result["cells"] if c["instances"] == 1 and c["ranks"] == rank_counts[0]}
     for cell in result["cells"]:
         cell["end_to_end_vs_copy_plus_pull"] = cell["end_to_end_s"] / (memcpy_s + one_pull.get(cell["transport"], float("nan")))
+        if "copy_bound" in result:
+            cell["end_to_end_vs_copy_bound"] = cell["end_to_end_s"] / result["copy_bound"]["copy_bound_s"]
     result["load_average_after"] = os.getloadavg()[0]
     return result
 
 
+def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], instance_counts: list[int],
+               repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto",
+               device: str = "host") -> dict:
+    """The synthetic table of ``total_bytes`` (tensors of 64 MiB)."""
+    return bench_table("synthetic", tensor_table(total_bytes), transports, rank_counts, instance_counts, repeats, chunk_mb,
+                       workdir, advance, pool, device)
+
+
+def compare_with_synthetic(results: dict) -> None:
+    """Each real table's rates against the synthetic table of its bytes (to 4 KiB) measured in the same
+    run (``vs_synthetic``: the real table's GB/s over the synthetic one's, per cell)."""
+    twins = {size["twin_of"]: size for size in results["sizes"] if size.get("twin_of")}
+    for size in results["sizes"]:
+        twin = twins.get(size.get("table"))
+        if size.get("table") == "synthetic" or twin is None:
+            continue
+        cells = {(c["transport"], c["ranks"], c["instances"]): c for c in twin["cells"]}
+        for cell in size["cells"]:
+            other = cells.get((cell["transport"], cell["ranks"], cell["instances"]))
+            if other is not None:
+                cell["vs_synthetic"] = {"push": cell["push_gb_per_s"] / other["push_gb_per_s"],
+                                        "pull": cell["pull_gb_per_s"] / other["pull_gb_per_s"]}
+
+
 def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[int], instance_counts: list[int],
-                     repeats: int = 3, chunk_mb: int = 64, pool: str = "auto") -> dict:
+                     repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: list[tuple[str, dict]] = (),
+                     synthetic_twins: bool = True, device: str = "host") -> dict:
+    """``sizes``: synthetic tables; ``models``: (label, tensor table) of real architectures, each
+    beside a synthetic table of its bytes when ``synthetic_twins``."""
     results: dict = {"transports": transports, "ranks": rank_counts, "instances": instance_counts, "repeats": repeats,
-                     "cpus": os.cpu_count(), "memory_bytes": total_memory(), "targets": TARGETS, "sizes": []}
+                     "cpus": os.cpu_count(), "memory_bytes": total_memory(), "targets": TARGETS, "device": device, "sizes": []}
+    work: list[tuple[str, dict, str | None]] = [("synthetic", tensor_table(size), None) for size in sizes]
+    for label, table in models:
+        work.append((label, table, None))
+        if synthetic_twins:
+            work.append(("synthetic", tensor_table(table_bytes(table)), label))
     with tempfile.TemporaryDirectory(prefix="staleflow-bench-params-") as tmp, \
             Progress(console=console, transient=True) as progress:
-        task = progress.add_task("parameter server benchmark", total=len(sizes) * len(rank_counts))
-        for size in sizes:
-            smallest = fits(size, min(rank_counts), min(instance_counts), choose_pooling(size, rank_counts, instance_counts, pool))
+        task = progress.add_task("parameter server benchmark", total=len(work) * len(rank_counts))
+        for label, table, twin_of in work:
+            size = table_bytes(table)
+            pooled = device == "host" and choose_pooling(size, rank_counts, instance_counts, pool)
+            smallest = fits(size, min(rank_counts), min(instance_counts), pooled)
             if not smallest[0]:
-                results["sizes"].append({"bytes": size, "cells": [], "skipped": [{"why": smallest[1]}]})
+                results["sizes"].append({"table": label, "bytes": size, "tensors": len(table), "cells": [],
+                                         "skipped": [{"why": smallest[1]}]})
                 progress.advance(task, len(rank_counts))
                 continue
-            results["sizes"].append(bench_size(size, transports, rank_counts, instance_counts, repeats, chunk_mb, Path(tmp),
-                                               lambda: progress.advance(task), pool))
+            results["sizes"].append(bench_table(label, table, transports, rank_counts, instance_counts, repeats, chunk_mb,
+                                                Path(tmp), lambda: progress.advance(task), pool, device)
+                                    | ({"twin_of": twin_of} if twin_of else {}))
+    compare_with_synthetic(results)
     return results
 
 
@@ -412,25 +535,44 @@ def _print(results: dict) -> None:
             continue
         memcpy = size["memcpy"]
         pooled = f"; pooled ({RING_TENSORS} buffers per rank and instance), not persisted" if size.get("pooled") else ""
-        table = Table(title=f"Weight sync of a {gb:.2f} GB state dict ({size['tensors']} tensors, {size['chunk_mb']} MiB chunks{pooled}); "
-                            f"memcpy {memcpy['median_s']:.3f} s ({memcpy['gb_per_s']:.1f} GB/s); load average "
+        bound = size.get("copy_bound")
+        bound_text = (f"; copy bound {bound['copy_bound_s']:.3f} s (D2H {bound['d2h_gb_per_s']:.1f} GB/s, memcpy "
+                      f"{bound['memcpy_s']:.3f} s, H2D {bound['h2d_gb_per_s']:.1f} GB/s)") if bound else ""
+        table = Table(title=f"Weight sync of a {gb:.2f} GB state dict: {size.get('table', 'synthetic')} ({size['tensors']} tensors, "
+                            f"{size['chunk_mb']} MiB chunks{pooled}, {size.get('device', 'host')}); "
+                            f"memcpy {memcpy['median_s']:.3f} s ({memcpy['gb_per_s']:.1f} GB/s){bound_text}; load average "
                             f"{size['load_average_before']:.1f} -> {size['load_average_after']:.1f}")
         columns = ("transport", "ranks", "inst.", "push s", "visible s", "push GB/s", "visible vs memcpy", "pull s",
                    "pull vs memcpy", "e2e s", "e2e / (memcpy+pull)", "rank extra MB (shard MB)", "persist s")
+        legs = bool(bound)
+        twins = any("vs_synthetic" in c for c in size["cells"])
+        columns += ("D2H s", "push to visible s", "H2D s", "e2e / copy bound") if legs else ()
+        columns += ("push, pull vs synthetic",) if twins else ()
         for column in columns:
             table.add_column(column, justify="left" if column == "transport" else "right")
         for c in size["cells"]:
             shard = size.get("shard_bytes", {}).get(str(c["ranks"]), 0)
+            extra = (f"{c['d2h_s']:.3f}", f"{c['push_to_visible_s']:.3f}", f"{c['h2d_s']:.3f}",
+                     f"{c['end_to_end_vs_copy_bound']:.2f}") if legs else ()
+            if twins:
+                versus = c.get("vs_synthetic")
+                extra += (f"{versus['push']:.2f}, {versus['pull']:.2f}" if versus else "-",)
             table.add_row(c["transport"], str(c["ranks"]), str(c["instances"]), f"{c['push_s']:.3f}", f"{c['visible_s']:.3f}",
                           f"{c['push_gb_per_s']:.2f}", _mark(c["visible_vs_memcpy"], c["transport"] == "shm", TARGETS["push_visible_shm"]),
                           f"{c['pull_s']:.3f}", _mark(c["pull_vs_memcpy"], c["transport"] == "shm" and c["instances"] == 1,
                                                       TARGETS["pull_shm"]),
                           f"{c['end_to_end_s']:.3f}", _mark(c["end_to_end_vs_copy_plus_pull"], False, 0),
                           f"{c['rank_extra_bytes'] / 2**20:.0f} ({shard / 2**20:.0f})",
-                          "off" if c["persist_s"] is None else f"{c['persist_s']:.2f}")
+                          "off" if c["persist_s"] is None else f"{c['persist_s']:.2f}", *extra)
         console.print(table)
         for skipped in size["skipped"]:
             console.print(f"  [yellow]skipped ranks={skipped.get('ranks')} instances={skipped.get('instances')}: {skipped['why']}[/]")
+
+
+def model_label(source: str) -> str:
+    """A model's name in the tables: its directory's name (of config.json), else the file's stem."""
+    path = Path(source)
+    return path.name if path.is_dir() else (path.parent.name or path.stem) if path.name == "config.json" else path.stem
 
 
 def _mark(value: float, has_target: bool, target: float) -> str:
@@ -442,7 +584,15 @@ def _mark(value: float, has_target: bool, target: float) -> str:
 def register(bench_app: typer.Typer) -> None:
     @bench_app.command("params")
     def params_cmd(
-        sizes: Annotated[str, typer.Option(help="state-dict sizes, comma-separated")] = "1GB,4GB,16GB",
+        sizes: Annotated[str | None, typer.Option(help="synthetic state-dict sizes, comma-separated (default 1GB,4GB,16GB; "
+                                                       "none with --model)")] = None,
+        model: Annotated[list[str] | None, typer.Option(help="a model directory or config.json: push and pull its real tensor "
+                                                             "table (shapes from transformers on the meta device; repeatable)")] = None,
+        dtype: Annotated[str | None, typer.Option(help="the real tables' floating dtype: bf16, fp16, fp32 (default: the config's)")] = None,
+        synthetic: Annotated[bool, typer.Option(help="with --model: also the synthetic table of each model's bytes, side by "
+                                                     "side")] = True,
+        device: Annotated[str, typer.Option(help="cpu: shards and parameters in host memory; cuda: ranks hold their shares "
+                                                 "on the GPU, instances load into GPU tensors (legs and copy bound reported)")] = "cpu",
         transports: Annotated[str, typer.Option(help="comma-separated: shm, http, nixl")] = "shm,http",
         ranks: Annotated[str, typer.Option(help="trainer ranks pushing at once, comma-separated")] = "1,2,4",
         instances: Annotated[str, typer.Option(help="instances pulling at once, comma-separated")] = "1,2,4",
@@ -456,6 +606,19 @@ def register(bench_app: typer.Typer) -> None:
     ) -> None:
         """Push (N ranks at once), visibility, pull (K instances at once) and end-to-end version
         latency per state-dict size, next to memcpy of the same bytes."""
+        if sizes is None:
+            sizes = "" if model else "1GB,4GB,16GB"
+        if device not in ("cpu", "cuda"):
+            raise fail(f"--device {device!r}: choose cpu or cuda")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise fail("--device cuda: torch sees no CUDA device here", "run on a GPU host or use --device cpu")
+        try:
+            tables = [(model_label(m), model_tensor_table(m, dtype)) for m in model or []]
+        except FormatError as exc:
+            raise fail(str(exc), "give a directory holding config.json, or the config.json itself") from None
         try:
             size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
             rank_list = [int(r) for r in ranks.split(",") if r.strip()]
@@ -476,7 +639,10 @@ def register(bench_app: typer.Typer) -> None:
             raise fail("--ranks and --instances need positive counts")
         if pool not in ("auto", "on", "off"):
             raise fail(f"--pool {pool!r}: choose from auto, on, off")
-        results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb, pool)
+        if not size_list and not tables:
+            raise fail("nothing to measure: give --sizes or --model")
+        results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb, pool, tables, synthetic,
+                                   "host" if device == "cpu" else device)
         emit_results(results, output, as_json, _print)
 
 

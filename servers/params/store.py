@@ -76,11 +76,24 @@ def versions_to_drop(committed: Iterable[int], keep: int) -> list[int]:
     return sorted(committed)[:-keep] if keep > 0 else sorted(committed)
 
 
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Non-overlapping byte ranges in offset order, the ones that touch joined into one."""
+    merged: list[tuple[int, int]] = []
+    for offset, length in sorted(r for r in ranges if r[1] > 0):
+        if merged and merged[-1][0] + merged[-1][1] == offset:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((offset, length))
+    return merged
+
+
 def split_ranges(ranges: Sequence[tuple[int, int]], chunk_bytes: int) -> list[ChunkSpec]:
     """A part's byte ranges of the data section cut into chunks of at most ``chunk_bytes``,
-    numbered within the part."""
+    numbered within the part. Ranges that touch (a pusher's consecutive tensors, each its own
+    range) are joined first, so a table of many small tensors makes as few chunks -- requests,
+    checksums, copies -- as one big tensor of the same bytes."""
     chunks: list[ChunkSpec] = []
-    for offset, length in ranges:
+    for offset, length in merge_ranges(ranges):
         for start in range(offset, offset + length, chunk_bytes):
             chunks.append(ChunkSpec(len(chunks), start, min(chunk_bytes, offset + length - start)))
     return chunks

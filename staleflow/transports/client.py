@@ -280,48 +280,55 @@ class ParamsClient(RestClient):
 
     def iter_pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
                   as_torch: bool = False, verify: bool = True, wait_s: float = 0.0,
-                  select: Selection | None = None) -> Iterator[tuple[str, Any]]:
+                  select: Selection | None = None, into: Any = None) -> Iterator[tuple[str, Any]]:
         """Yields (name, tensor) as each tensor's chunks have landed and been verified. Into
         ``out`` (name -> preallocated array of the right size) if given, else into one new buffer
         of the version's size. ``transport="auto"`` picks shm on the PS's host, http elsewhere.
-        ``select``: only these tensors, each whole or one tensor-parallel slice (see ``receive``)."""
+        ``select``: only these tensors, each whole or one tensor-parallel slice (see ``receive``).
+        ``into``: one flat buffer of the version's size to pull into instead (see ``receive``)."""
         lease = self._open_auto(version, wait_s) if transport == "auto" else self.open_pull(version, transport, wait_s)
         try:
-            yield from self.receive(lease, out=out, as_torch=as_torch, verify=verify, select=select)
+            yield from self.receive(lease, out=out, as_torch=as_torch, verify=verify, select=select, into=into)
         finally:
             self.close_pull(lease)
 
     def pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
              as_torch: bool = False, verify: bool = True, wait_s: float = 0.0,
-             select: Selection | None = None) -> dict[str, Any]:
+             select: Selection | None = None, into: Any = None) -> dict[str, Any]:
         """The whole state dict of ``version`` (a number, 'latest' or 'latest-N'), or the part of
         it ``select`` names."""
         return dict(self.iter_pull(version, transport, out=out, as_torch=as_torch, verify=verify, wait_s=wait_s,
-                                   select=select))
+                                   select=select, into=into))
 
     def receive(self, lease: PullLease, *, out: Mapping[str, Any] | None = None, as_torch: bool = False,
-                verify: bool = True, select: Selection | None = None) -> Iterator[tuple[str, Any]]:
+                verify: bool = True, select: Selection | None = None, into: Any = None) -> Iterator[tuple[str, Any]]:
         """The tensors of an open lease (see ``open_pull``), as ``iter_pull`` yields them.
 
         ``select`` pulls only some tensors: a mapping name -> ``None`` (whole) or ``TensorSlice``
         (one tensor-parallel part), a list of names, or a callable that takes the manifest and
         returns one of those (``select_prefix``, ``select_where``). Tensors then come with their
         selected shapes, and ``out`` needs a buffer of that shape for each selected tensor. Every
-        chunk the selected bytes come from is verified as in a whole pull."""
+        chunk the selected bytes come from is verified as in a whole pull.
+
+        ``into``: a writable C-contiguous buffer (numpy array or CPU torch tensor, e.g. a pinned
+        staging buffer kept across versions) of exactly the version's data-section bytes; the
+        whole data section lands in it as one region and the tensors come back as views of it."""
+        if into is not None and (out is not None or select is not None):
+            raise FormatError("give one of into=, out= and select=")
         if select is not None:
             yield from self._receive_selected(lease, select, out, as_torch, verify)
             return
         manifest = lease.manifest
         if out is not None:
             arrays = {t.name: _writable_array(out, t) for t in manifest.tensors}
-            into = ByteRegions.per_tensor(manifest.tensors, arrays)
+            regions = ByteRegions.per_tensor(manifest.tensors, arrays)
         else:
-            flat = np.empty(manifest.total_bytes, np.uint8)
+            flat = np.empty(manifest.total_bytes, np.uint8) if into is None else _flat_target(into, manifest.total_bytes)
             arrays = {t.name: _view_of(flat, t) for t in manifest.tensors}
-            into = ByteRegions.flat(flat)
+            regions = ByteRegions.flat(flat)
         pending = sorted(manifest.tensors, key=lambda t: t.offset + t.nbytes)
         next_tensor = 0
-        for verified_end in _verified_prefixes(self.transport(lease.transport), lease, into, verify):
+        for verified_end in _verified_prefixes(self.transport(lease.transport), lease, regions, verify):
             while next_tensor < len(pending) and pending[next_tensor].offset + pending[next_tensor].nbytes <= verified_end:
                 spec = pending[next_tensor]
                 next_tensor += 1
@@ -437,6 +444,17 @@ def _selected_target(out: Mapping[str, Any], name: str, dtype: str, shape: tuple
     if target.nbytes != nbytes:
         raise FormatError(f"out[{name!r}] holds {target.nbytes} bytes; the selection gives {nbytes} ({dtype} {list(shape)})")
     return target.reshape(-1).view(np.uint8)
+
+
+def _flat_target(into: Any, total_bytes: int) -> np.ndarray:
+    """``into`` as a flat byte array of exactly ``total_bytes``."""
+    if type(into).__module__.startswith("torch"):
+        into = _torch_bytes_target(into)
+    if not isinstance(into, np.ndarray) or not into.flags.writeable or not into.flags.c_contiguous:
+        raise FormatError("into must be a writable C-contiguous numpy array or CPU torch tensor")
+    if into.nbytes != total_bytes:
+        raise FormatError(f"into holds {into.nbytes} bytes; the version's data section has {total_bytes}")
+    return into.reshape(-1).view(np.uint8)
 
 
 def _byte_view_of(data: Any) -> memoryview:

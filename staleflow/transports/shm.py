@@ -227,10 +227,72 @@ def default_workers() -> int:
 
 
 def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview], algorithm: str | None) -> str | None:
-    """Copy ``source`` pieces into ``destination`` pieces (the same total length) in steps of
-    ``PIECE_BYTES``, hashing each step of the destination right after it is written, while it is
-    in cache. numpy's copy and xxhash both run without the GIL, so several threads overlap."""
+    """Copy ``source`` pieces into ``destination`` pieces (the same total length) in windows of
+    ``PIECE_BYTES``, hashing each window right after it is written, while it is in cache. numpy's
+    copy and xxhash both run without the GIL, so several threads overlap.
+
+    Many small pieces (a table of small tensors) cost no call per piece where one side is one
+    buffer: the pieces of a window are gathered into it with one ``np.concatenate`` (a push into
+    the slot), and a window is hashed once, where it is contiguous (the destination of a push, the
+    source of a pull -- the PS's slot, immutable while a lease is open)."""
     hasher = ChunkHasher(algorithm) if algorithm else None
+    if len(destination) == 1 and len(source) == 1:
+        return _copy_and_hash_one(np.frombuffer(destination[0], np.uint8), np.frombuffer(source[0], np.uint8), hasher)
+    if len(destination) == 1:
+        target = np.frombuffer(destination[0], np.uint8)
+        for start, pieces in _windows(source):
+            window = target[start:start + sum(len(p) for p in pieces)]
+            np.concatenate(pieces, out=window)
+            if hasher is not None:
+                hasher.update(window)
+        return hasher.hexdigest() if hasher is not None else None
+    if len(source) == 1:
+        origin = np.frombuffer(source[0], np.uint8)
+        for start, pieces in _windows(destination):
+            window = origin[start:start + sum(len(p) for p in pieces)]
+            position = 0
+            for piece in pieces:
+                np.copyto(piece, window[position:position + len(piece)])
+                position += len(piece)
+            if hasher is not None:
+                hasher.update(window)
+        return hasher.hexdigest() if hasher is not None else None
+    return _copy_and_hash_pieces(destination, source, hasher)
+
+
+def _windows(pieces: Sequence[memoryview]) -> Iterator[tuple[int, list[np.ndarray]]]:
+    """(offset in the concatenated pieces, the pieces' parts covering it) per window of about
+    ``PIECE_BYTES``: small pieces grouped, large ones cut."""
+    window: list[np.ndarray] = []
+    filled = start = position = 0
+    for view in pieces:
+        array = np.frombuffer(view, np.uint8)
+        taken = 0
+        while taken < len(array):
+            n = min(PIECE_BYTES - filled, len(array) - taken)
+            window.append(array[taken:taken + n])
+            taken += n
+            filled += n
+            if filled == PIECE_BYTES:
+                yield start, window
+                position += filled
+                window, filled, start = [], 0, position
+    if window:
+        yield start, window
+
+
+def _copy_and_hash_one(target: np.ndarray, origin: np.ndarray, hasher: ChunkHasher | None) -> str | None:
+    for start in range(0, len(target), PIECE_BYTES):
+        window = target[start:start + PIECE_BYTES]
+        np.copyto(window, origin[start:start + PIECE_BYTES])
+        if hasher is not None:
+            hasher.update(window)
+    return hasher.hexdigest() if hasher is not None else None
+
+
+def _copy_and_hash_pieces(destination: Sequence[memoryview], source: Sequence[memoryview],
+                          hasher: ChunkHasher | None) -> str | None:
+    """Both sides in several pieces: copy step by step, hashing each step of the destination."""
     src = [np.frombuffer(v, np.uint8) for v in source]
     dst = [np.frombuffer(v, np.uint8) for v in destination]
     si = so = 0
