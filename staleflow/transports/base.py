@@ -12,6 +12,7 @@ Pure logic and in-memory buffers only; no network or file I/O here.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -137,7 +138,33 @@ class ChunkSpec:
 
 def layout_tensors(specs: Iterable[tuple[str, str, Sequence[int]]], max_tensors: int = 1_000_000) -> list[TensorSpec]:
     """Place tensors back to back in the data section, in the given order. Validates names, dtypes
-    and shapes."""
+    and shapes. A table laid out before (every push of a model names the same one) comes from a
+    small cache: one pass to build its key instead of the validation and layout per tensor."""
+    specs = list(specs)
+    if len(specs) > max_tensors:
+        raise FormatError(f"more than {max_tensors} tensors")
+    try:
+        key: tuple | None = tuple((name, dtype, tuple(shape)) for name, dtype, shape in specs)
+    except TypeError:  # not triples of hashables: the checks below say what is wrong
+        key = None
+    if key is not None and not all(type(d) is int for _, _, shape in key for d in shape):
+        key = None  # 2.0 or True would equal a valid 2 or 1 in the cache; let the checks refuse them
+    cached = _LAYOUTS.get(key) if key is not None else None
+    if cached is not None:
+        return list(cached)
+    laid = _layout_checked(specs, max_tensors)
+    if key is not None:
+        if len(_LAYOUTS) >= _LAYOUT_CACHE_SIZE:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = tuple(laid)
+    return laid
+
+
+_LAYOUT_CACHE_SIZE = 8
+_LAYOUTS: dict[tuple, tuple[TensorSpec, ...]] = {}
+
+
+def _layout_checked(specs: Sequence[tuple[str, str, Sequence[int]]], max_tensors: int) -> list[TensorSpec]:
     laid: list[TensorSpec] = []
     seen: set[str] = set()
     offset = 0
@@ -171,14 +198,21 @@ def plan_chunks(total_bytes: int, chunk_bytes: int) -> list[ChunkSpec]:
 def safetensors_header(tensors: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None, align: int = 8) -> bytes:
     """The file prefix: length + JSON header, padded with spaces so the data starts ``align``-aligned
     (a multiple of 8)."""
-    header: dict[str, Any] = {}
+    entries = _header_entries(tuple(tensors))
     if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    for t in tensors:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
-    body = json.dumps(header, separators=(",", ":")).encode()
+        meta = json.dumps({"__metadata__": {str(k): str(v) for k, v in metadata.items()}}, separators=(",", ":"))
+        body = (meta[:-1] + ("," + entries[1:] if len(entries) > 2 else "}")).encode()
+    else:
+        body = entries.encode()
     body += b" " * (-(8 + len(body)) % align)
     return struct.pack("<Q", len(body)) + body
+
+
+@functools.lru_cache(maxsize=8)
+def _header_entries(tensors: tuple[TensorSpec, ...]) -> str:
+    """The header's tensor entries as a JSON object: the same for every version of a model."""
+    return json.dumps({t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
+                       for t in tensors}, separators=(",", ":"))
 
 
 def parse_safetensors_header(prefix: bytes) -> tuple[int, list[TensorSpec], dict[str, str]]:
