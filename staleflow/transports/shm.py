@@ -373,15 +373,16 @@ class ShmTransport(Transport):
         if len(source) < base + lease.manifest.total_bytes:
             raise TransportUnavailable(f"segment {lease.details['path']} is shorter than version {lease.manifest.version}")
 
-        def one(chunk: ChunkSpec) -> int:
-            algorithm = checksum_algorithm(chunk.checksum) if verify and chunk.checksum else None
-            start = base + chunk.offset
-            actual = copy_and_hash(into.views(chunk.offset, chunk.length), [source[start:start + chunk.length]], algorithm)
-            if algorithm is not None and actual != chunk.checksum:
-                raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual or "")
-            return chunk.offset + chunk.length
+        def batch(chunks: Sequence[ChunkSpec]) -> int:
+            for chunk in chunks:
+                algorithm = checksum_algorithm(chunk.checksum) if verify and chunk.checksum else None
+                start = base + chunk.offset
+                actual = copy_and_hash(into.views(chunk.offset, chunk.length), [source[start:start + chunk.length]], algorithm)
+                if algorithm is not None and actual != chunk.checksum:
+                    raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual or "")
+            return chunks[-1].offset + chunks[-1].length
 
-        yield from _in_order(self._executor(), one, lease.manifest.chunks, self.workers * 2)
+        yield from _in_order(self._executor(), batch, batches_of(lease.manifest.chunks), self.workers * 2)
 
     def pull_selected(self, lease: PullLease, plan: SelectionPlan, targets: Sequence[np.ndarray],
                       verify: bool) -> Iterator[int]:
@@ -420,14 +421,18 @@ class ShmTransport(Transport):
         target = self._mapping(session.details["path"], writable=True).view
         base = int(session.details["data_offset"])
 
-        def one(chunk: ChunkSpec) -> tuple[int, str]:
-            start = base + chunk.offset
-            checksum = copy_and_hash([target[start:start + chunk.length]], source.views(chunk.offset, chunk.length),
-                                     session.checksum_algorithm)
-            assert checksum is not None
-            return chunk.index, checksum
+        def batch(chunks: Sequence[ChunkSpec]) -> list[tuple[int, str]]:
+            sums = []
+            for chunk in chunks:
+                start = base + chunk.offset
+                checksum = copy_and_hash([target[start:start + chunk.length]], source.views(chunk.offset, chunk.length),
+                                         session.checksum_algorithm)
+                assert checksum is not None
+                sums.append((chunk.index, checksum))
+            return sums
 
-        return dict(_in_order(self._executor(), one, session.chunks, self.workers * 2))
+        return {index: checksum for sums in _in_order(self._executor(), batch, batches_of(session.chunks), self.workers * 2)
+                for index, checksum in sums}
 
     def close(self) -> None:
         with self._lock:
@@ -437,6 +442,24 @@ class ShmTransport(Transport):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+BATCH_BYTES = 4 << 20  # small chunks go to the copy threads together, up to this many bytes
+
+
+def batches_of(chunks: Sequence[ChunkSpec], batch_bytes: int = BATCH_BYTES) -> list[list[ChunkSpec]]:
+    """Consecutive chunks grouped into batches of at least ``batch_bytes`` (a big chunk alone):
+    a rank of several pushes one small chunk per tensor it holds rows of, and a task per chunk on
+    the copy threads would cost more than the copy."""
+    batches: list[list[ChunkSpec]] = []
+    filled = batch_bytes
+    for chunk in chunks:
+        if filled >= batch_bytes:
+            batches.append([])
+            filled = 0
+        batches[-1].append(chunk)
+        filled += chunk.length
+    return batches
 
 
 def _in_order(pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any], window: int) -> Iterator[T]:
