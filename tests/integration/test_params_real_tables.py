@@ -57,7 +57,7 @@ def push_from_ranks(client_url: str, version: int, table: dict, weights: dict, r
                 reply = client.push_part(version, rank, ranks, table, rank_share(weights, table, rank, ranks),
                                          transport=transport, wait_s=30)
                 assert reply["visible"]
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below, on the test thread
             errors.append(exc)
 
     threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(ranks)]
