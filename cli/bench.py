@@ -234,7 +234,8 @@ def _decision_scenario(n_instances: int, n_trajectories: int, steady: bool, seed
 
 
 def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int], repeats: int) -> dict:
-    from staleflow.strategies import StrategyConfig, plan_cycle
+    from staleflow.config.strategy import StrategyConfig
+    from staleflow.strategies import plan_cycle
 
     config = StrategyConfig()
     rows = []

@@ -26,19 +26,13 @@ from typing import Any
 
 import httpx
 
+from staleflow.config.strategy import StrategyConfig, SyncMode
 from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, Membership
 from staleflow.coordinator.reconcile import Suspicion, reconcile
 from staleflow.cost_model import CostModel
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.clients import AsyncManagerClient, async_http_client
-from staleflow.strategies import (
-    InstanceState,
-    PendingTrajectory,
-    SpeculativeState,
-    StrategyConfig,
-    SyncMode,
-    plan_cycle,
-)
+from staleflow.strategies import InstanceState, PendingTrajectory, SpeculativeState, plan_cycle
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ its messages.
 * ``reward``: the reward server;
 * ``trajectories``: the trajectory server and the built-in task;
 * ``instance``: a rollout instance and its sim / vLLM engine;
-* ``coordinator``: the coordinator, which contains the strategy (``StrategyConfig``);
+* ``coordinator``: the coordinator, which contains the strategy;
+* ``strategy``: the coordination strategy's settings (``StrategyConfig``), which ``staleflow.strategies`` runs;
 * ``job``: ``JobConfig``, one section per component, the trainer, and the engine presets.
 
 A component's ``XSettings`` is what a job sets of it (its section of ``JobConfig``); its ``XConfig``

@@ -1,5 +1,5 @@
 """The coordinator's settings: its strategy (``StrategyConfig``, declared once, in
-``staleflow.strategies``), its timeouts, its cost model and where the other services are."""
+``staleflow.config.strategy``), its timeouts, its cost model and where the other services are."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from staleflow.calibration.files import CalibrationRef
 from staleflow.calibration.schema import CostCoefficients
 from staleflow.config.common import HttpUrl, ServiceConfig
 from staleflow.config.manager import MANAGER_URL
-from staleflow.strategies import StrategyConfig
+from staleflow.config.strategy import StrategyConfig
 from staleflow.strict import StrictModel
 
 INSTANCE_ID = r"^[A-Za-z0-9._:@+\-]{1,200}$"

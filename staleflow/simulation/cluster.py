@@ -36,6 +36,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from staleflow.config.strategy import StrategyConfig, SyncMode
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError, LedgerParams, Transition
@@ -44,15 +45,7 @@ from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, Sim
 from staleflow.simulation.settings import ClusterConfig
 from staleflow.simulation.systems import Pipeline, WeightSync
 from staleflow.simulation.trajectory_pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
-from staleflow.strategies import (
-    AdmissionBudget,
-    CyclePlan,
-    InstanceState,
-    StrategyConfig,
-    SyncMode,
-    plan_cycle,
-    plan_migrations,
-)
+from staleflow.strategies import AdmissionBudget, CyclePlan, InstanceState, plan_cycle, plan_migrations
 from staleflow.workload import stable_normal
 
 

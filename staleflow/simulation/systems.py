@@ -44,7 +44,7 @@ import itertools
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from staleflow.strategies import MigrationMode, RoutingMode, StrategyConfig, SyncMode
+from staleflow.config.strategy import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 
 
 class Pipeline(StrEnum):

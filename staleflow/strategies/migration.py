@@ -18,13 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from staleflow.strategies.state import (
-    AdmissionBudget,
-    InstanceState,
-    MigrationMode,
-    PendingTrajectory,
-    StrategyConfig,
-)
+from staleflow.config.strategy import MigrationMode, StrategyConfig
+from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
 from staleflow.strategies.sync import Routable
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from staleflow.config.strategy import StrategyConfig
 from staleflow.strategies.migration import plan_migrations
 from staleflow.strategies.routing import RouteDecision, reachable, route
-from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory, StrategyConfig
+from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
 from staleflow.strategies.sync import plan_syncs
 
 

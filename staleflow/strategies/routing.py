@@ -27,13 +27,8 @@ from operator import attrgetter
 
 import numpy as np
 
-from staleflow.strategies.state import (
-    AdmissionBudget,
-    InstanceState,
-    PendingTrajectory,
-    RoutingMode,
-    StrategyConfig,
-)
+from staleflow.config.strategy import RoutingMode, StrategyConfig
+from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
 
 
 @dataclass(frozen=True)

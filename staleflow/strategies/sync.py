@@ -14,14 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from staleflow.config.strategy import StrategyConfig, SyncMode
 from staleflow.strategies.routing import route
-from staleflow.strategies.state import (
-    AdmissionBudget,
-    InstanceState,
-    PendingTrajectory,
-    StrategyConfig,
-    SyncMode,
-)
+from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
 
 
 def can_route_any(inst: InstanceState, pending: Sequence[PendingTrajectory], budget: AdmissionBudget,

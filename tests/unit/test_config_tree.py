@@ -24,9 +24,9 @@ from staleflow.config import (
     SimConfig,
     default_of,
 )
+from staleflow.config.strategy import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 from staleflow.coordinator.service import Coordinator
 from staleflow.cost_model import CostModel
-from staleflow.strategies import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 
 ROOT = Path(__file__).resolve().parents[2]
 URLS = {name: f"http://127.0.0.1:{9000 + i}" for i, name in

@@ -5,17 +5,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staleflow.config.strategy import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 from staleflow.cost_model import CostModel
 from staleflow.ledger import Ledger, LedgerError, LedgerParams
 from staleflow.strategies import (
     AdmissionBudget,
     InstanceState,
-    MigrationMode,
     PendingTrajectory,
-    RoutingMode,
     SpeculativeState,
-    StrategyConfig,
-    SyncMode,
     plan_cycle,
     plan_migrations,
     plan_syncs,

@@ -6,23 +6,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staleflow.config.strategy import MigrationMode, StrategyConfig, SyncMode
 from staleflow.cost_model import CostModel
 from staleflow.ledger import LedgerError, LedgerParams
 from staleflow.simulation.cluster import straggler_slowdowns
 from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.hardware import H20, QWEN3_30B_A3B, QWEN3_32B, RolloutInstance
-from staleflow.strategies import (
-    AdmissionBudget,
-    InstanceState,
-    MigrationMode,
-    PendingTrajectory,
-    StrategyConfig,
-    SyncMode,
-    plan_cycle,
-    plan_migrations,
-    plan_syncs,
-    route,
-)
+from staleflow.strategies import AdmissionBudget, InstanceState, PendingTrajectory, plan_cycle, plan_migrations, plan_syncs, route
 
 COST = CostModel(kv_budget=100_000)
 LOAD_AWARE = StrategyConfig(sync=SyncMode.LOAD_AWARE)

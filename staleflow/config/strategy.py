@@ -1,0 +1,70 @@
+"""The coordination strategy's settings (``StrategyConfig``): which routing, sync and migration
+rules the coordinator and the simulator run (``staleflow.strategies``), and their thresholds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class RoutingMode(StrEnum):
+    THROUGHPUT = "throughput"  # paper Algorithm 3: cost-model waterfall over a multi-level queue
+    VANILLA = "vanilla"  # fewest trajectories first, no threshold (§6.5 ablation)
+
+
+class SyncMode(StrEnum):
+    LOAD_AWARE = "load-aware"  # the authors' code: an idle-enough instance with nothing left to run at its version
+    SELECTIVE = "selective"  # paper Algorithm 4 as printed: only when it lets routing place work
+    GREEDY = "greedy"  # as soon as the PS has a newer version (§6.5 ablation)
+    GLOBAL = "global"  # in-flight-limited baselines: all instances together
+    NEVER = "never"  # the upper bound: instances keep their weights (no Pull, nothing interrupted)
+
+
+class MigrationMode(StrEnum):
+    STARVED = "starved"  # the authors' code: feed a starved instance from the busiest one, down to a floor
+    THROUGHPUT = "throughput"  # paper Algorithm 5 as printed
+    NONE = "none"  # trajectories move only when a sync interrupts them (§6.5 ablation)
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    routing: RoutingMode = RoutingMode.THROUGHPUT
+    sync: SyncMode = SyncMode.SELECTIVE
+    migration: MigrationMode = MigrationMode.THROUGHPUT
+    mu: float = 0.3  # route only when the gain is >= mu x the ideal gain (Eq. 4)
+    phi_wait: int = 3  # waiting trajectories tolerated per instance before migrating the excess
+    phi_throughput: float = 5.0  # max/min instance throughput ratio that triggers a migration
+    max_in_flight: int | None = None  # in-flight-limited baselines: cap on routed trajectories
+    # Trajectories that already have a V_traj (partials, members of reserved groups) go to the
+    # admissible instance with the largest gain, not through Algorithm 3's oldest-version-first
+    # waterfall: their staleness is fixed wherever they run, and the waterfall piled the stalest
+    # long partials onto the one old instance with room, which is then the next to be synced
+    # (docs/benchmarks.md, "What differs", 4). False: Algorithm 3 as printed.
+    versioned_by_gain: bool = True
+    # Routing keeps scanning a priority level past a trajectory no instance gains enough from
+    # (a shorter one behind it may still fit), as the authors' router does; False: the pass
+    # stops at the first withheld trajectory.
+    scan_withheld: bool = True
+    # Initial trajectories scan version groups by the ledger's remaining admission at their
+    # version (fewest first, the authors' "reserve capability" order); False: oldest version first.
+    order_by_reserve: bool = False
+    # Load-aware sync: a lagging instance syncs once its KV use is at most this share of its
+    # budget, its waiting queue is empty and no waiting versioned trajectory may run on it.
+    sync_kv_threshold: float = 0.5
+    # Starved migration: the instance handed back must hold at least this many trajectories.
+    migration_min_trajectories: int = 8
+    # A sync hands the instance's own trajectories straight back to it after the Pull (fixed
+    # assignment: what a system without migration does); False: they are routed anew.
+    pin_partials: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.mu <= 1:
+            raise ValueError(f"mu must be within [0, 1], got {self.mu}")
+        if self.phi_wait < 0:
+            raise ValueError(f"phi_wait must be >= 0, got {self.phi_wait}")
+        if self.phi_throughput < 1:
+            raise ValueError(f"phi_throughput must be >= 1, got {self.phi_throughput}")
+        if not 0 <= self.sync_kv_threshold <= 1:
+            raise ValueError(f"sync_kv_threshold must be within [0, 1], got {self.sync_kv_threshold}")
+        if self.migration_min_trajectories < 1:
+            raise ValueError(f"migration_min_trajectories must be >= 1, got {self.migration_min_trajectories}")
