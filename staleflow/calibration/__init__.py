@@ -32,16 +32,7 @@ from staleflow.calibration.fit import (
     metrics,
     score,
 )
-from staleflow.calibration.schema import (
-    CalibrationEntry,
-    CalibrationFile,
-    CostCoefficients,
-    FitQuality,
-    ProfileGridInfo,
-    Thresholds,
-    build_entry,
-    judge,
-)
+from staleflow.calibration.schema import CalibrationEntry, CalibrationFile, FitQuality, ProfileGridInfo, Thresholds, build_entry, judge
 
 __all__ = [
     "PAPER_MAPE",
@@ -49,7 +40,6 @@ __all__ = [
     "CalibrationError",
     "CalibrationFile",
     "CalibrationRef",
-    "CostCoefficients",
     "DecodeFit",
     "DecodeReport",
     "DecodeSample",

@@ -12,7 +12,8 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator
 
 from staleflow.calibration.fit import CalibrationError
-from staleflow.calibration.schema import CalibrationEntry, CalibrationFile, CostCoefficients
+from staleflow.calibration.schema import CalibrationEntry, CalibrationFile
+from staleflow.config.cost import CostCoefficients
 from staleflow.cost_model import CostModel
 from staleflow.strict import StrictModel
 

@@ -15,10 +15,10 @@ A component's ``XSettings`` is what a job sets of it (its section of ``JobConfig
 adds where it listens and what it talks to, and is what the service runs with. The cost model's
 coefficients are declared once, ``CostCoefficients`` (``CostConfig`` here)."""
 
-from staleflow.calibration.schema import CostCoefficients
 from staleflow.config.cluster import ClusterConfig, NodeSelector
 from staleflow.config.common import HttpUrl, ServiceConfig, check_database_url, default_of
 from staleflow.config.coordinator import CoordinatorConfig, CoordinatorSettings, InstanceEndpoint
+from staleflow.config.cost import CostCoefficients
 from staleflow.config.instance import InstanceConfig, InstanceSettings, SimConfig, VllmConfig
 from staleflow.config.job import (
     DEMO_ALGORITHM,
@@ -37,7 +37,7 @@ from staleflow.config.trajectories import SamplingConfig, TaskConfig, Trajectory
 from staleflow.strict import StrictModel
 
 CostConfig = CostCoefficients
-"""The cost model's coefficients (one model: ``staleflow.calibration.schema.CostCoefficients``)."""
+"""The cost model's coefficients (one model: ``staleflow.config.cost.CostCoefficients``)."""
 
 __all__ = [
     "ClusterConfig",

@@ -8,8 +8,8 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from staleflow.calibration.files import CalibrationRef
-from staleflow.calibration.schema import CostCoefficients
 from staleflow.config.common import HttpUrl, ServiceConfig
+from staleflow.config.cost import CostCoefficients
 from staleflow.config.manager import MANAGER_URL
 from staleflow.config.strategy import StrategyConfig
 from staleflow.strict import StrictModel

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from staleflow.calibration.schema import CostCoefficients
 from staleflow.config.common import ServiceConfig
+from staleflow.config.cost import CostCoefficients
 from staleflow.engines.sim import Clock, SimParams
 from staleflow.strict import StrictModel
 from staleflow.workload import PRESETS, preset

@@ -114,7 +114,7 @@ def test_timeouts_are_declared_once() -> None:
 
 
 def test_one_cost_coefficient_model() -> None:
-    from staleflow.calibration import CostCoefficients
+    from staleflow.config.cost import CostCoefficients
 
     assert CostConfig is CostCoefficients and issubclass(SimConfig, CostCoefficients)
     assert CostCoefficients().cost_model() == CostModel()
