@@ -60,10 +60,10 @@ def job_config(file: Path | None, **flags: Any) -> JobConfig:
         names = {**flag_names(flags, JobConfig.flat_settings), "logger.backends": "--logger"}
         raise validation_failure(exc, names, JobConfig, complete_flags=True) from None
     if config.calibration is not None:  # read before anything starts (the coordinator reads it again)
-        from staleflow.calibration import CalibrationError
+        from staleflow.calibration import CalibrationError, referenced_entry
 
         try:
-            config.calibration.entry()
+            referenced_entry(config.calibration)
         except CalibrationError as exc:
             raise fail(f"invalid configuration:\n  coordinator.calibration (--calibration): {exc}",
                        "point --calibration (or calibration.file) at a file `staleflow calibrate` wrote, naming "

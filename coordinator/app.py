@@ -12,6 +12,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from staleflow import metrics as m
+from staleflow.calibration.files import resolved_cost
 from staleflow.config.coordinator import INSTANCE_ID, CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.service import Coordinator, InstanceRecord, InstanceStatus
 from staleflow.errors import ErrorCode, StaleFlowError
@@ -120,7 +121,7 @@ CoordinatorDep = Annotated[Coordinator, Depends(the_coordinator)]
 def create_app(config: CoordinatorConfig) -> FastAPI:
     """The coordinator's app. The calibration file ``config`` names is read here, where the service
     starts (``CalibrationError`` naming the problem if it cannot be used)."""
-    cost = config.resolved_cost().cost_model()
+    cost = resolved_cost(config.cost, config.calibration).cost_model()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

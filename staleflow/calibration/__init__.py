@@ -2,18 +2,19 @@
 
 * ``fit``: the pure fits (decode-step latency, KV footprint, prefill), no I/O;
 * ``schema``: the calibration file's models and ``build_entry``;
-* ``files``: reading and writing calibration files, ``CalibrationRef``;
+* ``files``: reading and writing calibration files, and the entry a config's ``CalibrationRef`` names;
 * ``profile``: the engine-driving probes and the measurement driver (imports the engines, so it
   is not re-exported here);
 * ``cpu``: the ``/proc`` meter of other processes' CPU use.
 """
 
 from staleflow.calibration.files import (
-    CalibrationRef,
     entry_summary,
     load_calibration,
     load_entry,
     read_calibration,
+    referenced_entry,
+    resolved_cost,
     write_calibration,
 )
 from staleflow.calibration.fit import (
@@ -39,7 +40,6 @@ __all__ = [
     "CalibrationEntry",
     "CalibrationError",
     "CalibrationFile",
-    "CalibrationRef",
     "DecodeFit",
     "DecodeReport",
     "DecodeSample",
@@ -60,6 +60,8 @@ __all__ = [
     "load_entry",
     "metrics",
     "read_calibration",
+    "referenced_entry",
+    "resolved_cost",
     "score",
     "write_calibration",
 ]

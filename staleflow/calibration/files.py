@@ -1,5 +1,4 @@
-"""Reading and writing calibration files, and ``CalibrationRef``, which names an entry in one from a
-config."""
+"""Reading and writing calibration files, and reading the entry a config's ``CalibrationRef`` names."""
 
 from __future__ import annotations
 
@@ -9,13 +8,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from staleflow.calibration.fit import CalibrationError
 from staleflow.calibration.schema import CalibrationEntry, CalibrationFile
+from staleflow.config.calibration import CalibrationRef
 from staleflow.config.cost import CostCoefficients
 from staleflow.cost_model import CostModel
-from staleflow.strict import StrictModel
 
 
 def read_calibration(path: str | os.PathLike[str]) -> CalibrationFile:
@@ -82,34 +81,19 @@ def load_calibration(
     return load_entry(path, model, parallelism, allow_poor=allow_poor).cost.cost_model()
 
 
-class CalibrationRef(StrictModel):
-    """Where a service's cost model comes from: an entry of a calibration file (``calibration:`` in a
-    job or coordinator config). Only a reference: the file is read where the service starts
-    (``coefficients``), and the CLI reads it before a job starts, so a missing file, an unknown
-    model or a poor fit stops ``staleflow up`` before anything runs."""
+def referenced_entry(ref: CalibrationRef) -> CalibrationEntry:
+    """The entry a config's ``calibration:`` names (CalibrationError naming the problem otherwise)."""
+    file = read_calibration(ref.file)
+    model = ref.model or _only(file.entries, f"{str(ref.file)!r} holds models", "model")
+    parallelism = ref.parallelism
+    if parallelism is None and model in file.entries:
+        parallelism = _only(file.entries[model], f"model {model!r} has parallelisms", "parallelism")
+    return load_entry(ref.file, model, parallelism or "tp1", allow_poor=ref.allow_poor)
 
-    file: Path = Field(description="calibration file written by `staleflow calibrate`")
-    model: str | None = Field(None, description="model key; may be left out when the file has one model")
-    parallelism: str | None = Field(None, description="parallelism key; may be left out when the model has one")
-    allow_poor: bool = Field(False, description="use an entry marked ok=false (a poor fit)")
 
-    @field_validator("file")
-    @classmethod
-    def _absolute(cls, file: Path) -> Path:
-        return file.absolute()  # components started in another directory (`up --processes`) find it too
-
-    def entry(self) -> CalibrationEntry:
-        """The referenced entry (CalibrationError naming the problem otherwise)."""
-        file = read_calibration(self.file)
-        model = self.model or _only(file.entries, f"{str(self.file)!r} holds models", "model")
-        parallelism = self.parallelism
-        if parallelism is None and model in file.entries:
-            parallelism = _only(file.entries[model], f"model {model!r} has parallelisms", "parallelism")
-        return load_entry(self.file, model, parallelism or "tp1", allow_poor=self.allow_poor)
-
-    def coefficients(self) -> CostCoefficients:
-        """The entry's cost coefficients, as the coordinator's ``cost`` section holds them."""
-        return self.entry().cost
+def resolved_cost(cost: CostCoefficients, calibration: CalibrationRef | None) -> CostCoefficients:
+    """A service's cost-model coefficients: the ``calibration`` entry's (read now) or ``cost``."""
+    return referenced_entry(calibration).cost if calibration is not None else cost
 
 
 def _only(keys: dict[str, Any], what: str, field: str) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from staleflow.calibration.files import CalibrationRef
+from staleflow.config.calibration import CalibrationRef
 from staleflow.config.common import HttpUrl, ServiceConfig
 from staleflow.config.cost import CostCoefficients
 from staleflow.config.manager import MANAGER_URL
@@ -71,11 +71,6 @@ class CoordinatorSettings(StrictModel):
         if self.calibration is not None and "cost" in self.model_fields_set and self.cost != CostCoefficients():
             raise ValueError("give either cost (coefficients) or calibration (a calibration file), not both")
         return self
-
-    def resolved_cost(self) -> CostCoefficients:
-        """The cost model's coefficients: the calibration entry's (read now: CalibrationError naming
-        the problem otherwise) or ``cost``."""
-        return self.calibration.coefficients() if self.calibration is not None else self.cost
 
 
 class CoordinatorConfig(CoordinatorSettings, ServiceConfig):

@@ -28,6 +28,8 @@ from staleflow.calibration import (
     load_calibration,
     load_entry,
     read_calibration,
+    referenced_entry,
+    resolved_cost,
     write_calibration,
 )
 from staleflow.calibration.profile import ProfileConfig, plan_points, trim_outliers
@@ -287,7 +289,7 @@ def test_coordinator_and_up_take_the_cost_from_a_calibration_file(tmp_path: Path
     assert job.coordinator.calibration == job.calibration  # the flat setting lives in the coordinator's section
     config = job.coordinator_config({"manager": "http://127.0.0.1:1", "ts": "http://127.0.0.1:2",
                                      "params": "http://127.0.0.1:3"}, [])  # as launch/job.py does
-    cost = config.resolved_cost()
+    cost = resolved_cost(config.cost, config.calibration)
     assert cost.k5 == 1.07 and cost.kv_budget == 5e5
     assert cost.k3 == pytest.approx(HIDDEN.k3, rel=1e-6)
     assert CoordinatorConfig.model_validate_json(config.model_dump_json()) == config  # a dumped config
@@ -300,13 +302,14 @@ def test_coordinator_and_up_take_the_cost_from_a_calibration_file(tmp_path: Path
     with pytest.raises(typer.Exit):  # `up` reads it before anything starts
         job_config(None, calibration={"file": str(tmp_path / "missing.json")})
     with pytest.raises(CalibrationError, match="no calibration for model 'other'"):
-        JobConfig(calibration={"file": str(path), "model": "other"}).calibration.entry()
+        referenced_entry(JobConfig(calibration={"file": str(path), "model": "other"}).calibration)
     poor = build_entry(model="tiny", parallelism="tp2", engine="vllm", report=fit_decode(synthetic(HIDDEN, noise=0.05)),
                        k5=1.0, kv_r2=1.0, kv_budget=5e5, thresholds=Thresholds(max_mape=1e-3))
     write_calibration(path, poor)
     with pytest.raises(CalibrationError, match="tp1.*tp2.*calibration.parallelism"):  # two entries: name one
-        JobConfig(calibration={"file": str(path)}).calibration.entry()
+        referenced_entry(JobConfig(calibration={"file": str(path)}).calibration)
     with pytest.raises(CalibrationError, match="poor fit"):
-        JobConfig(calibration={"file": str(path), "parallelism": "tp2"}).calibration.entry()
-    assert JobConfig(calibration={"file": str(path), "parallelism": "tp2", "allow_poor": True}).calibration.entry()
-    assert CoordinatorConfig(ts_url="http://127.0.0.1:9").resolved_cost().k1 == CostModel().k1  # defaults
+        referenced_entry(JobConfig(calibration={"file": str(path), "parallelism": "tp2"}).calibration)
+    assert referenced_entry(JobConfig(calibration={"file": str(path), "parallelism": "tp2", "allow_poor": True}).calibration)
+    defaults = CoordinatorConfig(ts_url="http://127.0.0.1:9")
+    assert resolved_cost(defaults.cost, defaults.calibration).k1 == CostModel().k1
