@@ -35,9 +35,9 @@ from staleflow.calibration import (
 )
 from staleflow.calibration.profile import Probe, ProfileConfig, SimProbe, VllmProbe, entry_from_profile, profile
 from staleflow.cli.common import console, err_console, fail
+from staleflow.config.engines import SimParams
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import EngineError
-from staleflow.engines.sim import SimParams
 
 POOR_FIT_EXIT = 3
 CALIBRATE_INSTALL = {  # the install that brings scikit-learn, by engine

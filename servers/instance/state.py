@@ -17,13 +17,14 @@ from typing import Any
 
 import httpx
 
+from staleflow.config.engines import Clock
 from staleflow.engines.base import (
     CompletedTrajectory,
     EngineError,
     EngineSnapshot,
     RolloutEngine,
 )
-from staleflow.engines.sim import Clock, SimEngine
+from staleflow.engines.sim import SimEngine
 from staleflow.errors import ErrorCode
 from staleflow.servers.clients import async_http_client
 from staleflow.servers.instance.config import InstanceConfig, create_engine

@@ -46,6 +46,7 @@ from staleflow.calibration import (
     fit_prefill,
 )
 from staleflow.calibration.cpu import CpuMeter
+from staleflow.config.engines import Clock, SimParams
 from staleflow.engines.base import (
     EngineError,
     RolloutEngine,
@@ -55,7 +56,7 @@ from staleflow.engines.base import (
     WeightsPath,
     WeightsRef,
 )
-from staleflow.engines.sim import Clock, SimEngine, SimParams
+from staleflow.engines.sim import SimEngine
 
 ProgressFn = Callable[[int, int, str], None]  # (completed, total, what is being measured)
 

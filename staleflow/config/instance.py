@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from staleflow.config.common import ServiceConfig
 from staleflow.config.cost import CostCoefficients
-from staleflow.engines.sim import Clock, SimParams
+from staleflow.config.engines import Clock, SimParams
 from staleflow.strict import StrictModel
 from staleflow.workload import PRESETS, preset
 

@@ -45,11 +45,10 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import Any
 
-from staleflow.cost_model import CostModel
+from staleflow.config.engines import Clock, SimParams
 from staleflow.engines.base import (
     AbortResult,
     CompletedTrajectory,
@@ -68,52 +67,7 @@ from staleflow.engines.base import (
     check_version,
     with_response,
 )
-from staleflow.workload import WorkloadModel, preset, pseudo_tokens, stable_normal
-
-
-class Clock(StrEnum):
-    VIRTUAL = "virtual"
-    REAL = "real"
-
-
-@dataclass(frozen=True)
-class SimParams:
-    """Everything that shapes one simulated instance. Defaults: paper Table 4 and its 20K workload."""
-
-    cost: CostModel = field(default_factory=CostModel)
-    workload: WorkloadModel = field(default_factory=lambda: preset("paper-20k"))
-    prefill_seconds_per_token: float = 2e-5
-    pull_bandwidth_bytes_per_s: float = 25e9  # PCIe DMA from a co-located parameter server
-    pull_latency_s: float = 0.5
-    model_bytes: int = 61_000_000_000  # Qwen3-30B-A3B in bf16
-    max_running: int = 256  # vLLM's max_num_seqs
-    prefill_attention_seconds: float = 0.0  # per (query, key) pair of causal prefill attention
-    reprefill: bool = True  # False: only a trajectory's first admission prefills (an upper bound's engine)
-    slowdown: float = 1.0  # persistent factor on every step and prefill (a straggler: > 1)
-    noise: float = 0.0  # sigma of the log-normal step-latency factor (mean 1)
-    noise_block_steps: int = 64  # steps that share one noise draw
-    seed: int = 0
-    initial_version: int = 0
-
-    def __post_init__(self) -> None:
-        if self.prefill_seconds_per_token < 0 or self.prefill_attention_seconds < 0:
-            raise ValueError("prefill_seconds_per_token and prefill_attention_seconds must be >= 0")
-        if not self.slowdown > 0:
-            raise ValueError("slowdown must be > 0")
-        if self.pull_bandwidth_bytes_per_s <= 0:
-            raise ValueError("pull_bandwidth_bytes_per_s must be > 0")
-        if self.pull_latency_s < 0 or self.model_bytes < 0:
-            raise ValueError("pull_latency_s and model_bytes must be >= 0")
-        if self.max_running < 1:
-            raise ValueError("max_running must be >= 1")
-        if self.noise < 0 or self.noise_block_steps < 1:
-            raise ValueError("noise must be >= 0 and noise_block_steps >= 1")
-        if self.initial_version < 0:
-            raise ValueError("initial_version must be >= 0")
-
-    def pull_seconds(self, size_bytes: int | None = None) -> float:
-        size = self.model_bytes if size_bytes is None else size_bytes
-        return self.pull_latency_s + size / self.pull_bandwidth_bytes_per_s
+from staleflow.workload import WorkloadModel, pseudo_tokens, stable_normal
 
 
 class _Live:
@@ -690,4 +644,4 @@ class SimEngine(RolloutEngine):
                 pass
 
 
-__all__ = ["Clock", "SimCore", "SimEngine", "SimFinished", "SimParams", "SimStats"]
+__all__ = ["SimCore", "SimEngine", "SimFinished", "SimStats"]

@@ -38,8 +38,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 
+from staleflow.config.engines import SimParams
 from staleflow.cost_model import CostModel
-from staleflow.engines.sim import SimParams
 from staleflow.simulation.hardware import H20, QWEN3_30B_A3B, QWEN3_32B, RolloutInstance
 from staleflow.simulation.settings import CommandCosts, TrainerModel
 from staleflow.simulation.systems import REDUNDANCY_RATIO

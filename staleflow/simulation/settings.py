@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from staleflow.engines.sim import SimParams
+from staleflow.config.engines import SimParams
 from staleflow.simulation.systems import SystemSpec
 from staleflow.workload import WorkloadModel
 

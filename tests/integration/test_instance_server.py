@@ -18,8 +18,9 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from staleflow.cli.serve_instance import build_config, register
+from staleflow.config.engines import SimParams
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
-from staleflow.engines.sim import SimCore, SimParams
+from staleflow.engines.sim import SimCore
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, create_app
 from staleflow.servers.instance.state import CALLBACK_ERROR_ATTEMPTS

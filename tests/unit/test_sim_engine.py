@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from staleflow.config.engines import SimParams
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import (
     EngineError,
@@ -24,7 +25,7 @@ from staleflow.engines.base import (
     TrajectoryRequest,
     WeightsPath,
 )
-from staleflow.engines.sim import SimCore, SimEngine, SimParams
+from staleflow.engines.sim import SimCore, SimEngine
 from staleflow.workload import preset
 
 TINY = preset("ci-tiny", seed=3)
