@@ -109,7 +109,7 @@ def _vllm_probe(model: Path | None, dtype: str, max_model_len: int, kv_cache_gib
     if not model.is_dir():
         raise fail(f"model directory {str(model)!r} does not exist",
                    "pass a local directory with config.json and weights")
-    from staleflow.engines.vllm_engine import VllmEngineParams
+    from staleflow.config.engines import VllmEngineParams
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the report / --json
     if cpu_threads is not None:  # CPU builds: the engine core's OpenMP threads, unpinned (see docs/calibrate.md)

@@ -14,7 +14,8 @@ def create_engine(config: InstanceConfig) -> RolloutEngine:
     if config.engine == "sim":
         sim = config.sim
         return SimEngine(sim.params(), instance_id=config.instance_id, clock=sim.clock, speed=sim.speed)
-    from staleflow.engines.vllm_engine import VllmEngine, VllmEngineParams
+    from staleflow.config.engines import VllmEngineParams
+    from staleflow.engines.vllm_engine import VllmEngine
 
     assert config.vllm is not None
     params = VllmEngineParams(**config.vllm.model_dump())

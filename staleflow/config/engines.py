@@ -1,11 +1,13 @@
 """What each rollout engine is built with: the simulated engine's ``SimParams`` and ``Clock``
-(``staleflow.engines.sim``). A job or instance config's engine sections (``staleflow.config.instance``)
-turn into these."""
+(``staleflow.engines.sim``) and the vLLM engine's ``VllmEngineParams``
+(``staleflow.engines.vllm_engine``). A job or instance config's engine sections
+(``staleflow.config.instance``) turn into these."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from staleflow.cost_model import CostModel
 from staleflow.workload import WorkloadModel, preset
@@ -54,3 +56,16 @@ class SimParams:
     def pull_seconds(self, size_bytes: int | None = None) -> float:
         size = self.model_bytes if size_bytes is None else size_bytes
         return self.pull_latency_s + size / self.pull_bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class VllmEngineParams:
+    model: str  # a local model directory with config, safetensors and tokenizer
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    seed: int = 0
+    enforce_eager: bool = True
+    kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (CPU builds); None keeps the environment's
+    max_num_seqs: int | None = None
+    initial_version: int = 0
+    engine_args: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is

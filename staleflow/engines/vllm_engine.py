@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from staleflow.config.engines import VllmEngineParams
 from staleflow.engines.accounting import (
     RESUME_MARK,
     EngineTimeline,
@@ -90,19 +91,6 @@ def vllm_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class VllmEngineParams:
-    model: str  # a local model directory with config, safetensors and tokenizer
-    dtype: str = "bfloat16"
-    max_model_len: int = 4096
-    seed: int = 0
-    enforce_eager: bool = True
-    kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (CPU builds); None keeps the environment's
-    max_num_seqs: int | None = None
-    initial_version: int = 0
-    engine_args: dict[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs as is
 
 
 @dataclass

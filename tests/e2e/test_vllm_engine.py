@@ -45,6 +45,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.torch]
 
+from staleflow.config.engines import VllmEngineParams  # noqa: E402
 from staleflow.engines.base import (  # noqa: E402
     FinishReason,
     SamplingParams,
@@ -53,7 +54,7 @@ from staleflow.engines.base import (  # noqa: E402
     WeightsBlob,
     WeightsPath,
 )
-from staleflow.engines.vllm_engine import VllmEngine, VllmEngineParams  # noqa: E402
+from staleflow.engines.vllm_engine import VllmEngine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
