@@ -17,7 +17,8 @@ from rich.table import Table
 
 from staleflow.cli.common import console, emit_results, fail
 from staleflow.config import LedgerConfig, ManagerConfig
-from staleflow.ledger import Ledger, LedgerParams
+from staleflow.config.manager import LedgerParams
+from staleflow.ledger import Ledger
 
 
 def _fill_and_drain(ledger, params: LedgerParams, prefix: str, workers: int = 1) -> int:

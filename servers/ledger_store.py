@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, update
 
+from staleflow.config.manager import LedgerParams
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.ledger import (
     BufferView,
@@ -35,7 +36,6 @@ from staleflow.ledger import (
     Fate,
     Ledger,
     LedgerError,
-    LedgerParams,
     PutEntry,
     RetireEntry,
     SetSealed,

@@ -32,8 +32,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cached_property
 
+from staleflow.config.manager import LedgerParams
 from staleflow.errors import ErrorCode, StaleFlowError
 
 
@@ -58,35 +58,6 @@ class Fate(StrEnum):
 
 class LedgerError(StaleFlowError):
     """A refused transition."""
-
-
-@dataclass(frozen=True)
-class LedgerParams:
-    eta: int
-    batch_size: int
-    batch_redundancy: float = 0.0
-    group_size: int = 1
-    group_redundancy: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.eta < 0:
-            raise ValueError("eta (staleness bound) must be >= 0")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        if self.group_size < 1:
-            raise ValueError("group_size must be >= 1")
-        if self.batch_redundancy < 0 or self.group_redundancy < 0:
-            raise ValueError("redundancy ratios must be >= 0")
-
-    @cached_property
-    def capacity(self) -> int:
-        """Groups admitted per buffer window (B plus batch-level redundancy)."""
-        return self.batch_size + math.floor(self.batch_size * self.batch_redundancy + 1e-9)
-
-    @property
-    def group_members(self) -> int:
-        """Trajectories generated per group (G plus group-level redundancy)."""
-        return self.group_size + math.floor(self.group_size * self.group_redundancy + 1e-9)
 
 
 @dataclass

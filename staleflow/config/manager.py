@@ -1,19 +1,52 @@
-"""The staleness manager's settings: the ledger's parameters and where its durable state lives."""
+"""The staleness manager's settings: the ledger's parameters (``LedgerParams``, what
+``staleflow.ledger.Ledger`` runs with, and ``LedgerConfig``, their settings) and where its durable
+state lives."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from staleflow.config.common import STATE_DIR, ServiceConfig, check_database_url
-from staleflow.ledger import LedgerParams
 from staleflow.strict import StrictModel
 
 MANAGER_PORT = 8321
 MANAGER_URL = f"http://127.0.0.1:{MANAGER_PORT}"
 """Where the other components find the manager unless told otherwise."""
+
+
+@dataclass(frozen=True)
+class LedgerParams:
+    eta: int
+    batch_size: int
+    batch_redundancy: float = 0.0
+    group_size: int = 1
+    group_redundancy: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.eta < 0:
+            raise ValueError("eta (staleness bound) must be >= 0")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if self.group_size < 1:
+            raise ValueError("group_size must be >= 1")
+        if self.batch_redundancy < 0 or self.group_redundancy < 0:
+            raise ValueError("redundancy ratios must be >= 0")
+
+    @cached_property
+    def capacity(self) -> int:
+        """Groups admitted per buffer window (B plus batch-level redundancy)."""
+        return self.batch_size + math.floor(self.batch_size * self.batch_redundancy + 1e-9)
+
+    @property
+    def group_members(self) -> int:
+        """Trajectories generated per group (G plus group-level redundancy)."""
+        return self.group_size + math.floor(self.group_size * self.group_redundancy + 1e-9)
 
 
 class LedgerConfig(StrictModel):

@@ -36,10 +36,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from staleflow.config.manager import LedgerParams
 from staleflow.config.strategy import StrategyConfig, SyncMode
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
-from staleflow.ledger import Ledger, LedgerError, LedgerParams, Transition
+from staleflow.ledger import Ledger, LedgerError, Transition
 from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
 from staleflow.simulation.settings import ClusterConfig

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from staleflow.ledger import LedgerError, LedgerParams, Transition
+from staleflow.config.manager import LedgerParams
+from staleflow.ledger import LedgerError, Transition
 
 UNBOUNDED = 1 << 40
 

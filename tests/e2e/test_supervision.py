@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from staleflow.config import JobConfig, LedgerConfig
+from staleflow.config.manager import LedgerParams
 from staleflow.launch.job import Job
-from staleflow.ledger import LedgerParams
 from staleflow.servers.ledger_store import DurableLedger
 from staleflow.servers.trajectories.store import TrajectoryStore
 

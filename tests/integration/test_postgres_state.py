@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
-from staleflow.ledger import LedgerParams
+from staleflow.config.manager import LedgerParams
 from staleflow.servers import db
 from staleflow.servers.ledger_store import DurableLedger, LedgerInUse, StoreError, consumption_record
 from staleflow.servers.trajectories.store import StoreUnavailable, TrajectoryStore, TrajectoryStoreInUse

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from staleflow.ledger import BufferState, EntryStatus, Fate, Ledger, LedgerError, LedgerParams
+from staleflow.config.manager import LedgerParams
+from staleflow.ledger import BufferState, EntryStatus, Fate, Ledger, LedgerError
 
 
 def states(ledger: Ledger) -> dict[int, str]:

@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from staleflow.ledger import EntryStatus, Fate, Ledger, LedgerError, LedgerParams
+from staleflow.config.manager import LedgerParams
+from staleflow.ledger import EntryStatus, Fate, Ledger, LedgerError
 
 
 def edf_feasible(windows: list[tuple[int, int]], capacities: dict[int, int]) -> bool:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staleflow.config.manager import LedgerParams
 from staleflow.config.strategy import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 from staleflow.cost_model import CostModel
-from staleflow.ledger import Ledger, LedgerError, LedgerParams
+from staleflow.ledger import Ledger, LedgerError
 from staleflow.strategies import (
     AdmissionBudget,
     InstanceState,

@@ -6,9 +6,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staleflow.config.manager import LedgerParams
 from staleflow.config.strategy import MigrationMode, StrategyConfig, SyncMode
 from staleflow.cost_model import CostModel
-from staleflow.ledger import LedgerError, LedgerParams
+from staleflow.ledger import LedgerError
 from staleflow.simulation.cluster import straggler_slowdowns
 from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.hardware import H20, QWEN3_30B_A3B, QWEN3_32B, RolloutInstance
