@@ -1,8 +1,8 @@
 """Experiment tracking: per-step metrics of a job to the console, TensorBoard, W&B and MLflow.
 
-The job's ``logger`` setting (``LoggerConfig``) names the backends; each but the console is an
-optional extra (``pip install 'staleflow[tensorboard]'``, ``[wandb]``, ``[mlflow]``). Everything
-is written locally: TensorBoard event files, a W&B run in offline mode (``wandb sync`` uploads it
+The job's ``logger`` setting (``staleflow.config.logger.LoggerConfig``) names the backends; each but
+the console is an optional extra (``pip install 'staleflow[tensorboard]'``, ``[wandb]``, ``[mlflow]``).
+Everything is written locally: TensorBoard event files, a W&B run in offline mode (``wandb sync`` uploads it
 later), an MLflow file store. Every backend gets the same metric names (``step_metrics``):
 
 * ``reward/{mean,std,min,max}``, ``length/{mean,min,max}``, ``tokens/response``
@@ -29,42 +29,15 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol, get_args
 
-from pydantic import Field, model_validator
-
-from staleflow.strict import StrictModel
+from staleflow.config.logger import LoggerBackend
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("console", "tensorboard", "wandb", "mlflow")
+BACKENDS: tuple[str, ...] = get_args(LoggerBackend)
 EXTRA = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 """backend -> (module it needs, the pyproject extra that installs it)"""
-
-LoggerBackend = Literal["console", "tensorboard", "wandb", "mlflow"]
-
-
-class LoggerConfig(StrictModel):
-    """Where the job's per-step metrics go (docs/observability.md). Also written as a list or a
-    comma-separated string of backends: ``logger: [console, tensorboard]``."""
-
-    backends: tuple[LoggerBackend, ...] = Field(
-        ("console",), description="console, plus any of tensorboard, wandb (offline), mlflow (local file store)")
-    directory: Path | None = Field(None, description="where backends write; default <state_dir>/tracking")
-    project: str = Field("staleflow", min_length=1, description="W&B project / MLflow experiment")
-    run_name: str | None = Field(None, description="default: the state directory's name")
-    mlflow_tracking_uri: str | None = Field(
-        None, description="default: a file store in <directory>/mlruns; or sqlite:///..., http://...")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, data: Any) -> Any:
-        if isinstance(data, str):
-            data = [part.strip() for part in data.split(",") if part.strip()]
-        if isinstance(data, list | tuple):
-            return {"backends": tuple(data)}
-        return data
-
 
 Scalars = dict[str, float]
 Histograms = dict[str, dict[int, int]]
@@ -332,4 +305,4 @@ class Tracker:
         self.sinks.clear()
 
 
-__all__ = ["BACKENDS", "LoggerConfig", "Tracker", "TrackingUnavailable", "flatten", "missing_backends", "step_metrics"]
+__all__ = ["BACKENDS", "Tracker", "TrackingUnavailable", "flatten", "missing_backends", "step_metrics"]

@@ -18,6 +18,7 @@ from staleflow.config.common import STATE_DIR, check_database_url
 from staleflow.config.compose import ComponentConfigs
 from staleflow.config.coordinator import CoordinatorSettings
 from staleflow.config.instance import InstanceSettings
+from staleflow.config.logger import LoggerConfig
 from staleflow.config.manager import LedgerConfig, ManagerSettings
 from staleflow.config.params import ParamsSettings
 from staleflow.config.reward import RewardSettings
@@ -26,7 +27,6 @@ from staleflow.config.trajectories import TaskConfig, TrajectorySettings
 from staleflow.cost_model import CostModel
 from staleflow.database_url import DatabaseUrlError, masked, normalize_url
 from staleflow.strict import StrictModel
-from staleflow.tracking import LoggerConfig
 
 
 class AlgorithmConfig(StrictModel):
