@@ -7,10 +7,11 @@ import re
 from pydantic import Field, field_validator
 
 from staleflow.config.common import ServiceConfig
-from staleflow.rewards.registry import IMPORT_PATH
 from staleflow.strict import StrictModel
 
 VERIFIER_NAME = re.compile(r"^[A-Za-z][\w.-]{0,63}$")
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*$")
+"""A user verifier: ``module.path:function`` (``staleflow.rewards.registry`` imports it)."""
 
 
 class RewardSettings(StrictModel):

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import importlib
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from staleflow.config.reward import IMPORT_PATH
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.rewards.math_verify import verify_math
 
 VerifierFn = Callable[[str, str], Any]
-IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*$")
 
 
 @dataclass(frozen=True)

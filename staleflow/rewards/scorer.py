@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from staleflow.config.reward import IMPORT_PATH
 from staleflow.rewards.pool import VerifierPool
-from staleflow.rewards.registry import BUILTIN_VERIFIERS, IMPORT_PATH, Verdict, VerifierError
+from staleflow.rewards.registry import BUILTIN_VERIFIERS, Verdict, VerifierError
 
 
 @dataclass(frozen=True)
