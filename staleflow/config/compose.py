@@ -4,33 +4,55 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
-from staleflow.config.coordinator import CoordinatorConfig, InstanceEndpoint
-from staleflow.config.instance import InstanceConfig, SimConfig, VllmConfig
-from staleflow.config.manager import ManagerConfig
-from staleflow.config.params import ParamsConfig
-from staleflow.config.reward import RewardConfig
-from staleflow.config.trajectories import TrajectoryServerConfig
+from staleflow.config.coordinator import CoordinatorConfig, CoordinatorSettings, InstanceEndpoint
+from staleflow.config.instance import InstanceConfig, InstanceSettings, SimConfig, VllmConfig
+from staleflow.config.manager import LedgerConfig, ManagerConfig, ManagerSettings
+from staleflow.config.params import ParamsConfig, ParamsSettings
+from staleflow.config.reward import RewardConfig, RewardSettings
+from staleflow.config.trajectories import TaskConfig, TrajectoryServerConfig, TrajectorySettings
 
-if TYPE_CHECKING:
-    from staleflow.config.job import JobConfig
+
+class JobSections(Protocol):
+    """What the composition reads of a job (``JobConfig`` has all of it), so that this module need
+    not import the job's."""
+
+    engine: Literal["sim", "vllm"]
+    state_dir: Path
+    seed: int
+    ledger: LedgerConfig
+    manager: ManagerSettings
+    params: ParamsSettings
+    reward: str
+    reward_server: RewardSettings
+    trajectories: TrajectorySettings
+    dataset: Path | None
+    task: TaskConfig
+    instance: InstanceSettings
+    vllm_args: dict[str, Any]
+    workload: str
+    speed: float
+    kv_budget: int
+    coordinator: CoordinatorSettings
+
+    def database_url(self) -> str | None: ...
 
 
 class ComponentConfigs:
     """``JobConfig``'s component configs (a mixin: the job's fields are its state)."""
 
-    def manager_config(self: JobConfig) -> ManagerConfig:
+    def manager_config(self: JobSections) -> ManagerConfig:
         return ManagerConfig(**dict(self.manager), ledger=self.ledger, state_dir=self.state_dir,
                              db_url=self.database_url())
 
-    def params_config(self: JobConfig) -> ParamsConfig:
+    def params_config(self: JobSections) -> ParamsConfig:
         return ParamsConfig(**dict(self.params), state_dir=self.state_dir / "params")
 
-    def reward_config(self: JobConfig) -> RewardConfig:
+    def reward_config(self: JobSections) -> RewardConfig:
         return RewardConfig(**dict(self.reward_server))
 
-    def trajectories_config(self: JobConfig, urls: dict[str, str], tokenizer: Path | None) -> TrajectoryServerConfig:
+    def trajectories_config(self: JobSections, urls: dict[str, str], tokenizer: Path | None) -> TrajectoryServerConfig:
         """``tokenizer``: the model's (a real engine), None for the sim engine's byte tokens."""
         reward = self.reward
         if reward == "auto":
@@ -40,7 +62,7 @@ class ComponentConfigs:
             db_url=self.database_url(), seed=self.seed, reward=reward, dataset=self.dataset, task=self.task,
             tokenizer=tokenizer)
 
-    def instance_config(self: JobConfig, name: str, urls: dict[str, str], model: Path | None) -> InstanceConfig:
+    def instance_config(self: JobSections, name: str, urls: dict[str, str], model: Path | None) -> InstanceConfig:
         """Rollout instance ``name`` (``inst-N``); ``model``: the vllm engine's model directory."""
         index = int(name.split("-")[1])
         engine: dict[str, Any]
@@ -52,7 +74,7 @@ class ComponentConfigs:
         return InstanceConfig(**dict(self.instance), instance_id=name, engine=self.engine,
                               completion_callback_url=f"{urls['ts']}/v1/completed", **engine)
 
-    def coordinator_config(self: JobConfig, urls: dict[str, str], instance_ids: list[str],
+    def coordinator_config(self: JobSections, urls: dict[str, str], instance_ids: list[str],
                            params_urls: dict[str, str | None] | None = None) -> CoordinatorConfig:
         """``params_urls``: where each instance pulls weights, if not from the job's parameter server."""
         return CoordinatorConfig(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from staleflow.config import (
     SimConfig,
     default_of,
 )
+from staleflow.config.compose import JobSections
 from staleflow.config.strategy import MigrationMode, RoutingMode, StrategyConfig, SyncMode
 from staleflow.coordinator.service import Coordinator
 from staleflow.cost_model import CostModel
@@ -95,6 +97,18 @@ def test_the_job_composes_every_component_config() -> None:
     assert [i.url for i in coordinator.instances] == [URLS["inst-0"], URLS["inst-1"]]
     vllm = JobConfig(engine="vllm", seed=3).instance_config("inst-1", URLS, model=Path("/models/tiny"))
     assert vllm.vllm is not None and vllm.vllm.model == "/models/tiny" and vllm.vllm.seed == 4
+
+
+def test_the_job_has_every_section_the_composition_reads() -> None:
+    """``compose`` reads a job through ``JobSections`` (it cannot import ``JobConfig``, which uses it):
+    every field that protocol names is one of the job's, with the same type."""
+    job_hints = typing.get_type_hints(JobConfig)
+    read = typing.get_type_hints(JobSections)
+    assert read, "JobSections names the job fields the composition reads"
+    for name, hint in read.items():
+        assert name in JobConfig.model_fields, f"JobSections.{name} is no JobConfig field"
+        assert hint == job_hints[name], f"JobSections.{name} is {hint}, JobConfig.{name} is {job_hints[name]}"
+    assert callable(JobConfig.database_url)
 
 
 def test_the_coordinator_contains_the_strategy_instead_of_restating_it() -> None:
