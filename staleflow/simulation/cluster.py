@@ -43,7 +43,7 @@ from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError, Transition
 from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
-from staleflow.simulation.settings import ClusterConfig
+from staleflow.simulation.settings import SimulatedCluster
 from staleflow.simulation.systems import Pipeline, WeightSync
 from staleflow.simulation.trajectory_pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
 from staleflow.strategies import AdmissionBudget, CyclePlan, InstanceState, plan_cycle, plan_migrations
@@ -97,7 +97,7 @@ class _InstanceTime:
 class ClusterSimulation:
     """``ClusterSimulation(config).run(steps)`` -> ``RunResult``. One instance runs once."""
 
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: SimulatedCluster):
         self.config = config
         self.system = config.system
         self.eta = config.effective_eta
@@ -684,6 +684,6 @@ class ClusterSimulation:
         )
 
 
-def simulate(config: ClusterConfig, steps: int) -> RunResult:
+def simulate(config: SimulatedCluster, steps: int) -> RunResult:
     """One run: ``ClusterSimulation(config).run(steps)``."""
     return ClusterSimulation(config).run(steps)

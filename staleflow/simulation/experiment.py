@@ -22,7 +22,7 @@ from staleflow.cost_model import CostModel
 from staleflow.simulation.cluster import simulate
 from staleflow.simulation.result import RunResult
 from staleflow.simulation.scenarios import Scenario
-from staleflow.simulation.settings import ClusterConfig
+from staleflow.simulation.settings import SimulatedCluster
 from staleflow.simulation.systems import IN_FLIGHT_ON_PS, Family, SystemSpec
 
 PAPER_TARGETS = {  # §6.2: StaleFlow's gain over each baseline family, (max, mean)
@@ -142,12 +142,12 @@ class SimulatedJob:
     steps: int
     timeline: bool = False
 
-    def config(self) -> ClusterConfig:
+    def config(self) -> SimulatedCluster:
         s = self.point.scenario
         system = self.system
         if self.point.mu is not None:
             system = replace(system, strategy=replace(system.strategy, mu=self.point.mu))
-        return ClusterConfig(
+        return SimulatedCluster(
             workload=s.workload, system=system, eta=self.point.eta, rollout_instances=self.instances,
             train_gpus=s.total_gpus if system.colocated else s.train_gpus(self.instances), sim=s.sim,
             trainer=s.trainer, commands=s.commands, cycle_period_s=s.cycle_period_s,

@@ -56,7 +56,7 @@ class CommandCosts:
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
+class SimulatedCluster:
     """One job: a system on a cluster of ``rollout_instances`` SimCores and ``train_gpus`` trainer GPUs.
 
     ``cycle_period_s``: the coordinator's snapshot-command cycle, in virtual seconds. A cycle is

@@ -30,7 +30,7 @@ strategies (``staleflow.strategies``) decide routing, synchronization and migrat
 Engine and weight sync per system: the baselines run vLLM with ``max_num_seqs`` = 1024 (the
 authors' vanilla scripts) and the VeRL-like ones (``one-step``, ``in-flight``, ``in-flight-fifo``)
 update weights with an NCCL broadcast that blocks the trainer and every instance for
-``ClusterConfig.nccl_broadcast_s``; StaleFlow Pulls from the parameter server
+``SimulatedCluster.nccl_broadcast_s``; StaleFlow Pulls from the parameter server
 (``SimParams.pull_seconds``) while the trainer goes on, with the scenario's ``max_num_seqs``.
 ``in-flight`` with StaleFlow's engine and sync (``in-flight@ps``) is what all-vanilla StaleFlow
 must match: the checked property that StaleFlow's machinery costs nothing by itself.

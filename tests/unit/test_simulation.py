@@ -13,12 +13,12 @@ import pytest
 from staleflow.engines.base import SamplingParams
 from staleflow.engines.sim import SimCore
 from staleflow.simulation import (
-    ClusterConfig,
     ClusterSimulation,
     CountedRequest,
     ExperimentSpec,
     ReplayWorkload,
     RunResult,
+    SimulatedCluster,
     load_workload,
     resolve,
     run_experiment,
@@ -178,7 +178,7 @@ def test_a_simulation_runs_once_and_rejects_bad_configs() -> None:
     with pytest.raises(RuntimeError):
         sim.run(1)
     with pytest.raises(ValueError):
-        ClusterConfig(workload=CI.workload, system=SYSTEMS["verl"], eta=1, rollout_instances=0, train_gpus=1)
+        SimulatedCluster(workload=CI.workload, system=SYSTEMS["verl"], eta=1, rollout_instances=0, train_gpus=1)
     tiny = replace(CI.sim, cost=replace(CI.sim.cost, kv_budget=50))
     with pytest.raises(ValueError, match="KV budget"):
         ClusterSimulation(replace(SimulatedJob(Point(0, 1, CI), SYSTEMS["verl"], 4, 1).config(), sim=tiny))
