@@ -33,8 +33,9 @@ from staleflow.calibration import (
     Thresholds,
     write_calibration,
 )
-from staleflow.calibration.profile import Probe, ProfileConfig, SimProbe, VllmProbe, entry_from_profile, profile
+from staleflow.calibration.profile import Probe, SimProbe, VllmProbe, entry_from_profile, profile
 from staleflow.cli.common import console, err_console, fail
+from staleflow.config.calibration import ProfileConfig
 from staleflow.config.engines import SimParams
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import EngineError

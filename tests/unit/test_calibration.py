@@ -32,8 +32,9 @@ from staleflow.calibration import (
     resolved_cost,
     write_calibration,
 )
-from staleflow.calibration.profile import ProfileConfig, plan_points, trim_outliers
+from staleflow.calibration.profile import plan_points, trim_outliers
 from staleflow.cli.calibrate import POOR_FIT_EXIT, SIM_GRID
+from staleflow.config.calibration import ProfileConfig
 from staleflow.cost_model import CostModel
 
 runner = CliRunner()
