@@ -1,14 +1,22 @@
 """Every component's settings, in one tree. Each model validates its fields and names the fix in
-its messages.
+its messages. The tree is the library's lowest floor but one: it imports only the leaf modules
+(``strict``, ``database_url``, ``cost_model``, ``workload``, ``tasks``); the engines, strategies,
+calibration and simulation import their settings from here.
 
 * ``common``: the strict base, ``HttpUrl``, ``ServiceConfig`` (where a service listens);
-* ``manager``: the ledger and the staleness manager;
+* ``manager``: the ledger's parameters (``LedgerParams``, ``LedgerConfig``) and the staleness manager;
 * ``params``: the parameter server;
 * ``reward``: the reward server;
 * ``trajectories``: the trajectory server and the built-in task;
-* ``instance``: a rollout instance and its sim / vLLM engine;
+* ``instance``: a rollout instance and its sim / vLLM engine sections;
+* ``engines``: what the engines are built with (``SimParams``, ``Clock``, ``VllmEngineParams``);
 * ``coordinator``: the coordinator, which contains the strategy;
 * ``strategy``: the coordination strategy's settings (``StrategyConfig``), which ``staleflow.strategies`` runs;
+* ``cost``: the cost model's coefficients (``CostCoefficients``);
+* ``calibration``: ``CalibrationRef`` (an entry of a calibration file) and ``ProfileConfig`` (the calibrate grid);
+* ``logger``: where a job's per-step metrics go (``LoggerConfig``);
+* ``cluster``: placement on a Ray cluster (``ClusterConfig``);
+* ``compose``: each component's config composed from a job's sections;
 * ``job``: ``JobConfig``, one section per component, the trainer, and the engine presets.
 
 A component's ``XSettings`` is what a job sets of it (its section of ``JobConfig``); its ``XConfig``
