@@ -145,10 +145,11 @@ def heuristic(job: BoundedJob) -> BoundedSchedule:
 
 
 def scenario_job(scenario: Scenario, eta: int, steps: int, instances: int) -> BoundedJob:
-    """``oracle-eta``'s job on a simulated cluster: the workload's lengths, each instance as decode
-    slots at the concurrency where its cost model (Eq. 11) gives the most tokens per second (within
-    its KV budget and ``max_num_seqs``, at the job's mean context), persistent stragglers slowing
-    an instance's slots, and the trainer of the split."""
+    """``oracle-eta``'s job on a simulated cluster, relaxed on both sides of an instance's cost
+    model (Eq. 11, at the job's mean context): each of its slots decodes as fast as a lone
+    trajectory does, and it has as many slots as it takes to reach its best throughput (within its
+    KV budget and ``max_num_seqs``). Persistent stragglers slow an instance's slots; the trainer is
+    the split's."""
     w = scenario.workload
     ids = [f"s{i // w.batch_size}-g{i % w.batch_size}" for i in range(steps * w.batch_size)]
     groups = tuple(tuple(w.target_length(g, f"{g}/m{m}")[0] for m in range(w.group_size)) for g in ids)
@@ -157,11 +158,12 @@ def scenario_job(scenario: Scenario, eta: int, steps: int, instances: int) -> Bo
     context = statistics.fmean(prompts) + statistics.fmean(n for group in groups for n in group) / 2
     fitting = max(1, min(ORACLE_SPEC.max_num_seqs or scenario.sim.max_running,
                          int(cost.kv_budget / (cost.k5 * context))))
-    concurrency = max(range(1, fitting + 1), key=lambda n: n / cost.step_latency(cost.kv_units(n * context), n))
-    step_s = cost.step_latency(cost.kv_units(concurrency * context), concurrency)
+    best = max(n / cost.step_latency(cost.kv_units(n * context), n) for n in range(1, fitting + 1))
+    alone = cost.step_latency(cost.kv_units(context), 1)
+    slots = math.ceil(best * alone)
     slowdowns = straggler_slowdowns(instances, scenario.straggler_sigma, scenario.sim.seed)
-    train_gpus = scenario.train_gpus(instances)
     trainer = scenario.trainer
-    return BoundedJob(groups, w.batch_size, steps, eta, tuple(step_s * f for f in slowdowns for _ in range(concurrency)),
+    return BoundedJob(groups, w.batch_size, steps, eta, tuple(alone * f for f in slowdowns for _ in range(slots)),
                       (), push_s=trainer.push_s, train_overhead_s=trainer.step_overhead_s,
-                      train_s_per_token=trainer.gpu_seconds_per_token / train_gpus, prompt_tokens=prompts)
+                      train_s_per_token=trainer.gpu_seconds_per_token / scenario.train_gpus(instances),
+                      prompt_tokens=prompts)
