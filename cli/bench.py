@@ -234,11 +234,23 @@ def _decision_scenario(n_instances: int, n_trajectories: int, steady: bool, seed
     return instances, pending, (4 if steady else 0), admission
 
 
-def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int], repeats: int) -> dict:
+def decision_strategy(name: str):
+    """``default``: the coordinator's ``StrategyConfig()``; ``staleflow``: the strategies the
+    simulated StaleFlow runs (load-aware sync, starved migration)."""
     from staleflow.config.strategy import StrategyConfig
+
+    if name == "default":
+        return StrategyConfig()
+    from staleflow.simulation.systems import resolve
+
+    return resolve("sf-rsm")[0].strategy
+
+
+def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int], repeats: int,
+                       strategy: str = "default") -> dict:
     from staleflow.strategies import plan_cycle
 
-    config = StrategyConfig()
+    config = decision_strategy(strategy)
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("decision passes", total=2 * len(instance_counts) * len(trajectory_counts))
@@ -256,14 +268,15 @@ def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int],
                                  "trajectories": n_traj, "median_ms": statistics.median(times), "routed": routed,
                                  "syncs": len(plan.syncs), "interrupted": sum(map(len, plan.interrupts.values()))})
                     progress.advance(task)
-    return {"repeats": repeats, "rows": rows}
+    return {"repeats": repeats, "strategy": strategy, "rows": rows}
 
 
 def _print_decisions(results: dict) -> None:
     for scenario in ("initial fill", "steady"):
         rows = [r for r in results["rows"] if r["scenario"] == scenario]
         counts = sorted({r["trajectories"] for r in rows})
-        table = Table(title=f"decision pass (sync + migration + routing), ms, {scenario}")
+        table = Table(title=f"decision pass (sync + migration + routing), ms, {scenario}, "
+                            f"{results['strategy']} strategy")
         table.add_column("instances \\ trajectories")
         for c in counts:
             table.add_column(str(c), justify="right")
@@ -279,11 +292,16 @@ def register_decision_bench(bench_app: typer.Typer) -> None:
         instances: Annotated[str, typer.Option(help="comma-separated instance counts")] = "16,32,64,128",
         trajectories: Annotated[str, typer.Option(help="comma-separated waiting-trajectory counts")] = "256,512,1024,2048",
         repeats: Annotated[int, typer.Option(help="passes per cell (median reported)")] = 5,
+        strategy: Annotated[str, typer.Option(help="default (the coordinator's StrategyConfig()) or staleflow "
+                                              "(load-aware sync, starved migration, as bench systems runs it)")
+                            ] = "default",
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     ) -> None:
         """Time of one coordinator decision pass as instances and waiting trajectories grow."""
+        if strategy not in ("default", "staleflow"):
+            raise fail(f"--strategy must be default or staleflow, got {strategy!r}")
         results = run_decision_bench([int(x) for x in instances.split(",")], [int(x) for x in trajectories.split(",")],
-                                     repeats)
+                                     repeats, strategy)
         if as_json:
             typer.echo(json.dumps(results))
         else:

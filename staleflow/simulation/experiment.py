@@ -19,6 +19,7 @@ from concurrent.futures import Executor, as_completed
 from dataclasses import dataclass, field, replace
 
 from staleflow.cost_model import CostModel
+from staleflow.simulation.bounded_oracle import heuristic, scenario_job
 from staleflow.simulation.cluster import simulate
 from staleflow.simulation.result import RunResult
 from staleflow.simulation.scenarios import Scenario
@@ -215,6 +216,7 @@ class PointResult:
     runs: dict[str, RunResult] = field(default_factory=dict)  # best run per system
     tried: dict[str, dict[int, float]] = field(default_factory=dict)  # system -> {instances: throughput}
     checks: dict[str, RunResult] = field(default_factory=dict)  # runs for checked properties, not rows
+    oracle_eta: float | None = None  # the bounded clairvoyant schedule's throughput (bounded_oracle)
 
     def same_split_ratio(self, system: str, baseline: str) -> float | None:
         """``system`` over ``baseline`` run with the same rollout/training split (None if not run)."""
@@ -226,6 +228,12 @@ class PointResult:
         """``system``'s throughput as a share of the upper bound's at this point."""
         run, oracle = self.runs.get(system), self.runs.get(ORACLE)
         return run.throughput / oracle.throughput if run and oracle and oracle.throughput > 0 else None
+
+    def oracle_eta_share(self, system: str) -> float | None:
+        """``system``'s throughput as a share of ``oracle-eta``'s, the clairvoyant schedule under
+        the same bound, at this point."""
+        run = self.runs.get(system)
+        return run.throughput / self.oracle_eta if run and self.oracle_eta else None
 
     def gap_recovered(self, system: str, baseline: str = IN_FLIGHT) -> float | None:
         """How much of ``baseline``'s gap to the upper bound ``system`` closes (1: all of it)."""
@@ -288,6 +296,12 @@ class ExperimentResult:
             shares = [v for p in self.points if (v := p.oracle_share(name)) is not None]
             if shares:
                 out["oracle_share"][name] = {"mean": statistics.fmean(shares), "min": min(shares), "max": max(shares)}
+        out["oracle_eta_share"] = {}
+        for name in self._systems():
+            shares = [v for p in self.points if (v := p.oracle_eta_share(name)) is not None]
+            if shares:
+                out["oracle_eta_share"][name] = {"mean": statistics.fmean(shares), "min": min(shares),
+                                                 "max": max(shares)}
         recovered = [v for p in self.points if (v := p.gap_recovered(system)) is not None]
         out["gap_recovered"] = {"mean": statistics.fmean(recovered), "min": min(recovered),
                                 "n": len(recovered)} if recovered else None
@@ -321,6 +335,8 @@ class ExperimentResult:
                     "tried": {name: {str(n): thr for n, thr in t.items()} for name, t in p.tried.items()},
                     "ratios": {name: p.ratios(name) for name in p.runs},
                     "oracle_share": {name: p.oracle_share(name) for name in p.runs},
+                    "oracle_eta": p.oracle_eta,
+                    "oracle_eta_share": {name: p.oracle_eta_share(name) for name in p.runs},
                     "checks": {name: r.to_dict(timeline=False) for name, r in p.checks.items()},
                 }
                 for p in self.points
@@ -368,6 +384,12 @@ def plan_jobs(spec: ExperimentSpec) -> tuple[list[Point], list[SimulatedJob], li
                 continue
             now += [SimulatedJob(point, system, n, spec.steps, timeline) for n in _candidates(spec, point, system)]
     return points, now, later
+
+
+def oracle_eta_throughput(spec: ExperimentSpec, point: Point) -> float:
+    """``oracle-eta`` at a point: the heuristic bounded clairvoyant schedule at its best split."""
+    splits = (point.instances,) if point.instances is not None else point.scenario.rollout_candidates
+    return max(heuristic(scenario_job(point.scenario, point.eta, spec.steps, n)).throughput for n in splits)
 
 
 def run_experiment(
@@ -434,4 +456,5 @@ def run_experiment(
     order = {s.name: k for k, s in enumerate(spec.systems)}
     for pr in by_point.values():
         pr.runs = dict(sorted(pr.runs.items(), key=lambda kv: order[kv[0]]))
+        pr.oracle_eta = oracle_eta_throughput(spec, pr.point)
     return ExperimentResult(spec, [by_point[p.index] for p in points], time.perf_counter() - started)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from staleflow.simulation.experiment import (
@@ -50,6 +51,9 @@ def throughput_table(result: ExperimentResult) -> Table:
             run = p.runs.get(system.name)
             cells.append("-" if run is None else _n(run.throughput))
         rows.append([system.name, system.label, *cells])
+    if any(p.oracle_eta for p in points):
+        rows.append(["oracle-eta", "Clairvoyant schedule under the bound (relaxed cluster, computed)",
+                     *["-" if not p.oracle_eta else _n(p.oracle_eta) for p in points]])
     return Table("Throughput (response tokens/s over all trained steps)", ["system", "models",
                                                                             *[p.point.label for p in points]], rows)
 
@@ -72,14 +76,11 @@ def gains_table(result: ExperimentResult) -> Table:
         rows.append(["all-vanilla StaleFlow / in-flight on the same PS, engine and split", *[_x(v) for v in vanilla],
                      _x(sum(present) / len(present)), _x(max(present)), "~1.00x"])
     if any(ORACLE in p.runs for p in points):
-        for system in result.spec.systems:
-            if system.name == ORACLE:
-                continue
-            shares = [p.oracle_share(system.name) for p in points]
-            present = [v for v in shares if v is not None]
-            if present:
-                rows.append([f"{system.name} / oracle (share of the upper bound)", *[_pct(v) for v in shares],
-                             _pct(sum(present) / len(present)), _pct(max(present)), ""])
+        rows += _share_rows(result, "oracle (share of the upper bound)", PointResult.oracle_share, skip=ORACLE)
+    if any(p.oracle_eta for p in points):
+        rows += _share_rows(result, "oracle-eta (share of the bounded clairvoyant schedule)",
+                            PointResult.oracle_eta_share)
+    if any(ORACLE in p.runs for p in points):
         recovered = [p.gap_recovered(REFERENCE) for p in points]
         present = [v for v in recovered if v is not None]
         if present:
@@ -87,6 +88,20 @@ def gains_table(result: ExperimentResult) -> Table:
                          _pct(sum(present) / len(present)), _pct(max(present)), ""])
     return Table("Gains (throughput ratios)", ["ratio", *[p.point.label for p in points], "mean", "max",
                                                 "paper mean / max"], rows)
+
+
+def _share_rows(result: ExperimentResult, label: str, share: Callable[[PointResult, str], float | None],
+                skip: str | None = None) -> list[list[str]]:
+    rows = []
+    for system in result.spec.systems:
+        if system.name == skip:
+            continue
+        shares = [share(p, system.name) for p in result.points]
+        present = [v for v in shares if v is not None]
+        if present:
+            rows.append([f"{system.name} / {label}", *[_pct(v) for v in shares], _pct(sum(present) / len(present)),
+                         _pct(max(present)), ""])
+    return rows
 
 
 def detail_point(result: ExperimentResult) -> PointResult:

@@ -20,10 +20,11 @@ of versioned trajectories.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,8 +32,7 @@ from staleflow.config.strategy import RoutingMode, StrategyConfig
 from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
 
 
-@dataclass(frozen=True)
-class RouteDecision:
+class RouteDecision(NamedTuple):  # a tuple: a pass creates thousands, a frozen dataclass costs 10x more
     instance_id: str
     traj_id: str
     group_id: str
@@ -88,16 +88,16 @@ class _MultiLevelQueue:
             self.levels.setdefault(v, deque()).extend(members)
 
 
-class _VersionGroup:
-    """The instances at one version as arrays, with Eq. 3 gains cached for one length.
+class _Fleet:
+    """Every instance of a pass as arrays, ordered by version, with the Eq. 3 gains of one length.
 
-    Routing evaluates the gain of every candidate for every trajectory; vectorising it and
-    recomputing only the instance that just received work keeps a full pass over 2048
-    trajectories and 128 instances in milliseconds.
+    Routing evaluates the gain of every candidate for every trajectory; vectorising it over the
+    whole fleet at once (one evaluation serves every version group), keeping the parts that do
+    not depend on the length per instance, and recomputing only the instance that just received
+    work keeps a full pass over 2048 trajectories and 128 instances in milliseconds.
     """
 
-    def __init__(self, version: int, insts: list[InstanceState]):
-        self.version = version
+    def __init__(self, insts: list[InstanceState]):
         self.insts = insts
         c = [inst.cost for inst in insts]
         self.k1 = np.array([m.k1 for m in c])
@@ -106,40 +106,93 @@ class _VersionGroup:
         self.k4 = np.array([m.k4 for m in c])
         self.k5 = np.array([m.k5 for m in c])
         self.budget = np.array([m.kv_budget for m in c])
+        # the gain of an idle instance's first trajectory's denominator, without the KV term (Eq. 4)
+        self.ideal_base = np.maximum(self.k2, self.k3 * 1)
         self.kv = np.array([inst.kv_cache for inst in insts], dtype=float)
         self.n = np.array([len(inst.running) for inst in insts], dtype=float)
         self.w = np.array([len(inst.waiting) for inst in insts], dtype=float)
         self.count = self.n + self.w
+        # the parts of Eq. 3 that do not depend on the routed length
+        self.before = np.where(self.n > 0, self.n / (self.k1 * self.kv + np.maximum(self.k2, self.k3 * self.n)
+                                                     + self.k4), 0.0)
+        self.after_n = self.n + 1
+        self.after_base = np.maximum(self.k2, self.k3 * self.after_n)
+        self.free = self.w == 0
         self._length: int | None = None
-        self._gains = np.zeros(len(insts))
+        self.gains = np.zeros(len(insts))
 
-    def _gain_vector(self, length: int) -> np.ndarray:
-        kv, n = self.kv, self.n
-        before = np.where(n > 0, n / (self.k1 * kv + np.maximum(self.k2, self.k3 * n) + self.k4), 0.0)
-        grown = kv + self.k5 * length
-        after = (n + 1) / (self.k1 * grown + np.maximum(self.k2, self.k3 * (n + 1)) + self.k4)
-        fits = (self.w == 0) & (grown <= self.budget)
-        return np.where(fits, after - before, 0.0)
+    def gains_for(self, lengths: np.ndarray | int) -> np.ndarray:
+        """Eq. 3 for every instance (one row per length when ``lengths`` is a column)."""
+        grown = self.kv + self.k5 * lengths
+        after = self.after_n / (self.k1 * grown + self.after_base + self.k4)
+        return np.where(self.free & (grown <= self.budget), after - self.before, 0.0)
 
-    def best(self, length: int) -> tuple[int, float]:
+    def at_length(self, length: int) -> np.ndarray:
         if length != self._length:
-            self._gains = self._gain_vector(length)
+            self.gains = self.gains_for(length)
             self._length = length
-        i = int(np.argmax(self._gains))
-        return i, float(self._gains[i])
-
-    def ideal_gain(self, i: int, length: int) -> float:
-        return self.insts[i].cost.ideal_gain(length)
+        return self.gains
 
     def add(self, i: int, traj_id: str, length: int) -> None:
         inst = self.insts[i]
         inst.add(traj_id, length)
-        self.kv[i] = inst.kv_cache
-        self.n[i] = len(inst.running)
-        self.w[i] = len(inst.waiting)
-        self.count[i] = self.n[i] + self.w[i]
+        n, w = len(inst.running), len(inst.waiting)
+        cost, kv = inst.cost, inst.kv_cache
+        self.kv[i] = kv
+        self.n[i] = n
+        self.w[i] = w
+        self.count[i] = n + w
+        # the same arithmetic as CostModel.marginal_gain, sharing the throughput before
+        before = cost.throughput(kv, n)
+        after_base = max(cost.k2, cost.k3 * (n + 1))
+        self.before[i] = before
+        self.after_n[i] = n + 1
+        self.after_base[i] = after_base
+        self.free[i] = w == 0
         if self._length is not None:
-            self._gains[i] = inst.marginal_gain(self._length)
+            grown = kv + cost.k5 * self._length
+            fits = w == 0 and grown <= cost.kv_budget
+            self.gains[i] = (n + 1) / (cost.k1 * grown + after_base + cost.k4) - before if fits else 0.0
+
+
+class _VersionGroup:
+    """The instances at one version: a slice of the fleet."""
+
+    def __init__(self, version: int, fleet: _Fleet, lo: int, hi: int):
+        self.version = version
+        self.fleet = fleet
+        self.lo, self.hi = lo, hi
+        self.insts = fleet.insts[lo:hi]
+        self.count = fleet.count[lo:hi]  # a view: follows the fleet's updates
+        self._whole = lo == 0 and hi == len(fleet.insts)
+        self._ideal: dict[tuple[int, int], float] = {}
+
+    def best(self, length: int) -> tuple[int, float]:
+        gains = self.fleet.at_length(length)
+        if not self._whole:
+            gains = gains[self.lo:self.hi]
+        i = int(gains.argmax())
+        return i, float(gains[i])
+
+    def ideal_gain(self, i: int, length: int) -> float:
+        cost = self.insts[i].cost
+        key = (id(cost), length)
+        ideal = self._ideal.get(key)
+        if ideal is None:
+            ideal = self._ideal[key] = cost.ideal_gain(length)
+        return ideal
+
+    def withheld_rows(self, gains: np.ndarray, lengths: np.ndarray, mu: float) -> np.ndarray:
+        """For each row of the fleet's ``gains`` (one length each), whether this group's best
+        instance misses the threshold: ``best`` and ``ideal_gain`` for many lengths at once,
+        element for element the same arithmetic."""
+        f = self.fleet
+        best = gains[:, self.lo:self.hi].argmax(axis=1) + self.lo
+        ideal = 1.0 / (f.k1[best] * (f.k5[best] * lengths) + f.ideal_base[best] + f.k4[best])
+        return ~(gains[np.arange(len(lengths)), best] >= mu * ideal)
+
+    def add(self, i: int, traj_id: str, length: int) -> None:
+        self.fleet.add(self.lo + i, traj_id, length)
 
 
 def reachable(pending: Iterable[PendingTrajectory], budget: AdmissionBudget,
@@ -175,24 +228,36 @@ def route(
     config: StrategyConfig,
     group_versions: dict[str, int] | None = None,
     stop_at_instance: str | None = None,
+    lookahead: bool = True,
 ) -> list[RouteDecision]:
     """Decide where waiting trajectories go. Works on copies: the inputs are not modified.
 
     ``group_versions`` gives the V_traj of groups already reserved whose members are still
     initial in the trajectory server. ``stop_at_instance`` ends the pass at the first decision
     for that instance (the synchronization strategy's tentative update only needs to know
-    whether one happens).
+    whether one happens). ``lookahead``: when scanning past withheld versioned trajectories,
+    test a run of them at once against the unchanged instances (same decisions; False: one at a
+    time, the reference the tests compare it with).
     """
     by_version: dict[int, list[InstanceState]] = {}
     for inst in instances:
         by_version.setdefault(inst.version, []).append(inst.copy())
-    groups = [_VersionGroup(v, insts) for v, insts in sorted(by_version.items())]
+    fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts])
+    groups, lo = [], 0
+    for v, insts in sorted(by_version.items()):
+        groups.append(_VersionGroup(v, fleet, lo, lo + len(insts)))
+        lo += len(insts)
     budget = budget.copy()
     group_versions = dict(group_versions or {})
     queue = _MultiLevelQueue(pending, group_versions)
-    in_flight = sum(int(g.count.sum()) for g in groups)
+    in_flight = int(fleet.count.sum())
     choose = _waterfall if config.routing is RoutingMode.THROUGHPUT else _fewest_trajectories
     decisions: list[RouteDecision] = []
+    by_gain = config.versioned_by_gain and config.routing is RoutingMode.THROUGHPUT
+    batch_withheld = lookahead and by_gain and config.scan_withheld
+    window = _LOOKAHEAD_MIN
+    scanning: int | None = None  # the level whose head was just withheld: test what follows in runs
+    newer: dict[int, list[_VersionGroup]] = {}  # the candidates of a versioned trajectory, by its version
 
     while (head := queue.head()) is not None:
         traj, v = head
@@ -204,10 +269,24 @@ def route(
                 admissible = budget.as_dict()
                 candidates.sort(key=lambda g: (admissible.get(g.version, 0), g.version))
         else:  # Algorithm 2, versioned: only instances at least as new as V_traj
-            candidates = [g for g in groups if g.version >= v]
+            candidates = newer.get(v)
+            if candidates is None:
+                candidates = newer[v] = [g for g in groups if g.version >= v]
         if not candidates:
             break
-        if v is not None and config.versioned_by_gain and config.routing is RoutingMode.THROUGHPUT:
+        if v is not None and v == scanning:
+            # Nothing changes while trajectories are withheld: find the first one of the level that
+            # is not, and withhold everything before it, with one evaluation for the run.
+            skipped = _withheld_run(queue.levels[v], candidates, config.mu, window)
+            for _ in range(skipped):
+                queue.withhold(v)
+            if skipped == window:
+                window = min(2 * window, _LOOKAHEAD_MAX)
+                continue
+            scanning, window = None, _LOOKAHEAD_MIN  # the head is not withheld: it routes below
+            if skipped:
+                continue
+        if v is not None and by_gain:
             chosen = _best_gain(candidates, traj.length, config.mu)
         else:
             chosen = choose(candidates, traj.length, config.mu)
@@ -215,6 +294,8 @@ def route(
             if v is None or not config.scan_withheld:
                 break  # new groups all bring about a prompt: the next one would be withheld too
             queue.withhold(v)  # a shorter trajectory of the same level may still fit
+            if batch_withheld:
+                scanning = v
             continue
         group, i = chosen
         queue.pop(traj, v)
@@ -231,6 +312,21 @@ def route(
         if instance_id == stop_at_instance:
             break
     return decisions
+
+
+_LOOKAHEAD_MIN, _LOOKAHEAD_MAX = 8, 256  # trajectories tested at once; doubled while all are withheld
+
+
+def _withheld_run(level: deque[PendingTrajectory], candidates: list[_VersionGroup], mu: float, window: int) -> int:
+    """How many trajectories at the front of ``level`` (at most ``window``) ``_best_gain`` would
+    withhold one after the other: none of them changes an instance, so one evaluation decides all."""
+    lengths = np.fromiter((t.length for t in itertools.islice(level, window)), dtype=float)
+    gains = candidates[0].fleet.gains_for(lengths[:, None])
+    withheld = np.ones(len(lengths), dtype=bool)
+    for group in candidates:
+        withheld &= group.withheld_rows(gains, lengths, mu)
+    routable = np.flatnonzero(~withheld)
+    return int(routable[0]) if len(routable) else len(lengths)
 
 
 def _waterfall(candidates: list[_VersionGroup], length: int, mu: float) -> tuple[_VersionGroup, int] | None:

@@ -59,6 +59,8 @@ def test_smoke_run_completes_within_the_bound_with_every_system(smoke: tuple[dic
     summary = data["summary"]
     assert set(summary["exceedances"]) == set(ALL) and set(summary["oracle_share"]) == set(ALL)
     assert summary["oracle_share"]["oracle"]["mean"] == 1.0
+    assert set(summary["oracle_eta_share"]) == set(ALL)
+    assert all(p["oracle_eta"] > 0 and set(p["oracle_eta_share"]) == set(ALL) for p in data["points"])
     assert {"vs", "steady_vs", "violations", "gap_recovered", "all_vanilla_vs_in_flight"} <= set(summary)
 
 
@@ -137,10 +139,12 @@ def test_report_tables_have_a_row_per_system() -> None:
     spec = ExperimentSpec(scenario("ci"), tuple(resolve("headline")), (2,), steps=3, detail_eta=2)
     result = run_experiment(spec)
     throughput, gains, detail, breakdown = tables(result)
-    assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "oracle"]
+    assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "oracle",
+                                                   "oracle-eta"]
     labels = [r[0] for r in gains.rows]
     assert sum(label.startswith("StaleFlow / ") for label in labels) == 8  # four baselines, all steps and second half
-    assert sum("/ oracle" in label for label in labels) == 5, "every system's share of the upper bound"
+    assert sum("/ oracle (" in label for label in labels) == 5, "every system's share of the upper bound"
+    assert sum("/ oracle-eta (" in label for label in labels) == 6, "every system's share of the bounded one"
     assert any("gap to the oracle" in label for label in labels)
     assert all(len(r) == len(gains.header) for r in gains.rows)
     assert [row[0] for row in detail.rows] == [row[0] for row in breakdown.rows]
