@@ -98,3 +98,50 @@ ts_meta = Table(
     Column("key", String(64), primary_key=True),
     Column("value", Text, nullable=False),
 )
+
+# finished groups and their members leave the live tables above for these append-only ones
+# (``trajectories.retention: archive``); the live tables stay the size of the working set
+
+ts_groups_archive = Table(
+    "ts_groups_archive",
+    metadata,
+    Column("group_id", String(200), primary_key=True),
+    Column("prompt_index", Integer, nullable=False),
+    Column("prompt_text", Text, nullable=False),
+    Column("answer", Text, nullable=False),
+    Column("prompt_ids", LargeBinary, nullable=False),
+    Column("members", Integer, nullable=False),
+    Column("needed", Integer, nullable=False),
+    Column("v_traj", Integer, nullable=True),
+    Column("state", String(16), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("archived_at", Float, nullable=False),
+)
+
+ts_trajectories_archive = Table(
+    "ts_trajectories_archive",
+    metadata,
+    Column("traj_id", String(200), primary_key=True),
+    Column("group_id", String(200), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("instance_id", String(200), nullable=True),
+    Column("tokens", LargeBinary, nullable=False),
+    Column("logprobs", LargeBinary, nullable=False),
+    Column("segments", Text, nullable=False),
+    Column("finish_reason", String(16), nullable=True),
+    Column("reward", Float, nullable=True),
+    Column("reward_reason", Text, nullable=True),
+    Column("seq", Integer, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("archived_at", Float, nullable=False),
+    Index("ix_ts_trajectories_archive_group", "group_id"),
+)
+
+# counts of the ledger events compacted away, by op (the ledger's statistics survive compaction)
+ledger_event_counts = Table(
+    "ledger_event_counts",
+    metadata,
+    Column("op", String(32), primary_key=True),
+    Column("count", Integer, nullable=False),
+)

@@ -80,7 +80,7 @@ ServerDep = Annotated[TrajectoryServer, Depends(the_server)]
 def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = TrajectoryStore.open(config.database_url())
+        store = TrajectoryStore.open(config.database_url(), retention=config.retention)
         manager = AsyncManagerClient(config.manager_url)
         server = TrajectoryServer(config, store, manager, reward or make_reward(config))
         server.refill()
