@@ -156,16 +156,8 @@ class TrajectoryStore:
 
     def _load(self) -> None:
         with self.engine.connect() as conn:
-            groups = [GroupRecord(
-                r["group_id"], r["prompt_index"], r["prompt_text"], r["answer"], _unpack_ints(r["prompt_ids"]),
-                r["members"], r["needed"], r["v_traj"], GroupState(r["state"]), r["seq"], r["created_at"],
-            ) for r in conn.execute(select(ts_groups).order_by(ts_groups.c.seq)).mappings()]
-            trajs = [TrajRecord(
-                r["traj_id"], r["group_id"], TrajState(r["state"]), r["seq"], r["instance_id"],
-                _unpack_ints(r["tokens"]), _unpack_floats(r["logprobs"]),
-                tuple(tuple(s) for s in json.loads(r["segments"])), r["finish_reason"], r["reward"],
-                r["reward_reason"], r["updated_at"],
-            ) for r in conn.execute(select(ts_trajectories).order_by(ts_trajectories.c.seq)).mappings()]
+            groups = [_group_record(r) for r in conn.execute(select(ts_groups).order_by(ts_groups.c.seq)).mappings()]
+            trajs = [_traj_record(r) for r in conn.execute(select(ts_trajectories).order_by(ts_trajectories.c.seq)).mappings()]
             self.book.restore(groups, trajs)
             self.meta = {r.key: r.value for r in conn.execute(select(ts_meta))}
 
@@ -346,6 +338,15 @@ class TrajectoryStore:
             return conn.execute(select(ts_groups_archive.c.group_id)
                                 .where(ts_groups_archive.c.group_id == group_id)).first() is not None
 
+    def archived_trajectory(self, traj_id: str) -> tuple[TrajRecord, GroupRecord] | None:
+        """A trajectory that left the live store, and its group, as archived (inspection)."""
+        with self.engine.connect() as conn:
+            t = conn.execute(select(ts_trajectories_archive)
+                             .where(ts_trajectories_archive.c.traj_id == traj_id)).mappings().first()
+            g = t and conn.execute(select(ts_groups_archive)
+                                   .where(ts_groups_archive.c.group_id == t["group_id"])).mappings().first()
+        return (_traj_record(t), _group_record(g)) if t and g else None
+
     def archived_count(self) -> int:
         """Trajectories in the archive (read from the database: it is not held in memory)."""
         with self.engine.connect() as conn:
@@ -378,6 +379,18 @@ class TrajectoryStore:
     def completed_ones(self) -> list[TrajRecord]:
         with self.lock:
             return self.book.completed_ones()
+
+
+def _group_record(r) -> GroupRecord:
+    return GroupRecord(r["group_id"], r["prompt_index"], r["prompt_text"], r["answer"], _unpack_ints(r["prompt_ids"]),
+                       r["members"], r["needed"], r["v_traj"], GroupState(r["state"]), r["seq"], r["created_at"])
+
+
+def _traj_record(r) -> TrajRecord:
+    return TrajRecord(r["traj_id"], r["group_id"], TrajState(r["state"]), r["seq"], r["instance_id"],
+                      _unpack_ints(r["tokens"]), _unpack_floats(r["logprobs"]),
+                      tuple(tuple(s) for s in json.loads(r["segments"])), r["finish_reason"], r["reward"],
+                      r["reward_reason"], r["updated_at"])
 
 
 def generated(p: dict, instance_id: str | None = None) -> Generated:

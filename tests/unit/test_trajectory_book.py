@@ -147,7 +147,9 @@ class BookMachine(RuleBasedStateMachine):
     def completion_redelivered(self, data: st.DataObject) -> None:
         traj_id = data.draw(st.sampled_from(sorted(self.completed_once)))
         self._mark()
-        if self.book.trajs[traj_id].state is not TrajState.PENDING:  # (pending: released, then finished again)
+        if traj_id not in self.book.trajs:  # its group finished and left the book
+            assert self.book.completed([Generated(traj_id, (1,), (-1.0,))]) == []
+        elif self.book.trajs[traj_id].state is not TrajState.PENDING:  # (pending: released, then finished again)
             assert self.book.completed([self._grown(traj_id, 1)]) == []
 
     @precondition(lambda self: self._ids(TrajState.COMPLETED))
