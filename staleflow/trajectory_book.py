@@ -130,7 +130,9 @@ class Generated:
 
 class TrajectoryBook:
     """Every trajectory and group of the trajectory server, with the transitions between their
-    states. Methods named after a transition change the records and return those they changed."""
+    states. Methods named after a transition change the records and return those they changed.
+    A trajectory's state changes only through them: the per-state indexes that serve the polls
+    follow each change."""
 
     def __init__(self) -> None:
         self.groups: dict[str, GroupRecord] = {}
