@@ -270,6 +270,7 @@ def _register_commands() -> None:
         serve_instance,
         serve_params,
         serve_reward,
+        soak,
         up,
     )
 
@@ -284,6 +285,7 @@ def _register_commands() -> None:
     serve_instance.register(serve_app)
     serve_params.register(serve_app)
     serve_reward.register(serve_app)
+    soak.register(app)
     up.register(app, serve_app)
 
 

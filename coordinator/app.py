@@ -104,6 +104,8 @@ class CoordinatorStatsOut(BaseModel):
     released: int
     reconciled: int
     strays_aborted: int
+    unreachable: int
+    cycle_ms_total: float
     decisions: int
     decision_ms_total: float
     command_count: dict[str, int]
@@ -206,6 +208,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "routed": s.routed, "interrupted": s.interrupted, "pulls": s.pulls, "aborts": s.aborts,
             "failures": s.failures, "rejoined": s.rejoined, "released": s.released,
             "reconciled": s.reconciled, "strays_aborted": s.strays_aborted,
+            "unreachable": s.unreachable, "cycle_ms_total": s.cycle_ms_total,
             "strategy": {k: str(v) for k, v in vars(c.strategy).items()},
         }
 

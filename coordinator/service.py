@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from staleflow.backoff import Backoff
 from staleflow.config.strategy import StrategyConfig, SyncMode
 from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, Membership
 from staleflow.coordinator.reconcile import Suspicion, reconcile
@@ -35,6 +36,9 @@ from staleflow.servers.clients import AsyncManagerClient, async_http_client
 from staleflow.strategies import InstanceState, PendingTrajectory, SpeculativeState, plan_cycle
 
 log = logging.getLogger(__name__)
+
+UNREACHABLE_BACKOFF_CAP = 2.0
+"""The longest pause, in seconds, between cycles while a service the cycle needs does not answer."""
 
 
 @dataclass
@@ -81,6 +85,8 @@ class CoordinatorStats:
     pulls: int = 0
     aborts: int = 0
     failures: int = 0
+    unreachable: int = 0  # cycles cut short by a service that did not answer (then backed off)
+    cycle_ms_total: float = 0.0  # wall time of every cycle, pauses excluded
     rejoined: int = 0  # failed or restarted instances that joined again (a new boot id)
     released: int = 0  # trajectories of failed instances handed back to the trajectory server
     reconciled: int = 0  # routed to an instance that did not hold them: handed back after the grace period
@@ -231,16 +237,25 @@ class Coordinator:
     # ------------------------------------------------------------------ the cycle
 
     async def run(self) -> None:
+        # a service that is down (restarting, reloading) is tried again after a growing, jittered pause
+        backoff = Backoff(self.cycle_period, max(self.cycle_period, UNREACHABLE_BACKOFF_CAP))
         while not self._stopping:
             started = time.monotonic()
+            pause = None
             try:
                 await self.cycle()
             except httpx.TransportError as exc:  # a peer restarting: the next cycle tries again
-                log.warning("coordinator cycle: a service is unreachable (%s: %s); continuing",
-                            exc.__class__.__name__, exc.request.url if exc.__dict__.get("_request") else "")
+                self.stats.unreachable += 1
+                pause = backoff.failed()
+                log.warning("coordinator cycle: a service is unreachable (%s: %s); next try in %.2fs",
+                            exc.__class__.__name__, exc.request.url if exc.__dict__.get("_request") else "", pause)
             except Exception:
                 log.exception("coordinator cycle failed; continuing")
-            await asyncio.sleep(max(0.0, self.cycle_period - (time.monotonic() - started)))  # cycle pacing
+            self.stats.cycle_ms_total += (time.monotonic() - started) * 1e3
+            if pause is None:
+                backoff.succeeded()
+                pause = max(0.0, self.cycle_period - (time.monotonic() - started))
+            await asyncio.sleep(pause)  # cycle pacing, or backoff from a service that is down
 
     async def cycle(self) -> None:
         self.stats.cycles += 1

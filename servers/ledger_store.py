@@ -12,6 +12,12 @@ managers can never write one ledger: a second one (say, a restarted manager whos
 not quite dead) waits for the lock, and the server drops a vanished holder's session within
 seconds (``db.owner_session`` tightens its keepalives). A writer that lost its connection reconnects and
 takes the lock again before it writes; if another manager has it, it refuses every write.
+
+The event log stays the size of the working set: at each consume, the events of groups no longer
+live that are more than ``event_retention`` events old leave it (counted by op in
+``ledger_event_counts``, so the statistics survive). Consume events stay (they are the run's
+consumption record, one per step), and so does ``ledger_retired``, which makes "consumed at most
+once" structural.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from staleflow.ledger import (
     Transition,
 )
 from staleflow.servers import db
-from staleflow.servers.schema import ledger_entries, ledger_events, ledger_retired, ledger_settings
+from staleflow.servers.schema import ledger_entries, ledger_event_counts, ledger_events, ledger_retired, ledger_settings
 
 
 class StoreError(StaleFlowError, RuntimeError):
@@ -78,8 +84,9 @@ class LedgerStats:
 class DurableLedger:
     max_batch = 512
 
-    def __init__(self, engine: Engine, params: LedgerParams, owner_wait: float = 60.0):
+    def __init__(self, engine: Engine, params: LedgerParams, owner_wait: float = 60.0, event_retention: int = 10_000):
         self.engine = engine
+        self.event_retention = event_retention
         self._lock = threading.Lock()
         db.upgrade(engine)
         self.params = params
@@ -99,8 +106,8 @@ class DurableLedger:
         self._writer.start()
 
     @classmethod
-    def open(cls, url: str, params: LedgerParams, synchronous: str = "FULL") -> DurableLedger:
-        return cls(db.make_engine(url, synchronous), params)
+    def open(cls, url: str, params: LedgerParams, synchronous: str = "FULL", event_retention: int = 10_000) -> DurableLedger:
+        return cls(db.make_engine(url, synchronous), params, event_retention=event_retention)
 
     def close(self) -> None:
         if not self._closed:
@@ -175,7 +182,8 @@ class DurableLedger:
 
     def _load_stats(self) -> LedgerStats:
         with self.engine.connect() as conn:
-            ops = dict(conn.execute(select(ledger_events.c.op, func.count()).group_by(ledger_events.c.op)).all())
+            ops = Counter(dict(conn.execute(select(ledger_events.c.op, func.count()).group_by(ledger_events.c.op)).all()))
+            ops.update(dict(conn.execute(select(ledger_event_counts.c.op, ledger_event_counts.c.count)).all()))
             fates = dict(conn.execute(select(ledger_retired.c.fate, func.count()).group_by(ledger_retired.c.fate)).all())
         return LedgerStats(
             admitted=ops.get("reserve", 0),
@@ -327,6 +335,26 @@ class DurableLedger:
         conn.execute(insert(ledger_events), events)
         if settings:
             conn.execute(update(ledger_settings).where(ledger_settings.c.id == 1).values(**settings))
+        if self.event_retention and any(t.op == "consume" for t in transitions):
+            self._compact_events(conn)
+
+    def _compact_events(self, conn: Connection) -> None:
+        """Events of groups no longer live, older than the retention window, leave the log; their
+        counts by op are kept. Consume events stay."""
+        newest = conn.execute(select(func.max(ledger_events.c.id))).scalar_one() or 0
+        old = ((ledger_events.c.id <= newest - self.event_retention) & (ledger_events.c.op != "consume")
+               & ledger_events.c.group_id.not_in(select(ledger_entries.c.group_id)))
+        counts = dict(conn.execute(select(ledger_events.c.op, func.count()).where(old).group_by(ledger_events.c.op)).all())
+        if not counts:
+            return
+        kept = dict(conn.execute(select(ledger_event_counts.c.op, ledger_event_counts.c.count)
+                                 .where(ledger_event_counts.c.op.in_(list(counts)))).all())
+        for op, n in counts.items():
+            if op in kept:
+                conn.execute(update(ledger_event_counts).where(ledger_event_counts.c.op == op).values(count=kept[op] + n))
+            else:
+                conn.execute(insert(ledger_event_counts).values(op=op, count=n))
+        conn.execute(delete(ledger_events).where(old))
 
     def _flush(self, conn: Connection, inserts: list[dict], updates: list[dict] | None = None) -> None:
         if inserts:

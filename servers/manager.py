@@ -136,7 +136,8 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = ledger is None
-        app.state.ledger = ledger or DurableLedger.open(config.database_url(), config.ledger.params(), config.synchronous)
+        app.state.ledger = ledger or DurableLedger.open(config.database_url(), config.ledger.params(), config.synchronous,
+                                                         config.event_retention)
         log.info("staleness manager ready: eta=%d batch=%d db=%s", config.ledger.eta, config.ledger.batch_size,
                  config.database_url())
         try:

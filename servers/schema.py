@@ -57,44 +57,67 @@ ledger_events = Table(
 
 # --- trajectory server ------------------------------------------------------------------------
 
-ts_groups = Table(
-    "ts_groups",
-    metadata,
-    Column("group_id", String(200), primary_key=True),
-    Column("prompt_index", Integer, nullable=False),
-    Column("prompt_text", Text, nullable=False),
-    Column("answer", Text, nullable=False),
-    Column("prompt_ids", LargeBinary, nullable=False),  # int32 little-endian
-    Column("members", Integer, nullable=False),
-    Column("needed", Integer, nullable=False),
-    Column("v_traj", Integer, nullable=True),
-    Column("state", String(16), nullable=False),
-    Column("seq", Integer, nullable=False),
-    Column("created_at", Float, nullable=False),
-    Index("ix_ts_groups_state", "state"),
-)
+def _group_columns() -> list[Column]:
+    """A prompt group's columns, live or archived."""
+    return [
+        Column("group_id", String(200), primary_key=True),
+        Column("prompt_index", Integer, nullable=False),
+        Column("prompt_text", Text, nullable=False),
+        Column("answer", Text, nullable=False),
+        Column("prompt_ids", LargeBinary, nullable=False),  # int32 little-endian
+        Column("members", Integer, nullable=False),
+        Column("needed", Integer, nullable=False),
+        Column("v_traj", Integer, nullable=True),
+        Column("state", String(16), nullable=False),
+        Column("seq", Integer, nullable=False),
+        Column("created_at", Float, nullable=False),
+    ]
 
-ts_trajectories = Table(
-    "ts_trajectories",
-    metadata,
-    Column("traj_id", String(200), primary_key=True),
-    Column("group_id", String(200), nullable=False),
-    Column("state", String(16), nullable=False),
-    Column("instance_id", String(200), nullable=True),
-    Column("tokens", LargeBinary, nullable=False),  # int32 little-endian
-    Column("logprobs", LargeBinary, nullable=False),  # float32 little-endian
-    Column("segments", Text, nullable=False),  # JSON [[version, start, end], ...]
-    Column("finish_reason", String(16), nullable=True),
-    Column("reward", Float, nullable=True),
-    Column("reward_reason", Text, nullable=True),
-    Column("seq", Integer, nullable=False),
-    Column("updated_at", Float, nullable=False),
-    Index("ix_ts_trajectories_group", "group_id"),
-)
+
+def _trajectory_columns() -> list[Column]:
+    """A trajectory's columns, live or archived."""
+    return [
+        Column("traj_id", String(200), primary_key=True),
+        Column("group_id", String(200), nullable=False),
+        Column("state", String(16), nullable=False),
+        Column("instance_id", String(200), nullable=True),
+        Column("tokens", LargeBinary, nullable=False),  # int32 little-endian
+        Column("logprobs", LargeBinary, nullable=False),  # float32 little-endian
+        Column("segments", Text, nullable=False),  # JSON [[version, start, end], ...]
+        Column("finish_reason", String(16), nullable=True),
+        Column("reward", Float, nullable=True),
+        Column("reward_reason", Text, nullable=True),
+        Column("seq", Integer, nullable=False),
+        Column("updated_at", Float, nullable=False),
+    ]
+
+
+ts_groups = Table("ts_groups", metadata, *_group_columns(), Index("ix_ts_groups_state", "state"))
+
+ts_trajectories = Table("ts_trajectories", metadata, *_trajectory_columns(),
+                        Index("ix_ts_trajectories_group", "group_id"))
 
 ts_meta = Table(
     "ts_meta",
     metadata,
     Column("key", String(64), primary_key=True),
     Column("value", Text, nullable=False),
+)
+
+# finished groups and their members leave the live tables above for these append-only ones
+# (``trajectories.retention: archive``); the live tables stay the size of the working set
+
+ts_groups_archive = Table("ts_groups_archive", metadata, *_group_columns(),
+                          Column("archived_at", Float, nullable=False))
+
+ts_trajectories_archive = Table("ts_trajectories_archive", metadata, *_trajectory_columns(),
+                                Column("archived_at", Float, nullable=False),
+                                Index("ix_ts_trajectories_archive_group", "group_id"))
+
+# counts of the ledger events compacted away, by op (the ledger's statistics survive compaction)
+ledger_event_counts = Table(
+    "ledger_event_counts",
+    metadata,
+    Column("op", String(32), primary_key=True),
+    Column("count", Integer, nullable=False),
 )

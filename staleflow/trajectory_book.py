@@ -130,12 +130,25 @@ class Generated:
 
 class TrajectoryBook:
     """Every trajectory and group of the trajectory server, with the transitions between their
-    states. Methods named after a transition change the records and return those they changed."""
+    states. Methods named after a transition change the records and return those they changed.
+    A trajectory's state changes only through them: the per-state indexes that serve the polls
+    follow each change."""
 
     def __init__(self) -> None:
         self.groups: dict[str, GroupRecord] = {}
         self.trajs: dict[str, TrajRecord] = {}
+        # trajectories by state, so the coordinator's polls cost what is in that state, not the book
+        self._in_state: dict[TrajState, dict[str, TrajRecord]] = {s: {} for s in TrajState}
         self.seq = 0
+
+    def _move(self, t: TrajRecord, state: TrajState) -> None:
+        del self._in_state[t.state][t.traj_id]
+        t.state = state
+        self._in_state[state][t.traj_id] = t
+
+    def _index(self, t: TrajRecord) -> None:
+        self.trajs[t.traj_id] = t
+        self._in_state[t.state][t.traj_id] = t
 
     def restore(self, groups: Iterable[GroupRecord], trajs: Iterable[TrajRecord]) -> None:
         """Records read back from storage (groups first, trajectories in sequence order)."""
@@ -143,7 +156,7 @@ class TrajectoryBook:
             self.groups[g.group_id] = g
             self.seq = max(self.seq, g.seq)
         for t in trajs:
-            self.trajs[t.traj_id] = t
+            self._index(t)
             self.groups[t.group_id].member_ids.append(t.traj_id)
             self.seq = max(self.seq, t.seq)
 
@@ -176,17 +189,19 @@ class TrajectoryBook:
         for g in groups:
             self.groups[g.group_id] = g
         for t in trajs:
-            self.trajs[t.traj_id] = t
+            self._index(t)
 
     # -- routing
 
     def pending(self) -> list[tuple[TrajRecord, GroupRecord]]:
-        return [(t, self.groups[t.group_id]) for t in self.trajs.values() if t.state is TrajState.PENDING]
+        return [(t, self.groups[t.group_id]) for t in self._by_seq(TrajState.PENDING)]
 
     def routed(self, instance_id: str | None = None) -> list[tuple[TrajRecord, GroupRecord]]:
-        return [(t, self.groups[t.group_id]) for t in self.trajs.values()
-                if t.state in (TrajState.ROUTED, TrajState.CANCELLING)
-                and (instance_id is None or t.instance_id == instance_id)]
+        return [(t, self.groups[t.group_id]) for t in self._by_seq(TrajState.ROUTED, TrajState.CANCELLING)
+                if instance_id is None or t.instance_id == instance_id]
+
+    def _by_seq(self, *states: TrajState) -> list[TrajRecord]:
+        return sorted((t for s in states for t in self._in_state[s].values()), key=lambda t: t.seq)
 
     def set_group_version(self, group_id: str, v_traj: int) -> list[GroupRecord]:
         g = self.groups[group_id]
@@ -208,7 +223,8 @@ class TrajectoryBook:
         out = []
         for traj_id in traj_ids:
             t = self.trajs[traj_id]
-            t.state, t.instance_id = TrajState.ROUTED, instance_id
+            self._move(t, TrajState.ROUTED)
+            t.instance_id = instance_id
             out.append(t)
         return out
 
@@ -222,12 +238,14 @@ class TrajectoryBook:
                 outcome[p.traj_id] = "unknown"
                 continue
             if t.state is TrajState.CANCELLING:
-                t.state, t.instance_id = TrajState.ABORTED, None
+                self._move(t, TrajState.ABORTED)
+                t.instance_id = None
                 outcome[t.traj_id] = "aborted"
             elif t.state is TrajState.ROUTED and (instance_id is None or t.instance_id == instance_id):
                 if len(p.tokens) >= len(t.tokens):  # never lose generated tokens
                     t.tokens, t.logprobs, t.segments = p.tokens, p.logprobs, p.segments
-                t.state, t.instance_id = TrajState.PENDING, None
+                self._move(t, TrajState.PENDING)
+                t.instance_id = None
                 outcome[t.traj_id] = "pending"
             else:
                 outcome[t.traj_id] = f"ignored ({t.state.value})"
@@ -239,14 +257,16 @@ class TrajectoryBook:
         """A failed instance: its trajectories return to pending with their last known partial
         state and keep their V_traj; cancellations due there are void."""
         changed = []
-        for t in self.trajs.values():
+        for t in self._by_seq(TrajState.ROUTED, TrajState.CANCELLING):
             if t.instance_id != instance_id:
                 continue
             if t.state is TrajState.ROUTED:
-                t.state, t.instance_id = TrajState.PENDING, None
+                self._move(t, TrajState.PENDING)
+                t.instance_id = None
                 changed.append(t)
             elif t.state is TrajState.CANCELLING:
-                t.state, t.instance_id = TrajState.ABORTED, None
+                self._move(t, TrajState.ABORTED)
+                t.instance_id = None
                 changed.append(t)
         return changed
 
@@ -268,7 +288,7 @@ class TrajectoryBook:
             t.finish_reason = p.finish_reason
             t.instance_id = p.instance_id or t.instance_id
             surplus = self.groups[t.group_id].state is not GroupState.RESERVED or t.state is TrajState.CANCELLING
-            t.state = TrajState.ABORTED if surplus else TrajState.COMPLETED
+            self._move(t, TrajState.ABORTED if surplus else TrajState.COMPLETED)
             changed.append(t)
         return changed
 
@@ -279,7 +299,8 @@ class TrajectoryBook:
             t = self.trajs[traj_id]
             if t.state is not TrajState.COMPLETED:
                 continue
-            t.reward, t.reward_reason, t.state = reward, reason, TrajState.REWARDED
+            t.reward, t.reward_reason = reward, reason
+            self._move(t, TrajState.REWARDED)
             changed.append(t)
         touched = {t.group_id: self.groups[t.group_id] for t in changed}.values()
         return changed, [g for g in touched if self._closable(g)]
@@ -310,15 +331,15 @@ class TrajectoryBook:
             if m in keep or t.state in (TrajState.ABORTED, TrajState.CONSUMED):
                 continue
             if t.state is TrajState.ROUTED:
-                t.state = TrajState.CANCELLING
+                self._move(t, TrajState.CANCELLING)
                 on_instances.append(t)
             elif t.state is not TrajState.CANCELLING:
-                t.state = TrajState.ABORTED
+                self._move(t, TrajState.ABORTED)
             changed.append(t)
         return [g], changed, on_instances
 
     def cancellations(self) -> list[TrajRecord]:
-        return [t for t in self.trajs.values() if t.state is TrajState.CANCELLING]
+        return self._by_seq(TrajState.CANCELLING)
 
     def cancelled(self, traj_ids: Iterable[str]) -> list[TrajRecord]:
         """Aborts acknowledged by their instances."""
@@ -326,7 +347,8 @@ class TrajectoryBook:
         for traj_id in traj_ids:
             t = self.trajs.get(traj_id)
             if t is not None and t.state is TrajState.CANCELLING:
-                t.state, t.instance_id = TrajState.ABORTED, None
+                self._move(t, TrajState.ABORTED)
+                t.instance_id = None
                 changed.append(t)
         return changed
 
@@ -369,13 +391,35 @@ class TrajectoryBook:
             g.state = GroupState.CONSUMED
             groups.append(g)
             for t in members:
-                t.state = TrajState.CONSUMED
+                self._move(t, TrajState.CONSUMED)
                 t.tokens, t.logprobs = (), ()
                 changed.append(t)
         return groups, changed
 
+    # -- leaving the book
+
+    def finished(self, group_ids: Iterable[str]) -> list[GroupRecord]:
+        """Of these groups, those done for good: consumed (freed) or aborted, with every member
+        consumed or aborted. Nothing will read or change them again; they can leave the book."""
+        out = []
+        for gid in dict.fromkeys(group_ids):
+            g = self.groups.get(gid)
+            if g is not None and g.state in (GroupState.CONSUMED, GroupState.ABORTED) and all(
+                    self.trajs[m].state in (TrajState.CONSUMED, TrajState.ABORTED) for m in g.member_ids):
+                out.append(g)
+        return out
+
+    def forget(self, groups: Iterable[GroupRecord]) -> None:
+        """Finished groups and their members leave the book (after they left storage)."""
+        for g in groups:
+            for m in g.member_ids:
+                t = self.trajs.pop(m)
+                del self._in_state[t.state][m]
+            del self.groups[g.group_id]
+
     def counts(self) -> dict[str, int]:
-        counts = {s.value: 0 for s in TrajState}
-        for t in self.trajs.values():
-            counts[t.state.value] += 1
-        return counts
+        return {s.value: len(self._in_state[s]) for s in TrajState}
+
+    def completed_ones(self) -> list[TrajRecord]:
+        """Completed trajectories waiting for their reward."""
+        return self._by_seq(TrajState.COMPLETED)

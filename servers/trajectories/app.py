@@ -80,7 +80,7 @@ ServerDep = Annotated[TrajectoryServer, Depends(the_server)]
 def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = TrajectoryStore.open(config.database_url())
+        store = TrajectoryStore.open(config.database_url(), retention=config.retention)
         manager = AsyncManagerClient(config.manager_url)
         server = TrajectoryServer(config, store, manager, reward or make_reward(config))
         server.refill()
@@ -184,10 +184,13 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
     @app.get("/v1/trajectories/{traj_id}", response_model=TrajectoryDetail)
     async def trajectory(server: ServerDep, traj_id: str) -> dict:
         store = server.store
-        t = store.trajs.get(traj_id)
+        with store.lock:
+            t = store.trajs.get(traj_id)
+            g = store.groups[t.group_id] if t is not None else None
+        if t is None:  # done for good: read back from the archive
+            t, g = store.archived_trajectory(traj_id) or (None, None)
         if t is None:
             raise StaleFlowError(ErrorCode.UNKNOWN_TRAJECTORY, f"trajectory {traj_id!r} is unknown")
-        g = store.groups[t.group_id]
         return {**summary(t, g), **traj_payload(t, g, server.config.sampling), "reward": t.reward,
                 "reward_reason": t.reward_reason, "finish_reason": t.finish_reason, "prompt_text": g.prompt_text}
 

@@ -149,7 +149,7 @@ class TrajectoryServer:
                 self._work.set()
 
     async def process_completed(self) -> None:
-        todo = [t for t in self.store.trajs.values() if t.state is TrajState.COMPLETED]
+        todo = self.store.completed_ones()
         if todo:
             batch = [(t.traj_id, self.tokenizer.decode(t.tokens), self.store.groups[t.group_id].answer) for t in todo]
             scores = await self.reward(batch)

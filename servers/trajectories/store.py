@@ -1,4 +1,4 @@
-"""The trajectory server's durable state: every trajectory payload for its whole life.
+"""The trajectory server's durable state: the payload of every trajectory in the working set.
 
 The states and their transitions are the pure ``TrajectoryBook`` (``staleflow.trajectory_book``);
 this store keeps one in memory, reads come from it, and every transition writes the rows it changed
@@ -9,6 +9,12 @@ and memory is reloaded from the database, so a refused change never lingers in m
 database cannot be read back, every call fails the same way until it can. On PostgreSQL the store
 holds an advisory lock for its lifetime, so a second trajectory server on the same database waits
 for the first to be gone (or refuses to start) instead of writing beside it.
+
+A group done for good (freed by the trainer, or aborted, with every member consumed or aborted)
+leaves the live tables and memory in the same transaction as the change that finished it: it is
+moved to the append-only archive tables (``retention="archive"``) or deleted (``"drop"``). So the
+live store, memory, the reload at start-up and every poll cost what is in flight, not the run's
+history.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import time
 from collections.abc import Iterable
 
 import numpy as np
-from sqlalchemy import Engine, bindparam, delete, insert, select, update
+from sqlalchemy import Engine, bindparam, delete, func, insert, select, update
 
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers import db
-from staleflow.servers.schema import ts_groups, ts_meta, ts_trajectories
+from staleflow.servers.schema import ts_groups, ts_groups_archive, ts_meta, ts_trajectories, ts_trajectories_archive
 from staleflow.trajectory_book import (
     LIVE_GROUP_STATES,
     Generated,
@@ -93,8 +99,11 @@ def _unpack_floats(blob: bytes) -> tuple[float, ...]:
 
 
 class TrajectoryStore:
-    def __init__(self, engine: Engine, owner_wait: float = 60.0):
+    def __init__(self, engine: Engine, owner_wait: float = 60.0, retention: str = "archive"):
+        if retention not in ("archive", "drop"):
+            raise ValueError(f"retention must be 'archive' or 'drop', not {retention!r}")
         self.engine = engine
+        self.retention = retention
         db.upgrade(engine)
         try:
             self._owner = db.owner_session(engine, OWNER_LOCK, owner_wait)
@@ -118,8 +127,8 @@ class TrajectoryStore:
         )
 
     @classmethod
-    def open(cls, url: str, synchronous: str = "NORMAL") -> TrajectoryStore:
-        return cls(db.make_engine(url, synchronous))
+    def open(cls, url: str, synchronous: str = "NORMAL", retention: str = "archive") -> TrajectoryStore:
+        return cls(db.make_engine(url, synchronous), retention=retention)
 
     def _use(self, book: TrajectoryBook) -> None:
         self.book = book
@@ -147,16 +156,8 @@ class TrajectoryStore:
 
     def _load(self) -> None:
         with self.engine.connect() as conn:
-            groups = [GroupRecord(
-                r["group_id"], r["prompt_index"], r["prompt_text"], r["answer"], _unpack_ints(r["prompt_ids"]),
-                r["members"], r["needed"], r["v_traj"], GroupState(r["state"]), r["seq"], r["created_at"],
-            ) for r in conn.execute(select(ts_groups).order_by(ts_groups.c.seq)).mappings()]
-            trajs = [TrajRecord(
-                r["traj_id"], r["group_id"], TrajState(r["state"]), r["seq"], r["instance_id"],
-                _unpack_ints(r["tokens"]), _unpack_floats(r["logprobs"]),
-                tuple(tuple(s) for s in json.loads(r["segments"])), r["finish_reason"], r["reward"],
-                r["reward_reason"], r["updated_at"],
-            ) for r in conn.execute(select(ts_trajectories).order_by(ts_trajectories.c.seq)).mappings()]
+            groups = [_group_record(r) for r in conn.execute(select(ts_groups).order_by(ts_groups.c.seq)).mappings()]
+            trajs = [_traj_record(r) for r in conn.execute(select(ts_trajectories).order_by(ts_trajectories.c.seq)).mappings()]
             self.book.restore(groups, trajs)
             self.meta = {r.key: r.value for r in conn.execute(select(ts_meta))}
 
@@ -164,8 +165,10 @@ class TrajectoryStore:
 
     def _persist(self, new_groups: list[GroupRecord] = (), groups: Iterable[GroupRecord] = (),
                  new_trajs: list[TrajRecord] = (), trajs: Iterable[TrajRecord] = (), meta: dict[str, str] | None = None) -> None:
+        groups, trajs = list(groups), list(trajs)
+        finished = self.book.finished([g.group_id for g in groups] + [t.group_id for t in trajs])
         try:
-            self._write(new_groups, groups, new_trajs, trajs, meta)
+            self._write(new_groups, groups, new_trajs, trajs, meta, finished)
         except Exception as exc:
             self._stale = True  # memory already holds the change: reload it from the database
             try:
@@ -173,10 +176,11 @@ class TrajectoryStore:
             except StoreUnavailable:
                 pass  # the next call reloads (or fails the same way)
             raise StoreUnavailable(f"could not persist the change: {exc}") from exc
+        self.book.forget(finished)
         self.meta.update(meta or {})
 
     def _write(self, new_groups: list[GroupRecord], groups: Iterable[GroupRecord], new_trajs: list[TrajRecord],
-               trajs: Iterable[TrajRecord], meta: dict[str, str] | None) -> None:
+               trajs: Iterable[TrajRecord], meta: dict[str, str] | None, finished: list[GroupRecord]) -> None:
         now = time.time()
         traj_rows = []
         for t in trajs:
@@ -198,6 +202,19 @@ class TrajectoryStore:
             for key, value in (meta or {}).items():
                 conn.execute(delete(ts_meta).where(ts_meta.c.key == key))
                 conn.execute(insert(ts_meta).values(key=key, value=value))
+            if finished:
+                self._retire(conn, finished, now)
+
+    def _retire(self, conn, finished: list[GroupRecord], now: float) -> None:
+        """Finished groups and their members leave the live tables (archived or dropped)."""
+        group_ids = [g.group_id for g in finished]
+        if self.retention == "archive":
+            conn.execute(insert(ts_groups_archive), [{**self._group_row(g), "archived_at": now} for g in finished])
+            conn.execute(insert(ts_trajectories_archive), [
+                {"traj_id": t.traj_id, "group_id": t.group_id, "seq": t.seq, **self._traj_values(t), "archived_at": now}
+                for t in (self.book.trajs[m] for g in finished for m in g.member_ids)])
+        conn.execute(delete(ts_trajectories).where(ts_trajectories.c.group_id.in_(group_ids)))
+        conn.execute(delete(ts_groups).where(ts_groups.c.group_id.in_(group_ids)))
 
     @staticmethod
     def _group_row(g: GroupRecord) -> dict:
@@ -306,7 +323,34 @@ class TrajectoryStore:
 
     def batch(self, group_ids: list[str]) -> list[tuple[TrajRecord, GroupRecord]]:
         with self.lock:
-            return self.book.batch(group_ids)
+            try:
+                return self.book.batch(group_ids)
+            except StoreConflict as exc:
+                gone = [gid for gid in group_ids if gid not in self.groups]
+                if exc.code is ErrorCode.UNKNOWN_GROUP and gone and self.archived(gone[0]):
+                    raise StoreConflict(f"group {gone[0]} was freed and archived: its batch's payloads are gone",
+                                        ErrorCode.BATCH_FREED) from None
+                raise
+
+    def archived(self, group_id: str) -> bool:
+        """The group left the live store into the archive."""
+        with self.engine.connect() as conn:
+            return conn.execute(select(ts_groups_archive.c.group_id)
+                                .where(ts_groups_archive.c.group_id == group_id)).first() is not None
+
+    def archived_trajectory(self, traj_id: str) -> tuple[TrajRecord, GroupRecord] | None:
+        """A trajectory that left the live store, and its group, as archived (inspection)."""
+        with self.engine.connect() as conn:
+            t = conn.execute(select(ts_trajectories_archive)
+                             .where(ts_trajectories_archive.c.traj_id == traj_id)).mappings().first()
+            g = t and conn.execute(select(ts_groups_archive)
+                                   .where(ts_groups_archive.c.group_id == t["group_id"])).mappings().first()
+        return (_traj_record(t), _group_record(g)) if t and g else None
+
+    def archived_count(self) -> int:
+        """Trajectories in the archive (read from the database: it is not held in memory)."""
+        with self.engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(ts_trajectories_archive)).scalar_one()
 
     def mark_consumed(self, group_ids: Iterable[str]) -> int:
         """The ledger consumed these groups (see ``TrajectoryBook.mark_consumed``)."""
@@ -331,6 +375,22 @@ class TrajectoryStore:
     def counts(self) -> dict[str, int]:
         with self.lock:
             return self.book.counts()
+
+    def completed_ones(self) -> list[TrajRecord]:
+        with self.lock:
+            return self.book.completed_ones()
+
+
+def _group_record(r) -> GroupRecord:
+    return GroupRecord(r["group_id"], r["prompt_index"], r["prompt_text"], r["answer"], _unpack_ints(r["prompt_ids"]),
+                       r["members"], r["needed"], r["v_traj"], GroupState(r["state"]), r["seq"], r["created_at"])
+
+
+def _traj_record(r) -> TrajRecord:
+    return TrajRecord(r["traj_id"], r["group_id"], TrajState(r["state"]), r["seq"], r["instance_id"],
+                      _unpack_ints(r["tokens"]), _unpack_floats(r["logprobs"]),
+                      tuple(tuple(s) for s in json.loads(r["segments"])), r["finish_reason"], r["reward"],
+                      r["reward_reason"], r["updated_at"])
 
 
 def generated(p: dict, instance_id: str | None = None) -> Generated:

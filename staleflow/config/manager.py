@@ -72,6 +72,9 @@ class ManagerSettings(StrictModel):
     synchronous: Literal["FULL", "NORMAL"] = Field(
         "FULL", description="SQLite sync level: FULL survives power loss, NORMAL only process crashes"
     )
+    event_retention: int = Field(
+        10_000, ge=0, description="ledger events kept besides those of live groups and consume events: older events "
+                                  "of retired groups are compacted away (counted) at each consume (0: keep every event)")
 
 
 class ManagerConfig(ManagerSettings, ServiceConfig):

@@ -37,6 +37,9 @@ class TrajectorySettings(StrictModel):
     sim_success_rate: float = Field(0.5, ge=0, le=1, description="mean reward of the 'sim' reward")
     filter_zero_variance: bool = Field(False, description="DAPO: abort groups whose rewards are all equal")
     follow_interval: float = Field(0.2, gt=0, description="seconds between polls of the ledger's event log")
+    retention: Literal["archive", "drop"] = Field(
+        "archive", description="where a finished group (freed or aborted, every member done) goes when it leaves the "
+                               "live store: 'archive' (append-only archive tables) or 'drop' (deleted)")
 
 
 class TrajectoryServerConfig(TrajectorySettings, ServiceConfig):

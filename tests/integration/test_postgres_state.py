@@ -16,7 +16,8 @@ from staleflow.servers.ledger_store import DurableLedger, LedgerInUse, StoreErro
 from staleflow.servers.trajectories.store import StoreUnavailable, TrajectoryStore, TrajectoryStoreInUse
 
 PARAMS = LedgerParams(eta=1, batch_size=2, group_size=1)
-TABLES = {"ledger_settings", "ledger_entries", "ledger_retired", "ledger_events", "ts_groups", "ts_trajectories",
+TABLES = {"ledger_settings", "ledger_entries", "ledger_retired", "ledger_events", "ledger_event_counts", "ts_groups",
+          "ts_trajectories", "ts_groups_archive", "ts_trajectories_archive",
           "ts_meta", "alembic_version"}
 
 

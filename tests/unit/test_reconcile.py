@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from staleflow.coordinator.reconcile import Mismatch, reconcile
-from staleflow.trajectory_book import Generated, TrajectoryBook, TrajState
+from staleflow.trajectory_book import Generated, GroupState, TrajectoryBook, TrajState
 
 GRACE = 2.5
 
@@ -71,7 +71,8 @@ def test_an_abort_reported_by_an_instance_ends_only_a_cancellation() -> None:
     aborted = [Generated(t, (5,), (-1.0,), ((0, 0, 1),), "abort", "a") for t in ("g0-m0", "g0-m2")]
     assert book.completed(aborted) == []  # routed there, or pending: an abort is no completion
     assert [book.trajs[t].state for t in ("g0-m0", "g0-m2")] == [TrajState.ROUTED, TrajState.PENDING]
-    book.trajs["g0-m1"].state = TrajState.CANCELLING
+    book.close_group("g0", GroupState.ABORTED)  # its routed members are now being cancelled
+    assert book.trajs["g0-m1"].state is TrajState.CANCELLING
     (ended,) = book.completed([Generated("g0-m1", (), (), (), "abort", "a")])
     assert ended.state is TrajState.ABORTED
 

@@ -147,7 +147,9 @@ class BookMachine(RuleBasedStateMachine):
     def completion_redelivered(self, data: st.DataObject) -> None:
         traj_id = data.draw(st.sampled_from(sorted(self.completed_once)))
         self._mark()
-        if self.book.trajs[traj_id].state is not TrajState.PENDING:  # (pending: released, then finished again)
+        if traj_id not in self.book.trajs:  # its group finished and left the book
+            assert self.book.completed([Generated(traj_id, (1,), (-1.0,))]) == []
+        elif self.book.trajs[traj_id].state is not TrajState.PENDING:  # (pending: released, then finished again)
             assert self.book.completed([self._grown(traj_id, 1)]) == []
 
     @precondition(lambda self: self._ids(TrajState.COMPLETED))
@@ -201,15 +203,37 @@ class BookMachine(RuleBasedStateMachine):
             self.book.batch([group_id])
         assert freed.value.code is ErrorCode.BATCH_FREED
 
+    @rule()
+    def finished_groups_leave(self) -> None:
+        finished = self.book.finished(list(self.book.groups))
+        for g in finished:
+            assert g.state in (GroupState.CONSUMED, GroupState.ABORTED)
+            assert {self.book.trajs[m].state for m in g.member_ids} <= {TrajState.CONSUMED, TrajState.ABORTED}
+        unfinished = [g for g in self.book.groups.values() if g not in finished]
+        assert all(g.state in (GroupState.SAMPLED, GroupState.RESERVED, GroupState.OCCUPIED) or any(
+            self.book.trajs[m].state not in (TrajState.CONSUMED, TrajState.ABORTED) for m in g.member_ids)
+            for g in unfinished)  # nothing that will still change leaves
+        self._mark()
+        self.book.forget(finished)
+        for g in finished:
+            assert g.group_id not in self.book.groups
+            assert not set(g.member_ids) & set(self.book.trajs)
+            assert self.book.completed([Generated(g.member_ids[0])]) == []  # a late redelivery changes nothing
+            assert self.book.returned([Generated(g.member_ids[0])], None)[0] == {g.member_ids[0]: "unknown"}
+
     # -- what must hold after every step
 
     @invariant()
     def only_allowed_transitions(self) -> None:
         trajs, groups = self.before
         for key, was in trajs.items():
+            if key not in self.book.trajs:  # finished: left the book
+                continue
             now = self.book.trajs[key].state
             assert was is now or (was, now) in TRAJ_TRANSITIONS, f"{key}: {was} -> {now}"
         for key, was in groups.items():
+            if key not in self.book.groups:
+                continue
             now = self.book.groups[key].state
             assert was is now or (was, now) in GROUP_TRANSITIONS, f"{key}: {was} -> {now}"
 
@@ -240,6 +264,17 @@ class BookMachine(RuleBasedStateMachine):
     @invariant()
     def counts_cover_every_trajectory(self) -> None:
         assert sum(self.book.counts().values()) == len(self.book.trajs)
+
+    @invariant()
+    def the_indexes_answer_as_a_full_scan_would(self) -> None:
+        by_seq = sorted(self.book.trajs.values(), key=lambda t: t.seq)
+        assert [t for t, _ in self.book.pending()] == [t for t in by_seq if t.state is TrajState.PENDING]
+        on_instances = [t for t in by_seq if t.state in (TrajState.ROUTED, TrajState.CANCELLING)]
+        assert [t for t, _ in self.book.routed()] == on_instances
+        for instance in {t.instance_id for t in on_instances}:
+            assert [t for t, _ in self.book.routed(instance)] == [t for t in on_instances if t.instance_id == instance]
+        assert self.book.cancellations() == [t for t in by_seq if t.state is TrajState.CANCELLING]
+        assert self.book.completed_ones() == [t for t in by_seq if t.state is TrajState.COMPLETED]
 
 
 BookMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)

@@ -1,0 +1,95 @@
+"""``staleflow soak``: run a long simulated job; compare its costs near the start and near the end."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from staleflow.cli.common import console, fail
+from staleflow.cli.up import job_config
+
+SOAK_DEFAULTS = {"engine": "sim", "workload": "ci-tiny", "instances": 2, "speed": 200.0, "max_tokens": 16,
+                 "batch_size": 2, "group_size": 2, "eta": 1}
+"""A small, fast job: many steps, each cheap, so that history piles up quickly."""
+
+GROWTH_LIMIT = 1.5
+"""End over start allowed for the per-cycle cost and the restart time."""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def soak(
+        steps: Annotated[int, typer.Option(help="training steps")] = 2000,
+        config: Annotated[Path | None, typer.Option("--config", help="job file, as for `staleflow up` "
+                                                                     "(default: a small sim job)")] = None,
+        state_dir: Annotated[Path, typer.Option("--state-dir", help="where the run keeps its state")] = Path(
+            ".staleflow-soak"),
+        instances: Annotated[int | None, typer.Option(help="rollout instances")] = None,
+        speed: Annotated[float | None, typer.Option(help="sim clock speed-up")] = None,
+        batch_size: Annotated[int | None, typer.Option(help="prompt groups per batch")] = None,
+        warmup: Annotated[int, typer.Option(help="measure the start after this many steps")] = 20,
+        end_margin: Annotated[int, typer.Option(help="measure the end this many steps before the last")] = 20,
+        sample_every: Annotated[int, typer.Option(help="sample the store sizes every this many steps")] = 50,
+        window: Annotated[float, typer.Option(help="seconds over which the per-cycle cost is averaged")] = 10.0,
+        deadline: Annotated[float, typer.Option(help="give up after this many seconds")] = 86_400.0,
+        stop_after: Annotated[float | None, typer.Option(help="time box: measure the end after this many seconds "
+                                                              "and stop there, even if steps remain")] = None,
+        restarts: Annotated[int, typer.Option(help="trajectory-server restarts timed at each end (median)")] = 3,
+        output: Annotated[Path | None, typer.Option("--output", help="write the report (JSON) here")] = None,
+        plot: Annotated[Path | None, typer.Option("--plot", help="draw the store sizes over the run (PNG) here")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+    ) -> None:
+        """Run a job for many steps and measure, near its start and near its end, the coordinator's
+        cost per cycle, the time of its polls of the trajectory server, the live and archived store
+        and the trajectory server's restart time (a SIGKILL each time). Fails (exit 1) if the job does
+        not finish (or reach its time box), or a cost at the end exceeds 1.5x the start."""
+        from staleflow.launch.soak import Soak, write_report
+        from staleflow.launch.soak import plot as draw
+
+        flags = {"steps": steps, "instances": instances, "speed": speed, "batch_size": batch_size}
+        if config is None:
+            flags = {**SOAK_DEFAULTS, **{k: v for k, v in flags.items() if v is not None}}
+        cfg = job_config(config, **flags, processes=True, state_dir=state_dir)
+        logging.basicConfig(level=logging.ERROR)
+        say = (lambda m: None) if as_json else (lambda m: console.print(f"  {m}"))
+        try:
+            result = Soak(cfg, warmup_steps=warmup, end_margin_steps=end_margin, sample_every_steps=sample_every,
+                          window_s=window, deadline_s=deadline, stop_after_s=stop_after, restarts=restarts).run(say)
+        except ValueError as exc:
+            raise fail(str(exc), "see `staleflow soak --help`") from None
+        report = result.to_json()
+        report["command"] = f"staleflow soak --steps {cfg.steps}"
+        if output:
+            write_report(output, report)
+        if plot:
+            if draw(report, plot) is None:
+                console.print("no plot: matplotlib is not installed")
+        if as_json:
+            typer.echo(json.dumps(report, default=str))
+        else:
+            table = Table(title=f"soak: {result.steps_done} of {result.steps_planned} steps in {result.wall_s:.0f}s")
+            for col in ("", "step", "cycle ms", "cycles/s", "poll ms", "live", "archived", "ledger events",
+                        "ts restart s"):
+                table.add_column(col, justify="right")
+            for name, c in (("start", result.start), ("end", result.end)):
+                if c is not None:
+                    table.add_row(name, str(c.step), f"{c.cycle_ms:.2f}", f"{c.cycles_per_s:.1f}", f"{c.poll_ms:.2f}",
+                                  str(c.live_trajectories), str(c.archived_trajectories), str(c.ledger_events),
+                                  "-" if c.ts_restart_s is None else f"{c.ts_restart_s:.2f}")
+            console.print(table)
+            console.print("end / start: " + ", ".join(
+                f"{k} {'-' if v is None else f'{v:.2f}x'}" for k, v in result.ratios().items()))
+            console.print(f"live trajectories at most {report['live_trajectories_max']} over the run")
+            if result.stopped_early:
+                console.print(f"stopped by the time box (--stop-after) at step {result.end.step}")
+        grown = [k for k in ("cycle_ms", "ts_restart_s") if (result.ratios().get(k) or 0) > GROWTH_LIMIT]
+        if result.failure or grown or result.start is None or result.end is None:
+            if not as_json:
+                console.print(f"[red]soak failed[/]: {result.failure or ''} "
+                              f"{'grew: ' + ', '.join(grown) if grown else ''}".strip())
+            raise typer.Exit(1)

@@ -1,0 +1,282 @@
+"""A soak run: one long job, measured near its start and near its end, to show that nothing grows
+with the run's history.
+
+``Soak`` runs a job (small batches, a fast simulated clock) and, once a few steps in and again a few
+steps before its last, measures the same things side by side:
+
+* the coordinator's cost per cycle (wall time of its cycles over a window, from its own counters),
+  and the time the trajectory server takes to answer the polls the coordinator makes every cycle
+  (``/v1/pending`` and ``/v1/routed``);
+* the trajectory server's live store (trajectories in memory and in the live table) and its archive;
+* the trajectory server's restart time: it is SIGKILLed, and the time from the kill to the
+  supervisor's restart (which waits for its health probe: the store is reloaded by then) is taken.
+
+Along the run it samples the live and archived sizes and the ledger's event log every few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from sqlalchemy import func, select
+
+from staleflow.config import JobConfig
+from staleflow.launch.job import Job
+from staleflow.servers import db
+from staleflow.servers.clients import http_client
+from staleflow.servers.schema import ledger_events, ts_trajectories, ts_trajectories_archive
+
+
+@dataclass
+class Checkpoint:
+    """The measurements taken at one point of the run."""
+
+    step: int
+    cycle_ms: float  # mean wall time of a coordinator cycle over the window
+    cycles_per_s: float
+    poll_ms: float  # median time of the coordinator's two polls of the trajectory server, together
+    live_trajectories: int  # in the trajectory server's memory (and its live table)
+    archived_trajectories: int
+    ledger_events: int
+    ts_restart_s: float | None  # median of SIGKILL -> restarted and answering its health probe
+    ts_restarts_s: list[float | None] = field(default_factory=list)  # each of them
+
+
+@dataclass
+class StoreSample:
+    step: int
+    t: float
+    live_trajectories: int
+    live_rows: int
+    archived_trajectories: int
+    ledger_events: int
+    trajectories_db_bytes: int
+
+
+@dataclass
+class SoakResult:
+    steps_planned: int
+    steps_done: int
+    finished: bool
+    wall_s: float
+    start: Checkpoint | None = None
+    end: Checkpoint | None = None
+    samples: list[StoreSample] = field(default_factory=list)
+    failure: str | None = None
+    stopped_early: bool = False  # the time box ran out: the end was measured there
+
+    def ratios(self) -> dict[str, float | None]:
+        """End over start, for each cost that must not grow with the run."""
+        if self.start is None or self.end is None:
+            return {}
+
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None or a <= 0 else b / a
+
+        return {"cycle_ms": ratio(self.start.cycle_ms, self.end.cycle_ms),
+                "poll_ms": ratio(self.start.poll_ms, self.end.poll_ms),
+                "ts_restart_s": ratio(self.start.ts_restart_s, self.end.ts_restart_s),
+                "live_trajectories": ratio(self.start.live_trajectories, self.end.live_trajectories)}
+
+    def to_json(self) -> dict:
+        live = [s.live_trajectories for s in self.samples]
+        return {"steps_planned": self.steps_planned, "steps_done": self.steps_done, "finished": self.finished,
+                "stopped_early": self.stopped_early, "wall_s": self.wall_s, "failure": self.failure,
+                "start": asdict(self.start) if self.start else None, "end": asdict(self.end) if self.end else None,
+                "ratios": self.ratios(), "live_trajectories_max": max(live, default=0),
+                "archived_trajectories_last": self.samples[-1].archived_trajectories if self.samples else 0,
+                "samples": [asdict(s) for s in self.samples]}
+
+
+class Soak:
+    def __init__(self, config: JobConfig, warmup_steps: int = 20, end_margin_steps: int = 20,
+                 sample_every_steps: int = 50, window_s: float = 10.0, deadline_s: float = 86_400.0,
+                 stop_after_s: float | None = None, restarts: int = 3):
+        if config.steps < warmup_steps + end_margin_steps + 1:
+            raise ValueError(f"a soak needs more than {warmup_steps + end_margin_steps} steps (warm-up and end "
+                             f"margin), got {config.steps}; raise --steps")
+        if not config.supervision.enabled:
+            raise ValueError("the soak measures restarts by the job's supervisor: enable supervision")
+        self.config = config.model_copy(update={"processes": True})
+        self.warmup_steps = warmup_steps
+        self.end_margin_steps = end_margin_steps
+        self.sample_every_steps = sample_every_steps
+        self.window_s = window_s
+        self.deadline_s = deadline_s
+        self.stop_after_s = stop_after_s  # measure the end then, and stop the job there (a time-boxed soak)
+        self.restarts = restarts
+
+    def run(self, progress=None) -> SoakResult:
+        say = progress or (lambda msg: None)
+        job = Job(self.config, fresh=True)
+        job.write_planned_endpoints()
+        try:
+            job.start()
+            return self._drive(job, say)
+        finally:
+            job.shutdown()
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def _drive(self, job: Job, say) -> SoakResult:
+        urls = {k: v["url"] for k, v in job.endpoints.items()}
+        ts_url, ledger_url = self._database_urls()
+        ts_db, ledger_db = db.make_engine(ts_url), db.make_engine(ledger_url)
+        manager, coordinator = http_client(urls["manager"], timeout=5.0), http_client(urls["coordinator"], timeout=5.0)
+        result = SoakResult(self.config.steps, 0, False, 0.0)
+        started = time.monotonic()
+        deadline = started + self.deadline_s
+        end_at = self.config.steps - self.end_margin_steps
+        next_sample = 0
+        try:
+            while time.monotonic() < deadline and not job.finished():
+                if job.failure:
+                    result.failure = job.failure
+                    break
+                step = self._train_version(manager)
+                if step is None:
+                    job.stop.wait(0.5)
+                    continue
+                if step >= next_sample:
+                    result.samples.append(self._sample(step, started, urls["ts"], ts_db, ledger_db))
+                    next_sample = step + self.sample_every_steps
+                    say(f"step {step}: {result.samples[-1].live_trajectories} live, "
+                        f"{result.samples[-1].archived_trajectories} archived trajectories")
+                if result.start is None and step >= self.warmup_steps:
+                    result.start = self._checkpoint(job, step, urls["ts"], coordinator, ts_db, ledger_db)
+                    say(f"start: {result.start}")
+                elif result.start is not None and result.end is None and (step >= end_at or self._time_up(started)):
+                    result.end = self._checkpoint(job, step, urls["ts"], coordinator, ts_db, ledger_db)
+                    say(f"end: {result.end}")
+                    if step < end_at:
+                        result.stopped_early = True
+                        break
+                job.stop.wait(1.0)  # sampling pacing
+            result.finished = job.finished()
+            result.steps_done = len(job.steps())
+            result.wall_s = time.monotonic() - started
+            if not result.finished and result.failure is None and not result.stopped_early:
+                result.failure = f"the job did not finish in {self.deadline_s:.0f}s ({result.steps_done} steps)"
+            return result
+        finally:
+            manager.close()
+            coordinator.close()
+            ts_db.dispose()
+            ledger_db.dispose()
+
+    def _time_up(self, started: float) -> bool:
+        return self.stop_after_s is not None and time.monotonic() - started >= self.stop_after_s
+
+    def _database_urls(self) -> tuple[str, str]:
+        shared = self.config.database_url()
+        state = self.config.state_dir.resolve()
+        return shared or db.sqlite_url(state / "trajectories.db"), shared or db.sqlite_url(state / "ledger.db")
+
+    @staticmethod
+    def _train_version(manager: httpx.Client) -> int | None:
+        try:
+            return int(manager.get("/v1/buffers").json()["train_version"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
+    def _sample(self, step: int, started: float, ts_url: str, ts_db, ledger_db) -> StoreSample:
+        live = self._live_trajectories(ts_url)
+        with ts_db.connect() as conn:
+            rows = conn.execute(select(func.count()).select_from(ts_trajectories)).scalar_one()
+            archived = conn.execute(select(func.count()).select_from(ts_trajectories_archive)).scalar_one()
+        with ledger_db.connect() as conn:
+            events = conn.execute(select(func.count()).select_from(ledger_events)).scalar_one()
+        path = self.config.state_dir / "trajectories.db"
+        size = sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) if path.exists() else 0
+        return StoreSample(step, time.monotonic() - started, live if live is not None else -1, rows, archived, events,
+                           size)
+
+    @staticmethod
+    def _live_trajectories(ts_url: str) -> int | None:
+        try:
+            with http_client(ts_url, timeout=10.0) as ts:
+                return sum(ts.get("/v1/health").json()["counts"].values())
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
+    def _checkpoint(self, job: Job, step: int, ts_url: str, coordinator: httpx.Client, ts_db, ledger_db) -> Checkpoint:
+        before, t0 = coordinator.get("/v1/coordinator").json(), time.monotonic()
+        job.stop.wait(self.window_s)
+        after, t1 = coordinator.get("/v1/coordinator").json(), time.monotonic()
+        cycles = after["cycles"] - before["cycles"]
+        cycle_ms = (after["cycle_ms_total"] - before["cycle_ms_total"]) / cycles if cycles else float("nan")
+        poll_ms = self._poll_ms(ts_url)
+        sample = self._sample(step, 0.0, ts_url, ts_db, ledger_db)
+        restarts = [self._restart_ts(job) for _ in range(self.restarts)]
+        measured = [r for r in restarts if r is not None]
+        return Checkpoint(step, cycle_ms, cycles / (t1 - t0), poll_ms, sample.live_trajectories,
+                          sample.archived_trajectories, sample.ledger_events,
+                          statistics.median(measured) if measured else None, restarts)
+
+    @staticmethod
+    def _poll_ms(ts_url: str, rounds: int = 20) -> float:
+        times = []
+        with http_client(ts_url, timeout=30.0) as ts:
+            for _ in range(rounds):
+                t = time.perf_counter()
+                ts.get("/v1/pending").raise_for_status()
+                ts.get("/v1/routed").raise_for_status()
+                times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    @staticmethod
+    def _restart_ts(job: Job, timeout_s: float = 300.0) -> float | None:
+        """SIGKILL the trajectory server; seconds until the supervisor has it back (answering)."""
+        supervisor = job.supervisor
+        assert supervisor is not None
+        give_up = time.monotonic() + timeout_s
+        while not supervisor.ready and time.monotonic() < give_up:
+            job.stop.wait(0.2)  # a warm standby is being prepared: restarts are measured with one
+        restarted: list[float] = []
+        supervisor.on_restarted.append(lambda name, t: restarted.append(t) if name == "ts" else None)
+        try:
+            killed_at = time.monotonic()
+            job.kill("ts", signal.SIGKILL)
+            while not restarted and time.monotonic() < give_up and not job.failure:
+                job.stop.wait(0.05)  # the supervisor's hook fires from its own thread
+            return restarted[0] - killed_at if restarted else None
+        finally:
+            supervisor.on_restarted.pop()
+
+
+def write_report(path: Path, report: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))
+    return path
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """Live and archived trajectories over the run (None: matplotlib is not installed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    samples = report["samples"]
+    steps = [s["step"] for s in samples]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, [s["live_trajectories"] for s in samples], label="live trajectories (memory)")
+    ax.plot(steps, [s["archived_trajectories"] for s in samples], label="archived trajectories")
+    ax.plot(steps, [s["ledger_events"] for s in samples], label="ledger events")
+    ax.set_xlabel("training step")
+    ax.set_yscale("symlog")
+    ax.legend()
+    ax.set_title("soak: the working set stays bounded")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
