@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import json
 import logging
-import math
 import os
 import shutil
 import signal
