@@ -14,10 +14,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from staleflow.config.cluster import ClusterConfig
-from staleflow.config.common import STATE_DIR, check_database_url
+from staleflow.config.common import STATE_DIR, check_database_url, default_of
 from staleflow.config.compose import ComponentConfigs
 from staleflow.config.coordinator import CoordinatorSettings
-from staleflow.config.instance import InstanceSettings
+from staleflow.config.instance import InstanceSettings, VllmConfig
 from staleflow.config.logger import LoggerConfig
 from staleflow.config.manager import LedgerConfig, ManagerSettings
 from staleflow.config.params import ParamsSettings
@@ -85,6 +85,9 @@ class TrainerConfig(StrictModel):
                             "when liger_kernel is importable, else the chunked head")
     optimizer_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in "
                                                        "host memory (FSDP2 CPUOffloadPolicy): fits larger models, slower")
+    export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="dtype of the weights the trainer publishes; in a job, auto is the rollout engine's "
+                            "(vllm_args.dtype); elsewhere auto keeps the trained parameters' own")
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
 
@@ -126,6 +129,26 @@ VLLM_PRESET: dict[str, Any] = {
 }
 ENGINE_PRESETS: dict[str, dict[str, Any]] = {"sim": SIM_PRESET, "vllm": VLLM_PRESET}
 """What each engine changes of the defaults below; a job's own values win over its engine's."""
+
+ROLLOUT_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+                  "float": "float32"}
+"""vLLM's ``dtype`` spellings of the dtypes a trainer can export; another (vLLM's ``auto``) keeps the trainer's."""
+
+
+def _exporting_the_rollout_dtype(trainer: Any, vllm_args: Any) -> Any:
+    """The trainer section with ``export_dtype: auto`` resolved to the instances' engine dtype."""
+    if isinstance(trainer, TrainerConfig):
+        trainer = trainer.model_dump(exclude_unset=True)
+    trainer = dict(trainer or {})
+    if trainer.get("export_dtype", "auto") != "auto":
+        return trainer
+    if isinstance(vllm_args, dict):
+        rollout = vllm_args.get("dtype", default_of(VllmConfig, "dtype"))
+    else:
+        rollout = JobConfig.model_fields["vllm_args"].get_default(call_default_factory=True)["dtype"]
+    trainer["export_dtype"] = ROLLOUT_DTYPES.get(str(rollout), "auto")
+    return trainer
+
 
 class JobConfig(ComponentConfigs, StrictModel):
     """Everything `staleflow up` runs. The same file drives embedded and multi-process runs.
@@ -196,6 +219,8 @@ class JobConfig(ComponentConfigs, StrictModel):
             data = merged(preset, nested(data))
             if isinstance(data.get("ledger"), dict):  # a partial ledger section keeps the job's other defaults
                 data["ledger"] = {**JOB_LEDGER, **data["ledger"]}
+            if engine == "vllm":
+                data["trainer"] = _exporting_the_rollout_dtype(data.get("trainer"), data.get("vllm_args"))
         return data
 
     @model_validator(mode="after")

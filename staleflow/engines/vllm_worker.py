@@ -8,8 +8,11 @@ name through ``collective_rpc`` (no pickled callables, no VLLM_ALLOW_INSECURE_SE
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
+PULL_WINDOW_BYTES = 256 << 20
+"""How much of a pull lands in host memory at a time (at least one tensor) before vLLM loads it."""
 PULL_WAIT_S = 120.0
 """How long a pull waits for a version its parameter server does not hold yet (a relay still
 copying it); the job's own parameter server always holds the versions it is asked for."""
@@ -77,16 +80,21 @@ class StaleflowWorkerExtension:
         self._staleflow_repack_tied_lm_head()
         return True
 
-    def staleflow_pull_weights(self, url: str, version: int, transport: str = "auto") -> int:
-        """Pull ``version`` from a StaleFlow parameter server and load it in place, tensor by
-        tensor as each lands (verified), without a copy of the whole state dict."""
+    def staleflow_pull_weights(self, url: str, version: int, transport: str = "auto",
+                               window_bytes: int = PULL_WINDOW_BYTES) -> int:
+        """Pull ``version`` from a StaleFlow parameter server and load it in place, a window of
+        tensors at a time (``pull_windows``), each verified as it lands: the host never holds
+        more of the pull than a window and the layers vLLM is still assembling."""
         from staleflow.transports.client import ParamsClient
 
         def pull_and_load() -> None:
             with ParamsClient(url, timeout=600) as params:
                 # a relay may still be copying the version from the parameter server: wait for it
-                loaded = params.iter_pull(version, transport, as_torch=True, wait_s=PULL_WAIT_S)
-                self.reload_weights(weights_iterator=loaded)  # type: ignore[attr-defined]
+                lease = params.open_pull(version, transport, wait_s=PULL_WAIT_S)
+                try:
+                    self.reload_weights(weights_iterator=windowed_pull(params, lease, window_bytes))  # type: ignore[attr-defined]
+                finally:
+                    params.close_pull(lease)
 
         self._staleflow_timed_load(pull_and_load)
         self._staleflow_repack_tied_lm_head()
@@ -103,3 +111,43 @@ class StaleflowWorkerExtension:
             quant_method = getattr(lm_head, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(lm_head)
+
+
+def pull_windows(tensors: Any, limit: int = PULL_WINDOW_BYTES) -> list[list[str]]:
+    """The version's tensors in data-section order, cut into runs of at most ``limit`` bytes
+    (a bigger tensor is a run of its own)."""
+    windows: list[list[str]] = []
+    size = limit
+    for spec in sorted(tensors, key=lambda t: t.offset):
+        if size + spec.nbytes > limit:
+            windows.append([])
+            size = 0
+        windows[-1].append(spec.name)
+        size += spec.nbytes
+    return windows
+
+
+def windowed_pull(params: Any, lease: Any, limit: int = PULL_WINDOW_BYTES) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of an open lease, received one window at a time into a host buffer of its
+    own (pinned with CUDA, so the copy into the engine's parameters is a pinned host-to-device
+    copy). A window's buffer is freed once vLLM lets go of its tensors: vLLM's in-place reload
+    keeps a layer's loaded tensors until the layer is complete, so a buffer is never reused
+    under a tensor still to be loaded (pinned memory is recycled by torch's host allocator)."""
+    import torch
+
+    from staleflow.transports.client import torch_dtype
+
+    pinned = torch.cuda.is_available()
+    specs = {spec.name: spec for spec in lease.manifest.tensors}
+    for names in pull_windows(lease.manifest.tensors, limit):
+        offsets, size = {}, 0
+        for name in names:
+            size += -size % 64
+            offsets[name] = size
+            size += specs[name].nbytes
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        out = {name: buffer[offsets[name]:offsets[name] + specs[name].nbytes].view(torch_dtype(specs[name].dtype))
+               .view(specs[name].shape) for name in names}
+        del buffer  # the tensors keep it alive while vLLM holds them
+        for name, _ in params.receive(lease, out=out, select=names):
+            yield name, out.pop(name)

@@ -14,7 +14,7 @@ import abc
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +31,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class ShardedWeights:
     """One pusher's share of a version that several push at once (a sharded trainer's ranks):
-    the whole tensor table and the pieces this one holds, snapshotted so training can go on."""
+    the whole tensor table and the pieces this one holds, snapshotted so training can go on.
+    ``ready``, when set, returns once the pieces' bytes have landed (a copy still in flight)."""
 
     part: int
     parts: int
     tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, full shape)
     pieces: list[ShardPiece] = field(default_factory=list)
+    ready: Callable[[], Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -44,6 +46,8 @@ class ShardedWeights:
 
     def push(self, client: ParamsClient, version: int, wait_s: float = 600.0) -> dict:
         """Push this share; returns when the version is visible (every part in) or ``wait_s`` ran out."""
+        if self.ready is not None:
+            self.ready()
         return client.push_part(version, self.part, self.parts, self.tensors, self.pieces, wait_s=wait_s)
 
 

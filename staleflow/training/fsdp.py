@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from staleflow.config import JobConfig, TrainerConfig
 from staleflow.training.base import BackgroundSharePushes, ShardedWeights, TrainerBackend
+from staleflow.training.export import ShareStaging, export_dtype, local_shards
 from staleflow.training.grpo import group_advantages, policy_loss
 from staleflow.training.loading import decoder_layers, empty_causal_lm, load_sharded, materialize
 from staleflow.training.logprobs import chunk_tokens_for, head_returns_logprobs, liger_available
@@ -172,11 +172,20 @@ class FsdpBackend(TrainerBackend):
             metrics["kl"] = sums["kl"] / tokens
         return metrics
 
+    _staging: ShareStaging | None = None  # this rank's reusable export buffers
+
     def weights(self, version: int) -> ShardedWeights:
-        """This rank's share of the version: a host copy of its own dim-0 shard of every
-        parameter (no gather: peak extra memory is the shard), placed by its offset in the full
-        tensor; replicated tensors come from rank 0. Every rank pushes its share (``push_shards``)."""
-        return sharded_weights(self.model.state_dict(), self.rank, self.world, drop=("lm_head.weight",) if self.tied else ())
+        """This rank's share of the version: its own dim-0 shard of every parameter (no gather:
+        peak extra memory is the shard), cast to ``trainer.export_dtype``, placed by its offset in
+        the full tensor; replicated tensors come from rank 0. Every rank pushes its share
+        (``push_shards``). The copy goes into reusable host buffers (pinned, on a side stream
+        with CUDA) and overlaps the next step, which waits for it only before its optimizer step
+        writes the parameters (``staleflow.training.export``)."""
+        if self._staging is None:
+            staging = self._staging = ShareStaging(self.rank, self.world, export_dtype(self.cfg.export_dtype), self.device)
+            self.optimizer.register_step_pre_hook(lambda *_: staging.before_update())
+        drop = ("lm_head.weight",) if self.tied else ()
+        return self._staging.export(local_shards(self.model.state_dict(), self.rank, drop))
 
     def push_shards(self, version: int, params_url: str) -> None:
         """Ranks > 0: snapshot this rank's share and push it in the background, seen through to
@@ -408,41 +417,6 @@ def follow(local: FsdpBackend) -> None:
             local.stop_pushes()  # rank 0 saw the last version visible, or the trainer is stopping
             return
         getattr(local, op)(*args)
-
-
-def sharded_weights(state: Mapping[str, Any], rank: int, world: int, drop: tuple[str, ...] = ()) -> ShardedWeights:
-    """This rank's share of a (possibly DTensor) state dict: its dim-0 shard of each sharded
-    tensor as a byte range of the full tensor, and the replicated tensors on rank 0."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from staleflow.transports.client import ShardPiece, safetensors_dtype_of
-
-    share = ShardedWeights(rank, world, {})
-    for name, value in state.items():
-        if name in drop:
-            continue
-        full_shape = tuple(value.shape)
-        share.tensors[name] = (safetensors_dtype_of(value), full_shape)
-        if isinstance(value, DTensor):
-            placements = tuple(value.placements)
-            if any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and p.dim != 0) for p in placements):
-                raise ValueError(f"{name}: placements {placements} are not dim-0 shards; cannot push it without a gather")
-            if not any(isinstance(p, Shard) for p in placements):
-                if rank == 0:
-                    share.pieces.append(ShardPiece(name, 0, value.to_local().detach().to("cpu", copy=True).contiguous()))
-                continue
-            local_shape, offset = compute_local_shape_and_global_offset(full_shape, value.device_mesh, placements)
-            local = value.to_local().detach()
-            if tuple(local.shape) != tuple(local_shape):  # padded storage: keep the real rows only
-                local = local[: local_shape[0]]
-            if local.numel() == 0:
-                continue
-            row_bytes = local.element_size() * (math.prod(full_shape[1:]) if len(full_shape) > 1 else 1)
-            share.pieces.append(ShardPiece(name, offset[0] * row_bytes, local.to("cpu", copy=True).contiguous()))
-        elif rank == 0:
-            share.pieces.append(ShardPiece(name, 0, value.detach().to("cpu", copy=True).contiguous()))
-    return share
 
 
 def _die_with_parent() -> None:

@@ -92,10 +92,17 @@ def safetensors_dtype_of(value: Any) -> str:
     return safetensors_dtype(np.asarray(value).dtype)
 
 
+def torch_dtype(dtype: str) -> Any:
+    """The torch dtype of a safetensors dtype."""
+    import torch
+
+    return getattr(torch, {v: k for k, v in _TORCH_DTYPES.items()}[dtype])
+
+
 def _as_torch(array: np.ndarray, spec: TensorSpec, shape: tuple[int, ...] | None = None) -> Any:
     import torch
 
-    dtype = getattr(torch, {v: k for k, v in _TORCH_DTYPES.items()}[spec.dtype])
+    dtype = torch_dtype(spec.dtype)
     raw = torch.from_numpy(array.reshape(-1).view(np.uint8))
     return raw.view(dtype).reshape(spec.shape if shape is None else shape)
 
@@ -256,6 +263,9 @@ class ParamsClient(RestClient):
     # -- pull (instances)
 
     def open_pull(self, version: int | str = "latest", transport: str = "http", wait_s: float = 0.0) -> PullLease:
+        """A lease on ``version`` for ``receive``; ``transport="auto"`` as in ``iter_pull``."""
+        if transport == "auto":
+            return self._open_auto(version, wait_s)
         body = self._call("POST", f"/v1/params/{version}/pulls", json={"transport": transport, "wait_s": wait_s},
                           timeout=self.timeout + wait_s)
         return PullLease(body["lease_id"], Manifest.from_json(body["manifest"]), body["transport"],
@@ -286,7 +296,7 @@ class ParamsClient(RestClient):
         of the version's size. ``transport="auto"`` picks shm on the PS's host, http elsewhere.
         ``select``: only these tensors, each whole or one tensor-parallel slice (see ``receive``).
         ``into``: one flat buffer of the version's size to pull into instead (see ``receive``)."""
-        lease = self._open_auto(version, wait_s) if transport == "auto" else self.open_pull(version, transport, wait_s)
+        lease = self.open_pull(version, transport, wait_s)
         try:
             yield from self.receive(lease, out=out, as_torch=as_torch, verify=verify, select=select, into=into)
         finally:

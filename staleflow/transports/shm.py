@@ -418,7 +418,11 @@ class ShmTransport(Transport):
         """Write the session's chunks straight into the PS's slot; returns their checksums,
         computed over the bytes as they landed in the slot."""
         self._check_host(session.details)
-        target = self._mapping(session.details["path"], writable=True).view
+        try:
+            target = self._mapping(session.details["path"], writable=True).view
+        except TransportUnavailable as exc:  # on the PS's host (checked): the slot went with a dropped push
+            raise FileNotFoundError(f"push {session.push_id}: its shared-memory slot is gone (the push was "
+                                    f"dropped or the parameter server restarted)") from exc
         base = int(session.details["data_offset"])
 
         def batch(chunks: Sequence[ChunkSpec]) -> list[tuple[int, str]]:

@@ -52,6 +52,7 @@ from staleflow.engines.base import (  # noqa: E402
     Segment,
     TrajectoryRequest,
     WeightsBlob,
+    WeightsFromParams,
     WeightsPath,
 )
 from staleflow.engines.vllm_engine import VllmEngine  # noqa: E402
@@ -253,6 +254,35 @@ def test_weight_reload_changes_outputs_and_records_versions(harness: Harness) ->
     harness.run(engine.load_weights(WeightsBlob(version=2, data=blob)))
     assert harness.generate(harness.request(32)).tokens == before
     assert harness.run(engine.snapshot()).inst_version == 2
+
+
+def test_a_pull_from_the_parameter_server_loads_window_by_window(harness: Harness, tmp_path: Path) -> None:
+    """The engine pulls a version from a real parameter server and loads it into its parameters
+    a window of tensors at a time: whole (one window) and in windows smaller than most tensors
+    (many), over shm and http, and generates what the pulled model generates."""
+    from staleflow.engines.vllm_worker import pull_windows
+    from staleflow.servers.http import serve_in_thread
+    from staleflow.servers.params import ParamsConfig, create_app
+    from staleflow.transports.client import ParamsClient
+
+    state_a = safetensors_torch.load_file(str(harness.model_a / "model.safetensors"))
+    state_b = safetensors_torch.load_file(str(harness.model_b / "model.safetensors"))
+    config = ParamsConfig(state_dir=tmp_path, port=0, chunk_bytes=16 << 10, fsync=False, keep=4, transports=("http", "shm"))
+    with serve_in_thread(create_app(config)) as server, ParamsClient(server.url) as client:
+        base = harness.engine.version
+        client.push(base + 1, state_b)
+        client.push(base + 2, state_a)
+        client.push(base + 3, state_b)
+        tensors = client.manifest(base + 3).tensors
+        assert len(pull_windows(tensors, 32 << 10)) > len(tensors) // 2 and len(pull_windows(tensors)) == 1
+
+        harness.run(harness.engine.load_weights(WeightsFromParams(version=base + 1, url=server.url)))
+        assert harness.generate(harness.request(32)).tokens == tuple(reference_greedy(harness.model_b, PROMPT, 32))
+        for version, transport, model in ((base + 2, "http", harness.model_a), (base + 3, "shm", harness.model_b)):
+            harness.run(harness.engine._llm.collective_rpc("staleflow_pull_weights", kwargs={
+                "url": server.url, "version": version, "transport": transport, "window_bytes": 32 << 10}))
+            harness.run(harness.engine._llm.reset_prefix_cache())  # as the engine's own load does
+            assert list(harness.generate(harness.request(32)).tokens) == reference_greedy(model, PROMPT, 32), transport
 
 
 def test_instance_server_drives_vllm_over_http(harness: Harness) -> None:

@@ -11,16 +11,19 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import torch
 from support import ParamsProcess
 
 from staleflow.servers.trainer import StepLog, TrainerLoop
 from staleflow.training.base import BackgroundSharePushes, ShardedWeights
+from staleflow.training.export import LocalShard, ShareStaging
 from staleflow.training.simulated import SimulatedBackend
 from staleflow.transports.base import ChecksumMismatch, FormatError
 from staleflow.transports.client import ParamsClient, ShardPiece
@@ -68,8 +71,9 @@ class TornVersionWatch:
     """An instance that pulls the newest version over and over, through crashes and restarts, and
     checks every pulled version against the bytes the ranks pushed for it."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, expected: Callable[[int], dict[str, bytes]] | None = None):
         self.url = url
+        self.expected = expected or (lambda version: {n: a.tobytes() for n, a in full_state(version).items()})
         self.seen: set[int] = set()
         self.mismatches: list[int] = []
         self.error: BaseException | None = None
@@ -108,8 +112,8 @@ class TornVersionWatch:
                 else:
                     version = lease.manifest.version
                     self.seen.add(version)
-                    expected = full_state(version)
-                    if set(pulled) != set(expected) or any(pulled[n].tobytes() != a.tobytes() for n, a in expected.items()):
+                    expected = self.expected(version)
+                    if {n: a.tobytes() for n, a in pulled.items()} != expected:
                         self.mismatches.append(version)
                 self._stop.wait(0.02)  # poll pacing
 
@@ -330,3 +334,108 @@ def test_a_rank_that_missed_its_version_becoming_visible_pushes_it_again_not_the
     finally:
         ranks.close()
         partition.close()
+
+
+# ------------------------------------------- exports overlapped with the next step
+
+def trained_state(version: int) -> dict[str, torch.Tensor]:
+    """What a trainer holds after ``version`` steps: fp32 master weights and an integer buffer."""
+    generator = torch.Generator().manual_seed(version)
+    return {
+        "embed.weight": torch.randn((301, 64), generator=generator),
+        "layers.0.norm": torch.randn(2, generator=generator),
+        "layers.0.proj": torch.randint(0, 2**31, (40, 33), generator=generator, dtype=torch.int64),
+    }
+
+
+def exported_bytes(version: int) -> dict[str, bytes]:
+    """What the engine must see of ``version``: floating tensors as bf16, the rest as they are."""
+    return {name: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous().view(torch.uint8).numpy().tobytes()
+            for name, t in trained_state(version).items()}
+
+
+class OverlappedRanks(Ranks):
+    """Every rank exports its rows of the parameters into its reusable staging buffers (bf16),
+    hands the share to its pusher and goes on with the next step at once: the step writes the
+    parameters in place while the pushes (and any push again of the kept share) are in flight."""
+
+    def __init__(self, url: str, tmp_path: Path):
+        super().__init__(url, tmp_path)
+        self.parameters = trained_state(0)
+        self.staging = [ShareStaging(rank, RANKS, torch.bfloat16) for rank in range(RANKS)]
+        self.pushing = ThreadPoolExecutor(1, thread_name_prefix="rank-0-push")  # the trainer role's push thread
+        self.lead_push: Future | None = None
+
+    def export(self, rank: int) -> ShardedWeights:
+        shards = []
+        for name, tensor in self.parameters.items():
+            rows = -(-tensor.shape[0] // RANKS)
+            shards.append(LocalShard(name, tuple(tensor.shape), rank * rows, tensor[rank * rows:(rank + 1) * rows]))
+        return self.staging[rank].export(shards)
+
+    def publish_then_step(self, version: int, during_step: Callable[[], None] = lambda: None) -> None:
+        """As the trainer does: rank 0 waits for its previous push, every rank exports ``version``
+        and pushes it, and the next step (``version + 1``) overwrites the parameters meanwhile."""
+        if self.lead_push is not None:
+            self.lead_push.result()
+        self.lead_push = self.pushing.submit(self.loop._push, version, self.export(0))
+        for rank, pushes in enumerate(self.followers, start=1):
+            pushes.wait()
+            pushes.submit(version, self.export(rank))
+        during_step()
+        for name, tensor in trained_state(version + 1).items():
+            self.parameters[name].copy_(tensor)  # the optimizer step writes the parameters in place
+
+    def settle(self) -> None:
+        if self.lead_push is not None:
+            self.lead_push.result()
+        for pushes in self.followers:
+            pushes.wait()
+
+    def close(self) -> None:
+        self.pushing.shutdown()
+        super().close()
+
+
+def assert_exported(url: str, versions: list[int]) -> None:
+    with ParamsClient(url) as client:
+        assert [v["version"] for v in client.versions()["versions"]] == versions
+        for version in versions:
+            assert {n: a.tobytes() for n, a in client.pull(version, "shm").items()} == exported_bytes(version)
+        assert {t.name: t.dtype for t in client.manifest(versions[-1]).tensors} == \
+            {"embed.weight": "BF16", "layers.0.norm": "BF16", "layers.0.proj": "I64"}
+
+
+def test_no_torn_version_while_the_next_step_overwrites_what_was_exported(ps: ParamsProcess, tmp_path: Path) -> None:
+    """The PS dies with a visible, unpersisted version while the next step runs, and then drops
+    a push in flight: the ranks push their kept shares again from the staging buffers while new
+    versions are exported into them, and every version any instance sees is exactly the bf16 of
+    the parameters it was exported from."""
+    ps.start(persist=False)
+    ranks = OverlappedRanks(ps.url, tmp_path)
+    with ParamsClient(ps.url) as observer:
+        def kill_and_restart() -> None:
+            ranks.lead_push.result()  # version 1 visible (in the PS's memory only) ...
+            ps.kill()  # ... and lost with it while the next step runs
+            ps.start(persist=False)
+
+        def drop_the_push() -> None:
+            while not (pending := [p for p in observer.versions()["pushes"] if p["version"] == 3]):
+                time.sleep(0.01)  # poll pacing until the push of version 3 is on the PS
+            observer.http.delete("/v1/params/3/push", params={"push_id": pending[0]["push_id"]})
+
+        try:
+            with TornVersionWatch(ps.url, exported_bytes) as watch:
+                for name, tensor in trained_state(1).items():
+                    ranks.parameters[name].copy_(tensor)
+                ranks.publish_then_step(1, kill_and_restart)
+                ranks.publish_then_step(2)  # version 1 was lost: every rank pushes its kept share of it again first
+                ranks.settle()
+                assert_exported(ps.url, [1, 2])  # pushed again from its own buffer, not the one version 2 went into
+                ranks.publish_then_step(3, drop_the_push)
+                ranks.publish_then_step(4)
+                ranks.settle()
+            assert_exported(ps.url, [2, 3, 4])
+            assert watch.mismatches == [] and watch.seen
+        finally:
+            ranks.close()
