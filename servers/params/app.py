@@ -146,6 +146,22 @@ class ManifestOut(_Answer):
     chunks: list[ChunkOut]
 
 
+class PartVisible(StoredSummary):
+    """The part is done and the version is visible (this part was the last, or the others
+    finished within ``wait_s``)."""
+
+    visible: Literal[True]
+
+
+class PartPending(PushProgress):
+    """The part is done; the version waits for the other parts."""
+
+    visible: Literal[False]
+
+
+PartFinished = PartVisible | PartPending
+
+
 class PushStarted(_Answer):
     push_id: str
     version: int
@@ -201,6 +217,12 @@ class PullStarted(_Answer):
 class PullEnded(_Answer):
     lease_id: str
     released: bool
+
+
+def binary_body(description: str) -> dict:
+    """The OpenAPI description of a 200 answer whose body is raw bytes."""
+    return {200: {"description": description,
+                  "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
 def the_store(request: Request) -> ParamStore:
@@ -293,7 +315,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
                              push_id: Annotated[str, Query()]) -> dict:
         return await _receive_chunk(request, store, version, index, push_id, part)
 
-    @app.post("/v1/params/{version}/parts/{part}/done", response_model=dict[str, Any])
+    @app.post("/v1/params/{version}/parts/{part}/done", response_model=PartFinished)
     def finish_part(store: StoreDep, version: int, part: int, push_id: Annotated[str, Query()],
                     body: PartDone | None = None) -> dict:
         body = body or PartDone()
@@ -365,7 +387,8 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
             raise ParamsError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown or lapsed")
         return {"lease_id": lease_id, "released": True}
 
-    @app.get("/v1/params/{version}/chunks/{index}", response_class=StreamingResponse)
+    @app.get("/v1/params/{version}/chunks/{index}", response_class=StreamingResponse,
+             responses=binary_body(f"the chunk's bytes; header {CHECKSUM_HEADER}: their checksum"))
     def get_chunk(s: StoreDep, version: int, index: int, lease: str | None = None) -> StreamingResponse:
         fd, stored = s.open_range(version, lease)
         chunks = stored.manifest.chunks
@@ -377,7 +400,8 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         return _stream(s, stored, fd, stored.manifest.data_offset + chunk.offset, chunk.length,
                        {CHECKSUM_HEADER: chunk.checksum or ""})
 
-    @app.get("/v1/params/{version}/file", response_class=StreamingResponse)
+    @app.get("/v1/params/{version}/file", response_class=StreamingResponse,
+             responses=binary_body("the version as one safetensors file"))
     def get_file(s: StoreDep, version: VersionSpec) -> StreamingResponse:
         """The whole version as one safetensors file (curl, engines that load a path)."""
         fd, stored = s.open_range(s.resolve_stored(version).manifest.version, None)
