@@ -1,4 +1,4 @@
-"""The staleness manager service: the durable ledger behind REST (FastAPI app factory)."""
+"""The staleness manager's REST app: wire models and ``create_app`` over the durable ledger."""
 
 from __future__ import annotations
 
