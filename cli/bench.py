@@ -68,7 +68,7 @@ def _empty_database(db_url: str | None, workdir: Path, name: str) -> str:
 
 def bench_durable(params: LedgerParams, steps: int, workers: int, synchronous: str, workdir: Path,
                   db_url: str | None = None) -> dict:
-    from staleflow.servers.ledger_store import DurableLedger
+    from staleflow.servers.manager.store import DurableLedger
 
     url = _empty_database(db_url, workdir, f"durable-{workers}-{synchronous}.db")
     ledger = DurableLedger.open(url, params, synchronous)

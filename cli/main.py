@@ -64,8 +64,8 @@ def _run_manager(config: ManagerConfig, token: str | None = None) -> None:
     from staleflow.database_url import DatabaseUrlError
     from staleflow.servers.auth import InsecureBind
     from staleflow.servers.http import serve_forever
-    from staleflow.servers.ledger_store import LedgerInUse, SettingsMismatch
     from staleflow.servers.manager import create_app
+    from staleflow.servers.manager.store import LedgerInUse, SettingsMismatch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -311,7 +311,7 @@ class FaultRun:
             if any(k > eta or k < 0 for k in s.staleness):
                 v.append(f"step {s.version}: staleness {s.staleness} outside [0, {eta}]")
         # the ledger's own durable record: every group consumed once, within the bound
-        from staleflow.servers.ledger_store import consumption_record
+        from staleflow.servers.manager.store import consumption_record
 
         consumed, fates = consumption_record(cfg.database_url() or f"sqlite:///{cfg.state_dir / 'ledger.db'}")
         if len(consumed) != len(set(consumed)):

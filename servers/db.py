@@ -12,7 +12,7 @@ What differs between the two, and where it is handled:
   same PostgreSQL database, so ``upgrade`` holds a transaction-scoped advisory lock (SQLite files
   are per store and its write lock serializes upgrades anyway);
 * dropped connections: PostgreSQL connections are checked before use (``pool_pre_ping``); the
-  ledger's writer reconnects after a lost connection (``ledger_store``);
+  ledger's writer reconnects after a lost connection (``manager.store``);
 * types: BLOB/BYTEA (``LargeBinary``), TEXT for JSON, FLOAT is double precision on both, and
   ``VARCHAR(n)`` is enforced by PostgreSQL only, so the REST models bound every stored id.
 """

@@ -1,6 +1,6 @@
 """The staleness ledger: Reserve / Occupy / Consume over virtual staleness buffers.
 
-Pure logic, no I/O (paper §4.2-4.3). The durable service in ``staleflow.servers.ledger_store``
+Pure logic, no I/O (paper §4.2-4.3). The durable service in ``staleflow.servers.manager.store``
 persists the ``changes`` every transition returns before acknowledging it.
 
 Model

@@ -16,7 +16,7 @@ from staleflow.config import ManagerConfig
 from staleflow.errors import ErrorCode
 from staleflow.ledger import BufferView, LedgerError, Transition
 from staleflow.servers.http import service_app
-from staleflow.servers.ledger_store import DurableLedger
+from staleflow.servers.manager.store import DurableLedger
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import pytest
 from staleflow.config import JobConfig, LedgerConfig
 from staleflow.config.manager import LedgerParams
 from staleflow.launch.job import Job
-from staleflow.servers.ledger_store import DurableLedger
+from staleflow.servers.manager.store import DurableLedger
 from staleflow.servers.trajectories.store import TrajectoryStore
 
 ETA, BATCH, GROUP = 1, 4, 2

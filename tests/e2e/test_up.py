@@ -104,7 +104,7 @@ def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
     assert resumed.exit_code == 0, resumed.output
     with httpx.Client(timeout=10) as c:
         from staleflow.config.manager import LedgerParams
-        from staleflow.servers.ledger_store import DurableLedger
+        from staleflow.servers.manager.store import DurableLedger
 
         ledger = DurableLedger.open(f"sqlite:///{state / 'ledger.db'}", LedgerParams(eta=1, batch_size=4, group_size=2))
         try:

@@ -102,7 +102,7 @@ def test_ledger_invariants_hold_after_fuzzing(services: dict) -> None:
             assert e["group_id"] not in seen
             seen.add(e["group_id"])
     # the same state, reloaded from disk by the pure ledger, agrees with what the server shows
-    from staleflow.servers.ledger_store import DurableLedger
+    from staleflow.servers.manager.store import DurableLedger
 
     ledger: Ledger = services["manager"].server.config.app.state.ledger.ledger
     assert [b.version for b in ledger.buffers()] == [b["version"] for b in state["buffers"]]

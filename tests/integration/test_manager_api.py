@@ -9,8 +9,8 @@ from support import manager_config
 
 from staleflow.servers.clients import ManagerClient, ServiceError
 from staleflow.servers.http import serve_in_thread
-from staleflow.servers.ledger_store import DurableLedger, SettingsMismatch
 from staleflow.servers.manager import create_app
+from staleflow.servers.manager.store import DurableLedger, SettingsMismatch
 
 
 def test_lifecycle_over_http(manager: ManagerClient) -> None:

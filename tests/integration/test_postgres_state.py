@@ -12,7 +12,7 @@ from sqlalchemy import inspect, text
 
 from staleflow.config.manager import LedgerParams
 from staleflow.servers import db
-from staleflow.servers.ledger_store import DurableLedger, LedgerInUse, StoreError, consumption_record
+from staleflow.servers.manager.store import DurableLedger, LedgerInUse, StoreError, consumption_record
 from staleflow.servers.trajectories.store import StoreUnavailable, TrajectoryStore, TrajectoryStoreInUse
 
 PARAMS = LedgerParams(eta=1, batch_size=2, group_size=1)

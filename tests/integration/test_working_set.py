@@ -13,7 +13,7 @@ from sqlalchemy import func, select, text
 from staleflow.errors import ErrorCode
 from staleflow.ledger import LedgerError, LedgerParams
 from staleflow.servers import db
-from staleflow.servers.ledger_store import DurableLedger, consumption_record
+from staleflow.servers.manager.store import DurableLedger, consumption_record
 from staleflow.servers.schema import (
     ledger_event_counts,
     ledger_events,

@@ -9,7 +9,7 @@ from staleflow.engines.base import EngineError
 from staleflow.errors import HTTP_STATUS, ErrorCode, StaleFlowError
 from staleflow.ledger import LedgerError
 from staleflow.rewards import VerifierError
-from staleflow.servers.ledger_store import StoreError
+from staleflow.servers.manager.store import StoreError
 from staleflow.servers.params import ParamsError
 from staleflow.servers.trajectories.store import StoreConflict
 from staleflow.transports.base import ChecksumMismatch, FormatError
