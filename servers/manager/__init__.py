@@ -5,5 +5,7 @@ over a SQL database, with group commit), ``app`` the endpoints (``create_app(con
 """
 
 from staleflow.servers.manager.app import create_app
+from staleflow.servers.manager.config import LedgerConfig, ManagerConfig
+from staleflow.servers.manager.store import DurableLedger
 
-__all__ = ["create_app"]
+__all__ = ["DurableLedger", "LedgerConfig", "ManagerConfig", "create_app"]

@@ -12,10 +12,10 @@ from fastapi import Depends, FastAPI, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from staleflow import metrics as m
-from staleflow.config import ManagerConfig
 from staleflow.errors import ErrorCode
 from staleflow.ledger import BufferView, LedgerError, Transition
 from staleflow.servers.http import service_app
+from staleflow.servers.manager.config import ManagerConfig
 from staleflow.servers.manager.store import DurableLedger
 
 log = logging.getLogger(__name__)
