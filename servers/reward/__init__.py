@@ -4,7 +4,8 @@
 client (``RewardClient``); the verifiers themselves live in the library, ``staleflow.rewards``.
 """
 
-from staleflow.servers.reward.app import RewardClient, create_app
+from staleflow.servers.reward.app import create_app
+from staleflow.servers.reward.client import RewardClient
 from staleflow.servers.reward.config import RewardConfig
 
 __all__ = ["RewardClient", "RewardConfig", "create_app"]

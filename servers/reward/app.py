@@ -1,4 +1,4 @@
-"""The reward server: verifiable rule-based rewards on CPU, off the rollout path (paper Figure 6).
+"""The reward server's REST app: verifiable rule-based rewards on CPU, off the rollout path (paper Figure 6).
 
 * ``POST /v1/rewards`` -- a batch ``[{id, response_text, answer, verifier?}]`` -> ``[{id, reward,
   reason, detail?}]`` in the same order. ``verifier`` is a built-in ("math", "exact"), a name from
@@ -15,21 +15,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from staleflow import metrics as m
-from staleflow.config.reward import RewardConfig
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.rewards import RewardRequest, RewardScorer
 from staleflow.rewards.pool import TIMEOUT
 from staleflow.rewards.registry import BUILTIN_VERIFIERS, Verdict
-from staleflow.servers.clients import RestClient
 from staleflow.servers.http import service_app
+from staleflow.servers.reward.config import RewardConfig
 
 log = logging.getLogger(__name__)
 
@@ -141,16 +140,3 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
 
     return app
 
-
-class RewardClient(RestClient):
-    """The reward server's REST API."""
-
-    def __init__(self, url: str, timeout: float = 60.0, token: str | None = None):
-        super().__init__(url, token, timeout)
-
-    def health(self) -> dict:
-        return self._call("GET", "/v1/health")
-
-    def score(self, items: Sequence[dict[str, Any]]) -> list[dict]:
-        """``[{id, response_text, answer, verifier?}]`` -> ``[{id, reward, reason, detail?}]``."""
-        return self._call("POST", "/v1/rewards", json=list(items))
