@@ -23,8 +23,8 @@ client (``ParamsClient``) lives in the library, ``staleflow.transports.client``.
 """
 
 from staleflow.servers.params.app import create_app
-from staleflow.servers.params.config import ParamsConfig, ParamsError
-from staleflow.servers.params.store import ParamStore
+from staleflow.servers.params.config import ParamsConfig
+from staleflow.servers.params.store import ParamsError, ParamStore
 from staleflow.transports.client import ParamsClient, RawTensor
 from staleflow.transports.rest import ServiceError
 

@@ -17,9 +17,9 @@ from starlette.requests import ClientDisconnect
 from staleflow import metrics as m
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import service_app
-from staleflow.servers.params.config import ParamsConfig, ParamsError, TransportName
+from staleflow.servers.params.config import ParamsConfig, TransportName
 from staleflow.servers.params.dataplane import ChunkDataPlane
-from staleflow.servers.params.store import ParamStore, StoredVersion
+from staleflow.servers.params.store import ParamsError, ParamStore, StoredVersion
 from staleflow.transports.base import checksum_algorithms
 from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range, stream_mapped_range
 from staleflow.transports.shm import host_id

@@ -1,12 +1,5 @@
-"""The parameter server's error; its settings live with the others (``staleflow.config.params``)."""
+"""The parameter server's settings: its section of the config tree (``staleflow.config.params``)."""
 
-from __future__ import annotations
+from staleflow.config.params import ParamsConfig, ParamsSettings, TransportName
 
-from staleflow.config.params import ParamsConfig, TransportName
-from staleflow.errors import StaleFlowError
-
-__all__ = ["ParamsConfig", "ParamsError", "TransportName"]
-
-
-class ParamsError(StaleFlowError):
-    """A request the parameter store refuses."""
+__all__ = ["ParamsConfig", "ParamsSettings", "TransportName"]

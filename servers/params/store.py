@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from staleflow.errors import ErrorCode
-from staleflow.servers.params.config import ParamsConfig, ParamsError
+from staleflow.errors import ErrorCode, StaleFlowError
+from staleflow.servers.params.config import ParamsConfig
 from staleflow.transports.base import (
     ByteRegions,
     ChunkHasher,
@@ -53,6 +53,10 @@ DATA_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d{10})$")
 _VERSION_SPEC = re.compile(r"^(?:(\d{1,18})|latest(?:-(\d{1,18}))?)$")
+
+
+class ParamsError(StaleFlowError):
+    """A request the parameter store refuses."""
 
 
 def parse_version_spec(spec: str) -> tuple[str, int]:
