@@ -24,13 +24,13 @@ Endpoints (all JSON; errors are ``{"detail", "code", ...}`` with a 4xx status, a
 * ``POST /v1/sim/advance`` -- sim engine on the virtual clock only: ``{"to": t}``, ``{"by": dt}``
   or ``{"until_idle": true}``; returns after the finished trajectories reached the feed.
 
-``config`` holds the settings and the engine factory, ``wire`` the request models,
-``state`` the outbox and the command-applying server, ``app`` the endpoints.
+``config`` holds the settings, ``wire`` the request models, ``state`` the outbox, the engine
+factory and the command-applying server, ``app`` the endpoints.
 """
 
 from staleflow.servers.instance.app import create_app
-from staleflow.servers.instance.config import InstanceConfig, SimConfig, VllmConfig, create_engine
-from staleflow.servers.instance.state import InstanceServer
+from staleflow.servers.instance.config import InstanceConfig, SimConfig, VllmConfig
+from staleflow.servers.instance.state import InstanceServer, create_engine
 from staleflow.servers.instance.wire import (
     AbortCommand,
     InterruptCommand,

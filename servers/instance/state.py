@@ -1,5 +1,6 @@
-"""The instance server's state: the completed-trajectory outbox and ``InstanceServer``, which applies
-commands to the engine one at a time, records them for idempotent replay and feeds the outbox."""
+"""The instance server's state: the completed-trajectory outbox, ``create_engine`` (the engine an
+``InstanceConfig`` describes) and ``InstanceServer``, which applies commands to the engine one at a
+time, records them for idempotent replay and feeds the outbox."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from staleflow.engines.base import (
 from staleflow.engines.sim import SimEngine
 from staleflow.errors import ErrorCode
 from staleflow.servers.clients import async_http_client
-from staleflow.servers.instance.config import InstanceConfig, create_engine
+from staleflow.servers.instance.config import InstanceConfig
 from staleflow.servers.instance.wire import (
     AbortCommand,
     AdvanceIn,
@@ -128,6 +129,18 @@ class Outbox:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def create_engine(config: InstanceConfig) -> RolloutEngine:
+    if config.engine == "sim":
+        sim = config.sim
+        return SimEngine(sim.params(), instance_id=config.instance_id, clock=sim.clock, speed=sim.speed)
+    from staleflow.config.engines import VllmEngineParams
+    from staleflow.engines.vllm_engine import VllmEngine
+
+    assert config.vllm is not None
+    params = VllmEngineParams(**config.vllm.model_dump())
+    return VllmEngine(params)
 
 
 class InstanceServer:
