@@ -316,13 +316,9 @@ def measure_copy_bound(total_bytes: int, repeats: int, device: str) -> dict:
 
 
 def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, persist: bool) -> tuple[subprocess.Popen, str]:
-    from staleflow.cli.main import serve_app
-
-    command = ([sys.executable, "-m", "staleflow.cli", "serve", "params"]
-               if any(c.name == "params" for c in serve_app.registered_commands)
-               else [sys.executable, "-m", "staleflow.cli.serve_params"])
-    proc = subprocess.Popen([*command, "--state-dir", str(state_dir), "--port", "0", "--keep", "1", "--no-fsync",
-                             "--persist" if persist else "--no-persist",
+    """A PS in its own process, as an operator starts one (``staleflow serve params``)."""
+    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", "serve", "params", "--state-dir", str(state_dir),
+                             "--port", "0", "--keep", "1", "--no-fsync", "--persist" if persist else "--no-persist",
                              "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
@@ -496,11 +492,17 @@ def compare_with_synthetic(results: dict) -> None:
                                         "pull": cell["pull_gb_per_s"] / other["pull_gb_per_s"]}
 
 
+def _ignore(_: int) -> None:
+    pass
+
+
 def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[int], instance_counts: list[int],
                      repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: list[tuple[str, dict]] = (),
-                     synthetic_twins: bool = True, device: str = "host") -> dict:
+                     synthetic_twins: bool = True, device: str = "host", planned: Callable[[int], None] = _ignore,
+                     advance: Callable[[int], None] = _ignore) -> dict:
     """``sizes``: synthetic tables; ``models``: (label, tensor table) of real architectures, each
-    beside a synthetic table of its bytes when ``synthetic_twins``."""
+    beside a synthetic table of its bytes when ``synthetic_twins``. Progress: ``planned(steps)``
+    once, then ``advance(steps)`` as they are done."""
     results: dict = {"transports": transports, "ranks": rank_counts, "instances": instance_counts, "repeats": repeats,
                      "cpus": os.cpu_count(), "memory_bytes": total_memory(), "targets": TARGETS, "device": device, "sizes": []}
     work: list[tuple[str, dict, str | None]] = [("synthetic", tensor_table(size), None) for size in sizes]
@@ -508,9 +510,8 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
         work.append((label, table, None))
         if synthetic_twins:
             work.append(("synthetic", tensor_table(table_bytes(table)), label))
-    with tempfile.TemporaryDirectory(prefix="staleflow-bench-params-") as tmp, \
-            Progress(console=console, transient=True) as progress:
-        task = progress.add_task("parameter server benchmark", total=len(work) * len(rank_counts))
+    planned(len(work) * len(rank_counts))
+    with tempfile.TemporaryDirectory(prefix="staleflow-bench-params-") as tmp:
         for label, table, twin_of in work:
             size = table_bytes(table)
             pooled = device == "host" and choose_pooling(size, rank_counts, instance_counts, pool)
@@ -518,10 +519,10 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
             if not smallest[0]:
                 results["sizes"].append({"table": label, "bytes": size, "tensors": len(table), "cells": [],
                                          "skipped": [{"why": smallest[1]}]})
-                progress.advance(task, len(rank_counts))
+                advance(len(rank_counts))
                 continue
             results["sizes"].append(bench_table(label, table, transports, rank_counts, instance_counts, repeats, chunk_mb,
-                                                Path(tmp), lambda: progress.advance(task), pool, device)
+                                                Path(tmp), lambda: advance(1), pool, device)
                                     | ({"twin_of": twin_of} if twin_of else {}))
     compare_with_synthetic(results)
     return results
@@ -641,8 +642,12 @@ def register(bench_app: typer.Typer) -> None:
             raise fail(f"--pool {pool!r}: choose from auto, on, off")
         if not size_list and not tables:
             raise fail("nothing to measure: give --sizes or --model")
-        results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb, pool, tables, synthetic,
-                                   "host" if device == "cpu" else device)
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("parameter server benchmark", total=None)
+            results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb, pool, tables, synthetic,
+                                       "host" if device == "cpu" else device,
+                                       planned=lambda steps: progress.update(task, total=steps),
+                                       advance=lambda steps: progress.advance(task, steps))
         emit_results(results, output, as_json, _print)
 
 
