@@ -260,7 +260,6 @@ def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False, lau
 def _register_commands() -> None:
     from staleflow.cli import (
         bench,
-        bench_params,
         bench_systems,
         calibrate,
         demo,
@@ -273,6 +272,7 @@ def _register_commands() -> None:
         soak,
         up,
     )
+    from staleflow.servers.params import bench as bench_params
 
     bench.register(bench_app)
     bench_params.register(bench_app)
