@@ -260,6 +260,7 @@ def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False, lau
 def _register_commands() -> None:
     from staleflow.cli import (
         bench,
+        bench_params,
         bench_systems,
         calibrate,
         demo,
@@ -272,7 +273,6 @@ def _register_commands() -> None:
         soak,
         up,
     )
-    from staleflow.servers.params import bench as bench_params
 
     bench.register(bench_app)
     bench_params.register(bench_app)

@@ -1,0 +1,156 @@
+"""``staleflow bench params``: the command line of the parameter server benchmark; the measuring
+lives with the parameter server (``staleflow.servers.params.bench``, which describes what is
+measured)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import Progress
+from rich.table import Table
+
+from staleflow.cli.common import console, emit_results, fail
+from staleflow.servers.params.bench import RING_TENSORS, TARGETS, run_params_bench
+from staleflow.transports.base import FormatError
+from staleflow.transports.tables import model_tensor_table
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"size {text!r}: use e.g. 512MB, 1GB, 4GiB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def register(bench_app: typer.Typer) -> None:
+    @bench_app.command("params")
+    def params_cmd(
+        sizes: Annotated[str | None, typer.Option(help="synthetic state-dict sizes, comma-separated (default 1GB,4GB,16GB; "
+                                                       "none with --model)")] = None,
+        model: Annotated[list[str] | None, typer.Option(help="a model directory or config.json: push and pull its real tensor "
+                                                             "table (shapes from transformers on the meta device; repeatable)")] = None,
+        dtype: Annotated[str | None, typer.Option(help="the real tables' floating dtype: bf16, fp16, fp32 (default: the config's)")] = None,
+        synthetic: Annotated[bool, typer.Option(help="with --model: also the synthetic table of each model's bytes, side by "
+                                                     "side")] = True,
+        device: Annotated[str, typer.Option(help="cpu: shards and parameters in host memory; cuda: ranks hold their shares "
+                                                 "on the GPU, instances load into GPU tensors (legs and copy bound reported)")] = "cpu",
+        transports: Annotated[str, typer.Option(help="comma-separated: shm, http, nixl")] = "shm,http",
+        ranks: Annotated[str, typer.Option(help="trainer ranks pushing at once, comma-separated")] = "1,2,4",
+        instances: Annotated[str, typer.Option(help="instances pulling at once, comma-separated")] = "1,2,4",
+        repeats: Annotated[int, typer.Option(help="versions per measurement (median reported)")] = 3,
+        chunk_mb: Annotated[int, typer.Option("--chunk-mb", help="PS chunk size in MiB")] = 64,
+        pool: Annotated[str, typer.Option(help="auto: when a size does not fit in memory, ranks and instances hold "
+                                               f"{RING_TENSORS} shared buffers of same-shaped tensors (the PS still holds "
+                                               "every byte) and nothing is persisted; on; off")] = "auto",
+        as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+        output: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
+    ) -> None:
+        """Push (N ranks at once), visibility, pull (K instances at once) and end-to-end version
+        latency per state-dict size, next to memcpy of the same bytes."""
+        if sizes is None:
+            sizes = "" if model else "1GB,4GB,16GB"
+        if device not in ("cpu", "cuda"):
+            raise fail(f"--device {device!r}: choose cpu or cuda")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise fail("--device cuda: torch sees no CUDA device here", "run on a GPU host or use --device cpu")
+        try:
+            tables = [(model_label(m), model_tensor_table(m, dtype)) for m in model or []]
+        except FormatError as exc:
+            raise fail(str(exc), "give a directory holding config.json, or the config.json itself") from None
+        try:
+            size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
+            rank_list = [int(r) for r in ranks.split(",") if r.strip()]
+            instance_list = [int(k) for k in instances.split(",") if k.strip()]
+        except ValueError as exc:
+            raise fail(str(exc)) from None
+        chosen = [t.strip() for t in transports.split(",") if t.strip()]
+        unknown = set(chosen) - {"shm", "http", "nixl"}
+        if unknown or not chosen:
+            raise fail(f"transports {sorted(unknown) or chosen}: choose from shm, http, nixl")
+        if "nixl" in chosen:
+            from staleflow.transports.nixl import nixl_available
+
+            available, reason = nixl_available()
+            if not available:
+                raise fail(reason, "drop nixl from --transports or install it")
+        if not rank_list or not instance_list or min(rank_list + instance_list) < 1:
+            raise fail("--ranks and --instances need positive counts")
+        if pool not in ("auto", "on", "off"):
+            raise fail(f"--pool {pool!r}: choose from auto, on, off")
+        if not size_list and not tables:
+            raise fail("nothing to measure: give --sizes or --model")
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("parameter server benchmark", total=None)
+            results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb, pool, tables, synthetic,
+                                       "host" if device == "cpu" else device,
+                                       planned=lambda steps: progress.update(task, total=steps),
+                                       advance=lambda steps: progress.advance(task, steps))
+        emit_results(results, output, as_json, _print)
+
+
+def _print(results: dict) -> None:
+    for size in results["sizes"]:
+        gb = size["bytes"] / 1e9
+        if "memcpy" not in size:
+            console.print(f"[yellow]{gb:.1f} GB skipped: {size['skipped'][0]['why']}[/]")
+            continue
+        memcpy = size["memcpy"]
+        pooled = f"; pooled ({RING_TENSORS} buffers per rank and instance), not persisted" if size.get("pooled") else ""
+        bound = size.get("copy_bound")
+        bound_text = (f"; copy bound {bound['copy_bound_s']:.3f} s (D2H {bound['d2h_gb_per_s']:.1f} GB/s, memcpy "
+                      f"{bound['memcpy_s']:.3f} s, H2D {bound['h2d_gb_per_s']:.1f} GB/s)") if bound else ""
+        table = Table(title=f"Weight sync of a {gb:.2f} GB state dict: {size.get('table', 'synthetic')} ({size['tensors']} tensors, "
+                            f"{size['chunk_mb']} MiB chunks{pooled}, {size.get('device', 'host')}); "
+                            f"memcpy {memcpy['median_s']:.3f} s ({memcpy['gb_per_s']:.1f} GB/s){bound_text}; load average "
+                            f"{size['load_average_before']:.1f} -> {size['load_average_after']:.1f}")
+        columns = ("transport", "ranks", "inst.", "push s", "visible s", "push GB/s", "visible vs memcpy", "pull s",
+                   "pull vs memcpy", "e2e s", "e2e / (memcpy+pull)", "rank extra MB (shard MB)", "persist s")
+        legs = bool(bound)
+        twins = any("vs_synthetic" in c for c in size["cells"])
+        columns += ("D2H s", "push to visible s", "H2D s", "e2e / copy bound") if legs else ()
+        columns += ("push, pull vs synthetic",) if twins else ()
+        for column in columns:
+            table.add_column(column, justify="left" if column == "transport" else "right")
+        for c in size["cells"]:
+            shard = size.get("shard_bytes", {}).get(str(c["ranks"]), 0)
+            extra = (f"{c['d2h_s']:.3f}", f"{c['push_to_visible_s']:.3f}", f"{c['h2d_s']:.3f}",
+                     f"{c['end_to_end_vs_copy_bound']:.2f}") if legs else ()
+            if twins:
+                versus = c.get("vs_synthetic")
+                extra += (f"{versus['push']:.2f}, {versus['pull']:.2f}" if versus else "-",)
+            table.add_row(c["transport"], str(c["ranks"]), str(c["instances"]), f"{c['push_s']:.3f}", f"{c['visible_s']:.3f}",
+                          f"{c['push_gb_per_s']:.2f}", _mark(c["visible_vs_memcpy"], c["transport"] == "shm", TARGETS["push_visible_shm"]),
+                          f"{c['pull_s']:.3f}", _mark(c["pull_vs_memcpy"], c["transport"] == "shm" and c["instances"] == 1,
+                                                      TARGETS["pull_shm"]),
+                          f"{c['end_to_end_s']:.3f}", _mark(c["end_to_end_vs_copy_plus_pull"], False, 0),
+                          f"{c['rank_extra_bytes'] / 2**20:.0f} ({shard / 2**20:.0f})",
+                          "off" if c["persist_s"] is None else f"{c['persist_s']:.2f}", *extra)
+        console.print(table)
+        for skipped in size["skipped"]:
+            console.print(f"  [yellow]skipped ranks={skipped.get('ranks')} instances={skipped.get('instances')}: {skipped['why']}[/]")
+
+
+def model_label(source: str) -> str:
+    """A model's name in the tables: its directory's name (of config.json), else the file's stem."""
+    path = Path(source)
+    return path.name if path.is_dir() else (path.parent.name or path.stem) if path.name == "config.json" else path.stem
+
+
+def _mark(value: float, has_target: bool, target: float) -> str:
+    if not has_target:
+        return f"{value:.2f}"
+    return f"[green]{value:.2f}[/]" if value >= target else f"[red]{value:.2f}[/]"
+
+
+if __name__ == "__main__":
+    standalone = typer.Typer(add_completion=False)
+    register(standalone)
+    standalone(prog_name="staleflow bench params")
