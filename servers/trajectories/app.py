@@ -27,6 +27,8 @@ from staleflow.servers.trajectories.wire import (
     CheckedOut,
     CheckoutRequest,
     CompletedRequest,
+    ProgressOut,
+    ProgressRequest,
     ReturnRequest,
     TrajectoriesOut,
     TrajectoryDetail,
@@ -141,6 +143,12 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
     @app.post("/v1/completed", response_model=Accepted)
     async def completed(server: ServerDep, body: CompletedRequest) -> dict:
         return {"accepted": await server.completed(body)}
+
+    @app.post("/v1/progress", response_model=ProgressOut)
+    async def progress(server: ServerDep, body: ProgressRequest) -> dict:
+        """Progress checkpoints of trajectories running on an instance, appended durably: a
+        trajectory handed back from a failed instance resumes from its last checkpoint."""
+        return server.progress(body)
 
     @app.post("/v1/instances/{instance_id}/release", response_model=Released)
     async def release(server: ServerDep, instance_id: str) -> dict:
