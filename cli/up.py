@@ -348,7 +348,8 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         """Run StaleFlow on this machine: every component, a short RL job, a report at the end."""
         job = job_config(config, engine=engine, steps=steps, state_dir=state_dir, eta=eta, batch_size=batch_size,
                          group_size=group_size, instances=instances, routing=routing, sync=sync, migration=migration,
-                         workload=workload, max_tokens=max_tokens, progress_tokens=progress_tokens, seed=seed, speed=speed, base_port=base_port,
+                         workload=workload, max_tokens=max_tokens, progress_tokens=progress_tokens, seed=seed, speed=speed,
+                         base_port=base_port,
                          processes=processes, model=model, trainer_ranks=trainer_ranks, logger=logger,
                          calibration={"file": str(calibration)} if calibration else None)
         if launcher not in ("local", "ray"):
