@@ -95,8 +95,9 @@ def register(app: typer.Typer) -> None:
             if lost["trajectories"]:
                 console.print(f"tokens regenerated per trajectory on a failed instance: mean "
                               f"{lost['per_trajectory_mean']:.0f}, max {lost['per_trajectory_max']} over "
-                              f"{lost['trajectories']} trajectories (progress checkpoints every "
-                              f"{cfg.instance.progress_tokens or 'never'} tokens)")
+                              f"{lost['trajectories']} trajectories (" + (
+                                  f"progress checkpoints every {cfg.instance.progress_tokens} tokens)"
+                                  if cfg.instance.progress_tokens else "no progress checkpoints)"))
             console.print("checks: " + ", ".join(f"{k}={v}" for k, v in report["checks"].items()))
             for violation in report["violations"]:
                 console.print(f"[red]violation[/]: {violation}")

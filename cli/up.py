@@ -220,6 +220,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
     summary = summarize(config, job.steps(), job.monitor.samples, job.engine_stats(), job.command_times(), wall,
                         trainer_label(config))
     summary["restarts"] = restarts
+    summary["failover"] = job.failover()
     if failure:
         summary["failure"] = failure
     trainer_error = job.trainer_error

@@ -120,7 +120,9 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
         skipped = getattr(server.prompts, "skipped", SkippedRows())
         return {"status": "ok", "counts": server.store.counts(),
                 "skipped_prompts": {"count": skipped.count + server.too_long.count,
-                                    "reasons": {**skipped.reasons, **server.too_long.reasons}}}
+                                    "reasons": {**skipped.reasons, **server.too_long.reasons}},
+                "progress": {"checkpointed_tokens": server.checkpointed_tokens,
+                             "failed_over": server.store.failed_over[0], "resumed_tokens": server.store.failed_over[1]}}
 
     @app.get("/v1/pending", response_model=TrajectoriesOut)
     async def pending(server: ServerDep) -> dict:

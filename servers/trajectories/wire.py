@@ -183,7 +183,14 @@ class SkippedPrompts(BaseModel):
     reasons: dict[str, int]
 
 
+class ProgressCounts(BaseModel):
+    checkpointed_tokens: int = Field(description="response tokens appended from progress checkpoints")
+    failed_over: int = Field(description="running trajectories handed back from a failed instance")
+    resumed_tokens: int = Field(description="response tokens those trajectories kept (their last checkpoints)")
+
+
 class TrajectoryServerHealth(BaseModel):
     status: str
     counts: dict[str, int]
     skipped_prompts: SkippedPrompts
+    progress: ProgressCounts = Field(description="since this trajectory server started")

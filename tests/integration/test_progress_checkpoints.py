@@ -104,6 +104,9 @@ def test_a_failed_instance_loses_at_most_one_checkpoint_interval(job: Job) -> No
     assert all(held[t] >= EVERY for t in members), held
     # the checkpoints arrive on their own: each holds a multiple of EVERY tokens at most EVERY behind
     wait_for(lambda: all(job.stored(t)["generated"] > held[t] - EVERY for t in members))
+    sent = job.instances["a"].get("/v1/progress").json()
+    assert sent["checkpoints"] >= GROUP and sent["tokens"] == job.ts.get("/v1/health").json()["progress"][
+        "checkpointed_tokens"] == sum(job.stored(t)["generated"] for t in members)
     checkpointed = {t: job.stored(t) for t in members}
     for t, stored in checkpointed.items():
         assert held[t] - EVERY < stored["generated"] <= held[t]
@@ -122,6 +125,9 @@ def test_a_failed_instance_loses_at_most_one_checkpoint_interval(job: Job) -> No
     for t in members:
         assert job.stored(t)["state"] == "pending"
         assert job.stored(t)["tokens"] == checkpointed[t]["tokens"]
+    assert job.ts.get("/v1/health").json()["progress"] == {
+        "checkpointed_tokens": 0, "failed_over": GROUP,  # counted since the restart: no checkpoint since
+        "resumed_tokens": sum(c["generated"] for c in checkpointed.values())}
     job.command("b", kind="pull", version=1)
     job.route("b", members, v_traj=0)
     job.instances["b"].post("/v1/sim/advance", json={"until_idle": True}).raise_for_status()
