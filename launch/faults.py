@@ -57,6 +57,7 @@ class Fault:
     # hit that the trajectory server did not hold (everything since its last checkpoint), which
     # the instance it resumes on generates again
     regenerated_tokens: list[int] = field(default_factory=list)
+    checkpoint_round_s: float | None = None  # the failed instance's mean time to take and send a checkpoint batch
 
     @property
     def detection_s(self) -> float | None:
@@ -249,22 +250,25 @@ class FaultRun:
             name = SERVICE_OF_ROLE[role]
         held = self._held_progress(job, name) if role == "instance" else {}
         waited_until = time.monotonic() + INSTANCE_BUSY_WAIT_S
-        while role == "instance" and not held and time.monotonic() < waited_until:  # hit it mid-generation
+        while role == "instance" and not held.get("held") and time.monotonic() < waited_until:  # mid-generation
             job.stop.wait(0.05)
             held = self._held_progress(job, name)
         fault = Fault(role, name, how, time.monotonic() - started, tv)
         self.faults.append(fault)
         self._started = started
         job.kill(name, signal.SIGSTOP if how == "hang" else signal.SIGKILL)
-        fault.regenerated_tokens = self._lost_progress(job, held)
+        fault.regenerated_tokens = self._lost_progress(job, held.get("held", {}))
+        if held.get("batches"):
+            fault.checkpoint_round_s = held["seconds"] / held["batches"]
 
     @staticmethod
-    def _held_progress(job: Job, name: str) -> dict[str, int]:
-        """Response tokens each trajectory on the instance holds, read just before the fault."""
+    def _held_progress(job: Job, name: str) -> dict:
+        """The instance's ``GET /v1/progress``, read just before the fault: the response tokens each
+        trajectory there holds, and its checkpoint counters."""
         try:
             with http_client(job.endpoints[name]["url"], timeout=2.0) as instance:
-                return {k: int(v) for k, v in instance.get("/v1/progress").json()["held"].items()}
-        except (httpx.HTTPError, ValueError, KeyError):
+                return instance.get("/v1/progress").json()
+        except (httpx.HTTPError, ValueError):
             return {}
 
     @staticmethod
