@@ -68,7 +68,12 @@ def test_checkpoints_resend_after_a_refusal_come_every_progress_seconds_and_cont
             assert client.post("/v1/commands", json=route).status_code == 200
             client.post("/v1/sim/advance", json={"by": 2.0}).raise_for_status()
             # far below progress_tokens: the checkpoint comes from the progress_seconds sweep
-            wait_until(lambda: any(p["traj_id"] == "a/0" for p in accepted(receiver)))
+
+            def caught_up() -> bool:  # the instance took the reply to its checkpoint of a/0
+                held = client.get("/v1/progress").json()
+                return held["checkpointed"].get("a/0") == held["held"]["a/0"]
+
+            wait_until(caught_up)
             refused_status, refused = receiver.bodies[0]
             first = next(p for p in accepted(receiver) if p["traj_id"] == "a/0")
             assert refused_status == 503 and first["start"] == 0, "a refused checkpoint is sent again from its start"
@@ -77,7 +82,7 @@ def test_checkpoints_resend_after_a_refusal_come_every_progress_seconds_and_cont
             assert held["checkpointed"]["a/0"] == len(receiver.held["a/0"]) == held["held"]["a/0"]
 
             client.post("/v1/sim/advance", json={"by": 2.0}).raise_for_status()
-            wait_until(lambda: len([p for p in accepted(receiver) if p["traj_id"] == "a/0"]) >= 2)
+            wait_until(caught_up)
             second = [p for p in accepted(receiver) if p["traj_id"] == "a/0"][1]
             assert second["start"] == first["start"] + len(first["tokens"]), "each checkpoint continues the last"
             assert second["segments"] == [{"version": 0, "start": 0, "end": second["start"] + len(second["tokens"])}]

@@ -104,6 +104,9 @@ def test_a_failed_instance_loses_at_most_one_checkpoint_interval(job: Job) -> No
     assert all(held[t] >= EVERY for t in members), held
     # the checkpoints arrive on their own: each holds a multiple of EVERY tokens at most EVERY behind
     wait_for(lambda: all(job.stored(t)["generated"] > held[t] - EVERY for t in members))
+    # and the instance took the replies
+    wait_for(lambda: all(job.instances["a"].get("/v1/progress").json()["checkpointed"].get(t) == job.stored(t)[
+        "generated"] for t in members))
     sent = job.instances["a"].get("/v1/progress").json()
     assert sent["checkpoints"] >= GROUP and sent["tokens"] == job.ts.get("/v1/health").json()["progress"][
         "checkpointed_tokens"] == sum(job.stored(t)["generated"] for t in members)
