@@ -58,6 +58,7 @@ class Fault:
     # the instance it resumes on generates again
     regenerated_tokens: list[int] = field(default_factory=list)
     checkpoint_round_s: float | None = None  # the failed instance's mean time to take and send a checkpoint batch
+    since_checkpoint_round_s: float | None = None  # from the failed instance's last look for checkpoints to the fault
 
     @property
     def detection_s(self) -> float | None:
@@ -260,6 +261,7 @@ class FaultRun:
         fault.regenerated_tokens = self._lost_progress(job, held.get("held", {}))
         if held.get("batches"):
             fault.checkpoint_round_s = held["seconds"] / held["batches"]
+        fault.since_checkpoint_round_s = held.get("since_last_round_s")
 
     @staticmethod
     def _held_progress(job: Job, name: str) -> dict:

@@ -141,6 +141,7 @@ class ProgressTally:
     checkpoints: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    last_round: float | None = None  # time.monotonic() of the last look at the engine
 
     def record(self, checkpoints: int, tokens: int, seconds: float) -> None:
         self.batches += 1
@@ -149,8 +150,9 @@ class ProgressTally:
         self.seconds += seconds
 
     def counters(self) -> dict[str, Any]:
+        since = None if self.last_round is None else time.monotonic() - self.last_round
         return {"batches": self.batches, "checkpoints": self.checkpoints, "tokens": self.tokens,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "since_last_round_s": since}
 
 
 class InstanceServer:
@@ -265,6 +267,7 @@ class InstanceServer:
             items = await self.engine.progress(self.progress.reported, min_new)
         if items is None:
             return None
+        self.progress.last_round = time.monotonic()
         on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in items)}
         for traj_id in [t for t in self.progress.reported if t not in on_engine]:
             del self.progress.reported[traj_id]

@@ -299,6 +299,7 @@ class HeldProgress(_Answer):
     checkpoints: int = Field(description="trajectory checkpoints sent")
     tokens: int = Field(description="tokens sent in checkpoints")
     seconds: float = Field(description="time spent taking and sending checkpoints")
+    since_last_round_s: float | None = Field(description="since the last look at the engine for checkpoints due")
 
 
 class EngineStats(BaseModel):
