@@ -46,6 +46,7 @@ def test_instances_killed_mid_long_responses_with_checkpoints_the_job_finishes_i
     assert result.checks["groups_consumed_twice"] == 0 and result.checks["lost_trajectories"] == 0
     hit = [f for f in result.faults if f.regenerated_tokens]
     assert hit, "an instance fault hit running trajectories"
-    assert all(f.checkpoint_round_s is not None for f in hit), "the instances were checkpointing"
+    assert all(f.checkpoint_round_s is not None and f.since_checkpoint_round_s is not None for f in hit), \
+        "the instances were checkpointing"
     report = summarize(None, result)["regenerated_tokens"]
     assert report["trajectories"] == sum(len(f.regenerated_tokens) for f in result.faults) > 0
