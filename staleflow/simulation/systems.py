@@ -114,7 +114,8 @@ class SystemSpec:
     @property
     def ablation(self) -> str | None:
         """``RSM`` flags (e.g. ``R S x``) for the StaleFlow ablation variants."""
-        if self.family is not Family.STALEFLOW or self.batch_redundancy or self.group_redundancy:
+        if self.family is not Family.STALEFLOW or self.batch_redundancy or self.group_redundancy or \
+                self.checkpoint_tokens:
             return None
         s = self.strategy
         return " ".join((
