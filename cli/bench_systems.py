@@ -120,7 +120,7 @@ def register(bench_app: typer.Typer) -> None:
                  "straggler_sigma, nccl")] = None,
         systems: Annotated[str, typer.Option(
             help="all, headline, ablation, or names: verl, one-step, in-flight, in-flight-fifo, staleflow (sf-rsm), "
-                 "sf-[r|x][s|x][m|x], sf-rsm+batch, sf-rsm+group, oracle")] = "all",
+                 "sf-[r|x][s|x][m|x], sf-rsm+batch, sf-rsm+group, sf-rsm+ckpt, oracle")] = "all",
         straggler_sigma: Annotated[float, typer.Option(
             help="persistent per-instance speed spread: log-normal sigma of each instance's fixed speed factor")] = 0.0,
         workload: Annotated[Path | None, typer.Option(

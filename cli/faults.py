@@ -33,6 +33,9 @@ def register(app: typer.Typer) -> None:
         instances: Annotated[int | None, typer.Option(help="rollout instances")] = None,
         workload: Annotated[str | None, typer.Option(help="sim workload preset")] = None,
         speed: Annotated[float | None, typer.Option(help="sim clock speed-up")] = None,
+        max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="response length limit")] = None,
+        progress_tokens: Annotated[int | None, typer.Option(
+            "--progress-tokens", help="instances checkpoint running trajectories every this many tokens (0: never)")] = None,
         deadline: Annotated[float, typer.Option(help="give up on a run after this many seconds")] = 300.0,
         output: Annotated[Path | None, typer.Option("--output", help="write the report (JSON) here")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
@@ -47,7 +50,8 @@ def register(app: typer.Typer) -> None:
             raise fail("--every must be at least 1", "inject at most one fault per training step")
         defaults = {"engine": "sim", "workload": "ci-tiny", "instances": 3, "speed": 20.0, "max_tokens": 48, "batch_size": 4,
                     "group_size": 2, "eta": 1}
-        flags = {"workload": workload, "instances": instances, "speed": speed, "steps": steps}
+        flags = {"workload": workload, "instances": instances, "speed": speed, "steps": steps,
+                 "max_tokens": max_tokens, "progress_tokens": progress_tokens}
         if config is None:
             flags = {**defaults, **{k: v for k, v in flags.items() if v is not None}}
         cfg = job_config(config, **flags, processes=True, state_dir=state_dir / "faulty")
@@ -68,6 +72,7 @@ def register(app: typer.Typer) -> None:
         report = summarize(base, faulty)
         report["fault_every_steps"] = every
         report["command"] = "staleflow faults " + " ".join(f"--{k} {v}" for k, v in (("roles", roles), ("every", every)))
+        report["progress_tokens"] = cfg.instance.progress_tokens
         if output:
             write_report(output, report)
         if as_json:
@@ -86,6 +91,13 @@ def register(app: typer.Typer) -> None:
             if report["ettr_vs_baseline"] is not None:
                 console.print(f"  against a fault-free run: {report['ettr_vs_baseline']:.1%} "
                               f"({report['baseline_wall_s']:.1f}s vs {report['faulty_wall_s']:.1f}s)")
+            lost = report["regenerated_tokens"]
+            if lost["trajectories"]:
+                console.print(f"tokens regenerated per trajectory on a failed instance: mean "
+                              f"{lost['per_trajectory_mean']:.0f}, max {lost['per_trajectory_max']} over "
+                              f"{lost['trajectories']} trajectories (" + (
+                                  f"progress checkpoints every {cfg.instance.progress_tokens} tokens)"
+                                  if cfg.instance.progress_tokens else "no progress checkpoints)"))
             console.print("checks: " + ", ".join(f"{k}={v}" for k, v in report["checks"].items()))
             for violation in report["violations"]:
                 console.print(f"[red]violation[/]: {violation}")

@@ -37,6 +37,7 @@ def build_config(
     sim_options: dict[str, Any],
     vllm_options: dict[str, Any],
     callback_url: str | None,
+    progress_url: str | None = None,
 ) -> InstanceConfig:
     """Merge a config file (YAML or JSON) with command-line options; options win."""
     data: dict[str, Any] = {}
@@ -46,7 +47,7 @@ def build_config(
             raise typer.BadParameter(f"{config_file} must hold a mapping of InstanceConfig fields", param_hint="--config")
         data = loaded
     for key, value in (("engine", engine), ("instance_id", instance_id), ("host", host), ("port", port),
-                       ("completion_callback_url", callback_url)):
+                       ("completion_callback_url", callback_url), ("progress_url", progress_url)):
         if value is not None:
             data[key] = value
     if sim_options:
@@ -85,6 +86,8 @@ def register(serve_app: typer.Typer) -> None:
             list[str] | None, typer.Option("--vllm-set", help="vllm: any VllmConfig field, KEY=VALUE")
         ] = None,
         callback_url: Annotated[str | None, typer.Option(help="POST completed trajectories here")] = None,
+        progress_url: Annotated[str | None, typer.Option(
+            help="POST progress checkpoints of running trajectories here (the trajectory server's /v1/progress)")] = None,
         log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     ) -> None:
         """Serve one rollout instance (engine sim or vllm) until interrupted."""
@@ -104,6 +107,7 @@ def register(serve_app: typer.Typer) -> None:
             instance = build_config(
                 config_file=config, engine=engine, instance_id=instance_id, host=host, port=port,
                 sim_options=sim_options, vllm_options=vllm_options, callback_url=callback_url,
+                progress_url=progress_url,
             )
         except ValidationError as exc:
             raise typer.BadParameter(_describe(exc)) from None

@@ -220,6 +220,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
     summary = summarize(config, job.steps(), job.monitor.samples, job.engine_stats(), job.command_times(), wall,
                         trainer_label(config))
     summary["restarts"] = restarts
+    summary["failover"] = job.failover()
     if failure:
         summary["failure"] = failure
     trainer_error = job.trainer_error
@@ -326,6 +327,8 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         model: Annotated[Path | None, typer.Option(help="vllm: local model directory (default: the demo model)")] = None,
         trainer_ranks: Annotated[int | None, typer.Option("--trainer-ranks", help="vllm: FSDP2 ranks")] = None,
         max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="response length limit")] = None,
+        progress_tokens: Annotated[int | None, typer.Option(
+            "--progress-tokens", help="checkpoint running trajectories every this many tokens (0: never)")] = None,
         seed: Annotated[int | None, typer.Option(help="random seed")] = None,
         speed: Annotated[float | None, typer.Option(help="sim clock speed-up")] = None,
         base_port: Annotated[int | None, typer.Option("--base-port", help="first component port (0: free ports)")] = None,
@@ -346,7 +349,8 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         """Run StaleFlow on this machine: every component, a short RL job, a report at the end."""
         job = job_config(config, engine=engine, steps=steps, state_dir=state_dir, eta=eta, batch_size=batch_size,
                          group_size=group_size, instances=instances, routing=routing, sync=sync, migration=migration,
-                         workload=workload, max_tokens=max_tokens, seed=seed, speed=speed, base_port=base_port,
+                         workload=workload, max_tokens=max_tokens, progress_tokens=progress_tokens, seed=seed, speed=speed,
+                         base_port=base_port,
                          processes=processes, model=model, trainer_ranks=trainer_ranks, logger=logger,
                          calibration={"file": str(calibration)} if calibration else None)
         if launcher not in ("local", "ray"):

@@ -30,6 +30,7 @@ from staleflow.servers.clients import http_client
 log = logging.getLogger(__name__)
 
 ROLES = ("instance", "ts", "params", "manager", "coordinator", "trainer")
+INSTANCE_BUSY_WAIT_S = 5.0  # an instance fault waits this long at most for the instance to hold running work
 SERVICE_OF_ROLE = {"ts": "ts", "params": "params", "manager": "manager", "coordinator": "coordinator",
                    "reward": "reward"}
 
@@ -52,6 +53,12 @@ class Fault:
     tokens_per_s_before: float = 0.0
     tokens_per_s_during: float = 0.0
     steps_during: int = 0
+    # instance faults: per trajectory running there, the response tokens it held when the fault
+    # hit that the trajectory server did not hold (everything since its last checkpoint), which
+    # the instance it resumes on generates again
+    regenerated_tokens: list[int] = field(default_factory=list)
+    checkpoint_round_s: float | None = None  # the failed instance's mean time to take and send a checkpoint batch
+    since_checkpoint_round_s: float | None = None  # from the failed instance's last look for checkpoints to the fault
 
     @property
     def detection_s(self) -> float | None:
@@ -242,9 +249,44 @@ class FaultRun:
             name = "trainer"
         else:
             name = SERVICE_OF_ROLE[role]
-        self.faults.append(Fault(role, name, how, time.monotonic() - started, tv))
+        held = self._held_progress(job, name) if role == "instance" else {}
+        waited_until = time.monotonic() + INSTANCE_BUSY_WAIT_S
+        while role == "instance" and not held.get("held") and time.monotonic() < waited_until:  # mid-generation
+            job.stop.wait(0.05)
+            held = self._held_progress(job, name)
+        fault = Fault(role, name, how, time.monotonic() - started, tv)
+        self.faults.append(fault)
         self._started = started
         job.kill(name, signal.SIGSTOP if how == "hang" else signal.SIGKILL)
+        fault.regenerated_tokens = self._lost_progress(job, held.get("held", {}))
+        if held.get("batches"):
+            fault.checkpoint_round_s = held["seconds"] / held["batches"]
+        fault.since_checkpoint_round_s = held.get("since_last_round_s")
+
+    @staticmethod
+    def _held_progress(job: Job, name: str) -> dict:
+        """The instance's ``GET /v1/progress``, read just before the fault: the response tokens each
+        trajectory there holds, and its checkpoint counters."""
+        try:
+            with http_client(job.endpoints[name]["url"], timeout=2.0) as instance:
+                return instance.get("/v1/progress").json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    @staticmethod
+    def _lost_progress(job: Job, held: dict[str, int]) -> list[int]:
+        """Per trajectory held on the failed instance, what the trajectory server lacks of it:
+        its response resumes from what the trajectory server holds (a finished one lost nothing)."""
+        lost = []
+        with http_client(job.endpoints["ts"]["url"], timeout=5.0) as ts:
+            for traj_id, tokens in held.items():
+                try:
+                    stored = ts.get(f"/v1/trajectories/{traj_id}").json()
+                except (httpx.HTTPError, ValueError):
+                    continue
+                if stored.get("state") in ("routed", "pending"):
+                    lost.append(max(tokens - int(stored["generated"]), 0))
+        return lost
 
     def _current(self, name: str) -> Fault | None:
         f = self.faults[-1] if self.faults else None
@@ -387,6 +429,7 @@ def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:
             r["recovery_s"].append(f.recovery_s)
         if f.throughput_kept is not None:
             r["kept"].append(f.throughput_kept)
+    regenerated = [n for f in faulty.faults for n in f.regenerated_tokens]
     table = {role: {"faults": r["faults"],
                     "detection_s": float(np.mean(r["detection_s"])) if r["detection_s"] else None,
                     "recovery_s": float(np.mean(r["recovery_s"])) if r["recovery_s"] else None,
@@ -396,6 +439,10 @@ def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:
     ettr = min(1.0, faulty.steps * pace / faulty.wall_s) if faulty.wall_s else None
     return {"per_role": table, "ettr": ettr, "pace_s": pace, "ettr_vs_baseline": vs_baseline, "faults": len(faulty.faults),
             "steps": faulty.steps,
+            "regenerated_tokens": {"trajectories": len(regenerated),
+                                   "per_trajectory_mean": float(np.mean(regenerated)) if regenerated else None,
+                                   "per_trajectory_max": max(regenerated) if regenerated else None,
+                                   "total": sum(regenerated)},
             "fault_every_steps": None, "baseline_wall_s": baseline.wall_s if baseline else None,
             "faulty_wall_s": faulty.wall_s, "violations": faulty.violations, "checks": faulty.checks,
             "baseline": baseline.to_json() if baseline else None, "faulty": faulty.to_json()}

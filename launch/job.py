@@ -487,6 +487,17 @@ class Job:
                 log.debug("no stats from %s: %s", name, exc)
         return stats
 
+    def failover(self) -> dict | None:
+        """Progress checkpoints and the trajectories handed back from failed instances, as the
+        trajectory server counted them since it (last) started; None while it does not answer."""
+        try:
+            with http_client(self.endpoints["ts"]["url"], timeout=5) as c:
+                counts = c.get("/v1/health").json()["progress"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.debug("no trajectory server counts: %s", exc)
+            return None
+        return {**counts, "progress_tokens": self.config.instance.progress_tokens}
+
     def coordinator_stats(self) -> dict | None:
         """The coordinator's counters (``/v1/coordinator``), or None while it does not answer."""
         try:

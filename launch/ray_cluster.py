@@ -1072,6 +1072,11 @@ class RayClusterJob:
 
         return Job.coordinator_stats(self)
 
+    def failover(self) -> dict | None:
+        from staleflow.launch.job import Job
+
+        return Job.failover(self)
+
     def command_times(self) -> dict[str, float]:
         from staleflow.launch.job import Job
 

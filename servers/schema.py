@@ -121,3 +121,17 @@ ledger_event_counts = Table(
     Column("op", String(32), primary_key=True),
     Column("count", Integer, nullable=False),
 )
+
+ts_progress = Table(
+    "ts_progress",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("traj_id", String(200), nullable=False),
+    Column("instance_id", String(200), nullable=False),
+    Column("start", Integer, nullable=False),  # the response position of the first token
+    Column("tokens", LargeBinary, nullable=False),  # int32 little-endian
+    Column("logprobs", LargeBinary, nullable=False),  # float32 little-endian
+    Column("segments", Text, nullable=False),  # JSON [[version, start, end], ...] of the whole response so far
+    Column("at", Float, nullable=False),
+    Index("ix_ts_progress_traj", "traj_id"),
+)

@@ -118,6 +118,9 @@ INSTANCE_COMPLETED = Metric("staleflow_instance_completed_trajectories", "counte
                             "trajectories finished (completions fed to the trajectory server)", ("instance_id",))
 INSTANCE_GENERATED_TOKENS = Metric("staleflow_instance_generated_tokens", "counter", "response tokens generated",
                                    ("instance_id",))
+INSTANCE_CHECKPOINTED_TOKENS = Metric("staleflow_instance_checkpointed_tokens", "counter",
+                                      "response tokens sent to the trajectory server in progress checkpoints",
+                                      ("instance_id",))
 INSTANCE_ENGINE_SECONDS = Metric("staleflow_instance_engine_seconds", "counter",
                                  "the engine's time by part (decode, prefill, reprefill, overhead, pull, idle); "
                                  "parts sum to the rollout time", ("instance_id", "part", "source"))
@@ -153,6 +156,12 @@ TRAJECTORIES_COMPLETED = Metric("staleflow_trajectories_completed", "counter",
 TRAJECTORY_REWARD = Metric("staleflow_trajectory_reward", "summary", "rewards of completed trajectories")
 TRAJECTORY_RESPONSE_TOKENS = Metric("staleflow_trajectory_response_tokens", "summary",
                                     "response lengths of completed trajectories")
+TRAJECTORY_CHECKPOINTED_TOKENS = Metric("staleflow_trajectory_checkpointed_tokens", "counter",
+                                        "response tokens appended from instances' progress checkpoints")
+TRAJECTORY_FAILURE_RESUMED_TOKENS = Metric("staleflow_trajectory_failure_resumed_tokens", "counter",
+                                           "response tokens kept by trajectories handed back from a failed instance")
+TRAJECTORIES_FAILED_OVER = Metric("staleflow_trajectories_failed_over", "counter",
+                                  "running trajectories handed back from a failed instance")
 
 # ---------------------------------------------------------------------------- parameter server
 

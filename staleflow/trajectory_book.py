@@ -128,6 +128,34 @@ class Generated:
     instance_id: str | None = None  # the instance that finished it (completions)
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A running trajectory's progress from an instance: response positions ``[start, start +
+    len(tokens))`` with their log-probs, and ``segments``, the versions of the whole response up to
+    there."""
+
+    traj_id: str
+    instance_id: str
+    start: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    segments: tuple[Span, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+def _covers(segments: tuple[Span, ...], end: int, v_traj: int | None) -> bool:
+    """Whether ``segments`` cover ``[0, end)`` contiguously with versions of at least ``v_traj``."""
+    covered = 0
+    for version, start, stop in segments:
+        if start != covered or stop <= start or (v_traj is not None and version < v_traj):
+            return False
+        covered = stop
+    return covered == end
+
+
 class TrajectoryBook:
     """Every trajectory and group of the trajectory server, with the transitions between their
     states. Methods named after a transition change the records and return those they changed.
@@ -252,6 +280,39 @@ class TrajectoryBook:
                 continue
             changed.append(t)
         return outcome, changed
+
+    def checkpoint(self, checkpoints: Iterable[Checkpoint]) -> tuple[dict[str, int], list[Checkpoint]]:
+        """Progress of trajectories running on instances. A checkpoint counts only from the
+        instance the trajectory is routed to, only if it continues what the book holds (no gap),
+        and only if every token's version is at least the group's V_traj (the bound is the same as
+        for a returned partial). Returns the response length now held of each trajectory whose
+        checkpoint counted (or whose progress the book already held), and the appended parts."""
+        held, appended = {}, []
+        for c in checkpoints:
+            t = self.trajs.get(c.traj_id)
+            if t is None or t.state is not TrajState.ROUTED or t.instance_id != c.instance_id:
+                continue
+            have = len(t.tokens)
+            v_traj = self.groups[t.group_id].v_traj
+            if c.start > have or not _covers(c.segments, c.end, v_traj):
+                continue
+            if c.end > have:
+                cut = have - c.start
+                part = Checkpoint(c.traj_id, c.instance_id, have, c.tokens[cut:], c.logprobs[cut:], c.segments)
+                self.adopt(part)
+                appended.append(part)
+            held[t.traj_id] = len(t.tokens)
+        return held, appended
+
+    def adopt(self, c: Checkpoint) -> bool:
+        """Append a stored checkpoint that continues the trajectory's response (read back after a
+        restart); one that does not is ignored."""
+        t = self.trajs.get(c.traj_id)
+        if t is None or not c.start <= len(t.tokens) < c.end:
+            return False
+        cut = len(t.tokens) - c.start
+        t.tokens, t.logprobs, t.segments = t.tokens + c.tokens[cut:], t.logprobs + c.logprobs[cut:], c.segments
+        return True
 
     def release_instance(self, instance_id: str) -> list[TrajRecord]:
         """A failed instance: its trajectories return to pending with their last known partial

@@ -24,6 +24,7 @@ from staleflow.servers.instance.wire import (
     CommandResult,
     CompletedFeed,
     EngineStats,
+    HeldProgress,
     InstanceHealth,
     SnapshotOut,
 )
@@ -55,6 +56,7 @@ def instance_metrics(server: InstanceServer, snapshot: dict[str, Any] | None, st
             m.INSTANCE_ROLLOUT_SECONDS.value(stats.get("rollout_seconds", 0.0), iid, source),
             m.INSTANCE_GENERATED_TOKENS.value(stats.get("tokens_generated", 0), iid),
         ]
+    families.append(m.INSTANCE_CHECKPOINTED_TOKENS.value(server.progress.tokens, iid))
     return families
 
 
@@ -136,6 +138,11 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
         if accounted is None:
             return {"instance_id": server.instance_id, "engine": config.engine, "available": False}
         return {"instance_id": server.instance_id, "engine": config.engine, **accounted}
+
+    @app.get("/v1/progress", response_model=HeldProgress)
+    async def progress() -> dict[str, Any]:
+        """What each trajectory on the engine holds now, against its last progress checkpoint."""
+        return await server.held_progress()
 
     @app.post("/v1/sim/advance", response_model=Advanced)
     async def advance(body: AdvanceIn) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 CALLBACK_BACKOFF_S = 0.1  # first retry of a failed delivery; doubled up to CALLBACK_MAX_BACKOFF_S
 CALLBACK_MAX_BACKOFF_S = 5.0
 CALLBACK_ERROR_ATTEMPTS = 5  # a server error other than 502/503/504 this many times in a row: the batch is dropped
+PROGRESS_POLL_S = 0.2  # how often the engine is asked whether a trajectory is due for a checkpoint
 
 
 @dataclass
@@ -143,6 +144,30 @@ def create_engine(config: InstanceConfig) -> RolloutEngine:
     return VllmEngine(params)
 
 
+@dataclass
+class ProgressTally:
+    """Progress checkpoints sent by this instance: the response position of each trajectory's
+    last checkpoint, and counters."""
+
+    reported: dict[str, int] = field(default_factory=dict)
+    batches: int = 0
+    checkpoints: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    last_round: float | None = None  # time.monotonic() of the last look at the engine
+
+    def record(self, checkpoints: int, tokens: int, seconds: float) -> None:
+        self.batches += 1
+        self.checkpoints += checkpoints
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def counters(self) -> dict[str, Any]:
+        since = None if self.last_round is None else time.monotonic() - self.last_round
+        return {"batches": self.batches, "checkpoints": self.checkpoints, "tokens": self.tokens,
+                "seconds": self.seconds, "since_last_round_s": since}
+
+
 class InstanceServer:
     """The state behind the HTTP API of one instance."""
 
@@ -159,6 +184,7 @@ class InstanceServer:
         self._pulling = False
         self._recorded: OrderedDict[str, _Recorded] = OrderedDict()
         self._tasks: list[asyncio.Task[None]] = []
+        self.progress = ProgressTally()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -167,6 +193,8 @@ class InstanceServer:
         self._tasks.append(asyncio.create_task(self._collect_completions(), name="completions"))
         if self.config.completion_callback_url:
             self._tasks.append(asyncio.create_task(self._push_completions(), name="callback"))
+        if self.config.progress_url and self.config.progress_tokens > 0:
+            self._tasks.append(asyncio.create_task(self._checkpoint_progress(), name="progress"))
 
     async def stop(self) -> None:
         await self.engine.stop()
@@ -220,6 +248,64 @@ class InstanceServer:
         self.callback_delivered = last
         self.outbox.handed_out(batch)
         self.outbox.ack(item["seq"] for item in batch)
+
+    # ------------------------------------------------------------------ progress checkpoints
+
+    async def _checkpoint_progress(self) -> None:
+        """Every ``PROGRESS_POLL_S``, send the trajectory server what each running trajectory
+        generated since its last checkpoint, once that is ``progress_tokens`` tokens, and whatever
+        it is every ``progress_seconds``: one batch per round."""
+        url = self.config.progress_url
+        assert url is not None
+        last_sweep = time.monotonic()
+        async with async_http_client("", timeout=30.0) as client:
+            while True:
+                await asyncio.sleep(PROGRESS_POLL_S)  # the polling period, not synchronisation
+                sweep = time.monotonic() - last_sweep >= self.config.progress_seconds
+                try:
+                    if await self.checkpoint(client, url, 1 if sweep else self.config.progress_tokens) is None:
+                        log.info("engine %s does not expose its progress: no checkpoints", self.config.engine)
+                        return
+                except httpx.HTTPError as exc:  # the trajectory server restarting: the next round resends
+                    log.debug("progress checkpoint to %s failed: %s", url, exc)
+                if sweep:
+                    last_sweep = time.monotonic()
+
+    async def checkpoint(self, client: httpx.AsyncClient, url: str, min_new: int) -> int | None:
+        """Send one checkpoint batch: the trajectories with at least ``min_new`` tokens beyond their
+        last checkpoint. Returns how many went (None: the engine does not expose progress)."""
+        started = time.perf_counter()
+        async with self._lock:
+            held = await self.engine.snapshot()
+            items = await self.engine.progress(self.progress.reported, min_new)
+        if items is None:
+            return None
+        self.progress.last_round = time.monotonic()
+        on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in items)}
+        for traj_id in [t for t in self.progress.reported if t not in on_engine]:
+            del self.progress.reported[traj_id]
+        if items:
+            reply = await client.post(url, json={"instance_id": self.instance_id, "trajectories": [
+                {"traj_id": p.traj_id, "start": p.start, "tokens": list(p.tokens), "logprobs": list(p.logprobs),
+                 "segments": [{"version": s.version, "start": s.start, "end": s.end} for s in p.segments]}
+                for p in items]})
+            if reply.status_code >= 400:
+                log.warning("progress checkpoint refused by %s with %d: %s", url, reply.status_code, reply.text[:500])
+            else:
+                stored = reply.json().get("stored", {})
+                for p in items:
+                    # what the trajectory server holds now; a trajectory it does not route here is not resent
+                    self.progress.reported[p.traj_id] = int(stored.get(p.traj_id, p.end))
+                self.progress.record(len(items), sum(len(p.tokens) for p in items), time.perf_counter() - started)
+        return len(items)
+
+    async def held_progress(self) -> dict[str, Any]:
+        """What each trajectory on the engine holds and what its last checkpoint holds."""
+        async with self._lock:
+            items = await self.engine.progress({}, 1)
+        return {"instance_id": self.instance_id, "available": items is not None,
+                "held": {p.traj_id: p.end for p in items or ()}, "checkpointed": dict(self.progress.reported),
+                **self.progress.counters()}
 
     # ------------------------------------------------------------------ commands
 

@@ -290,6 +290,18 @@ class InstanceHealth(_Answer):
     callback: dict[str, Any]
 
 
+class HeldProgress(_Answer):
+    instance_id: str
+    available: bool = Field(description="whether the engine exposes the tokens it generated so far")
+    held: dict[str, int] = Field(description="traj_id -> response tokens the trajectory holds on the engine now")
+    checkpointed: dict[str, int] = Field(description="traj_id -> response tokens its last checkpoint holds")
+    batches: int = Field(description="checkpoint batches sent")
+    checkpoints: int = Field(description="trajectory checkpoints sent")
+    tokens: int = Field(description="tokens sent in checkpoints")
+    seconds: float = Field(description="time spent taking and sending checkpoints")
+    since_last_round_s: float | None = Field(description="since the last look at the engine for checkpoints due")
+
+
 class EngineStats(BaseModel):
     """Where the engine's time went, for engines that account for it (their own fields follow)."""
 

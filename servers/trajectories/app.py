@@ -27,6 +27,8 @@ from staleflow.servers.trajectories.wire import (
     CheckedOut,
     CheckoutRequest,
     CompletedRequest,
+    ProgressOut,
+    ProgressRequest,
     ReturnRequest,
     TrajectoriesOut,
     TrajectoryDetail,
@@ -118,7 +120,9 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
         skipped = getattr(server.prompts, "skipped", SkippedRows())
         return {"status": "ok", "counts": server.store.counts(),
                 "skipped_prompts": {"count": skipped.count + server.too_long.count,
-                                    "reasons": {**skipped.reasons, **server.too_long.reasons}}}
+                                    "reasons": {**skipped.reasons, **server.too_long.reasons}},
+                "progress": {"checkpointed_tokens": server.checkpointed_tokens,
+                             "failed_over": server.store.failed_over[0], "resumed_tokens": server.store.failed_over[1]}}
 
     @app.get("/v1/pending", response_model=TrajectoriesOut)
     async def pending(server: ServerDep) -> dict:
@@ -141,6 +145,12 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
     @app.post("/v1/completed", response_model=Accepted)
     async def completed(server: ServerDep, body: CompletedRequest) -> dict:
         return {"accepted": await server.completed(body)}
+
+    @app.post("/v1/progress", response_model=ProgressOut)
+    async def progress(server: ServerDep, body: ProgressRequest) -> dict:
+        """Progress checkpoints of trajectories running on an instance, appended durably: a
+        trajectory handed back from a failed instance resumes from its last checkpoint."""
+        return server.progress(body)
 
     @app.post("/v1/instances/{instance_id}/release", response_model=Released)
     async def release(server: ServerDep, instance_id: str) -> dict:

@@ -18,8 +18,9 @@ from staleflow.servers.trajectories.store import (
     StoreConflict,
     TrajectoryStore,
     TrajState,
+    checkpoint,
 )
-from staleflow.servers.trajectories.wire import CheckoutRequest, CompletedRequest, traj_payload
+from staleflow.servers.trajectories.wire import CheckoutRequest, CompletedRequest, ProgressRequest, traj_payload
 from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class TrajectoryServer:
         self.accepted = 0  # completions accepted from instances since this server started
         self.reward_tally = [0, 0.0]  # rewarded trajectories, sum of their rewards
         self.length_tally = [0, 0]  # rewarded trajectories, sum of their response tokens
+        self.checkpointed_tokens = 0  # appended from progress checkpoints since this server started
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -120,7 +122,17 @@ class TrajectoryServer:
             m.TRAJECTORIES_COMPLETED.value(self.accepted),
             m.TRAJECTORY_REWARD.summary([((), *self.reward_tally)]),
             m.TRAJECTORY_RESPONSE_TOKENS.summary([((), *self.length_tally)]),
+            m.TRAJECTORY_CHECKPOINTED_TOKENS.value(self.checkpointed_tokens),
+            m.TRAJECTORIES_FAILED_OVER.value(self.store.failed_over[0]),
+            m.TRAJECTORY_FAILURE_RESUMED_TOKENS.value(self.store.failed_over[1]),
         ]
+
+    def progress(self, request: ProgressRequest) -> dict:
+        """Checkpoints of running trajectories (see ``TrajectoryBook.checkpoint``)."""
+        before = {p.traj_id: len(t.tokens) for p in request.trajectories if (t := self.store.trajs.get(p.traj_id))}
+        stored = self.store.checkpoint([checkpoint(p.model_dump(), request.instance_id) for p in request.trajectories])
+        self.checkpointed_tokens += sum(n - before.get(traj_id, n) for traj_id, n in stored.items())
+        return {"stored": stored, "ignored": [p.traj_id for p in request.trajectories if p.traj_id not in stored]}
 
     # -- completion, rewards, occupation --------------------------------------------------
 

@@ -29,9 +29,17 @@ from sqlalchemy import Engine, bindparam, delete, func, insert, select, update
 
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers import db
-from staleflow.servers.schema import ts_groups, ts_groups_archive, ts_meta, ts_trajectories, ts_trajectories_archive
+from staleflow.servers.schema import (
+    ts_groups,
+    ts_groups_archive,
+    ts_meta,
+    ts_progress,
+    ts_trajectories,
+    ts_trajectories_archive,
+)
 from staleflow.trajectory_book import (
     LIVE_GROUP_STATES,
+    Checkpoint,
     Generated,
     GroupRecord,
     GroupState,
@@ -79,7 +87,7 @@ OWNER_LOCK = 0x54524A53  # "TRJS"
 
 
 __all__ = ["LIVE_GROUP_STATES", "GroupRecord", "GroupState", "StoreConflict", "StoreUnavailable", "TrajRecord", "TrajState",
-           "TrajectoryStore", "TrajectoryStoreInUse", "generated"]
+           "TrajectoryStore", "TrajectoryStoreInUse", "checkpoint", "generated"]
 
 
 def _pack_ints(values: Iterable[int]) -> bytes:
@@ -112,6 +120,8 @@ class TrajectoryStore:
                                        "or point db_url at another database") from None
         self.lock = _FreshLock(self)
         self._stale = False
+        self._checkpointed: set[str] = set()  # trajectories with rows in ts_progress
+        self.failed_over = [0, 0]  # trajectories released from failed instances, the response tokens they kept
         self._use(TrajectoryBook())
         self.meta: dict[str, str] = {}
         self._load()
@@ -159,6 +169,12 @@ class TrajectoryStore:
             groups = [_group_record(r) for r in conn.execute(select(ts_groups).order_by(ts_groups.c.seq)).mappings()]
             trajs = [_traj_record(r) for r in conn.execute(select(ts_trajectories).order_by(ts_trajectories.c.seq)).mappings()]
             self.book.restore(groups, trajs)
+            self._checkpointed = set()
+            for r in conn.execute(select(ts_progress).order_by(ts_progress.c.id)).mappings():
+                self._checkpointed.add(r["traj_id"])
+                self.book.adopt(Checkpoint(r["traj_id"], r["instance_id"], r["start"], _unpack_ints(r["tokens"]),
+                                           _unpack_floats(r["logprobs"]),
+                                           tuple(tuple(s) for s in json.loads(r["segments"]))))
             self.meta = {r.key: r.value for r in conn.execute(select(ts_meta))}
 
     # ------------------------------------------------------------------ persistence
@@ -199,6 +215,7 @@ class TrajectoryStore:
                 conn.execute(self._update_group, group_rows)
             if traj_rows:
                 conn.execute(self._update_traj, traj_rows)
+                self._fold_checkpoints(conn, [row["key"] for row in traj_rows])
             for key, value in (meta or {}).items():
                 conn.execute(delete(ts_meta).where(ts_meta.c.key == key))
                 conn.execute(insert(ts_meta).values(key=key, value=value))
@@ -215,6 +232,13 @@ class TrajectoryStore:
                 for t in (self.book.trajs[m] for g in finished for m in g.member_ids)])
         conn.execute(delete(ts_trajectories).where(ts_trajectories.c.group_id.in_(group_ids)))
         conn.execute(delete(ts_groups).where(ts_groups.c.group_id.in_(group_ids)))
+
+    def _fold_checkpoints(self, conn, traj_ids: list[str]) -> None:
+        """The trajectories' rows now hold their whole response: their checkpoint rows go."""
+        folded = [t for t in traj_ids if t in self._checkpointed]
+        for start in range(0, len(folded), 1000):
+            conn.execute(delete(ts_progress).where(ts_progress.c.traj_id.in_(folded[start:start + 1000])))
+        self._checkpointed.difference_update(folded)
 
     @staticmethod
     def _group_row(g: GroupRecord) -> dict:
@@ -273,12 +297,34 @@ class TrajectoryStore:
                 self._persist(trajs=changed)
             return outcome
 
+    def checkpoint(self, checkpoints: list[Checkpoint]) -> dict[str, int]:
+        """Progress of running trajectories, appended durably as checkpoint rows (the trajectory's
+        own row is not rewritten). Returns the response length held of each one that counted."""
+        with self.lock:
+            held, appended = self.book.checkpoint(checkpoints)
+            if appended:
+                now = time.time()
+                try:
+                    with self.engine.begin() as conn:
+                        conn.execute(insert(ts_progress), [
+                            {"traj_id": c.traj_id, "instance_id": c.instance_id, "start": c.start,
+                             "tokens": _pack_ints(c.tokens), "logprobs": _pack_floats(c.logprobs),
+                             "segments": json.dumps([list(s) for s in c.segments]), "at": now} for c in appended])
+                except Exception as exc:
+                    self._stale = True  # memory already holds the checkpoints: the next call reloads it
+                    raise StoreUnavailable(f"could not persist the checkpoints: {exc}") from exc
+                self._checkpointed.update(c.traj_id for c in appended)
+            return held
+
     def release_instance(self, instance_id: str) -> int:
         """A failed instance: its trajectories return to pending (see ``TrajectoryBook``)."""
         with self.lock:
             changed = self.book.release_instance(instance_id)
             if changed:
                 self._persist(trajs=changed)
+            resumed = [t for t in changed if t.state is TrajState.PENDING]
+            self.failed_over[0] += len(resumed)
+            self.failed_over[1] += sum(len(t.tokens) for t in resumed)
             return len(changed)
 
     def completed(self, items: list[dict]) -> list[TrajRecord]:
@@ -391,6 +437,12 @@ def _traj_record(r) -> TrajRecord:
                       _unpack_ints(r["tokens"]), _unpack_floats(r["logprobs"]),
                       tuple(tuple(s) for s in json.loads(r["segments"])), r["finish_reason"], r["reward"],
                       r["reward_reason"], r["updated_at"])
+
+
+def checkpoint(p: dict, instance_id: str) -> Checkpoint:
+    """A trajectory's progress as the wire carries it."""
+    return Checkpoint(p["traj_id"], instance_id, p["start"], tuple(p["tokens"]), tuple(p["logprobs"]),
+                      tuple((s["version"], s["start"], s["end"]) for s in p["segments"]))
 
 
 def generated(p: dict, instance_id: str | None = None) -> Generated:

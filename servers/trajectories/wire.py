@@ -65,6 +65,34 @@ class CompletedRequest(BaseModel):
     items: list[CompletedItem] = Field(max_length=100_000)
 
 
+class ProgressIn(BaseModel):
+    traj_id: str
+    start: int = Field(ge=0, description="the response position of the first token")
+    tokens: list[TokenId] = Field(min_length=1)
+    logprobs: list[LogProb]
+    segments: list[ReturnedSegmentIn] = Field(min_length=1,
+                                              description="the versions of the whole response up to the last token")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ProgressIn:
+        if len(self.tokens) != len(self.logprobs):
+            raise ValueError(f"{self.traj_id}: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
+        if self.segments[-1].end != self.start + len(self.tokens):
+            raise ValueError(f"{self.traj_id}: segments do not end at the last token")
+        return self
+
+
+class ProgressRequest(BaseModel):
+    instance_id: str = Field(min_length=1, max_length=200)
+    trajectories: list[ProgressIn] = Field(max_length=100_000)
+
+
+class ProgressOut(BaseModel):
+    stored: dict[str, int] = Field(description="traj_id -> response tokens the trajectory server now holds")
+    ignored: list[str] = Field(description="not routed to this instance, not running, or not continuing what is "
+                                           "held: nothing changed")
+
+
 class AckRequest(BaseModel):
     traj_ids: list[str] = Field(max_length=100_000)
 
@@ -155,7 +183,14 @@ class SkippedPrompts(BaseModel):
     reasons: dict[str, int]
 
 
+class ProgressCounts(BaseModel):
+    checkpointed_tokens: int = Field(description="response tokens appended from progress checkpoints")
+    failed_over: int = Field(description="running trajectories handed back from a failed instance")
+    resumed_tokens: int = Field(description="response tokens those trajectories kept (their last checkpoints)")
+
+
 class TrajectoryServerHealth(BaseModel):
     status: str
     counts: dict[str, int]
     skipped_prompts: SkippedPrompts
+    progress: ProgressCounts = Field(description="since this trajectory server started")

@@ -72,7 +72,8 @@ class ComponentConfigs:
             engine = {"sim": SimConfig(workload=self.workload, workload_seed=self.seed, seed=self.seed + index,
                                        clock="real", speed=self.speed, kv_budget=self.kv_budget)}
         return InstanceConfig(**dict(self.instance), instance_id=name, engine=self.engine,
-                              completion_callback_url=f"{urls['ts']}/v1/completed", **engine)
+                              completion_callback_url=f"{urls['ts']}/v1/completed",
+                              progress_url=f"{urls['ts']}/v1/progress", **engine)
 
     def coordinator_config(self: JobSections, urls: dict[str, str], instance_ids: list[str],
                            params_urls: dict[str, str | None] | None = None) -> CoordinatorConfig:

@@ -67,6 +67,10 @@ class InstanceSettings(StrictModel):
     callback_batch: int = Field(64, ge=1, description="completions per callback batch")
     outbox_limit: int = Field(100_000, ge=1, description="unacknowledged completions kept before the oldest drop")
     idempotency_window: int = Field(10_000, ge=1, description="command ids remembered for retries")
+    progress_tokens: int = Field(256, ge=0, description="checkpoint a running trajectory to the trajectory server "
+                                 "once it generated this many tokens since its last checkpoint; 0: no checkpoints")
+    progress_seconds: float = Field(10.0, gt=0, description="checkpoint whatever a running trajectory generated "
+                                    "since its last checkpoint at least this often")
 
 
 class InstanceConfig(InstanceSettings, ServiceConfig):
@@ -77,6 +81,8 @@ class InstanceConfig(InstanceSettings, ServiceConfig):
     sim: SimConfig = Field(default_factory=SimConfig)
     vllm: VllmConfig | None = None
     completion_callback_url: str | None = Field(None, pattern=r"^https?://")
+    progress_url: str | None = Field(None, pattern=r"^https?://",
+                                     description="POST progress checkpoints here (the trajectory server's /v1/progress)")
 
     @model_validator(mode="after")
     def _engine_section(self) -> InstanceConfig:

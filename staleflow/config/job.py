@@ -207,6 +207,7 @@ class JobConfig(ComponentConfigs, StrictModel):
     cycle_period = flat_setting("coordinator", "cycle_period")
     calibration = flat_setting("coordinator", "calibration")
     max_tokens = flat_setting("trajectories", "sampling", "max_tokens")
+    progress_tokens = flat_setting("instance", "progress_tokens")
 
     @model_validator(mode="before")
     @classmethod

@@ -17,6 +17,7 @@ FLAT_SETTINGS: dict[str, tuple[str, ...]] = {
     "cycle_period": ("coordinator", "cycle_period"),
     "calibration": ("coordinator", "calibration"),
     "max_tokens": ("trajectories", "sampling", "max_tokens"),
+    "progress_tokens": ("instance", "progress_tokens"),
 }
 """Settings a job may give flat (``routing: vanilla``, ``--routing vanilla``): where each one goes."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -174,6 +174,33 @@ def with_response(
 
 
 @dataclass(frozen=True)
+class Progress:
+    """What a trajectory on the instance generated beyond response position ``start``: ``tokens``
+    and ``logprobs`` from ``start`` on, and ``segments``, the versions of the whole response so far
+    (positions ``[0, start + len(tokens))``)."""
+
+    traj_id: str
+    start: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    segments: tuple[Segment, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+def progress_start(reported: Mapping[str, int], request: TrajectoryRequest, held: int, min_new: int) -> int | None:
+    """Where a progress report of ``request``, which holds ``held`` response tokens now, starts:
+    at the reported position (or where it was routed, if that report was about an earlier routing);
+    None when fewer than ``min_new`` tokens are new."""
+    start = reported.get(request.traj_id, request.num_generated)
+    if not request.num_generated <= start <= held:
+        start = request.num_generated
+    return None if held - start < max(min_new, 1) else start
+
+
+@dataclass(frozen=True)
 class InterruptResult:
     partials: list[PartialTrajectory] = field(default_factory=list)
     not_found: list[str] = field(default_factory=list)
@@ -305,6 +332,12 @@ class RolloutEngine(abc.ABC):
     def completions(self) -> AsyncIterator[CompletedTrajectory]:
         """Finished trajectories in completion order (runs until ``stop``)."""
 
+    async def progress(self, reported: Mapping[str, int], min_new: int = 1) -> list[Progress] | None:
+        """The response generated so far of each trajectory on the instance that holds at least
+        ``min_new`` tokens beyond ``reported[traj_id]`` (by default, beyond what it was routed
+        with), from that position on; None for an engine that does not expose it."""
+        return None
+
     async def stats(self) -> dict[str, Any] | None:
         """Where the instance's time went (paper Table 3) with the counters behind it, or None for
         an engine that does not account for its time. Engines that do answer ``available: True``,
@@ -342,6 +375,7 @@ __all__ = [
     "FinishReason",
     "InterruptResult",
     "PartialTrajectory",
+    "Progress",
     "RolloutEngine",
     "SamplingParams",
     "Segment",
@@ -354,5 +388,6 @@ __all__ = [
     "check_new_ids",
     "check_version",
     "extend_segments",
+    "progress_start",
     "with_response",
 ]

@@ -44,7 +44,7 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,7 @@ from staleflow.engines.base import (
     FinishReason,
     InterruptResult,
     PartialTrajectory,
+    Progress,
     RolloutEngine,
     SimWeights,
     TrajectoryRequest,
@@ -65,6 +66,8 @@ from staleflow.engines.base import (
     WeightsRef,
     check_new_ids,
     check_version,
+    extend_segments,
+    progress_start,
     with_response,
 )
 from staleflow.workload import WorkloadModel, pseudo_tokens, stable_normal
@@ -195,6 +198,21 @@ class SimCore:
     def generated(self, traj_id: str) -> int:
         """Response tokens the trajectory holds now (KeyError if it is not on the instance)."""
         return self._generated_now(self._live[traj_id])
+
+    def progress(self, reported: Mapping[str, int], min_new: int = 1) -> list[Progress]:
+        """See ``RolloutEngine.progress``; tokens are built only from the reported position on."""
+        out = []
+        workload = self.params.workload
+        for traj_id, live in self._live.items():
+            request, now = live.request, self._generated_now(live)
+            start = progress_start(reported, request, now, min_new)
+            if start is None:
+                continue
+            tokens, logprobs = pseudo_tokens(traj_id, workload.seed, start, now, workload.vocab_size,
+                                             workload.eos_token_id)
+            segments = extend_segments(request.segments, self.version, request.num_generated, now)
+            out.append(Progress(traj_id, start, tuple(tokens), tuple(logprobs), segments))
+        return out
 
     def pop_finished(self) -> list[SimFinished]:
         finished, self._finished = self._finished, []
@@ -577,6 +595,10 @@ class SimEngine(RolloutEngine):
 
     def completions(self) -> AsyncIterator[CompletedTrajectory]:
         return aiter(self._stream)
+
+    async def progress(self, reported: Mapping[str, int], min_new: int = 1) -> list[Progress]:
+        self._sync()
+        return self.core.progress(reported, min_new)
 
     async def stats(self) -> dict[str, Any]:
         """The core's accounting on the simulated clock: decode, prefill (re-prefill included:

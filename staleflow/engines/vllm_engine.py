@@ -32,7 +32,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,7 @@ from staleflow.engines.base import (
     FinishReason,
     InterruptResult,
     PartialTrajectory,
+    Progress,
     RolloutEngine,
     TrajectoryRequest,
     WeightsBlob,
@@ -60,6 +61,8 @@ from staleflow.engines.base import (
     WeightsRef,
     check_new_ids,
     check_version,
+    extend_segments,
+    progress_start,
     with_response,
 )
 
@@ -298,6 +301,22 @@ class VllmEngine(RolloutEngine):
 
     def completions(self) -> AsyncIterator[CompletedTrajectory]:
         return aiter(self._stream)
+
+    async def progress(self, reported: Mapping[str, int], min_new: int = 1) -> list[Progress]:
+        """The tokens each stream has delivered so far (see ``RolloutEngine.progress``)."""
+        out = []
+        for traj_id, stint in self._live.items():
+            request = stint.request
+            new = min(len(stint.tokens), len(stint.logprobs))  # a delta is appended to both before any await
+            held = request.num_generated + new
+            start = progress_start(reported, request, held, min_new)
+            if start is None:
+                continue
+            offset = start - request.num_generated
+            segments = extend_segments(request.segments, stint.version, request.num_generated, held)
+            out.append(Progress(traj_id, start, tuple(stint.tokens[offset:new]), tuple(stint.logprobs[offset:new]),
+                                segments))
+        return out
 
     async def stats(self) -> dict[str, Any]:
         """Where this instance's time went since it started, measured (see the module docstring)."""

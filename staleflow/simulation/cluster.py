@@ -44,7 +44,7 @@ from staleflow.ledger import Ledger, LedgerError, Transition
 from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
 from staleflow.simulation.settings import SimulatedCluster
-from staleflow.simulation.systems import Pipeline, WeightSync
+from staleflow.simulation.systems import CHECKPOINT_STALL_S, Pipeline, WeightSync
 from staleflow.simulation.trajectory_pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
 from staleflow.strategies import AdmissionBudget, CyclePlan, InstanceState, plan_cycle, plan_migrations
 from staleflow.workload import stable_normal
@@ -123,8 +123,11 @@ class ClusterSimulation:
             raise ValueError(f"a trajectory of up to {w.max_prompt_tokens} prompt + {w.max_response_tokens} response "
                              f"tokens cannot fit an instance's KV budget of {room:g} tokens")
         slowdowns = straggler_slowdowns(config.rollout_instances, config.straggler_sigma, sim.seed)
-        self.cores = [SimCore(replace(sim, slowdown=f), f"inst-{i}") for i, f in enumerate(slowdowns)]
         self.nominal_cost = sim.cost  # what the coordinator's cost model says (it does not know the speeds)
+        if self.system.checkpoint_tokens:  # each round's stall, spread over the steps between rounds
+            per_step = CHECKPOINT_STALL_S / self.system.checkpoint_tokens
+            sim = replace(sim, cost=replace(sim.cost, k4=sim.cost.k4 + per_step))
+        self.cores = [SimCore(replace(sim, slowdown=f), f"inst-{i}") for i, f in enumerate(slowdowns)]
         self._index = {core.instance_id: i for i, core in enumerate(self.cores)}
         self.sampling = SamplingParams(max_tokens=w.max_response_tokens)
         self.colocated = self.system.colocated

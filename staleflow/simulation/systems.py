@@ -36,6 +36,9 @@ update weights with an NCCL broadcast that blocks the trainer and every instance
 must match: the checked property that StaleFlow's machinery costs nothing by itself.
 * ``sf-rsm+batch`` / ``sf-rsm+group`` - StaleFlow with batch- or group-level redundant rollout
   (Appendix C, ratio 1/16 by default).
+* ``sf-rsm+ckpt`` - StaleFlow with progress checkpoints of running trajectories every 256 tokens,
+  each round of an instance costing it ``CHECKPOINT_STALL_S`` of engine time (spread over the
+  steps between rounds): what checkpoints cost in rollout throughput.
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ class WeightSync(StrEnum):
     NONE = "none"  # the upper bound: no weight transfer at all
 
 
+CHECKPOINT_TOKENS = 256  # the instances' default progress_tokens
+CHECKPOINT_STALL_S = 0.05
+"""What one progress checkpoint round costs an instance, modelled as a stall of its engine: taking
+and sending what 256 running trajectories generated in 256 steps (about 2 MB of JSON). The real
+instance sends it from its server process while the engine core goes on generating, so the stall
+is an upper bound."""
+
 BASELINES = (Family.SYNCHRONOUS, Family.ONE_STEP, Family.IN_FLIGHT, Family.COMPLETION_ORDER)
 REDUNDANCY_RATIO = 1 / 16  # Appendix C
 BASELINE_MAX_NUM_SEQS = 1024  # the authors' vanilla scripts (examples/paper_exp/e2e/moe_greedy.sh)
@@ -91,6 +101,7 @@ class SystemSpec:
     max_num_seqs: int | None = None  # vLLM's max_num_seqs for this system (None: the scenario's)
     weight_sync: WeightSync = WeightSync.PARAMETER_SERVER
     reprefill: bool = True  # False: no trajectory is prefilled twice (the upper bound)
+    checkpoint_tokens: int = 0  # progress checkpoints of running trajectories every this many tokens (0: none)
 
     def eta_for(self, eta: int) -> int:
         return eta if self.fixed_eta is None else self.fixed_eta
@@ -103,7 +114,8 @@ class SystemSpec:
     @property
     def ablation(self) -> str | None:
         """``RSM`` flags (e.g. ``R S x``) for the StaleFlow ablation variants."""
-        if self.family is not Family.STALEFLOW or self.batch_redundancy or self.group_redundancy:
+        if self.family is not Family.STALEFLOW or self.batch_redundancy or self.group_redundancy or \
+                self.checkpoint_tokens:
             return None
         s = self.strategy
         return " ".join((
@@ -157,6 +169,8 @@ def catalog(redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:
                 batch_redundancy=redundancy, tuned=False),
         replace(full, name="sf-rsm+group", label=f"StaleFlow + group redundancy {redundancy:g}",
                 group_redundancy=redundancy, tuned=False),
+        replace(full, name="sf-rsm+ckpt", label=f"StaleFlow + progress checkpoints every {CHECKPOINT_TOKENS} tokens",
+                checkpoint_tokens=CHECKPOINT_TOKENS, tuned=False),
         ORACLE_SPEC,
     ]
     return systems

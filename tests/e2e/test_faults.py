@@ -32,3 +32,21 @@ def test_every_role_killed_once_the_job_finishes_intact(tmp_path: Path) -> None:
     assert set(report["per_role"]) == {"instance", "instance (hung)", "ts", "params", "manager", "coordinator",
                                        "trainer"}
     assert report["ettr"] is not None and 0 < report["ettr"] <= 1
+
+
+@pytest.mark.timeout(400)
+def test_instances_killed_mid_long_responses_with_checkpoints_the_job_finishes_intact(tmp_path: Path) -> None:
+    """Progress checkpoints every 32 tokens of demo-length responses: trajectories of the killed
+    and the hung instance resume from their checkpoints, and the run keeps every guarantee."""
+    config = JobConfig(engine="sim", workload="demo", max_tokens=1024, instances=2, speed=4.0, steps=8,
+                       ledger=LedgerConfig(eta=2, batch_size=2, group_size=2), state_dir=tmp_path / "run",
+                       instance={"progress_tokens": 32})
+    result = FaultRun(config, ["instance", "instance"], every=2, hang_instance=True, deadline_s=300).run()
+    assert result.violations == [], result.violations
+    assert result.checks["groups_consumed_twice"] == 0 and result.checks["lost_trajectories"] == 0
+    hit = [f for f in result.faults if f.regenerated_tokens]
+    assert hit, "an instance fault hit running trajectories"
+    assert all(f.checkpoint_round_s is not None and f.since_checkpoint_round_s is not None for f in hit), \
+        "the instances were checkpointing"
+    report = summarize(None, result)["regenerated_tokens"]
+    assert report["trajectories"] == sum(len(f.regenerated_tokens) for f in result.faults) > 0

@@ -202,6 +202,28 @@ def test_interrupt_keeps_partial_and_resume_equals_one_shot(harness: Harness) ->
     assert resumed.segments == (Segment(0, 0, 400),)
 
 
+def test_progress_is_the_stream_so_far_and_a_resume_from_it_equals_one_shot(harness: Harness) -> None:
+    engine = harness.engine
+    one_shot = harness.generate(harness.request(400)).tokens
+
+    request = harness.start_running(400, min_tokens=40)
+    (first,) = harness.run(engine.progress({}, min_new=40))
+    assert first.start == 0 and first.end >= 40 and first.tokens == one_shot[: first.end]
+    assert len(first.logprobs) == len(first.tokens) and first.segments == (Segment(0, 0, first.end),)
+    harness.wait_until(lambda: engine.generated(request.traj_id) >= first.end + 8)
+    (later,) = harness.run(engine.progress({request.traj_id: first.end}, min_new=8))
+    assert later.start == first.end and later.tokens == one_shot[later.start: later.end]
+    harness.run(engine.abort([request.traj_id]))  # the instance "fails": what it held beyond later is lost
+    assert harness.next_completed().finish_reason is FinishReason.ABORT
+
+    # resumed elsewhere from the checkpoint: the same stream as one shot
+    logprobs = first.logprobs + later.logprobs
+    checkpoint = TrajectoryRequest(traj_id=f"{request.traj_id}-resumed", group_id="g", prompt_ids=PROMPT, v_traj=0,
+                                   sampling=request.sampling, tokens=one_shot[: later.end], logprobs=logprobs,
+                                   segments=later.segments)
+    assert harness.generate(checkpoint).tokens == one_shot
+
+
 def test_abort_streams_an_abort_and_is_not_completed(harness: Harness) -> None:
     engine = harness.engine
     request = harness.start_running(400, min_tokens=1)

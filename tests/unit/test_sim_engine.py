@@ -209,6 +209,30 @@ def test_interrupt_then_resume_on_another_instance_is_the_uninterrupted_stream()
     assert resumed.segments == (Segment(0, 0, k), Segment(2, k, len(whole.tokens)))
 
 
+def test_progress_reports_the_stream_so_far_from_the_reported_position() -> None:
+    reference = SimCore(params())
+    reference.route([request("r/1", max_tokens=64, ignore_eos=True)])
+    (whole,) = run_until_idle(reference)
+    whole = whole.trajectory()
+
+    core = SimCore(params(initial_version=1))
+    partial = replace(whole, tokens=whole.tokens[:5], logprobs=whole.logprobs[:5], segments=(Segment(0, 0, 5),))
+    core.route([TrajectoryRequest(**{f: getattr(partial, f) for f in TrajectoryRequest.__dataclass_fields__})])
+    assert core.progress({}) == [], "waiting, nothing generated beyond what it was routed with"
+    while core.generated("r/1") < 20:
+        core.advance_to(core.now + 0.01)
+    held = core.generated("r/1")
+    (first,) = core.progress({}, min_new=10)
+    assert (first.start, first.end) == (5, held), "from the routed position: the first five came with the route"
+    assert first.tokens == whole.tokens[5:held] and first.logprobs == whole.logprobs[5:held]
+    assert first.segments == (Segment(0, 0, 5), Segment(1, 5, held))
+    assert core.progress({"r/1": held - 3}, min_new=4) == [], "three new tokens are fewer than min_new"
+    (later,) = core.progress({"r/1": held - 3})
+    assert (later.start, later.tokens) == (held - 3, whole.tokens[held - 3:held])
+    (stale,) = core.progress({"r/1": 10**6})  # a position from an earlier routing: from the routed one
+    assert stale.start == 5
+
+
 def test_stop_ends_with_eos_and_length_at_max_tokens() -> None:
     core = SimCore(params())
     core.route([request("s/a", max_tokens=64), request("s/b", max_tokens=3, ignore_eos=True)])

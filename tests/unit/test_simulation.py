@@ -25,7 +25,7 @@ from staleflow.simulation import (
     scenario,
 )
 from staleflow.simulation.experiment import Point, SimulatedJob, apply_sweep, parse_sweep
-from staleflow.simulation.systems import Family, catalog
+from staleflow.simulation.systems import CHECKPOINT_STALL_S, CHECKPOINT_TOKENS, Family, catalog
 from staleflow.simulation.trajectory_pool import GroupStatus, TrajectoryPool, TrajStatus
 
 CI = scenario("ci", seed=0)
@@ -128,6 +128,19 @@ def test_group_redundancy_aborts_the_slowest_member() -> None:
     assert r.violations == 0
     assert r.counters["aborted"] + r.counters["wasted_tokens"] > 0, "the fifth member of a group is cut"
     assert all(rec.trajectories == 16 for rec in r.step_records), "only G members per group are trained"
+
+
+def test_progress_checkpoints_cost_their_modelled_engine_stall_and_change_no_bound() -> None:
+    def simulation(name: str) -> ClusterSimulation:
+        return ClusterSimulation(SimulatedJob(Point(0, 2, CI), SYSTEMS[name], 2, 6).config())
+
+    plain, checkpointed = simulation("sf-rsm"), simulation("sf-rsm+ckpt")
+    per_step = CHECKPOINT_STALL_S / CHECKPOINT_TOKENS
+    assert checkpointed.cores[0].cost.k4 == pytest.approx(plain.cores[0].cost.k4 + per_step)
+    assert checkpointed.nominal_cost == plain.nominal_cost, "the coordinator's cost model does not know the stall"
+    slower, faster = checkpointed.run(6), plain.run(6)
+    assert slower.violations == 0 and all(rec.trajectories == 16 for rec in slower.step_records)
+    assert slower.breakdown.fractions() != faster.breakdown.fractions()
 
 
 def test_same_seed_same_numbers_other_seed_other_numbers() -> None:
@@ -320,4 +333,4 @@ def test_unknown_systems_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="sf-rsm"):
         resolve("sf-zzz")
     assert [s.name for s in resolve("staleflow,verl")] == ["verl", "sf-rsm"]
-    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 15
+    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 16

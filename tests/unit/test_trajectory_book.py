@@ -13,6 +13,7 @@ from staleflow.errors import ErrorCode
 from staleflow.trajectory_book import (
     GROUP_TRANSITIONS,
     TRAJ_TRANSITIONS,
+    Checkpoint,
     Generated,
     GroupState,
     StoreConflict,
@@ -116,6 +117,30 @@ class BookMachine(RuleBasedStateMachine):
         outcome, _ = self.book.returned([partial], owner if from_owner else None)
         assert outcome[traj_id] in ("pending", "aborted")
         assert t.tokens[: len(tokens)] == tokens  # generated tokens are never lost
+
+    @precondition(lambda self: self._ids(TrajState.ROUTED, TrajState.CANCELLING))
+    @rule(data=st.data(), back=st.integers(0, 3), grown=st.integers(1, 3), from_owner=st.booleans(),
+          older_version=st.booleans())
+    def checkpoint(self, data: st.DataObject, back: int, grown: int, from_owner: bool, older_version: bool) -> None:
+        """A progress checkpoint: from the instance running it or another one, overlapping what is
+        held or leaving a gap, with versions at or below the group's V_traj."""
+        traj_id = data.draw(st.sampled_from(self._ids(TrajState.ROUTED, TrajState.CANCELLING)))
+        t = self.book.trajs[traj_id]
+        before, v_traj = t.tokens, self.book.groups[t.group_id].v_traj
+        start = max(len(before) - back, 0) if back else len(before) + 1  # back 0: a gap of one token
+        end = start + grown
+        stream = before + tuple(range(100, 100 + end))  # what the instance holds: the book's part, then new
+        version = v_traj - 1 if older_version and v_traj else v_traj
+        owner = t.instance_id if from_owner else next(i for i in INSTANCES if i != t.instance_id)
+        self._mark()
+        held, appended = self.book.checkpoint([Checkpoint(traj_id, owner, start, stream[start:end],
+                                                          tuple(-1.0 for _ in range(start, end)),
+                                                          ((version, 0, end),))])
+        counts = (t.state is TrajState.ROUTED and from_owner and back > 0 and version == v_traj)
+        assert (traj_id in held) == counts
+        assert t.tokens[: len(before)] == before  # generated tokens are never lost
+        assert len(t.tokens) == (max(end, len(before)) if counts else len(before))
+        assert [c.start for c in appended] == ([len(before)] if counts and end > len(before) else [])
 
     @precondition(lambda self: self._ids(TrajState.ROUTED, TrajState.CANCELLING))
     @rule(instance=st.sampled_from(INSTANCES))
@@ -262,6 +287,12 @@ class BookMachine(RuleBasedStateMachine):
                 assert set(states) <= {TrajState.PENDING}
 
     @invariant()
+    def versions_cover_every_held_token(self) -> None:
+        for t in self.book.trajs.values():
+            if t.state in (TrajState.PENDING, TrajState.ROUTED):
+                assert len(t.logprobs) == len(t.tokens) == (t.segments[-1][2] if t.segments else 0)
+
+    @invariant()
     def counts_cover_every_trajectory(self) -> None:
         assert sum(self.book.counts().values()) == len(self.book.trajs)
 
@@ -279,3 +310,21 @@ class BookMachine(RuleBasedStateMachine):
 
 BookMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 test_trajectory_book = BookMachine.TestCase
+
+
+def test_stored_checkpoints_are_adopted_in_order_and_only_where_they_continue_the_response() -> None:
+    book = TrajectoryBook()
+    groups, trajs = book.new_groups([(0, "q", "a", (1, 2))], 1, 1, 0.0)
+    book.add(groups, trajs)
+    book.set_group_version("g0", 0)
+    book.checkout("i0", ["g0-m0"])
+    t = book.trajs["g0-m0"]
+
+    def part(start: int, tokens: tuple[int, ...]) -> Checkpoint:
+        end = start + len(tokens)
+        return Checkpoint("g0-m0", "i0", start, tokens, tuple(-0.5 for _ in tokens), ((0, 0, end),))
+
+    assert book.adopt(part(0, (7, 8))) and t.tokens == (7, 8)
+    assert not book.adopt(part(3, (9,))), "a gap: not adopted"
+    assert not book.adopt(part(0, (7,))), "nothing new"
+    assert book.adopt(part(1, (8, 9))) and t.tokens == (7, 8, 9) and t.segments == ((0, 0, 3),)
