@@ -22,19 +22,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 from fastapi import FastAPI
 
 from staleflow.config import JobConfig, LedgerConfig
+from staleflow.launch.launcher import ComponentStuck, Supervised, exit_cause
 from staleflow.servers.auth import TOKEN_ENV, run_token
 from staleflow.servers.clients import http_client
 from staleflow.servers.http import RunningServer, serve_in_thread
 from staleflow.servers.trainer import StepLog, StepRecord, TrainerLoop
-
-if TYPE_CHECKING:
-    from staleflow.launch.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +190,13 @@ class StateDirInUse(RuntimeError):
     pass
 
 
-class Job:
+class Job(Supervised):
+    """A job on this machine: each component a thread of this process (embedded) or a process of
+    its own (``--processes``; always a vLLM instance and the FSDP trainer). It implements
+    ``staleflow.launch.launcher.Launcher``, for the supervisor."""
+
+    check_interval_s = 0.1  # process exits and stopped threads are looked for this often
+
     def __init__(self, config: JobConfig, resume: bool = False, fresh: bool = False):
         self.config = config
         self.state = config.state_dir
@@ -209,7 +212,7 @@ class Job:
         self.trainer_thread: threading.Thread | None = None
         self.trainer_process: subprocess.Popen | None = None
         self.trainer_raised: BaseException | None = None  # what the embedded trainer thread last raised
-        self.supervisor: Supervisor | None = None
+        self.keeps_standby = config.processes  # a standby serves a role as a process
 
     def _prepare_state_dir(self, resume: bool, fresh: bool) -> None:
         previous = self.state / "job.json"
@@ -270,10 +273,7 @@ class Job:
             self._start_trainer_thread()
         if on_started:
             on_started(TRAINER, trainer_label(self.config))
-        if self.config.supervision.enabled:
-            from staleflow.launch.supervisor import Supervisor
-
-            self.supervisor = Supervisor(self, self.config.supervision).start()
+        self.supervise()
 
     def _serve_thread(self, name: str) -> RunningServer:
         return serve_in_thread(build_app(name, self.config, self.endpoints), self.config.host,
@@ -346,25 +346,70 @@ class Job:
         """Where component ``name`` logs: its own file, or the job's log for a thread of this process."""
         return self.state / "logs" / f"{name}.log" if name in self.procs else self.state / "job.log"
 
+    def components(self) -> list[str]:
+        names = [*self.procs, *self.servers]
+        return [*names, TRAINER] if self.trainer_thread is not None else names
+
+    def failed(self) -> dict[str, tuple[str, str]]:
+        gone = {}
+        for name, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is not None and not (name == TRAINER and code == 0):  # 0: it trained every step
+                gone[name] = exit_cause(code)
+        for name, server in list(self.servers.items()):
+            if not server.thread.is_alive():
+                gone[name] = ("stopped", "its server thread stopped")
+        thread = self.trainer_thread
+        if thread is not None and not thread.is_alive() and self.trainer_raised is not None:
+            gone[TRAINER] = ("error", f"raised {self.trainer_raised!r}")
+        return gone
+
+    def endpoint(self, name: str) -> str | None:
+        return None if name == TRAINER else self.endpoints[name]["url"]
+
     def restart(self, name: str, standby: subprocess.Popen | None = None) -> int | None:
         """Start component ``name`` again at its planned port, after it failed; returns its new
         process id (None for a thread) once it answers its health probe. A process still alive is
         killed; a warm ``standby`` process (see ``staleflow.launch.standby``) takes the role without
         a cold start. A thread is asked to stop and served again (``ComponentStuck`` if it does not
         stop: a thread cannot be killed)."""
-        if name in self.servers:
-            return self._restart_thread(name, standby)
-        if name == TRAINER and self.trainer_thread is not None:
+        try:
+            self.stop_component(name)
+        except ComponentStuck:
             self._release(standby)
+            raise
+        return self.start_component(name, standby)
+
+    def stop_component(self, name: str) -> None:
+        """Kill component ``name``'s process, or stop its thread (``ComponentStuck`` if it does not stop)."""
+        if name in self.servers:
+            server = self.servers[name]
+            server.stop(timeout=10)
+            if server.thread.is_alive():
+                raise self._stuck(name)
+            return
+        if name == TRAINER and self.trainer_thread is not None:
             if self.trainer_thread.is_alive():
                 raise self._stuck(name)
-            self._start_trainer_thread()
-            return None
+            return
         old = self.procs[name]
         if old.poll() is None:
             old.kill()
         old.wait()
-        self.processes.remove(old)
+        if old in self.processes:
+            self.processes.remove(old)
+
+    def start_component(self, name: str, standby: subprocess.Popen | None = None) -> int | None:
+        """Serve component ``name`` the way this job runs it (a thread or a process) at its planned
+        port, once it answers; a warm ``standby`` process takes a process's role."""
+        if name in self.servers:
+            self._release(standby)
+            self.servers[name] = self._serve_thread(name)
+            return None
+        if name == TRAINER and self.trainer_thread is not None:
+            self._release(standby)
+            self._start_trainer_thread()
+            return None
         if standby is None:
             proc = self._spawn(name)
         else:
@@ -378,17 +423,7 @@ class Job:
             self.trainer_process = proc
         return proc.pid
 
-    def _restart_thread(self, name: str, standby: subprocess.Popen | None) -> None:
-        self._release(standby)
-        old = self.servers[name]
-        old.stop(timeout=10)
-        if old.thread.is_alive():
-            raise self._stuck(name)
-        self.servers[name] = self._serve_thread(name)
-
-    def _stuck(self, name: str) -> RuntimeError:
-        from staleflow.launch.supervisor import ComponentStuck
-
+    def _stuck(self, name: str) -> ComponentStuck:
         return ComponentStuck(
             f"{name} stopped working and, as a thread of the job's own process, cannot be stopped or killed; "
             f"see {self.log_path(name)}. Run with --processes to have a hung component killed and restarted")
@@ -417,16 +452,6 @@ class Job:
         if self.trainer_thread is None or self.trainer_thread.is_alive():
             return False
         return self.trainer_raised is None or not supervised
-
-    @property
-    def failure(self) -> str | None:
-        """Why supervision stopped the job (a component beyond repair), if it did."""
-        return self.supervisor.failure if self.supervisor is not None else None
-
-    @property
-    def restarts(self) -> list[dict]:
-        """Every failure the supervisor handled, in order (the report's ``restarts``)."""
-        return [r.to_json() for r in self.supervisor.restarts] if self.supervisor is not None else []
 
     @property
     def trainer_error(self) -> str | None:

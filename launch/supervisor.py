@@ -1,25 +1,29 @@
 """Supervision of a running job: restart a component that crashes or stops answering, in place,
 and stop the job when one keeps crashing.
 
-Every ``Job`` started by ``staleflow up`` (embedded or ``--processes``) runs one ``Supervisor``;
-the fault harness (``staleflow.launch.faults``) only injects faults and measures what this does.
-Detection is role-aware:
+Every job ``staleflow up`` starts runs one ``Supervisor``, whichever launcher runs it: it drives
+the launcher through ``staleflow.launch.launcher.Launcher`` (embedded threads, processes, Ray
+actors). The fault harness (``staleflow.launch.faults``) only injects faults and measures what
+this does. Detection is role-aware:
 
-* every component: its process exited (crash, signal), or, for a component that is a thread of
-  the job's own process, its server thread stopped (the embedded trainer: it raised);
-* services (manager, trajectory server, parameter server, reward, coordinator): its health probe
-  failed ``probe_failures`` times in a row (hung);
+* every component: its process exited (crash, signal; on Ray, the actor's process died), or, for
+  a component that is a thread of the job's own process, its server thread stopped (the embedded
+  trainer: it raised);
+* services (manager, trajectory server, parameter server, reward, coordinator, Ray's relays): its
+  health probe failed ``probe_failures`` times in a row (hung);
 * rollout instances: the coordinator declared the instance failed. The coordinator tells a slow
   instance (long generations: its snapshots still show progress) from a hung one (no snapshot for
   ``failure_timeout``, or no progress with work in hand for ``stall_timeout``).
 
-Repair restarts only the failed component at its planned port, so the others reconnect by
+Repair restarts only the failed component at its planned address, so the others reconnect by
 themselves (their clients retry transient connection errors) and durable state (ledger,
 trajectories, parameter versions, the trainer's step log and checkpoints) makes the restart
-exact. A process is killed if still alive and replaced, from a warm standby when one is ready
-(``staleflow.launch.standby``: every role's code already imported). A thread is asked to stop
-and served again; a thread that does not stop cannot be killed from inside the process, so the
-job stops with an error that says so (``--processes`` can kill and replace it).
+exact. How is the launcher's business: a process is killed if still alive and replaced, from a
+warm standby when one is ready (``staleflow.launch.standby``: every role's code already
+imported); a thread is asked to stop and served again; a Ray actor whose process died is being
+restarted by Ray already (the launcher waits for it), a hung one is killed for Ray to restart.
+A launcher may also ask for a restart (``request``): Ray's, when a service moved to another node
+and its callers must read its new address.
 
 A component that fails again within ``restart_window_s`` of its restart, more than
 ``max_restarts`` times in a row, is crash-looping: the job stops with an error naming it and its
@@ -29,32 +33,23 @@ log instead of restarting it forever.
 from __future__ import annotations
 
 import logging
-import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import httpx
 
 from staleflow.config import SupervisionConfig
 from staleflow.launch import standby
+from staleflow.launch.launcher import BeyondRepair, Launcher
 from staleflow.servers.clients import http_client
-
-if TYPE_CHECKING:
-    from staleflow.launch.job import Job
 
 log = logging.getLogger(__name__)
 
 TRAINER = "trainer"
-EXIT_CHECK_S = 0.1  # process exits and stopped threads are looked for this often
 COORDINATOR_GRACE_S = 10.0  # after an instance restart, the coordinator's old verdict about it is ignored this long
-
-
-class ComponentStuck(RuntimeError):
-    """A component that is a thread of this process did not stop: it cannot be restarted here."""
 
 
 @dataclass
@@ -62,7 +57,7 @@ class Restart:
     """One failure of a component and what the supervisor did about it (the report's ``restarts``)."""
 
     component: str
-    kind: str  # "signal", "exit", "hung", "stopped" (a thread), "error" (the embedded trainer raised)
+    kind: str  # "signal", "exit", "hung", "stopped" (a thread), "error" (the trainer raised), "moved" (Ray)
     cause: str  # e.g. "killed by SIGKILL", "exited with code 1", "3 health probes failed in a row"
     at_s: float  # when it was detected, seconds since the run started
     detected_after_s: float  # from the last sign of life (alive, probe answered, last snapshot) to detection
@@ -75,21 +70,10 @@ class Restart:
         return asdict(self)
 
 
-def exit_cause(returncode: int) -> tuple[str, str]:
-    """(kind, cause) of a process that exited with ``returncode``."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return "signal", f"killed by {name}"
-    return "exit", f"exited with code {returncode}"
-
-
 class Supervisor:
     """Watches a job's components and restarts only the one that failed."""
 
-    def __init__(self, job: Job, settings: SupervisionConfig | None = None):
+    def __init__(self, job: Launcher, settings: SupervisionConfig | None = None):
         self.job = job
         self.settings = settings or job.config.supervision
         self.restarts: list[Restart] = []
@@ -106,7 +90,9 @@ class Supervisor:
         self._in_a_row: dict[str, int] = {}  # failures in a row, each within the window of its restart
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
-        self.warm_standby = self.settings.warm_standby and job.config.processes
+        self.warm_standby = self.settings.warm_standby and job.keeps_standby
+        self._requests: list[tuple[str, str, str]] = []  # restarts a launcher asked for: (name, kind, cause)
+        self._requests_lock = threading.Lock()
         self._standby: subprocess.Popen | None = None
         self._standby_log = None
         self._standbys = 0
@@ -151,17 +137,19 @@ class Supervisor:
             return None  # the standby died: start cold
         return warm
 
+    def request(self, name: str, kind: str, cause: str) -> None:
+        """Restart component ``name`` on the next round, recorded like a failure (a launcher's ask:
+        a service it calls moved)."""
+        with self._requests_lock:
+            self._requests.append((name, kind, cause))
+
     def _stopping(self) -> bool:
         return self._stop.is_set() or self.job.stop.is_set() or self.failure is not None
 
     # -- the watch -------------------------------------------------------------------------
 
     def _watched(self) -> list[str]:
-        job = self.job
-        names = [*job.procs, *job.servers]
-        if job.trainer_thread is not None:
-            names.append(TRAINER)
-        return names
+        return self.job.components()
 
     def _run(self) -> None:
         clients: dict[str, httpx.Client] = {}
@@ -169,6 +157,7 @@ class Supervisor:
         try:
             while not self._stopping():
                 failed = self._exited()
+                failed += [asked for asked in self._requested() if asked[0] not in {f[0] for f in failed}]
                 if not failed and time.monotonic() >= next_probe:
                     failed = self._hung(clients)
                     next_probe = time.monotonic() + self.settings.probe_interval_s
@@ -176,7 +165,7 @@ class Supervisor:
                     if self._stopping():
                         break
                     self._recover(name, kind, cause, last_seen)
-                self._stop.wait(EXIT_CHECK_S)  # exit-check pacing
+                self._stop.wait(self.job.check_interval_s)  # exit-check pacing
         except BaseException as exc:  # stops the job: an unsupervised job must not pass for a supervised one
             self.error = exc
             self.failure = f"the supervisor failed: {exc!r}"
@@ -187,35 +176,42 @@ class Supervisor:
                 c.close()
 
     def _exited(self) -> list[tuple[str, str, str, float]]:
+        gone = self.job.failed()
         now = time.monotonic()
         failed = []
-        for name, proc in list(self.job.procs.items()):
-            code = proc.poll()
-            if code is None:
-                self._seen[name] = now
-            elif not (name == TRAINER and code == 0):  # 0: it trained every step
-                failed.append((name, *exit_cause(code), self._seen.get(name, now)))
-        for name, server in list(self.job.servers.items()):
-            if server.thread.is_alive():
-                self._seen[name] = now
+        for name in self._watched():
+            if name in gone:
+                failed.append((name, *gone[name], self._seen.get(name, now)))
             else:
-                failed.append((name, "stopped", "its server thread stopped", self._seen.get(name, now)))
-        thread = self.job.trainer_thread
-        if thread is not None:
-            if thread.is_alive():
-                self._seen[TRAINER] = now
-            elif self.job.trainer_raised is not None:
-                failed.append((TRAINER, "error", f"raised {self.job.trainer_raised!r}", self._seen.get(TRAINER, now)))
+                self._seen[name] = now
         return failed
+
+    def _requested(self) -> list[tuple[str, str, str, float]]:
+        with self._requests_lock:
+            asked, self._requests = self._requests, []
+        now = time.monotonic()
+        return [(name, kind, cause, now) for name, kind, cause in asked]
+
+    def _client(self, clients: dict[str, httpx.Client], name: str) -> httpx.Client | None:
+        """A probe client for component ``name`` at its URL now (a Ray component may have moved)."""
+        url = self.job.endpoint(name)
+        if url is None:
+            return None
+        client = clients.get(name)
+        if client is None or str(client.base_url).rstrip("/") != url.rstrip("/"):
+            if client is not None:
+                client.close()
+            client = clients[name] = http_client(url, token=self.job.token, timeout=self.settings.probe_timeout_s)
+        return client
 
     def _hung(self, clients: dict[str, httpx.Client]) -> list[tuple[str, str, str, float]]:
         failed = []
         for name in self._watched():
             if name.startswith("inst-") or name == TRAINER:
                 continue  # instances: the coordinator's verdict (slow is not hung), below
-            client = clients.get(name)
+            client = self._client(clients, name)
             if client is None:
-                client = clients[name] = http_client(self.job.endpoints[name]["url"], timeout=self.settings.probe_timeout_s)
+                continue
             if self._healthy(client):
                 self._answered[name] = time.monotonic()
                 self._misses[name] = 0
@@ -273,7 +269,7 @@ class Supervisor:
         log.warning("supervisor: %s failed (%s); restarting it", name, cause)
         try:
             pid = self.job.restart(name, standby=self._take_standby())
-        except ComponentStuck as exc:
+        except BeyondRepair as exc:
             record.error = str(exc)
             self.restarts.append(record)
             self._give_up(str(exc))
