@@ -186,7 +186,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
 
     def show_restarts() -> list[dict]:
         nonlocal restarts_shown
-        restarts = list(getattr(job, "restarts", []))  # a launcher without a supervisor of its own has none
+        restarts = job.restarts  # every launcher's supervisor records them alike
         for r in restarts[restarts_shown:]:
             if emit:
                 emit({"event": "restart", **r})
@@ -215,7 +215,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
             live.stop()
         tracking.close()
     restarts = show_restarts()
-    failure = getattr(job, "failure", None)
+    failure = job.failure
     wall = time.monotonic() - job.started
     summary = summarize(config, job.steps(), job.monitor.samples, job.engine_stats(), job.command_times(), wall,
                         trainer_label(config))

@@ -196,6 +196,7 @@ class Job(Supervised):
     ``staleflow.launch.launcher.Launcher``, for the supervisor."""
 
     check_interval_s = 0.1  # process exits and stopped threads are looked for this often
+    parallel_restarts = False  # one at a time: a restart takes the warm standby
 
     def __init__(self, config: JobConfig, resume: bool = False, fresh: bool = False):
         self.config = config

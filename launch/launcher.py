@@ -60,6 +60,7 @@ class Launcher(Protocol):
     token: str  # the run's bearer token, for the supervisor's probes
     check_interval_s: float  # how often ``failed()`` is asked
     keeps_standby: bool  # a warm standby process (``staleflow.launch.standby``) can take a failed role
+    parallel_restarts: bool  # components that failed together are restarted side by side
 
     def components(self) -> list[str]:
         """Every component the supervisor watches, the trainer included."""

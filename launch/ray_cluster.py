@@ -20,9 +20,14 @@ an HTTP server on the node that hosts it. Trainer ranks are one actor each.
   Service and instance actors restart in place (``max_restarts``), re-binding their
   planned port; one that comes back on another node takes a new port there, updates the registry
   and, for an instance, re-registers with the coordinator (``PUT /v1/instances/{id}``). An instance
-  whose engine died exits so Ray restarts it; the launcher still kills instances the coordinator
-  declares failed (hung) and services whose health probe keeps failing. Trainer ranks restart as a
-  gang (NCCL cannot repair a communicator), resuming from the newest checkpoint and the step log.
+  whose engine died exits so Ray restarts it. Trainer ranks restart as a gang (NCCL cannot repair
+  a communicator), resuming from the newest checkpoint and the step log.
+* **Supervision.** The job's supervisor (``staleflow.launch.supervisor``, the same one a local
+  run has) drives this launcher through ``staleflow.launch.launcher.Launcher``: it sees an actor's
+  process die in Ray's actor table, waits for Ray's restart and records it (``summary.json``'s
+  ``restarts``), kills for Ray to restart a service whose health probe keeps failing or an
+  instance the coordinator declares failed, restarts the trainer gang, and stops the job when a
+  component keeps failing (``supervision.max_restarts`` within ``restart_window_s``).
 * **Token.** The run's bearer token is a constructor argument each actor puts into its own
   environment, never a ``runtime_env`` variable (Ray's dashboard shows those).
 
@@ -38,6 +43,7 @@ import os
 import random
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +54,7 @@ from typing import Any
 import httpx
 
 from staleflow.config import JobConfig, NodeSelector
+from staleflow.launch.launcher import BeyondRepair, Supervised
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ REGISTRY = "endpoints"
 CONTROL_SERVICES = ("manager", "params", "reward", "ts", "coordinator")
 PLACEMENT_GROUPS = ("control", "rollout", "trainer")
 START_ATTEMPTS = 5  # restarts of a component that never comes up before the start-up gives up on it
-HUNG_AFTER_S = 10.0  # a service alive to Ray whose health probe fails this long is killed (Ray restarts it)
+TRAINER = "trainer"  # the trainer gang, one component to the supervisor
 RESOURCE_SHARE = 0.001  # of a role's custom resource per actor: the resource marks nodes, it does not count
 RAY_MISSING = "the Ray launcher needs Ray: pip install 'staleflow[ray]' (Ray 2.60 or newer)"
 
@@ -153,13 +160,36 @@ def _join(host: str, port: int) -> str:
 
 def _log_to_state(config: JobConfig, name: str) -> None:
     """Each actor also logs to ``<state>/logs/NAME.log`` where the state directory is reachable
-    (the control node's volume, a shared file system); Ray's own worker logs have it anyway."""
+    (the control node's volume, a shared file system); Ray's own worker logs have it anyway. What
+    is written to ``sys.stderr`` from now on goes there too: the HTTP server logs the cause of a
+    failed start-up there, as a component's own process does on a local run."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with contextlib.suppress(OSError):
         (config.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(config.state_dir / "logs" / f"{name}.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger().addHandler(handler)
+        # a file of its own: configuring logging (uvicorn does) closes every handler's stream
+        sys.stderr = _Tee(sys.stderr, (config.state_dir / "logs" / f"{name}.log").open("a", buffering=1))
+
+
+class _Tee:
+    """A text stream that writes to ``first`` and to ``second`` (whose failures are ignored)."""
+
+    def __init__(self, first: Any, second: Any):
+        self.first, self.second = first, second
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(Exception):
+            self.second.write(text)
+            self.second.flush()
+        return self.first.write(text)
+
+    def flush(self) -> None:
+        self.first.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.first, name)
 
 
 class Registry:
@@ -507,8 +537,13 @@ def preflight(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
 # ---------------------------------------------------------------------------- the job
 
 
-class RayClusterJob:
-    """A job whose components are Ray actors; the surface of ``Job`` that ``staleflow up`` uses."""
+class RayClusterJob(Supervised):
+    """A job whose components are Ray actors; the surface of ``Job`` that ``staleflow up`` uses,
+    and a ``staleflow.launch.launcher.Launcher`` for the job's supervisor."""
+
+    check_interval_s = 0.5  # one look at Ray's actor table per round
+    keeps_standby = False  # Ray starts each actor's process itself: no warm standby takes a role
+    parallel_restarts = True  # Ray restarts them side by side; the supervisor waits for each
 
     def __init__(self, config: JobConfig, resume: bool = False, fresh: bool = False,
                  address: str | None = None, namespace: str | None = None):
@@ -530,15 +565,16 @@ class RayClusterJob:
         self.ranks: list[Any] = []
         self.pgs: dict[str, Any] = {}
         self.trainer_bundles: list[int] = []
-        self.events: list[dict] = []
-        self.restart_counts: dict[str, int] = {}  # launcher-made restarts by component (Ray restarts itself too)
         self._trainer_error: str | None = None
+        self._trainer_failure: tuple[str, str] | None = None  # (kind, cause) of a failed gang, for the supervisor
+        self._trainer_generation = 0  # bumped whenever the gang is replaced
+        self._gang_lock = threading.Lock()  # the gang, its generation and its failure change together
+        self._trainer_restarts = 0  # gang restarts so far (cluster.trainer_restarts bounds them)
         self._trainer_done = False
         self._steps: list = []
         self._watcher: threading.Thread | None = None
-        self._restarted_at: dict[str, float] = {}
         self._owner = False
-        self._incarnations: dict[str, tuple] = {}
+        self._incarnations: dict[str, tuple] = {}  # (NumRestarts, Pid) each actor was last seen alive as
 
     # -- connecting ------------------------------------------------------------------------
 
@@ -654,6 +690,7 @@ class RayClusterJob:
             on_started("trainer", trainer_label(self.config))
         self._watcher = threading.Thread(target=self._watch, name="ray-launcher", daemon=True)
         self._watcher.start()
+        self.supervise()
 
     def _marker(self, role: str) -> dict[str, float]:
         """The share of the role's custom resource each of its actors asks for (none where the
@@ -781,13 +818,15 @@ class RayClusterJob:
             if on_started:
                 on_started(name, info["url"])
 
-    def _ask(self, actor: Any, method: str, deadline: float) -> Any:
+    def _ask(self, actor: Any, method: str, deadline: float, attempts: int = START_ATTEMPTS,
+             since: int | None = None) -> Any:
         """``actor.method()``, called again while Ray restarts the actor (a restartable actor's
         call fails while it is down), until ``deadline`` (``time.monotonic()``). Raises Ray's
         GetTimeoutError after the deadline, RayActorError once the actor is dead for good or has
-        failed ``START_ATTEMPTS`` starts in a row here (a start that can never succeed)."""
+        failed ``attempts`` starts in a row here (a start that can never succeed), counted from
+        its restart number ``since`` (default: the one at the first failed call)."""
         ray = self.ray
-        first_restarts = None
+        first_restarts = since
         while True:
             try:
                 return ray.get(getattr(actor, method).remote(), timeout=max(0.1, deadline - time.monotonic()))
@@ -796,7 +835,7 @@ class RayClusterJob:
                 restarts = view.get("NumRestarts", 0)
                 first_restarts = restarts if first_restarts is None else first_restarts
                 if time.monotonic() >= deadline or view.get("State") == "DEAD" or \
-                        restarts - first_restarts >= START_ATTEMPTS:
+                        restarts - first_restarts >= attempts:
                     raise
                 log.info("%s is restarting; asking again", actor)
             time.sleep(0.2)  # retry pacing while Ray restarts the actor
@@ -844,16 +883,17 @@ class RayClusterJob:
             *c.port_range, [v["port"] for v in self.endpoints.values()]), timeout=120)
         Rank = ray.remote(TrainerRank)
         config_json = self.config.model_dump_json()
-        self.ranks = []
+        ranks = []
         for rank in range(world):
             bundle = self.trainer_bundles[rank // per_node]
-            self.ranks.append(Rank.options(
+            ranks.append(Rank.options(
                 name=trainer_rank_name(rank), max_restarts=0, max_concurrency=4, num_cpus=c.cpus_per_rank,
                 num_gpus=gpus_per_rank(self.config), resources=self._marker("trainer"),
                 scheduling_strategy=self._in("trainer", bundle), **self._options()).remote(
                 rank, world, (master["host"], master["port"]), config_json, self.token, self.namespace, self.started))
+        self._use_gang(ranks)
         try:
-            ray.get([r.state.remote() for r in self.ranks], timeout=300)
+            ray.get([r.state.remote() for r in ranks], timeout=300)
         except ray.exceptions.RayActorError as exc:  # the watcher restarts the gang, as for a rank lost later
             log.warning("a trainer rank died while starting (%s)", exc.__class__.__name__)
 
@@ -874,17 +914,91 @@ class RayClusterJob:
             placement[name] = {k: info[k] for k in ("node_id", "host", "pid", "gpu_ids")}
         (self.state / "placement.json").write_text(json.dumps(placement, indent=2))
 
-    def _restart_trainer(self, why: str) -> None:
-        """NCCL/gloo cannot take a rank back: stop every rank, start the gang again; it resumes
-        from the newest checkpoint and the step log."""
+    # -- the launcher interface: what the supervisor drives ----------------------------------
+
+    def components(self) -> list[str]:
+        return [*self.actors, TRAINER]
+
+    def failed(self) -> dict[str, tuple[str, str]]:
+        """Actors whose process died since the supervisor last saw them alive (Ray is restarting
+        them, or already has: a new incarnation), one dead for good, and a failed trainer gang."""
+        views = actor_views(self.ray)
+        gone = {}
+        for name, actor in list(self.actors.items()):
+            view = views.get(actor._actor_id.hex())
+            if not view:
+                continue  # Ray cannot say now: asked again next round
+            state, incarnation = view.get("State"), _incarnation(view)
+            if state == "ALIVE":
+                known = self._incarnations.setdefault(name, incarnation)
+                if incarnation != known:
+                    gone[name] = ("exit", "its process died; Ray restarted it")
+            elif state == "DEAD":
+                gone[name] = ("exit", "its actor is dead for good (cluster.max_restarts)")
+            elif name in self._incarnations:  # RESTARTING (or rescheduling after a node loss)
+                gone[name] = ("exit", "its process died; Ray restarts it")
+        if self._trainer_failure is not None:
+            gone[TRAINER] = self._trainer_failure
+        return gone
+
+    def endpoint(self, name: str) -> str | None:
+        return None if name == TRAINER else self.endpoints[name]["url"]
+
+    def log_path(self, name: str) -> Path:
+        return self.state / "logs" / f"{trainer_rank_name(0) if name == TRAINER else name}.log"
+
+    def restart(self, name: str, standby: Any = None) -> int | None:
+        """Bring ``name`` back. Ray restarts an actor whose process died by itself: the launcher
+        waits for the new process to answer. An actor alive to Ray (hung, or asked to restart)
+        is killed for Ray to restart it. The trainer restarts as a gang."""
+        if name == TRAINER:
+            self._trainer_restarts += 1
+            if self._trainer_restarts > self.config.cluster.trainer_restarts:
+                raise BeyondRepair(f"the trainer failed {self._trainer_restarts} times (cluster.trainer_restarts "
+                                   f"{self.config.cluster.trainer_restarts}); see {self.log_path(TRAINER)}")
+            self.stop_component(TRAINER)
+            return self.start_component(TRAINER)
+        ray, actor = self.ray, self.actors[name]
+        view = actor_views(ray, actor)
+        if view.get("State") == "DEAD":
+            raise BeyondRepair(f"{name}'s actor is dead for good: Ray restarted it {view.get('NumRestarts')} times "
+                               f"(cluster.max_restarts); see {self.log_path(name)} or its Ray worker log")
+        deadline = time.monotonic() + self._start_timeout()
+        if view.get("State") == "ALIVE" and _incarnation(view) == self._incarnations.get(name):
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=False)
+            while (v := actor_views(ray, actor)).get("State") == "ALIVE" and _incarnation(v) == _incarnation(view):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not stop when killed")
+                self.stop.wait(0.05)  # kill pacing: Ray marks the actor restarting
+            view = v
+        try:
+            info = self._ask(actor, "info", deadline, attempts=1, since=view.get("NumRestarts", 0))
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"{name} did not come back in {self._start_timeout():g} s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"{name} died again while starting ({exc.__class__.__name__}); "
+                               f"see {self.log_path(name)}") from None
+        now = actor_views(ray, actor)
+        if now.get("State") == "ALIVE" and now.get("Pid") == info["pid"]:
+            self._incarnations[name] = _incarnation(now)
+        else:
+            self._incarnations.pop(name, None)  # taken from the next view that shows it alive
+        return info["pid"]
+
+    def stop_component(self, name: str) -> None:
+        """Kill ``name``'s actor (every rank of the trainer) without a restart by Ray."""
         ray = self.ray
-        now = time.monotonic()
-        self.events.append({"name": "trainer", "event": "detected", "why": why, "t": now})
-        log.warning("trainer gang restart: %s", why)
-        for r in self.ranks:
+        if name != TRAINER:
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[name], no_restart=True)
+            self._incarnations.pop(name, None)
+            return
+        old = self._use_gang([])
+        for r in old:
             with contextlib.suppress(Exception):
                 ray.kill(r, no_restart=True)
-        for rank in range(len(self.ranks)):  # the names are free once the old actors are gone
+        for rank in range(len(old)):  # the names are free once the old actors are gone
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 try:
@@ -892,56 +1006,79 @@ class RayClusterJob:
                 except ValueError:
                     break
                 self.stop.wait(0.1)  # name release pacing
-        self.restart_counts["trainer"] = self.restart_counts.get("trainer", 0) + 1
-        if self.restart_counts["trainer"] > self.config.cluster.trainer_restarts:
-            self._trainer_error = f"the trainer failed {self.restart_counts['trainer']} times, last: {why}"
-            self.stop.set()
-            return
+
+    def _use_gang(self, ranks: list) -> list:
+        """Make ``ranks`` the trainer gang (none: stopped); what the watcher learns of the previous
+        gang from now on is stale. Returns the previous gang."""
+        with self._gang_lock:
+            old, self.ranks = self.ranks, ranks
+            self._trainer_generation += 1
+            self._trainer_failure = None
+        return old
+
+    def start_component(self, name: str, standby: Any = None) -> int | None:
+        """Create ``name``'s actor (the trainer: the gang, resuming from its newest checkpoint and
+        the step log) and return its process id once it answers."""
+        if name != TRAINER:
+            self.actors[name] = self._create(name, self.config.model_dump_json())
+            self._await([name], self._start_timeout(), None)
+            return self._pid_of(name)
         self._start_trainer()
-        self.events.append({"name": "trainer", "event": "restarted", "t": time.monotonic()})
         with contextlib.suppress(Exception):  # a component restarting now: the file is informative only
             self._write_placement()
+        with contextlib.suppress(Exception):
+            return self.ray.get(self.ranks[0].state.remote(), timeout=30)["pid"]
+        return None
 
-    # -- watching --------------------------------------------------------------------------
+    def _pid_of(self, name: str) -> int | None:
+        with contextlib.suppress(Exception):
+            return self.ray.get(self.actors[name].info.remote(), timeout=30)["pid"]
+        return None
+
+    def _start_timeout(self) -> float:
+        return self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+
+    # -- watching beside the supervisor ----------------------------------------------------
 
     def _watch(self) -> None:
-        """The launcher's supervision beside Ray's restarts: the trainer gang, hung services and
-        instances, moved components."""
-        from staleflow.servers.clients import http_client
-
-        probes = {}
-        failing_since: dict[str, float] = {}
+        """The trainer gang's state and steps, and the registry (components that moved); the
+        supervisor acts on what this finds."""
         while not self.stop.is_set():
             try:
                 self._check_trainer()
                 if self._trainer_done or self.stop.is_set():
                     return
                 self._refresh_endpoints()
-                for name in list(self.actors):
-                    url = self.endpoints[name]["url"]
-                    if name not in probes or probes[name][0] != url:
-                        probes[name] = (url, http_client(url, timeout=2))
-                self._check_hung(probes, failing_since)
             except Exception:  # the watcher must not die: log and go on
                 log.exception("the Ray launcher's watcher failed a round")
             self.stop.wait(0.5)  # watch pacing
 
     def _check_trainer(self) -> None:
         ray = self.ray
+        with self._gang_lock:
+            generation, ranks = self._trainer_generation, list(self.ranks)
+        if not ranks:
+            return  # between two gangs
         try:
-            states = ray.get([r.state.remote() for r in self.ranks], timeout=30)
+            states = ray.get([r.state.remote() for r in ranks], timeout=30)
+            failed = [s for s in states if s["error"]]
+            failure = ("error", f"rank {failed[0]['rank']} failed: {failed[0]['error']}") if failed else None
         except ray.exceptions.RayActorError as exc:
-            self._restart_trainer(f"a trainer rank died ({exc.__class__.__name__})")
-            return
+            states, failure = [], ("exit", f"a trainer rank died ({exc.__class__.__name__})")
         except ray.exceptions.GetTimeoutError:
             return  # busy or hung: NCCL's own timeout ends a hung collective
-        failed = [s for s in states if s["error"]]
-        if failed:
-            self._restart_trainer(f"rank {failed[0]['rank']} failed: {failed[0]['error']}")
+        if failure is not None:
+            with self._gang_lock:
+                if generation != self._trainer_generation:
+                    return  # the gang was replaced meanwhile: this is about the old one
+                self._trainer_failure = failure
+            if self.supervisor is None:  # unsupervised: a failed trainer ends the run
+                self._trainer_error = failure[1]
+                self.stop.set()
             return
         self._trainer_done = bool(states) and states[0]["done"]
         with contextlib.suppress(Exception):
-            self._steps = ray.get(self.ranks[0].steps.remote(), timeout=30)
+            self._steps = ray.get(ranks[0].steps.remote(), timeout=30)
 
     def _refresh_endpoints(self) -> None:
         current = self.ray.get(self.registry.get.remote(), timeout=10)
@@ -953,11 +1090,16 @@ class RayClusterJob:
         self._publish()
         moved_services = changed & set(CONTROL_SERVICES)
         if moved_services:  # everyone else was built with the old address: restart them to read the new one
-            log.warning("%s moved; restarting the components that call them", ", ".join(sorted(moved_services)))
-            for name, actor in self.actors.items():
-                if name not in moved_services:
-                    self._kill(name, actor, "a service it calls moved")
-            self._restart_trainer(f"{', '.join(sorted(moved_services))} moved")
+            why = f"{', '.join(sorted(moved_services))} moved to another node"
+            log.warning("%s; restarting the components that call them", why)
+            for name in [*self.actors, TRAINER]:
+                if name in moved_services:
+                    continue
+                if self.supervisor is not None:
+                    self.supervisor.request(name, "moved", why)
+                else:
+                    with contextlib.suppress(Exception):
+                        self.restart(name)
 
     def _repoint_pulls(self) -> None:
         """After a relay or an instance moved: each instance pulls from the relay on its node now
@@ -984,52 +1126,6 @@ class RayClusterJob:
             except httpx.HTTPError as exc:  # the coordinator restarting: it reads the registry when it starts
                 log.warning("cannot tell the coordinator where %s pulls from: %s", name, exc)
 
-    def _kill(self, name: str, actor: Any, why: str) -> None:
-        self.events.append({"name": name, "event": "detected", "why": why, "t": time.monotonic()})
-        self._restarted_at[name] = time.monotonic()
-        self.restart_counts[name] = self.restart_counts.get(name, 0) + 1
-        with contextlib.suppress(Exception):
-            self.ray.kill(actor, no_restart=False)
-
-    def _check_hung(self, probes: dict, failing_since: dict[str, float]) -> None:
-        """Ray sees processes die, not hang: a service alive to Ray whose health probe keeps
-        failing, or an instance the coordinator declared failed, is killed (Ray restarts it)."""
-        grace = 30.0  # a service the launcher restarted gets this long before it is judged again
-        settle = 10.0  # an instance process that answered gets this long for the coordinator to adopt it
-        now = time.monotonic()
-        views = actor_views(self.ray)
-        for name, (_, client) in probes.items():
-            if name.startswith("inst-"):  # note when each instance process first answers
-                view = views.get(self.actors[name]._actor_id.hex(), {})
-                incarnation = (view.get("NumRestarts"), view.get("Pid"))
-                if self._incarnations.get(name, (None, None))[0] != incarnation:
-                    self._incarnations[name] = (incarnation, None)
-                if self._incarnations[name][1] is None and view.get("State") == "ALIVE" and _healthy(client):
-                    self._incarnations[name] = (incarnation, now)
-                continue
-            if now - self._restarted_at.get(name, -1e9) < grace:
-                continue
-            state = views.get(self.actors[name]._actor_id.hex(), {}).get("State")
-            if state != "ALIVE" or _healthy(client):
-                failing_since.pop(name, None)
-                continue
-            since = failing_since.setdefault(name, now)
-            if now - since >= HUNG_AFTER_S:  # alive to Ray, silent to us: hung
-                failing_since.pop(name, None)
-                self._kill(name, self.actors[name], f"alive but its health probe failed for {now - since:.0f} s")
-        try:
-            listed = probes["coordinator"][1].get("/v1/instances").json()["instances"]
-        except (httpx.HTTPError, ValueError, KeyError):
-            return
-        for i in listed:
-            name = i["instance_id"]
-            if i["status"] != "failed" or name not in self.actors:
-                continue
-            answered = self._incarnations.get(name, (None, None))[1]
-            state = views.get(self.actors[name]._actor_id.hex(), {}).get("State")
-            if state == "ALIVE" and answered is not None and now - max(answered, self._restarted_at.get(name, -1e9)) > settle:
-                self._kill(name, self.actors[name], "the coordinator declared it failed (hung)")
-
     # -- the surface `staleflow up` uses -----------------------------------------------------
 
     def finished(self) -> bool:
@@ -1049,6 +1145,8 @@ class RayClusterJob:
 
     def shutdown(self) -> None:
         self.stop.set()
+        if self.supervisor is not None:
+            self.supervisor.stop()  # first: nothing stopped below is restarted
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(60)
         with contextlib.suppress(Exception):
@@ -1089,11 +1187,9 @@ class RayClusterJob:
         return self.ray.get(self.actors[name].info.remote(), timeout=60)
 
 
-def _healthy(client: httpx.Client) -> bool:
-    try:
-        return client.get("/v1/health").status_code == 200
-    except httpx.HTTPError:
-        return False
+def _incarnation(view: dict) -> tuple:
+    """Which process of an actor Ray's record is about: (restarts so far, process id)."""
+    return view.get("NumRestarts"), view.get("Pid")
 
 
 def actor_views(ray: Any, actor: Any = None) -> dict:

@@ -23,7 +23,9 @@ warm standby when one is ready (``staleflow.launch.standby``: every role's code 
 imported); a thread is asked to stop and served again; a Ray actor whose process died is being
 restarted by Ray already (the launcher waits for it), a hung one is killed for Ray to restart.
 A launcher may also ask for a restart (``request``): Ray's, when a service moved to another node
-and its callers must read its new address.
+and its callers must read its new address. Components that failed together are restarted one at a
+time on this machine (each restart takes the warm standby) and side by side on Ray (the
+components of a lost node come back together).
 
 A component that fails again within ``restart_window_s`` of its restart, more than
 ``max_restarts`` times in a row, is crash-looping: the job stops with an error naming it and its
@@ -161,19 +163,26 @@ class Supervisor:
                 if not failed and time.monotonic() >= next_probe:
                     failed = self._hung(clients)
                     next_probe = time.monotonic() + self.settings.probe_interval_s
-                for name, kind, cause, last_seen in failed:
-                    if self._stopping():
-                        break
-                    self._recover(name, kind, cause, last_seen)
+                detected = time.monotonic()  # all were detected now, whenever each is recovered
+                if len(failed) > 1 and self.job.parallel_restarts:
+                    self._recover_side_by_side(failed, detected)
+                else:
+                    for name, kind, cause, last_seen in failed:
+                        if self._stopping():
+                            break
+                        self._recover(name, kind, cause, last_seen, detected)
                 self._stop.wait(self.job.check_interval_s)  # exit-check pacing
         except BaseException as exc:  # stops the job: an unsupervised job must not pass for a supervised one
-            self.error = exc
-            self.failure = f"the supervisor failed: {exc!r}"
-            log.exception("supervisor failed")
-            self.job.stop.set()
+            self._failed(exc)
         finally:
             for c in clients.values():
                 c.close()
+
+    def _failed(self, exc: BaseException) -> None:
+        self.error = exc
+        self.failure = f"the supervisor failed: {exc!r}"
+        log.exception("supervisor failed")
+        self.job.stop.set()
 
     def _exited(self) -> list[tuple[str, str, str, float]]:
         gone = self.job.failed()
@@ -250,8 +259,24 @@ class Supervisor:
 
     # -- repair ----------------------------------------------------------------------------
 
-    def _recover(self, name: str, kind: str, cause: str, last_seen: float) -> None:
-        now = time.monotonic()
+    def _recover_side_by_side(self, failed: list[tuple[str, str, str, float]], detected: float) -> None:
+        """Recover each of ``failed`` in a thread of its own, for a launcher whose restarts mostly
+        wait (Ray's: the components of a lost node come back together, elsewhere)."""
+
+        def recover(name: str, kind: str, cause: str, last_seen: float) -> None:
+            try:
+                self._recover(name, kind, cause, last_seen, detected)
+            except BaseException as exc:  # as in the watch itself: the job stops
+                self._failed(exc)
+
+        threads = [threading.Thread(target=recover, args=failure, name=f"supervisor-{failure[0]}", daemon=True)
+                   for failure in failed]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def _recover(self, name: str, kind: str, cause: str, last_seen: float, now: float) -> None:
         window = self.settings.restart_window_s
         back = self._back_at.get(name)
         self._in_a_row[name] = self._in_a_row.get(name, 0) + 1 if back is not None and now - back < window else 1

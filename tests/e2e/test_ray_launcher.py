@@ -8,9 +8,11 @@ otherwise probe public DNS to learn its address), every Ray process bound to 127
 
 One sim job, started as a user starts it, runs through the tests in file order: placement,
 discovery from a second process, SIGKILL of each role's actor process, the loss of a node, the job
-finishing with nothing lost or consumed twice and no bound violated. Then a job whose driver dies
-(its detached actors keep serving) is removed with ``staleflow down``, an infeasible plan fails
-fast, and the cluster's teardown leaves no process behind.
+finishing with nothing lost or consumed twice and no bound violated, every restart recorded by
+the job's supervisor as on a local run. Then a job whose parameter server keeps dying at start-up
+is stopped as a crash loop, a job whose driver dies (its detached actors keep serving) is taken
+over or removed with ``staleflow down``, an infeasible plan fails fast, and the cluster's
+teardown leaves no process behind.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -197,6 +200,16 @@ def test_a_second_process_finds_the_job_by_its_namespace(local_cluster: LocalClu
 
 
 ROLE_ORDER = ("inst-0", "ts", "params", "manager", "reward", "coordinator", "trainer-0", "inst-1 (hung)", "params (hung)")
+HUNG_CAUSES = {"inst-1": "the coordinator declared it failed", "params": "3 health probes failed in a row"}
+
+
+def supervised(name: str) -> str:
+    """The component a role's actor belongs to, as the supervisor names it (the ranks: the trainer gang)."""
+    return "trainer" if name.startswith("trainer-") else name
+
+
+def restart_events(running: RunningJob, name: str) -> list[dict]:
+    return [e for e in running.events if e["event"] == "restart" and e["component"] == supervised(name)]
 TRAINER_RESTARTS = 2  # its SIGKILL above and the loss of its node
 
 
@@ -212,6 +225,7 @@ def test_each_role_killed_or_hung_recovers_in_place(job: RunningJob) -> None:
         assert seen["Pid"] == old["pid"]
         url = registry().get(name, {}).get("url")
         steps_before = step_count(job)
+        recorded = len(restart_events(job, name))
         killed_at = time.monotonic()
         if hung and name.startswith("inst-"):  # alive to Ray: the coordinator's verdict, then the launcher, end it
             os.kill(old["pid"], signal.SIGSTOP)
@@ -239,6 +253,15 @@ def test_each_role_killed_or_hung_recovers_in_place(job: RunningJob) -> None:
                          120, "the restarted coordinator adopts every instance")
         timings[role] = {"detection_s": round(detected, 2), "restarted_s": round(restarted, 2),
                          "recovery_s": round(time.monotonic() - killed_at, 2)}
+        # the supervisor saw it, once, and recorded it as it records a local restart (--json-log)
+        record = wait_for(lambda: len(restart_events(job, name)) > recorded and restart_events(job, name)[-1],
+                          60, f"the supervisor recorded {name}'s restart")
+        assert len(restart_events(job, name)) == recorded + 1, f"one restart of {name}: {restart_events(job, name)}"
+        assert record["kind"] == ("hung" if hung else "exit"), record
+        cause = HUNG_CAUSES[name] if hung else "a trainer rank died" if name.startswith("trainer-") else "its process died"
+        assert cause in record["cause"], record
+        assert record["error"] is None and record["recovered_after_s"] >= record["detected_after_s"] >= 0, record
+        assert record["pid"] == new["pid"] and record["log"] == str(job.state / "logs" / f"{name}.log"), record
     TIMINGS.write_text(json.dumps(timings, indent=2))
     print("\nper-role detection and recovery under --launcher ray (s):", json.dumps(timings))
     assert job.proc.poll() is None, "the job kept running through every fault"
@@ -305,8 +328,51 @@ def test_the_job_finishes_with_nothing_lost_or_consumed_twice(job: RunningJob) -
         db.close()
     assert len(consumed) == len(set(consumed)) == config["steps"] * ledger["batch_size"], "every group consumed once"
     assert late == 0, "every consumed group within the staleness bound"
-    assert (job.state / "report" / "summary.json").exists()
+    summary = json.loads((job.state / "report" / "summary.json").read_text())
+    assert summary["restarts"] == [{k: v for k, v in e.items() if k != "event"} for e in job.events
+                                   if e["event"] == "restart"], "the report holds the restarts the live log showed"
+    recorded = {supervised(role.split(" ")[0]) for role in ROLE_ORDER}
+    assert recorded <= {r["component"] for r in summary["restarts"]}, summary["restarts"]
+    assert all(r["error"] is None and r["recovered_after_s"] is not None for r in summary["restarts"]), summary["restarts"]
+    assert end["restarts"] == len(summary["restarts"]) and "failure" not in summary
     assert not ray.util.list_named_actors(all_namespaces=True), "the finished job removed its actors"
+
+
+@pytest.mark.timeout(600)
+def test_a_crash_looping_component_stops_the_job_naming_it_and_its_log(local_cluster: LocalCluster,
+                                                                       tmp_path: Path) -> None:
+    """The parameter server's storage is replaced by a file: every restart Ray makes dies at start-up.
+    The supervisor's crash-loop rule, the same as on a local run, stops the job."""
+    namespace = "staleflow-ray-e2e-crash-loop"
+    config = job_file(tmp_path, local_cluster.cluster, namespace, steps=1000,
+                      supervision={"max_restarts": 1, "restart_window_s": 600})
+    state = tmp_path / "state"
+    looping = start_up(tmp_path, config, state)
+    try:
+        wait_for(lambda: looping.event("component", "trainer") or looping.proc.poll() is not None, 240, "the job started")
+        assert looping.proc.poll() is None, "".join(looping.output)
+        shutil.rmtree(state / "params")
+        (state / "params").write_text("not a directory")
+        os.kill(where("params", namespace)["pid"], signal.SIGKILL)
+        code = looping.proc.wait(300)
+        output = "".join(looping.output)
+        assert code == 1, output[-3000:]
+        log = state / "logs" / "params.log"
+        assert "params keeps failing" in output and str(log) in " ".join(output.split()), output[-3000:]
+        assert "NotADirectoryError" in log.read_text(), "the log shows why it cannot start"
+        end = looping.event("end")
+        assert end is not None and not end["completed"] and "params keeps failing" in end["failure"], end
+        summary = json.loads((state / "report-partial" / "summary.json").read_text())
+        params = [r for r in summary["restarts"] if r["component"] == "params"]
+        assert len(params) == 2, f"the kill, then a restart that died at start-up: {params}"
+        assert params[0]["error"].startswith("the restart failed") and "died again while starting" in params[0]["error"]
+        assert params[-1]["error"].startswith("crash loop"), params
+        assert "params keeps failing" in summary["failure"]
+        assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace], \
+            "the stopped job removed its actors"
+    finally:
+        if looping.proc.poll() is None:
+            looping.proc.kill()
 
 
 @pytest.mark.timeout(600)
