@@ -373,16 +373,26 @@ class OverlappedRanks(Ranks):
             shards.append(LocalShard(name, tuple(tensor.shape), rank * rows, tensor[rank * rows:(rank + 1) * rows]))
         return self.staging[rank].export(shards)
 
-    def publish_then_step(self, version: int, during_step: Callable[[], None] = lambda: None) -> None:
+    def publish_then_step(self, version: int, during_step: Callable[[], None] = lambda: None,
+                          late: tuple[int, ...] = ()) -> None:
         """As the trainer does: rank 0 waits for its previous push, every rank exports ``version``
-        and pushes it, and the next step (``version + 1``) overwrites the parameters meanwhile."""
+        and pushes it, and the next step (``version + 1``) overwrites the parameters meanwhile.
+        The ranks in ``late`` hand their exported shares to their pushers only once ``during_step``
+        returned: until then the push cannot complete."""
         if self.lead_push is not None:
             self.lead_push.result()
         self.lead_push = self.pushing.submit(self.loop._push, version, self.export(0))
+        held = []
         for rank, pushes in enumerate(self.followers, start=1):
             pushes.wait()
-            pushes.submit(version, self.export(rank))
+            share = self.export(rank)
+            if rank in late:
+                held.append((pushes, share))
+            else:
+                pushes.submit(version, share)
         during_step()
+        for pushes, share in held:
+            pushes.submit(version, share)
         for name, tensor in trained_state(version + 1).items():
             self.parameters[name].copy_(tensor)  # the optimizer step writes the parameters in place
 
@@ -420,9 +430,12 @@ def test_no_torn_version_while_the_next_step_overwrites_what_was_exported(ps: Pa
             ps.start(persist=False)
 
         def drop_the_push() -> None:
+            deadline = time.monotonic() + 60
             while not (pending := [p for p in observer.versions()["pushes"] if p["version"] == 3]):
+                assert time.monotonic() < deadline, f"no push of version 3 on the PS: {observer.versions()}"
                 time.sleep(0.01)  # poll pacing until the push of version 3 is on the PS
-            observer.http.delete("/v1/params/3/push", params={"push_id": pending[0]["push_id"]})
+            dropped = observer.http.delete("/v1/params/3/push", params={"push_id": pending[0]["push_id"]})
+            assert dropped.status_code == 200, dropped.text
 
         try:
             with TornVersionWatch(ps.url, exported_bytes) as watch:
@@ -432,7 +445,7 @@ def test_no_torn_version_while_the_next_step_overwrites_what_was_exported(ps: Pa
                 ranks.publish_then_step(2)  # version 1 was lost: every rank pushes its kept share of it again first
                 ranks.settle()
                 assert_exported(ps.url, [1, 2])  # pushed again from its own buffer, not the one version 2 went into
-                ranks.publish_then_step(3, drop_the_push)
+                ranks.publish_then_step(3, drop_the_push, late=(RANKS - 1,))  # pending until it is dropped
                 ranks.publish_then_step(4)
                 ranks.settle()
             assert_exported(ps.url, [2, 3, 4])
