@@ -8,8 +8,10 @@ name through ``collective_rpc`` (no pickled callables, no VLLM_ALLOW_INSECURE_SE
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+from staleflow.transports.selection import TensorSlice, region_of
 
 PULL_WINDOW_BYTES = 256 << 20
 """How much of a pull lands in host memory at a time (at least one tensor) before vLLM loads it."""
@@ -85,14 +87,21 @@ class StaleflowWorkerExtension:
         """Pull ``version`` from a StaleFlow parameter server and load it in place, a window of
         tensors at a time (``pull_windows``), each verified as it lands: the host never holds
         more of the pull than a window and the layers vLLM is still assembling."""
+        from staleflow.engines.vllm_tp import plan_tp_slices, presliced_loading
         from staleflow.transports.client import ParamsClient
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
 
         def pull_and_load() -> None:
             with ParamsClient(url, timeout=600) as params:
                 # a relay may still be copying the version from the parameter server: wait for it
                 lease = params.open_pull(version, transport, wait_s=PULL_WAIT_S)
                 try:
-                    self.reload_weights(weights_iterator=windowed_pull(params, lease, window_bytes))  # type: ignore[attr-defined]
+                    # a tensor-parallel worker pulls only its shard of each sharded weight
+                    plan = plan_tp_slices(model, {spec.name: spec.shape for spec in lease.manifest.tensors})
+                    with presliced_loading(model, plan.presliced):
+                        self.reload_weights(weights_iterator=windowed_pull(  # type: ignore[attr-defined]
+                            params, lease, window_bytes, plan.select))
                 finally:
                     params.close_pull(lease)
 
@@ -113,41 +122,47 @@ class StaleflowWorkerExtension:
                 quant_method.process_weights_after_loading(lm_head)
 
 
-def pull_windows(tensors: Any, limit: int = PULL_WINDOW_BYTES) -> list[list[str]]:
+def pull_windows(tensors: Any, limit: int = PULL_WINDOW_BYTES,
+                 parts: Mapping[str, TensorSlice | None] | None = None) -> list[list[str]]:
     """The version's tensors in data-section order, cut into runs of at most ``limit`` bytes
-    (a bigger tensor is a run of its own)."""
+    as pulled (each cut by its part in ``parts``, if any; a bigger tensor is a run of its own)."""
     windows: list[list[str]] = []
     size = limit
     for spec in sorted(tensors, key=lambda t: t.offset):
-        if size + spec.nbytes > limit:
+        nbytes = region_of(spec, (parts or {}).get(spec.name))[1].nbytes
+        if size + nbytes > limit:
             windows.append([])
             size = 0
         windows[-1].append(spec.name)
-        size += spec.nbytes
+        size += nbytes
     return windows
 
 
-def windowed_pull(params: Any, lease: Any, limit: int = PULL_WINDOW_BYTES) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) of an open lease, received one window at a time into a host buffer of its
-    own (pinned with CUDA, so the copy into the engine's parameters is a pinned host-to-device
-    copy). A window's buffer is freed once vLLM lets go of its tensors: vLLM's in-place reload
-    keeps a layer's loaded tensors until the layer is complete, so a buffer is never reused
-    under a tensor still to be loaded (pinned memory is recycled by torch's host allocator)."""
+def windowed_pull(params: Any, lease: Any, limit: int = PULL_WINDOW_BYTES,
+                  parts: Mapping[str, TensorSlice | None] | None = None) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of an open lease, each whole or cut by its part in ``parts``, received one
+    window at a time into a host buffer of its own (pinned with CUDA, so the copy into the
+    engine's parameters is a pinned host-to-device copy). A window's buffer is freed once vLLM
+    lets go of its tensors: vLLM's in-place reload keeps a layer's loaded tensors until the
+    layer is complete, so a buffer is never reused under a tensor still to be loaded (pinned
+    memory is recycled by torch's host allocator)."""
     import torch
 
     from staleflow.transports.client import torch_dtype
 
     pinned = torch.cuda.is_available()
+    parts = parts or {}
     specs = {spec.name: spec for spec in lease.manifest.tensors}
-    for names in pull_windows(lease.manifest.tensors, limit):
-        offsets, size = {}, 0
+    for names in pull_windows(lease.manifest.tensors, limit, parts):
+        shapes, offsets, size = {}, {}, 0
         for name in names:
+            shape, region = region_of(specs[name], parts.get(name))
             size += -size % 64
-            offsets[name] = size
-            size += specs[name].nbytes
+            shapes[name], offsets[name] = shape, (size, size + region.nbytes)
+            size += region.nbytes
         buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        out = {name: buffer[offsets[name]:offsets[name] + specs[name].nbytes].view(torch_dtype(specs[name].dtype))
-               .view(specs[name].shape) for name in names}
+        out = {name: buffer[start:stop].view(torch_dtype(specs[name].dtype)).view(shapes[name])
+               for name, (start, stop) in offsets.items()}
         del buffer  # the tensors keep it alive while vLLM holds them
-        for name, _ in params.receive(lease, out=out, select=names):
+        for name, _ in params.receive(lease, out=out, select={name: parts.get(name) for name in names}):
             yield name, out.pop(name)
