@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from staleflow.transports.selection import TensorSlice, region_of
+from staleflow.transports.staging import host_layout
 
 PULL_WINDOW_BYTES = 256 << 20
 """How much of a pull lands in host memory at a time (at least one tensor) before vLLM loads it."""
@@ -154,15 +155,11 @@ def windowed_pull(params: Any, lease: Any, limit: int = PULL_WINDOW_BYTES,
     parts = parts or {}
     specs = {spec.name: spec for spec in lease.manifest.tensors}
     for names in pull_windows(lease.manifest.tensors, limit, parts):
-        shapes, offsets, size = {}, {}, 0
-        for name in names:
-            shape, region = region_of(specs[name], parts.get(name))
-            size += -size % 64
-            shapes[name], offsets[name] = shape, (size, size + region.nbytes)
-            size += region.nbytes
+        pulled = [region_of(specs[name], parts.get(name)) for name in names]
+        offsets, size = host_layout([region.nbytes for _, region in pulled], 64)
         buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        out = {name: buffer[start:stop].view(torch_dtype(specs[name].dtype)).view(shapes[name])
-               for name, (start, stop) in offsets.items()}
+        out = {name: buffer[start:start + region.nbytes].view(torch_dtype(specs[name].dtype)).view(shape)
+               for name, start, (shape, region) in zip(names, offsets, pulled, strict=True)}
         del buffer  # the tensors keep it alive while vLLM holds them
         for name, _ in params.receive(lease, out=out, select={name: parts.get(name) for name in names}):
             yield name, out.pop(name)

@@ -10,6 +10,9 @@ and the training stream waits only before it writes the exported parameters in p
 A buffer is reused only once no share that points into it is alive any more: a rank keeps its
 last pushed share until the parameter server persisted it, and may push it again meanwhile, so the
 next version never lands in the bytes of a share that can still be pushed.
+
+Why this is not ``staleflow.transports.staging.FlatStaging`` (the bench's and a staged pull's
+flat buffer): see that module's docstring; the two share the buffer layout (``host_layout``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from staleflow.training.base import ShardedWeights
 from staleflow.transports.client import ShardPiece, safetensors_dtype_of
+from staleflow.transports.staging import host_layout
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """What ``trainer.export_dtype`` names; ``auto`` keeps each parameter's own dtype."""
@@ -120,15 +124,14 @@ class ShareStaging:
     def export(self, shards: list[LocalShard]) -> ShardedWeights:
         """This rank's share: every shard cast to the export dtype, in a buffer no live share uses."""
         share = ShardedWeights(self.part, self.parts, {})
-        placed: list[tuple[int, LocalShard, torch.dtype]] = []
-        size = 0
+        held: list[tuple[LocalShard, torch.dtype]] = []
         for shard in shards:
             dtype = self._dtype_of(shard.local)
             share.tensors[shard.name] = (safetensors_dtype_of(torch.empty(0, dtype=dtype)), shard.full_shape)
             if shard.local.numel():
-                size += -size % PIECE_ALIGN
-                placed.append((size, shard, dtype))
-                size += shard.local.numel() * dtype.itemsize
+                held.append((shard, dtype))
+        offsets, size = host_layout([shard.local.numel() * dtype.itemsize for shard, dtype in held], PIECE_ALIGN)
+        placed = [(start, shard, dtype) for start, (shard, dtype) in zip(offsets, held, strict=True)]
         buffer = self._free_buffer(size)
         buffer.holder = weakref.ref(share)
         targets = []

@@ -10,6 +10,14 @@ the bus's speed, and the parameter server's pushes and pulls see one contiguous 
 
 The device-side flat buffer costs the tensors' bytes once more in device memory. Without CUDA
 the same plan runs on CPU tensors (pinned memory needs CUDA; the host buffer is then plain).
+
+Why the trainer's export (``staleflow.training.export.ShareStaging``) is a class of its own and
+shares only :func:`host_layout` with this one: it casts each shard to the engine's dtype on the
+way out, copies on a side stream that the next step overlaps (this class synchronizes), moves
+bytes one way only, and keeps several host buffers, each reused only once no share it backs can
+still be pushed (this class has one buffer, reused at every call). It also copies shard by shard
+rather than gathering on the device first, because a trainer's device memory has no room for a
+second copy of its share, while the bench and an engine's staged pull can afford it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+
+def host_layout(sizes: Sequence[int], align: int = 1) -> tuple[list[int], int]:
+    """(offsets, total bytes) of items of ``sizes`` bytes placed in order in one buffer, each
+    starting at a multiple of ``align``."""
+    offsets, total = [], 0
+    for size in sizes:
+        total += -total % align
+        offsets.append(total)
+        total += size
+    return offsets, total
 
 
 class FlatStaging:
@@ -38,8 +57,7 @@ class FlatStaging:
         self.device = device
         self._views = [t.reshape(-1).view(torch.uint8) for t in tensors]
         self.sizes = [v.numel() for v in self._views]
-        self.offsets = np.concatenate(([0], np.cumsum(self.sizes)[:-1])).astype(np.int64).tolist()
-        self.nbytes = int(sum(self.sizes))
+        self.offsets, self.nbytes = host_layout(self.sizes)  # back to back, like a data section
         pinned = device.type == "cuda"
         self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
         self._device_flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
