@@ -106,6 +106,9 @@ class CoordinatorStatsOut(BaseModel):
     strays_aborted: int
     unreachable: int
     cycle_ms_total: float
+    phase_ms_total: dict[str, float] = Field(
+        default_factory=dict, description="wall time of each step of the cycle (snapshots, polls, admission, issue...), "
+                                          "summed over every cycle")
     decisions: int
     decision_ms_total: float
     command_count: dict[str, int]
@@ -208,7 +211,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "routed": s.routed, "interrupted": s.interrupted, "pulls": s.pulls, "aborts": s.aborts,
             "failures": s.failures, "rejoined": s.rejoined, "released": s.released,
             "reconciled": s.reconciled, "strays_aborted": s.strays_aborted,
-            "unreachable": s.unreachable, "cycle_ms_total": s.cycle_ms_total,
+            "unreachable": s.unreachable, "cycle_ms_total": s.cycle_ms_total, "phase_ms_total": s.phase_ms_total,
             "strategy": {k: str(v) for k, v in vars(c.strategy).items()},
         }
 

@@ -21,6 +21,8 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +95,16 @@ class CoordinatorStats:
     strays_aborted: int = 0  # held by an instance the trajectory server had not routed them to: aborted there
     command_count: dict[str, int] = field(default_factory=dict)  # by kind, answered or not
     command_seconds: dict[str, float] = field(default_factory=dict)  # by kind: issued to answered
+    phase_ms_total: dict[str, float] = field(default_factory=dict)  # wall time of each step of the cycle, summed
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the block to ``phase_ms_total[phase]``: what a cycle spends where."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_ms_total[phase] = self.phase_ms_total.get(phase, 0.0) + (time.perf_counter() - started) * 1e3
 
 
 class Coordinator:
@@ -259,23 +271,31 @@ class Coordinator:
 
     async def cycle(self) -> None:
         self.stats.cycles += 1
-        await self._capture()
-        await self._cancel_surplus()
-        routed = (await self.ts.get("/v1/routed")).json()["trajectories"]
-        if await self._reconcile(routed):
-            return  # the views changed: plan on the next cycle's
+        timed = self.stats.timed
+        with timed("snapshots"):
+            await self._capture()
+        with timed("cancellations"):
+            await self._cancel_surplus()
+        with timed("routed"):
+            routed = (await self.ts.get("/v1/routed")).json()["trajectories"]
+        with timed("reconcile"):
+            if await self._reconcile(routed):
+                return  # the views changed: plan on the next cycle's
         ready = [r for r in self.instances.values() if r.validated and r.status is InstanceStatus.LIVE and r.in_flight == 0]
         if not ready:
             return
-        pending_reply = await self.ts.get("/v1/pending")
-        try:
-            admission = await self.manager.admission()
-        except httpx.TransportError:  # the manager is restarting: route only groups it already reserved
-            admission = {}
-        try:
-            self.ps_version = await self._ps_version()
-        except httpx.TransportError:  # the PS is restarting: its newest version is the one last seen
-            pass
+        with timed("pending"):
+            pending_reply = await self.ts.get("/v1/pending")
+        with timed("admission"):
+            try:
+                admission = await self.manager.admission()
+            except httpx.TransportError:  # the manager is restarting: route only groups it already reserved
+                admission = {}
+        with timed("ps_version"):
+            try:
+                self.ps_version = await self._ps_version()
+            except httpx.TransportError:  # the PS is restarting: its newest version is the one last seen
+                pass
         pending = [self._pending(t) for t in pending_reply.json()["trajectories"]]
         on_instances = {t["traj_id"]: self._pending(t) for t in routed}
         states = [self._state(r) for r in ready]
@@ -289,7 +309,8 @@ class Coordinator:
         self.stats.decision_ms_total += elapsed
         self.stats.decisions += 1
         if not plan.empty:
-            await self._issue(plan)
+            with timed("issue"):
+                await self._issue(plan)
 
     @staticmethod
     def _pending(t: dict) -> PendingTrajectory:

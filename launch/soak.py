@@ -17,6 +17,7 @@ Along the run it samples the live and archived sizes and the ledger's event log 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import statistics
 import time
@@ -27,7 +28,7 @@ import httpx
 from sqlalchemy import func, select
 
 from staleflow.config import JobConfig
-from staleflow.launch.job import Job
+from staleflow.launch.job import Job, component_names
 from staleflow.servers import db
 from staleflow.servers.clients import http_client
 from staleflow.servers.schema import ledger_events, ts_trajectories, ts_trajectories_archive
@@ -46,6 +47,11 @@ class Checkpoint:
     ledger_events: int
     ts_restart_s: float | None  # median of SIGKILL -> restarted and answering its health probe
     ts_restarts_s: list[float | None] = field(default_factory=list)  # each of them
+    phase_ms: dict[str, float] = field(default_factory=dict)  # mean per cycle of each step of the cycle
+    # CPU time, which the machine's load does not inflate as it does wall time: the coordinator's
+    # process per cycle, and every component's process per training step, over the window
+    coordinator_cpu_ms: float | None = None
+    cpu_ms_per_step: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,6 +86,9 @@ class SoakResult:
             return None if a is None or b is None or a <= 0 else b / a
 
         return {"cycle_ms": ratio(self.start.cycle_ms, self.end.cycle_ms),
+                "coordinator_cpu_ms": ratio(self.start.coordinator_cpu_ms, self.end.coordinator_cpu_ms),
+                "job_cpu_ms_per_step": ratio(sum(self.start.cpu_ms_per_step.values()) or None,
+                                             sum(self.end.cpu_ms_per_step.values()) or None),
                 "poll_ms": ratio(self.start.poll_ms, self.end.poll_ms),
                 "ts_restart_s": ratio(self.start.ts_restart_s, self.end.ts_restart_s),
                 "live_trajectories": ratio(self.start.live_trajectories, self.end.live_trajectories)}
@@ -149,10 +158,10 @@ class Soak:
                     say(f"step {step}: {result.samples[-1].live_trajectories} live, "
                         f"{result.samples[-1].archived_trajectories} archived trajectories")
                 if result.start is None and step >= self.warmup_steps:
-                    result.start = self._checkpoint(job, step, urls["ts"], coordinator, ts_db, ledger_db)
+                    result.start = self._checkpoint(job, step, urls["ts"], manager, coordinator, ts_db, ledger_db)
                     say(f"start: {result.start}")
                 elif result.start is not None and result.end is None and (step >= end_at or self._time_up(started)):
-                    result.end = self._checkpoint(job, step, urls["ts"], coordinator, ts_db, ledger_db)
+                    result.end = self._checkpoint(job, step, urls["ts"], manager, coordinator, ts_db, ledger_db)
                     say(f"end: {result.end}")
                     if step < end_at:
                         result.stopped_early = True
@@ -205,19 +214,46 @@ class Soak:
         except (httpx.HTTPError, ValueError, KeyError):
             return None
 
-    def _checkpoint(self, job: Job, step: int, ts_url: str, coordinator: httpx.Client, ts_db, ledger_db) -> Checkpoint:
+    def _checkpoint(self, job: Job, step: int, ts_url: str, manager: httpx.Client, coordinator: httpx.Client,
+                    ts_db, ledger_db) -> Checkpoint:
+        cpu_before, version_before = self._cpu_seconds(job), self._train_version(manager)
         before, t0 = coordinator.get("/v1/coordinator").json(), time.monotonic()
         job.stop.wait(self.window_s)
         after, t1 = coordinator.get("/v1/coordinator").json(), time.monotonic()
+        cpu_after, version_after = self._cpu_seconds(job), self._train_version(manager)
         cycles = after["cycles"] - before["cycles"]
         cycle_ms = (after["cycle_ms_total"] - before["cycle_ms_total"]) / cycles if cycles else float("nan")
+        phase_ms = {phase: (ms - before.get("phase_ms_total", {}).get(phase, 0.0)) / cycles
+                    for phase, ms in after.get("phase_ms_total", {}).items()} if cycles else {}
+        cpu_ms = {name: (cpu_after[name] - cpu_before[name]) * 1e3 for name in cpu_after.keys() & cpu_before.keys()
+                  if cpu_after[name] >= cpu_before[name]}  # a process restarted meanwhile is left out
+        steps = (version_after or 0) - (version_before or 0)
+        coordinator_cpu_ms = cpu_ms["coordinator"] / cycles if "coordinator" in cpu_ms and cycles else None
+        cpu_ms_per_step = {name: ms / steps for name, ms in sorted(cpu_ms.items())} if steps > 0 else {}
         poll_ms = self._poll_ms(ts_url)
         sample = self._sample(step, 0.0, ts_url, ts_db, ledger_db)
         restarts = [self._restart_ts(job) for _ in range(self.restarts)]
         measured = [r for r in restarts if r is not None]
         return Checkpoint(step, cycle_ms, cycles / (t1 - t0), poll_ms, sample.live_trajectories,
                           sample.archived_trajectories, sample.ledger_events,
-                          statistics.median(measured) if measured else None, restarts)
+                          statistics.median(measured) if measured else None, restarts, phase_ms,
+                          coordinator_cpu_ms, cpu_ms_per_step)
+
+    @staticmethod
+    def _cpu_seconds(job: Job) -> dict[str, float]:
+        """User + system CPU seconds of each component's process so far (Linux ``/proc``; empty
+        elsewhere, and a component that is a thread of this process is left out)."""
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        seconds = {}
+        for name in component_names(job.config):
+            pid = job.pid(name)
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() if pid else None
+            except OSError:
+                continue
+            if fields:
+                seconds[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return seconds
 
     @staticmethod
     def _poll_ms(ts_url: str, rounds: int = 20) -> float:

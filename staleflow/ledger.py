@@ -29,7 +29,7 @@ redundancy a group is occupied once ``group_size`` of its members have completed
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -148,6 +148,10 @@ class Ledger:
         self._occupied: dict[int, dict[str, None]] = {}
         self._sealed: list[str] = []
         self._retired: dict[str, Fate] = {}
+        self._retired_at: dict[int, list[str]] = {}  # the train version each group in _retired retired at
+        # where groups retired long ago are found once they left memory (a durable ledger's table); None: memory
+        # keeps every retired group
+        self.archive: Callable[[str], Fate | None] | None = None
         self._seq = 0
         self._changes: list[Change] = []
 
@@ -164,6 +168,7 @@ class Ledger:
     ) -> Ledger:
         ledger = cls(params, train_version)
         ledger._retired = dict(retired)
+        ledger._retired_at = {train_version: list(ledger._retired)} if ledger._retired else {}
         sealed = list(sealed)
         sealed_set = set(sealed)
         entries = list(entries)
@@ -198,7 +203,22 @@ class Ledger:
         return sorted(self._entries.values(), key=lambda e: e.seq)
 
     def fate(self, group_id: str) -> Fate | None:
-        return self._retired.get(group_id)
+        fate = self._retired.get(group_id)
+        if fate is None and self.archive is not None:
+            fate = self.archive(group_id)
+        return fate
+
+    def forget_retired(self, before_version: int) -> int:
+        """Groups retired before this train version leave memory; ``archive`` answers for them
+        from then on (ids stay single-use). Only for groups whose retirement is durable, and only
+        with an ``archive``. Returns how many left."""
+        if self.archive is None:
+            raise ValueError("retired groups can leave memory only with an archive that still knows them")
+        gone = 0
+        for version in [v for v in self._retired_at if v < before_version]:
+            for group_id in self._retired_at.pop(version):
+                gone += self._retired.pop(group_id, None) is not None
+        return gone
 
     @property
     def sealed(self) -> tuple[str, ...]:
@@ -206,6 +226,7 @@ class Ledger:
 
     @property
     def retired_count(self) -> int:
+        """Retired groups held in memory (all of them, unless ``forget_retired`` was called)."""
         return len(self._retired)
 
     def counts(self) -> dict[str, int]:
@@ -581,6 +602,7 @@ class Ledger:
         pool = self._reserved if entry.status is EntryStatus.RESERVED else self._occupied
         self._discard(pool, entry.deadline, g)
         self._retired[g] = fate
+        self._retired_at.setdefault(self.train_version, []).append(g)
         self._changes.append(RetireEntry(g, entry.v_traj, fate, self.train_version))
 
     @staticmethod
@@ -593,7 +615,7 @@ class Ledger:
     def _live(self, group_id: str) -> Entry:
         entry = self._entries.get(group_id)
         if entry is None:
-            fate = self._retired.get(group_id)
+            fate = self.fate(group_id)
             if fate is not None:
                 raise LedgerError(ErrorCode.RETIRED_GROUP, f"group {group_id!r} was already {fate.value}", fate=fate.value)
             raise LedgerError(ErrorCode.UNKNOWN_GROUP, f"group {group_id!r} is not in the ledger")
@@ -604,10 +626,9 @@ class Ledger:
             raise LedgerError(ErrorCode.INVALID_GROUP, "group_id must be a non-empty string")
         if group_id in self._entries:
             raise LedgerError(ErrorCode.DUPLICATE_GROUP, f"group {group_id!r} is already live")
-        if group_id in self._retired:
-            raise LedgerError(
-                ErrorCode.DUPLICATE_GROUP, f"group {group_id!r} was already {self._retired[group_id].value}; ids are single-use"
-            )
+        fate = self.fate(group_id)
+        if fate is not None:
+            raise LedgerError(ErrorCode.DUPLICATE_GROUP, f"group {group_id!r} was already {fate.value}; ids are single-use")
 
     def _check_version(self, v_traj: int) -> None:
         if isinstance(v_traj, bool) or not isinstance(v_traj, int):

@@ -129,6 +129,11 @@ class DurableLedger:
     # ------------------------------------------------------------------ loading
 
     def _load(self, params: LedgerParams) -> Ledger:
+        ledger = self._read(params)
+        ledger.archive = self._archived_fate
+        return ledger
+
+    def _read(self, params: LedgerParams) -> Ledger:
         assert self._conn is not None
         conn = self._conn
         with conn.begin():
@@ -177,8 +182,23 @@ class DurableLedger:
                 )
                 for r in conn.execute(select(ledger_entries)).mappings()
             ]
-            retired = {r.group_id: Fate(r.fate) for r in conn.execute(select(ledger_retired.c.group_id, ledger_retired.c.fate))}
+            # only the recently retired groups come back into memory: the table answers for the others
+            recent = ledger_retired.c.buffer >= row["train_version"] - self.retired_kept_versions(params)
+            retired = {r.group_id: Fate(r.fate)
+                       for r in conn.execute(select(ledger_retired.c.group_id, ledger_retired.c.fate).where(recent))}
             return Ledger.restore(params, row["train_version"], entries, retired, json.loads(row["sealed"]))
+
+    @staticmethod
+    def retired_kept_versions(params: LedgerParams) -> int:
+        """How many train versions retired groups stay in memory after they retired (the live
+        buffers' span and one more), so that a late call about a group that just retired is answered
+        from memory; older ones are looked up in ``ledger_retired`` by key."""
+        return params.eta + 2
+
+    def _archived_fate(self, group_id: str) -> Fate | None:
+        with self.engine.connect() as conn:
+            fate = conn.execute(select(ledger_retired.c.fate).where(ledger_retired.c.group_id == group_id)).scalar()
+        return None if fate is None else Fate(fate)
 
     def _load_stats(self) -> LedgerStats:
         with self.engine.connect() as conn:
@@ -286,6 +306,8 @@ class DurableLedger:
                 for future, transition in done:
                     future.set_exception(StoreError(f"could not persist {transition.op}: {exc}"))
                 return
+            if any(t.op == "consume" for _, t in done):  # their retirements are durable now
+                self.ledger.forget_retired(self.ledger.train_version - self.retired_kept_versions(self.params))
             for future, transition in done:
                 self._count(transition)
                 future.set_result(transition)

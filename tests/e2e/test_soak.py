@@ -33,4 +33,9 @@ def test_a_short_soak_reports_both_ends_and_a_bounded_live_store(tmp_path: Path)
     assert max(s["live_trajectories"] for s in report["samples"]) <= 3 * in_flight
     assert end["archived_trajectories"] > start["archived_trajectories"] > 0
     assert end["archived_trajectories"] >= 2 * 2 * (end["step"] - 1)  # every trained trajectory left the live store
-    assert set(report["ratios"]) == {"cycle_ms", "poll_ms", "ts_restart_s", "live_trajectories"}
+    assert set(report["ratios"]) == {"cycle_ms", "coordinator_cpu_ms", "job_cpu_ms_per_step", "poll_ms",
+                                     "ts_restart_s", "live_trajectories"}
+    for point in (start, end):  # what each cycle spends where, and the CPU the job's processes used
+        assert {"snapshots", "routed"} <= set(point["phase_ms"]) and all(ms >= 0 for ms in point["phase_ms"].values())
+        assert point["coordinator_cpu_ms"] is not None and point["coordinator_cpu_ms"] >= 0
+        assert {"coordinator", "manager", "ts"} <= set(point["cpu_ms_per_step"])

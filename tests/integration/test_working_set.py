@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select, text
 
 from staleflow.errors import ErrorCode
-from staleflow.ledger import LedgerError, LedgerParams
+from staleflow.ledger import Fate, LedgerError, LedgerParams
 from staleflow.servers import db
 from staleflow.servers.manager.store import DurableLedger, consumption_record
 from staleflow.servers.schema import (
@@ -298,3 +298,58 @@ def test_event_retention_zero_keeps_every_event(url: str) -> None:
         assert event_count(ledger) == 10 * (2 * 2 + 2 + 1)
     finally:
         ledger.close()
+
+
+def collection_sizes(obj: object) -> dict[str, int]:
+    """The size of every in-memory collection an object holds (its sized attributes)."""
+    return {name: len(value) for name, value in vars(obj).items()
+            if hasattr(value, "__len__") and not isinstance(value, str | bytes)}
+
+
+def test_every_in_memory_collection_of_the_ledger_stays_bounded_however_long_the_run(url: str) -> None:
+    """The ledger's memory holds the live groups and the recently retired ones only: the same
+    sizes after 80 steps as after 10, across a restart, while a group retired long ago still
+    cannot be reserved again (its id is looked up in the retired table)."""
+    ledger = DurableLedger.open(url, PARAMS)
+    try:
+        ledger_steps(ledger, 0, 10)
+        early = collection_sizes(ledger.ledger)
+        assert early["_retired"] > 0
+        ledger_steps(ledger, 10, 70)
+        late = collection_sizes(ledger.ledger)
+        assert late.keys() == early.keys()
+        assert {k: n for k, n in late.items() if n > early[k]} == {}
+        assert ledger.ledger.retired_count < 3 * (PARAMS.eta + 3)  # 3 groups retire a step; 240 retired in all
+    finally:
+        ledger.close()
+    ledger = DurableLedger.open(url, PARAMS)
+    try:
+        assert {k: n for k, n in collection_sizes(ledger.ledger).items() if n > early[k]} == {}
+        assert ledger.fate("g3-0") is Fate.CONSUMED and ledger.fate("s3") is Fate.ABORTED
+        with pytest.raises(LedgerError) as again:  # consumed once, for good
+            ledger.reserve("g3-0", 80)
+        assert again.value.code is ErrorCode.DUPLICATE_GROUP
+        with pytest.raises(LedgerError) as late_call:
+            ledger.occupy("g3-1")
+        assert late_call.value.code is ErrorCode.RETIRED_GROUP
+        ledger_steps(ledger, 80, 10)
+    finally:
+        ledger.close()
+    consumed, _ = consumption_record(url)
+    assert len(consumed) == len(set(consumed)) == 2 * 90
+
+
+def test_every_in_memory_collection_of_the_trajectory_store_stays_bounded_however_long_the_run(url: str) -> None:
+    store = TrajectoryStore.open(url)
+    try:
+        for version in range(10):
+            step(store, version)
+        early = {**collection_sizes(store.book), **collection_sizes(store)}
+        for version in range(10, 60):
+            step(store, version)
+        late = {**collection_sizes(store.book), **collection_sizes(store)}
+        assert late.keys() == early.keys()
+        assert {k: n for k, n in late.items() if n > early[k]} == {}
+        assert store.archived_count() == 60 * BATCH * MEMBERS
+    finally:
+        store.close()
