@@ -12,8 +12,11 @@ import venv
 from pathlib import Path
 
 import typer
+from sqlalchemy import select
 
 from staleflow.config import LedgerConfig, ManagerConfig
+from staleflow.servers.schema import ts_groups_archive, ts_trajectories_archive
+from staleflow.servers.trajectories.store import TrajectoryStore
 
 
 def manager_config(tmp_path: Path, db_url: str | None = None, **ledger: object) -> ManagerConfig:
@@ -125,3 +128,16 @@ def calibrate_cli() -> typer.Typer:
 
     register(app)
     return app
+
+
+def group_state(store: TrajectoryStore, group_id: str) -> tuple[int | None, list[str]]:
+    """A group's v_traj and its members' states, from the live store or, once it finished, the archive."""
+    live = store.groups.get(group_id)
+    if live is not None:
+        return live.v_traj, [store.trajs[m].state.value for m in live.member_ids]
+    with store.engine.connect() as conn:
+        v_traj = conn.execute(select(ts_groups_archive.c.v_traj)
+                              .where(ts_groups_archive.c.group_id == group_id)).scalar_one()
+        states = conn.execute(select(ts_trajectories_archive.c.state)
+                              .where(ts_trajectories_archive.c.group_id == group_id)).scalars().all()
+    return v_traj, list(states)

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import select
+from support import group_state
 
 from staleflow.config import JobConfig, LedgerConfig
 from staleflow.config.manager import LedgerParams
 from staleflow.launch.job import Job
 from staleflow.servers.manager.store import DurableLedger
-from staleflow.servers.schema import ts_groups_archive, ts_trajectories_archive
 from staleflow.servers.trajectories.store import TrajectoryStore
 
 ETA, BATCH, GROUP = 1, 4, 2
@@ -86,25 +85,12 @@ def _assert_ledger_intact(state: Path, steps: int) -> None:
             assert seen.isdisjoint(groups), f"buffer {version}: a group was consumed twice"
             seen.update(groups)
             for g in groups:
-                v_traj, states = _group_state(store, g)
+                v_traj, states = group_state(store, g)
                 assert v_traj is not None and 0 <= version - v_traj <= ETA, (version, g, v_traj)
                 assert states == ["consumed"] * GROUP, g
     finally:
         store.close()
         ledger.close()
-
-
-def _group_state(store: TrajectoryStore, group_id: str) -> tuple[int | None, list[str]]:
-    """A group's v_traj and its members' states, from the live store or, once it finished, the archive."""
-    live = store.groups.get(group_id)
-    if live is not None:
-        return live.v_traj, [store.trajs[m].state.value for m in live.member_ids]
-    with store.engine.connect() as conn:
-        v_traj = conn.execute(select(ts_groups_archive.c.v_traj)
-                              .where(ts_groups_archive.c.group_id == group_id)).scalar_one()
-        states = conn.execute(select(ts_trajectories_archive.c.state)
-                              .where(ts_trajectories_archive.c.group_id == group_id)).scalars().all()
-    return v_traj, list(states)
 
 
 def _assert_steps_intact(per_step: list[dict], steps: int) -> None:

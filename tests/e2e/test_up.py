@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import group_state
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
@@ -121,9 +122,8 @@ def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
 
     store = TrajectoryStore.open(f"sqlite:///{state / 'trajectories.db'}")
     try:
-        for g in seen:  # every trajectory of every consumed group reached the trainer
-            members = [store.trajs[m] for m in store.groups[g].member_ids]
-            assert [t.state.value for t in members] == ["consumed", "consumed"], g
+        for g in seen:  # every trajectory of every consumed group reached the trainer (live or archived)
+            assert group_state(store, g)[1] == ["consumed", "consumed"], g
     finally:
         store.close()
 
