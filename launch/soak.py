@@ -219,6 +219,12 @@ class Soak:
         cpu_before, version_before = self._cpu_seconds(job), self._train_version(manager)
         before, t0 = coordinator.get("/v1/coordinator").json(), time.monotonic()
         job.stop.wait(self.window_s)
+        # the CPU per training step needs a step inside the window: a slow machine may take longer
+        # than the window for one, so it is stretched (by at most 10 windows) until one is trained
+        stretch_until = t0 + 10 * self.window_s
+        while (self._train_version(manager) or 0) <= (version_before or 0) and time.monotonic() < stretch_until \
+                and not job.stop.wait(min(0.2, self.window_s)):
+            pass
         after, t1 = coordinator.get("/v1/coordinator").json(), time.monotonic()
         cpu_after, version_after = self._cpu_seconds(job), self._train_version(manager)
         cycles = after["cycles"] - before["cycles"]
