@@ -337,7 +337,7 @@ def test_instance_server_drives_vllm_over_http(harness: Harness) -> None:
 
 
 def test_engine_accounts_for_its_time(harness: Harness) -> None:
-    """After the tests above (fresh prompts, an interrupt and its resume, an abort, two Pulls):
+    """After the tests above (fresh prompts, an interrupt and its resume, an abort, three Pulls: from a path, a blob and the parameter server):
     the engine's own accounting has every part, and the parts add up to its rollout time."""
     stats = harness.run(harness.engine.stats())
     assert stats["available"] and stats["source"] == "engine-measured" and not stats["stale"]
@@ -349,7 +349,7 @@ def test_engine_accounts_for_its_time(harness: Harness) -> None:
     # resumed trajectories re-prefill (what the prefix cache does not hold); the rest is decode
     assert stats["tokens_scheduled"]["reprefill"] > 0 and parts["reprefill"] > 0
     assert stats["tokens_scheduled"]["decode"] > stats["tokens_scheduled"]["prefill"]
-    assert stats["pulls"] == 2 and 0 < stats["weight_load_seconds"] < parts["pull"]
+    assert stats["pulls"] == 3 and 0 < stats["weight_load_seconds"] < parts["pull"]
     # the same time per model version (a version's time starts with the Pull that loaded it)
     per_version = stats["breakdown_per_version"]
     assert set(per_version) == {"0", "1", "2"} and per_version["0"]["pull"] == 0 < per_version["1"]["pull"]
