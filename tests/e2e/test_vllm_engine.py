@@ -337,8 +337,8 @@ def test_instance_server_drives_vllm_over_http(harness: Harness) -> None:
 
 
 def test_engine_accounts_for_its_time(harness: Harness) -> None:
-    """After the tests above (fresh prompts, an interrupt and its resume, an abort, three Pulls: from a path, a blob and the parameter server):
-    the engine's own accounting has every part, and the parts add up to its rollout time."""
+    """After the tests above (fresh prompts, an interrupt and its resume, an abort, three Pulls: from
+    a path, a blob and the parameter server): the engine's own accounting has every part, and the parts add up to its rollout time."""
     stats = harness.run(harness.engine.stats())
     assert stats["available"] and stats["source"] == "engine-measured" and not stats["stale"]
     parts = stats["breakdown_seconds"]
