@@ -132,6 +132,29 @@ class LedgerMachine(RuleBasedStateMachine):
             assert g in self.admitted and g not in self.aborted and g not in self.consumed
             self.aborted.add(g)
 
+    @rule(offset=st.integers(-5, 2), count=st.integers(1, 6))
+    def what_if(self, offset: int, count: int) -> None:
+        """The what-if is exact where it says "now", consistent with itself, and changes nothing."""
+        led = self.ledger
+        before = (led.train_version, led.entries(), led.buffers(), led.sealed, led.counts(), led.admission())
+        version = max(0, led.train_version + offset)
+        answer = led.what_if(version, count)
+        assert (led.train_version, led.entries(), led.buffers(), led.sealed, led.counts(), led.admission()) == before
+        assert answer.room == (oracle_admissible(led, version) if version <= led.train_version else 0)
+        assert answer.admissible == (count <= answer.room)
+        if answer.admissible:
+            assert answer.then_version is None and answer.consume_first == ()
+        elif answer.then_version is not None:
+            assert answer.then_version >= version and answer.then_room >= count
+            assert answer.consume_first == tuple(range(led.train_version, answer.then_version))
+            if not answer.consume_first:
+                assert answer.then_room == oracle_admissible(led, answer.then_version)
+        else:
+            assert count > led.capacity * (led.params.eta + 1)
+        for b in answer.full_buffers:
+            view = next(v for v in led.buffers() if v.version == b)
+            assert len(view.entries) >= view.capacity
+
     # -- invariants --------------------------------------------------------------------
 
     @invariant()
