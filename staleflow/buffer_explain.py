@@ -180,7 +180,7 @@ def explain_buffer(
                   for b, g, v in candidate_entries]
     candidates.sort(key=lambda g: (g.ready_in_s is None, g.ready_in_s or 0.0, g.buffer))
 
-    ready_in, estimate = _buffer_estimate(required, candidates, from_candidates, unreserved, max_tokens)
+    ready_in, estimate = _buffer_estimate(required, candidates, from_candidates, unreserved)
     if consume_first and ready_in is not None:
         estimate += f"; {_buffers(consume_first)} must be consumed first (training time not estimated)"
     summary = _summary(version, view, B, needed, required, candidates, from_candidates, unreserved, consume_first,
@@ -277,10 +277,8 @@ def _where_counts(waits: list[TrajectoryWait]) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in counts.items())
 
 
-def _buffer_estimate(required: list[GroupWait], candidates: list[GroupWait], from_candidates: int, unreserved: int,
-                     max_tokens: int | None) -> tuple[float | None, str]:
-    if max_tokens is None:
-        return None, "cannot estimate: the trajectories' max_tokens is unknown"
+def _buffer_estimate(required: list[GroupWait], candidates: list[GroupWait], from_candidates: int,
+                     unreserved: int) -> tuple[float | None, str]:
     if unreserved:
         return None, (f"cannot estimate: {unreserved} slot{'s' if unreserved != 1 else ''} wait for groups that are "
                       "not reserved yet (see admission)")
