@@ -135,9 +135,21 @@ def _buffer_table(data: dict) -> Table:
 
 
 @app.command()
-def buffers(url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False,
+def buffers(version: Annotated[int | None, typer.Argument(
+                min=0, metavar="VERSION", help="only this buffer (with --why: default the next to train)")] = None,
+            why: Annotated[bool, typer.Option("--why", help=(
+                "why the buffer is not consumable yet: the groups it waits for, where their trajectories run, "
+                "how far they got, and when the cost model expects it ready (asks the coordinator)"))] = False,
+            coordinator_url: Annotated[str | None, typer.Option(
+                "--coordinator-url", help="with --why: coordinator URL (default: the running job's)")] = None,
+            url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False,
             launcher: Launcher = "local", namespace: Namespace = None, ray_address: RayAddress = None) -> None:
-    """Show the staleness buffers of a running manager."""
+    """Show the staleness buffers of a running manager; --why explains one."""
+    if why:
+        from staleflow.cli.explain import why as explain_why
+
+        explain_why(version, url, coordinator_url, state_dir, as_json, launcher, namespace, ray_address)
+        return
     on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
     url = url or (on_ray["manager"]["url"] if on_ray else
                   resolve_url(url, "manager", state_dir, "STALEFLOW_MANAGER_URL", DEFAULT_MANAGER_URL))
@@ -149,6 +161,13 @@ def buffers(url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_
                    "start one with `staleflow up` or `staleflow serve manager`, or pass --url") from None
     except ServiceError as exc:
         raise fail(f"the manager at {url} refused: {exc}") from None
+    if version is not None:
+        live = [b for b in data["buffers"] if b["version"] == version]
+        if not live:
+            first, last = data["train_version"], data["train_version"] + data["eta"]
+            raise fail(f"buffer {version} is not live: the live buffers are {first}..{last}",
+                       "ask about one of them, or `staleflow buffers --why VERSION` for a consumed one")
+        data = {**data, "buffers": live}
     if as_json:
         typer.echo(json.dumps(data))
     else:
@@ -265,6 +284,7 @@ def _register_commands() -> None:
         calibrate,
         demo,
         experiment,
+        explain,
         faults,
         ray_launcher,
         serve_instance,
@@ -280,6 +300,7 @@ def _register_commands() -> None:
     calibrate.register(app)
     demo.register(app)
     experiment.register(app)
+    explain.register(app)
     faults.register(app)
     ray_launcher.register(app)
     serve_instance.register(serve_app)

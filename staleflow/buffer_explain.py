@@ -107,7 +107,7 @@ class BufferExplanation:
     needed: int  # groups still to be occupied before it is ready (in it and the buffers before it)
     unreserved: int  # of those, slots no live group can fill: they wait for groups not reserved yet
     consume_first: tuple[int, ...]  # buffers the trainer consumes before it
-    groups: tuple[GroupWait, ...]  # required groups first, then candidates by expected readiness
+    groups: tuple[GroupWait, ...]  # required groups first, then candidates (if it needs any) by expected readiness
     ready_in_s: float | None
     estimate: str  # how the estimate was made, or why there is none
     summary: str
@@ -185,7 +185,8 @@ def explain_buffer(
         estimate += f"; {_buffers(consume_first)} must be consumed first (training time not estimated)"
     summary = _summary(version, view, B, needed, required, candidates, from_candidates, unreserved, consume_first,
                        ready_in, estimate)
-    return BufferExplanation(**base, unreserved=unreserved, groups=(*required, *candidates), ready_in_s=ready_in,
+    useful = candidates if from_candidates > 0 else []  # none of them can fill a slot it needs
+    return BufferExplanation(**base, unreserved=unreserved, groups=(*required, *useful), ready_in_s=ready_in,
                              estimate=estimate, summary=summary)
 
 

@@ -5,6 +5,7 @@ the trajectory server routed their trajectories to, at the progress the instance
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import httpx
 from support import manager_config
+from typer.testing import CliRunner
 
+from staleflow.cli.main import app
 from staleflow.config import LedgerConfig
 from staleflow.config.strategy import MigrationMode, StrategyConfig
 from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
@@ -91,11 +94,26 @@ def test_a_live_job_says_which_groups_a_buffer_waits_for_and_where_they_run(tmp_
         assert answer["ready_in_s"] == max(g["ready_in_s"] for g in answer["groups"] if g["required"])
         assert "expected ready in" in answer["summary"]
 
+        # the command line asks the same live job (the head buffer by default)
+        runner = CliRunner()
+        cli = ["--url", manager_url, "--coordinator-url", coordinator.url, "--state-dir", str(tmp_path)]
+        as_json = runner.invoke(app, ["buffers", "--why", "--json", *cli])
+        assert as_json.exit_code == 0, as_json.output
+        assert {g["group_id"] for g in json.loads(as_json.output)["groups"] if g["required"]} == reserved_in_head
+        table = runner.invoke(app, ["buffers", "--why", "0", *cli], env={"COLUMNS": "250"})
+        assert table.exit_code == 0, table.output
+        assert "buffer 0 is stuck" in table.output and "expected ready in" in table.output
+        for group in reserved_in_head:
+            assert group in table.output
+        assert "running on a" in table.output and "running on b" in table.output
+        gone = runner.invoke(app, ["buffers", "--why", "9", *cli])
+        assert gone.exit_code == 2 and "not live yet" in gone.output and "staleflow buffers" in gone.output
+
         # instance a generates for a while (virtual time): the answer follows its progress
         before = {t["traj_id"]: t for g in answer["groups"] for t in g["trajectories"]}
         instances["a"].post("/v1/sim/advance", json={"by": 1.0})
         held = instances["a"].get("/v1/progress").json()["held"]
-        on_a = [traj for traj, inst in where.items() if inst == "a"]
+        on_a = [traj for traj in before if where[traj] == "a"]
         assert on_a and all(held[traj] > 0 for traj in on_a)
 
         def caught_up() -> dict | None:
@@ -107,7 +125,7 @@ def test_a_live_job_says_which_groups_a_buffer_waits_for_and_where_they_run(tmp_
         assert isinstance(now, dict)
         for traj in on_a:
             assert now[traj]["ready_in_s"] < before[traj]["ready_in_s"], "closer to done"
-        for traj in set(where) - set(on_a):
+        for traj in set(before) - set(on_a):
             assert now[traj]["generated"] == before[traj]["generated"] == 0, "b's clock did not move"
 
         # a buffer that is not live: the one error shape, with its code

@@ -100,6 +100,15 @@ def test_required_groups_without_an_estimate_say_why_and_give_no_time() -> None:
     assert "cannot estimate" in answer.summary
 
 
+def test_groups_in_later_buffers_are_left_out_when_the_buffer_needs_none_of_them() -> None:
+    led = ledger(1, 1, ["g0", "g1"])  # g0 is placed in buffer 1, g1 in buffer 0
+    trajs = [routed("g0-m0", "a"), routed("g1-m0", "a")]
+    answer = explain(led, 0, trajs, [InstanceSeen("a", "live", running=frozenset({"g0-m0", "g1-m0"}), cost=STEP)],
+                     group_size=1)
+    assert [(g.group_id, g.required) for g in answer.groups] == [("g1", True)]
+    assert answer.ready_in_s == pytest.approx(1.0)
+
+
 def test_slots_no_live_group_can_fill_wait_for_new_reservations() -> None:
     led = ledger(1, 3, ["g0", "g1"], ["g0"])
     answer = explain(led, 0, [routed("g1-m0", "a", 0), routed("g1-m1", "a", 0)],

@@ -1,0 +1,129 @@
+"""Asking the ledger why: ``staleflow buffers --why [V]`` (why a buffer is not consumable yet, from
+the coordinator) and ``staleflow admission`` (what the ledger admits, and whether N more groups of
+version V would fit now)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from staleflow.cli.common import DEFAULT_MANAGER_URL, DEFAULT_STATE_DIR, console, fail, job_token, resolve_url
+from staleflow.cli.ray_launcher import Launcher, Namespace, RayAddress, job_endpoints
+from staleflow.servers.clients import http_client
+
+DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8340"
+START_A_JOB = "start a job with `staleflow up`, or pass --state-dir (or the service's URL)"
+
+
+def _ask(url: str, path: str, what: str, state_dir: Path, **params: object) -> dict:
+    """GET a JSON answer; a refusal or silence becomes an error message that says the fix."""
+    try:
+        with http_client(url, timeout=30, token=job_token(state_dir)) as client:
+            reply = client.get(path, params=params or None)
+    except httpx.TransportError as exc:
+        raise fail(f"no {what} answers at {url} ({exc.__class__.__name__}): no job running at {state_dir}?",
+                   START_A_JOB) from None
+    try:
+        body = reply.json()
+    except ValueError:
+        body = {"detail": reply.text}
+    if reply.status_code != 200:
+        fix = {"unknown_buffer": "ask about a live buffer (`staleflow buffers` lists them)",
+               "upstream_unavailable": "check the job's components with `staleflow status`",
+               "invalid_request": "check the flags' values"}.get(body.get("code"))
+        raise fail(f"the {what} at {url} refused: {body.get('detail', reply.text)}", fix)
+    return body
+
+
+def _urls(state_dir: Path, launcher: str, namespace: str | None, ray_address: str | None) -> dict[str, str]:
+    on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
+    if on_ray:
+        return {name: on_ray[name]["url"] for name in ("manager", "coordinator")}
+    return {"manager": resolve_url(None, "manager", state_dir, "STALEFLOW_MANAGER_URL", DEFAULT_MANAGER_URL),
+            "coordinator": resolve_url(None, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL",
+                                       DEFAULT_COORDINATOR_URL)}
+
+
+def why(version: int | None, manager_url: str | None, coordinator_url: str | None, state_dir: Path, as_json: bool,
+        launcher: str, namespace: str | None, ray_address: str | None) -> None:
+    """``staleflow buffers --why [V]``: the coordinator's explanation of buffer V (default: the next to train)."""
+    urls = _urls(state_dir, launcher, namespace, ray_address)
+    coordinator_url = coordinator_url or urls["coordinator"]
+    if version is None:
+        version = _ask(manager_url or urls["manager"], "/v1/health", "staleness manager", state_dir)["train_version"]
+    answer = _ask(coordinator_url, f"/v1/buffers/{version}/explain", "coordinator", state_dir)
+    if as_json:
+        typer.echo(json.dumps(answer))
+        return
+    console.print(explanation_text(answer))
+    if answer["groups"]:
+        console.print(_groups_table(answer))
+
+
+def explanation_text(answer: dict) -> str:
+    colors = {"ready": "green", "stuck": "red", "waiting": "yellow", "consumed": "blue"}
+    summary = f"[{colors.get(answer['state'], 'white')}]{escape(answer['summary'])}[/]"
+    if answer["consumable"] or answer["state"] == "consumed":
+        return summary
+    return f"{summary}\n[bold]estimate:[/] {escape(answer['estimate'])}"
+
+
+def _groups_table(answer: dict) -> Table:
+    table = Table(title=f"what buffer {answer['version']} waits for")
+    for col in ("group", "in buffer", "must occupy", "members done", "group ready in", "trajectory", "where",
+                "tokens", "ready in"):
+        table.add_column(col)
+    for g in answer["groups"]:
+        first = True
+        for t in g["trajectories"] or [None]:
+            group_cells = (escape(g["group_id"]), str(g["buffer"]), "yes" if g["required"] else "",
+                           f"{g['completed']}/{g['needed']}", _seconds(g["ready_in_s"])) if first else ("",) * 5
+            first = False
+            if t is None:
+                table.add_row(*group_cells, "-", escape(g["note"]), "", "")
+                continue
+            tokens = f"{t['generated']}/{t['max_tokens']}" if t["max_tokens"] else str(t["generated"])
+            table.add_row(*group_cells, escape(t["traj_id"]), escape(t["where"]), tokens, _seconds(t["ready_in_s"]))
+    return table
+
+
+def _seconds(value: float | None) -> str:
+    return "?" if value is None else f"{value:.1f} s"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def admission(
+        version: Annotated[int | None, typer.Option("--version", min=0, help=(
+            "what if: could --count more groups with this V_traj be reserved now, and if not, why"))] = None,
+        count: Annotated[int, typer.Option("--count", min=1, help="what if: how many groups")] = 1,
+        url: Annotated[str | None, typer.Option("--url", help="staleness manager URL (default: the running job's)")]
+        = None,
+        state_dir: Annotated[Path, typer.Option("--state-dir", help="the run's state directory")] = DEFAULT_STATE_DIR,
+        as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+        launcher: Launcher = "local", namespace: Namespace = None, ray_address: RayAddress = None,
+    ) -> None:
+        """How many new groups the ledger admits at each V_traj; with --version, whether --count more
+        would fit now, and if not, which buffers are full and what must be consumed first."""
+        url = url or _urls(state_dir, launcher, namespace, ray_address)["manager"]
+        params = {"version": version, "count": count} if version is not None else {}
+        answer = _ask(url, "/v1/admission", "staleness manager", state_dir, **params)
+        if as_json:
+            typer.echo(json.dumps(answer))
+            return
+        table = Table(title=f"admission at train version {answer['train_version']}  eta={answer['eta']}")
+        table.add_column("v_traj")
+        table.add_column("groups it admits now")
+        for v, n in answer["admissible"].items():
+            table.add_row(v, str(n))
+        console.print(table)
+        what_if = answer.get("what_if")
+        if what_if:
+            verdict = "[green]yes[/]" if what_if["admissible"] else "[red]no[/]"
+            console.print(f"{count} more with v_traj {version}? {verdict}: {escape(what_if['reason'])}")
