@@ -145,7 +145,7 @@ class AdmissionWhatIf:
     room: int  # groups with this V_traj that fit now
     reason: str
     full_buffers: tuple[int, ...] = ()  # the buffers with no free slot in the first window prefix `count` overflows
-    consume_first: tuple[int, ...] = ()  # buffers to consume before `count` groups fit, at `then_version`
+    consume_through: int | None = None  # consume buffers train_version..this first: then `count` groups fit
     then_version: int | None = None  # the V_traj those groups could carry then (None: admissible now, or never)
     then_room: int | None = None  # how many groups of `then_version` fit then (an estimate once buffers are consumed)
 
@@ -312,18 +312,19 @@ class Ledger:
         if then is None:
             return AdmissionWhatIf(version, count, t, room, f"{ask} {misses}: {why}; no version ever fits "
                                    f"{count}: a window holds {C * (eta + 1)} groups", full)
-        consumed, then_version, then_room = then
-        if consumed:
-            plan = (f"consume {_buffers(consumed[0], consumed[-1])} first: then v_traj {then_version} "
+        through, then_version, then_room = then
+        if through is not None:
+            plan = (f"consume {_buffers(t, through)} first: then v_traj {then_version} "
                     f"has room for about {then_room}")
         else:
             plan = f"v_traj {then_version} has room for {then_room} now"
-        return AdmissionWhatIf(version, count, t, room, f"{ask} {misses}: {why}; {plan}", full,
-                               tuple(consumed), then_version, then_room)
+        return AdmissionWhatIf(version, count, t, room, f"{ask} {misses}: {why}; {plan}", full, through,
+                               then_version, then_room)
 
-    def _room_after_consuming(self, version: int, count: int) -> tuple[list[int], int, int] | None:
+    def _room_after_consuming(self, version: int, count: int) -> tuple[int | None, int, int] | None:
         """The fewest buffers to consume (and the version) for ``count`` groups of V_traj ``version``
-        or newer to fit: ``(buffers, version, room)``; None when no window holds that many. Once
+        or newer to fit: ``(the last buffer to consume or None, version, room)``; None when no window
+        holds that many. Once
         buffers are consumed the room is an estimate: the entries now placed in the buffers that
         remain stay, the consumed buffers' entries leave."""
         t, eta, C = self.train_version, self.params.eta, self.capacity
@@ -337,7 +338,7 @@ class Ledger:
             else:
                 room = C * (eta + 1) - sum(len(v.entries) for v in views[m:])
             if room >= count:
-                return list(range(t, newest)), max(version, newest), room
+                return (newest - 1 if m else None), max(version, newest), room
         raise AssertionError("a fresh window holds C * (eta + 1) groups")
 
     def _admission_counts(self) -> dict[int, int]:

@@ -64,9 +64,11 @@ class WhatIfOut(BaseModel):
     room: int = Field(description="how many groups with that V_traj could be reserved now")
     reason: str = Field(description="the answer in words")
     full_buffers: list[int] = Field(description="the buffers with no free slot where the groups would have to go")
-    consume_first: list[int] = Field(description="buffers to consume before that many groups fit (at then_version)")
-    then_version: int | None = Field(description="the V_traj that many groups could carry once consume_first is "
-                                                 "consumed (null: admissible now, or never)")
+    consume_through: int | None = Field(description="consume the buffers from the trainer's version up to this one "
+                                                    "first: then that many groups fit (at then_version); null: "
+                                                    "nothing to consume")
+    then_version: int | None = Field(description="the V_traj that many groups could carry (once consume_through is "
+                                                 "consumed; null: admissible now, or never)")
     then_room: int | None = Field(description="the room at then_version then (an estimate when buffers must be "
                                               "consumed first)")
 

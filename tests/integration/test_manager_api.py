@@ -82,7 +82,7 @@ def test_admission_what_if_answers_why_and_changes_nothing(manager: ManagerClien
     assert fits["admissible"] == {"0": 0}
     what_if = fits["what_if"]
     assert what_if["count"] == 1 and not what_if["admissible"] and what_if["room"] == 0
-    assert what_if["full_buffers"] == [0, 1] and what_if["consume_first"] == [0] and what_if["then_version"] == 1
+    assert what_if["full_buffers"] == [0, 1] and what_if["consume_through"] == 0 and what_if["then_version"] == 1
     assert "consume buffer 0 first" in what_if["reason"]
     assert manager.http.get("/v1/admission").json()["what_if"] is None, "only asked for"
     assert (manager.buffers(), manager.events()) == before, "a what-if never changes the ledger"

@@ -143,11 +143,13 @@ class LedgerMachine(RuleBasedStateMachine):
         assert answer.room == (oracle_admissible(led, version) if version <= led.train_version else 0)
         assert answer.admissible == (count <= answer.room)
         if answer.admissible:
-            assert answer.then_version is None and answer.consume_first == ()
+            assert answer.then_version is None and answer.consume_through is None
         elif answer.then_version is not None:
             assert answer.then_version >= version and answer.then_room >= count
-            assert answer.consume_first == tuple(range(led.train_version, answer.then_version))
-            if not answer.consume_first:
+            if answer.then_version > led.train_version:
+                assert answer.consume_through == answer.then_version - 1
+            else:
+                assert answer.consume_through is None
                 assert answer.then_room == oracle_admissible(led, answer.then_version)
         else:
             assert count > led.capacity * (led.params.eta + 1)
