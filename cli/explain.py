@@ -8,37 +8,14 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-import httpx
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from staleflow.cli.common import DEFAULT_MANAGER_URL, DEFAULT_STATE_DIR, console, fail, job_token, resolve_url
+from staleflow.cli.common import DEFAULT_MANAGER_URL, DEFAULT_STATE_DIR, console, get_json, resolve_url
 from staleflow.cli.ray_launcher import Launcher, Namespace, RayAddress, job_endpoints
-from staleflow.servers.clients import http_client
 
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8340"
-START_A_JOB = "start a job with `staleflow up`, or pass --state-dir (or the service's URL)"
-
-
-def _ask(url: str, path: str, what: str, state_dir: Path, **params: object) -> dict:
-    """GET a JSON answer; a refusal or silence becomes an error message that says the fix."""
-    try:
-        with http_client(url, timeout=30, token=job_token(state_dir)) as client:
-            reply = client.get(path, params=params or None)
-    except httpx.TransportError as exc:
-        raise fail(f"no {what} answers at {url} ({exc.__class__.__name__}): no job running at {state_dir}?",
-                   START_A_JOB) from None
-    try:
-        body = reply.json()
-    except ValueError:
-        body = {"detail": reply.text}
-    if reply.status_code != 200:
-        fix = {"unknown_buffer": "ask about a live buffer (`staleflow buffers` lists them)",
-               "upstream_unavailable": "check the job's components with `staleflow status`",
-               "invalid_request": "check the flags' values"}.get(body.get("code"))
-        raise fail(f"the {what} at {url} refused: {body.get('detail', reply.text)}", fix)
-    return body
 
 
 def _urls(state_dir: Path, launcher: str, namespace: str | None, ray_address: str | None) -> dict[str, str]:
@@ -56,8 +33,8 @@ def why(version: int | None, manager_url: str | None, coordinator_url: str | Non
     urls = _urls(state_dir, launcher, namespace, ray_address)
     coordinator_url = coordinator_url or urls["coordinator"]
     if version is None:
-        version = _ask(manager_url or urls["manager"], "/v1/health", "staleness manager", state_dir)["train_version"]
-    answer = _ask(coordinator_url, f"/v1/buffers/{version}/explain", "coordinator", state_dir)
+        version = get_json(manager_url or urls["manager"], "/v1/health", "staleness manager", state_dir)["train_version"]
+    answer = get_json(coordinator_url, f"/v1/buffers/{version}/explain", "coordinator", state_dir)
     if as_json:
         typer.echo(json.dumps(answer))
         return
@@ -113,7 +90,7 @@ def register(app: typer.Typer) -> None:
         would fit now, and if not, which buffers are full and what must be consumed first."""
         url = url or _urls(state_dir, launcher, namespace, ray_address)["manager"]
         params = {"version": version, "count": count} if version is not None else {}
-        answer = _ask(url, "/v1/admission", "staleness manager", state_dir, **params)
+        answer = get_json(url, "/v1/admission", "staleness manager", state_dir, **params)
         if as_json:
             typer.echo(json.dumps(answer))
             return

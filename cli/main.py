@@ -19,6 +19,7 @@ from staleflow.cli.common import (
     console,
     endpoints,
     fail,
+    get_json,
     job_token,
     readable,
     resolve_url,
@@ -174,22 +175,6 @@ def buffers(version: Annotated[int | None, typer.Argument(
         console.print(_buffer_table(data))
 
 
-def _get(url: str, path: str, what: str, state_dir: Path, **params: object) -> dict:
-    try:
-        with http_client(url, timeout=10, token=job_token(state_dir)) as client:
-            reply = client.get(path, params=params or None)
-    except httpx.TransportError as exc:
-        raise fail(f"no {what} answers at {url} ({exc.__class__.__name__})",
-                   "start a job with `staleflow up`, or pass --url / --state-dir") from None
-    if reply.status_code != 200:
-        try:
-            error = ServiceError(reply.status_code, reply.json()["detail"], reply.json())
-        except (ValueError, KeyError, TypeError):
-            error = ServiceError(reply.status_code, reply.text)
-        raise fail(f"the {what} at {url} refused: {error}")
-    return reply.json()
-
-
 CoordinatorUrl = Annotated[str | None, typer.Option("--url", help="coordinator URL (default: the running job's)")]
 
 
@@ -200,7 +185,7 @@ def instances(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DI
     on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
     url = url or (on_ray["coordinator"]["url"] if on_ray else
                   resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340"))
-    data = _get(url, "/v1/instances", "coordinator", state_dir)
+    data = get_json(url, "/v1/instances", "coordinator", state_dir)
     if as_json:
         typer.echo(json.dumps(data))
         return
@@ -222,7 +207,7 @@ def commands(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR
              as_json: AsJson = False) -> None:
     """The coordinator's most recent commands with their timing and outcome."""
     url = resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340")
-    data = _get(url, "/v1/commands", "coordinator", state_dir, limit=limit)
+    data = get_json(url, "/v1/commands", "coordinator", state_dir, limit=limit)
     if as_json:
         typer.echo(json.dumps(data))
         return

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import venv
+from contextlib import ExitStack
 from pathlib import Path
 
 import typer
@@ -22,6 +23,21 @@ from staleflow.servers.trajectories.store import TrajectoryStore
 def manager_config(tmp_path: Path, db_url: str | None = None, **ledger: object) -> ManagerConfig:
     return ManagerConfig(ledger=LedgerConfig(**{"eta": 1, "batch_size": 2, "group_size": 1, **ledger}),
                          state_dir=tmp_path, db_url=db_url, port=0)
+
+
+def manager_and_trajectory_server(stack: ExitStack, tmp_path: Path, max_tokens: int, **ledger: int) -> tuple[str, str]:
+    """A staleness manager and a trajectory server (sim rewards) on loopback for the rest of
+    ``stack``, sharing ``ledger``'s settings; returns their URLs."""
+    from staleflow.servers.http import serve_in_thread
+    from staleflow.servers.manager import create_app as manager_app
+    from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
+    from staleflow.servers.trajectories import create_app as ts_app
+
+    manager_url = stack.enter_context(serve_in_thread(manager_app(manager_config(tmp_path, **ledger)))).url
+    ts_url = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
+        ledger=LedgerConfig(**ledger), manager_url=manager_url, state_dir=tmp_path, reward="sim",
+        sampling=SamplingConfig(max_tokens=max_tokens))))).url
+    return manager_url, ts_url
 
 
 def free_port() -> int:

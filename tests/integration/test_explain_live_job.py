@@ -12,11 +12,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-from support import manager_config
+from support import manager_and_trajectory_server
 from typer.testing import CliRunner
 
 from staleflow.cli.main import app
-from staleflow.config import LedgerConfig
 from staleflow.config.strategy import MigrationMode, StrategyConfig
 from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.app import create_app as coordinator_app
@@ -24,9 +23,6 @@ from staleflow.servers.clients import http_client
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
-from staleflow.servers.manager import create_app as manager_app
-from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
-from staleflow.servers.trajectories import create_app as ts_app
 
 ETA, BATCH, GROUP, MAX_TOKENS = 1, 2, 2, 4096
 
@@ -42,11 +38,8 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0) -> object:
 
 def test_a_live_job_says_which_groups_a_buffer_waits_for_and_where_they_run(tmp_path: Path) -> None:
     with ExitStack() as stack:
-        manager_url = stack.enter_context(serve_in_thread(manager_app(
-            manager_config(tmp_path, eta=ETA, batch_size=BATCH, group_size=GROUP)))).url
-        ts_url = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
-            ledger=LedgerConfig(eta=ETA, batch_size=BATCH, group_size=GROUP), manager_url=manager_url,
-            state_dir=tmp_path, reward="sim", sampling=SamplingConfig(max_tokens=MAX_TOKENS))))).url
+        manager_url, ts_url = manager_and_trajectory_server(stack, tmp_path, MAX_TOKENS, eta=ETA, batch_size=BATCH,
+                                                            group_size=GROUP)
         instances: dict[str, httpx.Client] = {}
         endpoints = []
         for name in ("a", "b"):
