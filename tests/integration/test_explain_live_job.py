@@ -121,8 +121,19 @@ def test_a_live_job_says_which_groups_a_buffer_waits_for_and_where_they_run(tmp_
         for traj in set(before) - set(on_a):
             assert now[traj]["generated"] == before[traj]["generated"] == 0, "b's clock did not move"
 
+        # both instances run their trajectories to the end: the buffer becomes consumable, then consumed
+        for client in instances.values():
+            client.post("/v1/sim/advance", json={"until_idle": True})
+        ready = wait_for(lambda: (a := co.get("/v1/buffers/0/explain").json())["consumable"] and a)
+        assert isinstance(ready, dict)
+        assert ready["state"] == "ready" and ready["needed"] == 0 and ready["groups"] == []
+        assert "can consume it now" in ready["summary"]
+        consumed = manager.post("/v1/consume", params={"version": 0}).json()
+        after = co.get("/v1/buffers/0/explain").json()
+        assert after["state"] == "consumed" and not after["consumable"] and after["occupied"] == len(consumed["group_ids"])
+
         # a buffer that is not live: the one error shape, with its code
         unknown = co.get("/v1/buffers/7/explain")
         assert unknown.status_code == 404 and unknown.json()["code"] == "unknown_buffer"
-        assert "live buffers are 0..1" in unknown.json()["detail"]
+        assert "live buffers are 1..2" in unknown.json()["detail"]
         assert co.get("/v1/buffers/-1/explain").status_code == 422
