@@ -7,15 +7,17 @@ them at one moment, into one answer.
 
 What a buffer waits for
 -----------------------
-Buffer ``v`` can be consumed once the buffers before it are and it holds B occupied groups. The
-ledger places occupied groups in the earliest buffers and reserved ones in the latest, so buffers
-``t..v`` (the prefix up to ``v``) fill with occupied groups exactly when ``needed`` more groups
-are occupied, ``needed`` being the sum over the prefix of what each buffer lacks of B. Without
-batch redundancy a reserved group placed in the prefix cannot be placed later: it holds a slot
-there and must be occupied itself (it is *required*). The remaining slots are filled by any group
-now reserved in a later buffer (a *candidate*: once occupied it moves forward). With batch
-redundancy (capacity above B) any reserved group may be the one that fills a slot, so all are
-candidates. Slots no live group can fill wait for groups not reserved yet.
+Buffer ``v`` can be consumed once the buffers before it are and it holds B occupied groups. Each
+of the buffers ``t..v`` takes B occupied groups whose window reaches it, so they need ``needed``
+more groups occupied (what they lack of B, counting an occupied group a buffer holds beyond B
+towards the next one its window reaches). Without batch redundancy a reserved group whose window
+ends by ``v`` trains in one of these buffers and takes a slot there: it must be occupied itself
+(it is *required*). The other slots go to the first groups to be occupied among the other
+reserved ones (any of them: their windows cover ``t..v``); slots that even all of them cannot
+fill wait for groups not reserved yet. With batch redundancy a seal pins a batch and aborts what
+no longer fits, so which groups can fill a slot depends on where the others sit: the answer
+replays the ledger's own rules on a copy, occupying the reserved groups in the order they are
+expected to finish, and names the ones it takes.
 
 When
 ----
@@ -36,9 +38,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from staleflow.config.manager import LedgerParams
 from staleflow.cost_model import CostModel
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.ledger import BufferView, EntryStatus
+from staleflow.ledger import BufferView, Entry, EntryStatus, Ledger, LedgerError
 
 DONE_STATES = frozenset({"completed", "rewarded", "consumed"})
 GONE_STATES = frozenset({"cancelling", "aborted"})
@@ -85,7 +88,7 @@ class GroupWait:
     group_id: str
     v_traj: int
     buffer: int  # the buffer the ledger places it in now
-    required: bool  # it holds a slot in the buffers up to the one asked about: it must be occupied itself
+    required: bool  # its window ends by the buffer asked about (no redundancy): it must be occupied itself
     completed: int  # members completed
     needed: int  # members it needs completed (G)
     trajectories: tuple[TrajectoryWait, ...]
@@ -140,10 +143,10 @@ def explain_buffer(
                              f"{buffers[0].version}..{buffers[-1].version}", version=version)
     view = by_version[version]
     prefix = [b for b in buffers if b.version <= version]
-    later = [b for b in buffers if b.version > version]
     B = batch_size
+    eta = len(buffers) - 1
     redundant = any(b.capacity > B for b in buffers)
-    needed = sum(max(0, B - b.occupied) for b in prefix)
+    needed = _shortfall(prefix, B, eta)
     consume_first = tuple(range(train_version, version))
     reserved = len(view.entries) - view.occupied
     empty = max(0, view.capacity - len(view.entries))
@@ -167,11 +170,12 @@ def explain_buffer(
         members.setdefault(t.group_id, []).append(t)
     finish = _finish_times(members, instances, max_tokens)
 
-    def reserved_in(views: list[BufferView]) -> list[tuple[int, str, int]]:
-        return [(b.version, e.group_id, e.v_traj) for b in views for e in b.entries if e.status is EntryStatus.RESERVED]
-
-    required_entries = [] if redundant else reserved_in(prefix)
-    candidate_entries = reserved_in(later) + (reserved_in(prefix) if redundant else [])
+    reserved_entries = [(b.version, e.group_id, e.v_traj) for b in buffers for e in b.entries
+                        if e.status is EntryStatus.RESERVED]
+    # without redundancy a group whose window ends by `version` trains in one of these buffers, which
+    # are full only once it is occupied; with redundancy it may be aborted as surplus instead
+    required_entries = [] if redundant else [r for r in reserved_entries if r[2] + eta <= version]
+    candidate_entries = [r for r in reserved_entries if r not in required_entries]
     from_candidates = needed - len(required_entries)
     unreserved = max(0, from_candidates - len(candidate_entries))
     required = [_group(g, v, b, True, members.get(g, []), group_size, finish, max_tokens)
@@ -179,15 +183,97 @@ def explain_buffer(
     candidates = [_group(g, v, b, False, members.get(g, []), group_size, finish, max_tokens)
                   for b, g, v in candidate_entries]
     candidates.sort(key=lambda g: (g.ready_in_s is None, g.ready_in_s or 0.0, g.buffer))
+    if redundant:
+        # which groups can fill a slot depends on where the ledger pins the others and what a seal
+        # aborts: replay the ledger's own rules, occupying groups in the order they are expected
+        used, unreserved = _replay(buffers, B, train_version, version, [g.group_id for g in candidates])
+        candidates = [g for g in candidates if g.group_id in used] if unreserved == 0 else candidates
+        from_candidates = len(candidates) if unreserved == 0 else len(candidates) + unreserved
 
     ready_in, estimate = _buffer_estimate(required, candidates, from_candidates, unreserved)
     if consume_first and ready_in is not None:
         estimate += f"; {_buffers(consume_first)} must be consumed first (training time not estimated)"
     summary = _summary(version, view, B, needed, required, candidates, from_candidates, unreserved, consume_first,
-                       ready_in, estimate)
+                       ready_in, estimate, redundant)
     useful = candidates if from_candidates > 0 else []  # none of them can fill a slot it needs
     return BufferExplanation(**base, unreserved=unreserved, groups=(*required, *useful), ready_in_s=ready_in,
                              estimate=estimate, summary=summary)
+
+
+def _rebuild(buffers: list[BufferView], batch_size: int, train_version: int) -> Ledger:
+    """A ledger holding what the views show: the same entries, placement and seal. Admission order
+    is what the placement implies (occupied groups earliest first, reservations latest first)."""
+    eta = len(buffers) - 1
+    capacity = max(b.capacity for b in buffers)
+    params = LedgerParams(eta=eta, batch_size=batch_size, batch_redundancy=(capacity - batch_size) / batch_size)
+    occupied = [e for b in buffers for e in b.entries if e.status is EntryStatus.OCCUPIED]
+    reserved = [e for b in reversed(buffers) for e in b.entries if e.status is EntryStatus.RESERVED]
+    entries = [Entry(e.group_id, e.v_traj, e.v_traj + eta, e.status, seq,
+                     seq if e.status is EntryStatus.OCCUPIED else None)
+               for seq, e in enumerate([*occupied, *reserved], start=1)]
+    head = buffers[0]
+    sealed = [e.group_id for e in head.entries] if head.capacity < capacity else []
+    return Ledger.restore(params, train_version, entries, {}, sealed)
+
+
+def _copy(ledger: Ledger) -> Ledger:
+    return Ledger.restore(ledger.params, ledger.train_version, [e.copy() for e in ledger.entries()], {}, ledger.sealed)
+
+
+def _consumable_through(ledger: Ledger, version: int, occupy: list[str]) -> tuple[bool, list[str]]:
+    """On a copy: occupy these groups (those still live: a seal may abort others as surplus), then
+    can the trainer consume every buffer up to ``version``? Returns that and the groups occupied."""
+    copy = _copy(ledger)
+    done = []
+    for g in occupy:
+        entry = copy.entry(g)
+        if entry is not None and entry.status is EntryStatus.RESERVED:
+            copy.occupy(g)
+            done.append(g)
+    try:
+        while copy.train_version <= version:
+            copy.consume()
+    except LedgerError:
+        return False, done
+    return True, done
+
+
+def _replay(buffers: list[BufferView], batch_size: int, train_version: int, version: int,
+            order: list[str]) -> tuple[list[str], int]:
+    """Occupy reserved groups in ``order`` on a ledger rebuilt from the views until every buffer up
+    to ``version`` can be consumed: the groups that took (all but the surplus-aborted), and 0; or,
+    when all of them are not enough, all of them and how many more groups it needs."""
+    ledger = _rebuild(buffers, batch_size, train_version)
+    low, high = 0, len(order)  # consumability only grows with the groups occupied: bisect the fewest
+    if not _consumable_through(ledger, version, order)[0]:
+        copy = _copy(ledger)
+        for g in order:
+            if copy.entry(g) is not None:
+                copy.occupy(g)
+        prefix = [b for b in copy.buffers() if b.version <= version]
+        return order, max(1, _shortfall(prefix, batch_size, len(buffers) - 1))
+    while low < high:
+        middle = (low + high) // 2
+        if _consumable_through(ledger, version, order[:middle])[0]:
+            high = middle
+        else:
+            low = middle + 1
+    return _consumable_through(ledger, version, order[:low])[1], 0
+
+
+def _shortfall(prefix: list[BufferView], batch_size: int, eta: int) -> int:
+    """How many more occupied groups buffers ``prefix`` need to be consumed one after the other:
+    each takes B occupied groups whose window reaches it, earliest deadline first; an occupied group
+    a buffer holds beyond B moves on to the next one if its window reaches that far."""
+    carried: list[int] = []  # deadlines of the occupied groups not trained yet
+    short = 0
+    for view in prefix:
+        carried = sorted([d for d in carried if d >= view.version]
+                         + [e.v_traj + eta for e in view.entries if e.status is EntryStatus.OCCUPIED])
+        taken = min(batch_size, len(carried))
+        carried = carried[taken:]
+        short += batch_size - taken
+    return short
 
 
 def _finish_times(members: dict[str, list[TrajectorySeen]], instances: Mapping[str, InstanceSeen],
@@ -304,22 +390,25 @@ def _why(group: GroupWait) -> str:
 
 def _summary(version: int, view: BufferView, B: int, needed: int, required: list[GroupWait],
              candidates: list[GroupWait], from_candidates: int, unreserved: int, consume_first: tuple[int, ...],
-             ready_in: float | None, estimate: str) -> str:
+             ready_in: float | None, estimate: str, redundant: bool) -> str:
     parts = [f"buffer {version} is {view.state.value}: {view.occupied} of {B} groups occupied, "
              f"{len(view.entries) - view.occupied} reserved, {max(0, view.capacity - len(view.entries))} empty"]
     if consume_first:
         parts.append(f"it is consumed after {_buffers(consume_first)}")
     waits = []
     if required:
-        where = _buffers(tuple(sorted({g.buffer for g in required})))
-        waits.append(f"{_names(required)} (reserved in {where}: {'each' if len(required) > 1 else 'it'} must be "
-                     "occupied)")
-    if from_candidates - unreserved > 0:
-        waits.append(f"{from_candidates - unreserved} of the {len(candidates)} groups reserved in later buffers "
-                     f"(the first to be occupied move forward)")
+        waits.append(f"{_names(required)} (whose windows end by buffer {version}: "
+                     f"{'each' if len(required) > 1 else 'it'} must be occupied)")
+    if redundant and candidates and not unreserved:
+        waits.append(f"{_names(candidates)} (the first groups expected to finish that make it ready, by the "
+                     "ledger's own rules)")
+    elif from_candidates - unreserved > 0:
+        waits.append(f"{from_candidates - unreserved} of the {len(candidates)} other reserved groups (the first to "
+                     "be occupied take the slots)")
     if unreserved:
         waits.append(f"{unreserved} group{'s' if unreserved != 1 else ''} not reserved yet")
-    parts.append(f"it needs {needed} more occupied group{'s' if needed != 1 else ''}: " + "; ".join(waits))
+    parts.append(f"it needs {'at least ' if redundant else ''}{needed} more occupied group{'s' if needed != 1 else ''}"
+                 f": " + ", ".join(waits))
     parts.append(f"expected ready in {ready_in:.1f} s" if ready_in is not None else estimate)
     return "; ".join(parts)
 

@@ -4,12 +4,14 @@ the trajectory server and the instances."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from staleflow.buffer_explain import InstanceSeen, TrajectorySeen, explain_buffer, explain_consumed
 from staleflow.config.manager import LedgerParams
 from staleflow.cost_model import CostModel
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.ledger import Ledger
+from staleflow.ledger import EntryStatus, Ledger, LedgerError
 
 STEP = CostModel(k1=0.0, k2=0.01, k3=0.0, k4=0.0)  # every decode step takes 10 ms, whatever the load
 MAX_TOKENS = 100
@@ -100,13 +102,25 @@ def test_required_groups_without_an_estimate_say_why_and_give_no_time() -> None:
     assert "cannot estimate" in answer.summary
 
 
-def test_groups_in_later_buffers_are_left_out_when_the_buffer_needs_none_of_them() -> None:
-    led = ledger(1, 1, ["g0", "g1"])  # g0 is placed in buffer 1, g1 in buffer 0
-    trajs = [routed("g0-m0", "a"), routed("g1-m0", "a")]
+def test_a_group_whose_window_ends_in_the_buffer_must_be_occupied_and_later_ones_are_left_out() -> None:
+    led = ledger(1, 1, ["s0"], ["s0"])
+    led.consume()
+    led.reserve("g1", 0)  # its window ends at buffer 1, the head now
+    led.reserve("g2", 1)
+    trajs = [routed("g1-m0", "a"), routed("g2-m0", "a")]
+    answer = explain(led, 1, trajs, [InstanceSeen("a", "live", running=frozenset({"g1-m0", "g2-m0"}), cost=STEP)],
+                     group_size=1)
+    assert [(g.group_id, g.required) for g in answer.groups] == [("g1", True)], "g2 cannot take its place"
+    assert answer.ready_in_s == pytest.approx(1.0)
+
+
+def test_groups_whose_windows_reach_past_the_buffer_are_interchangeable() -> None:
+    led = ledger(1, 1, ["g0", "g1"])  # the ledger places g1 in buffer 0, g0 in buffer 1; either can fill buffer 0
+    trajs = [routed("g0-m0", "a", 90), routed("g1-m0", "a")]
     answer = explain(led, 0, trajs, [InstanceSeen("a", "live", running=frozenset({"g0-m0", "g1-m0"}), cost=STEP)],
                      group_size=1)
-    assert [(g.group_id, g.required) for g in answer.groups] == [("g1", True)]
-    assert answer.ready_in_s == pytest.approx(1.0)
+    assert [(g.group_id, g.buffer, g.required) for g in answer.groups] == [("g0", 1, False), ("g1", 0, False)]
+    assert answer.needed == 1 and answer.ready_in_s == pytest.approx(0.1), "the first to finish fills it"
 
 
 def test_slots_no_live_group_can_fill_wait_for_new_reservations() -> None:
@@ -138,15 +152,31 @@ def test_a_later_buffer_counts_the_buffers_before_it() -> None:
     assert later.needed == 0 and not later.consumable and "consumes buffer 0 first" in later.summary
 
 
-def test_with_batch_redundancy_any_reserved_group_may_fill_the_head() -> None:
-    # B 2, capacity 3: g0 occupied; g1, g2 reserved; one of them is enough
+def test_with_batch_redundancy_the_first_group_to_finish_may_fill_the_head() -> None:
+    # B 2, capacity 3: g0 occupied; g1, g2 reserved; either is enough
     led = ledger(0, 2, ["g0", "g1", "g2"], ["g0"], batch_redundancy=0.5)
     trajs = [routed("g1-m0", "a", 0), routed("g2-m0", "a", 90)]
     a = InstanceSeen("a", "live", running=frozenset({"g1-m0", "g2-m0"}), cost=STEP)
     answer = explain(led, 0, trajs, [a], group_size=1)
     assert answer.needed == 1 and not any(g.required for g in answer.groups)
-    assert [g.group_id for g in answer.groups] == ["g2", "g1"], "the expected-earliest first"
+    assert [g.group_id for g in answer.groups] == ["g2"], "the expected-earliest"
     assert answer.ready_in_s == pytest.approx(0.1)
+
+
+def test_with_batch_redundancy_groups_pinned_in_the_head_come_before_a_faster_later_one() -> None:
+    # eta 1, B 1, capacity 2, trainer at 1: g4 and g6 can only train in buffer 1 and fill it, so g7
+    # (window to buffer 2) cannot move in however early it finishes: one of g4, g6 must be occupied
+    led = Ledger(LedgerParams(eta=1, batch_size=1, batch_redundancy=1.0))
+    led.reserve("s", 0)
+    led.occupy("s")
+    led.consume()
+    for g, v in (("g4", 0), ("g6", 0), ("g7", 1)):
+        led.reserve(g, v)
+    trajs = [routed("g4-m0", "a", 0), routed("g6-m0", "a", 50), routed("g7-m0", "a", 99)]
+    a = InstanceSeen("a", "live", running=frozenset({"g4-m0", "g6-m0", "g7-m0"}), cost=STEP)
+    answer = explain(led, 1, trajs, [a], group_size=1)
+    assert [g.group_id for g in answer.groups] == ["g7", "g6"]
+    assert answer.ready_in_s == pytest.approx(0.5), "g6 decides, not g7"
 
 
 def test_a_group_whose_members_completed_waits_only_for_its_rewards() -> None:
@@ -177,3 +207,80 @@ def test_an_unknown_buffer_is_refused_with_its_code_and_a_consumed_one_says_so()
     assert refused.value.code is ErrorCode.UNKNOWN_BUFFER and refused.value.status == 404
     consumed = explain_consumed(0, 3, 2, ["a", "b"])
     assert consumed.state == "consumed" and not consumed.consumable and "already consumed" in consumed.summary
+
+
+def _reachable(eta: int, batch: int, redundancy: float, ops: list[tuple[str, int]]) -> Ledger:
+    led = Ledger(LedgerParams(eta=eta, batch_size=batch, batch_redundancy=redundancy))
+    for n, (op, pick) in enumerate(ops):
+        live = led.entries()
+        try:
+            if op == "r":
+                led.reserve(f"g{n}", max(0, led.train_version - pick % (eta + 2)))
+            elif op == "o" and live:
+                led.occupy(live[pick % len(live)].group_id)
+            elif op == "a" and live:
+                led.abort(live[pick % len(live)].group_id)
+            elif op == "c":
+                led.consume()
+        except LedgerError:
+            pass
+    return led
+
+
+def _consumes_through(led: Ledger, required: list[str], others: list[str], count: int, version: int) -> bool:
+    """On a copy of the ledger: occupy the required groups and the first ``count`` of the others
+    that are still live (with redundancy a seal may abort the rest as surplus on the way), then can
+    the trainer consume every buffer up to ``version``?"""
+    copy = Ledger.restore(led.params, led.train_version, [e.copy() for e in led.entries()], {}, led.sealed)
+    for g in required:
+        copy.occupy(g)
+    occupied = 0
+    for g in others:
+        if occupied == count:
+            break
+        if copy.entry(g) is not None:
+            copy.occupy(g)
+            occupied += 1
+    try:
+        while copy.train_version <= version:
+            copy.consume()
+    except LedgerError:
+        return False
+    return True
+
+
+@given(
+    eta=st.integers(0, 3),
+    batch=st.integers(1, 3),
+    redundancy=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
+    ops=st.lists(st.tuples(st.sampled_from("rrrroac"), st.integers(0, 50)), max_size=40),
+    data=st.data(),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_groups_named_are_exactly_what_the_buffer_needs(eta: int, batch: int, redundancy: float,
+                                                            ops: list[tuple[str, int]], data: st.DataObject) -> None:
+    """Occupying the required groups and the first ``needed - required`` of the others (in any
+    order) makes every buffer up to the one asked about consumable; one group fewer does not."""
+    led = _reachable(eta, batch, redundancy, ops)
+    version = data.draw(st.integers(led.train_version, led.train_version + eta))
+    answer = explain(led, version, [], [], group_size=1)
+    required = [g.group_id for g in answer.groups if g.required]
+    others = [e.group_id for e in led.entries() if e.status is EntryStatus.RESERVED and e.group_id not in required]
+    if answer.unreserved:
+        assert not _consumes_through(led, required, others, len(others), version), "all live groups are not enough"
+        return
+    if led.capacity > batch:
+        # the groups named, in the order named, are the first that make it consumable on the real ledger
+        named = [g.group_id for g in answer.groups]
+        assert not required and _consumes_through(led, [], named, len(named), version), "what it names is enough"
+        if named:
+            assert not _consumes_through(led, [], named, len(named) - 1, version), "and it needs the last"
+        return
+    from_others = answer.needed - len(required)
+    assert 0 <= from_others <= len(others)
+    order = data.draw(st.permutations(others))
+    assert _consumes_through(led, required, order, from_others, version), "what it names is enough"
+    if from_others:
+        assert not _consumes_through(led, required, order, from_others - 1, version), "one group fewer is not"
+    if required:
+        assert not _consumes_through(led, required[1:], order, len(order), version), "every required group is"
