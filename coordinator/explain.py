@@ -106,8 +106,9 @@ async def explain(coordinator: Coordinator, version: int) -> BufferExplanation:
     held = dict(zip(holders, await asyncio.gather(*(_held(coordinator.instances[i]) for i in holders)), strict=True))
     instances = {i: _instance_seen(r, held.get(i)) for i, r in coordinator.instances.items()}
     max_tokens = await _upstream("trajectory server", _max_tokens(coordinator.ts, open_members))
-    return explain_buffer(version, t, ledger["batch_size"], ledger["group_size"], views, trajectories, instances,
-                          max_tokens)
+    # off the event loop: the cycle goes on while a large ledger is replayed
+    return await asyncio.to_thread(explain_buffer, version, t, ledger["batch_size"], ledger["group_size"], views,
+                                   trajectories, instances, max_tokens)
 
 
 async def _upstream(what: str, call: Any) -> Any:
