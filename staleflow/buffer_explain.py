@@ -43,6 +43,7 @@ from staleflow.cost_model import CostModel
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.ledger import BufferView, Entry, EntryStatus, Ledger, LedgerError
 
+MAX_PRUNE = 32  # groups tried for removal from a replay's answer: bounds the work on large ledgers
 DONE_STATES = frozenset({"completed", "rewarded", "consumed"})
 GONE_STATES = frozenset({"cancelling", "aborted"})
 
@@ -175,7 +176,7 @@ def explain_buffer(
     # without redundancy a group whose window ends by `version` trains in one of these buffers, which
     # are full only once it is occupied; with redundancy it may be aborted as surplus instead
     required_entries = [] if redundant else [r for r in reserved_entries if r[2] + eta <= version]
-    candidate_entries = [r for r in reserved_entries if r not in required_entries]
+    candidate_entries = [r for r in reserved_entries if redundant or r[2] + eta > version]
     from_candidates = needed - len(required_entries)
     unreserved = max(0, from_candidates - len(candidate_entries))
     required = [_group(g, v, b, True, members.get(g, []), group_size, finish, max_tokens)
@@ -186,7 +187,7 @@ def explain_buffer(
     if redundant:
         # which groups can fill a slot depends on where the ledger pins the others and what a seal
         # aborts: replay the ledger's own rules, occupying groups in the order they are expected
-        used, unreserved = _replay(buffers, B, train_version, version, [g.group_id for g in candidates])
+        used, unreserved = _replay(buffers, B, train_version, version, [g.group_id for g in candidates], needed)
         candidates = [g for g in candidates if g.group_id in used] if unreserved == 0 else candidates
         from_candidates = len(candidates) if unreserved == 0 else len(candidates) + unreserved
 
@@ -239,10 +240,11 @@ def _consumable_through(ledger: Ledger, version: int, occupy: list[str]) -> tupl
 
 
 def _replay(buffers: list[BufferView], batch_size: int, train_version: int, version: int,
-            order: list[str]) -> tuple[list[str], int]:
+            order: list[str], fewest: int) -> tuple[list[str], int]:
     """Occupy reserved groups in ``order`` on a ledger rebuilt from the views until every buffer up
-    to ``version`` can be consumed: the groups that took (all but the surplus-aborted), and 0; or,
-    when all of them are not enough, all of them and how many more groups it needs."""
+    to ``version`` can be consumed: the groups that took, less those it turns out not to need (an
+    early group that could not take a slot), and 0; or, when all of them are not enough, all of
+    them and how many more groups it needs. ``fewest``: a lower bound on the groups it needs."""
     ledger = _rebuild(buffers, batch_size, train_version)
     low, high = 0, len(order)  # consumability only grows with the groups occupied: bisect the fewest
     if not _consumable_through(ledger, version, order)[0]:
@@ -258,7 +260,14 @@ def _replay(buffers: list[BufferView], batch_size: int, train_version: int, vers
             high = middle
         else:
             low = middle + 1
-    return _consumable_through(ledger, version, order[:low])[1], 0
+    used = _consumable_through(ledger, version, order[:low])[1]
+    for g in list(used[:-1])[:MAX_PRUNE]:  # the last one is needed: without it, it was not consumable
+        if len(used) <= fewest:
+            break
+        without = [u for u in used if u != g]
+        if _consumable_through(ledger, version, without)[0]:
+            used = without
+    return used, 0
 
 
 def _shortfall(prefix: list[BufferView], batch_size: int, eta: int) -> int:

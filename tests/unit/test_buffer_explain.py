@@ -175,8 +175,8 @@ def test_with_batch_redundancy_groups_pinned_in_the_head_come_before_a_faster_la
     trajs = [routed("g4-m0", "a", 0), routed("g6-m0", "a", 50), routed("g7-m0", "a", 99)]
     a = InstanceSeen("a", "live", running=frozenset({"g4-m0", "g6-m0", "g7-m0"}), cost=STEP)
     answer = explain(led, 1, trajs, [a], group_size=1)
-    assert [g.group_id for g in answer.groups] == ["g7", "g6"]
-    assert answer.ready_in_s == pytest.approx(0.5), "g6 decides, not g7"
+    assert [g.group_id for g in answer.groups] == ["g6"], "g7 cannot take the slot: it is not what it waits for"
+    assert answer.ready_in_s == pytest.approx(0.5)
 
 
 def test_a_group_whose_members_completed_waits_only_for_its_rewards() -> None:
@@ -272,7 +272,8 @@ def test_the_groups_named_are_exactly_what_the_buffer_needs(eta: int, batch: int
     if led.capacity > batch:
         # the groups named, in the order named, are the first that make it consumable on the real ledger
         named = [g.group_id for g in answer.groups]
-        assert not required and _consumes_through(led, [], named, len(named), version), "what it names is enough"
+        assert not required and len(named) >= answer.needed
+        assert _consumes_through(led, [], named, len(named), version), "what it names is enough"
         if named:
             assert not _consumes_through(led, [], named, len(named) - 1, version), "and it needs the last"
         return
