@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from staleflow.cli.common import DEFAULT_MANAGER_URL, DEFAULT_STATE_DIR, console, get_json, resolve_url
+from staleflow.cli.common import DEFAULT_MANAGER_URL, DEFAULT_STATE_DIR, console, fail, get_json, resolve_url
 from staleflow.cli.ray_launcher import Launcher, Namespace, RayAddress, job_endpoints
 
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8340"
@@ -79,7 +79,8 @@ def register(app: typer.Typer) -> None:
     def admission(
         version: Annotated[int | None, typer.Option("--version", min=0, help=(
             "what if: could --count more groups with this V_traj be reserved now, and if not, why"))] = None,
-        count: Annotated[int, typer.Option("--count", min=1, help="what if: how many groups")] = 1,
+        count: Annotated[int | None, typer.Option("--count", min=1, help="what if: how many groups (default 1)")]
+        = None,
         url: Annotated[str | None, typer.Option("--url", help="staleness manager URL (default: the running job's)")]
         = None,
         state_dir: Annotated[Path, typer.Option("--state-dir", help="the run's state directory")] = DEFAULT_STATE_DIR,
@@ -88,6 +89,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """How many new groups the ledger admits at each V_traj; with --version, whether --count more
         would fit now, and if not, which buffers are full and what must be consumed first."""
+        if count is not None and version is None:
+            raise fail("--count asks about a version: give --version too", "e.g. staleflow admission --version 3 "
+                       f"--count {count}")
+        count = count or 1
         url = url or _urls(state_dir, launcher, namespace, ray_address)["manager"]
         params = {"version": version, "count": count} if version is not None else {}
         answer = get_json(url, "/v1/admission", "staleness manager", state_dir, **params)

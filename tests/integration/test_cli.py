@@ -58,6 +58,8 @@ def test_one_buffer_and_the_admission_what_if(tmp_path: Path) -> None:
         as_json = runner.invoke(app, ["admission", "--version", "0", "--url", server.url, "--json"])
         assert json.loads(as_json.output)["what_if"]["full_buffers"] == [0, 1]
         assert len(client.events()["events"]) == 4, "asking changed nothing"
+        alone = runner.invoke(app, ["admission", "--count", "3", "--url", server.url])
+        assert alone.exit_code == 2 and "--version" in alone.output
 
 
 def test_why_without_a_job_says_how_to_start_one(tmp_path: Path) -> None:
