@@ -323,17 +323,21 @@ def _finish_times(members: dict[str, list[TrajectorySeen]], instances: Mapping[s
             elif not inst.has_snapshot:
                 out[t.traj_id] = (None, f"routed to {inst.instance_id}, which has sent no snapshot yet", done)
             elif t.traj_id in inst.running:
-                out[t.traj_id] = (running_times(inst)[t.traj_id], f"running on {inst.instance_id}", done)
+                out[t.traj_id] = (running_times(inst)[t.traj_id], f"running on {inst.instance_id}{_pause(inst)}", done)
             elif t.traj_id in inst.waiting:
                 times = running_times(inst)
                 start = min(times.values(), default=0.0) if None not in times.values() else None
                 left = None if max_tokens is None else max(0, max_tokens - done)
                 seconds = None if start is None or left is None else (
                     start + inst.cost.decode_time(inst.kv_cache, len(inst.running), left))
-                out[t.traj_id] = (seconds, f"queued on {inst.instance_id}", done)
+                out[t.traj_id] = (seconds, f"queued on {inst.instance_id}{_pause(inst)}", done)
             else:
                 out[t.traj_id] = (None, f"routed to {inst.instance_id}, not in its last snapshot yet", done)
     return out
+
+
+def _pause(inst: InstanceSeen) -> str:
+    return " (pulling new weights: the estimate leaves the pause out)" if inst.status == "syncing" else ""
 
 
 def _group(group_id: str, v_traj: int, buffer: int, required: bool, members: list[TrajectorySeen], group_size: int,

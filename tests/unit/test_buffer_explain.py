@@ -194,6 +194,13 @@ def test_without_max_tokens_there_is_no_estimate_and_the_answer_says_so() -> Non
     assert answer.ready_in_s is None and "max_tokens is unknown" in answer.estimate
 
 
+def test_an_instance_pulling_weights_is_named_as_such() -> None:
+    led = ledger(0, 1, ["g0"])
+    a = InstanceSeen("a", "syncing", running=frozenset({"g0-m0"}), cost=STEP)
+    (traj,) = explain(led, 0, [routed("g0-m0", "a", 50)], [a], group_size=1).groups[0].trajectories
+    assert traj.where.startswith("running on a (pulling new weights") and traj.ready_in_s == pytest.approx(0.5)
+
+
 def test_routed_but_not_on_the_instance_yet_has_no_estimate() -> None:
     led = ledger(0, 1, ["g0"])
     answer = explain(led, 0, [routed("g0-m0", "a")], [InstanceSeen("a", "live", cost=STEP)], group_size=1)
