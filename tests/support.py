@@ -16,6 +16,7 @@ import typer
 from sqlalchemy import select
 
 from staleflow.config import LedgerConfig, ManagerConfig
+from staleflow.ledger import Ledger, LedgerError
 from staleflow.servers.schema import ts_groups_archive, ts_trajectories_archive
 from staleflow.servers.trajectories.store import TrajectoryStore
 
@@ -38,6 +39,27 @@ def manager_and_trajectory_server(stack: ExitStack, tmp_path: Path, max_tokens: 
         ledger=LedgerConfig(**ledger), manager_url=manager_url, state_dir=tmp_path, reward="sim",
         sampling=SamplingConfig(max_tokens=max_tokens))))).url
     return manager_url, ts_url
+
+
+def run_ledger_ops(ledger: Ledger, ops: list[tuple[str, int]]) -> Ledger:
+    """Apply random operations (r: reserve at a version ``pick`` back, o: occupy, a: abort, c:
+    consume; ``pick`` chooses among the live groups) and ignore the ones the ledger refuses: any
+    reachable state."""
+    eta = ledger.params.eta
+    for n, (op, pick) in enumerate(ops):
+        live = ledger.entries()
+        try:
+            if op == "r":
+                ledger.reserve(f"g{n}", max(0, ledger.train_version - pick % (eta + 2)))
+            elif op == "o" and live:
+                ledger.occupy(live[pick % len(live)].group_id)
+            elif op == "a" and live:
+                ledger.abort(live[pick % len(live)].group_id)
+            elif op == "c":
+                ledger.consume()
+        except LedgerError:
+            pass
+    return ledger
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import run_ledger_ops
 
 from staleflow.buffer_explain import InstanceSeen, TrajectorySeen, explain_buffer, explain_consumed
 from staleflow.config.manager import LedgerParams
@@ -216,24 +217,6 @@ def test_an_unknown_buffer_is_refused_with_its_code_and_a_consumed_one_says_so()
     assert consumed.state == "consumed" and not consumed.consumable and "already consumed" in consumed.summary
 
 
-def _reachable(eta: int, batch: int, redundancy: float, ops: list[tuple[str, int]]) -> Ledger:
-    led = Ledger(LedgerParams(eta=eta, batch_size=batch, batch_redundancy=redundancy))
-    for n, (op, pick) in enumerate(ops):
-        live = led.entries()
-        try:
-            if op == "r":
-                led.reserve(f"g{n}", max(0, led.train_version - pick % (eta + 2)))
-            elif op == "o" and live:
-                led.occupy(live[pick % len(live)].group_id)
-            elif op == "a" and live:
-                led.abort(live[pick % len(live)].group_id)
-            elif op == "c":
-                led.consume()
-        except LedgerError:
-            pass
-    return led
-
-
 def _consumes_through(led: Ledger, required: list[str], others: list[str], count: int, version: int) -> bool:
     """On a copy of the ledger: occupy the required groups and the first ``count`` of the others
     that are still live (with redundancy a seal may abort the rest as surplus on the way), then can
@@ -268,7 +251,7 @@ def test_the_groups_named_are_exactly_what_the_buffer_needs(eta: int, batch: int
                                                             ops: list[tuple[str, int]], data: st.DataObject) -> None:
     """Occupying the required groups and the first ``needed - required`` of the others (in any
     order) makes every buffer up to the one asked about consumable; one group fewer does not."""
-    led = _reachable(eta, batch, redundancy, ops)
+    led = run_ledger_ops(Ledger(LedgerParams(eta=eta, batch_size=batch, batch_redundancy=redundancy)), ops)
     version = data.draw(st.integers(led.train_version, led.train_version + eta))
     answer = explain(led, version, [], [], group_size=1)
     required = [g.group_id for g in answer.groups if g.required]

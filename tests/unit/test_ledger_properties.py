@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support import run_ledger_ops
 
 from staleflow.config.manager import LedgerParams
 from staleflow.ledger import EntryStatus, Fate, Ledger, LedgerError
@@ -219,22 +220,7 @@ TestLedgerMachine.settings = settings(
 @settings(max_examples=200, deadline=None)
 def test_no_reachable_state_deadlocks_the_trainer(eta: int, batch: int, ops: list[tuple[str, int]]) -> None:
     """From any reachable state, finishing every outstanding reservation lets training progress."""
-    ledger = Ledger(LedgerParams(eta=eta, batch_size=batch))
-    n = 0
-    for op, pick in ops:
-        live = ledger.entries()
-        try:
-            if op == "r":
-                ledger.reserve(f"g{n}", max(0, ledger.train_version - pick % (eta + 2)))
-                n += 1
-            elif op == "o" and live:
-                ledger.occupy(live[pick % len(live)].group_id)
-            elif op == "a" and live:
-                ledger.abort(live[pick % len(live)].group_id)
-            elif op == "c":
-                ledger.consume()
-        except LedgerError:
-            pass
+    ledger = run_ledger_ops(Ledger(LedgerParams(eta=eta, batch_size=batch)), ops)
     for e in ledger.entries():
         if e.status is EntryStatus.RESERVED:
             ledger.occupy(e.group_id)
