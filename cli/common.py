@@ -144,3 +144,34 @@ def job_token(state_dir: Path) -> str | None:
 
     path = endpoints(state_dir).get("token_file")
     return configured_token(read_token_file(Path(path)) if path else None)
+
+
+FIXES = {
+    "unknown_buffer": "ask about a live buffer (`staleflow buffers` lists them)",
+    "upstream_unavailable": "check the job's components with `staleflow status`",
+    "invalid_request": "check the flags' values",
+}
+"""What to do about a refusal, by its error code."""
+
+
+def get_json(url: str, path: str, what: str, state_dir: Path, timeout: float = 10.0, **params: object) -> dict:
+    """GET a running job's service; silence or a refusal becomes an error message that says the fix."""
+    import httpx
+
+    from staleflow.servers.clients import http_client
+
+    try:
+        with http_client(url, timeout=timeout, token=job_token(state_dir)) as client:
+            reply = client.get(path, params=params or None)
+    except httpx.TransportError as exc:
+        raise fail(f"no {what} answers at {url} ({exc.__class__.__name__}): no job running at {state_dir}?",
+                   "start a job with `staleflow up`, or pass --url / --state-dir") from None
+    try:
+        body = reply.json()
+    except ValueError:
+        body = {"detail": reply.text}
+    if reply.status_code != 200:
+        detail = body.get("detail", reply.text) if isinstance(body, dict) else reply.text
+        code = body.get("code") if isinstance(body, dict) else None
+        raise fail(f"the {what} at {url} refused: HTTP {reply.status_code}: {detail}", FIXES.get(code))
+    return body

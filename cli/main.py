@@ -19,6 +19,7 @@ from staleflow.cli.common import (
     console,
     endpoints,
     fail,
+    get_json,
     job_token,
     readable,
     resolve_url,
@@ -135,9 +136,21 @@ def _buffer_table(data: dict) -> Table:
 
 
 @app.command()
-def buffers(url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False,
+def buffers(version: Annotated[int | None, typer.Argument(
+                min=0, metavar="VERSION", help="only this buffer (with --why: default the next to train)")] = None,
+            why: Annotated[bool, typer.Option("--why", help=(
+                "why the buffer is not consumable yet: the groups it waits for, where their trajectories run, "
+                "how far they got, and when the cost model expects it ready (asks the coordinator)"))] = False,
+            coordinator_url: Annotated[str | None, typer.Option(
+                "--coordinator-url", help="with --why: coordinator URL (default: the running job's)")] = None,
+            url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False,
             launcher: Launcher = "local", namespace: Namespace = None, ray_address: RayAddress = None) -> None:
-    """Show the staleness buffers of a running manager."""
+    """Show the staleness buffers of a running manager; --why explains one."""
+    if why:
+        from staleflow.cli.explain import why as explain_why
+
+        explain_why(version, url, coordinator_url, state_dir, as_json, launcher, namespace, ray_address)
+        return
     on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
     url = url or (on_ray["manager"]["url"] if on_ray else
                   resolve_url(url, "manager", state_dir, "STALEFLOW_MANAGER_URL", DEFAULT_MANAGER_URL))
@@ -149,26 +162,17 @@ def buffers(url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_
                    "start one with `staleflow up` or `staleflow serve manager`, or pass --url") from None
     except ServiceError as exc:
         raise fail(f"the manager at {url} refused: {exc}") from None
+    if version is not None:
+        live = [b for b in data["buffers"] if b["version"] == version]
+        if not live:
+            first, last = data["train_version"], data["train_version"] + data["eta"]
+            raise fail(f"buffer {version} is not live: the live buffers are {first}..{last}",
+                       "ask about one of them, or `staleflow buffers --why VERSION` for a consumed one")
+        data = {**data, "buffers": live}
     if as_json:
         typer.echo(json.dumps(data))
     else:
         console.print(_buffer_table(data))
-
-
-def _get(url: str, path: str, what: str, state_dir: Path, **params: object) -> dict:
-    try:
-        with http_client(url, timeout=10, token=job_token(state_dir)) as client:
-            reply = client.get(path, params=params or None)
-    except httpx.TransportError as exc:
-        raise fail(f"no {what} answers at {url} ({exc.__class__.__name__})",
-                   "start a job with `staleflow up`, or pass --url / --state-dir") from None
-    if reply.status_code != 200:
-        try:
-            error = ServiceError(reply.status_code, reply.json()["detail"], reply.json())
-        except (ValueError, KeyError, TypeError):
-            error = ServiceError(reply.status_code, reply.text)
-        raise fail(f"the {what} at {url} refused: {error}")
-    return reply.json()
 
 
 CoordinatorUrl = Annotated[str | None, typer.Option("--url", help="coordinator URL (default: the running job's)")]
@@ -181,7 +185,7 @@ def instances(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DI
     on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
     url = url or (on_ray["coordinator"]["url"] if on_ray else
                   resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340"))
-    data = _get(url, "/v1/instances", "coordinator", state_dir)
+    data = get_json(url, "/v1/instances", "coordinator", state_dir)
     if as_json:
         typer.echo(json.dumps(data))
         return
@@ -203,7 +207,7 @@ def commands(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR
              as_json: AsJson = False) -> None:
     """The coordinator's most recent commands with their timing and outcome."""
     url = resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340")
-    data = _get(url, "/v1/commands", "coordinator", state_dir, limit=limit)
+    data = get_json(url, "/v1/commands", "coordinator", state_dir, limit=limit)
     if as_json:
         typer.echo(json.dumps(data))
         return
@@ -265,6 +269,7 @@ def _register_commands() -> None:
         calibrate,
         demo,
         experiment,
+        explain,
         faults,
         ray_launcher,
         serve_instance,
@@ -280,6 +285,7 @@ def _register_commands() -> None:
     calibrate.register(app)
     demo.register(app)
     experiment.register(app)
+    explain.register(app)
     faults.register(app)
     ray_launcher.register(app)
     serve_instance.register(serve_app)

@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from staleflow import metrics as m
 from staleflow.calibration.files import resolved_cost
 from staleflow.config.coordinator import INSTANCE_ID, CoordinatorConfig, InstanceEndpoint
+from staleflow.coordinator.explain import BufferExplanationOut, explain, explanation_json
 from staleflow.coordinator.service import Coordinator, InstanceRecord, InstanceStatus
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.http import service_app
@@ -198,6 +199,12 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
     async def commands(c: CoordinatorDep, limit: Annotated[int, Query(ge=1, le=2000)] = 50) -> dict:
         recent = list(c.commands)[-limit:]
         return {"commands": [dataclasses.asdict(command) for command in reversed(recent)]}
+
+    @app.get("/v1/buffers/{version}/explain", response_model=BufferExplanationOut)
+    async def explain_buffer(c: CoordinatorDep, version: Annotated[int, Path(ge=0, le=2**63 - 1)]) -> dict:
+        """Why the buffer is not consumable yet: the groups it waits for, where their trajectories are
+        and how far they got, and when the cost model expects it ready."""
+        return explanation_json(await explain(c, version))
 
     @app.get("/v1/coordinator", response_model=CoordinatorStatsOut)
     async def coordinator_stats(c: CoordinatorDep) -> dict:

@@ -134,6 +134,30 @@ class BufferView:
         return sum(e.status is EntryStatus.OCCUPIED for e in self.entries)
 
 
+@dataclass(frozen=True)
+class AdmissionWhatIf:
+    """Whether ``count`` more groups with V_traj ``version`` could be reserved now, and if not, why
+    and what has to happen first. Asking never changes the ledger."""
+
+    version: int
+    count: int
+    train_version: int
+    room: int  # groups with this V_traj that fit now
+    reason: str
+    full_buffers: tuple[int, ...] = ()  # the buffers with no free slot in the first window prefix `count` overflows
+    consume_through: int | None = None  # consume buffers train_version..this first: then `count` groups fit
+    then_version: int | None = None  # the V_traj those groups could carry then (None: admissible now, or never)
+    then_room: int | None = None  # how many groups of `then_version` fit then (an estimate once buffers are consumed)
+
+    @property
+    def admissible(self) -> bool:
+        return self.count <= self.room
+
+
+def _buffers(first: int, last: int) -> str:
+    return f"buffer {first}" if first == last else f"buffers {first}..{last}"
+
+
 class Ledger:
     """In-memory ledger state and its transition rules."""
 
@@ -253,6 +277,69 @@ class Ledger:
                 raise LedgerError(ErrorCode.INVALID_VERSION, f"v_traj must be >= 0, got {v}")
             result[v] = table.get(v, 0)
         return result
+
+    def what_if(self, version: int, count: int) -> AdmissionWhatIf:
+        """Could ``count`` more groups with V_traj ``version`` be reserved now? If not: which
+        buffers are full, and which must be consumed before that many groups fit (at ``version``
+        or, when it can never get that room, the oldest version that can). Pure: no state changes."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise LedgerError(ErrorCode.INVALID_VERSION, f"version must be an integer >= 0, got {version!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise LedgerError(ErrorCode.INVALID_REQUEST, f"count must be an integer >= 1, got {count!r}")
+        t, eta, C = self.train_version, self.params.eta, self.capacity
+        ask = f"{count} group{'s' if count != 1 else ''} with v_traj {version}"
+        fits, misses = ("fit", "do not fit") if count != 1 else ("fits", "does not fit")
+        room = self.admission([version])[version] if version <= t else 0
+        if count <= room:
+            return AdmissionWhatIf(version, count, t, room, f"{ask} {fits} now: room for {room}")
+        full: tuple[int, ...] = ()
+        if version > t:
+            why = f"version {version} does not exist yet: the trainer is at {t}"
+        elif version + eta < t:
+            why = (f"v_traj {version} is too stale: with eta={eta} it could train at most version {version + eta}, "
+                   f"and the trainer is at {t}")
+        else:
+            slack = self._prefix_slack()
+            k = version + eta - t
+            end = next(j for j in range(k, eta + 1) if slack[j] < count)
+            views = self.buffers()[: end + 1]
+            full = tuple(v.version for v in views if len(v.entries) >= v.capacity)
+            held = sum(len(v.entries) for v in views)
+            why = (f"{_buffers(t, t + end)} hold{'s' if end == 0 else ''} {held} groups in "
+                   f"{sum(v.capacity for v in views)} slots: "
+                   f"room for {max(0, slack[end])} more with a deadline by buffer {t + end}, not {count}")
+        then = self._room_after_consuming(version, count)
+        if then is None:
+            return AdmissionWhatIf(version, count, t, room, f"{ask} {misses}: {why}; no version ever fits "
+                                   f"{count}: a window holds {C * (eta + 1)} groups", full)
+        through, then_version, then_room = then
+        if through is not None:
+            plan = (f"consume {_buffers(t, through)} first: then v_traj {then_version} "
+                    f"has room for about {then_room}")
+        else:
+            plan = f"v_traj {then_version} has room for {then_room} now"
+        return AdmissionWhatIf(version, count, t, room, f"{ask} {misses}: {why}; {plan}", full, through,
+                               then_version, then_room)
+
+    def _room_after_consuming(self, version: int, count: int) -> tuple[int | None, int, int] | None:
+        """The fewest buffers to consume (and the version) for ``count`` groups of V_traj ``version``
+        or newer to fit: ``(the last buffer to consume or None, version, room)``; None when no window
+        holds that many. Once
+        buffers are consumed the room is an estimate: the entries now placed in the buffers that
+        remain stay, the consumed buffers' entries leave."""
+        t, eta, C = self.train_version, self.params.eta, self.capacity
+        if count > C * (eta + 1):
+            return None
+        views = self.buffers()
+        for m in range(max(0, version - t), max(version - t, eta + 1) + 1):
+            newest = t + m
+            if m == 0:
+                room = self.admission([newest])[newest]
+            else:
+                room = C * (eta + 1) - sum(len(v.entries) for v in views[m:])
+            if room >= count:
+                return (newest - 1 if m else None), max(version, newest), room
+        raise AssertionError("a fresh window holds C * (eta + 1) groups")
 
     def _admission_counts(self) -> dict[int, int]:
         t, eta = self.train_version, self.params.eta

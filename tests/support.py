@@ -9,12 +9,14 @@ import subprocess
 import sys
 import threading
 import venv
+from contextlib import ExitStack
 from pathlib import Path
 
 import typer
 from sqlalchemy import select
 
 from staleflow.config import LedgerConfig, ManagerConfig
+from staleflow.ledger import Ledger, LedgerError
 from staleflow.servers.schema import ts_groups_archive, ts_trajectories_archive
 from staleflow.servers.trajectories.store import TrajectoryStore
 
@@ -22,6 +24,42 @@ from staleflow.servers.trajectories.store import TrajectoryStore
 def manager_config(tmp_path: Path, db_url: str | None = None, **ledger: object) -> ManagerConfig:
     return ManagerConfig(ledger=LedgerConfig(**{"eta": 1, "batch_size": 2, "group_size": 1, **ledger}),
                          state_dir=tmp_path, db_url=db_url, port=0)
+
+
+def manager_and_trajectory_server(stack: ExitStack, tmp_path: Path, max_tokens: int, **ledger: int) -> tuple[str, str]:
+    """A staleness manager and a trajectory server (sim rewards) on loopback for the rest of
+    ``stack``, sharing ``ledger``'s settings; returns their URLs."""
+    from staleflow.servers.http import serve_in_thread
+    from staleflow.servers.manager import create_app as manager_app
+    from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
+    from staleflow.servers.trajectories import create_app as ts_app
+
+    manager_url = stack.enter_context(serve_in_thread(manager_app(manager_config(tmp_path, **ledger)))).url
+    ts_url = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
+        ledger=LedgerConfig(**ledger), manager_url=manager_url, state_dir=tmp_path, reward="sim",
+        sampling=SamplingConfig(max_tokens=max_tokens))))).url
+    return manager_url, ts_url
+
+
+def run_ledger_ops(ledger: Ledger, ops: list[tuple[str, int]]) -> Ledger:
+    """Apply random operations (r: reserve at a version ``pick`` back, o: occupy, a: abort, c:
+    consume; ``pick`` chooses among the live groups) and ignore the ones the ledger refuses: any
+    reachable state."""
+    eta = ledger.params.eta
+    for n, (op, pick) in enumerate(ops):
+        live = ledger.entries()
+        try:
+            if op == "r":
+                ledger.reserve(f"g{n}", max(0, ledger.train_version - pick % (eta + 2)))
+            elif op == "o" and live:
+                ledger.occupy(live[pick % len(live)].group_id)
+            elif op == "a" and live:
+                ledger.abort(live[pick % len(live)].group_id)
+            elif op == "c":
+                ledger.consume()
+        except LedgerError:
+            pass
+    return ledger
 
 
 def free_port() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from staleflow import metrics as m
 from staleflow.errors import ErrorCode
-from staleflow.ledger import BufferView, LedgerError, Transition
+from staleflow.ledger import AdmissionWhatIf, BufferView, LedgerError, Transition
 from staleflow.servers.http import service_app
 from staleflow.servers.manager.config import ManagerConfig
 from staleflow.servers.manager.store import DurableLedger
@@ -52,13 +53,35 @@ class BuffersOut(BaseModel):
     train_version: int
     eta: int
     batch_size: int
+    group_size: int = Field(description="trajectories a group needs completed to be occupied (G)")
     buffers: list[BufferOut]
+
+
+class WhatIfOut(BaseModel):
+    version: int = Field(description="the V_traj asked about")
+    count: int = Field(description="how many more groups were asked about")
+    admissible: bool = Field(description="whether that many groups with that V_traj could be reserved now")
+    room: int = Field(description="how many groups with that V_traj could be reserved now")
+    reason: str = Field(description="the answer in words")
+    full_buffers: list[int] = Field(description="the buffers with no free slot where the groups would have to go")
+    consume_through: int | None = Field(description="consume the buffers from the trainer's version up to this one "
+                                                    "first: then that many groups fit (at then_version); null: "
+                                                    "nothing to consume")
+    then_version: int | None = Field(description="the V_traj that many groups could carry (once consume_through is "
+                                                 "consumed; null: admissible now, or never)")
+    then_room: int | None = Field(description="the room at then_version then (an estimate when buffers must be "
+                                              "consumed first)")
 
 
 class AdmissionOut(BaseModel):
     train_version: int
     eta: int
     admissible: dict[str, int] = Field(description="V_traj -> groups it can still admit")
+    what_if: WhatIfOut | None = Field(None, description="the answer to ?version=V&count=N")
+
+
+def what_if_json(answer: AdmissionWhatIf) -> dict:
+    return {**dataclasses.asdict(answer), "admissible": answer.admissible}
 
 
 class TransitionOut(BaseModel):
@@ -166,6 +189,7 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             "train_version": version,
             "eta": led.params.eta,
             "batch_size": led.params.batch_size,
+            "group_size": led.params.group_size,
             "buffers": [buffer_json(v) for v in views],
         }
 
@@ -186,10 +210,19 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
     def admission(
         led: LedgerDep,
         versions: Annotated[list[int] | None, Query(description="V_traj values to ask about; default all live")] = None,
+        version: Annotated[int | None, Query(ge=0, le=SQL_INT_MAX, description=(
+            "what if: could `count` more groups with this V_traj be reserved now, and if not, why"))] = None,
+        count: Annotated[int | None, Query(ge=1, le=SQL_INT_MAX, description="what if: how many groups (default 1)")]
+        = None,
     ) -> dict:
+        if count is not None and version is None:
+            raise LedgerError(ErrorCode.INVALID_REQUEST, "count needs a version: ask ?version=V&count=N")
         table = led.admission(versions)
-        return {"train_version": led.train_version, "eta": led.params.eta,
-                "admissible": {str(v): n for v, n in table.items()}}
+        body: dict = {"train_version": led.train_version, "eta": led.params.eta,
+                      "admissible": {str(v): n for v, n in table.items()}}
+        if version is not None:
+            body["what_if"] = what_if_json(led.what_if(version, count or 1))
+        return body
 
     @app.post("/v1/reservations", status_code=201, response_model=TransitionOut, **optional)
     async def reserve(led: LedgerDep, body: ReservationRequest) -> dict:

@@ -36,6 +36,7 @@ from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, sele
 from staleflow.config.manager import LedgerParams
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.ledger import (
+    AdmissionWhatIf,
     BufferView,
     Entry,
     EntryStatus,
@@ -408,6 +409,10 @@ class DurableLedger:
     def admission(self, versions: list[int] | None = None) -> dict[int, int]:
         with self._lock:
             return self.ledger.admission(versions)
+
+    def what_if(self, version: int, count: int) -> AdmissionWhatIf:
+        with self._lock:
+            return self.ledger.what_if(version, count)
 
     def snapshot(self) -> tuple[int, list[BufferView], dict[str, int]]:
         with self._lock:

@@ -91,6 +91,16 @@ def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
         out = runner.invoke(app, [*command, "--state-dir", str(state), "--json"])
         assert out.exit_code == 0, (command, out.output)
         json.loads(out.output)
+    # asking the live job why its next buffer is not consumable yet (it may be consumed meanwhile)
+    why = runner.invoke(app, ["buffers", "--why", "--state-dir", str(state), "--json"])
+    assert why.exit_code == 0, why.output
+    answer = json.loads(why.output)
+    assert answer["version"] >= 2 and answer["summary"].startswith(f"buffer {answer['version']}")
+    if answer["state"] != "consumed" and not answer["consumable"]:
+        assert answer["needed"] > 0 and answer["groups"] or answer["unreserved"], answer
+    what_if = runner.invoke(app, ["admission", "--version", "0", "--count", "2", "--state-dir", str(state), "--json"])
+    assert what_if.exit_code == 0, what_if.output
+    assert "too stale" in json.loads(what_if.output)["what_if"]["reason"], "version 0 is outside eta=1 by now"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 128 + signal.SIGTERM
     for name in ("manager", "ts", "coordinator"):

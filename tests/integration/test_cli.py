@@ -40,6 +40,37 @@ def test_buffers_finds_the_running_job_through_endpoints_json(tmp_path: Path) ->
         assert result.exit_code == 0 and json.loads(result.output)["eta"] == 1
 
 
+def test_one_buffer_and_the_admission_what_if(tmp_path: Path) -> None:
+    with serve_in_thread(create_app(manager_config(tmp_path))) as server, ManagerClient(server.url) as client:
+        for g in ("a", "b", "c", "d"):
+            client.reserve(g, 0)
+        one = runner.invoke(app, ["buffers", "1", "--url", server.url, "--json"])
+        assert one.exit_code == 0, one.output
+        assert [b["version"] for b in json.loads(one.output)["buffers"]] == [1]
+        gone = runner.invoke(app, ["buffers", "5", "--url", server.url])
+        assert gone.exit_code == 2 and "buffer 5 is not live: the live buffers are 0..1" in gone.output
+        table = runner.invoke(app, ["admission", "--url", server.url])
+        assert table.exit_code == 0 and "admission at train version 0" in table.output, table.output
+        what_if = runner.invoke(app, ["admission", "--version", "0", "--count", "2", "--url", server.url],
+                                env={"COLUMNS": "250"})
+        assert what_if.exit_code == 0, what_if.output
+        assert "2 more with v_traj 0? no" in what_if.output and "consume buffer 0 first" in what_if.output
+        as_json = runner.invoke(app, ["admission", "--version", "0", "--url", server.url, "--json"])
+        assert json.loads(as_json.output)["what_if"]["full_buffers"] == [0, 1]
+        assert len(client.events()["events"]) == 4, "asking changed nothing"
+        alone = runner.invoke(app, ["admission", "--count", "3", "--url", server.url])
+        assert alone.exit_code == 2 and "--version" in alone.output
+
+
+def test_why_without_a_job_says_how_to_start_one(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["buffers", "--why", "0", "--coordinator-url", f"http://127.0.0.1:{free_port()}",
+                                 "--state-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "no coordinator answers" in result.output and "staleflow up" in result.output
+    result = runner.invoke(app, ["admission", "--url", f"http://127.0.0.1:{free_port()}", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "no staleness manager answers" in result.output
+
+
 def test_no_manager_gives_a_fix_not_a_traceback(tmp_path: Path) -> None:
     result = runner.invoke(app, ["buffers", "--url", f"http://127.0.0.1:{free_port()}", "--state-dir", str(tmp_path)])
     assert result.exit_code == 2

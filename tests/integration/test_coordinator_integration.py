@@ -7,27 +7,20 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from support import free_port, manager_config, start_cli
+from support import free_port, manager_and_trajectory_server, start_cli
 
-from staleflow.config import LedgerConfig
 from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.app import create_app as coordinator_app
 from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 from staleflow.servers.http import serve_in_thread
-from staleflow.servers.manager import create_app as manager_app
-from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
-from staleflow.servers.trajectories import create_app as ts_app
 
 ETA, BATCH, GROUP, STEPS = 1, 4, 2, 8
 
 
 def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Path) -> None:
     with ExitStack() as stack:
-        manager_url = stack.enter_context(serve_in_thread(manager_app(
-            manager_config(tmp_path, eta=ETA, batch_size=BATCH, group_size=GROUP)))).url
-        ts_url = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
-            ledger=LedgerConfig(eta=ETA, batch_size=BATCH, group_size=GROUP), manager_url=manager_url,
-            state_dir=tmp_path, reward="sim", sampling=SamplingConfig(max_tokens=48))))).url
+        manager_url, ts_url = manager_and_trajectory_server(stack, tmp_path, 48, eta=ETA, batch_size=BATCH,
+                                                            group_size=GROUP)
         instances = {}
         for name in ("a", "b", "c"):  # separate processes, so one can die for real (SIGKILL)
             port = free_port()

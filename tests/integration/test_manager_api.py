@@ -55,6 +55,9 @@ def test_lifecycle_over_http(manager: ManagerClient) -> None:
         ("GET", "/v1/buffers/-1", None, 422),
         ("GET", "/v1/buffers/99", None, 404),
         ("GET", "/v1/admission?versions=-3", None, 422),
+        ("GET", "/v1/admission?version=-1", None, 422),
+        ("GET", "/v1/admission?version=0&count=0", None, 422),
+        ("GET", "/v1/admission?count=2", None, 422),  # a count needs a version
         ("GET", "/v1/events?limit=0", None, 422),
     ],
 )
@@ -69,6 +72,27 @@ def test_bad_requests_get_4xx_and_leave_state_untouched(
     if status >= 400:
         assert response.json()["detail"], "every refusal says why"
         assert manager.buffers() == before
+
+
+def test_admission_what_if_answers_why_and_changes_nothing(manager: ManagerClient) -> None:
+    for g in ("a", "b", "c", "d"):
+        manager.reserve(g, 0)
+    before = (manager.buffers(), manager.events())
+    fits = manager.http.get("/v1/admission", params={"version": 0}).json()
+    assert fits["admissible"] == {"0": 0}
+    what_if = fits["what_if"]
+    assert what_if["count"] == 1 and not what_if["admissible"] and what_if["room"] == 0
+    assert what_if["full_buffers"] == [0, 1] and what_if["consume_through"] == 0 and what_if["then_version"] == 1
+    assert "consume buffer 0 first" in what_if["reason"]
+    assert manager.http.get("/v1/admission").json()["what_if"] is None, "only asked for"
+    assert (manager.buffers(), manager.events()) == before, "a what-if never changes the ledger"
+    for g in ("a", "b"):
+        manager.occupy(g)
+    manager.consume()
+    now = manager.http.get("/v1/admission", params={"version": 1, "count": 2}).json()["what_if"]
+    assert now["admissible"] and now["room"] == 2 and now["then_version"] is None
+    manager.reserve("e", 1)  # the answer held: two groups of version 1 fit
+    manager.reserve("f", 1)
 
 
 def test_consume_refusal_reports_the_buffer_state(manager: ManagerClient) -> None:

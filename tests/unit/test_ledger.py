@@ -208,3 +208,58 @@ def test_restore_round_trip() -> None:
     assert restored.buffers() == ledger.buffers()
     assert restored.admission() == ledger.admission()
     assert restored.consume().consumed == ledger.consume().consumed
+
+
+def test_what_if_answers_admissible_with_the_room_left() -> None:
+    ledger = Ledger(LedgerParams(eta=1, batch_size=2))
+    ledger.reserve("a", 0)
+    answer = ledger.what_if(0, 3)
+    assert answer.admissible and answer.room == 3 and answer.consume_through is None and answer.then_version is None
+    assert "3 groups with v_traj 0 fit now" in answer.reason
+
+
+def test_what_if_names_the_full_buffers_and_the_buffer_to_consume_first() -> None:
+    ledger = Ledger(LedgerParams(eta=1, batch_size=2))
+    for g in "abcd":
+        ledger.reserve(g, 0)
+    answer = ledger.what_if(0, 1)
+    assert not answer.admissible and answer.room == 0
+    assert answer.full_buffers == (0, 1)
+    # v_traj 0 never gets room back (its window only shrinks); after buffer 0, version 1 has buffer 2 too
+    assert answer.consume_through == 0 and answer.then_version == 1 and answer.then_room == 2
+    assert "buffers 0..1 hold 4 groups in 4 slots" in answer.reason and "consume buffer 0 first" in answer.reason
+    for g in "ab":
+        ledger.occupy(g)
+    ledger.consume()
+    stale = ledger.what_if(0, 1)
+    assert stale.full_buffers == (1,) and stale.consume_through is None and stale.then_version == 1
+    assert stale.then_room == ledger.admissible(1) == 2 and "v_traj 1 has room for 2 now" in stale.reason
+
+
+def test_what_if_for_a_version_not_produced_yet_or_too_stale_or_too_many() -> None:
+    ledger = Ledger(LedgerParams(eta=1, batch_size=2))
+    future = ledger.what_if(2, 2)
+    assert not future.admissible and future.room == 0 and future.consume_through == 1 and future.then_version == 2
+    assert "does not exist yet" in future.reason
+    far = ledger.what_if(2**62, 1)  # the answer stays small however far ahead the version is
+    assert far.consume_through == 2**62 - 1 and far.then_version == 2**62 and "buffers 0.." in far.reason
+    for step in range(3):
+        ledger.reserve(f"s{step}", step)
+        ledger.reserve(f"t{step}", step)
+        ledger.occupy(f"s{step}")
+        ledger.occupy(f"t{step}")
+        ledger.consume()
+    stale = ledger.what_if(1, 1)
+    assert stale.room == 0 and "too stale" in stale.reason and stale.then_version == 3
+    never = ledger.what_if(3, 5)
+    assert never.then_version is None and "a window holds 4 groups" in never.reason
+
+
+def test_what_if_refuses_bad_input_with_its_code() -> None:
+    ledger = Ledger(LedgerParams(eta=1, batch_size=2))
+    with pytest.raises(LedgerError) as bad_version:
+        ledger.what_if(-1, 1)
+    assert bad_version.value.code == "invalid_version"
+    with pytest.raises(LedgerError) as bad_count:
+        ledger.what_if(0, 0)
+    assert bad_count.value.code == "invalid_request"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support import run_ledger_ops
 
 from staleflow.config.manager import LedgerParams
 from staleflow.ledger import EntryStatus, Fate, Ledger, LedgerError
@@ -132,6 +133,31 @@ class LedgerMachine(RuleBasedStateMachine):
             assert g in self.admitted and g not in self.aborted and g not in self.consumed
             self.aborted.add(g)
 
+    @rule(offset=st.integers(-5, 2), count=st.integers(1, 6))
+    def what_if(self, offset: int, count: int) -> None:
+        """The what-if is exact where it says "now", consistent with itself, and changes nothing."""
+        led = self.ledger
+        before = (led.train_version, led.entries(), led.buffers(), led.sealed, led.counts(), led.admission())
+        version = max(0, led.train_version + offset)
+        answer = led.what_if(version, count)
+        assert (led.train_version, led.entries(), led.buffers(), led.sealed, led.counts(), led.admission()) == before
+        assert answer.room == (oracle_admissible(led, version) if version <= led.train_version else 0)
+        assert answer.admissible == (count <= answer.room)
+        if answer.admissible:
+            assert answer.then_version is None and answer.consume_through is None
+        elif answer.then_version is not None:
+            assert answer.then_version >= version and answer.then_room >= count
+            if answer.then_version > led.train_version:
+                assert answer.consume_through == answer.then_version - 1
+            else:
+                assert answer.consume_through is None
+                assert answer.then_room == oracle_admissible(led, answer.then_version)
+        else:
+            assert count > led.capacity * (led.params.eta + 1)
+        for b in answer.full_buffers:
+            view = next(v for v in led.buffers() if v.version == b)
+            assert len(view.entries) >= view.capacity
+
     # -- invariants --------------------------------------------------------------------
 
     @invariant()
@@ -194,22 +220,7 @@ TestLedgerMachine.settings = settings(
 @settings(max_examples=200, deadline=None)
 def test_no_reachable_state_deadlocks_the_trainer(eta: int, batch: int, ops: list[tuple[str, int]]) -> None:
     """From any reachable state, finishing every outstanding reservation lets training progress."""
-    ledger = Ledger(LedgerParams(eta=eta, batch_size=batch))
-    n = 0
-    for op, pick in ops:
-        live = ledger.entries()
-        try:
-            if op == "r":
-                ledger.reserve(f"g{n}", max(0, ledger.train_version - pick % (eta + 2)))
-                n += 1
-            elif op == "o" and live:
-                ledger.occupy(live[pick % len(live)].group_id)
-            elif op == "a" and live:
-                ledger.abort(live[pick % len(live)].group_id)
-            elif op == "c":
-                ledger.consume()
-        except LedgerError:
-            pass
+    ledger = run_ledger_ops(Ledger(LedgerParams(eta=eta, batch_size=batch)), ops)
     for e in ledger.entries():
         if e.status is EntryStatus.RESERVED:
             ledger.occupy(e.group_id)
