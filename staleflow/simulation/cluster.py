@@ -37,7 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from staleflow.config.manager import LedgerParams
-from staleflow.config.strategy import StrategyConfig, SyncMode
+from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError, Transition
@@ -501,8 +501,9 @@ class ClusterSimulation:
     def _issue(self, plan: CyclePlan, t: float) -> None:
         costs = self.config.commands
         back_at: dict[str, float] = {}  # interrupted trajectory -> when its partial is in the TS
-        syncs = set(plan.syncs)
-        self._counters["syncs"] += len(syncs)
+        keep = self.strategy.pull is PullMode.KEEP
+        syncs = set() if keep else set(plan.syncs)  # Pulls that interrupt everything on their instance
+        self._counters["syncs"] += len(plan.syncs)
         for instance_id, traj_ids in plan.interrupts.items():
             i = self._index[instance_id]
             latency = costs.interrupt(len(traj_ids))
@@ -514,8 +515,12 @@ class ClusterSimulation:
             self._busy_until[i] = t + latency
             self._land(t + latency, i, "interrupt", traj_ids, instance_id in syncs)
         for instance_id in plan.syncs:  # list order: reproducible event order in every process
-            if instance_id not in plan.interrupts:
-                self._land(t, self._index[instance_id], "interrupt", [], True)
+            i = self._index[instance_id]
+            if keep:  # after a migration's Interrupt, if any; Routes to it land after it
+                self._busy_until[i] = self._busy_until.get(i, t)
+                self._land(self._busy_until[i], i, "keep", [], True)
+            elif instance_id not in plan.interrupts:
+                self._land(t, i, "interrupt", [], True)
         by_instance: dict[int, list[str]] = {}
         refused: set[str] = set()
         for d in plan.routes:
@@ -576,6 +581,11 @@ class ClusterSimulation:
                     self._timeline.syncs.append((self.now, i, version))
             if kind == "resume":
                 self._route_now(i, ids)
+        elif kind == "keep":
+            if version is not None and version >= core.version:
+                core.load_weights(version, keep_running=True)
+                if self._timeline is not None:
+                    self._timeline.syncs.append((self.now, i, version))
         else:
             self._route_now(i, traj_ids)
         self._schedule_core(i)

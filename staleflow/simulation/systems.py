@@ -47,7 +47,7 @@ import itertools
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from staleflow.config.strategy import MigrationMode, RoutingMode, StrategyConfig, SyncMode
+from staleflow.config.strategy import MigrationMode, PullMode, RoutingMode, StrategyConfig, SyncMode
 
 
 class Pipeline(StrEnum):
@@ -115,7 +115,7 @@ class SystemSpec:
     def ablation(self) -> str | None:
         """``RSM`` flags (e.g. ``R S x``) for the StaleFlow ablation variants."""
         if self.family is not Family.STALEFLOW or self.batch_redundancy or self.group_redundancy or \
-                self.checkpoint_tokens:
+                self.checkpoint_tokens or self.strategy.pull is not STALEFLOW_PULL:
             return None
         s = self.strategy
         return " ".join((
@@ -129,6 +129,7 @@ _BASELINE_STRATEGY = StrategyConfig(routing=RoutingMode.VANILLA, sync=SyncMode.G
 # StaleFlow's strategies when on (each measured against the alternatives in docs/benchmarks.md)
 STALEFLOW_SYNC = SyncMode.LOAD_AWARE
 STALEFLOW_MIGRATION = MigrationMode.STARVED
+STALEFLOW_PULL = PullMode.INTERRUPT
 # Starved migration fires when a peer's throughput exceeds twice the starved instance's (the
 # authors' scripts: 5). At 5, paper-20k eta = 3 with stragglers (sigma = 0.25) gave 48.8K tokens/s,
 # at 3 50.4K, at 2 52.9K; homogeneous 57.9K at 5, 57.3K at 2 (docs/benchmarks.md).
@@ -142,6 +143,7 @@ def _staleflow(r: bool, s: bool, m: bool) -> SystemSpec:
         routing=RoutingMode.THROUGHPUT if r else RoutingMode.VANILLA,
         sync=STALEFLOW_SYNC if s else SyncMode.GREEDY,
         migration=STALEFLOW_MIGRATION if m else MigrationMode.NONE,
+        pull=STALEFLOW_PULL,
         pin_partials=not m,  # without migration nothing moves: a sync resumes the instance's own work
         phi_throughput=STALEFLOW_PHI_THROUGHPUT,
     )
@@ -171,6 +173,10 @@ def catalog(redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:
                 group_redundancy=redundancy, tuned=False),
         replace(full, name="sf-rsm+ckpt", label=f"StaleFlow + progress checkpoints every {CHECKPOINT_TOKENS} tokens",
                 checkpoint_tokens=CHECKPOINT_TOKENS, tuned=False),
+        replace(full, name="sf-rsm+keep", label="StaleFlow + Pulls that keep the KV cache",
+                strategy=replace(full.strategy, pull=PullMode.KEEP), tuned=False),
+        replace(full, name="sf-rxm+keep", label="StaleFlow, greedy sync + Pulls that keep the KV cache",
+                strategy=replace(full.strategy, pull=PullMode.KEEP, sync=SyncMode.GREEDY), tuned=False),
         ORACLE_SPEC,
     ]
     return systems
