@@ -11,9 +11,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from support import manager_config
+from support import manager_and_trajectory_server
 
-from staleflow.config import LedgerConfig
 from staleflow.config.strategy import MigrationMode, PullMode, StrategyConfig, SyncMode
 from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.app import create_app as coordinator_app
@@ -21,24 +20,18 @@ from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
-from staleflow.servers.manager import create_app as manager_app
-from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
-from staleflow.servers.trajectories import create_app as ts_app
 
 ETA, BATCH, GROUP, STEPS = 1, 2, 2, 6
 
 
 def test_a_job_whose_pulls_keep_the_trajectories_trains_them_across_versions(tmp_path: Path) -> None:
     with ExitStack() as stack:
-        manager_url = stack.enter_context(serve_in_thread(manager_app(
-            manager_config(tmp_path, eta=ETA, batch_size=BATCH, group_size=GROUP)))).url
-        ts_url = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
-            ledger=LedgerConfig(eta=ETA, batch_size=BATCH, group_size=GROUP), manager_url=manager_url,
-            state_dir=tmp_path, reward="sim", sampling=SamplingConfig(max_tokens=64))))).url
+        manager_url, ts_url = manager_and_trajectory_server(stack, tmp_path, 512, eta=ETA, batch_size=BATCH,
+                                                            group_size=GROUP)
         instances = {}
         for name in ("a", "b"):
             config = InstanceConfig(instance_id=name, completion_callback_url=f"{ts_url}/v1/completed",
-                                    sim=SimConfig(workload="ci-tiny", clock="real", speed=10.0))
+                                    sim=SimConfig(workload="demo", clock="real", speed=10.0))
             instances[name] = stack.enter_context(serve_in_thread(instance_app(config))).url
         strategy = StrategyConfig(sync=SyncMode.GREEDY, migration=MigrationMode.NONE, pull=PullMode.KEEP)
         coordinator = stack.enter_context(serve_in_thread(coordinator_app(CoordinatorConfig(
