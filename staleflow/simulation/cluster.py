@@ -17,7 +17,8 @@ Pure and in-process (no HTTP, no threads): paper-scale jobs take seconds of wall
   admission table and the newest version. A cycle is skipped when nothing happened since the last
   one (and ``recheck_period_s`` has not passed) or when its plan is provably empty (nothing waits,
   no sync is due, no migration triggers). Commands land after ``CommandCosts`` latencies, a Route
-  after the Interrupts whose partials it carries; a Pull is ``SimCore.load_weights``.
+  after the Interrupts whose partials it carries; a Pull is ``SimCore.load_weights`` (with
+  ``PullMode.KEEP`` it keeps the instance's trajectories: nothing is handed back or re-prefilled).
 * **Trainer**: as soon as the head staleness buffer is Ready and the trainer is idle it consumes
   the batch, trains for ``TrainerModel.step_seconds`` and the new version reaches the parameter
   server ``push_s`` later. Rollout and training overlap (colocated systems: eta = 0 makes them
