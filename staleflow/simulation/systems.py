@@ -134,10 +134,11 @@ _BASELINE_STRATEGY = StrategyConfig(routing=RoutingMode.VANILLA, sync=SyncMode.G
 STALEFLOW_SYNC = SyncMode.LOAD_AWARE
 STALEFLOW_MIGRATION = MigrationMode.STARVED
 # Full StaleFlow's Pulls keep the running trajectories and their KV cache (in-flight weight
-# updates): paper-20k eta = 3, 64 instances: 61.3K tokens/s against 57.3K interrupting them, and
-# 53.9K against 52.9K with stragglers (sigma = 0.25); with greedy sync instead of load-aware,
-# 62.9K and 51.7K (docs/benchmarks.md). The R/S/M ablation variants interrupt, as before, so
-# all-vanilla StaleFlow stays in-flight's twin.
+# updates): paper-20k, 64 instances, against interrupting them: +3.2 to +7.0 % at eta = 1-4 on
+# identical instances (eta = 3: 61.3K vs 57.3K tokens/s); with stragglers (sigma = 0.25) -4.4 and
+# -4.5 % at eta = 1, 2, +2.0 and +3.1 % at eta = 3, 4; mean +2.5 %. Greedy sync with kept Pulls:
+# 62.9K / 51.7K at eta = 3 (docs/benchmarks.md). The R/S/M ablation variants interrupt, as
+# before, so all-vanilla StaleFlow stays in-flight's twin.
 STALEFLOW_PULL = PullMode.KEEP
 
 
