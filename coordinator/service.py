@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from staleflow.backoff import Backoff
-from staleflow.config.strategy import StrategyConfig, SyncMode
+from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
 from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, Membership
 from staleflow.coordinator.reconcile import Suspicion, reconcile
 from staleflow.cost_model import CostModel
@@ -460,11 +460,12 @@ class Coordinator:
             if partials:
                 await self.ts.post("/v1/return", json={"instance_id": instance_id, "partials": partials})
         # 2. pulls: queued on their instance; routes to it wait behind them
+        keep = {"keep_running": True} if self.strategy.pull is PullMode.KEEP else {}
         for instance_id in plan.syncs:
             record = self.instances[instance_id]
             self.membership.sync_started(record)
             self.p.pulled(instance_id, self.ps_version)
-            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record)}, 1)
+            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record), **keep}, 1)
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
         by_instance: dict[str, list[dict]] = {}
         for d in plan.routes:
@@ -555,6 +556,9 @@ class Coordinator:
             self.stats.routed += size
         elif kind == "pull":
             self.stats.pulls += 1
+            # a Pull that kept its trajectories: they count among what the instance holds (P was reset when issued)
+            if data.get("kept") and record.instance_id in self.p:
+                self.p.routed(record.instance_id, len(data["kept"]))
         return data
 
     # ------------------------------------------------------------------ inspection

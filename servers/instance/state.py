@@ -349,10 +349,14 @@ class InstanceServer:
             return {"aborted": abort.aborted, "not_found": abort.not_found}
         self._pulling = True
         try:
-            partials = await self.engine.load_weights(command.weights_ref())
+            partials = await self.engine.load_weights(command.weights_ref(), command.keep_running)
+            kept: list[str] = []
+            if command.keep_running:  # complete_trajs restarted at the load: all of them went through it
+                held = await self.engine.snapshot()
+                kept = sorted({*held.run_trajs, *held.wait_trajs, *held.complete_trajs})
         finally:
             self._pulling = False
-        return {"version": command.version, "partials": [trajectory_json(p) for p in partials]}
+        return {"version": command.version, "partials": [trajectory_json(p) for p in partials], "kept": kept}
 
     async def snapshot(self) -> dict[str, Any]:
         if self._pulling:  # a weight load can take a while: answer without waiting for it

@@ -126,6 +126,9 @@ class PullCommand(_CommandBase):
     kind: Literal["pull"]
     version: int = Field(ge=0)
     weights: WeightsIn | None = Field(None, description="default for the sim engine: the configured model size")
+    keep_running: bool = Field(False, description="an in-flight weight update: the trajectories on the instance are "
+                                                  "not interrupted, they keep their KV cache and continue on the new "
+                                                  "weights (else every one is interrupted and handed back)")
 
     def weights_ref(self) -> WeightsRef:
         w = self.weights
@@ -237,6 +240,8 @@ class PullResult(_Applied):
     kind: Literal["pull"]
     version: int
     partials: list[TrajectoryOut] = Field(description="everything in flight, interrupted by the weight load")
+    kept: list[str] = Field(default_factory=list, description="keep_running: the trajectories that went on through "
+                                                              "the load (on the instance, or completed since)")
 
 
 CommandResult = Annotated[RouteResult | InterruptResult | AbortResult | PullResult, Field(discriminator="kind")]

@@ -20,6 +20,16 @@ class SyncMode(StrEnum):
     NEVER = "never"  # the upper bound: instances keep their weights (no Pull, nothing interrupted)
 
 
+class PullMode(StrEnum):
+    """What a Pull does to the trajectories on the instance."""
+
+    INTERRUPT = "interrupt"  # paper §5.2: interrupt and hand back everything; resumed ones re-prefill
+    # in-flight weight update (PipelineRL-style): running trajectories stay, keep their KV cache and
+    # continue on the new weights after the load; their V_traj (the oldest version of any of their
+    # tokens) is unchanged, so the staleness bound holds as defined
+    KEEP = "keep"
+
+
 class MigrationMode(StrEnum):
     STARVED = "starved"  # the authors' code: feed a starved instance from the busiest one, down to a floor
     THROUGHPUT = "throughput"  # paper Algorithm 5 as printed
@@ -31,6 +41,7 @@ class StrategyConfig:
     routing: RoutingMode = RoutingMode.THROUGHPUT
     sync: SyncMode = SyncMode.SELECTIVE
     migration: MigrationMode = MigrationMode.THROUGHPUT
+    pull: PullMode = PullMode.INTERRUPT
     mu: float = 0.3  # route only when the gain is >= mu x the ideal gain (Eq. 4)
     phi_wait: int = 3  # waiting trajectories tolerated per instance before migrating the excess
     phi_throughput: float = 5.0  # max/min instance throughput ratio that triggers a migration

@@ -10,6 +10,10 @@ Two halves, one per process of a vLLM instance:
 * ``EngineTimeline`` runs in the instance server. It tells, from the engine adapter's own state,
   when the instance held trajectories (busy), loaded weights (Pull) or held nothing (idle).
 
+``VersionSwitches`` (in the worker too) finds, for every request that kept running through a
+weight update, how many of its tokens the old weights had generated: the scheduler's own count
+when the request is next scheduled (nothing runs while generation is paused for the load).
+
 ``breakdown`` combines them into parts that add up to the instance's rollout time exactly:
 decode + prefill + re-prefill (step time) + overhead (busy, but between steps: scheduling, output
 processing, waiting for a CPU on a shared host) + pull + idle.
@@ -51,6 +55,58 @@ class StepTotals:
         return asdict(self)
 
 
+def external_id(request_id: str, known: Mapping[str, object]) -> str | None:
+    """The id a request was submitted with, among ``known``: vLLM may suffix ``-<8 characters>``."""
+    if request_id in known:
+        return request_id
+    head = request_id.rpartition("-")[0]
+    return head if head in known else None
+
+
+class VersionSwitches:
+    """Where a new model version took over requests that kept running through a weight update.
+
+    ``expect(ids, version)`` while generation is paused for the load; then the first scheduler
+    output that schedules one of them tells how many output tokens it has (all the old weights'),
+    and from there on the tokens are ``version``'s: a mark ``(position, version)``, positions
+    counting this request's output tokens. Duck-typed on the scheduler output like
+    ``StepAccountant``."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, int] = {}  # submitted id -> the version that takes over at its next step
+        self._marks: dict[str, list[tuple[int, int]]] = {}
+
+    def expect(self, request_ids: list[str], version: int) -> None:
+        for request_id in request_ids:
+            self._pending[request_id] = version
+
+    def observe(self, scheduler_output: Any) -> None:
+        if not self._pending:
+            return
+        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            if (known := external_id(req_id, self._pending)) is not None:
+                del self._pending[known]  # it finished on the old weights
+        for new in scheduler_output.scheduled_new_reqs:  # first scheduled since the load: nothing generated yet
+            self._mark(new.req_id, 0)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, generated in zip(cached.req_ids, cached.num_output_tokens, strict=False):
+            self._mark(req_id, generated)
+
+    def _mark(self, req_id: str, generated: int) -> None:
+        if (known := external_id(req_id, self._pending)) is not None:
+            self._marks.setdefault(known, []).append((int(generated), self._pending.pop(known)))
+
+    def marks(self, request_ids: list[str], forget: bool) -> dict[str, list[tuple[int, int]]]:
+        """The marks of these requests (those without any are left out); ``forget``: the requests are
+        gone from the front end, so are their marks and what was still expected of them."""
+        out = {r: list(self._marks[r]) for r in request_ids if r in self._marks}
+        if forget:
+            for r in request_ids:
+                self._marks.pop(r, None)
+                self._pending.pop(r, None)
+        return out
+
+
 class StepAccountant:
     """Times model steps and classifies their tokens from vLLM's ``SchedulerOutput``.
 
@@ -61,12 +117,14 @@ class StepAccountant:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, monotonic: Callable[[], float] = time.monotonic):
         self.totals = StepTotals()
+        self.switches = VersionSwitches()
         self._clock = clock
         self._monotonic = monotonic
         self._phase_of: dict[str, str] = {}  # request id -> prefill | reprefill, while it is on the engine
         self._open: tuple[float, dict[str, int]] | None = None
 
     def begin(self, scheduler_output: Any) -> None:
+        self.switches.observe(scheduler_output)
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self._phase_of.pop(req_id, None)
         tokens = self.classify(scheduler_output)
@@ -186,4 +244,5 @@ def breakdown(wall: float, states: Mapping[str, float], steps: StepTotals | Mapp
     return parts
 
 
-__all__ = ["PHASES", "RESUME_MARK", "EngineTimeline", "StepAccountant", "StepTotals", "breakdown", "is_resume"]
+__all__ = ["PHASES", "RESUME_MARK", "EngineTimeline", "StepAccountant", "StepTotals", "VersionSwitches", "breakdown",
+           "external_id", "is_resume"]

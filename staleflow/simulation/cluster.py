@@ -17,7 +17,8 @@ Pure and in-process (no HTTP, no threads): paper-scale jobs take seconds of wall
   admission table and the newest version. A cycle is skipped when nothing happened since the last
   one (and ``recheck_period_s`` has not passed) or when its plan is provably empty (nothing waits,
   no sync is due, no migration triggers). Commands land after ``CommandCosts`` latencies, a Route
-  after the Interrupts whose partials it carries; a Pull is ``SimCore.load_weights``.
+  after the Interrupts whose partials it carries; a Pull is ``SimCore.load_weights`` (with
+  ``PullMode.KEEP`` it keeps the instance's trajectories: nothing is handed back or re-prefilled).
 * **Trainer**: as soon as the head staleness buffer is Ready and the trainer is idle it consumes
   the batch, trains for ``TrainerModel.step_seconds`` and the new version reaches the parameter
   server ``push_s`` later. Rollout and training overlap (colocated systems: eta = 0 makes them
@@ -37,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from staleflow.config.manager import LedgerParams
-from staleflow.config.strategy import StrategyConfig, SyncMode
+from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError, Transition
@@ -501,8 +502,9 @@ class ClusterSimulation:
     def _issue(self, plan: CyclePlan, t: float) -> None:
         costs = self.config.commands
         back_at: dict[str, float] = {}  # interrupted trajectory -> when its partial is in the TS
-        syncs = set(plan.syncs)
-        self._counters["syncs"] += len(syncs)
+        keep = self.strategy.pull is PullMode.KEEP
+        syncs = set() if keep else set(plan.syncs)  # Pulls that interrupt everything on their instance
+        self._counters["syncs"] += len(plan.syncs)
         for instance_id, traj_ids in plan.interrupts.items():
             i = self._index[instance_id]
             latency = costs.interrupt(len(traj_ids))
@@ -514,8 +516,12 @@ class ClusterSimulation:
             self._busy_until[i] = t + latency
             self._land(t + latency, i, "interrupt", traj_ids, instance_id in syncs)
         for instance_id in plan.syncs:  # list order: reproducible event order in every process
-            if instance_id not in plan.interrupts:
-                self._land(t, self._index[instance_id], "interrupt", [], True)
+            i = self._index[instance_id]
+            if keep:  # after a migration's Interrupt, if any; Routes to it land after it
+                self._busy_until[i] = self._busy_until.get(i, t)
+                self._land(self._busy_until[i], i, "keep", [], True)
+            elif instance_id not in plan.interrupts:
+                self._land(t, i, "interrupt", [], True)
         by_instance: dict[int, list[str]] = {}
         refused: set[str] = set()
         for d in plan.routes:
@@ -576,6 +582,11 @@ class ClusterSimulation:
                     self._timeline.syncs.append((self.now, i, version))
             if kind == "resume":
                 self._route_now(i, ids)
+        elif kind == "keep":
+            if version is not None and version >= core.version:
+                core.load_weights(version, keep_running=True)
+                if self._timeline is not None:
+                    self._timeline.syncs.append((self.now, i, version))
         else:
             self._route_now(i, traj_ids)
         self._schedule_core(i)

@@ -25,7 +25,9 @@ strategies (``staleflow.strategies``) decide routing, synchronization and migrat
 * ``sf-<r><s><m>`` - StaleFlow with each of its three strategies throughput-oriented (letter) or
   vanilla (``x``): routing (``r``: cost-model waterfall / ``x``: fewest trajectories), sync
   (``s``: load-aware / ``x``: greedy per instance), migration (``m``: starved-instance migration /
-  ``x``: none, a sync's trajectories go straight back to their instance). ``staleflow`` is ``sf-rsm``.
+  ``x``: none, a sync's trajectories go straight back to their instance). ``staleflow`` is ``sf-rsm``,
+  whose Pulls keep the running trajectories and their KV cache (in-flight weight updates,
+  ``PullMode.KEEP``); the other seven interrupt them as the paper's Pull does.
 
 Engine and weight sync per system: the baselines run vLLM with ``max_num_seqs`` = 1024 (the
 authors' vanilla scripts) and the VeRL-like ones (``one-step``, ``in-flight``, ``in-flight-fifo``)
@@ -39,6 +41,8 @@ must match: the checked property that StaleFlow's machinery costs nothing by its
 * ``sf-rsm+ckpt`` - StaleFlow with progress checkpoints of running trajectories every 256 tokens,
   each round of an instance costing it ``CHECKPOINT_STALL_S`` of engine time (spread over the
   steps between rounds): what checkpoints cost in rollout throughput.
+* ``sf-rsm@interrupt`` - StaleFlow whose Pulls interrupt everything on the instance (resumed
+  trajectories re-prefill): the kept Pulls measured alone.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import itertools
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from staleflow.config.strategy import MigrationMode, RoutingMode, StrategyConfig, SyncMode
+from staleflow.config.strategy import MigrationMode, PullMode, RoutingMode, StrategyConfig, SyncMode
 
 
 class Pipeline(StrEnum):
@@ -118,17 +122,28 @@ class SystemSpec:
                 self.checkpoint_tokens:
             return None
         s = self.strategy
-        return " ".join((
-            "R" if s.routing is RoutingMode.THROUGHPUT else "x",
-            "S" if s.sync not in (SyncMode.GREEDY, SyncMode.GLOBAL) else "x",
-            "M" if s.migration is not MigrationMode.NONE else "x",
-        ))
+        flags = (s.routing is RoutingMode.THROUGHPUT, s.sync not in (SyncMode.GREEDY, SyncMode.GLOBAL),
+                 s.migration is not MigrationMode.NONE)
+        if s.pull is not _pull_of(*flags):
+            return None
+        return " ".join(on if f else "x" for on, f in zip("RSM", flags, strict=True))
 
 
 _BASELINE_STRATEGY = StrategyConfig(routing=RoutingMode.VANILLA, sync=SyncMode.GLOBAL, migration=MigrationMode.NONE)
 # StaleFlow's strategies when on (each measured against the alternatives in docs/benchmarks.md)
 STALEFLOW_SYNC = SyncMode.LOAD_AWARE
 STALEFLOW_MIGRATION = MigrationMode.STARVED
+# Full StaleFlow's Pulls keep the running trajectories and their KV cache (in-flight weight
+# updates): paper-20k, 64 instances, against interrupting them: +3.2 to +7.0 % at eta = 1-4 on
+# identical instances (eta = 3: 61.3K vs 57.3K tokens/s); with stragglers (sigma = 0.25) -4.4 and
+# -4.5 % at eta = 1, 2, +2.0 and +3.1 % at eta = 3, 4; mean +2.5 %. Greedy sync with kept Pulls:
+# 62.9K / 51.7K at eta = 3 (docs/benchmarks.md). The R/S/M ablation variants interrupt, as
+# before, so all-vanilla StaleFlow stays in-flight's twin.
+STALEFLOW_PULL = PullMode.KEEP
+
+
+def _pull_of(r: bool, s: bool, m: bool) -> PullMode:
+    return STALEFLOW_PULL if r and s and m else PullMode.INTERRUPT
 # Starved migration fires when a peer's throughput exceeds twice the starved instance's (the
 # authors' scripts: 5). At 5, paper-20k eta = 3 with stragglers (sigma = 0.25) gave 48.8K tokens/s,
 # at 3 50.4K, at 2 52.9K; homogeneous 57.9K at 5, 57.3K at 2 (docs/benchmarks.md).
@@ -142,6 +157,7 @@ def _staleflow(r: bool, s: bool, m: bool) -> SystemSpec:
         routing=RoutingMode.THROUGHPUT if r else RoutingMode.VANILLA,
         sync=STALEFLOW_SYNC if s else SyncMode.GREEDY,
         migration=STALEFLOW_MIGRATION if m else MigrationMode.NONE,
+        pull=_pull_of(r, s, m),
         pin_partials=not m,  # without migration nothing moves: a sync resumes the instance's own work
         phi_throughput=STALEFLOW_PHI_THROUGHPUT,
     )
@@ -171,6 +187,8 @@ def catalog(redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:
                 group_redundancy=redundancy, tuned=False),
         replace(full, name="sf-rsm+ckpt", label=f"StaleFlow + progress checkpoints every {CHECKPOINT_TOKENS} tokens",
                 checkpoint_tokens=CHECKPOINT_TOKENS, tuned=False),
+        replace(full, name="sf-rsm@interrupt", label="StaleFlow with Pulls that interrupt (re-prefill on resume)",
+                strategy=replace(full.strategy, pull=PullMode.INTERRUPT), tuned=False),
         ORACLE_SPEC,
     ]
     return systems

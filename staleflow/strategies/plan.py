@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from staleflow.config.strategy import StrategyConfig
+from staleflow.config.strategy import PullMode, StrategyConfig
 from staleflow.strategies.migration import plan_migrations
 from staleflow.strategies.routing import RouteDecision, reachable, route
 from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
@@ -15,7 +15,7 @@ from staleflow.strategies.sync import plan_syncs
 
 @dataclass
 class CyclePlan:
-    syncs: list[str] = field(default_factory=list)  # Interrupt everything on them, then Pull
+    syncs: list[str] = field(default_factory=list)  # Pull (PullMode.INTERRUPT: Interrupt everything on them first)
     interrupts: dict[str, list[str]] = field(default_factory=dict)  # by instance, syncs' included
     routes: list[RouteDecision] = field(default_factory=list)
 
@@ -62,6 +62,9 @@ def plan_cycle(
     pinned: list[RouteDecision] = []
     for instance_id in plan.syncs:
         inst = states[instance_id]
+        if config.pull is PullMode.KEEP:  # its trajectories, KV and load stay: only the version changes
+            inst.version = ps_version
+            continue
         if config.pin_partials:  # its trajectories come straight back after the Pull
             if inst.trajectories:
                 plan.interrupts[instance_id] = inst.trajectories
@@ -81,20 +84,20 @@ def plan_cycle(
         migrated.update(dict.fromkeys(traj_ids, instance_id))
     plan.routes = pinned + route(states.values(), waiting, budget, config, group_versions)
     if migrated:
-        _keep_in_place(plan, migrated)
+        _keep_in_place(plan, migrated, kept_syncs=config.pull is PullMode.KEEP)
     return plan
 
 
-def _keep_in_place(plan: CyclePlan, migrated: dict[str, str]) -> None:
+def _keep_in_place(plan: CyclePlan, migrated: dict[str, str], kept_syncs: bool) -> None:
     """A migrated trajectory that routing sends back where it was stays there: an Interrupt and a
     Route to the same instance would only recompute its KV cache (a sync's interrupts are kept,
-    the Pull needs them)."""
+    the Pull needs them, unless it keeps the trajectories: then they are all migrations)."""
     stay = {d.traj_id for d in plan.routes if migrated.get(d.traj_id) == d.instance_id}
     if not stay:
         return
     plan.routes = [d for d in plan.routes if d.traj_id not in stay]
     for instance_id in list(plan.interrupts):
-        if instance_id in plan.syncs:
+        if instance_id in plan.syncs and not kept_syncs:
             continue
         kept = [t for t in plan.interrupts[instance_id] if t not in stay]
         if kept:

@@ -365,3 +365,111 @@ def test_engine_accounts_for_its_time(harness: Harness) -> None:
     assert stats["steps"] > 0 and stats["first_step_after_route_seconds"] is not None
     # eager on CPU: vLLM's sampler helpers run without torch.compile (no compile in the first step)
     assert os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+
+
+# ------------------------------------------------------------------------------ Pulls that keep running trajectories
+# (after the accounting test above, which counts the Pulls of the tests before it)
+
+LONG_PROMPT = tuple(3 + (i * 7) % 480 for i in range(300))  # spans full KV blocks: the prefix cache holds them
+
+
+def reference_switch(old: Path, new: Path, prompt: tuple[int, ...], before: tuple[int, ...], steps: int) -> list[int]:
+    """Greedy decoding that switches weights mid-stream and keeps the KV cache: the old model's
+    keys and values for ``prompt + before[:-1]``, then the new model from ``before[-1]`` on."""
+    old_model = transformers.AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32).eval()
+    new_model = transformers.AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = old_model(input_ids=torch.tensor([[*prompt, *before[:-1]]]), use_cache=True).past_key_values
+        token, out = before[-1], []
+        for _ in range(steps):
+            step = new_model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            cache, token = step.past_key_values, int(step.logits[0, -1].argmax())
+            out.append(token)
+    return out
+
+
+def _request(harness: Harness, prompt: tuple[int, ...], max_tokens: int, v_traj: int) -> TrajectoryRequest:
+    return TrajectoryRequest(traj_id=f"k{next(harness._ids)}", group_id="k", prompt_ids=prompt, v_traj=v_traj,
+                             sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def test_a_pull_that_keeps_a_running_trajectory_continues_it_on_the_new_weights_without_reprefill(
+        harness: Harness) -> None:
+    engine = harness.engine
+    v1 = engine.version + 1
+    harness.run(engine.load_weights(WeightsPath(version=v1, path=str(harness.model_a))))
+    request = harness.start_running(400, min_tokens=16)
+    before = harness.run(engine.stats())["tokens_scheduled"]
+
+    assert harness.run(engine.load_weights(WeightsPath(version=v1 + 1, path=str(harness.model_b)),
+                                           keep_running=True)) == []
+    snap = harness.run(engine.snapshot())
+    assert snap.inst_version == v1 + 1 and request.traj_id in snap.run_trajs + snap.wait_trajs
+    assert snap.complete_trajs == ()
+    done = harness.next_completed()
+    assert done.traj_id == request.traj_id and done.finish_reason is FinishReason.LENGTH
+    k = done.segments[0].end
+    assert k >= 16 and done.segments == (Segment(v1, 0, k), Segment(v1 + 1, k, 400))
+    # the KV stayed: nothing of it was prefilled again, only decoded on
+    after = harness.run(engine.stats())["tokens_scheduled"]
+    assert after["reprefill"] == before["reprefill"] and after["prefill"] == before["prefill"]
+    # the old weights' tokens up to the update, then the new weights' over the old KV
+    assert list(done.tokens[:k]) == reference_greedy(harness.model_a, PROMPT, k)
+    assert list(done.tokens[k:k + 24]) == reference_switch(harness.model_a, harness.model_b, PROMPT,
+                                                          done.tokens[:k], 24)
+
+    # the default Pull hands the trajectory back and its resume prefills its whole context again
+    running = harness.start_running(400, min_tokens=16)
+    (partial,) = harness.run(engine.load_weights(WeightsPath(version=v1 + 2, path=str(harness.model_a))))
+    assert partial.traj_id == running.traj_id
+    harness.generate(partial.to_request())
+    resumed = harness.run(engine.stats())["tokens_scheduled"]
+    assert resumed["reprefill"] - after["reprefill"] >= len(PROMPT) + len(partial.tokens)
+
+
+def test_kept_trajectories_survive_aborts_and_a_second_update_and_new_ones_never_see_old_kv(
+        harness: Harness) -> None:
+    engine = harness.engine
+    # references first: the engine core goes on generating while the test computes
+    expected_fresh = reference_greedy(harness.model_b, LONG_PROMPT, 16)
+    expected_after = reference_greedy(harness.model_a, PROMPT, 32)
+    v = engine.version + 1
+    harness.run(engine.load_weights(WeightsPath(version=v, path=str(harness.model_a))))
+    doomed, kept = _request(harness, LONG_PROMPT, 700, v), _request(harness, LONG_PROMPT, 700, v)
+    harness.run(engine.route([doomed, kept]))
+    harness.wait_until(lambda: min(engine.generated(doomed.traj_id), engine.generated(kept.traj_id)) >= 8)
+    stats = harness.run(engine.stats())
+    cached, reprefilled = stats["prefix_cached_tokens"]["prefill"], stats["tokens_scheduled"]["reprefill"]
+
+    harness.run(engine.load_weights(WeightsPath(version=v + 1, path=str(harness.model_b)), keep_running=True))
+    # a new trajectory with the same prompt starts on the new weights: none of the old weights'
+    # cached blocks of that prompt (held by the kept trajectories) is reused
+    fresh = harness.generate(_request(harness, LONG_PROMPT, 16, v + 1))
+    assert list(fresh.tokens) == expected_fresh
+    assert fresh.segments == (Segment(v + 1, 0, 16),)
+    assert harness.run(engine.stats())["prefix_cached_tokens"]["prefill"] == cached
+
+    # abort one after the update: it streams as aborted, with both versions' tokens
+    at_update = engine.generated(doomed.traj_id)
+    harness.wait_until(lambda: engine.generated(doomed.traj_id) >= at_update + 8)
+    assert harness.run(engine.abort([doomed.traj_id])).aborted == [doomed.traj_id]
+    aborted = harness.next_completed()
+    assert aborted.traj_id == doomed.traj_id and aborted.finish_reason is FinishReason.ABORT
+    assert [s.version for s in aborted.segments] == [v, v + 1] and aborted.segments[-1].end == len(aborted.tokens)
+
+    # the other goes on through a second update; its progress and its end carry all three versions
+    first_switch = engine.generated(kept.traj_id)
+    harness.wait_until(lambda: engine.generated(kept.traj_id) >= first_switch + 8)
+    harness.run(engine.load_weights(WeightsPath(version=v + 2, path=str(harness.model_a)), keep_running=True))
+    harness.wait_until(lambda: engine.generated(kept.traj_id) >= first_switch + 24)
+    (progress,) = [p for p in harness.run(engine.progress({}, 1)) if p.traj_id == kept.traj_id]
+    assert [s.version for s in progress.segments] == [v, v + 1, v + 2]
+    done = harness.next_completed()
+    assert done.traj_id == kept.traj_id and done.finish_reason is FinishReason.LENGTH
+    assert [s.version for s in done.segments] == [v, v + 1, v + 2]
+    assert done.segments[:2] == progress.segments[:2] and done.segments[-1].end == 700
+    assert harness.run(engine.stats())["tokens_scheduled"]["reprefill"] == reprefilled
+    snap = harness.run(engine.snapshot())
+    assert snap.inst_version == v + 2 and snap.complete_trajs == (kept.traj_id,)
+    assert snap.run_trajs == () and snap.wait_trajs == ()
+    assert list(harness.generate(harness.request(32)).tokens) == expected_after

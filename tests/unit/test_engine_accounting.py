@@ -11,6 +11,7 @@ from staleflow.engines.accounting import (
     EngineTimeline,
     StepAccountant,
     StepTotals,
+    VersionSwitches,
     breakdown,
 )
 
@@ -134,3 +135,23 @@ def test_breakdown_step_time_beyond_the_busy_intervals_comes_out_of_idle() -> No
     assert parts["overhead"] == 0.0 and parts["idle"] == pytest.approx(4.8)
     assert sum(parts.values()) == pytest.approx(10.0, abs=1e-12)
     assert all(v >= 0 for v in parts.values())
+
+
+def test_version_switches_mark_where_the_new_weights_took_over_each_kept_request() -> None:
+    """After a load that kept requests running, the scheduler's output-token count at each one's
+    next step is where the new version starts; vLLM's id suffix is matched, a request that
+    finished before running again gets no mark, one never scheduled before starts at 0."""
+    switches = VersionSwitches()
+    switches.expect(["a#1", "b#2", "c#3", "d#4"], version=5)
+    switches.observe(SchedulerOutput(finished_req_ids={"c#3-9e0d"}))
+    switches.observe(SchedulerOutput(
+        scheduled_new_reqs=[NewRequest("d#4-1b2c")],
+        scheduled_cached_reqs=CachedRequests(["a#1-0f3c", "x#9"], [17, 40]),
+    ))
+    switches.observe(SchedulerOutput(scheduled_cached_reqs=CachedRequests(["a#1-0f3c", "b#2"], [18, 3])))
+    assert switches.marks(["a#1", "b#2", "c#3", "d#4"], forget=False) == {
+        "a#1": [(17, 5)], "b#2": [(3, 5)], "d#4": [(0, 5)]}
+    switches.expect(["a#1"], version=6)  # a second load: a second mark at its next step
+    switches.observe(SchedulerOutput(scheduled_cached_reqs=CachedRequests(["a#1-0f3c"], [25])))
+    assert switches.marks(["a#1"], forget=True) == {"a#1": [(17, 5), (25, 6)]}
+    assert switches.marks(["a#1"], forget=False) == {}

@@ -178,6 +178,59 @@ def test_pull_clears_run_and_wait_resets_complete_and_blocks_for_the_transfer() 
     assert late.trajectory().segments == (Segment(3, 0, 4),)
 
 
+def test_a_pull_that_keeps_the_trajectories_continues_them_without_prefilling_them_again() -> None:
+    """In-flight weight update: the step in flight ends on the old weights, generation stops for
+    the transfer, and the trajectories continue with their KV: the same tokens as without the
+    Pull, none prefilled twice, the tokens from the load on recorded as the new version's."""
+    reference = SimCore(params(cost=CostModel(kv_budget=400), max_running=4))
+    reference.route([request(f"k/{i}", max_tokens=48, ignore_eos=True) for i in range(3)])
+    whole = {f.traj_id: f.trajectory() for f in run_until_idle(reference)}
+
+    core = SimCore(params(cost=CostModel(kv_budget=400), max_running=4))
+    core.route([request(f"k/{i}", max_tokens=48, ignore_eos=True) for i in range(3)])
+    core.route([request("done", max_tokens=2, ignore_eos=True)])
+    while "done" not in core.snapshot().complete_trajs:
+        core.advance_to(core.next_event_time())
+    core.pop_finished()
+    core.advance_to(core.now + 0.005)  # mid-step
+    before = core.snapshot()
+    prefilled = core.stats.prefill_tokens
+    assert core.load_weights(version=2, size_bytes=10**9, keep_running=True) == []
+    during = core.snapshot()
+    assert during.inst_version == 2 and during.loading_weights and during.complete_trajs == ()
+    assert set(during.run_trajs) == set(before.run_trajs) and during.kv_cache == before.kv_cache
+    step_end = core.next_event_time()
+    core.advance_to(step_end)
+    at_load = {t: core.generated(t) for t in during.run_trajs}
+    assert core.snapshot().loading_weights and core.next_event_time() == pytest.approx(step_end + 0.5)
+    core.advance_to(step_end + 0.4)
+    assert {t: core.generated(t) for t in during.run_trajs} == at_load  # nothing generated while loading
+
+    finished = {f.traj_id: f.trajectory() for f in run_until_idle(core)}
+    assert core.stats.prefill_tokens == prefilled and core.stats.pulls == 1
+    for traj_id, k in at_load.items():
+        assert finished[traj_id].tokens == whole[traj_id].tokens
+        assert finished[traj_id].segments == (Segment(0, 0, k), Segment(2, k, 48))
+
+
+def test_a_kept_pull_on_an_idle_instance_blocks_it_at_once_and_a_later_pull_interrupts() -> None:
+    core = SimCore(params())
+    assert core.load_weights(version=1, keep_running=True) == [] and core.snapshot().loading_weights
+    core.route([request("a", max_tokens=32, v_traj=1, ignore_eos=True)])
+    assert core.snapshot().wait_trajs == ("a",)
+    core.advance_to(core.next_event_time())  # the load ends: "a" is admitted
+    while core.generated("a") < 5:
+        core.advance_to(core.next_event_time() if core.next_event_time() < core.now + 0.01 else core.now + 0.005)
+    core.load_weights(version=2, keep_running=True)
+    core.advance_to(core.next_event_time())
+    k = core.generated("a")
+    core.advance_to(core.next_event_time())  # the load ends
+    while core.generated("a") < k + 3:
+        core.advance_to(core.next_event_time() if core.next_event_time() < core.now + 0.01 else core.now + 0.005)
+    (partial,) = core.load_weights(version=3)
+    assert partial.segments == (Segment(1, 0, k), Segment(2, k, len(partial.tokens)))
+
+
 # ------------------------------------------------------------------------------ interrupt / resume
 
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleflow.config.manager import LedgerParams
-from staleflow.config.strategy import MigrationMode, RoutingMode, StrategyConfig, SyncMode
+from staleflow.config.strategy import MigrationMode, PullMode, RoutingMode, StrategyConfig, SyncMode
 from staleflow.cost_model import CostModel
 from staleflow.ledger import Ledger, LedgerError
 from staleflow.strategies import (
@@ -126,6 +126,26 @@ def test_plan_cycle_reroutes_what_sync_interrupts() -> None:
     routed = {d.traj_id: d for d in plan.routes}
     assert set(lagging.running) <= set(routed), "interrupted partials are routed again in the same pass"
     assert all(routed[t].v_traj == 0 and not routed[t].reserves_group for t in lagging.running)
+
+
+def test_a_pull_that_keeps_the_trajectories_leaves_them_and_their_load_where_they_are() -> None:
+    """The cost model sees the synced instance as it will be: at the new version, still running
+    its trajectories with their KV cache; nothing is interrupted or routed anew for the Pull."""
+    lagging = inst("lag", version=0, running=2, kv=40_000)
+    fresh = inst("fresh", version=1)
+    on_instances = {t: PendingTrajectory(t, "g", 0, 20_000) for t in lagging.running}
+    keep = StrategyConfig(sync=SyncMode.GREEDY, migration=MigrationMode.NONE, pull=PullMode.KEEP)
+    new_group = initial("n", members=2, length=200)
+    plan = plan_cycle([lagging, fresh], new_group, ps_version=1, admission={0: 0, 1: 4}, config=keep,
+                      on_instances=on_instances)
+    assert plan.syncs == ["lag"] and plan.interrupts == {}
+    assert not {d.traj_id for d in plan.routes} & set(lagging.running)
+    # the new group goes where the load is: to the empty instance, not to the one still full of KV
+    assert {d.instance_id for d in plan.routes} == {"fresh"}
+    interrupting = plan_cycle([lagging, fresh], new_group, ps_version=1, admission={0: 0, 1: 4},
+                              config=StrategyConfig(sync=SyncMode.GREEDY, migration=MigrationMode.NONE),
+                              on_instances=on_instances)
+    assert sorted(interrupting.interrupts["lag"]) == sorted(lagging.running)
 
 
 def test_a_migrated_trajectory_routed_back_to_its_instance_stays_there() -> None:
