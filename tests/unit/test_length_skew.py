@@ -1,0 +1,128 @@
+"""The length-skew accounting: a hand-computed case, and its invariants over random event lists."""
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from staleflow.length_skew import (
+    Fate,
+    LengthSkew,
+    bucket_bounds,
+    bucket_label,
+    bucket_of,
+    ks_distance,
+    wasserstein_distance,
+)
+
+
+def test_buckets_are_powers_of_two_for_any_length():
+    assert [bucket_of(n) for n in (0, 1, 2, 3, 4, 7, 8, 1023, 1024, 32768)] == [0, 1, 2, 2, 3, 3, 4, 10, 11, 16]
+    assert [bucket_label(k) for k in range(5)] == ["0", "1", "2-3", "4-7", "8-15"]
+    for n in (0, 1, 5, 255, 256, 10**9):
+        low, high = bucket_bounds(bucket_of(n))
+        assert low <= n <= high
+    with pytest.raises(ValueError, match=">= 0"):
+        bucket_of(-1)
+
+
+def test_a_hand_computed_run():
+    skew = LengthSkew()
+    # step 0's window: two groups sampled at t=0; g1 admitted at once, g2 after 3 s
+    skew.sampled("g1", 0.0)
+    skew.sampled("g2", 0.0)
+    skew.admitted("g1", 0.0)
+    skew.admitted("g2", 3.0)
+    skew.generated("a", 3)  # bucket 2 (2-3)
+    skew.generated("b", 5)  # bucket 3 (4-7)
+    skew.generated("c", 100)  # bucket 7 (64-127)
+    skew.generated("c", 100)  # a redelivery: counted once
+    skew.stopped("d", 40, Fate.ABORTED)  # cut while running at 40 tokens: bucket 6 (32-63)
+    skew.stopped("e", 0, Fate.ABORTED)  # never generated anything: not counted
+    skew.settle("c", Fate.DROPPED)  # a surplus member
+    skew.regenerated(length=90, tokens=30)  # a trajectory at 90 tokens lost 30 to a failure
+    skew.consumed(0, [("a", 0), ("b", 1)])
+    # step 1's window
+    skew.sampled("g3", 10.0)
+    skew.admitted("g3", 14.0)
+    skew.generated("f", 6)
+    skew.generated("g", 6)
+    skew.settle("f", Fate.FILTERED)
+    skew.settle("unknown", Fate.FILTERED)  # generated before a restart: nothing to count
+    skew.consumed(1, [("g", 2)])
+    skew.generated("h", 1)  # in flight at the end
+
+    step0, step1 = (skew.steps[0].to_json(), skew.steps[1].to_json())
+    assert step0["generated"] == {"2-3": 1, "4-7": 1, "64-127": 1, "32-63": 1}
+    assert step0["trained"] == {"2-3": 1, "4-7": 1}
+    assert step0["aborted"] == {"32-63": 1}
+    assert step0["dropped"] == {"64-127": 1}
+    assert step0["filtered"] == {}
+    assert step0["staleness_mean"] == {"2-3": 0.0, "4-7": 1.0}
+    assert step0["regenerated"] == {"64-127": 1} and step0["regenerated_tokens"] == {"64-127": 30}
+    assert step0["generated_mean"] == pytest.approx((3 + 5 + 100 + 40) / 4)
+    assert step0["trained_mean"] == 4.0
+    assert step0["admission"] == {"admitted": 2, "waited": 1, "mean_wait_s": 3.0, "max_wait_s": 3.0}
+    assert step1["generated"] == {"4-7": 2} and step1["trained"] == {"4-7": 1} and step1["filtered"] == {"4-7": 1}
+    assert step1["staleness_mean"] == {"4-7": 2.0}
+    assert step1["admission"] == {"admitted": 1, "waited": 1, "mean_wait_s": 4.0, "max_wait_s": 4.0}
+
+    run = skew.to_json()
+    assert run["generated"] == {"1": 1, "2-3": 1, "4-7": 3, "32-63": 1, "64-127": 1}
+    assert run["trained"] == {"2-3": 1, "4-7": 2} and run["dropped"] == {"64-127": 1}
+    assert run["in_flight"] == {"1": 1}
+    assert run["staleness_mean"] == {"2-3": 0.0, "4-7": 1.5}
+    assert run["admission"]["waited"] == 2 and run["admission"]["mean_wait_s"] == 3.5
+    # trained lengths {3, 5, 6} against generated {3, 5, 100, 40, 6, 6, 1}
+    assert run["trained_over_generated_mean"] == pytest.approx((14 / 3) / (161 / 7))
+    assert run["ks_distance"] == pytest.approx(1 - 5 / 7)  # at 6: 3/3 trained against 5/7 generated
+    # the area between the CDFs: [1,3) 1/7, [3,5) 1/21, [5,6) 5/21, [6,40) 2/7, [40,100) 1/7
+    assert run["wasserstein_tokens"] == pytest.approx(2 / 7 + 2 / 21 + 5 / 21 + 34 * 2 / 7 + 60 / 7)
+
+
+def test_distances_against_hand_computed_values():
+    same = Counter({1: 2, 4: 1})
+    assert ks_distance(same, same) == 0.0 and wasserstein_distance(same, same) == 0.0
+    # all mass at 2 against all at 10: KS 1, W1 = 8 tokens
+    assert ks_distance(Counter({2: 5}), Counter({10: 1})) == 1.0
+    assert wasserstein_distance(Counter({2: 5}), Counter({10: 1})) == 8.0
+    # {1, 3} against {3}: CDFs differ by 1/2 over [1, 3): W1 = 1
+    assert wasserstein_distance(Counter({1: 1, 3: 1}), Counter({3: 1})) == 1.0
+    assert ks_distance(Counter(), same) is None and wasserstein_distance(same, Counter()) is None
+
+
+EVENT = st.one_of(
+    st.tuples(st.just("generated"), st.integers(0, 30), st.integers(0, 5000)),
+    st.tuples(st.just("settle"), st.integers(0, 30), st.sampled_from([f for f in Fate if f is not Fate.TRAINED])),
+    st.tuples(st.just("stopped"), st.integers(0, 30), st.integers(0, 5000),
+              st.sampled_from([Fate.ABORTED, Fate.DROPPED, Fate.FILTERED])),
+    st.tuples(st.just("consumed"), st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4)), max_size=6)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(EVENT, max_size=80))
+def test_every_generated_trajectory_has_one_fate_or_is_in_flight(events):
+    skew = LengthSkew()
+    buffer = 0
+    for event in events:
+        if event[0] == "generated":
+            skew.generated(f"t{event[1]}", event[2])
+        elif event[0] == "settle":
+            skew.settle(f"t{event[1]}", event[2])
+        elif event[0] == "stopped":
+            skew.stopped(f"t{event[1]}", event[2], event[3])
+        else:
+            skew.consumed(buffer, [(f"t{i}", s) for i, s in event[1]])
+            buffer += 1
+    total = skew.totals()
+    in_flight = skew.in_flight()
+    for bucket in set(total.generated) | set(in_flight):
+        fated = sum(total.fates[f][bucket] for f in Fate)
+        assert total.generated[bucket] == fated + in_flight[bucket]
+    assert sum(skew.generated_lengths.values()) == sum(total.generated.values())
+    assert sum(skew.trained_lengths.values()) == sum(total.fates[Fate.TRAINED].values())
+    assert sum(sum(h.values()) for h in total.staleness.values()) == sum(total.fates[Fate.TRAINED].values())
+    ks = skew.to_json()["ks_distance"]
+    assert ks is None or 0.0 <= ks <= 1.0
