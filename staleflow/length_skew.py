@@ -182,6 +182,10 @@ class LengthSkew:
         self._window().fates[fate][bucket_of(length)] += 1
         return True
 
+    def settle_all(self, traj_ids: Iterable[str], fate: Fate) -> None:
+        for traj_id in traj_ids:
+            self.settle(traj_id, fate)
+
     def stopped(self, traj_id: str, length: int, fate: Fate) -> None:
         """A trajectory cut before it finished, holding ``length`` response tokens: generated and
         settled at once. One that generated nothing is not counted (nothing was spent on it); one
@@ -215,8 +219,10 @@ class LengthSkew:
         window.regenerated[bucket_of(length)] += 1
         window.regenerated_tokens[bucket_of(length)] += tokens
 
-    def sampled(self, group_id: str, at: float) -> None:
-        self._sampled.setdefault(group_id, at)
+    def sampled(self, group_ids: Iterable[str], at: float) -> None:
+        """New groups, sampled at ``at``: they wait for the ledger to admit them."""
+        for group_id in group_ids:
+            self._sampled.setdefault(group_id, at)
 
     def admitted(self, group_id: str, at: float) -> None:
         """The ledger admitted (reserved) a group sampled earlier: it waited from then to ``at``."""
@@ -250,19 +256,26 @@ class LengthSkew:
             total.trained_tokens += w.trained_tokens
         return total
 
+    def settled_lengths(self) -> Counter[int]:
+        """The lengths of the generated trajectories whose fate is known (trained or cut)."""
+        return self.generated_lengths - Counter(self._open.values())
+
     def to_json(self) -> dict:
-        """The run's totals, its distances between the trained and generated lengths, and each step."""
+        """The run's totals, the distances between the trained lengths and those of every generated
+        trajectory whose fate is known (so what is still in flight at the end, typically the
+        long ones, does not count as skew), and each step."""
         total = self.totals().to_json()
         del total["step"]
-        generated_mean = mean_length(self.generated_lengths)
+        settled = self.settled_lengths()
+        generated_mean = mean_length(settled)
         trained_mean = mean_length(self.trained_lengths)
         return {
             "buckets": "powers of two: bucket 0 is empty responses, bucket k holds lengths 2^(k-1) .. 2^k - 1",
             **total,
             "in_flight": _labelled(self.in_flight()),
             "trained_over_generated_mean": trained_mean / generated_mean if trained_mean and generated_mean else None,
-            "ks_distance": ks_distance(self.trained_lengths, self.generated_lengths),
-            "wasserstein_tokens": wasserstein_distance(self.trained_lengths, self.generated_lengths),
+            "ks_distance": ks_distance(self.trained_lengths, settled),
+            "wasserstein_tokens": wasserstein_distance(self.trained_lengths, settled),
             "generated_lengths": {str(k): n for k, n in sorted(self.generated_lengths.items())},
             "trained_lengths": {str(k): n for k, n in sorted(self.trained_lengths.items())},
             "per_step": [self.steps[s].to_json() for s in sorted(self.steps)],

@@ -30,8 +30,7 @@ def test_buckets_are_powers_of_two_for_any_length():
 def test_a_hand_computed_run():
     skew = LengthSkew()
     # step 0's window: two groups sampled at t=0; g1 admitted at once, g2 after 3 s
-    skew.sampled("g1", 0.0)
-    skew.sampled("g2", 0.0)
+    skew.sampled(["g1", "g2"], 0.0)
     skew.admitted("g1", 0.0)
     skew.admitted("g2", 3.0)
     skew.generated("a", 3)  # bucket 2 (2-3)
@@ -44,7 +43,7 @@ def test_a_hand_computed_run():
     skew.regenerated(length=90, tokens=30)  # a trajectory at 90 tokens lost 30 to a failure
     skew.consumed(0, [("a", 0), ("b", 1)])
     # step 1's window
-    skew.sampled("g3", 10.0)
+    skew.sampled(["g3"], 10.0)
     skew.admitted("g3", 14.0)
     skew.generated("f", 6)
     skew.generated("g", 6)
@@ -74,11 +73,12 @@ def test_a_hand_computed_run():
     assert run["in_flight"] == {"1": 1}
     assert run["staleness_mean"] == {"2-3": 0.0, "4-7": 1.5}
     assert run["admission"]["waited"] == 2 and run["admission"]["mean_wait_s"] == 3.5
-    # trained lengths {3, 5, 6} against generated {3, 5, 100, 40, 6, 6, 1}
-    assert run["trained_over_generated_mean"] == pytest.approx((14 / 3) / (161 / 7))
-    assert run["ks_distance"] == pytest.approx(1 - 5 / 7)  # at 6: 3/3 trained against 5/7 generated
-    # the area between the CDFs: [1,3) 1/7, [3,5) 1/21, [5,6) 5/21, [6,40) 2/7, [40,100) 1/7
-    assert run["wasserstein_tokens"] == pytest.approx(2 / 7 + 2 / 21 + 5 / 21 + 34 * 2 / 7 + 60 / 7)
+    # trained lengths {3, 5, 6} against those generated whose fate is known {3, 5, 100, 40, 6, 6}
+    # ("h" is still in flight)
+    assert run["trained_over_generated_mean"] == pytest.approx((14 / 3) / (160 / 6))
+    assert run["ks_distance"] == pytest.approx(1 / 3)  # at 5: 2/3 trained against 2/6 generated
+    # the area between the CDFs: [3,5) 1/6, [5,6) 1/3, [6,40) 1/3, [40,100) 1/6
+    assert run["wasserstein_tokens"] == pytest.approx(2 / 6 + 1 / 3 + 34 / 3 + 60 / 6)
 
 
 def test_distances_against_hand_computed_values():
@@ -126,3 +126,42 @@ def test_every_generated_trajectory_has_one_fate_or_is_in_flight(events):
     assert sum(sum(h.values()) for h in total.staleness.values()) == sum(total.fates[Fate.TRAINED].values())
     ks = skew.to_json()["ks_distance"]
     assert ks is None or 0.0 <= ks <= 1.0
+
+
+def _simulated(name: str, eta: int = 1, steps: int = 6):
+    from staleflow.simulation import ClusterSimulation, scenario
+    from staleflow.simulation.experiment import Point, SimulatedJob
+    from staleflow.simulation.systems import catalog
+
+    ci = scenario("ci", seed=0)
+    system = {s.name: s for s in catalog(ci.redundancy)}[name]
+    simulation = ClusterSimulation(SimulatedJob(Point(0, eta, ci), system, 2, steps).config())
+    return simulation, simulation.run(steps)
+
+
+@pytest.mark.parametrize("name", ["in-flight", "in-flight-fifo", "sf-rsm", "sf-rsm+batch", "sf-rsm+group"])
+def test_the_simulation_accounts_for_every_trajectory_it_generated(name):
+    simulation, result = _simulated(name)
+    skew = simulation.skew
+    total, in_flight = skew.totals(), skew.in_flight()
+    for bucket in set(total.generated) | set(in_flight):
+        assert total.generated[bucket] == sum(total.fates[f][bucket] for f in Fate) + in_flight[bucket]
+    trained = sum(r.trajectories for r in result.step_records)
+    assert sum(total.fates[Fate.TRAINED].values()) == trained
+    assert sum(n * k for k, n in skew.trained_lengths.items()) == result.response_tokens
+    for record in result.step_records:  # each step trains what its batch held, with the batch's staleness
+        window = skew.steps[record.buffer]
+        assert sum(window.fates[Fate.TRAINED].values()) == record.trajectories
+        staleness = Counter()
+        for hist in window.staleness.values():
+            staleness.update(hist)
+        assert dict(staleness) == record.staleness
+    assert len(total.admission_waits) >= trained // 4  # every trained group was admitted once
+    assert result.length_skew["ks_distance"] is not None
+
+
+def test_redundancy_drops_and_the_simulation_reports_it():
+    for name in ("sf-rsm+batch", "sf-rsm+group"):
+        _, result = _simulated(name)
+        assert result.length_skew["dropped"], f"{name} drops surplus trajectories"
+        assert not result.length_skew["filtered"], "the simulation filters nothing"
