@@ -149,6 +149,7 @@ class LengthSkew:
         self.steps: dict[int, StepSkew] = {}
         self._open: dict[str, int] = {}  # traj_id -> length: generated, fate not known yet
         self._sampled: dict[str, float] = {}  # group_id -> when it was sampled, until admitted
+        self._cutting: dict[str, Fate] = {}  # traj_id -> its fate, while its instance aborts it
         self.generated_lengths: Counter[int] = Counter()  # length -> trajectories (the whole run)
         self.trained_lengths: Counter[int] = Counter()
 
@@ -194,6 +195,17 @@ class LengthSkew:
             return
         self._count_generated(length)
         self._window().fates[fate][bucket_of(length)] += 1
+
+    def cutting(self, traj_id: str, fate: Fate) -> None:
+        """A running trajectory is being aborted on its instance, with this fate; ``cut`` counts it
+        once the length it reached is known."""
+        self._cutting[traj_id] = fate
+
+    def cut(self, traj_id: str, length: int) -> None:
+        """A trajectory being aborted (``cutting``) stopped at ``length`` tokens."""
+        fate = self._cutting.pop(traj_id, None)
+        if fate is not None:
+            self.stopped(traj_id, length, fate)
 
     def consumed(self, buffer: int, trained: Iterable[tuple[str, int]]) -> None:
         """Buffer ``buffer`` was consumed with these (traj_id, staleness ``V_buf - V_traj``): they

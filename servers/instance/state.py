@@ -277,18 +277,21 @@ class InstanceServer:
         started = time.perf_counter()
         async with self._lock:
             held = await self.engine.snapshot()
-            items = await self.engine.progress(self.progress.reported, min_new)
-        if items is None:
+            grown = await self.engine.progress(self.progress.reported, 1)
+        if grown is None:
             return None
+        items = [p for p in grown if len(p.tokens) >= min_new]
         self.progress.last_round = time.monotonic()
-        on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in items)}
+        on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in grown)}
         for traj_id in [t for t in self.progress.reported if t not in on_engine]:
             del self.progress.reported[traj_id]
         if items:
+            # with the batch, how far every trajectory that grew got: what an instance failure would
+            # make it generate again beyond its checkpoint
             reply = await client.post(url, json={"instance_id": self.instance_id, "trajectories": [
                 {"traj_id": p.traj_id, "start": p.start, "tokens": list(p.tokens), "logprobs": list(p.logprobs),
                  "segments": [{"version": s.version, "start": s.start, "end": s.end} for s in p.segments]}
-                for p in items]})
+                for p in items], "held": {p.traj_id: p.end for p in grown}})
             if reply.status_code >= 400:
                 log.warning("progress checkpoint refused by %s with %d: %s", url, reply.status_code, reply.text[:500])
             else:
