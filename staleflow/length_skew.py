@@ -109,6 +109,19 @@ class StepSkew:
     generated_tokens: int = 0
     trained_tokens: int = 0
 
+    def add(self, other: StepSkew) -> None:
+        """Add ``other``'s counts to this window's."""
+        self.generated.update(other.generated)
+        for f in Fate:
+            self.fates[f].update(other.fates[f])
+        for b, hist in other.staleness.items():
+            self.staleness.setdefault(b, Counter()).update(hist)
+        self.regenerated.update(other.regenerated)
+        self.regenerated_tokens.update(other.regenerated_tokens)
+        self.admission_waits.extend(other.admission_waits)
+        self.generated_tokens += other.generated_tokens
+        self.trained_tokens += other.trained_tokens
+
     def to_json(self) -> dict:
         return {"step": self.step, **_counts_json(self.generated, self.fates, self.staleness, self.regenerated,
                                                   self.regenerated_tokens),
@@ -146,6 +159,7 @@ class LengthSkew:
 
     def __init__(self) -> None:
         self.step = 0  # the window events go to: the buffer consumed next
+        self._step_known = False  # False until a consumption says which step this is (a server may start late)
         self.steps: dict[int, StepSkew] = {}
         self._open: dict[str, int] = {}  # traj_id -> length: generated, fate not known yet
         self._sampled: dict[str, float] = {}  # group_id -> when it was sampled, until admitted
@@ -209,7 +223,13 @@ class LengthSkew:
 
     def consumed(self, buffer: int, trained: Iterable[tuple[str, int]]) -> None:
         """Buffer ``buffer`` was consumed with these (traj_id, staleness ``V_buf - V_traj``): they
-        are trained in step ``buffer``, whose window closes; later events go to ``buffer + 1``."""
+        are trained in step ``buffer``, whose window closes; later events go to ``buffer + 1``.
+        What came before the first consumption seen belongs to that consumption's step."""
+        if not self._step_known:
+            self._step_known = True
+            early = self.steps.pop(self.step, None)
+            if early is not None:
+                self._window(buffer).add(early)
         window = self._window(buffer)
         for traj_id, staleness in trained:
             length = self._open.pop(traj_id, None)
@@ -256,16 +276,7 @@ class LengthSkew:
         """Every window added up (``step`` -1)."""
         total = StepSkew(-1)
         for w in self.steps.values():
-            total.generated.update(w.generated)
-            for f in Fate:
-                total.fates[f].update(w.fates[f])
-            for b, hist in w.staleness.items():
-                total.staleness.setdefault(b, Counter()).update(hist)
-            total.regenerated.update(w.regenerated)
-            total.regenerated_tokens.update(w.regenerated_tokens)
-            total.admission_waits.extend(w.admission_waits)
-            total.generated_tokens += w.generated_tokens
-            total.trained_tokens += w.trained_tokens
+            total.add(w)
         return total
 
     def settled_lengths(self) -> Counter[int]:

@@ -165,3 +165,35 @@ def test_redundancy_drops_and_the_simulation_reports_it():
         _, result = _simulated(name)
         assert result.length_skew["dropped"], f"{name} drops surplus trajectories"
         assert not result.length_skew["filtered"], "the simulation filters nothing"
+
+
+def test_the_trajectory_books_transitions_feed_it():
+    from staleflow.trajectory_book import ABORTED_ON_INSTANCE, Generated, GroupState, TrajectoryBook
+
+    book = TrajectoryBook()
+    groups, trajs = book.new_groups([(0, "q", "a", (1,)), (1, "q", "a", (1,))], 3, 2, 10.0)  # 3 members, 2 needed
+    book.add(groups, trajs)
+    book.set_group_version("g0", 1, now=12.5)
+    book.set_group_version("g1", 1, now=10.0)
+    book.checkout("i0", ["g0-m0", "g0-m1", "g0-m2", "g1-m0", "g1-m1"])
+
+    def done(traj_id: str, n: int, reason: str = "stop") -> Generated:
+        return Generated(traj_id, tuple(range(n)), tuple(-1.0 for _ in range(n)), ((1, 0, n),), reason, "i0")
+
+    book.completed([done("g0-m0", 5), done("g0-m1", 20), done("g1-m0", 4), done("g1-m1", 6)])
+    book.holding("i0", {"g0-m2": 9})
+    book.rewarded({t: (1.0, "correct") for t in ("g0-m0", "g0-m1", "g1-m0", "g1-m1")})
+    book.close_group("g0", GroupState.OCCUPIED)  # g0-m2 is cut on its instance: dropped
+    book.completed([done("g0-m2", 11, ABORTED_ON_INSTANCE)])  # it had reached 11 tokens
+    book.close_group("g1", GroupState.ABORTED, Fate.FILTERED)  # g1-m2 never ran: not counted
+    book.mark_consumed(["g0"], buffer=2)
+    book.free(["g0"], buffer=2)  # the same batch again: counted once
+
+    run = book.skew.to_json()
+    assert run["generated"] == {"4-7": 3, "8-15": 1, "16-31": 1}
+    assert run["trained"] == {"4-7": 1, "16-31": 1} and run["staleness_mean"] == {"4-7": 1.0, "16-31": 1.0}
+    assert run["dropped"] == {"8-15": 1} and run["filtered"] == {"4-7": 2} and run["aborted"] == {}
+    assert run["in_flight"] == {}
+    assert run["admission"] == {"admitted": 2, "waited": 1, "mean_wait_s": 2.5, "max_wait_s": 2.5}
+    assert [s["step"] for s in run["per_step"]] == [2]
+    assert book.skew.step == 3

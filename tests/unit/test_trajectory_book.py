@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from staleflow.errors import ErrorCode
+from staleflow.length_skew import Fate
 from staleflow.trajectory_book import (
     GROUP_TRANSITIONS,
     TRAJ_TRANSITIONS,
@@ -214,12 +215,14 @@ class BookMachine(RuleBasedStateMachine):
         assert all(self.book.trajs[t].state is TrajState.ABORTED for t in picked)
 
     @precondition(lambda self: self._groups(GroupState.OCCUPIED))
-    @rule(data=st.data())
-    def trainer_consumes(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), staleness=st.integers(0, 2))
+    def trainer_consumes(self, data: st.DataObject, staleness: int) -> None:
         group_id = data.draw(st.sampled_from(self._groups(GroupState.OCCUPIED)))
         needed = self.book.groups[group_id].needed
         self._mark()
-        self.book.mark_consumed([group_id])
+        trained = self.book.skew.totals().fates[Fate.TRAINED].total()
+        self.book.mark_consumed([group_id], self.book.groups[group_id].v_traj + staleness)
+        assert self.book.skew.totals().fates[Fate.TRAINED].total() == trained + needed
         batch = self.book.batch([group_id])
         assert len(batch) == needed and all(t.state is TrajState.REWARDED for t, _ in batch)
         self.book.free([group_id])
@@ -291,6 +294,17 @@ class BookMachine(RuleBasedStateMachine):
         for t in self.book.trajs.values():
             if t.state in (TrajState.PENDING, TrajState.ROUTED):
                 assert len(t.logprobs) == len(t.tokens) == (t.segments[-1][2] if t.segments else 0)
+
+    @invariant()
+    def the_length_skew_accounts_for_every_generated_trajectory(self) -> None:
+        skew = self.book.skew
+        total, in_flight = skew.totals(), skew.in_flight()
+        for bucket in set(total.generated) | set(in_flight):
+            assert total.generated[bucket] == sum(total.fates[f][bucket] for f in Fate) + in_flight[bucket]
+        for traj_id in skew._open:  # generated, fate unknown: finished and waiting for training
+            t = self.book.trajs.get(traj_id)
+            assert t is not None and t.state in (TrajState.COMPLETED, TrajState.REWARDED), traj_id
+        assert all(self.book.trajs[t].state is TrajState.CANCELLING for t in skew._cutting)
 
     @invariant()
     def counts_cover_every_trajectory(self) -> None:
