@@ -209,7 +209,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
             elif live:
                 live.update(_view(config, progress, sample, steps, restarts))
             job.stop.wait(0.25)  # refresh pacing
-        tracking.update(job.steps(), job.monitor.samples[-1] if job.monitor.samples else None)
+        tracking.update(job.steps(), job.monitor.samples[-1] if job.monitor.samples else None, final=True)
     finally:
         if live:
             live.stop()
@@ -221,6 +221,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
                         trainer_label(config))
     summary["restarts"] = restarts
     summary["failover"] = job.failover()
+    summary["length_skew"] = job.length_skew()
     if failure:
         summary["failure"] = failure
     trainer_error = job.trainer_error

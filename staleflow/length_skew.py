@@ -283,10 +283,10 @@ class LengthSkew:
         """The lengths of the generated trajectories whose fate is known (trained or cut)."""
         return self.generated_lengths - Counter(self._open.values())
 
-    def to_json(self) -> dict:
+    def to_json(self, after_step: int = -1) -> dict:
         """The run's totals, the distances between the trained lengths and those of every generated
         trajectory whose fate is known (so what is still in flight at the end, typically the
-        long ones, does not count as skew), and each step."""
+        long ones, does not count as skew), and each step after ``after_step``."""
         total = self.totals().to_json()
         del total["step"]
         settled = self.settled_lengths()
@@ -301,5 +301,5 @@ class LengthSkew:
             "wasserstein_tokens": wasserstein_distance(self.trained_lengths, settled),
             "generated_lengths": {str(k): n for k, n in sorted(self.generated_lengths.items())},
             "trained_lengths": {str(k): n for k, n in sorted(self.trained_lengths.items())},
-            "per_step": [self.steps[s].to_json() for s in sorted(self.steps)],
+            "per_step": [self.steps[s].to_json() for s in sorted(self.steps) if s > after_step],
         }

@@ -128,11 +128,11 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
                              "regenerated_tokens": server.store.book.regenerated[1]}}
 
     @app.get("/v1/length-skew", response_model=LengthSkewOut)
-    async def length_skew(server: ServerDep) -> dict:
+    async def length_skew(server: ServerDep, after_step: Annotated[int, Query(ge=-1)] = -1) -> dict:
         """What the staleness bound did to the response lengths since this server started: what was
         generated against what was trained, what was cut, staleness and admission waits by length
-        bucket, per training step (``staleflow.length_skew``)."""
-        return server.store.length_skew()
+        bucket, per training step after ``after_step`` (``staleflow.length_skew``)."""
+        return server.store.length_skew(after_step)
 
     @app.get("/v1/pending", response_model=TrajectoriesOut)
     async def pending(server: ServerDep) -> dict:

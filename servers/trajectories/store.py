@@ -451,10 +451,10 @@ class TrajectoryStore:
         with self.lock:
             return self.book.skew.totals(), self.book.skew.in_flight()
 
-    def length_skew(self) -> dict:
+    def length_skew(self, after_step: int = -1) -> dict:
         """What the bound did to the response lengths since this server started (``LengthSkew``)."""
         with self.lock:
-            return self.book.skew.to_json()
+            return self.book.skew.to_json(after_step)
 
 
 def _group_record(r) -> GroupRecord:
