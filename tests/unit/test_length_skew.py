@@ -27,7 +27,7 @@ def test_buckets_are_powers_of_two_for_any_length():
         bucket_of(-1)
 
 
-def test_a_hand_computed_run():
+def hand_computed_run() -> LengthSkew:
     skew = LengthSkew()
     # step 0's window: two groups sampled at t=0; g1 admitted at once, g2 after 3 s
     skew.sampled(["g1", "g2"], 0.0)
@@ -51,7 +51,11 @@ def test_a_hand_computed_run():
     skew.settle("unknown", Fate.FILTERED)  # generated before a restart: nothing to count
     skew.consumed(1, [("g", 2)])
     skew.generated("h", 1)  # in flight at the end
+    return skew
 
+
+def test_a_hand_computed_run():
+    skew = hand_computed_run()
     step0, step1 = (skew.steps[0].to_json(), skew.steps[1].to_json())
     assert step0["generated"] == {"2-3": 1, "4-7": 1, "64-127": 1, "32-63": 1}
     assert step0["trained"] == {"2-3": 1, "4-7": 1}
@@ -197,3 +201,28 @@ def test_the_trajectory_books_transitions_feed_it():
     assert run["admission"] == {"admitted": 2, "waited": 1, "mean_wait_s": 2.5, "max_wait_s": 2.5}
     assert [s["step"] for s in run["per_step"]] == [2]
     assert book.skew.step == 3
+
+
+def test_the_report_and_tracking_show_it(tmp_path):
+    from staleflow.report import length_skew_markdown, plot_length_skew
+    from staleflow.tracking import step_metrics
+
+    run = hand_computed_run().to_json()
+    table = length_skew_markdown(run)
+    # bucket, generated, trained, aborted, filtered, dropped, in flight, regenerated (tokens), mean staleness
+    assert "| 4-7 | 3 | 2 | 0 | 1 | 0 | 0 | 0 (0) | 1.50 |" in table
+    assert "| 64-127 | 1 | 0 | 0 | 0 | 1 | 0 | 1 (30) | - |" in table
+    assert "| 1 | 1 | 0 | 0 | 0 | 0 | 1 | 0 (0) | - |" in table
+    # step, generated (mean), trained (mean), cut, regenerated tokens, admission
+    assert "| 0 | 4 (37.0) | 2 (4.0) | 1/0/1 | 30 | 2 (1, 3.00) |" in table
+    assert plot_length_skew(tmp_path / "skew.png", run).stat().st_size > 1000
+
+    step = {"version": 0, "mean_reward": 0.5, "mean_length": 4.0, "max_length": 5, "response_tokens": 8,
+            "trajectories": 2, "staleness": {0: 1, 1: 1}, "finished_at": 1.0}
+    scalars, histograms = step_metrics(step, None, length_skew=run["per_step"][0])
+    assert scalars["length_skew/generated"] == 4 and scalars["length_skew/trained"] == 2
+    assert scalars["length_skew/aborted"] == 1 and scalars["length_skew/dropped"] == 1
+    assert scalars["length_skew/trained_over_generated_mean"] == pytest.approx(4.0 / 37.0)
+    assert scalars["length_skew/regenerated_tokens"] == 30 and scalars["length_skew/admission_waited"] == 1
+    assert scalars["length_skew/staleness_mean/4-7"] == 1.0
+    assert histograms["length_skew/trained"] == {2: 1, 3: 1}  # bucket indexes: 2-3 and 4-7
