@@ -122,7 +122,7 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launche
 def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str,
             namespace: str | None, ray_address: str | None) -> int:
     from staleflow.launch.job import Job, JobTracking, StateDirInUse, trainer_label
-    from staleflow.report import summarize, write_report
+    from staleflow.report import length_skew_line, summarize, write_report
     from staleflow.tracking import missing_backends
 
     missing = missing_backends(config.logger.backends)
@@ -243,6 +243,8 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
         console.print(f"  state   {config.state_dir.resolve()}")
         console.print(f"  logs    {(config.state_dir / 'logs').resolve()}")
         console.print(f"  report  {written[0].parent.resolve()}")
+        if summary["length_skew"]:
+            console.print(f"  {length_skew_line(summary['length_skew'])}")
         if restarts:
             console.print(f"  restarts {len(restarts)}: " + ", ".join(f"{r['component']} ({r['cause']})" for r in restarts))
     if failure is not None:

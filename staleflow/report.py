@@ -113,6 +113,16 @@ def _mean(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def length_skew_line(skew: dict) -> str:
+    """The run's length skew in one line, for a console."""
+    cut = "/".join(str(_count(skew[f])) for f in FATE_COLUMNS)
+    return (f"length skew: mean trained / generated length {_mean(skew['trained_over_generated_mean'], 3)}, "
+            f"KS {_mean(skew['ks_distance'], 3)}, W1 {_mean(skew['wasserstein_tokens'])} tokens; "
+            f"{_count(skew['trained'])} trained, aborted/filtered/dropped {cut}, "
+            f"{_count(skew['regenerated_tokens'])} tokens regenerated; {skew['admission']['waited']} groups waited "
+            f"for admission ({skew['admission']['mean_wait_s']:.2f}s mean)")
+
+
 def length_skew_markdown(skew: dict) -> str:
     """The length-skew accounting (``staleflow.length_skew.LengthSkew.to_json``) as Markdown: the
     run by length bucket, then one row per training step."""
