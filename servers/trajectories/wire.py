@@ -216,7 +216,7 @@ class LengthSkewOut(BaseModel):
     in_flight: dict[str, int]
     regenerated_tokens: dict[str, int]
     staleness_mean: dict[str, float]
-    admission: dict[str, float]
+    admission: dict[str, int | float]
     ks_distance: float | None
     wasserstein_tokens: float | None
     trained_over_generated_mean: float | None
