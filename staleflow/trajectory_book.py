@@ -15,6 +15,10 @@ Trajectory states and the transitions allowed between them (``TRAJ_TRANSITIONS``
 Groups (``GROUP_TRANSITIONS``): sampled (no V_traj yet) -> reserved (V_traj fixed when its first
 member is routed) -> occupied (enough members rewarded) -> consumed; or -> aborted (filtered,
 surplus, aborted in the ledger).
+
+The transitions also feed ``skew``, the length-skew accounting (``staleflow.length_skew``: what
+the bound did to the response lengths), and count the tokens a trajectory handed back had
+generated beyond what the book holds (``regenerated``).
 """
 
 from __future__ import annotations
