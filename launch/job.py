@@ -524,7 +524,7 @@ class Job(Supervised):
             return None
         regenerated = counts.get("regenerated_trajectories", 0)
         return {**counts, "progress_tokens": self.config.instance.progress_tokens,
-                "regenerated_tokens_per_trajectory": counts["regenerated_tokens"] / regenerated if regenerated else None}
+                "regenerated_tokens_per_trajectory": counts.get("regenerated_tokens", 0) / regenerated if regenerated else None}
 
     def length_skew(self, after_step: int = -1) -> dict | None:
         """What the staleness bound did to the response lengths, as the trajectory server counted
