@@ -330,6 +330,10 @@ class TrajectoryBook:
             if t is not None and t.state is TrajState.ROUTED and t.instance_id == instance_id:
                 self._on_instance[traj_id] = max(tokens, self._on_instance.get(traj_id, 0))
 
+    def held_on_instance(self, traj_id: str) -> int | None:
+        """The response tokens a routed trajectory's instance last said it holds (``holding``)."""
+        return self._on_instance.get(traj_id)
+
     def adopt(self, c: Checkpoint) -> bool:
         """Append a stored checkpoint that continues the trajectory's response (read back after a
         restart); one that does not is ignored."""

@@ -255,9 +255,9 @@ class InstanceServer:
     async def _checkpoint_progress(self) -> None:
         """Every ``PROGRESS_POLL_S``, send the trajectory server what each running trajectory
         generated since its last checkpoint, once that is ``progress_tokens`` tokens, and whatever
-        it is every ``progress_seconds``: one batch per round. Every ``HELD_EVERY_S`` a round with
-        nothing due still says how far the trajectories got (lengths only), so a failure's
-        regenerated tokens are counted within a second of generation."""
+        it is every ``progress_seconds``: one batch per round. Every ``HELD_EVERY_S`` a round also
+        says how far every trajectory got (lengths only, even with nothing due), so a failure's
+        regenerated tokens are counted to within about a second of generation."""
         url = self.config.progress_url
         assert url is not None
         last_sweep = last_word = time.monotonic()
@@ -267,12 +267,12 @@ class InstanceServer:
                 now = time.monotonic()
                 sweep = now - last_sweep >= self.config.progress_seconds
                 try:
-                    said = await self.checkpoint(client, url, 1 if sweep else self.config.progress_tokens,
-                                                 say_held=now - last_word >= HELD_EVERY_S)
-                    if said is None:
+                    say_held = now - last_word >= HELD_EVERY_S
+                    if await self.checkpoint(client, url, 1 if sweep else self.config.progress_tokens,
+                                             say_held) is None:
                         log.info("engine %s does not expose its progress: no checkpoints", self.config.engine)
                         return
-                    if said or now - last_word >= HELD_EVERY_S:
+                    if say_held:
                         last_word = now
                 except httpx.HTTPError as exc:  # the trajectory server restarting: the next round resends
                     log.debug("progress checkpoint to %s failed: %s", url, exc)
@@ -281,22 +281,22 @@ class InstanceServer:
 
     async def checkpoint(self, client: httpx.AsyncClient, url: str, min_new: int, say_held: bool = False) -> int | None:
         """Send one checkpoint batch: the trajectories with at least ``min_new`` tokens beyond their
-        last checkpoint, and how far every trajectory that grew got (with none due: only if
-        ``say_held``). Returns how many checkpoints went (None: the engine does not expose progress)."""
+        last checkpoint and, if ``say_held``, how far every trajectory that grew got (sent even with
+        nothing due). Returns how many checkpoints went (None: the engine does not expose progress)."""
         started = time.perf_counter()
         async with self._lock:
             held = await self.engine.snapshot()
-            grown = await self.engine.progress(self.progress.reported, 1)
-        if grown is None:
+            items = await self.engine.progress(self.progress.reported, min_new)
+            # the lengths need every grown trajectory's progress: asked for once in a while only
+            grown = await self.engine.progress(self.progress.reported, 1) if say_held and items is not None else []
+        if items is None:
             return None
-        items = [p for p in grown if len(p.tokens) >= min_new]
         self.progress.last_round = time.monotonic()
-        on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in grown)}
+        on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in items), *(p.traj_id for p in grown)}
         for traj_id in [t for t in self.progress.reported if t not in on_engine]:
             del self.progress.reported[traj_id]
-        if items or (say_held and grown):
-            # with the batch, how far every trajectory that grew got: what an instance failure would
-            # make it generate again beyond its checkpoint
+        if items or grown:
+            # "held": what an instance failure would make each trajectory generate again beyond its checkpoint
             reply = await client.post(url, json={"instance_id": self.instance_id, "trajectories": [
                 {"traj_id": p.traj_id, "start": p.start, "tokens": list(p.tokens), "logprobs": list(p.logprobs),
                  "segments": [{"version": s.version, "start": s.start, "end": s.end} for s in p.segments]}

@@ -174,6 +174,9 @@ class TrajectoryDetail(TrajectorySummary, RoutePayload):
     reward_reason: str | None
     finish_reason: str | None
     prompt_text: str
+    held_on_instance: int | None = Field(None, description="response tokens its instance last said it holds "
+                                                           "(routed trajectories): a failure now regenerates those "
+                                                           "beyond what is stored")
 
 
 class TrajectoryPage(BaseModel):

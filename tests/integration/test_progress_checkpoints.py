@@ -169,8 +169,9 @@ def test_what_a_failed_instance_held_beyond_the_checkpoints_counts_as_regenerate
     wait_for(lambda: job.stored(first)["generated"] == holds(first))
     reached = holds(second)
     assert 0 < reached < EVERY and job.stored(second)["generated"] == 0, "second has no checkpoint"
+    wait_for(lambda: job.stored(second)["held_on_instance"] == reached)  # a's word on how far second got
 
-    # a fails: first lost nothing, second everything it had (the batch that checkpointed first said how far it got)
+    # a fails: first lost nothing, second everything it had
     assert job.ts.post("/v1/instances/a/release").json()["released"] == GROUP
     progress = job.ts.get("/v1/health").json()["progress"]
     assert progress["resumed_tokens"] == job.stored(first)["generated"], "kept tokens are not regenerated ones"
