@@ -255,9 +255,9 @@ class InstanceServer:
     async def _checkpoint_progress(self) -> None:
         """Every ``PROGRESS_POLL_S``, send the trajectory server what each running trajectory
         generated since its last checkpoint, once that is ``progress_tokens`` tokens, and whatever
-        it is every ``progress_seconds``: one batch per round. Every ``HELD_EVERY_S`` a round also
-        says how far every trajectory got (lengths only, even with nothing due), so a failure's
-        regenerated tokens are counted to within about a second of generation."""
+        it is every ``progress_seconds``: one batch per round. A batch also says how far every
+        trajectory that grew got (lengths only), and so does a round with nothing due every
+        ``HELD_EVERY_S``: a failure's regenerated tokens are counted to within a round or a second."""
         url = self.config.progress_url
         assert url is not None
         last_sweep = last_word = time.monotonic()
@@ -267,12 +267,12 @@ class InstanceServer:
                 now = time.monotonic()
                 sweep = now - last_sweep >= self.config.progress_seconds
                 try:
-                    say_held = now - last_word >= HELD_EVERY_S
-                    if await self.checkpoint(client, url, 1 if sweep else self.config.progress_tokens,
-                                             say_held) is None:
+                    said = await self.checkpoint(client, url, 1 if sweep else self.config.progress_tokens,
+                                                 say_held=now - last_word >= HELD_EVERY_S)
+                    if said is None:
                         log.info("engine %s does not expose its progress: no checkpoints", self.config.engine)
                         return
-                    if say_held:
+                    if said or now - last_word >= HELD_EVERY_S:
                         last_word = now
                 except httpx.HTTPError as exc:  # the trajectory server restarting: the next round resends
                     log.debug("progress checkpoint to %s failed: %s", url, exc)
@@ -281,21 +281,21 @@ class InstanceServer:
 
     async def checkpoint(self, client: httpx.AsyncClient, url: str, min_new: int, say_held: bool = False) -> int | None:
         """Send one checkpoint batch: the trajectories with at least ``min_new`` tokens beyond their
-        last checkpoint and, if ``say_held``, how far every trajectory that grew got (sent even with
-        nothing due). Returns how many checkpoints went (None: the engine does not expose progress)."""
+        last checkpoint, with how far every trajectory that grew got (``held``; with nothing due,
+        sent only if ``say_held``). Returns how many checkpoints went (None: the engine does not
+        expose progress)."""
         started = time.perf_counter()
         async with self._lock:
             held = await self.engine.snapshot()
-            items = await self.engine.progress(self.progress.reported, min_new)
-            # the lengths need every grown trajectory's progress: asked for once in a while only
-            grown = await self.engine.progress(self.progress.reported, 1) if say_held and items is not None else []
-        if items is None:
+            grown = await self.engine.progress(self.progress.reported, 1)
+        if grown is None:
             return None
+        items = [p for p in grown if len(p.tokens) >= min_new]
         self.progress.last_round = time.monotonic()
-        on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in items), *(p.traj_id for p in grown)}
+        on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in grown)}
         for traj_id in [t for t in self.progress.reported if t not in on_engine]:
             del self.progress.reported[traj_id]
-        if items or grown:
+        if items or (say_held and grown):
             # "held": what an instance failure would make each trajectory generate again beyond its checkpoint
             reply = await client.post(url, json={"instance_id": self.instance_id, "trajectories": [
                 {"traj_id": p.traj_id, "start": p.start, "tokens": list(p.tokens), "logprobs": list(p.logprobs),
