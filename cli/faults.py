@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
         per role the detection time, recovery time, rollout throughput kept during the outage, the
         ETTR against a fault-free run, and the invariants checked after the run."""
         from staleflow.launch.faults import FaultRun, summarize, write_report
+        from staleflow.report import length_skew_line
 
         wanted = [r.strip() for r in roles.split(",") if r.strip()]
         if every < 1:
@@ -98,6 +99,12 @@ def register(app: typer.Typer) -> None:
                               f"{lost['trajectories']} trajectories (" + (
                                   f"progress checkpoints every {cfg.instance.progress_tokens} tokens)"
                                   if cfg.instance.progress_tokens else "no progress checkpoints)"))
+            counted = lost["counted_by_trajectory_server"]
+            if counted["total"] is not None:
+                console.print(f"  the trajectory server counted {counted['total']} tokens regenerated over "
+                              f"{counted['trajectories']} trajectories (from what the instances last said they held)")
+            if report["length_skew"]:
+                console.print(length_skew_line(report["length_skew"]))
             console.print("checks: " + ", ".join(f"{k}={v}" for k, v in report["checks"].items()))
             for violation in report["violations"]:
                 console.print(f"[red]violation[/]: {violation}")

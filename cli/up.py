@@ -122,7 +122,7 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launche
 def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str,
             namespace: str | None, ray_address: str | None) -> int:
     from staleflow.launch.job import Job, JobTracking, StateDirInUse, trainer_label
-    from staleflow.report import summarize, write_report
+    from staleflow.report import length_skew_line, summarize, write_report
     from staleflow.tracking import missing_backends
 
     missing = missing_backends(config.logger.backends)
@@ -209,7 +209,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
             elif live:
                 live.update(_view(config, progress, sample, steps, restarts))
             job.stop.wait(0.25)  # refresh pacing
-        tracking.update(job.steps(), job.monitor.samples[-1] if job.monitor.samples else None)
+        tracking.update(job.steps(), job.monitor.samples[-1] if job.monitor.samples else None, final=True)
     finally:
         if live:
             live.stop()
@@ -221,6 +221,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
                         trainer_label(config))
     summary["restarts"] = restarts
     summary["failover"] = job.failover()
+    summary["length_skew"] = job.length_skew()
     if failure:
         summary["failure"] = failure
     trainer_error = job.trainer_error
@@ -242,6 +243,8 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
         console.print(f"  state   {config.state_dir.resolve()}")
         console.print(f"  logs    {(config.state_dir / 'logs').resolve()}")
         console.print(f"  report  {written[0].parent.resolve()}")
+        if summary["length_skew"]:
+            console.print(f"  {length_skew_line(summary['length_skew'])}")
         if restarts:
             console.print(f"  restarts {len(restarts)}: " + ", ".join(f"{r['component']} ({r['cause']})" for r in restarts))
     if failure is not None:

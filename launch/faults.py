@@ -123,6 +123,8 @@ class FaultRunResult:
     restarts: dict[str, int] = field(default_factory=dict)
     events: list[dict] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)  # when each step finished, s since the start
+    failover: dict | None = None  # the trajectory server's checkpoint and failover counts (``Job.failover``)
+    length_skew: dict | None = None  # what the bound did to the response lengths (``Job.length_skew``)
 
     @property
     def pace_s(self) -> float:
@@ -139,7 +141,8 @@ class FaultRunResult:
     def to_json(self) -> dict:
         return {"wall_s": self.wall_s, "steps": self.steps, "faults": [f.to_json() for f in self.faults],
                 "violations": self.violations, "checks": self.checks, "restarts": self.restarts,
-                "events": self.events, "step_times": self.step_times, "pace_s": self.pace_s}
+                "events": self.events, "step_times": self.step_times, "pace_s": self.pace_s,
+                "failover": self.failover, "length_skew": self.length_skew}
 
 
 class FaultRun:
@@ -226,6 +229,7 @@ class FaultRun:
                 fault.tokens_per_s_during = meter.rate(start_abs, start_abs + window)
                 fault.steps_during = meter.steps(start_abs, end)
             self._verify(job, versions, ps_versions, result)
+            result.failover, result.length_skew = job.failover(), job.length_skew()
             return result
         finally:
             supervisor.stop()
@@ -430,6 +434,7 @@ def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:
         if f.throughput_kept is not None:
             r["kept"].append(f.throughput_kept)
     regenerated = [n for f in faulty.faults for n in f.regenerated_tokens]
+    counted = faulty.failover or {}
     table = {role: {"faults": r["faults"],
                     "detection_s": float(np.mean(r["detection_s"])) if r["detection_s"] else None,
                     "recovery_s": float(np.mean(r["recovery_s"])) if r["recovery_s"] else None,
@@ -442,7 +447,13 @@ def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:
             "regenerated_tokens": {"trajectories": len(regenerated),
                                    "per_trajectory_mean": float(np.mean(regenerated)) if regenerated else None,
                                    "per_trajectory_max": max(regenerated) if regenerated else None,
-                                   "total": sum(regenerated)},
+                                   "total": sum(regenerated),
+                                   # the trajectory server's own count, from what instances said they held
+                                   # (a lower bound: what they generated after their last word is not in it)
+                                   "counted_by_trajectory_server": {
+                                       "trajectories": counted.get("regenerated_trajectories"),
+                                       "total": counted.get("regenerated_tokens")}},
+            "length_skew": faulty.length_skew,
             "fault_every_steps": None, "baseline_wall_s": baseline.wall_s if baseline else None,
             "faulty_wall_s": faulty.wall_s, "violations": faulty.violations, "checks": faulty.checks,
             "baseline": baseline.to_json() if baseline else None, "faulty": faulty.to_json()}

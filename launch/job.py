@@ -522,7 +522,20 @@ class Job(Supervised):
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             log.debug("no trajectory server counts: %s", exc)
             return None
-        return {**counts, "progress_tokens": self.config.instance.progress_tokens}
+        regenerated = counts.get("regenerated_trajectories", 0)
+        return {**counts, "progress_tokens": self.config.instance.progress_tokens,
+                "regenerated_tokens_per_trajectory": counts.get("regenerated_tokens", 0) / regenerated if regenerated else None}
+
+    def length_skew(self, after_step: int = -1) -> dict | None:
+        """What the staleness bound did to the response lengths, as the trajectory server counted
+        it since it (last) started (``staleflow.length_skew``), with the steps after ``after_step``;
+        None while it does not answer."""
+        try:
+            with http_client(self.endpoints["ts"]["url"], timeout=10) as c:
+                return c.get("/v1/length-skew", params={"after_step": after_step}).raise_for_status().json()
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("no length skew from the trajectory server: %s", exc)
+            return None
 
     def coordinator_stats(self) -> dict | None:
         """The coordinator's counters (``/v1/coordinator``), or None while it does not answer."""
@@ -545,6 +558,10 @@ class Job(Supervised):
         return totals
 
 
+SKEW_WAIT_S = 5.0
+"""How long a step's tracking waits for the trajectory server to count its batch."""
+
+
 class JobTracking:
     """Sends each training step of a job, once, to the configured logger backends
     (``staleflow.tracking``): the step record, the instances' load at the time, and the
@@ -562,13 +579,26 @@ class JobTracking:
                                     mlflow_tracking_uri=settings.mlflow_tracking_uri, console=console)
         self.logged = -1  # the newest version sent
         self.control_before: dict | None = None
+        self._seen: dict[int, float] = {}  # step -> when it was first ready to send
 
-    def update(self, steps: list[StepRecord], sample: Sample | None) -> None:
+    def update(self, steps: list[StepRecord], sample: Sample | None, final: bool = False) -> None:
+        """Send the steps not sent yet. A step whose batch the trajectory server has not yet
+        counted in its length-skew accounting waits for it (``SKEW_WAIT_S`` at most) unless
+        ``final``."""
         from staleflow.tracking import step_metrics
 
         new = [s for s in steps if s.version > self.logged]
         if not new:
             return
+        skew = self.job.length_skew(after_step=self.logged) or {}
+        windows = {w["step"]: w for w in skew.get("per_step", [])}
+        if not final and skew:
+            counted = [s for s in new if windows.get(s.version, {}).get("trained")]
+            first_seen = self._seen.setdefault(new[0].version, time.monotonic())
+            if len(counted) < len(new) and time.monotonic() - first_seen < SKEW_WAIT_S:
+                new = new[: next(i for i, s in enumerate(new) if s not in counted)]
+                if not new:
+                    return
         control = self.job.coordinator_stats()
         tokens = {s.version: s.response_tokens for s in steps}
         by_version = {s.version: s for s in steps}
@@ -580,7 +610,8 @@ class JobTracking:
             scalars, histograms = step_metrics(
                 asdict(record), asdict(previous) if previous else None, instances if last else None,
                 control if last else None, self.control_before, cumulative_tokens=cumulative,
-                time_scale=self.job.config.speed if self.job.config.engine == "sim" else 1.0)
+                time_scale=self.job.config.speed if self.job.config.engine == "sim" else 1.0,
+                length_skew=windows.get(record.version))
             self.tracker.log(record.version, scalars, histograms)
             self.logged = record.version
         if control is not None:

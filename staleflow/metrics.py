@@ -14,7 +14,7 @@ exposition adds it (``staleflow_http_requests_total``).
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +25,8 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 from prometheus_client.core import Metric as MetricFamily
+
+from staleflow.length_skew import Fate, StepSkew, bucket_label
 
 Kind = Literal["gauge", "counter", "summary", "histogram"]
 Samples = Iterable[tuple[Sequence[str], float]]
@@ -162,6 +164,25 @@ TRAJECTORY_FAILURE_RESUMED_TOKENS = Metric("staleflow_trajectory_failure_resumed
                                            "response tokens kept by trajectories handed back from a failed instance")
 TRAJECTORIES_FAILED_OVER = Metric("staleflow_trajectories_failed_over", "counter",
                                   "running trajectories handed back from a failed instance")
+TRAJECTORY_FAILURE_REGENERATED_TOKENS = Metric(
+    "staleflow_trajectory_failure_regenerated_tokens", "counter",
+    "response tokens trajectories handed back from a failed instance had generated beyond their last checkpoint "
+    "(generated again)")
+LENGTH_SKEW_TRAJECTORIES = Metric(
+    "staleflow_length_skew_trajectories", "counter",
+    "trajectories by what became of them (generated, trained, aborted, filtered, dropped, regenerated) and "
+    "response-length bucket (powers of two)", ("fate", "bucket"))
+LENGTH_SKEW_REGENERATED_TOKENS = Metric("staleflow_length_skew_regenerated_tokens", "counter",
+                                        "tokens generated again after an instance failure, by length bucket",
+                                        ("bucket",))
+LENGTH_SKEW_IN_FLIGHT = Metric("staleflow_length_skew_in_flight", "gauge",
+                               "generated trajectories whose fate is not known yet, by length bucket", ("bucket",))
+LENGTH_SKEW_STALENESS = Metric("staleflow_length_skew_staleness", "summary",
+                               "staleness V_buf - V_traj of trained trajectories, by length bucket", ("bucket",))
+ADMISSION_WAIT_SECONDS = Metric("staleflow_admission_wait_seconds", "summary",
+                                "how long each admitted group waited from sampled to admitted by the ledger")
+ADMISSION_WAITED = Metric("staleflow_admission_waited_groups", "counter",
+                          "admitted groups that waited (were not admitted as they were sampled)")
 
 # ---------------------------------------------------------------------------- parameter server
 
@@ -179,6 +200,23 @@ REWARD_TIMEOUTS = Metric("staleflow_reward_timeouts", "counter",
                          "items whose verifier overran its deadline (its worker was replaced), by verifier", ("verifier",))
 REWARD_SECONDS = Metric("staleflow_reward_batch_seconds", "summary", "time to score one request's batch")
 REWARD_VALUE = Metric("staleflow_reward_value", "summary", "rewards given, by verifier", ("verifier",))
+
+def length_skew_families(total: StepSkew, in_flight: Mapping[int, int]) -> list[MetricFamily]:
+    """The trajectory server's length-skew accounting (``staleflow.length_skew``) as metric families."""
+    counts = [(("generated", bucket_label(b)), n) for b, n in sorted(total.generated.items())]
+    counts += [((fate.value, bucket_label(b)), n) for fate in Fate for b, n in sorted(total.fates[fate].items())]
+    counts += [(("regenerated", bucket_label(b)), n) for b, n in sorted(total.regenerated.items())]
+    waits = total.admission_waits
+    return [
+        LENGTH_SKEW_TRAJECTORIES.family(counts),
+        LENGTH_SKEW_REGENERATED_TOKENS.family([((bucket_label(b),), n) for b, n in sorted(total.regenerated_tokens.items())]),
+        LENGTH_SKEW_IN_FLIGHT.family([((bucket_label(b),), n) for b, n in sorted(in_flight.items())]),
+        LENGTH_SKEW_STALENESS.summary([((bucket_label(b),), sum(h.values()), sum(k * n for k, n in h.items()))
+                                       for b, h in sorted(total.staleness.items())]),
+        ADMISSION_WAIT_SECONDS.summary([((), len(waits), sum(waits))]),
+        ADMISSION_WAITED.value(sum(w > 0 for w in waits)),
+    ]
+
 
 CATALOGUE: tuple[Metric, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Metric))
 """Every metric a StaleFlow service exports."""

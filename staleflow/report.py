@@ -1,4 +1,5 @@
-"""The run report of a job: a JSON summary and plots (paper Figures 17 and 18, throughput)."""
+"""The run report of a job: a JSON summary and plots (paper Figures 17 and 18, throughput, the
+lengths trained against those generated) and the length-skew table (``length_skew.md``)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,112 @@ def time_breakdown(engine_stats: dict[str, dict], command_seconds: dict[str, flo
 def write_report(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "summary.json").write_text(json.dumps(summary, indent=2))
-    return [directory / "summary.json", *plot(directory, summary, samples)]
+    written = [directory / "summary.json"]
+    if summary.get("length_skew"):
+        written.append(directory / "length_skew.md")
+        written[-1].write_text(length_skew_markdown(summary["length_skew"]))
+    return [*written, *plot(directory, summary, samples)]
+
+
+FATE_COLUMNS = ("aborted", "filtered", "dropped")
+
+
+def _count(counts: dict[str, int]) -> int:
+    return sum(counts.values())
+
+
+def _mean(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def length_skew_line(skew: dict) -> str:
+    """The run's length skew in one line, for a console."""
+    cut = "/".join(str(_count(skew[f])) for f in FATE_COLUMNS)
+    return (f"length skew: mean trained / generated length {_mean(skew['trained_over_generated_mean'], 3)}, "
+            f"KS {_mean(skew['ks_distance'], 3)}, W1 {_mean(skew['wasserstein_tokens'])} tokens; "
+            f"{_count(skew['trained'])} trained, aborted/filtered/dropped {cut}, "
+            f"{_count(skew['regenerated_tokens'])} tokens regenerated; {skew['admission']['waited']} groups waited "
+            f"for admission ({skew['admission']['mean_wait_s']:.2f}s mean)")
+
+
+def length_skew_markdown(skew: dict) -> str:
+    """The length-skew accounting (``staleflow.length_skew.LengthSkew.to_json``) as Markdown: the
+    run by length bucket, then one row per training step."""
+    buckets = sorted({b for key in ("generated", "in_flight") for b in skew[key]}, key=lambda b: int(b.split("-")[0]))
+    lines = ["## Length skew: what the staleness bound did to the response lengths", "",
+             f"Buckets: {skew['buckets']}. Mean trained / generated length (fate known): "
+             f"{_mean(skew['trained_over_generated_mean'], 3)}; KS distance {_mean(skew['ks_distance'], 3)}; "
+             f"Wasserstein {_mean(skew['wasserstein_tokens'])} tokens.", "",
+             "| length bucket | generated | trained | aborted | filtered | dropped | in flight | regenerated: n (tokens) "
+             "| mean staleness |", "|---|---|---|---|---|---|---|---|---|"]
+    for b in buckets:
+        lines.append(f"| {b} | {skew['generated'].get(b, 0)} | {skew['trained'].get(b, 0)} | "
+                     + " | ".join(str(skew[f].get(b, 0)) for f in FATE_COLUMNS)
+                     + f" | {skew['in_flight'].get(b, 0)} | {skew['regenerated'].get(b, 0)} "
+                       f"({skew['regenerated_tokens'].get(b, 0)}) | {_mean(skew['staleness_mean'].get(b), 2)} |")
+    lines += ["", "| step | generated: n (mean len) | trained: n (mean len) | aborted/filtered/dropped | regenerated tokens "
+                  "| admitted (waited, mean wait s) |", "|---|---|---|---|---|---|"]
+    for step in skew["per_step"]:
+        admission = step["admission"]
+        lines.append(f"| {step['step']} | {_count(step['generated'])} ({_mean(step['generated_mean'])}) | "
+                     f"{_count(step['trained'])} ({_mean(step['trained_mean'])}) | "
+                     + "/".join(str(_count(step[f])) for f in FATE_COLUMNS)
+                     + f" | {_count(step['regenerated_tokens'])} | {admission['admitted']} ({admission['waited']}, "
+                       f"{admission['mean_wait_s']:.2f}) |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_length_skew(path: Path, skew: dict) -> Path | None:
+    """Trained against generated response lengths: their CDFs (left) and, by length bucket, what
+    became of the generated trajectories with the trained ones' mean staleness (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    generated = {int(k): n for k, n in skew["generated_lengths"].items()}
+    trained = {int(k): n for k, n in skew["trained_lengths"].items()}
+    if not generated:
+        return None
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for label, counts, style in (("generated", generated, "--"), ("trained", trained, "-")):
+        if counts:
+            xs = sorted(counts)
+            ys = np.cumsum([counts[x] for x in xs]) / sum(counts.values())
+            cdf.step(xs, ys, style, where="post", label=f"{label} ({sum(counts.values())}, mean "
+                                                         f"{sum(k * n for k, n in counts.items()) / sum(counts.values()):.0f})")
+    cdf.set_xscale("symlog", linthresh=1)
+    cdf.set_xlabel("response tokens")
+    cdf.set_ylabel("share of trajectories at or below")
+    cdf.set_title(f"Lengths: KS {_mean(skew['ks_distance'], 3)}, W1 {_mean(skew['wasserstein_tokens'])} tokens "
+                  "(against those with a known fate)", fontsize=9)
+    cdf.legend(fontsize=8)
+    cdf.grid(alpha=0.3)
+    buckets = sorted({b for key in ("generated", "in_flight") for b in skew[key]}, key=lambda b: int(b.split("-")[0]))
+    bottom = np.zeros(len(buckets))
+    colours = {"trained": "tab:blue", "aborted": "tab:red", "filtered": "tab:orange", "dropped": "tab:purple",
+               "in_flight": "lightgray"}
+    for key, colour in colours.items():
+        values = np.array([skew[key].get(b, 0) for b in buckets], dtype=float)
+        if values.any():
+            bars.bar(range(len(buckets)), values, bottom=bottom, color=colour, label=key.replace("_", " "))
+            bottom += values
+    bars.set_xticks(range(len(buckets)), buckets, rotation=45, fontsize=7)
+    bars.set_xlabel("response length bucket (tokens)")
+    bars.set_ylabel("generated trajectories")
+    bars.legend(fontsize=7, loc="upper left")
+    if skew["staleness_mean"]:
+        stale = bars.twinx()
+        stale.plot([i for i, b in enumerate(buckets) if b in skew["staleness_mean"]],
+                   [skew["staleness_mean"][b] for b in buckets if b in skew["staleness_mean"]], "k.-")
+        stale.set_ylabel("mean staleness of the trained (black)")
+    bars.set_title("What became of each length bucket", fontsize=9)
+    fig.suptitle("Trained against generated response lengths")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
@@ -172,6 +278,10 @@ def plot(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
         if per_version:
             written.append(plot_time_per_version(directory / "time_per_version.png", per_version,
                                                  summary["time_breakdown"]["engine"]["source"]))
+    if summary.get("length_skew"):
+        path = plot_length_skew(directory / "length_skew.png", summary["length_skew"])
+        if path is not None:
+            written.append(path)
     if steps and summary.get("engine") != "sim":  # the sim reward is a coin flip: nothing to plot
         written.append(plot_rewards(directory / "reward.png", {f"eta = {summary['eta']}": steps}))
     return written

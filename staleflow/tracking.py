@@ -17,6 +17,11 @@ later), an MLflow file store. Every backend gets the same metric names (``step_m
 * ``instance/{id}/{running,waiting,version}`` at the step's end
 * ``control/decision_ms`` (mean planning time of the coordinator's cycles during the step),
   ``control/cycles``, ``control/{kind}_ms`` (mean command latency by kind during the step)
+* ``length_skew/*``: what the staleness bound did to the response lengths in the step's window
+  (``staleflow.length_skew``): ``{generated,trained,aborted,filtered,dropped}`` trajectories,
+  ``{generated,trained}_mean`` lengths and ``trained_over_generated_mean``, ``regenerated_tokens``,
+  ``admission_waited`` and ``admission_wait_mean_s``, ``staleness_mean/{bucket}``; histograms
+  ``length_skew/generated`` and ``length_skew/trained`` over the power-of-two length buckets
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ def missing_backends(backends: tuple[str, ...] | list[str]) -> list[str]:
 
 def step_metrics(step: Mapping[str, Any], previous: Mapping[str, Any] | None, sample: Mapping[str, Any] | None = None,
                  control: Mapping[str, Any] | None = None, control_before: Mapping[str, Any] | None = None,
-                 cumulative_tokens: int | None = None, time_scale: float = 1.0) -> tuple[Scalars, Histograms]:
+                 cumulative_tokens: int | None = None, time_scale: float = 1.0,
+                 length_skew: Mapping[str, Any] | None = None) -> tuple[Scalars, Histograms]:
     """The scalars and histograms of one training step.
 
     ``step``/``previous``: the step's record and the one before (``StepRecord`` as a dict);
@@ -70,7 +76,8 @@ def step_metrics(step: Mapping[str, Any], previous: Mapping[str, Any] | None, sa
     ``control``/``control_before``: the coordinator's ``/v1/coordinator`` now and at the previous
     step (so its times are per step); ``cumulative_tokens``: response tokens trained up to and
     including this step; ``time_scale``: engine seconds per wall second (the sim clock's speed), so
-    tokens/s are on the engine's clock as in the run's summary."""
+    tokens/s are on the engine's clock as in the run's summary; ``length_skew``: the step's window
+    of the length-skew accounting (an entry of ``LengthSkew.to_json()["per_step"]``)."""
     scalars: Scalars = {}
     rewards = step.get("rewards") or {}
     scalars["reward/mean"] = float(step["mean_reward"])
@@ -106,7 +113,35 @@ def step_metrics(step: Mapping[str, Any], previous: Mapping[str, Any] | None, sa
                 scalars[f"instance/{instance_id}/{key}"] = float(view[key])
     if control:
         scalars.update(_control_metrics(control, control_before or {}))
-    return {k: v for k, v in scalars.items() if math.isfinite(v)}, {"staleness": staleness}
+    histograms: Histograms = {"staleness": staleness}
+    if length_skew:
+        skew_scalars, skew_histograms = _length_skew_metrics(length_skew)
+        scalars.update(skew_scalars)
+        histograms.update(skew_histograms)
+    return {k: v for k, v in scalars.items() if math.isfinite(v)}, histograms
+
+
+def _length_skew_metrics(window: Mapping[str, Any]) -> tuple[Scalars, Histograms]:
+    from staleflow.length_skew import FATES, bucket_of
+
+    def by_bucket(counts: Mapping[str, int]) -> dict[int, int]:  # bucket label -> its index
+        return {bucket_of(int(label.split("-")[0])): int(n) for label, n in counts.items()}
+
+    out: Scalars = {"length_skew/generated": float(sum(window["generated"].values()))}
+    for fate in FATES:
+        out[f"length_skew/{fate.value}"] = float(sum(window[fate.value].values()))
+    for key in ("generated_mean", "trained_mean"):
+        if window.get(key) is not None:
+            out[f"length_skew/{key}"] = float(window[key])
+    if window.get("generated_mean") and window.get("trained_mean") is not None:
+        out["length_skew/trained_over_generated_mean"] = window["trained_mean"] / window["generated_mean"]
+    out["length_skew/regenerated_tokens"] = float(sum(window["regenerated_tokens"].values()))
+    out["length_skew/admission_waited"] = float(window["admission"]["waited"])
+    out["length_skew/admission_wait_mean_s"] = float(window["admission"]["mean_wait_s"])
+    for label, mean in window["staleness_mean"].items():
+        out[f"length_skew/staleness_mean/{label}"] = float(mean)
+    return out, {"length_skew/generated": by_bucket(window["generated"]),
+                 "length_skew/trained": by_bucket(window["trained"])}
 
 
 def _control_metrics(now: Mapping[str, Any], before: Mapping[str, Any]) -> Scalars:

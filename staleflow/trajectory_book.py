@@ -15,6 +15,10 @@ Trajectory states and the transitions allowed between them (``TRAJ_TRANSITIONS``
 Groups (``GROUP_TRANSITIONS``): sampled (no V_traj yet) -> reserved (V_traj fixed when its first
 member is routed) -> occupied (enough members rewarded) -> consumed; or -> aborted (filtered,
 surplus, aborted in the ledger).
+
+The transitions also feed ``skew``, the length-skew accounting (``staleflow.length_skew``: what
+the bound did to the response lengths), and count the tokens a trajectory handed back had
+generated beyond what the book holds (``regenerated``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from staleflow.errors import ErrorCode, StaleFlowError
+from staleflow.length_skew import Fate, LengthSkew
 
 
 class TrajState(StrEnum):
@@ -168,11 +173,16 @@ class TrajectoryBook:
         # trajectories by state, so the coordinator's polls cost what is in that state, not the book
         self._in_state: dict[TrajState, dict[str, TrajRecord]] = {s: {} for s in TrajState}
         self.seq = 0
+        self.skew = LengthSkew()  # what the bound did to the response lengths, since the book was made
+        # routed trajectories: the response tokens their instance last said it holds (beyond the checkpoints)
+        self._on_instance: dict[str, int] = {}
+        self.regenerated = [0, 0]  # trajectories of failed instances that lost tokens, the tokens they lost
 
     def _move(self, t: TrajRecord, state: TrajState) -> None:
         del self._in_state[t.state][t.traj_id]
         t.state = state
         self._in_state[state][t.traj_id] = t
+        self._on_instance.pop(t.traj_id, None)
 
     def _index(self, t: TrajRecord) -> None:
         self.trajs[t.traj_id] = t
@@ -183,6 +193,8 @@ class TrajectoryBook:
         for g in groups:
             self.groups[g.group_id] = g
             self.seq = max(self.seq, g.seq)
+            if g.state is GroupState.SAMPLED:
+                self.skew.sampled([g.group_id], g.created_at)
         for t in trajs:
             self._index(t)
             self.groups[t.group_id].member_ids.append(t.traj_id)
@@ -216,6 +228,7 @@ class TrajectoryBook:
     def add(self, groups: Iterable[GroupRecord], trajs: Iterable[TrajRecord]) -> None:
         for g in groups:
             self.groups[g.group_id] = g
+            self.skew.sampled([g.group_id], g.created_at)
         for t in trajs:
             self._index(t)
 
@@ -231,13 +244,16 @@ class TrajectoryBook:
     def _by_seq(self, *states: TrajState) -> list[TrajRecord]:
         return sorted((t for s in states for t in self._in_state[s].values()), key=lambda t: t.seq)
 
-    def set_group_version(self, group_id: str, v_traj: int) -> list[GroupRecord]:
+    def set_group_version(self, group_id: str, v_traj: int, now: float | None = None) -> list[GroupRecord]:
+        """The ledger admitted the group with this V_traj (at ``now``: how long it waited counts)."""
         g = self.groups[group_id]
         if g.v_traj is not None and g.v_traj != v_traj:
             raise StoreConflict(f"group {group_id} already has v_traj {g.v_traj}, not {v_traj}")
         if g.state is not GroupState.SAMPLED:
             return []
         g.v_traj, g.state = v_traj, GroupState.RESERVED
+        if now is not None:
+            self.skew.admitted(group_id, now)
         return [g]
 
     def checkout(self, instance_id: str, traj_ids: list[str]) -> list[TrajRecord]:
@@ -269,9 +285,11 @@ class TrajectoryBook:
                 self._move(t, TrajState.ABORTED)
                 t.instance_id = None
                 outcome[t.traj_id] = "aborted"
+                self.skew.cut(t.traj_id, max(len(p.tokens), len(t.tokens)))
             elif t.state is TrajState.ROUTED and (instance_id is None or t.instance_id == instance_id):
                 if len(p.tokens) >= len(t.tokens):  # never lose generated tokens
                     t.tokens, t.logprobs, t.segments = p.tokens, p.logprobs, p.segments
+                self._lost(t, self._on_instance.get(t.traj_id, 0))  # handed back with less than it had
                 self._move(t, TrajState.PENDING)
                 t.instance_id = None
                 outcome[t.traj_id] = "pending"
@@ -304,6 +322,18 @@ class TrajectoryBook:
             held[t.traj_id] = len(t.tokens)
         return held, appended
 
+    def holding(self, instance_id: str, held: dict[str, int]) -> None:
+        """What an instance says its trajectories hold now (response tokens), checkpointed or not:
+        if it fails, what they hold beyond their checkpoints is generated again."""
+        for traj_id, tokens in held.items():
+            t = self.trajs.get(traj_id)
+            if t is not None and t.state is TrajState.ROUTED and t.instance_id == instance_id:
+                self._on_instance[traj_id] = max(tokens, self._on_instance.get(traj_id, 0))
+
+    def held_on_instance(self, traj_id: str) -> int | None:
+        """The response tokens a routed trajectory's instance last said it holds (``holding``)."""
+        return self._on_instance.get(traj_id)
+
     def adopt(self, c: Checkpoint) -> bool:
         """Append a stored checkpoint that continues the trajectory's response (read back after a
         restart); one that does not is ignored."""
@@ -314,14 +344,25 @@ class TrajectoryBook:
         t.tokens, t.logprobs, t.segments = t.tokens + c.tokens[cut:], t.logprobs + c.logprobs[cut:], c.segments
         return True
 
+    def _lost(self, t: TrajRecord, reached: int) -> None:
+        """A routed trajectory goes back to pending holding ``t.tokens`` after its instance said it
+        held ``reached``: what lies between is generated again (counted as regenerated)."""
+        lost = reached - len(t.tokens)
+        if lost > 0:
+            self.regenerated[0] += 1
+            self.regenerated[1] += lost
+            self.skew.regenerated(reached, lost)
+
     def release_instance(self, instance_id: str) -> list[TrajRecord]:
         """A failed instance: its trajectories return to pending with their last known partial
-        state and keep their V_traj; cancellations due there are void."""
+        state and keep their V_traj; cancellations due there are void. What they held there beyond
+        it (as the instance last said, see ``holding``) counts as regenerated."""
         changed = []
         for t in self._by_seq(TrajState.ROUTED, TrajState.CANCELLING):
             if t.instance_id != instance_id:
                 continue
             if t.state is TrajState.ROUTED:
+                self._lost(t, self._on_instance.get(t.traj_id, 0))
                 self._move(t, TrajState.PENDING)
                 t.instance_id = None
                 changed.append(t)
@@ -329,6 +370,7 @@ class TrajectoryBook:
                 self._move(t, TrajState.ABORTED)
                 t.instance_id = None
                 changed.append(t)
+                self.skew.cut(t.traj_id, len(t.tokens))
         return changed
 
     # -- completion and rewards
@@ -348,6 +390,12 @@ class TrajectoryBook:
             t.tokens, t.logprobs, t.segments = p.tokens, p.logprobs, p.segments
             t.finish_reason = p.finish_reason
             t.instance_id = p.instance_id or t.instance_id
+            if t.state is TrajState.CANCELLING:
+                self.skew.cut(t.traj_id, len(p.tokens))
+            elif self.groups[t.group_id].state is not GroupState.RESERVED:
+                self.skew.stopped(t.traj_id, len(p.tokens), Fate.DROPPED)  # its group closed without it
+            else:
+                self.skew.generated(t.traj_id, len(p.tokens))
             surplus = self.groups[t.group_id].state is not GroupState.RESERVED or t.state is TrajState.CANCELLING
             self._move(t, TrajState.ABORTED if surplus else TrajState.COMPLETED)
             changed.append(t)
@@ -376,12 +424,18 @@ class TrajectoryBook:
     def group_rewarded(self, g: GroupRecord) -> list[TrajRecord]:
         return [self.trajs[m] for m in g.member_ids if self.trajs[m].state is TrajState.REWARDED]
 
-    def close_group(self, group_id: str, state: GroupState) -> tuple[list[GroupRecord], list[TrajRecord], list[TrajRecord]]:
+    def close_group(self, group_id: str, state: GroupState,
+                    fate: Fate | None = None) -> tuple[list[GroupRecord], list[TrajRecord], list[TrajRecord]]:
         """Occupy or abort a group; members beyond the batch are cancelled. Returns the changed
-        group, the changed trajectories, and those still on an instance (to be aborted there)."""
+        group, the changed trajectories, and those still on an instance (to be aborted there).
+        ``fate``: why its cancelled members are cut (by default: surplus of an occupied group,
+        aborted for an aborted one)."""
         g = self.groups[group_id]
         if g.state not in LIVE_GROUP_STATES:
             return [], [], []
+        if fate is None:
+            fate = Fate.DROPPED if state is GroupState.OCCUPIED else Fate.ABORTED
+        self.skew.forget_group(group_id)
         keep = set()
         if state is GroupState.OCCUPIED:
             keep = {t.traj_id for t in sorted(self.group_rewarded(g), key=lambda t: t.updated_at)[: g.needed]}
@@ -394,8 +448,10 @@ class TrajectoryBook:
             if t.state is TrajState.ROUTED:
                 self._move(t, TrajState.CANCELLING)
                 on_instances.append(t)
+                self.skew.cutting(t.traj_id, fate)
             elif t.state is not TrajState.CANCELLING:
                 self._move(t, TrajState.ABORTED)
+                self.skew.stopped(t.traj_id, len(t.tokens), fate)
             changed.append(t)
         return [g], changed, on_instances
 
@@ -411,6 +467,7 @@ class TrajectoryBook:
                 self._move(t, TrajState.ABORTED)
                 t.instance_id = None
                 changed.append(t)
+                self.skew.cut(t.traj_id, len(t.tokens))
         return changed
 
     # -- the trainer's side
@@ -428,9 +485,12 @@ class TrajectoryBook:
             out.extend((t, g) for t in members[: g.needed])
         return out
 
-    def mark_consumed(self, group_ids: Iterable[str]) -> list[GroupRecord]:
-        """The ledger consumed these groups: they leave the in-flight budget (so new prompts are
-        sampled) while their payloads stay until the trainer frees the batch."""
+    def mark_consumed(self, group_ids: Iterable[str], buffer: int | None = None) -> list[GroupRecord]:
+        """The ledger consumed these groups (into buffer ``buffer``, where known): they leave the
+        in-flight budget (so new prompts are sampled) while their payloads stay until the trainer
+        frees the batch."""
+        group_ids = list(group_ids)
+        self._trained(group_ids, buffer)
         groups = []
         for gid in group_ids:
             g = self.groups.get(gid)
@@ -439,8 +499,23 @@ class TrajectoryBook:
                 groups.append(g)
         return groups
 
-    def free(self, group_ids: Iterable[str]) -> tuple[list[GroupRecord], list[TrajRecord]]:
-        """The trainer no longer needs the batch: its payloads are dropped (the groups are consumed)."""
+    def _trained(self, group_ids: list[str], buffer: int | None) -> None:
+        """The trajectories of a consumed buffer, for the length-skew accounting (counted once,
+        whichever of the ledger's event and the trainer's free comes first)."""
+        if buffer is None:
+            return
+        trained = []
+        for gid in group_ids:
+            g = self.groups.get(gid)
+            if g is not None and g.v_traj is not None:
+                trained += [(m, buffer - g.v_traj) for m in g.member_ids if self.trajs[m].state is TrajState.REWARDED]
+        self.skew.consumed(buffer, trained)
+
+    def free(self, group_ids: Iterable[str], buffer: int | None = None) -> tuple[list[GroupRecord], list[TrajRecord]]:
+        """The trainer no longer needs the batch (buffer ``buffer``, where known): its payloads are
+        dropped (the groups are consumed)."""
+        group_ids = list(group_ids)
+        self._trained(group_ids, buffer)
         groups, changed = [], []
         for gid in group_ids:
             g = self.groups.get(gid)

@@ -45,6 +45,7 @@ CALLBACK_BACKOFF_S = 0.1  # first retry of a failed delivery; doubled up to CALL
 CALLBACK_MAX_BACKOFF_S = 5.0
 CALLBACK_ERROR_ATTEMPTS = 5  # a server error other than 502/503/504 this many times in a row: the batch is dropped
 PROGRESS_POLL_S = 0.2  # how often the engine is asked whether a trajectory is due for a checkpoint
+HELD_EVERY_S = 1.0  # between checkpoints, how often the trajectory server hears how far trajectories got
 
 
 @dataclass
@@ -254,41 +255,52 @@ class InstanceServer:
     async def _checkpoint_progress(self) -> None:
         """Every ``PROGRESS_POLL_S``, send the trajectory server what each running trajectory
         generated since its last checkpoint, once that is ``progress_tokens`` tokens, and whatever
-        it is every ``progress_seconds``: one batch per round."""
+        it is every ``progress_seconds``: one batch per round. A batch also says how far every
+        trajectory that grew got (lengths only), and so does a round with nothing due every
+        ``HELD_EVERY_S``: a failure's regenerated tokens are counted to within a round or a second."""
         url = self.config.progress_url
         assert url is not None
-        last_sweep = time.monotonic()
+        last_sweep = last_word = time.monotonic()
         async with async_http_client("", timeout=30.0) as client:
             while True:
                 await asyncio.sleep(PROGRESS_POLL_S)  # the polling period, not synchronisation
-                sweep = time.monotonic() - last_sweep >= self.config.progress_seconds
+                now = time.monotonic()
+                sweep = now - last_sweep >= self.config.progress_seconds
                 try:
-                    if await self.checkpoint(client, url, 1 if sweep else self.config.progress_tokens) is None:
+                    said = await self.checkpoint(client, url, 1 if sweep else self.config.progress_tokens,
+                                                 say_held=now - last_word >= HELD_EVERY_S)
+                    if said is None:
                         log.info("engine %s does not expose its progress: no checkpoints", self.config.engine)
                         return
+                    if said or now - last_word >= HELD_EVERY_S:
+                        last_word = now
                 except httpx.HTTPError as exc:  # the trajectory server restarting: the next round resends
                     log.debug("progress checkpoint to %s failed: %s", url, exc)
                 if sweep:
                     last_sweep = time.monotonic()
 
-    async def checkpoint(self, client: httpx.AsyncClient, url: str, min_new: int) -> int | None:
+    async def checkpoint(self, client: httpx.AsyncClient, url: str, min_new: int, say_held: bool = False) -> int | None:
         """Send one checkpoint batch: the trajectories with at least ``min_new`` tokens beyond their
-        last checkpoint. Returns how many went (None: the engine does not expose progress)."""
+        last checkpoint, with how far every trajectory that grew got (``held``; with nothing due,
+        sent only if ``say_held``). Returns how many checkpoints went (None: the engine does not
+        expose progress)."""
         started = time.perf_counter()
         async with self._lock:
             held = await self.engine.snapshot()
-            items = await self.engine.progress(self.progress.reported, min_new)
-        if items is None:
+            grown = await self.engine.progress(self.progress.reported, 1)
+        if grown is None:
             return None
+        items = [p for p in grown if len(p.tokens) >= min_new]
         self.progress.last_round = time.monotonic()
-        on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in items)}
+        on_engine = {*held.run_trajs, *held.wait_trajs, *(p.traj_id for p in grown)}
         for traj_id in [t for t in self.progress.reported if t not in on_engine]:
             del self.progress.reported[traj_id]
-        if items:
+        if items or (say_held and grown):
+            # "held": what an instance failure would make each trajectory generate again beyond its checkpoint
             reply = await client.post(url, json={"instance_id": self.instance_id, "trajectories": [
                 {"traj_id": p.traj_id, "start": p.start, "tokens": list(p.tokens), "logprobs": list(p.logprobs),
                  "segments": [{"version": s.version, "start": s.start, "end": s.end} for s in p.segments]}
-                for p in items]})
+                for p in items], "held": {p.traj_id: p.end for p in grown}})
             if reply.status_code >= 400:
                 log.warning("progress checkpoint refused by %s with %d: %s", url, reply.status_code, reply.text[:500])
             else:
@@ -296,7 +308,8 @@ class InstanceServer:
                 for p in items:
                     # what the trajectory server holds now; a trajectory it does not route here is not resent
                     self.progress.reported[p.traj_id] = int(stored.get(p.traj_id, p.end))
-                self.progress.record(len(items), sum(len(p.tokens) for p in items), time.perf_counter() - started)
+                if items:
+                    self.progress.record(len(items), sum(len(p.tokens) for p in items), time.perf_counter() - started)
         return len(items)
 
     async def held_progress(self) -> dict[str, Any]:

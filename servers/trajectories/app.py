@@ -27,6 +27,7 @@ from staleflow.servers.trajectories.wire import (
     CheckedOut,
     CheckoutRequest,
     CompletedRequest,
+    LengthSkewOut,
     ProgressOut,
     ProgressRequest,
     ReturnRequest,
@@ -122,7 +123,16 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
                 "skipped_prompts": {"count": skipped.count + server.too_long.count,
                                     "reasons": {**skipped.reasons, **server.too_long.reasons}},
                 "progress": {"checkpointed_tokens": server.checkpointed_tokens,
-                             "failed_over": server.store.failed_over[0], "resumed_tokens": server.store.failed_over[1]}}
+                             "failed_over": server.store.failed_over[0], "resumed_tokens": server.store.failed_over[1],
+                             "regenerated_trajectories": server.store.book.regenerated[0],
+                             "regenerated_tokens": server.store.book.regenerated[1]}}
+
+    @app.get("/v1/length-skew", response_model=LengthSkewOut)
+    async def length_skew(server: ServerDep, after_step: Annotated[int, Query(ge=-1)] = -1) -> dict:
+        """What the staleness bound did to the response lengths since this server started: what was
+        generated against what was trained, what was cut, staleness and admission waits by length
+        bucket, per training step after ``after_step`` (``staleflow.length_skew``)."""
+        return server.store.length_skew(after_step)
 
     @app.get("/v1/pending", response_model=TrajectoriesOut)
     async def pending(server: ServerDep) -> dict:
@@ -174,7 +184,7 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
     @app.delete("/v1/batches/{version}", response_model=Freed)
     async def free_batch(server: ServerDep, version: int) -> dict:
         buffer = await server.manager.buffer(version)
-        freed = server.store.free([e["group_id"] for e in buffer.get("entries", [])])
+        freed = server.store.free([e["group_id"] for e in buffer.get("entries", [])], version)
         server.refill()
         return {"version": version, "freed_groups": freed}
 
@@ -197,11 +207,13 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
         with store.lock:
             t = store.trajs.get(traj_id)
             g = store.groups[t.group_id] if t is not None else None
+            held_on_instance = store.book.held_on_instance(traj_id)
         if t is None:  # done for good: read back from the archive
             t, g = store.archived_trajectory(traj_id) or (None, None)
         if t is None:
             raise StaleFlowError(ErrorCode.UNKNOWN_TRAJECTORY, f"trajectory {traj_id!r} is unknown")
         return {**summary(t, g), **traj_payload(t, g, server.config.sampling), "reward": t.reward,
-                "reward_reason": t.reward_reason, "finish_reason": t.finish_reason, "prompt_text": g.prompt_text}
+                "reward_reason": t.reward_reason, "finish_reason": t.finish_reason, "prompt_text": g.prompt_text,
+                "held_on_instance": held_on_instance}
 
     return app

@@ -9,6 +9,7 @@ import logging
 import httpx
 
 from staleflow.errors import ErrorCode
+from staleflow.length_skew import Fate
 from staleflow.servers.clients import AsyncManagerClient, ServiceError
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
 from staleflow.servers.trajectories.rewards import RewardFn
@@ -42,6 +43,9 @@ class TrajectoryServer:
         self._warned_nothing_fits = False
         params = config.ledger.params()
         self.members, self.needed = params.group_members, params.group_size
+        # a group the ledger cancels is surplus of batch redundancy where there is any, else it expired
+        # under the staleness bound
+        self.cancelled_fate = Fate.DROPPED if params.capacity > params.batch_size else Fate.ABORTED
         self._work = asyncio.Event()
         self._stopping = False
         self.accepted = 0  # completions accepted from instances since this server started
@@ -125,12 +129,15 @@ class TrajectoryServer:
             m.TRAJECTORY_CHECKPOINTED_TOKENS.value(self.checkpointed_tokens),
             m.TRAJECTORIES_FAILED_OVER.value(self.store.failed_over[0]),
             m.TRAJECTORY_FAILURE_RESUMED_TOKENS.value(self.store.failed_over[1]),
+            m.TRAJECTORY_FAILURE_REGENERATED_TOKENS.value(self.store.book.regenerated[1]),
+            *m.length_skew_families(*self.store.length_skew_totals()),
         ]
 
     def progress(self, request: ProgressRequest) -> dict:
         """Checkpoints of running trajectories (see ``TrajectoryBook.checkpoint``)."""
         before = {p.traj_id: len(t.tokens) for p in request.trajectories if (t := self.store.trajs.get(p.traj_id))}
-        stored = self.store.checkpoint([checkpoint(p.model_dump(), request.instance_id) for p in request.trajectories])
+        stored = self.store.checkpoint([checkpoint(p.model_dump(), request.instance_id) for p in request.trajectories],
+                                       request.instance_id, request.held)
         self.checkpointed_tokens += sum(n - before.get(traj_id, n) for traj_id, n in stored.items())
         return {"stored": stored, "ignored": [p.traj_id for p in request.trajectories if p.traj_id not in stored]}
 
@@ -180,7 +187,7 @@ class TrajectoryServer:
         rewards = [t.reward for t in self.store.group_rewarded(g)][: g.needed]
         if self.config.filter_zero_variance and len(set(rewards)) == 1:
             await self._ledger_call(self.manager.abort, g.group_id, ok_codes={ErrorCode.UNKNOWN_GROUP, ErrorCode.RETIRED_GROUP})
-            self.store.close_group(g.group_id, GroupState.ABORTED)
+            self.store.close_group(g.group_id, GroupState.ABORTED, Fate.FILTERED)
             return
         reply = await self._ledger_call(self.manager.occupy, g.group_id, ok_codes={ErrorCode.INVALID_STATUS})
         self.store.close_group(g.group_id, GroupState.OCCUPIED)
@@ -195,9 +202,10 @@ class TrajectoryServer:
                 return None
             raise
 
-    def cancel_group(self, group_id: str) -> None:
+    def cancel_group(self, group_id: str, fate: Fate | None = None) -> None:
+        """A group the ledger cancelled (``fate``: why, by default ``cancelled_fate``)."""
         if group_id in self.store.groups:
-            self.store.close_group(group_id, GroupState.ABORTED)
+            self.store.close_group(group_id, GroupState.ABORTED, fate or self.cancelled_fate)
 
     async def follow_ledger(self) -> None:
         """Surplus groups aborted by the ledger (redundancy) are cancelled here too."""
@@ -210,11 +218,11 @@ class TrajectoryServer:
             else:
                 for event in page["events"]:
                     if event["op"] == "consume":
-                        self.store.mark_consumed(event["detail"].get("consumed", []))
+                        self.store.mark_consumed(event["detail"].get("consumed", []), event.get("buffer"))
                     for group_id in event["detail"].get("cancelled", []):
                         self.cancel_group(group_id)
                     if event["op"] == "abort" and event["group_id"] in self.store.groups:
-                        self.cancel_group(event["group_id"])
+                        self.cancel_group(event["group_id"], Fate.ABORTED)
                 if page["next"] != cursor:
                     cursor = page["next"]
                     self.store.set_meta("ledger_cursor", str(cursor))

@@ -22,12 +22,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
 from sqlalchemy import Engine, bindparam, delete, func, insert, select, update
 
 from staleflow.errors import ErrorCode, StaleFlowError
+from staleflow.length_skew import Fate, StepSkew
 from staleflow.servers import db
 from staleflow.servers.schema import (
     ts_groups,
@@ -48,6 +50,9 @@ from staleflow.trajectory_book import (
     TrajRecord,
     TrajState,
 )
+
+REGENERATED_META = "regenerated_tokens"
+"""The meta key of ``TrajectoryBook.regenerated``: "trajectories,tokens"."""
 
 
 class StoreUnavailable(StaleFlowError):
@@ -156,6 +161,7 @@ class TrajectoryStore:
             return
         book, meta = self.book, self.meta
         self._use(TrajectoryBook())
+        self.book.skew = book.skew  # the accounting since this server started goes on
         try:
             self._load()
         except Exception as exc:
@@ -176,6 +182,8 @@ class TrajectoryStore:
                                            _unpack_floats(r["logprobs"]),
                                            tuple(tuple(s) for s in json.loads(r["segments"]))))
             self.meta = {r.key: r.value for r in conn.execute(select(ts_meta))}
+        if REGENERATED_META in self.meta:  # the count goes on across restarts of this server
+            self.book.regenerated = [int(n) for n in self.meta[REGENERATED_META].split(",")]
 
     # ------------------------------------------------------------------ persistence
 
@@ -278,7 +286,7 @@ class TrajectoryStore:
 
     def set_group_version(self, group_id: str, v_traj: int) -> None:
         with self.lock:
-            changed = self.book.set_group_version(group_id, v_traj)
+            changed = self.book.set_group_version(group_id, v_traj, time.time())
             if changed:
                 self._persist(groups=changed)
 
@@ -292,15 +300,26 @@ class TrajectoryStore:
     def returned(self, partials: list[dict], instance_id: str | None) -> dict[str, str]:
         """Trajectories handed back (interrupt, failed route, dead instance). Returns outcome by id."""
         with self.lock:
+            regenerated = list(self.book.regenerated)
             outcome, changed = self.book.returned([generated(p) for p in partials], instance_id)
             if changed:
-                self._persist(trajs=changed)
+                self._persist(trajs=changed, meta=self._regenerated_meta(regenerated))
             return outcome
 
-    def checkpoint(self, checkpoints: list[Checkpoint]) -> dict[str, int]:
+    def _regenerated_meta(self, before: list[int]) -> dict[str, str] | None:
+        """The regenerated-token count to store with a change that moved it."""
+        after = self.book.regenerated
+        return {REGENERATED_META: f"{after[0]},{after[1]}"} if after != before else None
+
+    def checkpoint(self, checkpoints: list[Checkpoint], instance_id: str | None = None,
+                   on_instance: dict[str, int] | None = None) -> dict[str, int]:
         """Progress of running trajectories, appended durably as checkpoint rows (the trajectory's
-        own row is not rewritten). Returns the response length held of each one that counted."""
+        own row is not rewritten). Returns the response length held of each one that counted.
+        ``on_instance``: what ``instance_id`` holds of each of its trajectories now (kept in memory:
+        it only counts the tokens a failure of the instance makes them generate again)."""
         with self.lock:
+            if instance_id is not None and on_instance:
+                self.book.holding(instance_id, on_instance)
             held, appended = self.book.checkpoint(checkpoints)
             if appended:
                 now = time.time()
@@ -319,9 +338,10 @@ class TrajectoryStore:
     def release_instance(self, instance_id: str) -> int:
         """A failed instance: its trajectories return to pending (see ``TrajectoryBook``)."""
         with self.lock:
+            regenerated = list(self.book.regenerated)
             changed = self.book.release_instance(instance_id)
             if changed:
-                self._persist(trajs=changed)
+                self._persist(trajs=changed, meta=self._regenerated_meta(regenerated))
             resumed = [t for t in changed if t.state is TrajState.PENDING]
             self.failed_over[0] += len(resumed)
             self.failed_over[1] += sum(len(t.tokens) for t in resumed)
@@ -349,10 +369,10 @@ class TrajectoryStore:
     def group_rewarded(self, g: GroupRecord) -> list[TrajRecord]:
         return self.book.group_rewarded(g)
 
-    def close_group(self, group_id: str, state: GroupState) -> list[TrajRecord]:
+    def close_group(self, group_id: str, state: GroupState, fate: Fate | None = None) -> list[TrajRecord]:
         """Occupy or abort a group; returns its members still on an instance (to be aborted there)."""
         with self.lock:
-            groups, changed, on_instances = self.book.close_group(group_id, state)
+            groups, changed, on_instances = self.book.close_group(group_id, state, fate)
             if groups:
                 self._persist(groups=groups, trajs=changed)
             return on_instances
@@ -398,17 +418,17 @@ class TrajectoryStore:
         with self.engine.connect() as conn:
             return conn.execute(select(func.count()).select_from(ts_trajectories_archive)).scalar_one()
 
-    def mark_consumed(self, group_ids: Iterable[str]) -> int:
+    def mark_consumed(self, group_ids: Iterable[str], buffer: int | None = None) -> int:
         """The ledger consumed these groups (see ``TrajectoryBook.mark_consumed``)."""
         with self.lock:
-            groups = self.book.mark_consumed(group_ids)
+            groups = self.book.mark_consumed(group_ids, buffer)
             self._persist(groups=groups, trajs=[])
             return len(groups)
 
-    def free(self, group_ids: list[str]) -> int:
+    def free(self, group_ids: list[str], buffer: int | None = None) -> int:
         """The trainer no longer needs the batch: drop its payloads (the groups are consumed)."""
         with self.lock:
-            groups, changed = self.book.free(group_ids)
+            groups, changed = self.book.free(group_ids, buffer)
             self._persist(groups=groups, trajs=changed)
             return len(groups)
 
@@ -425,6 +445,16 @@ class TrajectoryStore:
     def completed_ones(self) -> list[TrajRecord]:
         with self.lock:
             return self.book.completed_ones()
+
+    def length_skew_totals(self) -> tuple[StepSkew, Counter[int]]:
+        """The length-skew accounting's totals and what is in flight, by bucket."""
+        with self.lock:
+            return self.book.skew.totals(), self.book.skew.in_flight()
+
+    def length_skew(self, after_step: int = -1) -> dict:
+        """What the bound did to the response lengths since this server started (``LengthSkew``)."""
+        with self.lock:
+            return self.book.skew.to_json(after_step)
 
 
 def _group_record(r) -> GroupRecord:

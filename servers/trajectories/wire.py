@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -85,6 +85,10 @@ class ProgressIn(BaseModel):
 class ProgressRequest(BaseModel):
     instance_id: str = Field(min_length=1, max_length=200)
     trajectories: list[ProgressIn] = Field(max_length=100_000)
+    held: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, max_length=100_000,
+        description="traj_id -> response tokens each trajectory on the instance holds now, checkpointed or not: "
+                    "what it holds beyond its checkpoint is counted as regenerated if the instance fails")
 
 
 class ProgressOut(BaseModel):
@@ -170,6 +174,9 @@ class TrajectoryDetail(TrajectorySummary, RoutePayload):
     reward_reason: str | None
     finish_reason: str | None
     prompt_text: str
+    held_on_instance: int | None = Field(None, description="response tokens its instance last said it holds "
+                                                           "(routed trajectories): a failure now regenerates those "
+                                                           "beyond what is stored")
 
 
 class TrajectoryPage(BaseModel):
@@ -187,6 +194,9 @@ class ProgressCounts(BaseModel):
     checkpointed_tokens: int = Field(description="response tokens appended from progress checkpoints")
     failed_over: int = Field(description="running trajectories handed back from a failed instance")
     resumed_tokens: int = Field(description="response tokens those trajectories kept (their last checkpoints)")
+    regenerated_trajectories: int = Field(description="trajectories handed back holding less than their instance "
+                                                      "last said it had generated (kept across restarts)")
+    regenerated_tokens: int = Field(description="the tokens they lost, generated again (kept across restarts)")
 
 
 class TrajectoryServerHealth(BaseModel):
@@ -194,3 +204,23 @@ class TrajectoryServerHealth(BaseModel):
     counts: dict[str, int]
     skipped_prompts: SkippedPrompts
     progress: ProgressCounts = Field(description="since this trajectory server started")
+
+
+class LengthSkewOut(BaseModel):
+    """``staleflow.length_skew.LengthSkew.to_json``: per-bucket counts keyed by bucket label."""
+
+    model_config = {"extra": "allow"}
+    buckets: str
+    generated: dict[str, int]
+    trained: dict[str, int]
+    aborted: dict[str, int]
+    filtered: dict[str, int]
+    dropped: dict[str, int]
+    in_flight: dict[str, int]
+    regenerated_tokens: dict[str, int]
+    staleness_mean: dict[str, float]
+    admission: dict[str, int | float]
+    ks_distance: float | None
+    wasserstein_tokens: float | None
+    trained_over_generated_mean: float | None
+    per_step: list[dict[str, Any]]

@@ -42,6 +42,7 @@ from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError, Transition
+from staleflow.length_skew import Fate, LengthSkew
 from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
 from staleflow.simulation.settings import SimulatedCluster
@@ -162,6 +163,7 @@ class ClusterSimulation:
         self._exceedances = 0
         self._max_exceedance = 0
         self._counters: Counter[str] = Counter()
+        self.skew = LengthSkew()  # what the bound did to the response lengths
         self._timeline = Timeline([c.instance_id for c in self.cores]) if config.record_timeline else None
         self._last_sample = -math.inf
         self._ran = False
@@ -245,7 +247,7 @@ class ClusterSimulation:
         if self.system.pipeline is Pipeline.STREAM:
             missing = (self.eta + 1) * self.ledger.capacity - self.pool.live_groups()
             if missing > 0:
-                self.pool.sample(missing)
+                self.skew.sampled((g.group_id for g in self.pool.sample(missing)), self.now)
                 self._mark_dirty()
             return
         # batch pipelines: batch k starts once batch k-1 is generated and version k - eta exists
@@ -257,7 +259,7 @@ class ClusterSimulation:
             return
         self._batch_version = self.ps_version
         self._batches += 1
-        self.pool.sample(self.workload.batch_size)
+        self.skew.sampled((g.group_id for g in self.pool.sample(self.workload.batch_size)), self.now)
         self._mark_dirty()
 
     def _visible_version(self) -> int:
@@ -271,22 +273,26 @@ class ClusterSimulation:
             return
         traj.status, traj.instance, traj.route_to = TrajStatus.DONE, None, None
         traj.generated = finished.num_tokens
+        self.skew.generated(traj.traj_id, traj.generated)
         self._on_instances.pop(traj.traj_id, None)
         self._counters["completed"] += 1
         group = traj.group
         if group.status is not GroupStatus.RESERVED:
             self._counters["wasted_tokens"] += traj.generated  # a surplus member finishing late
+            self.skew.settle(traj.traj_id, Fate.DROPPED)
             return
         if self.group_redundant:
             try:
                 transition = self.ledger.complete_member(group.group_id, traj.traj_id)
             except LedgerError:
                 self._counters["wasted_tokens"] += traj.generated
+                self.skew.settle(traj.traj_id, Fate.DROPPED)
                 return
             group.counted.append(traj)
             if transition.op == "occupy":
                 self.pool.set_status(group, GroupStatus.OCCUPIED)
-                self._abort([t for t in group.members if t.status not in (TrajStatus.DONE, TrajStatus.ABORTED)])
+                self._abort([t for t in group.members if t.status not in (TrajStatus.DONE, TrajStatus.ABORTED)],
+                            Fate.DROPPED)
             self._cancel(transition)
         elif len(group.counted) + 1 == self.workload.group_size:
             group.counted.append(traj)
@@ -306,16 +312,21 @@ class ClusterSimulation:
             self.pool.set_status(group, GroupStatus.ABORTED)
             self._counters["surplus_groups"] += 1
             self._counters["wasted_tokens"] += sum(t.generated for t in group.members if t.status is TrajStatus.DONE)
-            self._abort([t for t in group.members if t.status not in (TrajStatus.DONE, TrajStatus.ABORTED)])
+            fate = Fate.DROPPED if self.system.batch_redundancy else Fate.ABORTED  # redundancy's or the bound's
+            self.skew.settle_all([t.traj_id for t in group.members if t.status is TrajStatus.DONE], fate)
+            self.skew.forget_group(group_id)
+            self._abort([t for t in group.members if t.status not in (TrajStatus.DONE, TrajStatus.ABORTED)], fate)
             self.pool.forget(group)
         if transition.cancelled:
             self._refill()
             self._try_train()
 
-    def _abort(self, trajs: list[SimTrajectory]) -> None:
+    def _abort(self, trajs: list[SimTrajectory], fate: Fate) -> None:
         """Drop trajectories wherever they are (Abort command on instances)."""
         by_instance: dict[int, list[SimTrajectory]] = {}
         for traj in trajs:
+            if traj.status is not TrajStatus.RUNNING:
+                self.skew.stopped(traj.traj_id, traj.generated, fate)  # a partial handed back, or nothing
             if traj.status is TrajStatus.PENDING:
                 self.pool.take(traj)
                 traj.status = TrajStatus.ABORTED
@@ -333,6 +344,7 @@ class ClusterSimulation:
                 traj = self.pool.trajs.get(finished.traj_id)
                 if traj is not None:
                     traj.status, traj.instance = TrajStatus.ABORTED, None
+                    self.skew.stopped(traj.traj_id, finished.num_tokens, fate)
                     self._on_instances.pop(traj.traj_id, None)
                     self._counters["wasted_tokens"] += finished.num_tokens
             self._counters["aborted"] += len(ids)
@@ -384,6 +396,7 @@ class ClusterSimulation:
                 lengths.append(traj.generated)
                 trained += traj.context
         self._staleness[buffer] = dict(sorted(hist.items()))
+        self.skew.consumed(buffer, [(t.traj_id, buffer - g.v_traj) for g in groups for t in g.counted])
         return SimStepRecord(
             step=len(self._steps) + 1, buffer=buffer, start_s=self.now, end_s=math.nan, groups=len(groups),
             trajectories=len(lengths), response_tokens=sum(lengths), trained_tokens=trained,
@@ -537,6 +550,7 @@ class ClusterSimulation:
                     self._counters["refused_reservations"] += 1
                     continue
                 self.pool.set_version(group, d.v_traj)
+                self.skew.admitted(group.group_id, t)
                 self._cancel(transition)
             if group.v_traj != d.v_traj or group.status is not GroupStatus.RESERVED:
                 continue
@@ -695,6 +709,7 @@ class ClusterSimulation:
             exceedances=self._exceedances, max_exceedance=self._max_exceedance,
             decisions=DecisionStats.of(self._cycles, self._skipped, self._decision_ms),
             counters=dict(sorted(counters.items())), wall_s=wall_s, timeline=self._timeline,
+            length_skew=self.skew.to_json(),
         )
 
 

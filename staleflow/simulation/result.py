@@ -96,6 +96,7 @@ class RunResult:
     timeline: Timeline | None = None
     exceedances: int = 0  # completion-order systems: trained trajectories older than eta allows (their rule)
     max_exceedance: int = 0  # by how many versions the worst of them exceeded eta
+    length_skew: dict | None = None  # trained against generated lengths (``staleflow.length_skew.LengthSkew.to_json``)
 
     @property
     def step_time_s(self) -> float:

@@ -146,8 +146,41 @@ def breakdown_table(result: ExperimentResult, point: PointResult | None = None) 
     return Table(f"Per-step time of a rollout instance at {p.point.label} (cf. Table 3)", header, rows)
 
 
+def skew_table(result: ExperimentResult, point: PointResult | None = None) -> Table:
+    """What each system's staleness policy did to the response lengths (``staleflow.length_skew``)."""
+    p = point or detail_point(result)
+    rows = []
+    for name, run in p.runs.items():
+        rows.append([name, *length_skew_cells(run.length_skew)])
+    return Table(f"Length skew at {p.point.label}: trained against generated (fate known) response lengths",
+                 LENGTH_SKEW_HEADER, rows)
+
+
+LENGTH_SKEW_HEADER = ["system", "mean trained / generated", "KS", "W1 tokens", "cut: aborted/filtered/dropped",
+                      "staleness by length bucket", "admission waited: n (mean s)"]
+
+
+def length_skew_cells(skew: dict | None) -> list[str]:
+    """One run's skew summary as table cells (after the system's name)."""
+    if not skew:
+        return ["-"] * (len(LENGTH_SKEW_HEADER) - 1)
+    settled = sum(skew["trained"].values()) + sum(sum(skew[f].values()) for f in ("aborted", "filtered", "dropped"))
+    cut = [sum(skew[f].values()) for f in ("aborted", "filtered", "dropped")]
+    share = f" ({100 * sum(cut) / settled:.0f}%)" if settled and sum(cut) else ""
+    admission = skew["admission"]
+
+    def number(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    return [number(skew["trained_over_generated_mean"], 3), number(skew["ks_distance"], 3),
+            number(skew["wasserstein_tokens"], 1), "/".join(str(n) for n in cut) + share,
+            " ".join(f"{bucket}:{mean:.2f}" for bucket, mean in skew["staleness_mean"].items()),
+            f"{admission['waited']} ({admission['mean_wait_s']:.2f})"]
+
+
 def tables(result: ExperimentResult) -> list[Table]:
-    return [throughput_table(result), gains_table(result), detail_table(result), breakdown_table(result)]
+    return [throughput_table(result), gains_table(result), detail_table(result), breakdown_table(result),
+            skew_table(result)]
 
 
 def markdown(result: ExperimentResult, command: str | None = None) -> str:

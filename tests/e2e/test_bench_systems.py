@@ -138,7 +138,7 @@ def test_bad_options_say_what_to_fix(args: tuple[str, ...], message: str) -> Non
 def test_report_tables_have_a_row_per_system() -> None:
     spec = ExperimentSpec(scenario("ci"), tuple(resolve("headline")), (2,), steps=3, detail_eta=2)
     result = run_experiment(spec)
-    throughput, gains, detail, breakdown = tables(result)
+    throughput, gains, detail, breakdown, skew = tables(result)
     assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "oracle",
                                                    "oracle-eta"]
     labels = [r[0] for r in gains.rows]
@@ -147,9 +147,10 @@ def test_report_tables_have_a_row_per_system() -> None:
     assert sum("/ oracle-eta (" in label for label in labels) == 6, "every system's share of the bounded one"
     assert any("gap to the oracle" in label for label in labels)
     assert all(len(r) == len(gains.header) for r in gains.rows)
-    assert [row[0] for row in detail.rows] == [row[0] for row in breakdown.rows]
+    assert [row[0] for row in detail.rows] == [row[0] for row in breakdown.rows] == [row[0] for row in skew.rows]
+    assert all(len(r) == len(skew.header) and r[1] != "-" for r in skew.rows), "every system's length skew"
     md = markdown(result, "staleflow bench systems --preset ci")
-    assert sum(line.startswith("|---") for line in md.splitlines()) == 4, "four tables"
+    assert sum(line.startswith("|---") for line in md.splitlines()) == 5, "five tables"
     assert "staleflow bench systems --preset ci" in md
 
 

@@ -48,5 +48,12 @@ def test_instances_killed_mid_long_responses_with_checkpoints_the_job_finishes_i
     assert hit, "an instance fault hit running trajectories"
     assert all(f.checkpoint_round_s is not None and f.since_checkpoint_round_s is not None for f in hit), \
         "the instances were checkpointing"
-    report = summarize(None, result)["regenerated_tokens"]
+    summary = summarize(None, result)
+    report = summary["regenerated_tokens"]
     assert report["trajectories"] == sum(len(f.regenerated_tokens) for f in result.faults) > 0
+    # the trajectory server's count stops at what the instances last said they held: at most what the harness saw
+    counted = report["counted_by_trajectory_server"]["total"]
+    assert counted is not None and 0 <= counted <= report["total"]
+    skew = summary["length_skew"]
+    assert sum(skew["trained"].values()) == 8 * 2 * 2, "every trained trajectory is in the length-skew accounting"
+    assert sum(skew["regenerated_tokens"].values()) == counted

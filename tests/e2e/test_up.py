@@ -37,8 +37,15 @@ def test_up_runs_a_job_to_completion_with_a_report(tmp_path: Path) -> None:
     assert engine["source"] == "simulated" and engine["instances"] == 2 and engine["seconds"]["decode"] > 0
     assert sum(engine["seconds"].values()) == pytest.approx(engine["rollout_seconds"])
     assert summary["time_breakdown"]["commands"]["count"]["route"] > 0
-    for plot in ("instance_load.png", "staleness.png", "throughput.png", "time_breakdown.png"):
+    for plot in ("instance_load.png", "staleness.png", "throughput.png", "time_breakdown.png", "length_skew.png"):
         assert (state / "report" / plot).stat().st_size > 1000
+    # what the bound did to the lengths: every trained trajectory, in its step, with its staleness
+    skew = summary["length_skew"]
+    assert sum(skew["trained"].values()) == 3 * 4 * 2
+    assert {w["step"]: sum(w["trained"].values()) for w in skew["per_step"] if w["trained"]} == {0: 8, 1: 8, 2: 8}
+    assert sum(int(k) * n for k, n in skew["trained_lengths"].items()) == summary["response_tokens"]
+    assert summary["failover"]["regenerated_tokens"] == 0, "no instance failed"
+    assert "| length bucket |" in (state / "report" / "length_skew.md").read_text()
     # every step went to the console and to TensorBoard, read back from the event files
     assert [line.split(":")[0] for line in result.output.splitlines() if line.startswith("step ")] == \
         ["step 0", "step 1", "step 2"]
@@ -46,8 +53,9 @@ def test_up_runs_a_job_to_completion_with_a_report(tmp_path: Path) -> None:
     events.Reload()
     rewards = [(e.step, e.value) for e in events.Scalars("reward/mean")]
     assert rewards == [(s["version"], pytest.approx(s["mean_reward"])) for s in summary["per_step"]]
-    assert {"staleness/mean", "train/seconds", "throughput/tokens_per_second", "instance/inst-0/running"} <= \
-        set(events.Tags()["scalars"])
+    assert {"staleness/mean", "train/seconds", "throughput/tokens_per_second", "instance/inst-0/running",
+            "length_skew/trained", "length_skew/generated_mean"} <= set(events.Tags()["scalars"])
+    assert [e.value for e in events.Scalars("length_skew/trained")] == [8.0, 8.0, 8.0]
     endpoints = json.loads((state / "endpoints.json").read_text())
     assert {"manager", "ts", "params", "reward", "coordinator", "inst-0", "inst-1"} <= set(endpoints)
     # a finished run is replaced by a new one in the same directory; an unfinished one is protected

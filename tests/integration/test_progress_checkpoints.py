@@ -130,7 +130,9 @@ def test_a_failed_instance_loses_at_most_one_checkpoint_interval(job: Job) -> No
         assert job.stored(t)["tokens"] == checkpointed[t]["tokens"]
     assert job.ts.get("/v1/health").json()["progress"] == {
         "checkpointed_tokens": 0, "failed_over": GROUP,  # counted since the restart: no checkpoint since
-        "resumed_tokens": sum(c["generated"] for c in checkpointed.values())}
+        "resumed_tokens": sum(c["generated"] for c in checkpointed.values()),
+        # how far a had got was said before the restart, to the server that stopped: nothing known to count
+        "regenerated_trajectories": 0, "regenerated_tokens": 0}
     job.command("b", kind="pull", version=1)
     job.route("b", members, v_traj=0)
     job.instances["b"].post("/v1/sim/advance", json={"until_idle": True}).raise_for_status()
@@ -145,6 +147,41 @@ def test_a_failed_instance_loses_at_most_one_checkpoint_interval(job: Job) -> No
             "segments": [{"version": 0, "start": 0, "end": 1}]}
     assert job.ts.post("/v1/progress", json={"instance_id": "a", "trajectories": [late]}).json() == {
         "stored": {}, "ignored": [members[0]]}
+
+
+def test_what_a_failed_instance_held_beyond_the_checkpoints_counts_as_regenerated(job: Job) -> None:
+    first, second = a_group(job)
+
+    def holds(traj_id: str) -> int:
+        return job.instances["a"].get("/v1/progress").json()["held"].get(traj_id, 0)
+
+    def advance_until(traj_id: str, tokens: int) -> None:  # the virtual clock, in steps of a few tokens
+        while holds(traj_id) < tokens:
+            job.instances["a"].post("/v1/sim/advance", json={"by": 0.05}).raise_for_status()
+
+    job.route("a", [first], v_traj=0)
+    job.instances["a"].post("/v1/sim/advance", json={"by": 5.0}).raise_for_status()  # one step: due once
+    wait_for(lambda: job.stored(first)["generated"] == holds(first))  # checkpointed whole
+    checkpointed = holds(first)
+    advance_until(first, checkpointed + EVERY // 2)  # not due yet
+    job.route("a", [second], v_traj=0)
+    advance_until(first, checkpointed + EVERY)  # first is due, second (EVERY / 2 behind) is not
+    wait_for(lambda: job.stored(first)["generated"] == holds(first))
+    reached = holds(second)
+    assert 0 < reached < EVERY and job.stored(second)["generated"] == 0, "second has no checkpoint"
+    wait_for(lambda: job.stored(second)["held_on_instance"] == reached)  # a's word on how far second got
+
+    # a fails: first lost nothing, second everything it had
+    assert job.ts.post("/v1/instances/a/release").json()["released"] == GROUP
+    progress = job.ts.get("/v1/health").json()["progress"]
+    assert progress["resumed_tokens"] == job.stored(first)["generated"], "kept tokens are not regenerated ones"
+    assert (progress["regenerated_trajectories"], progress["regenerated_tokens"]) == (1, reached)
+    skew = job.ts.get("/v1/length-skew").json()
+    assert sum(skew["regenerated_tokens"].values()) == reached
+    assert f"staleflow_trajectory_failure_regenerated_tokens_total {float(reached)}" in job.ts.get("/metrics").text
+
+    job.restart_ts()  # the count is durable
+    assert job.ts.get("/v1/health").json()["progress"]["regenerated_tokens"] == reached
 
 
 def test_checkpoints_out_of_bounds_are_refused_with_422(job: Job) -> None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from staleflow.errors import ErrorCode
+from staleflow.length_skew import Fate
 from staleflow.trajectory_book import (
     GROUP_TRANSITIONS,
     TRAJ_TRANSITIONS,
@@ -32,6 +33,7 @@ class BookMachine(RuleBasedStateMachine):
         self.before: tuple[dict, dict] = ({}, {})
         self.completed_once: set[str] = set()
         self.routed_ever: set[str] = set()  # only what was routed can come back completed
+        self.said: dict[str, int] = {}  # routed trajectory -> the most its instance said it holds
 
     # -- helpers
 
@@ -143,10 +145,27 @@ class BookMachine(RuleBasedStateMachine):
         assert [c.start for c in appended] == ([len(before)] if counts and end > len(before) else [])
 
     @precondition(lambda self: self._ids(TrajState.ROUTED, TrajState.CANCELLING))
+    @rule(data=st.data(), ahead=st.integers(0, 5), from_owner=st.booleans())
+    def instance_says_what_it_holds(self, data: st.DataObject, ahead: int, from_owner: bool) -> None:
+        """A checkpoint batch's ``held``: how far a trajectory got on its instance (or a stray word)."""
+        traj_id = data.draw(st.sampled_from(self._ids(TrajState.ROUTED, TrajState.CANCELLING)))
+        t = self.book.trajs[traj_id]
+        owner = t.instance_id if from_owner else next(i for i in INSTANCES if i != t.instance_id)
+        self._mark()
+        self.book.holding(owner, {traj_id: len(t.tokens) + ahead})
+        if from_owner and t.state is TrajState.ROUTED:
+            self.said[traj_id] = max(self.said.get(traj_id, 0), len(t.tokens) + ahead)
+
+    @precondition(lambda self: self._ids(TrajState.ROUTED, TrajState.CANCELLING))
     @rule(instance=st.sampled_from(INSTANCES))
     def instance_fails(self, instance: str) -> None:
         self._mark()
+        lost = sum(max(self.said.get(t.traj_id, 0) - len(t.tokens), 0) for t in self.book.trajs.values()
+                   if t.state is TrajState.ROUTED and t.instance_id == instance)
+        before = self.book.regenerated[1]
         self.book.release_instance(instance)
+        assert self.book.regenerated[1] == before + lost, "what it held beyond the book is regenerated"
+        assert self.book.regenerated[1] == self.book.skew.totals().regenerated_tokens.total()
         assert not any(t.instance_id == instance for t in self.book.trajs.values()
                        if t.state in (TrajState.ROUTED, TrajState.CANCELLING))
 
@@ -214,12 +233,14 @@ class BookMachine(RuleBasedStateMachine):
         assert all(self.book.trajs[t].state is TrajState.ABORTED for t in picked)
 
     @precondition(lambda self: self._groups(GroupState.OCCUPIED))
-    @rule(data=st.data())
-    def trainer_consumes(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), staleness=st.integers(0, 2))
+    def trainer_consumes(self, data: st.DataObject, staleness: int) -> None:
         group_id = data.draw(st.sampled_from(self._groups(GroupState.OCCUPIED)))
         needed = self.book.groups[group_id].needed
         self._mark()
-        self.book.mark_consumed([group_id])
+        trained = self.book.skew.totals().fates[Fate.TRAINED].total()
+        self.book.mark_consumed([group_id], self.book.groups[group_id].v_traj + staleness)
+        assert self.book.skew.totals().fates[Fate.TRAINED].total() == trained + needed
         batch = self.book.batch([group_id])
         assert len(batch) == needed and all(t.state is TrajState.REWARDED for t, _ in batch)
         self.book.free([group_id])
@@ -291,6 +312,24 @@ class BookMachine(RuleBasedStateMachine):
         for t in self.book.trajs.values():
             if t.state in (TrajState.PENDING, TrajState.ROUTED):
                 assert len(t.logprobs) == len(t.tokens) == (t.segments[-1][2] if t.segments else 0)
+
+    @invariant()
+    def a_word_on_progress_lasts_while_the_trajectory_stays_routed(self) -> None:
+        """(The model's side: the book forgets it when the trajectory leaves its instance.)"""
+        for traj_id in [t for t in self.said if t not in self.book.trajs
+                        or self.book.trajs[t].state is not TrajState.ROUTED]:
+            del self.said[traj_id]
+
+    @invariant()
+    def the_length_skew_accounts_for_every_generated_trajectory(self) -> None:
+        skew = self.book.skew
+        total, in_flight = skew.totals(), skew.in_flight()
+        for bucket in set(total.generated) | set(in_flight):
+            assert total.generated[bucket] == sum(total.fates[f][bucket] for f in Fate) + in_flight[bucket]
+        for traj_id in skew._open:  # generated, fate unknown: finished and waiting for training
+            t = self.book.trajs.get(traj_id)
+            assert t is not None and t.state in (TrajState.COMPLETED, TrajState.REWARDED), traj_id
+        assert all(self.book.trajs[t].state is TrajState.CANCELLING for t in skew._cutting)
 
     @invariant()
     def counts_cover_every_trajectory(self) -> None:
