@@ -66,9 +66,25 @@ def rank_pieces(table: dict[str, tuple[str, tuple[int, ...]]], rank: int, ranks:
     for i, (name, start, nbytes) in enumerate(fsdp_shard_ranges(table, rank, ranks)):
         key = (nbytes, i % RING_TENSORS if pooled else i)
         if key not in buffers:
-            buffers[key] = np.full(nbytes, (rank * 7919 + 1) % 251, np.uint8)
+            buffers[key] = aligned_array(nbytes, np.uint8, (rank * 7919 + 1) % 251)
         pieces.append(ShardPiece(name, start, buffers[key]))
     return pieces
+
+
+TORCH_ALIGNMENT = 64
+
+
+def aligned_array(shape: int | tuple[int, ...], dtype: Any, fill: int) -> np.ndarray:
+    """A filled (so touched) array starting on a ``TORCH_ALIGNMENT`` boundary, where torch's CPU
+    allocator puts a trainer's and an engine's tensors (numpy's large arrays start 16 bytes past a
+    page). The alignment decides how glibc copies them out of and into the PS's slot."""
+    dtype = np.dtype(dtype)
+    count = math.prod(shape) if isinstance(shape, tuple) else shape
+    raw = np.empty(count * dtype.itemsize + TORCH_ALIGNMENT, np.uint8)
+    start = (-raw.__array_interface__["data"][0]) % TORCH_ALIGNMENT
+    array = raw[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
+    array.fill(fill)
+    return array
 
 
 _UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -85,7 +101,7 @@ def engine_buffers(table: dict[str, tuple[str, tuple[int, ...]]], pooled: bool =
     for i, (name, (dtype, shape)) in enumerate(table.items()):
         key = (dtype, shape, i % RING_TENSORS if pooled else i)
         if key not in buffers:
-            buffers[key] = np.ones(shape, _UINT_OF_WIDTH[DTYPE_SIZES[dtype]])
+            buffers[key] = aligned_array(shape, _UINT_OF_WIDTH[DTYPE_SIZES[dtype]], 1)
         out[name] = buffers[key]
     return out
 

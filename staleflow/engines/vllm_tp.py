@@ -77,6 +77,24 @@ def _stacked(model: Any, module_path: str) -> tuple[str, int] | None:
     return None
 
 
+def reload_layer_of(model: Any, name: str) -> str:
+    """The module of ``model`` that checkpoint tensor ``name`` loads into: the stacked module for
+    a part of one (``q_proj`` -> ``qkv_proj``), else the nearest module on its path (a fused MoE
+    layer for one expert's tensor); "" when none is."""
+    module_path = name.rpartition(".")[0]
+    stacked = _stacked(model, module_path)
+    if stacked is not None:
+        module_path = stacked[0]
+    while module_path:
+        try:
+            model.get_submodule(module_path)
+        except AttributeError:
+            module_path = module_path.rpartition(".")[0]
+        else:
+            return module_path
+    return ""
+
+
 def _target(model: Any, name: str, shape: tuple[int, ...]) -> _Target:
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,

@@ -62,8 +62,10 @@ pytestmark = pytest.mark.timeout(900)
 PROMPT = (5, 17, 42, 99, 123, 7, 256, 300, 11, 64)
 
 
-def build_tiny_qwen2(directory: Path, seed: int) -> None:
-    """A randomly initialised 2-layer Qwen2 (tied embeddings) and a word-level tokenizer."""
+def build_tiny_qwen2(directory: Path, seed: int, *, hidden_size: int = 128, intermediate_size: int = 256,
+                     num_hidden_layers: int = 2, vocab_size: int | None = None) -> None:
+    """A randomly initialised Qwen2 (tied embeddings; 2 small layers unless told otherwise) and a
+    word-level tokenizer (the vocabulary padded to ``vocab_size`` when given)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     words = [f"w{i}" for i in range(500)]
@@ -76,10 +78,10 @@ def build_tiny_qwen2(directory: Path, seed: int) -> None:
     )
     hf_tokenizer.save_pretrained(directory)
     config = transformers.Qwen2Config(
-        vocab_size=len(hf_tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
+        vocab_size=vocab_size or len(hf_tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=2048,

@@ -1,6 +1,7 @@
 """The shm copy path over many small pieces: whatever the split of either side into pieces (one
-buffer, a table of small tensors, both), every byte lands in place and the checksum is the one of
-the whole chunk; small chunks are batched without losing or reordering one."""
+buffer, a table of small tensors, both) and however the two sides are aligned to each other, every
+byte lands in place and the checksum is the one of the whole chunk; small chunks are batched
+without losing or reordering one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleflow.transports.base import ChunkSpec, checksum_of
-from staleflow.transports.shm import PIECE_BYTES, batches_of, copy_and_hash
+from staleflow.transports.shm import (
+    ALIGNED_PIECE_BYTES,
+    COPY_ALIGNMENT,
+    PIECE_BYTES,
+    batches_of,
+    copy_and_hash,
+    copy_window_bytes,
+)
 
 
 def split(buffer: np.ndarray, cuts: list[int]) -> list[memoryview]:
@@ -33,6 +41,44 @@ def test_copy_and_hash_lands_every_byte_and_hashes_the_whole_chunk(size: int, so
             checksum = copy_and_hash(split(target, target_cuts_used), split(source, source_cuts_used), algorithm)
             assert np.array_equal(target, source)
             assert checksum == checksum_of(algorithm, [memoryview(source)])
+
+
+def aligned(size: int, shift: int) -> np.ndarray:
+    """``size`` bytes starting ``shift`` bytes past a ``COPY_ALIGNMENT`` boundary."""
+    raw = np.zeros(size + 2 * COPY_ALIGNMENT, np.uint8)
+    start = (-raw.__array_interface__["data"][0]) % COPY_ALIGNMENT + shift
+    return raw[start:start + size]
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 2 * PIECE_BYTES + 17), source_cuts=cut_lists, target_cuts=cut_lists,
+       source_shift=st.integers(0, COPY_ALIGNMENT - 1), target_shift=st.integers(0, COPY_ALIGNMENT - 1),
+       seed=st.integers(0, 2**32 - 1))
+def test_every_byte_lands_whether_or_not_the_sides_are_aligned_to_each_other(
+        size: int, source_cuts: list[int], target_cuts: list[int], source_shift: int, target_shift: int, seed: int) -> None:
+    source = aligned(size, source_shift)
+    source[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    for target_cuts_used in (target_cuts, []):
+        for source_cuts_used in (source_cuts, []):
+            target = aligned(size, target_shift)
+            checksum = copy_and_hash(split(target, target_cuts_used), split(source, source_cuts_used), "xxh3_64")
+            assert np.array_equal(target, source)
+            assert checksum == checksum_of("xxh3_64", [memoryview(source)])
+
+
+def test_the_short_copy_step_only_where_every_byte_keeps_its_alignment() -> None:
+    def arrays(pieces: list[memoryview]) -> list[np.ndarray]:
+        return [np.frombuffer(p, np.uint8) for p in pieces]
+
+    source, target = aligned(4 * COPY_ALIGNMENT, 0), aligned(4 * COPY_ALIGNMENT, 0)
+    assert copy_window_bytes(arrays([memoryview(target)]), arrays([memoryview(source)])) == ALIGNED_PIECE_BYTES
+    # the pieces' boundaries fall anywhere: what counts is where each source byte lands
+    assert copy_window_bytes(arrays(split(target, [3, 70])), arrays(split(source, [5, 128]))) == ALIGNED_PIECE_BYTES
+    shifted = aligned(4 * COPY_ALIGNMENT, 16)
+    assert copy_window_bytes(arrays([memoryview(shifted)]), arrays([memoryview(source)])) == PIECE_BYTES
+    # one piece of the destination out of step is enough
+    pieces = [memoryview(target[:64]), memoryview(shifted[64:])]
+    assert copy_window_bytes(arrays(pieces), arrays([memoryview(source)])) == PIECE_BYTES
 
 
 @given(lengths=st.lists(st.integers(1, 10 << 20), min_size=1, max_size=200), batch=st.integers(1, 8 << 20))
