@@ -17,10 +17,12 @@ Along the run it samples the live and archived sizes and the ledger's event log 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -141,8 +143,8 @@ class Soak:
         result = SoakResult(self.config.steps, 0, False, 0.0)
         started = time.monotonic()
         deadline = started + self.deadline_s
-        end_at = self.config.steps - self.end_margin_steps
         next_sample = 0
+        recent: deque[tuple[float, int]] = deque()  # (time, step) over the last minute: the run's pace
         try:
             while time.monotonic() < deadline and not job.finished():
                 if job.failure:
@@ -152,6 +154,11 @@ class Soak:
                 if step is None:
                     job.stop.wait(0.5)
                     continue
+                now = time.monotonic()
+                recent.append((now, step))
+                while now - recent[0][0] > 60:
+                    recent.popleft()
+                end_at = self.config.steps - self._end_margin(recent)
                 if step >= next_sample:
                     result.samples.append(self._sample(step, started, urls["ts"], ts_db, ledger_db))
                     next_sample = step + self.sample_every_steps
@@ -178,6 +185,14 @@ class Soak:
             coordinator.close()
             ts_db.dispose()
             ledger_db.dispose()
+
+    def _end_margin(self, recent: deque[tuple[float, int]]) -> int:
+        """Steps to leave for the end checkpoint: at least ``end_margin_steps``, and more on a fast run,
+        whose window (three, for the slack of the loop and a stretched window) must fit before the
+        job's last step, or the end would be measured on a job winding down."""
+        (t0, s0), (t1, s1) = recent[0], recent[-1]
+        pace = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        return max(self.end_margin_steps, math.ceil(3 * self.window_s * pace))
 
     def _time_up(self, started: float) -> bool:
         return self.stop_after_s is not None and time.monotonic() - started >= self.stop_after_s
