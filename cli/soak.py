@@ -92,6 +92,10 @@ def register(app: typer.Typer) -> None:
             console.print("end / start: " + ", ".join(
                 f"{k} {'-' if v is None else f'{v:.2f}x'}" for k, v in result.ratios().items()))
             console.print(f"live trajectories at most {report['live_trajectories_max']} over the run")
+            if result.samples:
+                last = result.samples[-1]
+                console.print(f"database files at step {last.step}: trajectories {last.trajectories_db_bytes / 1e6:.1f} MB, "
+                              f"ledger {last.ledger_db_bytes / 1e6:.1f} MB")
             if result.stopped_early:
                 console.print(f"stopped by the time box (--stop-after) at step {result.end.step}")
         ratios = result.ratios()

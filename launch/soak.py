@@ -64,7 +64,8 @@ class StoreSample:
     live_rows: int
     archived_trajectories: int
     ledger_events: int
-    trajectories_db_bytes: int
+    trajectories_db_bytes: int  # SQLite's files (with the WAL); 0 on a shared database server
+    ledger_db_bytes: int = 0
 
 
 @dataclass
@@ -216,10 +217,12 @@ class Soak:
             archived = conn.execute(select(func.count()).select_from(ts_trajectories_archive)).scalar_one()
         with ledger_db.connect() as conn:
             events = conn.execute(select(func.count()).select_from(ledger_events)).scalar_one()
-        path = self.config.state_dir / "trajectories.db"
-        size = sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) if path.exists() else 0
         return StoreSample(step, time.monotonic() - started, live if live is not None else -1, rows, archived, events,
-                           size)
+                           self._db_bytes("trajectories.db"), self._db_bytes("ledger.db"))
+
+    def _db_bytes(self, name: str) -> int:
+        path = self.config.state_dir / name
+        return sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) if path.exists() else 0
 
     @staticmethod
     def _live_trajectories(ts_url: str) -> int | None:

@@ -36,6 +36,8 @@ def test_a_short_soak_reports_both_ends_and_a_bounded_live_store(tmp_path: Path)
     assert max(s["live_trajectories"] for s in report["samples"]) <= 3 * in_flight
     assert end["archived_trajectories"] > start["archived_trajectories"] > 0
     assert end["archived_trajectories"] >= per_batch * (end["step"] - 1)  # every trained trajectory left the live store
+    last = report["samples"][-1]
+    assert last["trajectories_db_bytes"] > 0 and last["ledger_db_bytes"] > 0
     assert set(report["ratios"]) == {"cycle_ms", "coordinator_cpu_ms", "job_cpu_ms_per_step", "poll_ms",
                                      "ts_restart_s", "live_trajectories"}
     for point in (start, end):  # what each cycle spends where, and the CPU the job's processes used
