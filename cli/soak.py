@@ -14,8 +14,12 @@ from staleflow.cli.common import console, fail
 from staleflow.cli.up import job_config
 
 SOAK_DEFAULTS = {"engine": "sim", "workload": "ci-tiny", "instances": 2, "speed": 200.0, "max_tokens": 16,
-                 "batch_size": 2, "group_size": 2, "eta": 1}
-"""A small, fast job: many steps, each cheap, so that history piles up quickly."""
+                 "batch_size": 1, "group_size": 2, "eta": 2, "cycle_period": 0.1,
+                 "manager": {"synchronous": "NORMAL"}, "trainer": {"push_bytes": 64 << 10}}
+"""A small, fast job: many steps, each cheap, so that history piles up quickly. A step's CPU time is
+mostly HTTP requests, some per step and some per cycle: one group a batch and a 100 ms cycle keep
+both few, eta 2 keeps enough groups in flight to hide a cycle's latency, and the ledger commits
+without an fsync each (a crash of the process still loses nothing; a soak does not test power loss)."""
 
 GROWTH_LIMIT = 1.5
 """End over start allowed for the per-cycle cost and the restart time."""
@@ -88,6 +92,10 @@ def register(app: typer.Typer) -> None:
             console.print("end / start: " + ", ".join(
                 f"{k} {'-' if v is None else f'{v:.2f}x'}" for k, v in result.ratios().items()))
             console.print(f"live trajectories at most {report['live_trajectories_max']} over the run")
+            if result.samples:
+                last = result.samples[-1]
+                console.print(f"database files at step {last.step}: trajectories {last.trajectories_db_bytes / 1e6:.1f} MB, "
+                              f"ledger {last.ledger_db_bytes / 1e6:.1f} MB")
             if result.stopped_early:
                 console.print(f"stopped by the time box (--stop-after) at step {result.end.step}")
         ratios = result.ratios()

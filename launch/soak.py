@@ -17,10 +17,12 @@ Along the run it samples the live and archived sizes and the ledger's event log 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,7 +64,8 @@ class StoreSample:
     live_rows: int
     archived_trajectories: int
     ledger_events: int
-    trajectories_db_bytes: int
+    trajectories_db_bytes: int  # SQLite's files (with the WAL); 0 on a shared database server
+    ledger_db_bytes: int = 0
 
 
 @dataclass
@@ -141,8 +144,8 @@ class Soak:
         result = SoakResult(self.config.steps, 0, False, 0.0)
         started = time.monotonic()
         deadline = started + self.deadline_s
-        end_at = self.config.steps - self.end_margin_steps
         next_sample = 0
+        recent: deque[tuple[float, int]] = deque()  # (time, step) over the last minute: the run's pace
         try:
             while time.monotonic() < deadline and not job.finished():
                 if job.failure:
@@ -152,6 +155,11 @@ class Soak:
                 if step is None:
                     job.stop.wait(0.5)
                     continue
+                now = time.monotonic()
+                recent.append((now, step))
+                while now - recent[0][0] > 60:
+                    recent.popleft()
+                end_at = self.config.steps - self._end_margin(recent)
                 if step >= next_sample:
                     result.samples.append(self._sample(step, started, urls["ts"], ts_db, ledger_db))
                     next_sample = step + self.sample_every_steps
@@ -179,6 +187,14 @@ class Soak:
             ts_db.dispose()
             ledger_db.dispose()
 
+    def _end_margin(self, recent: deque[tuple[float, int]]) -> int:
+        """Steps to leave for the end checkpoint: at least ``end_margin_steps``, and more on a fast run,
+        whose window (three, for the slack of the loop and a stretched window) must fit before the
+        job's last step, or the end would be measured on a job winding down."""
+        (t0, s0), (t1, s1) = recent[0], recent[-1]
+        pace = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        return max(self.end_margin_steps, math.ceil(3 * self.window_s * pace))
+
     def _time_up(self, started: float) -> bool:
         return self.stop_after_s is not None and time.monotonic() - started >= self.stop_after_s
 
@@ -201,10 +217,12 @@ class Soak:
             archived = conn.execute(select(func.count()).select_from(ts_trajectories_archive)).scalar_one()
         with ledger_db.connect() as conn:
             events = conn.execute(select(func.count()).select_from(ledger_events)).scalar_one()
-        path = self.config.state_dir / "trajectories.db"
-        size = sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) if path.exists() else 0
         return StoreSample(step, time.monotonic() - started, live if live is not None else -1, rows, archived, events,
-                           size)
+                           self._db_bytes("trajectories.db"), self._db_bytes("ledger.db"))
+
+    def _db_bytes(self, name: str) -> int:
+        path = self.config.state_dir / name
+        return sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) if path.exists() else 0
 
     @staticmethod
     def _live_trajectories(ts_url: str) -> int | None:

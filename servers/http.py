@@ -233,6 +233,11 @@ class ConnectionLimits:
     """From the connection (or the previous response) until a request's head has arrived."""
     body_timeout_s: float = 60.0
     """The longest pause in a request body while the server is waiting for it."""
+    min_body_rate: float = 1024.0
+    """Bytes per second a request body must average, over the time the server has waited for it,
+    once it has waited ``body_rate_grace_s``: a client trickling a byte every few seconds never
+    pauses for ``body_timeout_s``, yet would hold its connection for as long as it liked."""
+    body_rate_grace_s: float = 10.0
     keep_alive_s: float = 5.0
     """An idle keep-alive connection is closed after this long."""
     max_head_bytes: int = 64 << 10
@@ -258,10 +263,10 @@ def _uvicorn_protocol() -> type:
 
 def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol with ``limits``: a deadline for each request head, a deadline for
-    each pause in a body while the server waits for it (not while the app is busy or holds the
-    client back), a cap on head bytes, and a cap on connections."""
+    each pause in a body and a minimum average rate of a body while the server waits for it (not
+    while the app is busy or holds the client back), a cap on head bytes, and a cap on connections."""
     base: Any = _uvicorn_protocol()
-    tick = min(limits.header_timeout_s, limits.body_timeout_s) / 4
+    tick = min(limits.header_timeout_s, limits.body_timeout_s, limits.body_rate_grace_s) / 4
     refusal = _refusal(limits.max_connections)
 
     class GuardedProtocol(base):
@@ -280,8 +285,9 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
                 self._timer = self.loop.call_later(limits.header_timeout_s, transport.close)
                 return
             super().connection_made(transport)
-            self._head_since = self._last_read = self.loop.time()
+            self._head_since = self._last_read = self._last_check = self.loop.time()
             self._head_bytes = 0
+            self._body_waited_s, self._body_bytes = 0.0, 0
             self._timer = self.loop.call_later(tick, self._check)
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -308,11 +314,13 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
                     self.transport.close()
             else:
                 self._head_bytes = 0
+                self._body_bytes += len(data)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._head_since = self.loop.time()
             self._head_bytes = 0
+            self._body_waited_s, self._body_bytes = 0.0, 0
 
         def _awaiting_head(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -322,6 +330,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             if self.transport.is_closing():
                 return
             now = self.loop.time()
+            since_check, self._last_check = now - self._last_check, now
             cycle = self.cycle
             if self._awaiting_head():
                 if now - self._head_since > limits.header_timeout_s:
@@ -329,8 +338,15 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
                     self.transport.close()
                     return
             elif cycle.more_body and not cycle.waiting_for_100_continue and not self.flow.read_paused:
+                self._body_waited_s += since_check
                 if now - self._last_read > limits.body_timeout_s:
                     log.info("closing a connection whose request body paused for %g s", limits.body_timeout_s)
+                    self.transport.close()
+                    return
+                if self._body_waited_s > limits.body_rate_grace_s \
+                        and self._body_bytes < limits.min_body_rate * self._body_waited_s:
+                    log.info("closing a connection whose request body came at %.0f bytes/s (the least is %g)",
+                             self._body_bytes / self._body_waited_s, limits.min_body_rate)
                     self.transport.close()
                     return
             else:  # the app's turn: the client is not holding anything up

@@ -17,7 +17,9 @@ It serves the REST API's chunk routes, with the same paths, rules, bearer token 
 Leases, joins and commits stay on the API port; clients find this port in ``/v1/health``
 (``data_port``) and fall back to the API port when it is not reachable. At most
 ``max_connections`` are served at once (one more is answered 503 ``too_many_connections`` and
-closed), and a request that says ``Connection: close`` closes its connection once answered.
+closed), a request that says ``Connection: close`` closes its connection once answered, and a
+connection that sends no complete request head within ``header_timeout_s`` of its start (or of
+its previous response) is closed, as on the API port.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import os
 import re
 import socket
 import threading
+import time
 from urllib.parse import parse_qs, urlsplit
 
 from staleflow.errors import ErrorCode, StaleFlowError
@@ -52,12 +55,14 @@ class ChunkDataPlane:
     """Serves the chunk routes of ``store`` on ``host:port`` (0: any free port) until ``close``."""
 
     def __init__(self, store: ParamStore, host: str, port: int, token: str | None,
-                 max_connections: int = ConnectionLimits.max_connections):
+                 max_connections: int = ConnectionLimits.max_connections,
+                 header_timeout_s: float = ConnectionLimits.header_timeout_s):
         self.store = store
         self._listener = bind_socket(host, port)
         self.port: int = self._listener.getsockname()[1]
         self._token = token
         self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -102,7 +107,12 @@ class ChunkDataPlane:
         reader = SocketReader(conn)
         try:
             while True:
-                message = reader.head()
+                try:
+                    message = reader.head(deadline=time.monotonic() + self.header_timeout_s)
+                except TimeoutError:
+                    log.info("closing a data-plane connection that sent no complete request head in %g s",
+                             self.header_timeout_s)
+                    return
                 if message is None:
                     return
                 request_line, headers = message

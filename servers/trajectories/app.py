@@ -149,17 +149,20 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
 
     @app.post("/v1/return", response_model=Returned)
     async def give_back(server: ServerDep, body: ReturnRequest) -> dict:
+        server.check_vocabulary(body.partials)
         outcome = server.store.returned([p.model_dump() for p in body.partials], body.instance_id)
         return {"outcome": outcome}
 
     @app.post("/v1/completed", response_model=Accepted)
     async def completed(server: ServerDep, body: CompletedRequest) -> dict:
+        server.check_vocabulary(item.trajectory for item in body.items)
         return {"accepted": await server.completed(body)}
 
     @app.post("/v1/progress", response_model=ProgressOut)
     async def progress(server: ServerDep, body: ProgressRequest) -> dict:
         """Progress checkpoints of trajectories running on an instance, appended durably: a
         trajectory handed back from a failed instance resumes from its last checkpoint."""
+        server.check_vocabulary(body.trajectories)
         return server.progress(body)
 
     @app.post("/v1/instances/{instance_id}/release", response_model=Released)

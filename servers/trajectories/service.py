@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 
 import httpx
 
-from staleflow.errors import ErrorCode
+from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.length_skew import Fate
 from staleflow.servers.clients import AsyncManagerClient, ServiceError
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
@@ -21,7 +22,14 @@ from staleflow.servers.trajectories.store import (
     TrajState,
     checkpoint,
 )
-from staleflow.servers.trajectories.wire import CheckoutRequest, CompletedRequest, ProgressRequest, traj_payload
+from staleflow.servers.trajectories.wire import (
+    CheckoutRequest,
+    CompletedRequest,
+    PartialIn,
+    ProgressIn,
+    ProgressRequest,
+    traj_payload,
+)
 from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
 
 log = logging.getLogger(__name__)
@@ -52,6 +60,20 @@ class TrajectoryServer:
         self.reward_tally = [0, 0.0]  # rewarded trajectories, sum of their rewards
         self.length_tally = [0, 0]  # rewarded trajectories, sum of their response tokens
         self.checkpointed_tokens = 0  # appended from progress checkpoints since this server started
+
+    def check_vocabulary(self, trajectories: Iterable[PartialIn | ProgressIn]) -> None:
+        """Refuse the whole request (422 ``invalid_token``) if a token id lies outside the model's
+        vocabulary, where the job knows it: an engine serving another model, or a corrupted
+        message, whose ids the trainer's embedding could not look up."""
+        vocab = self.config.vocab_size
+        if vocab is None:
+            return
+        for t in trajectories:
+            if t.tokens and (top := max(t.tokens)) >= vocab:
+                raise StaleFlowError(ErrorCode.INVALID_TOKEN,
+                                     f"trajectory {t.traj_id}: token id {top} is outside the model's vocabulary of "
+                                     f"{vocab} (ids 0..{vocab - 1}); the rollout engine must serve the job's model",
+                                     traj_id=t.traj_id, vocab_size=vocab)
 
     # -- sampling ------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -39,6 +40,22 @@ class JobSections(Protocol):
     def database_url(self) -> str | None: ...
 
 
+def model_vocab_size(model: Path | None) -> int | None:
+    """The vocabulary of a Hugging Face model directory (its embedding rows: ``vocab_size`` in its
+    config.json, or in its ``text_config`` for a multimodal one); None when it does not say."""
+    if model is None:
+        return None
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")
+    size = config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 class ComponentConfigs:
     """``JobConfig``'s component configs (a mixin: the job's fields are its state)."""
 
@@ -57,10 +74,16 @@ class ComponentConfigs:
         reward = self.reward
         if reward == "auto":
             reward = "sim" if self.engine == "sim" else urls["reward"]
+        if self.engine == "sim":
+            from staleflow.workload import PRESETS
+
+            vocab_size = PRESETS[self.workload].vocab_size
+        else:
+            vocab_size = model_vocab_size(tokenizer)
         return TrajectoryServerConfig(
             **dict(self.trajectories), ledger=self.ledger, manager_url=urls["manager"], state_dir=self.state_dir,
             db_url=self.database_url(), seed=self.seed, reward=reward, dataset=self.dataset, task=self.task,
-            tokenizer=tokenizer)
+            tokenizer=tokenizer, vocab_size=vocab_size)
 
     def instance_config(self: JobSections, name: str, urls: dict[str, str], model: Path | None) -> InstanceConfig:
         """Rollout instance ``name`` (``inst-N``); ``model``: the vllm engine's model directory."""

@@ -56,6 +56,10 @@ class TrajectoryServerConfig(TrajectorySettings, ServiceConfig):
     reward: Literal["math", "sim"] | str = Field(
         "math", description="'math' (built-in verifier), 'sim' (seeded random, for the sim engine) or a reward server URL"
     )
+    vocab_size: int | None = Field(
+        None, ge=1, description="the model's vocabulary: a trajectory with a token id at or above it is refused (422 "
+                                "invalid_token); none: ids are bounded by their storage type (int32) only. A job sets "
+                                "it from its model's config.json or its sim workload")
 
     @model_validator(mode="after")
     def _reward_choice(self) -> TrajectoryServerConfig:

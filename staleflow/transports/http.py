@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,14 +46,25 @@ class SocketReader:
         self.sock = sock
         self.leftover = b""
 
-    def head(self) -> tuple[str, dict[str, str]] | None:
+    def head(self, deadline: float | None = None) -> tuple[str, dict[str, str]] | None:
         """(first line, lower-cased headers) of the next message; None when the peer closed the
-        connection cleanly before sending one."""
+        connection cleanly before sending one. With a ``deadline`` (``time.monotonic()``), a head
+        still incomplete then raises ``TimeoutError`` however slowly its bytes trickle in; the
+        socket is left blocking, as a data-plane connection expects (``os.sendfile``)."""
         data = self.leftover
         while b"\r\n\r\n" not in data:
             if len(data) > _HEAD_LIMIT:
                 raise ConnectionError("message head too large")
-            piece = self.sock.recv(65536)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no complete message head before the deadline")
+                self.sock.settimeout(left)
+            try:
+                piece = self.sock.recv(65536)
+            finally:
+                if deadline is not None:
+                    self.sock.settimeout(None)
             if not piece:
                 if data:
                     raise ConnectionError("the connection closed in the middle of a message head")

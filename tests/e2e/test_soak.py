@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from staleflow.cli.main import app
+from staleflow.cli.soak import SOAK_DEFAULTS
 
 
 @pytest.mark.timeout(400)
@@ -30,10 +31,13 @@ def test_a_short_soak_reports_both_ends_and_a_bounded_live_store(tmp_path: Path)
         assert point["cycle_ms"] > 0 and point["poll_ms"] > 0
     # the working set: (eta + 1) batches in flight, plus consumed batches the trainer has not freed
     # yet; far below the 480 trajectories of the run's history
-    in_flight = (1 + 1) * 2 * 2
+    per_batch = SOAK_DEFAULTS["batch_size"] * SOAK_DEFAULTS["group_size"]
+    in_flight = (SOAK_DEFAULTS["eta"] + 1) * per_batch
     assert max(s["live_trajectories"] for s in report["samples"]) <= 3 * in_flight
     assert end["archived_trajectories"] > start["archived_trajectories"] > 0
-    assert end["archived_trajectories"] >= 2 * 2 * (end["step"] - 1)  # every trained trajectory left the live store
+    assert end["archived_trajectories"] >= per_batch * (end["step"] - 1)  # every trained trajectory left the live store
+    last = report["samples"][-1]
+    assert last["trajectories_db_bytes"] > 0 and last["ledger_db_bytes"] > 0
     assert set(report["ratios"]) == {"cycle_ms", "coordinator_cpu_ms", "job_cpu_ms_per_step", "poll_ms",
                                      "ts_restart_s", "live_trajectories"}
     for point in (start, end):  # what each cycle spends where, and the CPU the job's processes used

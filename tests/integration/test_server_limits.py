@@ -109,6 +109,39 @@ def test_a_body_that_stalls_is_shed_and_a_whole_one_is_not(sockets: list[socket.
         assert httpx.post(f"{server.url}/v1/echo", content=b"x" * 100).json() == {"bytes": 100}
 
 
+def trickle(sock: socket.socket, data: bytes, every_s: float, timeout_s: float = 20.0) -> bool:
+    """Send ``data`` a byte at a time, one every ``every_s`` (a client's pace, not a wait for the
+    server); True once the server has closed the connection, False if all of it went through."""
+    give_up = time.monotonic() + timeout_s
+    for byte in data:
+        assert time.monotonic() < give_up, f"the server still held a trickling connection after {timeout_s:g} s"
+        if closed_by_peer(sock):
+            return True
+        try:
+            sock.setblocking(True)
+            sock.sendall(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+        time.sleep(every_s)
+    return False
+
+
+def test_a_body_trickled_below_the_minimum_rate_is_shed(sockets: list[socket.socket]) -> None:
+    # a byte every 0.1 s never pauses for the 1 s the pause deadline allows: only the rate catches it
+    limits = ConnectionLimits(body_timeout_s=1.0, min_body_rate=100, body_rate_grace_s=0.5)
+    with serve(limits) as server:
+        slow = connect(server.url, sockets)
+        slow.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        assert trickle(slow, b"x" * 1000, every_s=0.1), "the trickled body was served"
+        steady = connect(server.url, sockets)  # above the floor, though in pieces with pauses: served
+        steady.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\nConnection: close\r\n\r\n")
+        for _ in range(10):
+            steady.sendall(b"x" * 100)
+            time.sleep(0.1)
+        head, _, body = read_all(steady).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and json.loads(body) == {"bytes": 1000}
+
+
 def test_an_oversized_request_head_closes_the_connection(sockets: list[socket.socket]) -> None:
     with serve(ConnectionLimits(max_head_bytes=4096)) as server:
         sock = connect(server.url, sockets)
@@ -174,3 +207,24 @@ def test_the_data_plane_caps_connections_and_honours_connection_close(data_plane
     answer = json.loads(read_all(push).partition(b"\r\n\r\n")[2])
     assert answer["code"] != "unauthorized" and "push_id" in answer["detail"]
 
+
+
+def test_the_data_plane_sheds_connections_without_a_timely_request_head(tmp_path: Path,
+                                                                        sockets: list[socket.socket]) -> None:
+    store = ParamStore(params_config(tmp_path))
+    plane = ChunkDataPlane(store, "127.0.0.1", 0, "s3cret", header_timeout_s=0.5)
+    try:
+        url = f"http://127.0.0.1:{plane.port}"
+        trickling = connect(url, sockets)  # a head that never ends, a byte at a time
+        assert trickle(trickling, b"GET /v1/params/1/chunks/0?lease=none HTTP/1.1\r\nX-Slow: " + b"a" * 1000,
+                       every_s=0.05), "the data plane served a head trickled for a minute"
+        idle = connect(url, sockets)  # one that sends nothing at all
+        wait_for(lambda: closed_by_peer(idle), "the data plane to close an idle connection", timeout_s=20)
+        wait_for(lambda: not plane._connections, "the data plane to release its connections", timeout_s=20)
+        answered = connect(url, sockets)
+        answered.sendall(b"GET /v1/params/1/chunks/0?lease=none HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        head, _, body = read_all(answered).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 4") and json.loads(body)["code"]
+    finally:
+        plane.close()
+        store.close()

@@ -41,12 +41,13 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
 
 
 class Cluster:
-    def __init__(self, tmp_path: Path, stack: ExitStack, db_url: str | None = None):
+    def __init__(self, tmp_path: Path, stack: ExitStack, db_url: str | None = None, vocab_size: int | None = None):
         mcfg = manager_config(tmp_path, db_url, eta=1, batch_size=2, group_size=GROUP)
         self.manager_url = stack.enter_context(serve_in_thread(manager_app(mcfg))).url
         self.ts_config = TrajectoryServerConfig(
             ledger=LedgerConfig(eta=1, batch_size=2, group_size=GROUP), manager_url=self.manager_url,
             state_dir=tmp_path, db_url=db_url, reward="sim", sampling=SamplingConfig(max_tokens=64),
+            vocab_size=vocab_size,
         )
         self.ts_server = stack.enter_context(serve_in_thread(ts_app(self.ts_config)))
         self.ts_url = self.ts_server.url
@@ -271,3 +272,38 @@ def test_completions_out_of_bounds_are_refused_with_422_and_change_nothing(clust
     accepted = completion([2**31 - 1, 0], [0.0, -3.0e38])  # the bounds themselves are fine
     assert accepted.status_code == 200 and accepted.json() == {"accepted": 1}
     assert cluster.ts.get(f"/v1/trajectories/{traj_id}").json()["tokens"] == [2**31 - 1, 0]
+
+
+def test_token_ids_outside_the_models_vocabulary_are_refused_with_422_and_change_nothing(tmp_path: Path) -> None:
+    """Where the job knows the model's vocabulary (the sim workload's here: ci-tiny's 512), every
+    way an instance hands tokens over refuses an id at or above it, and keeps nothing of the request."""
+    with ExitStack() as stack:
+        cluster = Cluster(tmp_path, stack, vocab_size=512)
+        first, second = [t["traj_id"] for t in cluster.ts.get("/v1/pending").json()["trajectories"][:2]]
+        for traj_id in (first, second):
+            checkout = cluster.ts.post("/v1/checkout", json={"instance_id": "a",
+                                                             "assignments": [{"traj_id": traj_id, "v_traj": 0}]})
+            assert checkout.status_code == 200 and not checkout.json()["refused"]
+
+        def handed_over(route: str, tokens: list[int], traj_id: str = first) -> httpx.Response:
+            segments = [{"version": 0, "start": 0, "end": len(tokens)}]
+            trajectory = {"traj_id": traj_id, "tokens": tokens, "logprobs": [-0.5] * len(tokens), "segments": segments}
+            body = {"/v1/completed": {"instance_id": "a", "items": [
+                        {"seq": 1, "trajectory": {**trajectory, "finish_reason": "stop"}}]},
+                    "/v1/progress": {"instance_id": "a", "trajectories": [{**trajectory, "start": 0}]},
+                    "/v1/return": {"instance_id": "a", "partials": [trajectory]}}[route]
+            return cluster.ts.post(route, json=body)
+
+        for route in ("/v1/completed", "/v1/progress", "/v1/return"):
+            refused = handed_over(route, [3, 512, 7])
+            assert refused.status_code == 422, (route, refused.text)
+            error = refused.json()
+            assert error["code"] == "invalid_token" and error["vocab_size"] == 512 and error["traj_id"] == first
+            assert "token id 512" in error["detail"] and "vocabulary of 512" in error["detail"]
+        detail = cluster.ts.get(f"/v1/trajectories/{first}").json()
+        assert (detail["state"], detail["instance_id"], detail["generated"]) == ("routed", "a", 0)
+
+        assert handed_over("/v1/progress", [3, 511]).json() == {"stored": {first: 2}, "ignored": []}
+        assert handed_over("/v1/return", [3, 511, 0], traj_id=second).json()["outcome"] == {second: "pending"}
+        assert handed_over("/v1/completed", [3, 511, 0]).json() == {"accepted": 1}
+        assert cluster.ts.get(f"/v1/trajectories/{first}").json()["tokens"] == [3, 511, 0]

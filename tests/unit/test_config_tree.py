@@ -99,6 +99,23 @@ def test_the_job_composes_every_component_config() -> None:
     assert vllm.vllm is not None and vllm.vllm.model == "/models/tiny" and vllm.vllm.seed == 4
 
 
+def test_the_trajectory_server_learns_the_models_vocabulary(tmp_path: Path) -> None:
+    """The sim engine draws ids from its workload's vocabulary; a real engine's model says its own
+    in config.json (a multimodal one in its text_config); a model that does not say leaves the
+    storage type's bound only."""
+    assert JobConfig(engine="sim", workload="ci-tiny").trajectories_config(URLS, tokenizer=None).vocab_size == 512
+    assert JobConfig(engine="sim", workload="demo").trajectories_config(URLS, tokenizer=None).vocab_size == 151_936
+    vllm = JobConfig(engine="vllm")
+    for name, config, vocab in [("plain", {"vocab_size": 1000}, 1000),
+                                ("multimodal", {"text_config": {"vocab_size": 2048}}, 2048),
+                                ("silent", {"hidden_size": 8}, None), ("odd", {"vocab_size": "many"}, None)]:
+        model = tmp_path / name
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(config))
+        assert vllm.trajectories_config(URLS, tokenizer=model).vocab_size == vocab, name
+    assert vllm.trajectories_config(URLS, tokenizer=tmp_path / "absent").vocab_size is None
+
+
 def test_the_job_has_every_section_the_composition_reads() -> None:
     """``compose`` reads a job through ``JobSections`` (it cannot import ``JobConfig``, which uses it):
     every field that protocol names is one of the job's, with the same type."""
