@@ -33,19 +33,24 @@ FAILURE_TIMEOUT, STALL_TIMEOUT = 1.0, 1.5
 LEDGER = {"eta": 1, "batch_size": 2, "group_size": 2}
 
 
+def serve_job(stack: ExitStack, tmp_path: Path, names: tuple[str, ...]) -> tuple[str, str, dict[str, str]]:
+    """A manager, a trajectory server and sim instances with long paper-like generations on a
+    clock only the test moves: their URLs."""
+    manager = stack.enter_context(serve_in_thread(manager_app(manager_config(tmp_path, **LEDGER)))).url
+    ts = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
+        ledger=LedgerConfig(**LEDGER), manager_url=manager, state_dir=tmp_path, reward="sim",
+        sampling=SamplingConfig(max_tokens=20_000))))).url
+    urls = {name: stack.enter_context(serve_in_thread(instance_app(InstanceConfig(
+        instance_id=name, completion_callback_url=f"{ts}/v1/completed",
+        sim=SimConfig(workload="paper-20k", clock="virtual", seed=1))))).url for name in names}
+    return manager, ts, urls
+
+
 def test_slow_instance_stays_live_hung_ones_are_declared_failed(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="staleflow.coordinator.service")
     with ExitStack() as stack:
-        manager = stack.enter_context(serve_in_thread(manager_app(manager_config(tmp_path, **LEDGER)))).url
-        ts = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
-            ledger=LedgerConfig(**LEDGER), manager_url=manager, state_dir=tmp_path, reward="sim",
-            sampling=SamplingConfig(max_tokens=20_000))))).url
-        urls = {}
-        for name in ("slow", "stalled"):  # long paper-like generations on a clock only the test moves
-            urls[name] = stack.enter_context(serve_in_thread(instance_app(InstanceConfig(
-                instance_id=name, completion_callback_url=f"{ts}/v1/completed",
-                sim=SimConfig(workload="paper-20k", clock="virtual", seed=1))))).url
+        manager, ts, urls = serve_job(stack, tmp_path, ("slow", "stalled"))
         silent = bind_socket("127.0.0.1", 0)  # listens, never accepts: requests queue unanswered
         stack.callback(silent.close)
         urls["silent"] = url_for(silent)
@@ -130,13 +135,8 @@ def test_an_instance_hung_while_the_cycle_waits_on_its_command_is_failed_after_t
     timeout can bound the verdict."""
     caplog.set_level(logging.WARNING, logger="staleflow.coordinator.service")
     with ExitStack() as stack:
-        manager = stack.enter_context(serve_in_thread(manager_app(manager_config(tmp_path, **LEDGER)))).url
-        ts = stack.enter_context(serve_in_thread(ts_app(TrajectoryServerConfig(
-            ledger=LedgerConfig(**LEDGER), manager_url=manager, state_dir=tmp_path, reward="sim",
-            sampling=SamplingConfig(max_tokens=20_000))))).url
-        instance = stack.enter_context(serve_in_thread(instance_app(InstanceConfig(
-            instance_id="a", completion_callback_url=f"{ts}/v1/completed",
-            sim=SimConfig(workload="paper-20k", clock="virtual", seed=1))))).url
+        manager, ts, urls = serve_job(stack, tmp_path, ("a",))
+        instance = urls["a"]
         front = HangsFromItsFirstAbort(instance)
         front_url = stack.enter_context(serve_in_thread(front.app)).url
         coordinator = stack.enter_context(serve_in_thread(coordinator_app(CoordinatorConfig(
