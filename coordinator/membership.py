@@ -8,7 +8,8 @@ The transitions (``TRANSITIONS``, FROM -> TO, each with why)::
     joining --first snapshot adopted--> live
     joining --first snapshot, behind the newest version, idle--> syncing   (pull first)
     live --a pull issued--> syncing --the pull ended--> live
-    joining/live/syncing --silent past the failure timeout--> failed
+    joining/live/syncing --silent past the failure timeout (no snapshot, or no answer to a command
+                          the cycle waits on)--> failed
     joining/live/syncing --work in hand, no progress past the stall timeout--> failed
     joining/live/syncing --a new boot id (restarted)--> failed --its work released--> joining
     failed --a new boot id, its work released--> joining
@@ -98,11 +99,12 @@ class Membership:
         live.released = False
         return [Action.FORGET, Action.RELEASE]
 
-    def silent(self, live: Liveness, now: float) -> tuple[list[Action], str | None]:
-        """No snapshot this cycle: failed once silent past the failure timeout."""
+    def silent(self, live: Liveness, now: float, unanswered: str = "snapshot") -> tuple[list[Action], str | None]:
+        """No answer to a snapshot this cycle, or to a command the cycle waited on
+        (``unanswered`` names it): failed once silent past the failure timeout."""
         if live.status is InstanceStatus.FAILED or now - live.last_seen <= self.failure_timeout:
             return [], None
-        return self.fail(live), f"no snapshot for {now - live.last_seen:.1f}s"
+        return self.fail(live), f"no {unanswered} for {now - live.last_seen:.1f}s"
 
     def restarted(self, live: Liveness, boot_id: str | None) -> bool:
         """Whether a snapshot with ``boot_id`` comes from a new process (the first one seen is

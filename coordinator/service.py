@@ -121,6 +121,9 @@ class Coordinator:
         self.cycle_period = cycle_period
         self.command_timeout = command_timeout
         self.failure_timeout = failure_timeout
+        # what the cycle waits for an instance's answer (its snapshot, an interrupt or abort it
+        # issues): no longer than would make the instance silent past the failure timeout
+        self.answer_timeout = min(command_timeout, failure_timeout)
         self.stall_timeout = stall_timeout
         self.membership = Membership(failure_timeout, stall_timeout)
         self.reconcile_after = reconcile_after
@@ -416,7 +419,7 @@ class Coordinator:
         return True
 
     async def _snapshot(self, record: InstanceRecord) -> dict | None:
-        reply = await record.client.get("/v1/snapshot", timeout=min(self.command_timeout, self.failure_timeout))
+        reply = await record.client.get("/v1/snapshot", timeout=self.answer_timeout)
         return reply.json() if reply.status_code == 200 else None
 
     def _observe(self, record: InstanceRecord, snap: dict, now: float) -> tuple[list[Action], str | None]:
@@ -463,12 +466,16 @@ class Coordinator:
         keep = {"keep_running": True} if self.strategy.pull is PullMode.KEEP else {}
         for instance_id in plan.syncs:
             record = self.instances[instance_id]
+            if record.status is InstanceStatus.FAILED:  # silent to its interrupt
+                continue
             self.membership.sync_started(record)
             self.p.pulled(instance_id, self.ps_version)
             self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record), **keep}, 1)
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
         by_instance: dict[str, list[dict]] = {}
         for d in plan.routes:
+            if self.instances[d.instance_id].status is InstanceStatus.FAILED:
+                continue
             by_instance.setdefault(d.instance_id, []).append({"traj_id": d.traj_id, "v_traj": d.v_traj})
         for instance_id, assignments in by_instance.items():
             try:
@@ -527,13 +534,18 @@ class Coordinator:
         if kind in ("interrupt", "abort"):
             self.p.removed(record.instance_id, size)
         try:
-            reply = await record.client.post("/v1/commands", json={"command_id": command_id, "kind": kind, **body})
+            # a queued command (a pull, a route) may take long; one the cycle waits on holds up every
+            # instance's next snapshot, so a hung instance must not hold it longer than a snapshot would
+            reply = await record.client.post("/v1/commands", json={"command_id": command_id, "kind": kind, **body},
+                                             timeout=self.command_timeout if queued else self.answer_timeout)
             data: dict[str, Any] = reply.json()
         except (httpx.HTTPError, ValueError) as exc:
             entry.outcome = f"unknown: {exc.__class__.__name__}"
             record.unvalidated_since = time.monotonic() - self.reconcile_after  # reconcile from the next snapshot
             if kind == "route":
                 await self.ts.post("/v1/return", json={"instance_id": record.instance_id, "partials": body["trajectories"]})
+            if not queued and isinstance(exc, httpx.TransportError):
+                await self._carry_out(record, *self.membership.silent(record, time.monotonic(), f"answer to {kind}"))
             return None
         finally:
             entry.completed_at = time.time()

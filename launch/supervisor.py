@@ -12,8 +12,9 @@ this does. Detection is role-aware:
 * services (manager, trajectory server, parameter server, reward, coordinator, Ray's relays): its
   health probe failed ``probe_failures`` times in a row (hung);
 * rollout instances: the coordinator declared the instance failed. The coordinator tells a slow
-  instance (long generations: its snapshots still show progress) from a hung one (no snapshot for
-  ``failure_timeout``, or no progress with work in hand for ``stall_timeout``).
+  instance (long generations: its snapshots still show progress) from a hung one (no answer to a
+  snapshot or to a command the coordinator's cycle waits on for ``failure_timeout``, or no progress
+  with work in hand for ``stall_timeout``).
 
 Repair restarts only the failed component at its planned address, so the others reconnect by
 themselves (their clients retry transient connection errors) and durable state (ledger,

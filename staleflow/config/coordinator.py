@@ -48,7 +48,8 @@ class CoordinatorSettings(StrictModel):
     strategy: StrategyConfig = Field(default_factory=StrategyConfig,
                                      description="routing, sync, migration and their thresholds")
     cycle_period: float = Field(0.05, gt=0, description="seconds between cycles")
-    command_timeout: float = Field(30.0, gt=0, description="seconds a command to an instance may take")
+    command_timeout: float = Field(30.0, gt=0, description="seconds a queued command (a pull, a route) to an instance "
+                                   "may take; the cycle waits for an interrupt or abort at most failure_timeout")
     failure_timeout: float = Field(10.0, gt=0, description="an instance silent this long is declared failed")
     stall_timeout: float = Field(60.0, ge=0, description="running work with no progress this long: failed (0: never)")
     reconcile_after: float = Field(5.0, gt=0, description="grace period: a trajectory routed to an instance but not "
