@@ -128,26 +128,6 @@ class BookMachine(RuleBasedStateMachine):
         self.book.checkout(instance, granted)
         self.routed_ever.update(granted)
 
-    @precondition(lambda self: self.book.live_groups() >= 3)
-    @rule(data=st.data(), op=st.sampled_from(["consume", "occupy", "abort", "reserve"]))
-    def ledger_transition(self, data: st.DataObject, op: str) -> None:
-        """A transition of the ledger's event log, as the service follows it."""
-        live = self._groups(GroupState.SAMPLED, GroupState.RESERVED, GroupState.OCCUPIED)
-        consumed = data.draw(st.sets(st.sampled_from(self._groups(GroupState.OCCUPIED)))) if (
-            op == "consume" and self._groups(GroupState.OCCUPIED)) else set()
-        cancelled = data.draw(st.sets(st.sampled_from(live), max_size=2))
-        group_id = data.draw(st.sampled_from(live)) if op == "abort" else None
-        self._mark()
-        groups, _, on_instances = self.book.follow_ledger(op, group_id, sorted(consumed),
-                                                          sorted(cancelled - consumed))
-        for g in consumed:
-            assert self.book.groups[g].state is GroupState.CONSUMED
-        for g in (cancelled - consumed) | ({group_id} if group_id else set()):
-            if g not in consumed:
-                assert self.book.groups[g].state is GroupState.ABORTED
-        assert all(t.state is TrajState.CANCELLING for t in on_instances)
-        assert {g.group_id for g in groups} == consumed | (cancelled - consumed) | ({group_id} if group_id else set())
-
     @precondition(lambda self: self._groups(GroupState.SAMPLED) and self._routable())
     @rule(data=st.data())
     def checkout_before_reserving(self, data: st.DataObject) -> None:
