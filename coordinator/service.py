@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from staleflow.backoff import Backoff
+from staleflow.commands import commands_of
 from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
 from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, Membership
 from staleflow.coordinator.reconcile import Suspicion, reconcile
@@ -454,17 +455,18 @@ class Coordinator:
     # ------------------------------------------------------------------ issuing commands
 
     async def _issue(self, plan) -> None:
+        commands = commands_of(plan)
         # 1. interrupts (syncs' and migrations'): partials go back to the trajectory server first
         interrupted = await asyncio.gather(*(
             self._command(self.instances[i], "interrupt", {"traj_ids": trajs}, len(trajs))
-            for i, trajs in plan.interrupts.items()))
-        for instance_id, reply in zip(plan.interrupts, interrupted, strict=True):
+            for i, trajs in commands.interrupts.items()))
+        for instance_id, reply in zip(commands.interrupts, interrupted, strict=True):
             partials = (reply or {}).get("partials", [])
             if partials:
                 await self.ts.post("/v1/return", json={"instance_id": instance_id, "partials": partials})
         # 2. pulls: queued on their instance; routes to it wait behind them
         keep = {"keep_running": True} if self.strategy.pull is PullMode.KEEP else {}
-        for instance_id in plan.syncs:
+        for instance_id in commands.pulls:
             record = self.instances[instance_id]
             if record.status is InstanceStatus.FAILED:  # silent to its interrupt
                 continue
@@ -472,14 +474,12 @@ class Coordinator:
             self.p.pulled(instance_id, self.ps_version)
             self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record), **keep}, 1)
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
-        by_instance: dict[str, list[dict]] = {}
-        for d in plan.routes:
-            if self.instances[d.instance_id].status is InstanceStatus.FAILED:
+        for instance_id, assignments in commands.routes.items():
+            if self.instances[instance_id].status is InstanceStatus.FAILED:  # silent to its interrupt
                 continue
-            by_instance.setdefault(d.instance_id, []).append({"traj_id": d.traj_id, "v_traj": d.v_traj})
-        for instance_id, assignments in by_instance.items():
+            body = {"instance_id": instance_id, "assignments": [{"traj_id": t, "v_traj": v} for t, v in assignments]}
             try:
-                reply = await self.ts.post("/v1/checkout", json={"instance_id": instance_id, "assignments": assignments})
+                reply = await self.ts.post("/v1/checkout", json=body)
             except httpx.TransportError:
                 # the TS may have committed the checkout and died before answering: what it routed
                 # there never reaches the instance; compare with the instance's next snapshot

@@ -23,7 +23,7 @@ generated beyond what the book holds (``regenerated``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -172,26 +172,43 @@ class TrajectoryBook:
         self.trajs: dict[str, TrajRecord] = {}
         # trajectories by state, so the coordinator's polls cost what is in that state, not the book
         self._in_state: dict[TrajState, dict[str, TrajRecord]] = {s: {} for s in TrajState}
+        self._groups_in_state: dict[GroupState, int] = dict.fromkeys(GroupState, 0)
+        self._versioned_pending: set[str] = set()  # pending trajectories whose group has its V_traj
         self.seq = 0
         self.skew = LengthSkew()  # what the bound did to the response lengths, since the book was made
         # routed trajectories: the response tokens their instance last said it holds (beyond the checkpoints)
         self._on_instance: dict[str, int] = {}
         self.regenerated = [0, 0]  # trajectories of failed instances that lost tokens, the tokens they lost
 
+    def _set_group_state(self, g: GroupRecord, state: GroupState) -> None:
+        self._groups_in_state[g.state] -= 1
+        g.state = state
+        self._groups_in_state[state] += 1
+
+    def _index_group(self, g: GroupRecord) -> None:
+        self.groups[g.group_id] = g
+        self._groups_in_state[g.state] += 1
+
     def _move(self, t: TrajRecord, state: TrajState) -> None:
         del self._in_state[t.state][t.traj_id]
+        if t.state is TrajState.PENDING:
+            self._versioned_pending.discard(t.traj_id)
         t.state = state
         self._in_state[state][t.traj_id] = t
         self._on_instance.pop(t.traj_id, None)
+        if state is TrajState.PENDING and self.groups[t.group_id].v_traj is not None:
+            self._versioned_pending.add(t.traj_id)
 
     def _index(self, t: TrajRecord) -> None:
         self.trajs[t.traj_id] = t
         self._in_state[t.state][t.traj_id] = t
+        if t.state is TrajState.PENDING and self.groups[t.group_id].v_traj is not None:
+            self._versioned_pending.add(t.traj_id)
 
     def restore(self, groups: Iterable[GroupRecord], trajs: Iterable[TrajRecord]) -> None:
         """Records read back from storage (groups first, trajectories in sequence order)."""
         for g in groups:
-            self.groups[g.group_id] = g
+            self._index_group(g)
             self.seq = max(self.seq, g.seq)
             if g.state is GroupState.SAMPLED:
                 self.skew.sampled([g.group_id], g.created_at)
@@ -207,19 +224,35 @@ class TrajectoryBook:
     # -- sampling
 
     def live_groups(self) -> int:
-        return sum(g.state in LIVE_GROUP_STATES for g in self.groups.values())
+        return sum(self._groups_in_state[s] for s in LIVE_GROUP_STATES)
+
+    def groups_in(self, state: GroupState) -> int:
+        """How many groups are in ``state``."""
+        return self._groups_in_state[state]
+
+    def versioned_pending(self) -> int:
+        """Pending trajectories whose group already has its V_traj (partials, members of
+        reserved groups): routable without a new reservation."""
+        return len(self._versioned_pending)
+
+    def in_state(self, state: TrajState) -> Mapping[str, TrajRecord]:
+        """The trajectories in ``state`` by id, in no particular order (a live view: read it, do
+        not keep it across a change of the book)."""
+        return self._in_state[state]
 
     def new_groups(self, prompts: Iterable[tuple[int, str, str, tuple[int, ...]]], members: int, needed: int,
-                   now: float) -> tuple[list[GroupRecord], list[TrajRecord]]:
+                   now: float, naming: Callable[[int], tuple[str, str]] = lambda index: (f"g{index}", f"g{index}-m")
+                   ) -> tuple[list[GroupRecord], list[TrajRecord]]:
         """New groups of ``members`` pending trajectories each, from (index, text, answer, ids);
-        not in the book until ``add``ed (after they are stored)."""
+        not in the book until ``add``ed (after they are stored). ``naming(index)`` gives the
+        group's id and the prefix of its members' ids (then the member's number)."""
         groups, trajs = [], []
         for index, text, answer, ids in prompts:
-            group_id = f"g{index}"
+            group_id, member_prefix = naming(index)
             g = GroupRecord(group_id, index, text, answer, tuple(ids), members, needed, None,
                             GroupState.SAMPLED, self._next_seq(), now)
             for m in range(members):
-                t = TrajRecord(f"{group_id}-m{m}", group_id, TrajState.PENDING, self._next_seq())
+                t = TrajRecord(f"{member_prefix}{m}", group_id, TrajState.PENDING, self._next_seq())
                 g.member_ids.append(t.traj_id)
                 trajs.append(t)
             groups.append(g)
@@ -227,7 +260,7 @@ class TrajectoryBook:
 
     def add(self, groups: Iterable[GroupRecord], trajs: Iterable[TrajRecord]) -> None:
         for g in groups:
-            self.groups[g.group_id] = g
+            self._index_group(g)
             self.skew.sampled([g.group_id], g.created_at)
         for t in trajs:
             self._index(t)
@@ -251,10 +284,45 @@ class TrajectoryBook:
             raise StoreConflict(f"group {group_id} already has v_traj {g.v_traj}, not {v_traj}")
         if g.state is not GroupState.SAMPLED:
             return []
-        g.v_traj, g.state = v_traj, GroupState.RESERVED
+        g.v_traj = v_traj
+        self._set_group_state(g, GroupState.RESERVED)
+        self._versioned_pending.update(m for m in g.member_ids if self.trajs[m].state is TrajState.PENDING)
         if now is not None:
             self.skew.admitted(group_id, now)
         return [g]
+
+    def reservations_needed(self, assignments: Iterable[tuple[str, int]]) -> dict[str, int]:
+        """Of ``(traj_id, v_traj)`` assignments, the groups to reserve in the ledger before any of
+        them is checked out: sampled groups of pending trajectories, at the V_traj of their
+        first assignment, in assignment order."""
+        needed: dict[str, int] = {}
+        for traj_id, v_traj in assignments:
+            t = self.trajs.get(traj_id)
+            if t is not None and t.state is TrajState.PENDING and self.groups[t.group_id].state is GroupState.SAMPLED:
+                needed.setdefault(t.group_id, v_traj)
+        return needed
+
+    def grant(self, assignments: Iterable[tuple[str, int]], not_reserved: dict[str, str]
+              ) -> tuple[list[str], list[tuple[str, str]]]:
+        """Which assignments may be checked out, once the groups ``reservations_needed`` named
+        were reserved (``set_group_version``) or refused by the ledger (``not_reserved``: group
+        -> why). Returns the granted trajectory ids and the refused ``(traj_id, reason)``."""
+        granted, refused = [], []
+        for traj_id, v_traj in assignments:
+            t = self.trajs.get(traj_id)
+            if t is None or t.state is not TrajState.PENDING:
+                refused.append((traj_id, "not pending" if t else "unknown trajectory"))
+                continue
+            g = self.groups[t.group_id]
+            if g.group_id in not_reserved:
+                refused.append((traj_id, not_reserved[g.group_id]))
+            elif g.state is not GroupState.RESERVED:
+                refused.append((traj_id, f"group is {g.state.value}"))
+            elif g.v_traj != v_traj:
+                refused.append((traj_id, f"group has v_traj {g.v_traj}, not {v_traj}"))
+            else:
+                granted.append(traj_id)
+        return granted, refused
 
     def checkout(self, instance_id: str, traj_ids: list[str]) -> list[TrajRecord]:
         """Pending trajectories of versioned groups, now routed to ``instance_id``; all or none."""
@@ -439,7 +507,7 @@ class TrajectoryBook:
         keep = set()
         if state is GroupState.OCCUPIED:
             keep = {t.traj_id for t in sorted(self.group_rewarded(g), key=lambda t: t.updated_at)[: g.needed]}
-        g.state = state
+        self._set_group_state(g, state)
         changed, on_instances = [], []
         for m in g.member_ids:
             t = self.trajs[m]
@@ -495,7 +563,7 @@ class TrajectoryBook:
         for gid in group_ids:
             g = self.groups.get(gid)
             if g is not None and g.state in LIVE_GROUP_STATES:
-                g.state = GroupState.CONSUMED
+                self._set_group_state(g, GroupState.CONSUMED)
                 groups.append(g)
         return groups
 
@@ -511,6 +579,28 @@ class TrajectoryBook:
                 trained += [(m, buffer - g.v_traj) for m in g.member_ids if self.trajs[m].state is TrajState.REWARDED]
         self.skew.consumed(buffer, trained)
 
+    def follow_ledger(self, op: str, group_id: str | None, consumed: Iterable[str], cancelled: Iterable[str],
+                      cancelled_fate: Fate, buffer: int | None = None
+                      ) -> tuple[list[GroupRecord], list[TrajRecord], list[TrajRecord]]:
+        """What a ledger transition (``op`` on ``group_id``) does to the book: the groups it
+        consumed (into ``buffer``, where known) leave the in-flight budget (``mark_consumed``);
+        those it cancelled (redundancy surplus, expired: ``cancelled_fate``) and a group it aborted
+        are closed as aborted. Returns the changed groups, the changed trajectories and those
+        still on an instance (to be aborted there)."""
+        groups = self.mark_consumed(consumed, buffer)
+        changed: list[TrajRecord] = []
+        on_instances: list[TrajRecord] = []
+        closing = [(gid, cancelled_fate) for gid in cancelled]
+        if op == "abort" and group_id is not None:
+            closing.append((group_id, Fate.ABORTED))
+        for gid, fate in closing:
+            if gid in self.groups:
+                g, c, o = self.close_group(gid, GroupState.ABORTED, fate)
+                groups += g
+                changed += c
+                on_instances += o
+        return groups, changed, on_instances
+
     def free(self, group_ids: Iterable[str], buffer: int | None = None) -> tuple[list[GroupRecord], list[TrajRecord]]:
         """The trainer no longer needs the batch (buffer ``buffer``, where known): its payloads are
         dropped (the groups are consumed)."""
@@ -524,7 +614,7 @@ class TrajectoryBook:
             members = [self.trajs[m] for m in g.member_ids if self.trajs[m].state is TrajState.REWARDED]
             if g.state is GroupState.CONSUMED and not members:
                 continue
-            g.state = GroupState.CONSUMED
+            self._set_group_state(g, GroupState.CONSUMED)
             groups.append(g)
             for t in members:
                 self._move(t, TrajState.CONSUMED)
@@ -551,7 +641,9 @@ class TrajectoryBook:
             for m in g.member_ids:
                 t = self.trajs.pop(m)
                 del self._in_state[t.state][m]
+                self._versioned_pending.discard(m)
             del self.groups[g.group_id]
+            self._groups_in_state[g.state] -= 1
 
     def counts(self) -> dict[str, int]:
         return {s.value: len(self._in_state[s]) for s in TrajState}

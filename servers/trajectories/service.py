@@ -19,7 +19,6 @@ from staleflow.servers.trajectories.store import (
     GroupState,
     StoreConflict,
     TrajectoryStore,
-    TrajState,
     checkpoint,
 )
 from staleflow.servers.trajectories.wire import (
@@ -103,27 +102,16 @@ class TrajectoryServer:
     # -- routing -------------------------------------------------------------------------
 
     async def checkout(self, request: CheckoutRequest) -> dict:
-        refused: list[dict] = []
-        granted: list[str] = []
-        for a in request.assignments:
-            t = self.store.trajs.get(a.traj_id)
-            if t is None or t.state is not TrajState.PENDING:
-                refused.append({"traj_id": a.traj_id, "reason": "not pending" if t else "unknown trajectory"})
-                continue
-            g = self.store.groups[t.group_id]
-            if g.state is GroupState.SAMPLED:
-                reason = await self._reserve(g, a.v_traj)
-                if reason:
-                    refused.append({"traj_id": a.traj_id, "reason": reason})
-                    continue
-            if g.state is not GroupState.RESERVED:
-                refused.append({"traj_id": a.traj_id, "reason": f"group is {g.state.value}"})
-            elif g.v_traj != a.v_traj:
-                refused.append({"traj_id": a.traj_id, "reason": f"group has v_traj {g.v_traj}, not {a.v_traj}"})
-            else:
-                granted.append(a.traj_id)
+        assignments = [(a.traj_id, a.v_traj) for a in request.assignments]
+        not_reserved = {}
+        for group_id, v_traj in self.store.book.reservations_needed(assignments).items():
+            reason = await self._reserve(self.store.groups[group_id], v_traj)
+            if reason:
+                not_reserved[group_id] = reason
+        granted, refused = self.store.book.grant(assignments, not_reserved)
         routed = self.store.checkout(request.instance_id, granted) if granted else []
-        return {"trajectories": [traj_payload(t, g, self.config.sampling) for t, g in routed], "refused": refused}
+        return {"trajectories": [traj_payload(t, g, self.config.sampling) for t, g in routed],
+                "refused": [{"traj_id": traj_id, "reason": reason} for traj_id, reason in refused]}
 
     async def _reserve(self, g: GroupRecord, v_traj: int) -> str | None:
         """Reserve the group in the ledger (durably) before any member is routed."""
@@ -213,8 +201,7 @@ class TrajectoryServer:
             return
         reply = await self._ledger_call(self.manager.occupy, g.group_id, ok_codes={ErrorCode.INVALID_STATUS})
         self.store.close_group(g.group_id, GroupState.OCCUPIED)
-        for cancelled in (reply or {}).get("cancelled", []):
-            self.cancel_group(cancelled)
+        self.store.follow_ledger("occupy", g.group_id, [], (reply or {}).get("cancelled", []), self.cancelled_fate)
 
     async def _ledger_call(self, fn, group_id: str, ok_codes: set[ErrorCode]):
         try:
@@ -223,11 +210,6 @@ class TrajectoryServer:
             if exc.code in ok_codes:  # already applied before a retry or a restart
                 return None
             raise
-
-    def cancel_group(self, group_id: str, fate: Fate | None = None) -> None:
-        """A group the ledger cancelled (``fate``: why, by default ``cancelled_fate``)."""
-        if group_id in self.store.groups:
-            self.store.close_group(group_id, GroupState.ABORTED, fate or self.cancelled_fate)
 
     async def follow_ledger(self) -> None:
         """Surplus groups aborted by the ledger (redundancy) are cancelled here too."""
@@ -239,18 +221,19 @@ class TrajectoryServer:
                 log.debug("ledger event poll failed: %s", exc)
             else:
                 for event in page["events"]:
-                    if event["op"] == "consume":
-                        self.store.mark_consumed(event["detail"].get("consumed", []), event.get("buffer"))
-                    for group_id in event["detail"].get("cancelled", []):
-                        self.cancel_group(group_id)
-                    if event["op"] == "abort" and event["group_id"] in self.store.groups:
-                        self.cancel_group(event["group_id"], Fate.ABORTED)
+                    self.apply_ledger_event(event)
                 if page["next"] != cursor:
                     cursor = page["next"]
                     self.store.set_meta("ledger_cursor", str(cursor))
                     self.refill()
                     continue
             await asyncio.sleep(self.config.follow_interval)  # poll pacing
+
+    def apply_ledger_event(self, event: dict) -> None:
+        """One transition of the ledger's event log (see ``TrajectoryBook.follow_ledger``)."""
+        detail, consume = event["detail"], event["op"] == "consume"
+        self.store.follow_ledger(event["op"], event.get("group_id"), detail.get("consumed", []) if consume else [],
+                                 detail.get("cancelled", []), self.cancelled_fate, event.get("buffer") if consume else None)
 
     # -- the trainer's side --------------------------------------------------------------
 

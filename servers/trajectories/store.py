@@ -425,6 +425,17 @@ class TrajectoryStore:
             self._persist(groups=groups, trajs=[])
             return len(groups)
 
+    def follow_ledger(self, op: str, group_id: str | None, consumed: Iterable[str], cancelled: Iterable[str],
+                      cancelled_fate: Fate, buffer: int | None = None) -> list[TrajRecord]:
+        """A ledger transition (see ``TrajectoryBook.follow_ledger``); returns the members still
+        on an instance (to be aborted there)."""
+        with self.lock:
+            groups, changed, on_instances = self.book.follow_ledger(op, group_id, consumed, cancelled, cancelled_fate,
+                                                                    buffer)
+            if groups or changed:
+                self._persist(groups=groups, trajs=changed)
+            return on_instances
+
     def free(self, group_ids: list[str], buffer: int | None = None) -> int:
         """The trainer no longer needs the batch: drop its payloads (the groups are consumed)."""
         with self.lock:

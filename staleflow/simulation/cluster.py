@@ -5,19 +5,20 @@ Pure and in-process (no HTTP, no threads): paper-scale jobs take seconds of wall
 * **Rollout**: ``rollout_instances`` ``SimCore`` engines share one virtual clock. They are advanced
   lazily, each to its own next event (admission, completion, preemption, end of a Pull), and all
   of them to the cycle time before a snapshot, so snapshots are exact.
-* **Trajectory pool** (the trajectory server's logic): streaming systems keep
-  ``(eta + 1) x capacity`` groups sampled and not yet trained; batch systems release one batch of
-  ``B`` groups at a time (see ``systems``).
-* **Staleness**: the real ``Ledger``. A group is reserved when its first member is routed (at the
-  V_traj the routing strategy chose), occupied when its ``G`` members completed (group redundancy:
-  the first ``G``; the rest are aborted), consumed by the trainer; surplus groups it cancels
-  (batch redundancy) are aborted on the instances.
+* **Trajectory pool**: the trajectory server's own ``TrajectoryBook`` (``trajectory_pool``);
+  streaming systems keep ``(eta + 1) x capacity`` groups sampled and not yet trained; batch
+  systems release one batch of ``B`` groups at a time (see ``systems``).
+* **Staleness**: the real ``Ledger``. A group is reserved when its first member is checked out (at
+  the V_traj the routing strategy chose), occupied when ``G`` members are rewarded (group
+  redundancy: the first ``G``; the rest are aborted), consumed by the trainer; surplus groups it
+  cancels (batch redundancy) are aborted on the instances.
 * **Coordinator**: every ``cycle_period_s`` of virtual time, the real ``plan_cycle`` over the
   snapshots of the instances with no command in flight, the waiting trajectories, the ledger's
   admission table and the newest version. A cycle is skipped when nothing happened since the last
   one (and ``recheck_period_s`` has not passed) or when its plan is provably empty (nothing waits,
-  no sync is due, no migration triggers). Commands land after ``CommandCosts`` latencies, a Route
-  after the Interrupts whose partials it carries; a Pull is ``SimCore.load_weights`` (with
+  no sync is due, no migration triggers). The plan becomes commands as in the coordinator
+  (``staleflow.commands``); they land after ``CommandCosts`` latencies, a Route after the
+  Interrupts whose partials it carries; a Pull is ``SimCore.load_weights`` (with
   ``PullMode.KEEP`` it keeps the instance's trajectories: nothing is handed back or re-prefilled).
 * **Trainer**: as soon as the head staleness buffer is Ready and the trainer is idle it consumes
   the batch, trains for ``TrainerModel.step_seconds`` and the new version reaches the parameter
@@ -37,18 +38,20 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from staleflow.commands import commands_of
 from staleflow.config.manager import LedgerParams
 from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
-from staleflow.ledger import Ledger, LedgerError, Transition
+from staleflow.ledger import Ledger, LedgerError
 from staleflow.length_skew import Fate, LengthSkew
 from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
 from staleflow.simulation.settings import SimulatedCluster
 from staleflow.simulation.systems import CHECKPOINT_STALL_S, Pipeline, WeightSync
-from staleflow.simulation.trajectory_pool import GroupStatus, SimGroup, SimTrajectory, TrajectoryPool, TrajStatus
+from staleflow.simulation.trajectory_pool import SimTrajectory, TrajectoryPool
 from staleflow.strategies import AdmissionBudget, CyclePlan, InstanceState, plan_cycle, plan_migrations
+from staleflow.trajectory_book import GroupRecord, TrajState
 from staleflow.workload import stable_normal
 
 
@@ -111,8 +114,8 @@ class ClusterSimulation:
         self.ledger: Ledger | CompletionOrderLedger = (
             CompletionOrderLedger(ledger_params, self.system.bounded) if self.completion_order else Ledger(ledger_params))
         params = self.ledger.params
-        self.group_redundant = params.group_members > params.group_size
-        self.pool = TrajectoryPool(w, w.batch_size, params.group_members)
+        self.pool = TrajectoryPool(w, w.batch_size, params.group_members, params.group_size,
+                                   Fate.DROPPED if self.system.batch_redundancy else Fate.ABORTED)
         self.strategy: StrategyConfig = self.system.strategy_for(self.eta, w.batch_size, params.group_members)
         sim = replace(config.sim, workload=w, reprefill=self.system.reprefill)
         if self.system.max_num_seqs is not None:
@@ -164,6 +167,7 @@ class ClusterSimulation:
         self._max_exceedance = 0
         self._counters: Counter[str] = Counter()
         self.skew = LengthSkew()  # what the bound did to the response lengths
+        self.pool.skew = self.skew
         self._timeline = Timeline([c.instance_id for c in self.cores]) if config.record_timeline else None
         self._last_sample = -math.inf
         self._ran = False
@@ -226,7 +230,7 @@ class ClusterSimulation:
         if t > core.now:
             core.advance_to(t)
         for finished in core.pop_finished():
-            self._on_finished(finished)
+            self._on_finished(i, finished)
 
     def _mark_dirty(self) -> None:
         self._dirty = True
@@ -253,7 +257,7 @@ class ClusterSimulation:
         # batch pipelines: batch k starts once batch k-1 is generated and version k - eta exists
         if self._batches >= self._steps_target:
             return
-        if any(g.status in (GroupStatus.SAMPLED, GroupStatus.RESERVED) for g in self.pool.groups.values()):
+        if self.pool.unfinished_groups():
             return
         if self.ps_version < self._batches - self.eta:
             return
@@ -267,103 +271,77 @@ class ClusterSimulation:
 
     # ------------------------------------------------------------------ completions and aborts
 
-    def _on_finished(self, finished: SimFinished) -> None:
+    def _on_finished(self, i: int, finished: SimFinished) -> None:
         traj = self.pool.trajs.get(finished.traj_id)
-        if traj is None or traj.status is not TrajStatus.RUNNING:
+        if traj is None or traj.engine != i:
             return
-        traj.status, traj.instance, traj.route_to = TrajStatus.DONE, None, None
         traj.generated = finished.num_tokens
         self.skew.generated(traj.traj_id, traj.generated)
         self._on_instances.pop(traj.traj_id, None)
         self._counters["completed"] += 1
-        group = traj.group
-        if group.status is not GroupStatus.RESERVED:
+        surplus = self.pool.surplus_groups
+        counted, occupied, abort = self.pool.completed(self.cores[i].instance_id, traj, self.ledger.occupy)
+        if not counted:
             self._counters["wasted_tokens"] += traj.generated  # a surplus member finishing late
             self.skew.settle(traj.traj_id, Fate.DROPPED)
             return
-        if self.group_redundant:
-            try:
-                transition = self.ledger.complete_member(group.group_id, traj.traj_id)
-            except LedgerError:
-                self._counters["wasted_tokens"] += traj.generated
-                self.skew.settle(traj.traj_id, Fate.DROPPED)
-                return
-            group.counted.append(traj)
-            if transition.op == "occupy":
-                self.pool.set_status(group, GroupStatus.OCCUPIED)
-                self._abort([t for t in group.members if t.status not in (TrajStatus.DONE, TrajStatus.ABORTED)],
-                            Fate.DROPPED)
-            self._cancel(transition)
-        elif len(group.counted) + 1 == self.workload.group_size:
-            group.counted.append(traj)
-            self.pool.set_status(group, GroupStatus.OCCUPIED)
-            self._cancel(self.ledger.occupy(group.group_id))
-        else:
-            group.counted.append(traj)
-            return
-        self._try_train()
-
-    def _cancel(self, transition: Transition) -> None:
-        """Abort the groups a ledger transition cancelled (redundancy surplus, expired entries)."""
-        for group_id in transition.cancelled:
-            group = self.pool.groups.get(group_id)
-            if group is None or group.status in (GroupStatus.CONSUMED, GroupStatus.ABORTED):
-                continue
-            self.pool.set_status(group, GroupStatus.ABORTED)
-            self._counters["surplus_groups"] += 1
-            self._counters["wasted_tokens"] += sum(t.generated for t in group.members if t.status is TrajStatus.DONE)
-            fate = Fate.DROPPED if self.system.batch_redundancy else Fate.ABORTED  # redundancy's or the bound's
-            self.skew.settle_all([t.traj_id for t in group.members if t.status is TrajStatus.DONE], fate)
-            self.skew.forget_group(group_id)
-            self._abort([t for t in group.members if t.status not in (TrajStatus.DONE, TrajStatus.ABORTED)], fate)
-            self.pool.forget(group)
-        if transition.cancelled:
-            self._refill()
+        self._settle(abort, surplus)
+        if occupied:
             self._try_train()
 
-    def _abort(self, trajs: list[SimTrajectory], fate: Fate) -> None:
-        """Drop trajectories wherever they are (Abort command on instances)."""
+    def _abort(self, trajs: list[SimTrajectory]) -> None:
+        """Abort commands: cancelled trajectories leave their instances (one whose Route has not
+        landed yet is acknowledged at once: the Route skips it)."""
         by_instance: dict[int, list[SimTrajectory]] = {}
+        acknowledged = []
         for traj in trajs:
-            if traj.status is not TrajStatus.RUNNING:
-                self.skew.stopped(traj.traj_id, traj.generated, fate)  # a partial handed back, or nothing
-            if traj.status is TrajStatus.PENDING:
-                self.pool.take(traj)
-                traj.status = TrajStatus.ABORTED
-            elif traj.status is TrajStatus.ASSIGNED:
-                traj.status = TrajStatus.ABORTED  # its Route will skip it
-            elif traj.status is TrajStatus.RUNNING:
-                by_instance.setdefault(traj.instance, []).append(traj)  # type: ignore[arg-type]
+            if traj.engine is None:
+                self.skew.stopped(traj.traj_id, traj.generated, traj.cut or Fate.ABORTED)  # its Route was in flight
+                acknowledged.append(traj)
+            else:
+                by_instance.setdefault(traj.engine, []).append(traj)
+        self.pool.cancelled(acknowledged)
         for i, on_core in by_instance.items():
             self._advance(i, self.now)
-            ids = [t.traj_id for t in on_core if t.status is TrajStatus.RUNNING]
+            ids = [t.traj_id for t in on_core if t.engine == i and t.state is TrajState.CANCELLING]
             if not ids:
                 continue
             self.cores[i].abort(ids)
+            aborted = []
             for finished in self.cores[i].pop_finished():
                 traj = self.pool.trajs.get(finished.traj_id)
                 if traj is not None:
-                    traj.status, traj.instance = TrajStatus.ABORTED, None
-                    self.skew.stopped(traj.traj_id, finished.num_tokens, fate)
+                    aborted.append(traj)
+                    self.skew.stopped(traj.traj_id, finished.num_tokens, traj.cut or Fate.ABORTED)
                     self._on_instances.pop(traj.traj_id, None)
                     self._counters["wasted_tokens"] += finished.num_tokens
+            self.pool.cancelled(aborted)
             self._counters["aborted"] += len(ids)
             self._times[i].interrupt_s += self.config.commands.interrupt(len(ids))
             self._schedule_core(i)
+
+    def _settle(self, abort: list[SimTrajectory], surplus_before: int) -> None:
+        """After a call that followed ledger transitions: abort what they cancelled on the
+        instances, and refill the pool if they cancelled groups."""
+        if abort:
+            self._abort(abort)
+        if self.pool.surplus_groups != surplus_before:
+            self._refill()
+            self._try_train()
 
     # ------------------------------------------------------------------ trainer
 
     def _try_train(self) -> None:
         if self._training or self._steps_started >= self._steps_target or self.pool.occupied < self.workload.batch_size:
             return  # a Ready buffer needs B occupied groups
+        surplus = self.pool.surplus_groups
         try:
-            transition = self.ledger.consume()
+            transition, batch, abort = self.pool.consume(self.ledger.consume)
         except LedgerError:
             return
         buffer = transition.buffer
         assert buffer is not None and transition.consumed is not None
-        groups = [self.pool.groups[g] for g in transition.consumed]
-        record = self._record_batch(buffer, groups)
+        record = self._record_batch(buffer, len(transition.consumed), batch)
         seconds = self.config.trainer.step_seconds(record.trained_tokens, self.config.train_gpus)
         self._training = True
         self._steps_started += 1
@@ -371,34 +349,30 @@ class ClusterSimulation:
             self._train_s += seconds
         self._steps.append(record)  # end_s is set when training ends
         self._push(self.now + seconds, _TRAIN_END, buffer)
-        for group in groups:
-            self.pool.set_status(group, GroupStatus.CONSUMED)
-            self.pool.forget(group)
-        self._cancel(transition)
+        self._settle(abort, surplus)
         self._refill()
         self._mark_dirty()
 
-    def _record_batch(self, buffer: int, groups: list[SimGroup]) -> SimStepRecord:
+    def _record_batch(self, buffer: int, groups: int, batch: list[tuple[SimTrajectory, GroupRecord]]) -> SimStepRecord:
         lengths: list[int] = []
         trained = 0
         hist: Counter[int] = Counter()
-        for group in groups:
+        for traj, group in batch:
             assert group.v_traj is not None
-            for traj in group.counted:
-                staleness = buffer - group.v_traj
-                hist[staleness] += 1
-                oldest = traj.oldest_version
-                if self.completion_order and staleness > self.eta:  # the system's own rule allows it
-                    self._exceedances += 1
-                    self._max_exceedance = max(self._max_exceedance, staleness - self.eta)
-                elif not 0 <= staleness <= self.eta or oldest is None or oldest < group.v_traj:
-                    self._violations += 1
-                lengths.append(traj.generated)
-                trained += traj.context
+            staleness = buffer - group.v_traj
+            hist[staleness] += 1
+            oldest = traj.oldest_version
+            if self.completion_order and staleness > self.eta:  # the system's own rule allows it
+                self._exceedances += 1
+                self._max_exceedance = max(self._max_exceedance, staleness - self.eta)
+            elif not 0 <= staleness <= self.eta or oldest is None or oldest < group.v_traj:
+                self._violations += 1
+            lengths.append(traj.generated)
+            trained += traj.context
         self._staleness[buffer] = dict(sorted(hist.items()))
-        self.skew.consumed(buffer, [(t.traj_id, buffer - g.v_traj) for g in groups for t in g.counted])
+        self.skew.consumed(buffer, [(t.traj_id, buffer - g.v_traj) for t, g in batch])  # type: ignore[operator]
         return SimStepRecord(
-            step=len(self._steps) + 1, buffer=buffer, start_s=self.now, end_s=math.nan, groups=len(groups),
+            step=len(self._steps) + 1, buffer=buffer, start_s=self.now, end_s=math.nan, groups=groups,
             trajectories=len(lengths), response_tokens=sum(lengths), trained_tokens=trained,
             mean_response=sum(lengths) / len(lengths) if lengths else 0.0, max_response=max(lengths, default=0),
             staleness=dict(sorted(hist.items())),
@@ -505,7 +479,7 @@ class ClusterSimulation:
             return True
         if not pending:
             return False  # selective sync needs something to route on the new version
-        if self.pool.versioned_pending:
+        if self.pool.book.versioned_pending():
             return True
         versions = {s.version for s in states}
         if lagging:
@@ -514,11 +488,12 @@ class ClusterSimulation:
 
     def _issue(self, plan: CyclePlan, t: float) -> None:
         costs = self.config.commands
+        commands = commands_of(plan)
         back_at: dict[str, float] = {}  # interrupted trajectory -> when its partial is in the TS
         keep = self.strategy.pull is PullMode.KEEP
-        syncs = set() if keep else set(plan.syncs)  # Pulls that interrupt everything on their instance
-        self._counters["syncs"] += len(plan.syncs)
-        for instance_id, traj_ids in plan.interrupts.items():
+        syncs = set() if keep else set(commands.pulls)  # Pulls that interrupt everything on their instance
+        self._counters["syncs"] += len(commands.pulls)
+        for instance_id, traj_ids in commands.interrupts.items():
             i = self._index[instance_id]
             latency = costs.interrupt(len(traj_ids))
             self._times[i].interrupt_s += latency
@@ -528,42 +503,34 @@ class ClusterSimulation:
                 back_at[traj_id] = t + latency
             self._busy_until[i] = t + latency
             self._land(t + latency, i, "interrupt", traj_ids, instance_id in syncs)
-        for instance_id in plan.syncs:  # list order: reproducible event order in every process
+        for instance_id in commands.pulls:  # list order: reproducible event order in every process
             i = self._index[instance_id]
             if keep:  # after a migration's Interrupt, if any; Routes to it land after it
                 self._busy_until[i] = self._busy_until.get(i, t)
                 self._land(self._busy_until[i], i, "keep", [], True)
-            elif instance_id not in plan.interrupts:
+            elif instance_id not in commands.interrupts:
                 self._land(t, i, "interrupt", [], True)
-        by_instance: dict[int, list[str]] = {}
-        refused: set[str] = set()
-        for d in plan.routes:
-            traj = self.pool.trajs.get(d.traj_id)
-            if traj is None or d.group_id in refused:
+        for instance_id, assignments in commands.routes.items():
+            j = self._index[instance_id]
+            now, after_interrupt = [], []
+            for traj_id, v_traj in assignments:
+                traj = self.pool.trajs.get(traj_id)
+                if traj is not None and traj.engine is not None and traj_id in back_at:
+                    if traj.group.v_traj == v_traj:  # checked out once its partial is back
+                        traj.route_to = j
+                        after_interrupt.append(traj_id)
+                else:
+                    now.append((traj_id, v_traj))
+            surplus = self.pool.surplus_groups
+            routed, refused, abort = self.pool.checkout(instance_id, now, self.ledger.reserve)
+            for group_id in self.pool.reserved:
+                self.skew.admitted(group_id, t)
+            self._counters["refused_reservations"] += refused
+            self._settle(abort, surplus)
+            going = {x.traj_id for x in routed}.union(after_interrupt)
+            traj_ids = [traj_id for traj_id, _ in assignments if traj_id in going]  # the engine queues them in order
+            if not traj_ids:
                 continue
-            group = traj.group
-            if d.reserves_group:
-                try:
-                    transition = self.ledger.reserve(group.group_id, d.v_traj)
-                except LedgerError:
-                    refused.add(d.group_id)
-                    self._counters["refused_reservations"] += 1
-                    continue
-                self.pool.set_version(group, d.v_traj)
-                self.skew.admitted(group.group_id, t)
-                self._cancel(transition)
-            if group.v_traj != d.v_traj or group.status is not GroupStatus.RESERVED:
-                continue
-            j = self._index[d.instance_id]
-            if traj.status is TrajStatus.PENDING:
-                self.pool.take(traj)
-                traj.status, traj.instance = TrajStatus.ASSIGNED, j
-            elif traj.status is TrajStatus.RUNNING and d.traj_id in back_at:
-                traj.route_to = j
-            else:
-                continue
-            by_instance.setdefault(j, []).append(d.traj_id)
-        for j, traj_ids in by_instance.items():
             # after the partials it carries are back, and after this instance's own Interrupt / Pull
             start = max([t, self._busy_until.get(j, t), *(back_at.get(x, t) for x in traj_ids)])
             latency = costs.route(len(traj_ids))
@@ -580,8 +547,7 @@ class ClusterSimulation:
         self._advance(i, self.now)
         core = self.cores[i]
         if kind in ("interrupt", "resume"):
-            ids = [x for x in traj_ids if (tr := self.pool.trajs.get(x)) and tr.status is TrajStatus.RUNNING
-                   and tr.instance == i]
+            ids = [x for x in traj_ids if (tr := self.pool.trajs.get(x)) and tr.engine == i]
             if version is not None:  # a Pull hands back everything on the instance
                 snap = core.snapshot()
                 listed = set(ids)
@@ -607,18 +573,19 @@ class ClusterSimulation:
         self._mark_dirty()
 
     def _route_now(self, i: int, traj_ids: list[str]) -> None:
-        """The trajectories assigned to instance ``i`` among ``traj_ids`` reach its engine."""
+        """The trajectories checked out to instance ``i`` among ``traj_ids`` reach its engine."""
         core = self.cores[i]
         requests = []
         for traj_id in traj_ids:
             traj = self.pool.trajs.get(traj_id)
-            if traj is None or traj.status is not TrajStatus.ASSIGNED or traj.instance != i:
+            if (traj is None or traj.state is not TrajState.ROUTED or traj.record.instance_id != core.instance_id
+                    or traj.engine is not None):
                 continue
             group = traj.group
             assert group.v_traj is not None
             requests.append(CountedRequest(traj_id=traj_id, group_id=group.group_id, prompt_ids=group.prompt_ids,
                                            v_traj=group.v_traj, sampling=self.sampling, generated=traj.generated))
-            traj.status = TrajStatus.RUNNING
+            traj.engine = i
             traj.oldest_version = core.version if traj.oldest_version is None else min(traj.oldest_version, core.version)
             self._on_instances[traj_id] = traj.view
         if requests:
@@ -626,11 +593,13 @@ class ClusterSimulation:
             self._counters["routed"] += len(requests)
 
     def _take_back(self, i: int, traj_ids: list[str]) -> None:
-        """Interrupt: the trajectories leave the instance with what they generated so far."""
+        """Interrupt: the trajectories leave the instance with what they generated so far and go
+        back to the trajectory server; those the plan routed elsewhere are checked out there."""
         if not traj_ids:
             return
         core = self.cores[i]
         core.abort(traj_ids)
+        back = []
         for finished in core.pop_finished():
             traj = self.pool.trajs.get(finished.traj_id)
             if traj is None:
@@ -638,11 +607,17 @@ class ClusterSimulation:
             traj.generated = finished.num_tokens
             self._on_instances.pop(traj.traj_id, None)
             self._counters["interrupted"] += 1
-            if traj.route_to is not None:
-                traj.status, traj.instance, traj.route_to = TrajStatus.ASSIGNED, traj.route_to, None
-                self.pool.refresh(traj)
-            else:
-                self.pool.make_pending(traj)
+            back.append(traj)
+        self.pool.returned(core.instance_id, back)
+        onward: dict[int, list[tuple[str, int]]] = {}
+        for traj in back:
+            if traj.route_to is not None and traj.group.v_traj is not None:
+                onward.setdefault(traj.route_to, []).append((traj.traj_id, traj.group.v_traj))
+            traj.route_to = None
+        for j, assignments in onward.items():
+            surplus = self.pool.surplus_groups
+            _, _, abort = self.pool.checkout(self.cores[j].instance_id, assignments, self.ledger.reserve)
+            self._settle(abort, surplus)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -696,6 +671,8 @@ class ClusterSimulation:
         counters["pulls"] = sum(s.pulls for s in stats)
         counters["prefill_tokens"] = sum(s.prefill_tokens for s in stats)
         counters["generated_tokens"] = sum(s.tokens_generated for s in stats)
+        counters["surplus_groups"] = self.pool.surplus_groups
+        counters["wasted_tokens"] = counters.get("wasted_tokens", 0) + self.pool.wasted_tokens
         for key in ("completed", "routed", "interrupted", "migrated", "syncs", "aborted", "surplus_groups",
                     "wasted_tokens", "refused_reservations"):
             counters.setdefault(key, 0)

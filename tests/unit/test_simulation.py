@@ -10,8 +10,10 @@ from dataclasses import replace
 
 import pytest
 
+from staleflow.config.manager import LedgerParams
 from staleflow.engines.base import SamplingParams
 from staleflow.engines.sim import SimCore
+from staleflow.ledger import Ledger
 from staleflow.simulation import (
     ClusterSimulation,
     CountedRequest,
@@ -26,7 +28,8 @@ from staleflow.simulation import (
 )
 from staleflow.simulation.experiment import Point, SimulatedJob, apply_sweep, parse_sweep
 from staleflow.simulation.systems import CHECKPOINT_STALL_S, CHECKPOINT_TOKENS, Family, catalog
-from staleflow.simulation.trajectory_pool import GroupStatus, TrajectoryPool, TrajStatus
+from staleflow.simulation.trajectory_pool import TrajectoryPool
+from staleflow.trajectory_book import GroupState, TrajState
 
 CI = scenario("ci", seed=0)
 SYSTEMS = {s.name: s for s in catalog(CI.redundancy)}
@@ -197,22 +200,28 @@ def test_a_simulation_runs_once_and_rejects_bad_configs() -> None:
         ClusterSimulation(replace(SimulatedJob(Point(0, 1, CI), SYSTEMS["verl"], 4, 1).config(), sim=tiny))
 
 
-def test_pool_samples_workload_groups_and_tracks_versions() -> None:
-    pool = TrajectoryPool(CI.workload, batch_size=4, members=4)
+def test_pool_samples_workload_groups_and_keeps_the_trajectory_servers_book() -> None:
+    pool = TrajectoryPool(CI.workload, batch_size=4, members=4, needed=4)
+    ledger = Ledger(LedgerParams(1, 4, 0, 4, 0))
     groups = pool.sample(5)
     assert [g.group_id for g in groups[:4]] == [g.group_id for g in CI.workload.groups(0)]
-    assert groups[4].group_id == "s1-g0"
-    assert pool.pending_count == 20 and pool.versioned_pending == 0 and pool.live_groups() == 5
-    first = groups[0].members[0]
-    pool.set_version(groups[0], 0)
-    assert pool.versioned_pending == 4 and first.view.v_traj == 0
-    pool.take(first)
-    first.status = TrajStatus.RUNNING
-    assert pool.pending_count == 19 and pool.versioned_pending == 3
-    pool.set_status(groups[0], GroupStatus.OCCUPIED)
-    assert pool.occupied == 1
-    pool.forget(groups[0])
-    assert pool.live_groups() == 4 and first.traj_id not in pool.trajs
+    assert groups[4].group_id == "s1-g0" and groups[4].member_ids[0] == "s1-g0/m0"
+    assert pool.pending_count == 20 and pool.live_groups() == 5
+    assert all(p.v_traj is None for p in pool.pending())
+    first = pool.trajs[groups[0].member_ids[0]]
+    routed, refused, abort = pool.checkout("inst-0", [(first.traj_id, 0)], ledger.reserve)
+    assert routed == [first] and refused == 0 and abort == []
+    assert first.state is TrajState.ROUTED and groups[0].state is GroupState.RESERVED
+    assert pool.pending_count == 19 and sum(p.v_traj == 0 for p in pool.pending()) == 3, "its group has a V_traj now"
+    first.generated = 7
+    pool.returned("inst-0", [first])
+    assert first.state is TrajState.PENDING and first.view.length == len(groups[0].prompt_ids) + 7
+    rest = [(m, 0) for m in groups[0].member_ids]
+    pool.checkout("inst-0", rest, ledger.reserve)
+    for m in groups[0].member_ids:
+        counted, occupied, _ = pool.completed("inst-0", pool.trajs[m], ledger.occupy)
+        assert counted
+    assert occupied and pool.occupied == 1 and groups[0].state is GroupState.OCCUPIED
 
 
 def test_counted_request_resumes_from_a_token_count() -> None:

@@ -25,6 +25,10 @@ from staleflow.trajectory_book import (
 INSTANCES = ("i0", "i1")
 
 
+def _traj_of(assignment: tuple[str, int]) -> str:
+    return assignment[0]
+
+
 class BookMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -96,6 +100,33 @@ class BookMachine(RuleBasedStateMachine):
         self.routed_ever.update(picked)
         assert [t.traj_id for t in routed] == picked
         assert all(t.state is TrajState.ROUTED and t.instance_id == instance for t in routed)
+
+    @precondition(lambda self: self._ids(TrajState.PENDING, TrajState.ROUTED))
+    @rule(data=st.data(), instance=st.sampled_from(INSTANCES))
+    def checkout_through_the_ledger(self, data: st.DataObject, instance: str) -> None:
+        """The service's checkout (and the simulation's): reserve the groups the book names,
+        some refused by the ledger, then route what it grants."""
+        ids = self._ids(TrajState.PENDING, TrajState.ROUTED)
+        assignments = data.draw(st.lists(st.tuples(st.sampled_from(ids), st.integers(0, 3)), min_size=1, max_size=5,
+                                         unique_by=_traj_of))
+        self._mark()
+        needed = self.book.reservations_needed(assignments)
+        refused_groups = data.draw(st.sets(st.sampled_from(sorted(needed)))) if needed else set()
+        for group_id, v_traj in needed.items():
+            assert self.book.groups[group_id].state is GroupState.SAMPLED
+            assert v_traj == next(v for t, v in assignments if self.book.trajs[t].group_id == group_id
+                                  and self.book.trajs[t].state is TrajState.PENDING), "the first assignment's V_traj"
+            if group_id not in refused_groups:
+                self.book.set_group_version(group_id, v_traj)
+        granted, refused = self.book.grant(assignments, {g: "not admissible" for g in refused_groups})
+        assert sorted(granted + [t for t, _ in refused]) == sorted(t for t, _ in assignments)
+        for traj_id, v_traj in assignments:
+            t = self.book.trajs[traj_id]
+            g = self.book.groups[t.group_id]
+            ok = t.state is TrajState.PENDING and g.state is GroupState.RESERVED and g.v_traj == v_traj
+            assert (traj_id in granted) == (ok and g.group_id not in refused_groups)
+        self.book.checkout(instance, granted)
+        self.routed_ever.update(granted)
 
     @precondition(lambda self: self._groups(GroupState.SAMPLED) and self._routable())
     @rule(data=st.data())
@@ -344,6 +375,13 @@ class BookMachine(RuleBasedStateMachine):
         for instance in {t.instance_id for t in on_instances}:
             assert [t for t, _ in self.book.routed(instance)] == [t for t in on_instances if t.instance_id == instance]
         assert self.book.cancellations() == [t for t in by_seq if t.state is TrajState.CANCELLING]
+        assert self.book.versioned_pending() == sum(
+            t.state is TrajState.PENDING and self.book.groups[t.group_id].v_traj is not None for t in by_seq)
+        for state in TrajState:
+            assert set(self.book.in_state(state)) == {t.traj_id for t in by_seq if t.state is state}
+        for state in GroupState:
+            assert self.book.groups_in(state) == sum(g.state is state for g in self.book.groups.values())
+        assert self.book.live_groups() == len(self._groups(GroupState.SAMPLED, GroupState.RESERVED, GroupState.OCCUPIED))
         assert self.book.completed_ones() == [t for t in by_seq if t.state is TrajState.COMPLETED]
 
 
