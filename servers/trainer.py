@@ -35,9 +35,11 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
+from staleflow.api.base import ServiceError
+from staleflow.api.manager import ManagerClient
+from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig
 from staleflow.errors import ErrorCode
-from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 from staleflow.training.base import (
     TRANSIENT_STATUS,
     PushStopped,
@@ -182,7 +184,7 @@ class TrainerLoop:
     def _run(self) -> None:
         from staleflow.transports.client import ParamsClient
 
-        with ManagerClient(self.urls["manager"]) as manager, http_client(self.urls["ts"], timeout=120) as ts, \
+        with ManagerClient(self.urls["manager"]) as manager, TrajectoryClient(self.urls["ts"], timeout=120) as ts, \
                 ParamsClient(self.urls["params"], timeout=300, remote_push=self.remote_push) as params, \
                 ThreadPoolExecutor(1, thread_name_prefix="push") as pusher:
             self.manager, self.ts, self.params = manager, ts, params
@@ -190,7 +192,7 @@ class TrainerLoop:
             # a backend without checkpoints of its own resumes from the newest visible version, so
             # its batches are covered (and freed) once the version they produced is visible
             own_checkpoints = self.backend.resume_version() is not None
-            train_version = self._retry("read the ledger", manager.buffers)["train_version"]
+            train_version = self._retry("read the ledger", manager.buffers).train_version
             freed_below = max(0, trained - self.eta - 2)
             freed_below = self._free(freed_below, trained)
             pushing: Future | None = None
@@ -258,13 +260,13 @@ class TrainerLoop:
 
     def _batch(self, version: int) -> dict:
         def fetch() -> dict:
-            reply = self.ts.get(f"/v1/batches/{version}")
-            if reply.status_code in TRANSIENT_STATUS:
-                raise ServiceError(reply.status_code, reply.text)
-            if reply.status_code != 200:
-                raise RuntimeError(f"batch {version} cannot be fetched ({reply.status_code}: {reply.text}); "
-                                   "it was freed before a checkpoint covered it")
-            return reply.json()
+            try:  # plain data, as the backends take it: no model in between
+                return self.ts.json(TrajectoryClient.batch, version)
+            except ServiceError as exc:
+                if exc.transient:
+                    raise
+                raise RuntimeError(f"batch {version} cannot be fetched ({exc}); "
+                                   "it was freed before a checkpoint covered it") from exc
 
         return self._retry(f"fetch batch {version}", fetch)
 
@@ -301,7 +303,7 @@ class TrainerLoop:
             self._repush_lost(state)
             pending = pending_push(state, version)
             if pending is not None:  # left unfinished by a killed trainer (a part that joins again starts over)
-                self.params.http.delete(f"/v1/params/{version}/push", params={"push_id": pending["push_id"]})
+                self.params.abort_push(version, pending["push_id"])
             self.params.push(version, tensors)
 
         self._retry(f"push version {version}", push)
@@ -320,11 +322,12 @@ class TrainerLoop:
 
     def _free(self, freed_below: int, covered: int) -> int:
         def free(version: int) -> None:
-            reply = self.ts.delete(f"/v1/batches/{version}")
-            if reply.status_code in TRANSIENT_STATUS:  # the TS could not reach the manager: retried, not lost
-                raise ServiceError(reply.status_code, reply.text)
-            if reply.status_code != 200:
-                log.warning("freeing batch %d: %d %s", version, reply.status_code, reply.text)
+            try:
+                self.ts.free_batch(version)
+            except ServiceError as exc:
+                if exc.transient:  # the TS could not reach the manager: retried, not lost
+                    raise
+                log.warning("freeing batch %d: %s", version, exc)
 
         for v in range(freed_below, covered):
             self._retry(f"free batch {v}", lambda v=v: free(v))

@@ -22,10 +22,10 @@ Endpoints (JSON errors ``{"detail": ...}``): see docs/params.md.
 client (``ParamsClient``) lives in the library, ``staleflow.transports.client``.
 """
 
+from staleflow.api.base import ServiceError
 from staleflow.servers.params.app import create_app
 from staleflow.servers.params.config import ParamsConfig
 from staleflow.servers.params.store import ParamsError, ParamStore
 from staleflow.transports.client import ParamsClient, RawTensor
-from staleflow.transports.rest import ServiceError
 
 __all__ = ["ParamStore", "ParamsClient", "ParamsConfig", "ParamsError", "RawTensor", "ServiceError", "create_app"]
