@@ -36,7 +36,7 @@ from staleflow.config import JobConfig, LedgerConfig
 from staleflow.launch.launcher import ComponentStuck, Supervised, exit_cause
 from staleflow.servers.auth import TOKEN_ENV, run_token
 from staleflow.servers.http import RunningServer, serve_in_thread
-from staleflow.servers.trainer import StepLog, StepRecord, TrainerLoop
+from staleflow.training.role import StepLog, StepRecord, run_trainer_role
 
 log = logging.getLogger(__name__)
 
@@ -129,23 +129,14 @@ def trainer_label(config: JobConfig) -> str:
 
 
 def step_log(config: JobConfig) -> StepLog:
-    return StepLog(config.state_dir / "trainer" / "steps.jsonl")
+    return StepLog(config.trainer_role_config().step_log_path)
 
 
 def run_trainer(config: JobConfig, endpoints: dict[str, dict], stop: threading.Event, started: float | None = None) -> None:
-    """The trainer role until ``config.steps`` buffers are trained (or ``stop``)."""
+    """The trainer role until ``config.steps`` buffers are trained (or ``stop``), with its section of the job."""
     urls = {k: v["url"] for k, v in endpoints.items()}
-    if config.engine == "sim":
-        from staleflow.training.simulated import SimulatedBackend
-
-        t = config.trainer
-        backend = SimulatedBackend(t.seconds_per_step, t.seconds_per_token, t.push_bytes, config.speed, stop)
-        TrainerLoop(backend, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log(config),
-                    stop=stop, started=started, remote_push=t.remote_push).run()
-        return
-    from staleflow.servers.trainer import run_fsdp_trainer
-
-    run_fsdp_trainer(config, urls, step_log(config), stop, started)
+    role = config.trainer_role_config(None if config.engine == "sim" else model_dir(config))
+    run_trainer_role(role, urls, stop, started)
 
 
 # ---------------------------------------------------------------------------- monitoring

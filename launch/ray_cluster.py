@@ -342,8 +342,6 @@ class TrainerRank:
         self.thread.start()
 
     def _run(self) -> None:
-        from staleflow.launch.job import step_log
-
         urls = {k: v["url"] for k, v in self.endpoints.items() if isinstance(v, dict) and "url" in v}
         try:
             if self.config.engine == "sim":
@@ -351,9 +349,11 @@ class TrainerRank:
 
                 run_trainer(self.config, self.endpoints, self.stop_event, self.started)
             else:
-                from staleflow.servers.trainer import run_fsdp_rank
+                from staleflow.launch.job import model_dir
+                from staleflow.training.role import run_fsdp_rank
 
-                run_fsdp_rank(self.config, urls, step_log(self.config), self.stop_event, self.started)
+                role = self.config.trainer_role_config(model_dir(self.config))
+                run_fsdp_rank(role, urls, self.stop_event, self.started)
             self.done = True
         except BaseException as exc:  # reported through state(); the launcher restarts the gang
             log.exception("trainer rank %d failed", self.rank)

@@ -1,6 +1,6 @@
 """What the trainer role needs from a trainer backend, and how a sharded trainer's ranks push.
 
-The role (``staleflow.servers.trainer``) does the I/O: it consumes a Ready buffer, fetches its batch,
+The role (``staleflow.training.role``) does the I/O: it consumes a Ready buffer, fetches its batch,
 hands it to the backend, pushes the weights the backend returns and frees batches once a checkpoint
 covers them. A backend only trains, so the same role drives the simulated trainer and the FSDP one.
 

@@ -176,7 +176,7 @@ def test_a_corrupted_slot_fails_verification(url: str) -> None:
 def test_the_trainer_pushes_again_a_version_the_ps_lost_before_persisting_it(tmp_path: Path) -> None:
     """Memory first: a version visible but not yet on disk dies with the PS; the trainer role,
     still holding its tensors, pushes it again before the next one."""
-    from staleflow.servers.trainer import StepLog, TrainerLoop
+    from staleflow.training.role import StepLog, TrainerLoop
     from staleflow.training.simulated import SimulatedBackend
 
     backend = SimulatedBackend(0.0, 0.0, 1000, 1.0, threading.Event())

@@ -23,9 +23,9 @@ from staleflow.servers.instance import create_app as instance_app
 from staleflow.servers.manager import create_app as manager_app
 from staleflow.servers.params import ParamsConfig
 from staleflow.servers.params import create_app as params_app
-from staleflow.servers.trainer import StepLog, TrainerLoop
 from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
 from staleflow.servers.trajectories import create_app as ts_app
+from staleflow.training.role import StepLog, TrainerLoop
 from staleflow.training.simulated import SimulatedBackend
 from staleflow.transports.client import ParamsClient
 

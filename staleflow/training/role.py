@@ -1,4 +1,6 @@
 """The trainer role: consume a Ready buffer, fetch its batch, train, push the next version, free.
+It is no server but a client loop of the services (``staleflow.api``), run with its own section of
+the job (``TrainerRoleConfig``): in a thread of the job, a process of its own or Ray actors.
 
 Exactly-once across crashes of any role:
 * consume names the buffer it means (``POST /v1/consume?version=v``), so a retry after a lost
@@ -38,7 +40,7 @@ import numpy as np
 from staleflow.api.base import ServiceError
 from staleflow.api.manager import ManagerClient
 from staleflow.api.trajectories import TrajectoryClient
-from staleflow.config import JobConfig
+from staleflow.config import TrainerRoleConfig
 from staleflow.errors import ErrorCode
 from staleflow.training.base import (
     TRANSIENT_STATUS,
@@ -340,40 +342,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, stop: threading.Event,
+def run_trainer_role(role: TrainerRoleConfig, urls: Mapping[str, str], stop: threading.Event,
                      started: float | None = None) -> None:
-    """The trainer role on the FSDP2 backend: this process is rank 0; ranks 1..world-1 are spawned and die with it."""
+    """The trainer role until ``role.steps`` buffers are trained (or ``stop``): the simulated
+    backend in this thread, or an FSDP2 trainer whose rank 0 this process is."""
+    step_log = StepLog(role.step_log_path)
+    if role.backend == "simulated":
+        from staleflow.training.simulated import SimulatedBackend
+
+        t = role.trainer
+        backend = SimulatedBackend(t.seconds_per_step, t.seconds_per_token, t.push_bytes, role.speed, stop)
+        TrainerLoop(backend, steps=role.steps, eta=role.eta, urls=urls, step_log=step_log, stop=stop, started=started,
+                    remote_push=t.remote_push).run()
+        return
+    run_fsdp_trainer(role, urls, step_log, stop, started)
+
+
+def _model_dir(role: TrainerRoleConfig) -> Path:
+    if role.model_dir is None:
+        raise ValueError("an FSDP2 trainer role needs model_dir: the model to train")
+    return role.model_dir
+
+
+def run_fsdp_trainer(role: TrainerRoleConfig, urls: Mapping[str, str], step_log: StepLog, stop: threading.Event,
+                     started: float | None = None) -> None:
+    """The trainer role on the FSDP2 backend: this process is rank 0; ranks 1..world-1 are spawned
+    (with the role's section, not the whole job) and die with it."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from staleflow.training.demo import resolve_model
-    from staleflow.training.fsdp import (
-        FsdpBackend,
-        RankDriver,
-        check_gpus_for_ranks,
-        checkpoint_dir,
-        init_process_group,
-        run_follower,
-    )
+    from staleflow.training.fsdp import FsdpBackend, RankDriver, check_gpus_for_ranks, init_process_group, run_follower
 
-    world = config.trainer.world_size
+    world = role.trainer.world_size
     check_gpus_for_ranks(world)  # all ranks on this node: refused before any starts
-    model_dir = resolve_model(config)
+    model_dir = _model_dir(role)
     port = _free_port()
-    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
+    role.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     context = mp.get_context("spawn")
-    followers = [context.Process(target=run_follower, args=(r, world, port, config.model_dump_json(), str(model_dir)),
+    followers = [context.Process(target=run_follower, args=(r, world, port, role.model_dump_json()),
                                  daemon=True, name=f"rank-{r}") for r in range(1, world)]
     for p in followers:
         p.start()
     init_process_group(0, world, port)
-    driver = RankDriver(FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), 0, world, config.steps),
+    driver = RankDriver(FsdpBackend(role.trainer, model_dir, role.checkpoint_dir, 0, world, role.steps),
                         params_url=urls["params"])
     from staleflow.training.bench import MeteredBackend
 
     try:
-        TrainerLoop(MeteredBackend.around(driver), steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
-                    started=started, remote_push=config.trainer.remote_push).run()
+        TrainerLoop(MeteredBackend.around(driver), steps=role.steps, eta=role.eta, urls=urls, step_log=step_log, stop=stop,
+                    started=started, remote_push=role.trainer.remote_push).run()
     finally:
         driver.close()
         for p in followers:
@@ -381,19 +398,17 @@ def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, 
         dist.destroy_process_group()
 
 
-def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog, stop: threading.Event,
+def run_fsdp_rank(role: TrainerRoleConfig, urls: Mapping[str, str], stop: threading.Event,
                   started: float | None = None) -> None:
     """One rank of an FSDP2 trainer whose ranks a launcher started on their own (one process each,
     maybe on other machines) with the rendezvous in the environment (``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``): rank 0 runs the trainer role, the others follow it."""
     import torch.distributed as dist
 
-    from staleflow.training.demo import resolve_model
     from staleflow.training.fsdp import (
         RENDEZVOUS_ENV,
         FsdpBackend,
         RankDriver,
-        checkpoint_dir,
         follow,
         init_process_group,
         rendezvous_from_env,
@@ -403,11 +418,11 @@ def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog,
     if rendezvous is None:
         raise RuntimeError(f"run_fsdp_rank needs {', '.join(RENDEZVOUS_ENV)} in the environment")
     master_addr, port, rank, world = rendezvous
-    model_dir = resolve_model(config)
-    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
+    model_dir = _model_dir(role)
+    role.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     init_process_group(rank, world, port, master_addr)
     try:
-        local = FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), rank, world, config.steps)
+        local = FsdpBackend(role.trainer, model_dir, role.checkpoint_dir, rank, world, role.steps)
         if rank > 0:
             follow(local)
             return
@@ -415,8 +430,9 @@ def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog,
         from staleflow.training.bench import MeteredBackend
 
         try:
-            TrainerLoop(MeteredBackend.around(driver), steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
-                        started=started, remote_push=config.trainer.remote_push).run()
+            TrainerLoop(MeteredBackend.around(driver), steps=role.steps, eta=role.eta, urls=urls,
+                        step_log=StepLog(role.step_log_path), stop=stop, started=started,
+                        remote_push=role.trainer.remote_push).run()
         finally:
             driver.close()
     finally:
