@@ -17,9 +17,12 @@ the route's reply type::
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +33,10 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 from pydantic_core import to_jsonable_python
 
+from staleflow.backoff import Backoff
 from staleflow.errors import ErrorCode
+
+R = TypeVar("R")
 
 TOKEN_ENV = "STALEFLOW_TOKEN"
 # a file holding the token (e.g. a mounted Kubernetes or compose secret): the token itself never
@@ -105,6 +111,46 @@ class ServiceError(RuntimeError):
         return self.status in TRANSIENT_STATUS
 
 
+def transient(exc: BaseException) -> bool:
+    """A failure a retry may cure: the service unreachable or restarting (a dropped connection,
+    also on a raw data-plane socket), or unable to reach its own dependency."""
+    if isinstance(exc, ServiceError):
+        return exc.transient
+    return isinstance(exc, httpx.TransportError | ConnectionError)
+
+
+class RetriesStopped(Exception):
+    """The caller's stop event was set while a call was being retried."""
+
+
+def retry_transient(what: str, call: Callable[[], R], stop: threading.Event, *, outage_s: float | None = None,
+                    backoff: Backoff | None = None, log: logging.Logger | None = None) -> R:
+    """``call()``, tried again after each transient failure (``transient``) with a growing,
+    jittered pause (``Backoff``, from 50 ms to 1 s by default) until it succeeds, ``stop`` is set
+    (``RetriesStopped``) or it has failed for ``outage_s`` seconds (``RuntimeError``). Any other
+    failure is raised at once."""
+    log = log or logging.getLogger(__name__)
+    backoff = backoff or Backoff(0.05, 1.0)
+    began = warned = time.monotonic()
+    while True:
+        if stop.is_set():
+            raise RetriesStopped(what)
+        try:
+            return call()
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            now = time.monotonic()
+            if outage_s is not None and now - began > outage_s:
+                raise RuntimeError(f"{what}: still failing after {outage_s:.0f} s: {exc}") from exc
+            if now - warned > 30:
+                warned = now
+                log.warning("%s: still failing after %.0f s (%s); retrying until it answers", what, now - began, exc)
+            else:
+                log.info("%s failed (%s); retrying", what, exc)
+        stop.wait(backoff.failed())  # retry pacing while a component restarts
+
+
 def check_reply(response: httpx.Response) -> httpx.Response:
     """``response`` if it is a 2xx one, else ``ServiceError`` from its error body."""
     if response.is_success:
@@ -117,7 +163,6 @@ def check_reply(response: httpx.Response) -> httpx.Response:
     raise ServiceError(response.status_code, str(detail), body if isinstance(body, dict) else None)
 
 
-R = TypeVar("R")
 _PATH_PARAM = re.compile(r"{(\w+)}")
 
 

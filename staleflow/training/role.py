@@ -34,16 +34,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import numpy as np
 
-from staleflow.api.base import ServiceError
+from staleflow.api.base import RetriesStopped, ServiceError, retry_transient
 from staleflow.api.manager import ManagerClient
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import TrainerRoleConfig
 from staleflow.errors import ErrorCode
 from staleflow.training.base import (
-    TRANSIENT_STATUS,
     PushStopped,
     ShardedWeights,
     SharePusher,
@@ -153,27 +151,10 @@ class TrainerLoop:
     # -- retries -----------------------------------------------------------------------
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        began = time.monotonic()
-        warned = began
-        backoff = 0.05
-        while True:
-            if self.stop.is_set():
-                raise TrainerStopped(what)
-            try:
-                return fn()
-            except (httpx.TransportError, ConnectionError, ServiceError) as exc:  # ConnectionError: the PS's raw push socket
-                if isinstance(exc, ServiceError) and exc.status not in TRANSIENT_STATUS:
-                    raise
-                now = time.monotonic()
-                if self.outage_s is not None and now - began > self.outage_s:
-                    raise RuntimeError(f"{what}: still failing after {self.outage_s:.0f} s: {exc}") from exc
-                if now - warned > 30:
-                    warned = now
-                    log.warning("%s: still failing after %.0f s (%s); retrying until it answers", what, now - began, exc)
-                else:
-                    log.info("%s failed (%s); retrying", what, exc)
-            self.stop.wait(backoff)  # retry pacing while a component restarts
-            backoff = min(backoff * 2, 1.0)
+        try:
+            return retry_transient(what, fn, self.stop, outage_s=self.outage_s, log=log)
+        except RetriesStopped as exc:
+            raise TrainerStopped(what) from exc
 
     # -- the loop ----------------------------------------------------------------------
 
