@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from staleflow.api.base import async_http_client
+from staleflow.api.base import TRANSIENT_STATUS, async_http_client
 from staleflow.api.instance import AbortCommand, AdvanceIn, AnyCommand, InterruptCommand, RouteCommand
 from staleflow.config.engines import Clock
 from staleflow.engines.base import (
@@ -31,7 +31,6 @@ from staleflow.engines.sim import SimEngine
 from staleflow.errors import ErrorCode
 from staleflow.servers.instance.config import InstanceConfig
 from staleflow.servers.instance.wire import engine_request, trajectory_json, weights_ref
-from staleflow.training.base import TRANSIENT_STATUS
 
 log = logging.getLogger(__name__)
 
