@@ -18,8 +18,9 @@ from shared memory), so the PS's own memory stays bounded by a few pieces per st
 
 Endpoints (JSON errors ``{"detail": ...}``): see docs/params.md.
 
-``config`` holds the settings, ``store`` the durable store and its rules, ``app`` the REST app; the
-client (``ParamsClient``) lives in the library, ``staleflow.transports.client``.
+``config`` holds the settings, ``store`` the durable store and its rules, ``app`` the REST app; its
+wire models and routes are ``staleflow.api.params``, and its client (``ParamsClient``, with the
+transports) lives in the library, ``staleflow.transports.client``.
 """
 
 from staleflow.api.base import ServiceError

@@ -1,4 +1,5 @@
-"""The parameter server's REST app: wire models and ``create_app`` (endpoints: see docs/params.md)."""
+"""The parameter server's REST app: ``create_app`` (endpoints: see docs/params.md; wire models:
+``staleflow.api.params``)."""
 
 from __future__ import annotations
 
