@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Self, TypeVar, overload
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import httpx
 from pydantic import BaseModel, TypeAdapter
@@ -215,9 +215,9 @@ class Route(Generic[R]):
         return call
 
     def url_path(self, **path_params: Any) -> str:
-        """The path with its parameters filled in."""
+        """The path with its parameters filled in (percent-encoded: an id may hold any character)."""
         try:
-            return self.path.format(**path_params)
+            return self.path.format(**{k: quote(str(v), safe="") for k, v in path_params.items()})
         except KeyError as exc:
             raise TypeError(f"{self.name}: missing path parameter {exc.args[0]!r}") from None
 

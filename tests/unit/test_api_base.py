@@ -4,6 +4,7 @@ failures are retried with backoff while others are raised at once."""
 from __future__ import annotations
 
 import threading
+from urllib.parse import unquote
 
 import httpx
 import pytest
@@ -51,7 +52,9 @@ def test_a_wrong_call_is_a_type_error_naming_the_parameters(args: tuple, kwargs:
 
 @given(st.text(min_size=1, max_size=20), st.integers(min_value=0, max_value=2**62))
 def test_path_parameters_land_in_their_place(group: str, version: int) -> None:
-    assert ManagerRoutes.reservation.request(group).path == f"/v1/reservations/{group}"
+    path = ManagerRoutes.reservation.request(group).path
+    assert path.startswith("/v1/reservations/") and unquote(path.removeprefix("/v1/reservations/")) == group
+    assert "?" not in path and "#" not in path and path.count("/") == 3
     assert ManagerRoutes.buffer.request(version).path == f"/v1/buffers/{version}"
 
 
