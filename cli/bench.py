@@ -89,7 +89,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def bench_http(params: LedgerParams, requests: int, workdir: Path, db_url: str | None = None) -> dict:
-    from staleflow.servers.clients import ManagerClient
+    from staleflow.api.manager import ManagerClient
     from staleflow.servers.http import serve_in_thread
     from staleflow.servers.manager import create_app
 
@@ -102,8 +102,8 @@ def bench_http(params: LedgerParams, requests: int, workdir: Path, db_url: str |
         client.health()  # waits for the lifespan (database open) to finish
         done = 0
         while done < requests:
-            t = client.buffers()["train_version"]
-            room = client.admission([t])[t]
+            t = client.buffers().train_version
+            room = client.admission([t]).by_version()[t]
             ids = [f"h-{t}-{i}" for i in range(min(room, requests - done))]
             for g in ids:
                 start = time.perf_counter()

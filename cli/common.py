@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -17,6 +17,9 @@ from rich.markup import escape
 
 from staleflow.config.common import STATE_DIR
 from staleflow.config.manager import MANAGER_URL
+
+if TYPE_CHECKING:
+    from staleflow.api.base import Client
 
 console = Console()
 err_console = Console(stderr=True)
@@ -154,24 +157,22 @@ FIXES = {
 """What to do about a refusal, by its error code."""
 
 
-def get_json(url: str, path: str, what: str, state_dir: Path, timeout: float = 10.0, **params: object) -> dict:
-    """GET a running job's service; silence or a refusal becomes an error message that says the fix."""
+C = TypeVar("C", bound="Client")
+T = TypeVar("T")
+
+
+def ask(client_class: type[C], url: str, what: str, state_dir: Path, call: Callable[[C], T], timeout: float = 10.0) -> T:
+    """``call`` on a client of a running job's service at ``url``; silence or a refusal becomes an
+    error message that says the fix."""
     import httpx
 
-    from staleflow.servers.clients import http_client
+    from staleflow.api.base import ServiceError
 
     try:
-        with http_client(url, timeout=timeout, token=job_token(state_dir)) as client:
-            reply = client.get(path, params=params or None)
+        with client_class(url, timeout=timeout, token=job_token(state_dir)) as client:
+            return call(client)
     except httpx.TransportError as exc:
         raise fail(f"no {what} answers at {url} ({exc.__class__.__name__}): no job running at {state_dir}?",
                    "start a job with `staleflow up`, or pass --url / --state-dir") from None
-    try:
-        body = reply.json()
-    except ValueError:
-        body = {"detail": reply.text}
-    if reply.status_code != 200:
-        detail = body.get("detail", reply.text) if isinstance(body, dict) else reply.text
-        code = body.get("code") if isinstance(body, dict) else None
-        raise fail(f"the {what} at {url} refused: HTTP {reply.status_code}: {detail}", FIXES.get(code))
-    return body
+    except ServiceError as exc:
+        raise fail(f"the {what} at {url} refused: {exc}", FIXES.get(exc.body.get("code"))) from None

@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from staleflow.report import plot_rewards
-        from staleflow.servers.trainer import StepLog
+        from staleflow.training.role import StepLog
 
         curves: dict[str, list[dict]] = {}
         for run in runs:

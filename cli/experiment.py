@@ -57,7 +57,7 @@ def register(app: typer.Typer) -> None:
         """Run the real job at eta = 0, 1, 2 and without a bound; plot reward vs step and vs time."""
         from staleflow.experiments import WINDOW, run_numbers, staleness_plan
         from staleflow.report import plot_staleness_convergence
-        from staleflow.servers.trainer import StepLog
+        from staleflow.training.role import StepLog
 
         if config is not None and not config.exists():
             raise fail(f"config file {config} does not exist")

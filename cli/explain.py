@@ -4,7 +4,6 @@ version V would fit now)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +11,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from staleflow.cli.common import DEFAULT_MANAGER_URL, DEFAULT_STATE_DIR, console, fail, get_json, resolve_url
+from staleflow.api.coordinator import BufferExplanationOut, CoordinatorClient
+from staleflow.api.manager import ManagerClient
+from staleflow.cli.common import DEFAULT_MANAGER_URL, DEFAULT_STATE_DIR, ask, console, fail, resolve_url
 from staleflow.cli.ray_launcher import Launcher, Namespace, RayAddress, job_endpoints
 
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8340"
@@ -33,40 +34,41 @@ def why(version: int | None, manager_url: str | None, coordinator_url: str | Non
     urls = _urls(state_dir, launcher, namespace, ray_address)
     coordinator_url = coordinator_url or urls["coordinator"]
     if version is None:
-        version = get_json(manager_url or urls["manager"], "/v1/health", "staleness manager", state_dir)["train_version"]
-    answer = get_json(coordinator_url, f"/v1/buffers/{version}/explain", "coordinator", state_dir)
+        version = ask(ManagerClient, manager_url or urls["manager"], "staleness manager", state_dir,
+                      lambda m: m.health()).train_version
+    answer = ask(CoordinatorClient, coordinator_url, "coordinator", state_dir, lambda c: c.explain_buffer(version))
     if as_json:
-        typer.echo(json.dumps(answer))
+        typer.echo(answer.model_dump_json())
         return
     console.print(explanation_text(answer))
-    if answer["groups"]:
+    if answer.groups:
         console.print(_groups_table(answer))
 
 
-def explanation_text(answer: dict) -> str:
+def explanation_text(answer: BufferExplanationOut) -> str:
     colors = {"ready": "green", "stuck": "red", "waiting": "yellow", "consumed": "blue"}
-    summary = f"[{colors.get(answer['state'], 'white')}]{escape(answer['summary'])}[/]"
-    if answer["consumable"] or answer["state"] == "consumed":
+    summary = f"[{colors.get(answer.state, 'white')}]{escape(answer.summary)}[/]"
+    if answer.consumable or answer.state == "consumed":
         return summary
-    return f"{summary}\n[bold]estimate:[/] {escape(answer['estimate'])}"
+    return f"{summary}\n[bold]estimate:[/] {escape(answer.estimate)}"
 
 
-def _groups_table(answer: dict) -> Table:
-    table = Table(title=f"what buffer {answer['version']} waits for")
+def _groups_table(answer: BufferExplanationOut) -> Table:
+    table = Table(title=f"what buffer {answer.version} waits for")
     for col in ("group", "in buffer", "must occupy", "members done", "group ready in", "trajectory", "where",
                 "tokens", "ready in"):
         table.add_column(col)
-    for g in answer["groups"]:
+    for g in answer.groups:
         first = True
-        for t in g["trajectories"] or [None]:
-            group_cells = (escape(g["group_id"]), str(g["buffer"]), "yes" if g["required"] else "",
-                           f"{g['completed']}/{g['needed']}", _seconds(g["ready_in_s"])) if first else ("",) * 5
+        for t in g.trajectories or [None]:
+            group_cells = (escape(g.group_id), str(g.buffer), "yes" if g.required else "",
+                           f"{g.completed}/{g.needed}", _seconds(g.ready_in_s)) if first else ("",) * 5
             first = False
             if t is None:
-                table.add_row(*group_cells, "-", escape(g["note"]), "", "")
+                table.add_row(*group_cells, "-", escape(g.note), "", "")
                 continue
-            tokens = f"{t['generated']}/{t['max_tokens']}" if t["max_tokens"] else str(t["generated"])
-            table.add_row(*group_cells, escape(t["traj_id"]), escape(t["where"]), tokens, _seconds(t["ready_in_s"]))
+            tokens = f"{t.generated}/{t.max_tokens}" if t.max_tokens else str(t.generated)
+            table.add_row(*group_cells, escape(t.traj_id), escape(t.where), tokens, _seconds(t.ready_in_s))
     return table
 
 
@@ -94,18 +96,18 @@ def register(app: typer.Typer) -> None:
                        f"--count {count}")
         count = count or 1
         url = url or _urls(state_dir, launcher, namespace, ray_address)["manager"]
-        params = {"version": version, "count": count} if version is not None else {}
-        answer = get_json(url, "/v1/admission", "staleness manager", state_dir, **params)
+        asked = {"version": version, "count": count} if version is not None else {}
+        answer = ask(ManagerClient, url, "staleness manager", state_dir, lambda m: m.admission(**asked))
         if as_json:
-            typer.echo(json.dumps(answer))
+            typer.echo(answer.model_dump_json())
             return
-        table = Table(title=f"admission at train version {answer['train_version']}  eta={answer['eta']}")
+        table = Table(title=f"admission at train version {answer.train_version}  eta={answer.eta}")
         table.add_column("v_traj")
         table.add_column("groups it admits now")
-        for v, n in answer["admissible"].items():
+        for v, n in answer.admissible.items():
             table.add_row(v, str(n))
         console.print(table)
-        what_if = answer.get("what_if")
+        what_if = answer.what_if
         if what_if:
-            verdict = "[green]yes[/]" if what_if["admissible"] else "[red]no[/]"
-            console.print(f"{count} more with v_traj {version}? {verdict}: {escape(what_if['reason'])}")
+            verdict = "[green]yes[/]" if what_if.admissible else "[red]no[/]"
+            console.print(f"{count} more with v_traj {version}? {verdict}: {escape(what_if.reason)}")

@@ -13,13 +13,16 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.table import Table
 
+from staleflow.api.base import ServiceClient, ServiceError
+from staleflow.api.coordinator import CoordinatorClient
+from staleflow.api.manager import BuffersOut, ManagerClient
 from staleflow.cli.common import (
     DEFAULT_MANAGER_URL,
     DEFAULT_STATE_DIR,
+    ask,
     console,
     endpoints,
     fail,
-    get_json,
     job_token,
     readable,
     resolve_url,
@@ -27,7 +30,6 @@ from staleflow.cli.common import (
 )
 from staleflow.cli.ray_launcher import Launcher, Namespace, RayAddress, job_endpoints
 from staleflow.config import LedgerConfig, ManagerConfig, default_of
-from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 
 app = typer.Typer(help="StaleFlow: staleness-aware rollout coordination for asynchronous RL.", no_args_is_help=True)
 serve_app = typer.Typer(help="Run one component in the foreground.", no_args_is_help=True)
@@ -119,18 +121,18 @@ def db_upgrade(
     console.print(f"{database.masked(url)}: schema at revision {current}")
 
 
-def _buffer_table(data: dict) -> Table:
-    table = Table(title=f"train version {data['train_version']}  eta={data['eta']}  batch={data['batch_size']}")
+def _buffer_table(data: BuffersOut) -> Table:
+    table = Table(title=f"train version {data.train_version}  eta={data.eta}  batch={data.batch_size}")
     for col in ("buffer", "state", "occupied", "reserved", "empty", "v_traj of entries"):
         table.add_column(col)
     colors = {"ready": "green", "stuck": "red", "waiting": "yellow"}
-    for b in data["buffers"]:
-        occupied = sum(e["status"] == "occupied" for e in b["entries"])
-        reserved = len(b["entries"]) - occupied
-        versions = sorted({e["v_traj"] for e in b["entries"]})
+    for b in data.buffers:
+        occupied = sum(e.status == "occupied" for e in b.entries)
+        reserved = len(b.entries) - occupied
+        versions = sorted({e.v_traj for e in b.entries if e.v_traj is not None})
         table.add_row(
-            str(b["version"]), f"[{colors[b['state']]}]{b['state']}[/]", str(occupied), str(reserved),
-            str(b["capacity"] - len(b["entries"])), ", ".join(map(str, versions)) or "-",
+            str(b.version), f"[{colors[b.state]}]{b.state}[/]", str(occupied), str(reserved),
+            str(b.capacity - len(b.entries)), ", ".join(map(str, versions)) or "-",
         )
     return table
 
@@ -163,14 +165,14 @@ def buffers(version: Annotated[int | None, typer.Argument(
     except ServiceError as exc:
         raise fail(f"the manager at {url} refused: {exc}") from None
     if version is not None:
-        live = [b for b in data["buffers"] if b["version"] == version]
+        live = [b for b in data.buffers if b.version == version]
         if not live:
-            first, last = data["train_version"], data["train_version"] + data["eta"]
+            first, last = data.train_version, data.train_version + data.eta
             raise fail(f"buffer {version} is not live: the live buffers are {first}..{last}",
                        "ask about one of them, or `staleflow buffers --why VERSION` for a consumed one")
-        data = {**data, "buffers": live}
+        data = data.model_copy(update={"buffers": live})
     if as_json:
-        typer.echo(json.dumps(data))
+        typer.echo(data.model_dump_json(exclude_none=True))
     else:
         console.print(_buffer_table(data))
 
@@ -185,19 +187,19 @@ def instances(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DI
     on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
     url = url or (on_ray["coordinator"]["url"] if on_ray else
                   resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340"))
-    data = get_json(url, "/v1/instances", "coordinator", state_dir)
+    data = ask(CoordinatorClient, url, "coordinator", state_dir, lambda c: c.instances())
     if as_json:
-        typer.echo(json.dumps(data))
+        typer.echo(data.model_dump_json())
         return
-    table = Table(title=f"instances (parameter server at version {data['ps_version']})")
+    table = Table(title=f"instances (parameter server at version {data.ps_version})")
     for col in ("instance", "status", "version", "running", "waiting", "completed", "kv cache", "est. tokens/s", "P"):
         table.add_column(col)
-    for i in data["instances"]:
-        s = i["snapshot"] or {}
-        p = i["speculative"] or {}
-        table.add_row(escape(i["instance_id"]), i["status"], str(s.get("inst_version", "-")), str(len(s.get("run_trajs") or [])),
+    for i in data.instances:
+        s = i.snapshot or {}
+        p = i.speculative or {}
+        table.add_row(escape(i.instance_id), i.status, str(s.get("inst_version", "-")), str(len(s.get("run_trajs") or [])),
                       str(len(s.get("wait_trajs") or [])), str(len(s.get("complete_trajs") or [])),
-                      str(s.get("kv_cache", "-")), f"{i['estimated_throughput']:.0f}",
+                      str(s.get("kv_cache", "-")), f"{i.estimated_throughput:.0f}",
                       f"v{p.get('inst_version', '-')}/{p.get('accum_traj_num', '-')}")
     console.print(table)
 
@@ -207,16 +209,16 @@ def commands(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR
              as_json: AsJson = False) -> None:
     """The coordinator's most recent commands with their timing and outcome."""
     url = resolve_url(url, "coordinator", state_dir, "STALEFLOW_COORDINATOR_URL", "http://127.0.0.1:8340")
-    data = get_json(url, "/v1/commands", "coordinator", state_dir, limit=limit)
+    data = ask(CoordinatorClient, url, "coordinator", state_dir, lambda c: c.commands(limit=limit))
     if as_json:
-        typer.echo(json.dumps(data))
+        typer.echo(data.model_dump_json())
         return
     table = Table(title="recent commands")
     for col in ("command", "instance", "kind", "size", "ms", "outcome"):
         table.add_column(col)
-    for c in data["commands"]:
-        ms = f"{1e3 * (c['completed_at'] - c['issued_at']):.1f}" if c["completed_at"] else "-"
-        table.add_row(escape(c["command_id"]), escape(c["instance_id"]), c["kind"], str(c["size"]), ms, escape(c["outcome"]))
+    for c in data.commands:
+        ms = f"{1e3 * (c.completed_at - c.issued_at):.1f}" if c.completed_at else "-"
+        table.add_row(escape(c.command_id), escape(c.instance_id), c.kind, str(c.size), ms, escape(c.outcome))
     console.print(table)
 
 
@@ -244,9 +246,9 @@ def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False, lau
         if not isinstance(info, dict) or "url" not in info:
             continue
         try:
-            with http_client(info["url"], timeout=3) as client:
-                rows[name] = {"url": info["url"], "up": True, "health": client.get("/v1/health").json()}
-        except (httpx.HTTPError, ValueError):
+            with ServiceClient(info["url"], timeout=3) as client:
+                rows[name] = {"url": info["url"], "up": True, "health": client.health()}
+        except (httpx.HTTPError, ServiceError, ValueError):
             rows[name] = {"url": info["url"], "up": False, "health": None}
     if as_json:
         typer.echo(json.dumps(rows))

@@ -6,19 +6,27 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Path, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
 
 from staleflow import metrics as m
+from staleflow.api.coordinator import (
+    BufferExplanationOut,
+    CommandsOut,
+    CoordinatorHealth,
+    CoordinatorStatsOut,
+    InstancesOut,
+    InstanceView,
+    Removed,
+)
+from staleflow.api.instance import SnapshotOut
 from staleflow.calibration.files import resolved_cost
 from staleflow.config.coordinator import INSTANCE_ID, CoordinatorConfig, InstanceEndpoint
-from staleflow.coordinator.explain import BufferExplanationOut, explain, explanation_json
+from staleflow.coordinator.explain import explain, explanation_json
 from staleflow.coordinator.service import Coordinator, InstanceRecord, InstanceStatus
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.http import service_app
-from staleflow.servers.instance.wire import SnapshotOut
 
 __all__ = ["INSTANCE_ID", "CoordinatorConfig", "InstanceEndpoint", "create_app"]
 
@@ -39,82 +47,9 @@ def coordinator_metrics(c: Coordinator) -> list:
         m.COORDINATOR_INSTANCES.family([([status.value], statuses.count(status)) for status in InstanceStatus]),
         m.COORDINATOR_FAILURES.value(s.failures),
         m.COORDINATOR_PS_VERSION.value(c.ps_version),
-        m.COORDINATOR_ESTIMATED_THROUGHPUT.family([([d["instance_id"]], d["estimated_throughput"])
+        m.COORDINATOR_ESTIMATED_THROUGHPUT.family([([d.instance_id], d.estimated_throughput)
                                                    for d in map(c.describe, c.instances.values())]),
     ]
-
-
-class CoordinatorHealth(BaseModel):
-    status: str
-    cycles: int
-
-
-class InstanceView(BaseModel):
-    """An instance as the coordinator sees it (``Coordinator.describe``)."""
-
-    model_config = ConfigDict(extra="forbid")
-    instance_id: str
-    url: str
-    params_url: str | None = Field(None, description="where the instance pulls weights")
-    status: str = Field(description="joining, live, syncing or failed")
-    validated: bool
-    snapshot: dict[str, Any] | None
-    speculative: dict[str, int] | None = Field(description="the speculative state P: inst_version, accum_traj_num")
-    estimated_throughput: float
-    commands_in_flight: int
-
-
-class InstancesOut(BaseModel):
-    ps_version: int
-    instances: list[InstanceView]
-
-
-class Removed(BaseModel):
-    instance_id: str
-    released: int | None = Field(description="trajectories handed back to pending; null: the trajectory server was "
-                                             "unreachable, and reconciliation hands them back after its grace period")
-
-
-class CommandView(BaseModel):
-    command_id: str
-    instance_id: str
-    kind: str
-    size: int
-    issued_at: float
-    completed_at: float | None
-    outcome: str
-
-
-class CommandsOut(BaseModel):
-    commands: list[CommandView]
-
-
-class CoordinatorStatsOut(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    cycles: int
-    accepted_snapshots: int
-    discarded_snapshots: int
-    last_decision_ms: float
-    mean_decision_ms: float
-    routed: int
-    interrupted: int
-    pulls: int
-    aborts: int
-    failures: int
-    rejoined: int
-    released: int
-    reconciled: int
-    strays_aborted: int
-    unreachable: int
-    cycle_ms_total: float
-    phase_ms_total: dict[str, float] = Field(
-        default_factory=dict, description="wall time of each step of the cycle (snapshots, polls, admission, issue...), "
-                                          "summed over every cycle")
-    decisions: int
-    decision_ms_total: float
-    command_count: dict[str, int]
-    command_seconds: dict[str, float]
-    strategy: dict[str, str]
 
 
 def the_coordinator(request: Request) -> Coordinator:
@@ -162,11 +97,11 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         return {"ps_version": c.ps_version, "instances": [c.describe(r) for r in c.instances.values()]}
 
     @app.post("/v1/instances", status_code=201, response_model=InstanceView)
-    async def register(c: CoordinatorDep, body: InstanceEndpoint) -> dict:
+    async def register(c: CoordinatorDep, body: InstanceEndpoint) -> InstanceView:
         return c.describe(c.add_instance(body.instance_id, body.url, cost, body.params_url))
 
     @app.put("/v1/instances/{instance_id}", response_model=InstanceView)
-    async def upsert(c: CoordinatorDep, instance_id: str, body: InstanceEndpoint) -> dict:
+    async def upsert(c: CoordinatorDep, instance_id: str, body: InstanceEndpoint) -> InstanceView:
         """Register the instance or re-point it at a new URL (it moved to another machine)."""
         if body.instance_id != instance_id:
             raise StaleFlowError(ErrorCode.INVALID_REQUEST,
@@ -180,7 +115,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         return record
 
     @app.get("/v1/instances/{instance_id}", response_model=InstanceView)
-    async def instance(c: CoordinatorDep, instance_id: str) -> dict:
+    async def instance(c: CoordinatorDep, instance_id: str) -> InstanceView:
         return c.describe(_record(c, instance_id))
 
     @app.delete("/v1/instances/{instance_id}", response_model=Removed)
@@ -189,7 +124,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         return {"instance_id": instance_id, "released": await c.remove_instance(instance_id)}
 
     @app.get("/v1/instances/{instance_id}/snapshot", response_model=SnapshotOut)
-    async def instance_snapshot(c: CoordinatorDep, instance_id: str) -> dict:
+    async def instance_snapshot(c: CoordinatorDep, instance_id: str) -> SnapshotOut:
         record = _record(c, instance_id)
         if record.snapshot is None:
             raise StaleFlowError(ErrorCode.NO_SNAPSHOT, f"no snapshot of {instance_id!r} yet")

@@ -17,6 +17,7 @@ message never stalls a job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -24,10 +25,22 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
+from staleflow.api.base import ServiceError
+from staleflow.api.coordinator import InstanceView
+from staleflow.api.instance import (
+    AbortApplied,
+    AsyncInstanceClient,
+    CommandApplied,
+    InterruptApplied,
+    PullApplied,
+    SnapshotOut,
+)
+from staleflow.api.manager import AsyncManagerClient
+from staleflow.api.params import AsyncParamsClient
+from staleflow.api.trajectories import AsyncTrajectoryClient, TrajectorySummary
 from staleflow.backoff import Backoff
 from staleflow.commands import commands_of
 from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
@@ -35,7 +48,6 @@ from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, M
 from staleflow.coordinator.reconcile import Suspicion, reconcile
 from staleflow.cost_model import CostModel
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.servers.clients import AsyncManagerClient, async_http_client
 from staleflow.strategies import InstanceState, PendingTrajectory, SpeculativeState, plan_cycle
 
 log = logging.getLogger(__name__)
@@ -50,9 +62,9 @@ class InstanceRecord(Liveness):
 
     instance_id: str
     url: str
-    client: httpx.AsyncClient
+    client: AsyncInstanceClient
     cost: CostModel
-    snapshot: dict | None = None
+    snapshot: SnapshotOut | None = None
     validated: bool = False
     unvalidated_since: float | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -116,8 +128,8 @@ class Coordinator:
         ``staleflow.config.coordinator.CoordinatorSettings``."""
         self.strategy = strategy
         self.manager = AsyncManagerClient(manager_url)
-        self.ts = async_http_client(ts_url, timeout=command_timeout)
-        self.params = async_http_client(params_url) if params_url else None
+        self.ts = AsyncTrajectoryClient(ts_url, timeout=command_timeout)
+        self.params = AsyncParamsClient(params_url) if params_url else None
         self.params_url = str(params_url).rstrip("/") if params_url else None
         self.cycle_period = cycle_period
         self.command_timeout = command_timeout
@@ -151,7 +163,8 @@ class Coordinator:
                 raise StaleFlowError(ErrorCode.DUPLICATE_INSTANCE, f"instance {instance_id!r} is already registered")
             if old.worker:
                 old.worker.cancel()
-        record = InstanceRecord(instance_id, url, async_http_client(url, timeout=self.command_timeout), cost or CostModel())
+        record = InstanceRecord(instance_id, url, AsyncInstanceClient(url, timeout=self.command_timeout),
+                                cost or CostModel())
         record.params_url = str(params_url).rstrip("/") if params_url else None
         record.worker = asyncio.create_task(self._command_worker(record))
         self.instances[instance_id] = record
@@ -169,7 +182,7 @@ class Coordinator:
         if old.url.rstrip("/") == url.rstrip("/"):
             return old  # a restart in place: its new boot id tells the rest
         previous = old.client
-        old.url, old.client = url, async_http_client(url, timeout=self.command_timeout)
+        old.url, old.client = url, AsyncInstanceClient(url, timeout=self.command_timeout)
         old.validated = False
         await previous.aclose()
         log.warning("instance %s moved to %s", instance_id, url)
@@ -189,9 +202,8 @@ class Coordinator:
         await record.client.aclose()
         log.warning("instance %s removed", instance_id)
         try:
-            reply = await self.ts.post(f"/v1/instances/{instance_id}/release")
-            released = int(reply.json()["released"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            released = (await self.ts.release(instance_id)).released
+        except (httpx.HTTPError, ServiceError, ValueError) as exc:
             log.error("trajectories of removed instance %s could not be handed back yet (%s); reconciliation "
                       "will", instance_id, exc)
             return None
@@ -229,9 +241,8 @@ class Coordinator:
         """Hand a failed or restarted instance's trajectories back to the trajectory server; a
         failure (the TS restarting) is retried on later cycles until it succeeds."""
         try:
-            reply = await self.ts.post(f"/v1/instances/{record.instance_id}/release")
-            released = reply.json()["released"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            released = (await self.ts.release(record.instance_id)).released
+        except (httpx.HTTPError, ServiceError, ValueError) as exc:
             log.error("trajectories of %s could not be released yet (%s); retrying", record.instance_id, exc)
             return False
         self.membership.released(record)
@@ -239,12 +250,12 @@ class Coordinator:
         log.warning("%d trajectories of %s back to the trajectory server", released, record.instance_id)
         return True
 
-    async def _rejoin(self, record: InstanceRecord, snap: dict, why: str) -> bool:
+    async def _rejoin(self, record: InstanceRecord, snap: SnapshotOut, why: str) -> bool:
         """A restarted instance (a new boot id): what was routed to its previous process is
         lost there, so it goes back to pending; the new process joins like a new instance."""
         if not await self._carry_out(record, self.membership.begin_rejoin(record)):
             return False
-        self.membership.rejoin(record, snap.get("boot_id"), time.monotonic())
+        self.membership.rejoin(record, snap.boot_id, time.monotonic())
         record.unvalidated_since = None
         self.stats.rejoined += 1
         log.warning("instance %s rejoins: %s", record.instance_id, why)
@@ -281,7 +292,7 @@ class Coordinator:
         with timed("cancellations"):
             await self._cancel_surplus()
         with timed("routed"):
-            routed = (await self.ts.get("/v1/routed")).json()["trajectories"]
+            routed = (await self.ts.routed()).trajectories
         with timed("reconcile"):
             if await self._reconcile(routed):
                 return  # the views changed: plan on the next cycle's
@@ -289,10 +300,10 @@ class Coordinator:
         if not ready:
             return
         with timed("pending"):
-            pending_reply = await self.ts.get("/v1/pending")
+            pending_reply = await self.ts.pending()
         with timed("admission"):
             try:
-                admission = await self.manager.admission()
+                admission = (await self.manager.admission()).by_version()
             except httpx.TransportError:  # the manager is restarting: route only groups it already reserved
                 admission = {}
         with timed("ps_version"):
@@ -300,8 +311,8 @@ class Coordinator:
                 self.ps_version = await self._ps_version()
             except httpx.TransportError:  # the PS is restarting: its newest version is the one last seen
                 pass
-        pending = [self._pending(t) for t in pending_reply.json()["trajectories"]]
-        on_instances = {t["traj_id"]: self._pending(t) for t in routed}
+        pending = [self._pending(t) for t in pending_reply.trajectories]
+        on_instances = {t.traj_id: self._pending(t) for t in routed}
         states = [self._state(r) for r in ready]
         if self.strategy.sync is SyncMode.GLOBAL and any(
                 r.status is not InstanceStatus.FAILED and not (r.validated and r in ready) for r in self.instances.values()):
@@ -317,19 +328,23 @@ class Coordinator:
                 await self._issue(plan)
 
     @staticmethod
-    def _pending(t: dict) -> PendingTrajectory:
-        return PendingTrajectory(t["traj_id"], t["group_id"], t["v_traj"], t["length"], t["seq"])
+    def _pending(t: TrajectorySummary) -> PendingTrajectory:
+        return PendingTrajectory(t.traj_id, t.group_id, t.v_traj, t.length, t.seq)
 
     def _state(self, record: InstanceRecord) -> InstanceState:
-        s = record.snapshot or {}
-        return InstanceState(record.instance_id, s.get("inst_version", 0), float(s.get("kv_cache", 0)),
-                             list(s.get("run_trajs", [])), list(s.get("wait_trajs", [])), record.cost)
+        s = record.snapshot
+        if s is None:
+            return InstanceState(record.instance_id, 0, 0.0, [], [], record.cost)
+        return InstanceState(record.instance_id, s.inst_version, float(s.kv_cache), list(s.run_trajs),
+                             list(s.wait_trajs), record.cost)
 
     async def _ps_version(self) -> int:
         if self.params is None:  # no parameter server: a version exists once its buffer is consumed
-            return (await self.manager.buffers())["train_version"]
-        reply = await self.params.get("/v1/params/latest")
-        return reply.json()["version"] if reply.status_code == 200 else self.ps_version
+            return (await self.manager.buffers()).train_version
+        try:
+            return (await self.params.latest()).version
+        except ServiceError:  # nothing pushed yet
+            return self.ps_version
 
     async def _capture(self) -> None:
         now = time.monotonic()
@@ -343,13 +358,12 @@ class Coordinator:
         replies = await asyncio.gather(*(self._snapshot(r) for r in records), return_exceptions=True)
         now = time.monotonic()
         for record, reply in zip(records, replies, strict=True):
-            snapshot = reply if isinstance(reply, dict) else None
+            snapshot = reply if isinstance(reply, SnapshotOut) else None
             if snapshot and quiet.get(record.instance_id) == record.commands_issued and record.in_flight == 0:
-                record.settled = (record.commands_issued,
-                                  frozenset(snapshot.get("run_trajs", [])) | frozenset(snapshot.get("wait_trajs", [])))
+                record.settled = (record.commands_issued, frozenset(snapshot.run_trajs) | frozenset(snapshot.wait_trajs))
             if record.status is InstanceStatus.FAILED:
                 # a failed instance stays out until its process is replaced (a supervisor restarted it)
-                if snapshot and self.membership.restarted(record, snapshot.get("boot_id")):
+                if snapshot and self.membership.restarted(record, snapshot.boot_id):
                     if await self._rejoin(record, snapshot, "restarted after it was declared failed"):
                         self._observe(record, snapshot, now)
                 continue
@@ -357,7 +371,7 @@ class Coordinator:
                 record.validated = False
                 await self._carry_out(record, *self.membership.silent(record, now))
                 continue
-            if self.membership.restarted(record, snapshot.get("boot_id")):
+            if self.membership.restarted(record, snapshot.boot_id):
                 # restarted before it was declared failed: the same port, a new process
                 if not await self._rejoin(record, snapshot, "restarted (a new process at the same address)"):
                     continue
@@ -368,7 +382,7 @@ class Coordinator:
                 record.check_orphans = False
             await self._carry_out(record, *self._observe(record, snapshot, now))
 
-    async def _reconcile(self, routed: list[dict]) -> bool:
+    async def _reconcile(self, routed: list[TrajectorySummary]) -> bool:
         """Make the trajectory server's view of what runs where and the instances' agree again
         (``staleflow.coordinator.reconcile``): trajectories routed to an instance that has not
         held them for ``reconcile_after`` seconds go back to pending, and trajectories an instance
@@ -381,12 +395,11 @@ class Coordinator:
                      and settled[0] == record.commands_issued)
             held[record.instance_id] = settled[1] if fresh else None
         outcome = reconcile(time.monotonic(), self.reconcile_after,
-                            {t["traj_id"]: t["instance_id"] for t in routed if t.get("instance_id")}, held,
+                            {t.traj_id: t.instance_id for t in routed if t.instance_id}, held,
                             self._suspects)
         self._suspects = outcome.suspects
         for instance_id, traj_ids in outcome.hand_back.items():
-            await self.ts.post("/v1/return", json={"instance_id": instance_id,
-                                                   "partials": [{"traj_id": t} for t in traj_ids]})
+            await self.ts.give_back(instance_id=instance_id, partials=[{"traj_id": t} for t in traj_ids])
             self.stats.reconciled += len(traj_ids)
             log.warning("%d trajectories routed to %s but not held there for %.0fs: back to pending", len(traj_ids),
                         instance_id, self.reconcile_after)
@@ -396,49 +409,47 @@ class Coordinator:
             record = self.instances.get(instance_id)
             reply = record and await self._command(record, "abort", {"traj_ids": traj_ids}, len(traj_ids))
             if reply:
-                self.stats.strays_aborted += len(reply.get("aborted", []))
+                self.stats.strays_aborted += len(reply.aborted)
         return not outcome.empty
 
-    async def _return_orphans(self, record: InstanceRecord, snap: dict) -> bool:
+    async def _return_orphans(self, record: InstanceRecord, snap: SnapshotOut) -> bool:
         """Before an instance joins (at start, after a restart of it or of this coordinator):
         trajectories the trajectory server believes routed to it but that it does not hold were
         checked out by a coordinator that died before its Route arrived. They go back to pending
         (their generated tokens kept); a completion that arrives later still counts once."""
-        held = set(snap["run_trajs"]) | set(snap["wait_trajs"]) | set(snap["complete_trajs"])
+        held = set(snap.run_trajs) | set(snap.wait_trajs) | set(snap.complete_trajs)
         try:
-            reply = await self.ts.get("/v1/routed", params={"instance_id": record.instance_id})
-            orphans = [t["traj_id"] for t in reply.json()["trajectories"] if t["traj_id"] not in held]
+            routed = (await self.ts.routed(instance_id=record.instance_id)).trajectories
+            orphans = [t.traj_id for t in routed if t.traj_id not in held]
             if orphans:
-                await self.ts.post("/v1/return", json={"instance_id": record.instance_id,
-                                                       "partials": [{"traj_id": t} for t in orphans]})
+                await self.ts.give_back(instance_id=record.instance_id, partials=[{"traj_id": t} for t in orphans])
                 self.stats.released += len(orphans)
                 log.warning("%d trajectories routed to %s but not there: back to pending", len(orphans),
                             record.instance_id)
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+        except (httpx.HTTPError, ServiceError, ValueError) as exc:
             log.warning("cannot check %s's trajectories yet (%s)", record.instance_id, exc)
             return False
         return True
 
-    async def _snapshot(self, record: InstanceRecord) -> dict | None:
-        reply = await record.client.get("/v1/snapshot", timeout=self.answer_timeout)
-        return reply.json() if reply.status_code == 200 else None
+    async def _snapshot(self, record: InstanceRecord) -> SnapshotOut:
+        return await record.client.snapshot(timeout=self.answer_timeout)
 
-    def _observe(self, record: InstanceRecord, snap: dict, now: float) -> tuple[list[Action], str | None]:
+    def _observe(self, record: InstanceRecord, snap: SnapshotOut, now: float) -> tuple[list[Action], str | None]:
         """Take in a snapshot; returns what the membership rules decided about a stall."""
         record.snapshot = snap
-        run, wait, done = set(snap["run_trajs"]), set(snap["wait_trajs"]), set(snap["complete_trajs"])
-        mark = (snap["kv_cache"], len(run), len(wait), len(done), snap["inst_version"], snap.get("engine_time"))
+        run, wait, done = set(snap.run_trajs), set(snap.wait_trajs), set(snap.complete_trajs)
+        mark = (snap.kv_cache, len(run), len(wait), len(done), snap.inst_version, snap.engine_time)
         stalled = self.membership.seen(record, now, mark, running=bool(run))
-        joined = self.membership.join(record, snap["inst_version"], self.ps_version, idle=not (run or wait))
+        joined = self.membership.join(record, snap.inst_version, self.ps_version, idle=not (run or wait))
         if Action.ADOPT in joined:
-            self.p.adopt(record.instance_id, snap["inst_version"], len(run | wait | done))
+            self.p.adopt(record.instance_id, snap.inst_version, len(run | wait | done))
         if Action.PULL in joined:  # a (re)joining instance starts from the newest weights
             self.p.pulled(record.instance_id, self.ps_version)
             self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record)}, 1)
         if record.in_flight:
             record.validated = False
             return stalled
-        record.validated = self.p.validates(record.instance_id, snap["inst_version"], run, wait, done)
+        record.validated = self.p.validates(record.instance_id, snap.inst_version, run, wait, done)
         if record.validated:
             self.stats.accepted_snapshots += 1
             record.unvalidated_since = None
@@ -448,7 +459,7 @@ class Coordinator:
             if now - record.unvalidated_since > self.reconcile_after:
                 # nothing in flight and still no match: a command's effect was lost; trust the instance
                 log.info("reconciling %s from its snapshot", record.instance_id)
-                self.p.adopt(record.instance_id, snap["inst_version"], len(run | wait | done))
+                self.p.adopt(record.instance_id, snap.inst_version, len(run | wait | done))
                 record.unvalidated_since = None
         return stalled
 
@@ -461,9 +472,8 @@ class Coordinator:
             self._command(self.instances[i], "interrupt", {"traj_ids": trajs}, len(trajs))
             for i, trajs in commands.interrupts.items()))
         for instance_id, reply in zip(commands.interrupts, interrupted, strict=True):
-            partials = (reply or {}).get("partials", [])
-            if partials:
-                await self.ts.post("/v1/return", json={"instance_id": instance_id, "partials": partials})
+            if reply and reply.partials:
+                await self.ts.give_back(instance_id=instance_id, partials=reply.partials)
         # 2. pulls: queued on their instance; routes to it wait behind them
         keep = {"keep_running": True} if self.strategy.pull is PullMode.KEEP else {}
         for instance_id in commands.pulls:
@@ -477,15 +487,17 @@ class Coordinator:
         for instance_id, assignments in commands.routes.items():
             if self.instances[instance_id].status is InstanceStatus.FAILED:  # silent to its interrupt
                 continue
-            body = {"instance_id": instance_id, "assignments": [{"traj_id": t, "v_traj": v} for t, v in assignments]}
             try:
-                reply = await self.ts.post("/v1/checkout", json=body)
+                trajectories = (await self.ts.checkout(instance_id=instance_id,
+                                                       assignments=[{"traj_id": t, "v_traj": v} for t, v in assignments])
+                                ).trajectories
+            except ServiceError:
+                trajectories = []
             except httpx.TransportError:
                 # the TS may have committed the checkout and died before answering: what it routed
                 # there never reaches the instance; compare with the instance's next snapshot
                 self.instances[instance_id].check_orphans = True
                 raise
-            trajectories = reply.json().get("trajectories", []) if reply.status_code == 200 else []
             if trajectories:
                 self.p.routed(instance_id, len(trajectories))
                 self._enqueue(self.instances[instance_id], "route", {"trajectories": trajectories}, len(trajectories))
@@ -496,17 +508,16 @@ class Coordinator:
         return {"weights": {"source": "params", "url": record.params_url or self.params_url}}
 
     async def _cancel_surplus(self) -> None:
-        reply = await self.ts.get("/v1/cancellations")
         by_instance: dict[str, list[str]] = {}
-        for t in reply.json()["trajectories"]:
-            record = self.instances.get(t["instance_id"] or "")
+        for t in (await self.ts.cancellations()).trajectories:
+            record = self.instances.get(t.instance_id or "")
             if record and record.status is not InstanceStatus.FAILED and record.validated and record.in_flight == 0:
-                by_instance.setdefault(record.instance_id, []).append(t["traj_id"])
+                by_instance.setdefault(record.instance_id, []).append(t.traj_id)
         for instance_id, traj_ids in by_instance.items():
             record = self.instances.get(instance_id)
             reply = record and await self._command(record, "abort", {"traj_ids": traj_ids}, len(traj_ids))
             if reply:
-                await self.ts.post("/v1/cancellations/ack", json={"traj_ids": traj_ids})
+                await self.ts.cancellations_ack(traj_ids=traj_ids)
 
     def _enqueue(self, record: InstanceRecord, kind: str, body: dict, size: int) -> None:
         record.in_flight += 1
@@ -523,8 +534,9 @@ class Coordinator:
                 if kind == "pull":
                     self.membership.sync_ended(record)
 
-    async def _command(self, record: InstanceRecord, kind: str, body: dict, size: int, queued: bool = False) -> dict | None:
-        """Send one command; returns its reply, or None when its effect is unknown."""
+    async def _command(self, record: InstanceRecord, kind: str, body: dict, size: int,
+                       queued: bool = False) -> CommandApplied | None:
+        """Send one command; returns its reply, or None when it was refused or its effect is unknown."""
         if not queued:
             record.in_flight += 1
             record.commands_issued += 1
@@ -533,17 +545,20 @@ class Coordinator:
         self.commands.append(entry)
         if kind in ("interrupt", "abort"):
             self.p.removed(record.instance_id, size)
+        refused: ServiceError | None = None
         try:
             # a queued command (a pull, a route) may take long; one the cycle waits on holds up every
             # instance's next snapshot, so a hung instance must not hold it longer than a snapshot would
-            reply = await record.client.post("/v1/commands", json={"command_id": command_id, "kind": kind, **body},
-                                             timeout=self.command_timeout if queued else self.answer_timeout)
-            data: dict[str, Any] = reply.json()
+            reply = await record.client.command({"command_id": command_id, "kind": kind, **body},
+                                                timeout=self.command_timeout if queued else self.answer_timeout)
+        except ServiceError as exc:
+            refused = exc
         except (httpx.HTTPError, ValueError) as exc:
             entry.outcome = f"unknown: {exc.__class__.__name__}"
             record.unvalidated_since = time.monotonic() - self.reconcile_after  # reconcile from the next snapshot
             if kind == "route":
-                await self.ts.post("/v1/return", json={"instance_id": record.instance_id, "partials": body["trajectories"]})
+                with contextlib.suppress(ServiceError):
+                    await self.ts.give_back(instance_id=record.instance_id, partials=body["trajectories"])
             if not queued and isinstance(exc, httpx.TransportError):
                 await self._carry_out(record, *self.membership.silent(record, time.monotonic(), f"answer to {kind}"))
             return None
@@ -554,13 +569,13 @@ class Coordinator:
                                                 + entry.completed_at - entry.issued_at)
             if not queued:
                 record.in_flight -= 1
-        if reply.status_code != 200:
-            entry.outcome = f"refused: {data.get('code')}: {data.get('detail')}"
+        if refused is not None:
+            entry.outcome = f"refused: {refused.body.get('code')}: {refused.detail}"
             record.unvalidated_since = time.monotonic() - self.reconcile_after
             return None
         entry.outcome = "ok"
-        if kind in ("interrupt", "abort"):
-            missing = len(data.get("not_found", []))
+        if isinstance(reply, InterruptApplied | AbortApplied):
+            missing = len(reply.not_found)
             self.p.removed(record.instance_id, -missing)  # completed meanwhile: still counted there
             self.stats.interrupted += size - missing if kind == "interrupt" else 0
             self.stats.aborts += size - missing if kind == "abort" else 0
@@ -569,26 +584,25 @@ class Coordinator:
         elif kind == "pull":
             self.stats.pulls += 1
             # a Pull that kept its trajectories: they count among what the instance holds (P was reset when issued)
-            if data.get("kept") and record.instance_id in self.p:
-                self.p.routed(record.instance_id, len(data["kept"]))
-        return data
+            if isinstance(reply, PullApplied) and reply.kept and record.instance_id in self.p:
+                self.p.routed(record.instance_id, len(reply.kept))
+        return reply
 
     # ------------------------------------------------------------------ inspection
 
-    def describe(self, record: InstanceRecord) -> dict:
-        s = record.snapshot or {}
+    def describe(self, record: InstanceRecord) -> InstanceView:
+        s = record.snapshot
         expected = self.p.expected(record.instance_id) if record.instance_id in self.p else None
-        state = self._state(record)
-        return {
-            "instance_id": record.instance_id,
-            "url": record.url,
-            "params_url": record.params_url or self.params_url,
-            "status": record.status.value,
-            "validated": record.validated,
-            "snapshot": {k: s.get(k) for k in ("kv_cache", "run_trajs", "wait_trajs", "complete_trajs", "inst_version",
-                                               "seq", "timestamp")} if s else None,
-            "speculative": {"inst_version": expected.inst_version, "accum_traj_num": expected.accum_traj_num}
+        return InstanceView(
+            instance_id=record.instance_id,
+            url=record.url,
+            params_url=record.params_url or self.params_url,
+            status=record.status.value,
+            validated=record.validated,
+            snapshot=s.model_dump(include={"kv_cache", "run_trajs", "wait_trajs", "complete_trajs", "inst_version",
+                                           "seq", "timestamp"}) if s else None,
+            speculative={"inst_version": expected.inst_version, "accum_traj_num": expected.accum_traj_num}
             if expected else None,
-            "estimated_throughput": state.throughput() if s else 0.0,
-            "commands_in_flight": record.in_flight,
-        }
+            estimated_throughput=self._state(record).throughput() if s else 0.0,
+            commands_in_flight=record.in_flight,
+        )

@@ -23,9 +23,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from staleflow.api.base import ServiceError
+from staleflow.api.coordinator import CoordinatorClient
+from staleflow.api.instance import InstanceClient
+from staleflow.api.manager import ManagerClient
+from staleflow.api.params import ParamsApiClient
+from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig
 from staleflow.launch.job import Job, instance_ids
-from staleflow.servers.clients import http_client
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,15 @@ class Fault:
 # ---------------------------------------------------------------------------- measuring
 
 
+@dataclass(frozen=True)
+class Probes:
+    """The clients the harness watches the job through while faults are injected."""
+
+    manager: ManagerClient
+    coordinator: CoordinatorClient
+    params: ParamsApiClient
+
+
 class TokenMeter:
     """Rollout tokens generated so far over all instances, sampled from their /v1/stats; a
     restarted instance's counter starts again at zero, so its previous total is carried."""
@@ -90,11 +104,11 @@ class TokenMeter:
         self.carried: dict[str, int] = {}
         self.samples: list[tuple[float, int, int]] = []  # (t, tokens, train_version)
 
-    def sample(self, clients: dict[str, httpx.Client], train_version: int) -> None:
+    def sample(self, clients: dict[str, InstanceClient], train_version: int) -> None:
         for name, client in clients.items():
             try:
-                value = int(client.get("/v1/stats").json().get("tokens_generated", 0))
-            except (httpx.HTTPError, ValueError):
+                value = int((client.stats().model_extra or {}).get("tokens_generated", 0))
+            except (httpx.HTTPError, ServiceError, ValueError):
                 continue
             if value < self.last.get(name, 0):
                 self.carried[name] = self.carried.get(name, 0) + self.last[name]
@@ -181,8 +195,9 @@ class FaultRun:
         supervisor.on_detected.append(self._detected)
         supervisor.on_restarted.append(self._restarted)
         urls = {k: v["url"] for k, v in job.endpoints.items()}
-        stats_clients = {i: http_client(u, timeout=1.0) for i, u in meter.urls.items()}
-        probe = {n: http_client(urls[n], timeout=1.0) for n in ("manager", "coordinator", "params")}
+        stats_clients = {i: InstanceClient(u, timeout=1.0) for i, u in meter.urls.items()}
+        probe = Probes(ManagerClient(urls["manager"], timeout=1.0), CoordinatorClient(urls["coordinator"], timeout=1.0),
+                       ParamsApiClient(urls["params"], timeout=1.0))
         versions: list[int] = []
         ps_versions: list[int] = []
         started = job.started
@@ -191,8 +206,8 @@ class FaultRun:
         queue = list(self.roles)
         try:
             while not self._done(job) and time.monotonic() < deadline:
-                tv = self._train_version(probe["manager"], versions)
-                ps = self._ps_version(probe["params"])
+                tv = self._train_version(probe.manager, versions)
+                ps = self._ps_version(probe.params)
                 if ps is not None:
                     ps_versions.append(ps)
                 meter.sample(stats_clients, versions[-1] if versions else 0)
@@ -233,7 +248,7 @@ class FaultRun:
             return result
         finally:
             supervisor.stop()
-            for c in [*stats_clients.values(), *probe.values()]:
+            for c in [*stats_clients.values(), probe.manager, probe.coordinator, probe.params]:
                 c.close()
 
     @staticmethod
@@ -269,12 +284,12 @@ class FaultRun:
 
     @staticmethod
     def _held_progress(job: Job, name: str) -> dict:
-        """The instance's ``GET /v1/progress``, read just before the fault: the response tokens each
+        """The instance's held progress, read just before the fault: the response tokens each
         trajectory there holds, and its checkpoint counters."""
         try:
-            with http_client(job.endpoints[name]["url"], timeout=2.0) as instance:
-                return instance.get("/v1/progress").json()
-        except (httpx.HTTPError, ValueError):
+            with InstanceClient(job.endpoints[name]["url"], timeout=2.0) as instance:
+                return instance.progress().model_dump()
+        except (httpx.HTTPError, ServiceError, ValueError):
             return {}
 
     @staticmethod
@@ -282,14 +297,14 @@ class FaultRun:
         """Per trajectory held on the failed instance, what the trajectory server lacks of it:
         its response resumes from what the trajectory server holds (a finished one lost nothing)."""
         lost = []
-        with http_client(job.endpoints["ts"]["url"], timeout=5.0) as ts:
+        with TrajectoryClient(job.endpoints["ts"]["url"], timeout=5.0) as ts:
             for traj_id, tokens in held.items():
                 try:
-                    stored = ts.get(f"/v1/trajectories/{traj_id}").json()
-                except (httpx.HTTPError, ValueError):
+                    stored = ts.trajectory(traj_id)
+                except (httpx.HTTPError, ServiceError, ValueError):
                     continue
-                if stored.get("state") in ("routed", "pending"):
-                    lost.append(max(tokens - int(stored["generated"]), 0))
+                if stored.state in ("routed", "pending"):
+                    lost.append(max(tokens - stored.generated, 0))
         return lost
 
     def _current(self, name: str) -> Fault | None:
@@ -306,36 +321,35 @@ class FaultRun:
         if fault is not None:
             fault.restarted_at = t - self._started
 
-    def _recovered(self, fault: Fault, job: Job, probe: dict[str, httpx.Client]) -> bool:
+    def _recovered(self, fault: Fault, job: Job, probe: Probes) -> bool:
         """The failed role is back in service (not merely restarted)."""
         if fault.restarted_at is None:
             return False
         try:
             if fault.role == "instance" or fault.role == "coordinator":
-                listed = probe["coordinator"].get("/v1/instances").json()["instances"]
-                wanted = [i for i in listed if fault.role == "coordinator" or i["instance_id"] == fault.name]
-                return bool(wanted) and all(i["status"] in ("live", "syncing") for i in wanted)
+                listed = probe.coordinator.instances().instances
+                wanted = [i for i in listed if fault.role == "coordinator" or i.instance_id == fault.name]
+                return bool(wanted) and all(i.status in ("live", "syncing") for i in wanted)
             if fault.role == "trainer":  # back at work: a step trained after the restart
                 return any(s.finished_at > fault.restarted_at for s in job.steps())
             return True  # a service: it answered its health probe at the restart
-        except (httpx.HTTPError, ValueError, KeyError):
+        except (httpx.HTTPError, ServiceError, ValueError):
             return False
 
     @staticmethod
-    def _train_version(manager: httpx.Client, versions: list[int]) -> int | None:
+    def _train_version(manager: ManagerClient, versions: list[int]) -> int | None:
         try:
-            tv = manager.get("/v1/buffers").json()["train_version"]
-        except (httpx.HTTPError, ValueError, KeyError):
+            tv = manager.buffers().train_version
+        except (httpx.HTTPError, ServiceError, ValueError):
             return versions[-1] if versions else None
         versions.append(tv)
         return tv
 
     @staticmethod
-    def _ps_version(params: httpx.Client) -> int | None:
+    def _ps_version(params: ParamsApiClient) -> int | None:
         try:
-            reply = params.get("/v1/params/latest")
-            return reply.json()["version"] if reply.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError):
+            return params.latest().version
+        except (httpx.HTTPError, ServiceError, ValueError):
             return None
 
     # -- after the run ----------------------------------------------------------------------
@@ -396,20 +410,20 @@ class FaultRun:
         suspects: set[str] | None = None
         for attempt in range(2):
             now: set[str] = set()
-            with http_client(urls["ts"], timeout=10) as ts:
-                routed = ts.get("/v1/routed").json()["trajectories"]
-            held: dict[str, set[str]] = {}
+            with TrajectoryClient(urls["ts"], timeout=10) as ts:
+                routed = ts.routed().trajectories
+            held: dict[str | None, set[str]] = {}
             for t in routed:
-                inst = t.get("instance_id")
+                inst = t.instance_id
                 if inst not in held:
                     try:
-                        with http_client(urls[inst], timeout=5) as c:
-                            s = c.get("/v1/snapshot").json()
-                        held[inst] = set(s["run_trajs"]) | set(s["wait_trajs"]) | set(s["complete_trajs"])
-                    except (httpx.HTTPError, KeyError, ValueError):
+                        with InstanceClient(urls[inst], timeout=5) as c:
+                            s = c.snapshot()
+                        held[inst] = set(s.run_trajs) | set(s.wait_trajs) | set(s.complete_trajs)
+                    except (httpx.HTTPError, ServiceError, KeyError, ValueError):
                         held[inst] = set()
-                if t["traj_id"] not in held[inst]:
-                    now.add(t["traj_id"])
+                if t.traj_id not in held[inst]:
+                    now.add(t.traj_id)
             suspects = now if suspects is None else suspects & now
             if not suspects:
                 return []

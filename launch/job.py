@@ -9,6 +9,7 @@ configuration runs them embedded (threads of this process) or as processes of th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,12 +27,16 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
+from staleflow.api.base import ServiceClient, ServiceError
+from staleflow.api.coordinator import CoordinatorClient
+from staleflow.api.instance import InstanceClient
+from staleflow.api.manager import ManagerClient
+from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig, LedgerConfig
 from staleflow.launch.launcher import ComponentStuck, Supervised, exit_cause
 from staleflow.servers.auth import TOKEN_ENV, run_token
-from staleflow.servers.clients import http_client
 from staleflow.servers.http import RunningServer, serve_in_thread
-from staleflow.servers.trainer import StepLog, StepRecord, TrainerLoop
+from staleflow.training.role import StepLog, StepRecord, run_trainer_role
 
 log = logging.getLogger(__name__)
 
@@ -124,23 +129,14 @@ def trainer_label(config: JobConfig) -> str:
 
 
 def step_log(config: JobConfig) -> StepLog:
-    return StepLog(config.state_dir / "trainer" / "steps.jsonl")
+    return StepLog(config.trainer_role_config().step_log_path)
 
 
 def run_trainer(config: JobConfig, endpoints: dict[str, dict], stop: threading.Event, started: float | None = None) -> None:
-    """The trainer role until ``config.steps`` buffers are trained (or ``stop``)."""
+    """The trainer role until ``config.steps`` buffers are trained (or ``stop``), with its section of the job."""
     urls = {k: v["url"] for k, v in endpoints.items()}
-    if config.engine == "sim":
-        from staleflow.training.simulated import SimulatedBackend
-
-        t = config.trainer
-        backend = SimulatedBackend(t.seconds_per_step, t.seconds_per_token, t.push_bytes, config.speed, stop)
-        TrainerLoop(backend, steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log(config),
-                    stop=stop, started=started, remote_push=t.remote_push).run()
-        return
-    from staleflow.servers.trainer import run_fsdp_trainer
-
-    run_fsdp_trainer(config, urls, step_log(config), stop, started)
+    role = config.trainer_role_config(None if config.engine == "sim" else model_dir(config))
+    run_trainer_role(role, urls, stop, started)
 
 
 # ---------------------------------------------------------------------------- monitoring
@@ -163,22 +159,23 @@ class Monitor:
     def sample(self) -> Sample | None:
         urls = {k: v["url"] for k, v in self.endpoints.items()}
         try:
-            with http_client(urls["coordinator"], timeout=5) as co, http_client(urls["manager"], timeout=5) as mg:
+            with CoordinatorClient(urls["coordinator"], timeout=5) as co, ManagerClient(urls["manager"], timeout=5) as mg:
                 instances = {
-                    i["instance_id"]: {
-                        "status": i["status"],
-                        "version": (i["snapshot"] or {}).get("inst_version"),
-                        "running": len((i["snapshot"] or {}).get("run_trajs") or []),
-                        "waiting": len((i["snapshot"] or {}).get("wait_trajs") or []),
-                        "throughput": i["estimated_throughput"],
+                    i.instance_id: {
+                        "status": i.status,
+                        "version": (i.snapshot or {}).get("inst_version"),
+                        "running": len((i.snapshot or {}).get("run_trajs") or []),
+                        "waiting": len((i.snapshot or {}).get("wait_trajs") or []),
+                        "throughput": i.estimated_throughput,
                     }
-                    for i in co.get("/v1/instances").json()["instances"]
+                    for i in co.instances().instances
                 }
-                buffers = mg.get("/v1/buffers").json()
+                buffers = mg.buffers()
         except Exception as exc:  # a component restarting or shutting down
             log.debug("monitor sample failed: %s", exc)
             return None
-        s = Sample(time.monotonic() - self.started, instances, buffers["buffers"], buffers["train_version"])
+        s = Sample(time.monotonic() - self.started, instances,
+                   [b.model_dump(exclude_none=True) for b in buffers.buffers], buffers.train_version)
         self.samples.append(s)
         return s
 
@@ -314,7 +311,7 @@ class Job(Supervised):
         if name == TRAINER:
             return proc  # no endpoint: the job watches its process and its step log
         limit = 60 if self.config.engine == "sim" else 900  # a vLLM engine on a busy CPU starts slowly
-        with http_client(self.endpoints[name]["url"], timeout=2) as probe:
+        with ServiceClient(self.endpoints[name]["url"], timeout=2) as probe:
             deadline = time.monotonic() + limit
             while True:  # the child binds, then serves: wait until it answers
                 if self.stop.is_set():
@@ -322,8 +319,8 @@ class Job(Supervised):
                 if proc.poll() is not None:
                     raise RuntimeError(f"component {name} exited with {proc.returncode}; see {log_path}")
                 try:
-                    if probe.get("/v1/health").status_code == 200:
-                        return proc
+                    probe.health()
+                    return proc
                 except Exception:
                     pass
                 if time.monotonic() > deadline:
@@ -440,9 +437,10 @@ class Job(Supervised):
 
     def _release_previous_instances(self) -> None:
         """Trajectories routed to instances of a previous run go back to pending."""
-        with http_client(self.endpoints["ts"]["url"]) as ts:
+        with TrajectoryClient(self.endpoints["ts"]["url"]) as ts:
             for instance_id in instance_ids(self.config):
-                ts.post(f"/v1/instances/{instance_id}/release")
+                with contextlib.suppress(ServiceError):
+                    ts.release(instance_id)
 
     def finished(self) -> bool:
         """The trainer is done: it trained every step, or (unsupervised) it stopped for good."""
@@ -507,8 +505,8 @@ class Job(Supervised):
         stats = {}
         for name in instance_ids(self.config):
             try:
-                with http_client(self.endpoints[name]["url"], timeout=5) as c:
-                    stats[name] = c.get("/v1/stats").json()
+                with InstanceClient(self.endpoints[name]["url"], timeout=5) as c:
+                    stats[name] = c.stats().model_dump()
             except Exception as exc:
                 log.debug("no stats from %s: %s", name, exc)
         return stats
@@ -517,9 +515,9 @@ class Job(Supervised):
         """Progress checkpoints and the trajectories handed back from failed instances, as the
         trajectory server counted them since it (last) started; None while it does not answer."""
         try:
-            with http_client(self.endpoints["ts"]["url"], timeout=5) as c:
-                counts = c.get("/v1/health").json()["progress"]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            with TrajectoryClient(self.endpoints["ts"]["url"], timeout=5) as c:
+                counts = c.health().progress.model_dump()
+        except (httpx.HTTPError, ServiceError, ValueError) as exc:
             log.debug("no trajectory server counts: %s", exc)
             return None
         regenerated = counts.get("regenerated_trajectories", 0)
@@ -531,18 +529,18 @@ class Job(Supervised):
         it since it (last) started (``staleflow.length_skew``), with the steps after ``after_step``;
         None while it does not answer."""
         try:
-            with http_client(self.endpoints["ts"]["url"], timeout=10) as c:
-                return c.get("/v1/length-skew", params={"after_step": after_step}).raise_for_status().json()
-        except (httpx.HTTPError, ValueError) as exc:
+            with TrajectoryClient(self.endpoints["ts"]["url"], timeout=10) as c:
+                return c.length_skew(after_step=after_step).model_dump()
+        except (httpx.HTTPError, ServiceError, ValueError) as exc:
             log.debug("no length skew from the trajectory server: %s", exc)
             return None
 
     def coordinator_stats(self) -> dict | None:
-        """The coordinator's counters (``/v1/coordinator``), or None while it does not answer."""
+        """The coordinator's counters, or None while it does not answer."""
         try:
-            with http_client(self.endpoints["coordinator"]["url"], timeout=5) as c:
-                return c.get("/v1/coordinator").json()
-        except (httpx.HTTPError, ValueError) as exc:
+            with CoordinatorClient(self.endpoints["coordinator"]["url"], timeout=5) as c:
+                return c.stats().model_dump()
+        except (httpx.HTTPError, ServiceError, ValueError) as exc:
             log.debug("no coordinator stats: %s", exc)
             return None
 

@@ -278,17 +278,18 @@ class Component:
 
     def _reregister(self, endpoints: dict[str, dict]) -> None:
         """Tell the coordinator where this instance serves now (retried until it answers)."""
-        from staleflow.servers.clients import http_client
+        from staleflow.api.base import ServiceError
+        from staleflow.api.coordinator import CoordinatorClient
 
         body = {"instance_id": self.name, "url": self.url, "params_url": self.params_url}
         delay = 0.2
         while True:
             try:
-                with http_client(endpoints["coordinator"]["url"], timeout=10) as c:
-                    reply = c.put(f"/v1/instances/{self.name}", json=body)
-                if reply.status_code < 300:
-                    return
-                log.error("the coordinator refused %s's registration: %d %s", self.name, reply.status_code, reply.text)
+                with CoordinatorClient(endpoints["coordinator"]["url"], timeout=10) as c:
+                    c.upsert(self.name, body)
+                return
+            except ServiceError as exc:
+                log.error("the coordinator refused %s's registration: %s", self.name, exc)
             except Exception as exc:  # the coordinator not up yet, restarting, or moving too
                 log.info("registering %s with the coordinator failed: %s", self.name, exc)
             time.sleep(delay)  # retry pacing
@@ -341,8 +342,6 @@ class TrainerRank:
         self.thread.start()
 
     def _run(self) -> None:
-        from staleflow.launch.job import step_log
-
         urls = {k: v["url"] for k, v in self.endpoints.items() if isinstance(v, dict) and "url" in v}
         try:
             if self.config.engine == "sim":
@@ -350,9 +349,11 @@ class TrainerRank:
 
                 run_trainer(self.config, self.endpoints, self.stop_event, self.started)
             else:
-                from staleflow.servers.trainer import run_fsdp_rank
+                from staleflow.launch.job import model_dir
+                from staleflow.training.role import run_fsdp_rank
 
-                run_fsdp_rank(self.config, urls, step_log(self.config), self.stop_event, self.started)
+                role = self.config.trainer_role_config(model_dir(self.config))
+                run_fsdp_rank(role, urls, self.stop_event, self.started)
             self.done = True
         except BaseException as exc:  # reported through state(); the launcher restarts the gang
             log.exception("trainer rank %d failed", self.rank)
@@ -841,25 +842,27 @@ class RayClusterJob(Supervised):
             time.sleep(0.2)  # retry pacing while Ray restarts the actor
 
     def _release_previous_instances(self) -> None:
+        from staleflow.api.base import ServiceError
+        from staleflow.api.trajectories import TrajectoryClient
         from staleflow.launch.job import instance_ids
-        from staleflow.servers.clients import http_client
 
         timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
         deadline = time.monotonic() + timeout
-        with http_client(self.endpoints["ts"]["url"], token=self.token) as ts:
+        with TrajectoryClient(self.endpoints["ts"]["url"], token=self.token) as ts:
             for instance_id in instance_ids(self.config):
                 while True:  # the trajectory server may be restarting (Ray brings it back at the same URL)
                     try:
-                        reply = ts.post(f"/v1/instances/{instance_id}/release")
-                        problem = f"{reply.status_code} {reply.text[:200]}" if reply.status_code >= 500 else None
-                    except httpx.HTTPError as exc:
-                        reply, problem = None, str(exc) or exc.__class__.__name__
-                    if problem is None or time.monotonic() >= deadline:
+                        ts.release(instance_id)
                         break
+                    except ServiceError as exc:
+                        if exc.status < 500 or time.monotonic() >= deadline:
+                            raise LauncherError(f"the trajectory server refused to release {instance_id}'s "
+                                                f"trajectories: {exc}") from None
+                    except httpx.HTTPError as exc:
+                        if time.monotonic() >= deadline:
+                            raise LauncherError(f"the trajectory server refused to release {instance_id}'s "
+                                                f"trajectories: {str(exc) or exc.__class__.__name__}") from None
                     time.sleep(0.2)  # retry pacing while the trajectory server restarts
-                if reply is None or reply.status_code >= 300:
-                    raise LauncherError(f"the trajectory server refused to release {instance_id}'s trajectories: "
-                                        f"{problem or f'{reply.status_code} {reply.text[:200]}'}")
 
     def _publish(self) -> None:
         from staleflow.launch.job import trainer_label
@@ -1105,7 +1108,8 @@ class RayClusterJob(Supervised):
         """After a relay or an instance moved: each instance pulls from the relay on its node now
         (or from the central parameter server where there is none); the registry and the
         coordinator learn it."""
-        from staleflow.servers.clients import http_client
+        from staleflow.api.base import ServiceError
+        from staleflow.api.coordinator import CoordinatorClient
 
         for name, entry in list(self.endpoints.items()):
             if not name.startswith("inst-") or not isinstance(entry, dict):
@@ -1117,12 +1121,10 @@ class RayClusterJob(Supervised):
             self.endpoints[name] = entry
             self.ray.get(self.registry.put.remote(name, entry), timeout=10)
             try:
-                with http_client(self.endpoints["coordinator"]["url"], token=self.token, timeout=10) as c:
-                    reply = c.put(f"/v1/instances/{name}", json={"instance_id": name, "url": entry["url"],
-                                                                 "params_url": wanted})
-                if reply.status_code >= 300:
-                    log.error("the coordinator refused %s's new parameter server: %d %s", name, reply.status_code,
-                              reply.text[:200])
+                with CoordinatorClient(self.endpoints["coordinator"]["url"], token=self.token, timeout=10) as c:
+                    c.upsert(name, {"instance_id": name, "url": entry["url"], "params_url": wanted})
+            except ServiceError as exc:
+                log.error("the coordinator refused %s's new parameter server: %s", name, exc)
             except httpx.HTTPError as exc:  # the coordinator restarting: it reads the registry when it starts
                 log.warning("cannot tell the coordinator where %s pulls from: %s", name, exc)
 

@@ -29,10 +29,13 @@ from pathlib import Path
 import httpx
 from sqlalchemy import func, select
 
+from staleflow.api.base import ServiceError
+from staleflow.api.coordinator import CoordinatorClient
+from staleflow.api.manager import ManagerClient
+from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig
 from staleflow.launch.job import Job, component_names
 from staleflow.servers import db
-from staleflow.servers.clients import http_client
 from staleflow.servers.schema import ledger_events, ts_trajectories, ts_trajectories_archive
 
 
@@ -140,7 +143,7 @@ class Soak:
         urls = {k: v["url"] for k, v in job.endpoints.items()}
         ts_url, ledger_url = self._database_urls()
         ts_db, ledger_db = db.make_engine(ts_url), db.make_engine(ledger_url)
-        manager, coordinator = http_client(urls["manager"], timeout=5.0), http_client(urls["coordinator"], timeout=5.0)
+        manager, coordinator = ManagerClient(urls["manager"], timeout=5.0), CoordinatorClient(urls["coordinator"], timeout=5.0)
         result = SoakResult(self.config.steps, 0, False, 0.0)
         started = time.monotonic()
         deadline = started + self.deadline_s
@@ -204,10 +207,10 @@ class Soak:
         return shared or db.sqlite_url(state / "trajectories.db"), shared or db.sqlite_url(state / "ledger.db")
 
     @staticmethod
-    def _train_version(manager: httpx.Client) -> int | None:
+    def _train_version(manager: ManagerClient) -> int | None:
         try:
-            return int(manager.get("/v1/buffers").json()["train_version"])
-        except (httpx.HTTPError, ValueError, KeyError):
+            return manager.buffers().train_version
+        except (httpx.HTTPError, ServiceError, ValueError):
             return None
 
     def _sample(self, step: int, started: float, ts_url: str, ts_db, ledger_db) -> StoreSample:
@@ -227,15 +230,15 @@ class Soak:
     @staticmethod
     def _live_trajectories(ts_url: str) -> int | None:
         try:
-            with http_client(ts_url, timeout=10.0) as ts:
-                return sum(ts.get("/v1/health").json()["counts"].values())
-        except (httpx.HTTPError, ValueError, KeyError):
+            with TrajectoryClient(ts_url, timeout=10.0) as ts:
+                return sum(ts.health().counts.values())
+        except (httpx.HTTPError, ServiceError, ValueError):
             return None
 
-    def _checkpoint(self, job: Job, step: int, ts_url: str, manager: httpx.Client, coordinator: httpx.Client,
+    def _checkpoint(self, job: Job, step: int, ts_url: str, manager: ManagerClient, coordinator: CoordinatorClient,
                     ts_db, ledger_db) -> Checkpoint:
         cpu_before, version_before = self._cpu_seconds(job), self._train_version(manager)
-        before, t0 = coordinator.get("/v1/coordinator").json(), time.monotonic()
+        before, t0 = coordinator.stats(), time.monotonic()
         job.stop.wait(self.window_s)
         # the CPU per training step needs a step inside the window: a slow machine may take longer
         # than the window for one, so it is stretched (by at most 10 windows) until one is trained
@@ -243,12 +246,12 @@ class Soak:
         while (self._train_version(manager) or 0) <= (version_before or 0) and time.monotonic() < stretch_until \
                 and not job.stop.wait(min(0.2, self.window_s)):
             pass
-        after, t1 = coordinator.get("/v1/coordinator").json(), time.monotonic()
+        after, t1 = coordinator.stats(), time.monotonic()
         cpu_after, version_after = self._cpu_seconds(job), self._train_version(manager)
-        cycles = after["cycles"] - before["cycles"]
-        cycle_ms = (after["cycle_ms_total"] - before["cycle_ms_total"]) / cycles if cycles else float("nan")
-        phase_ms = {phase: (ms - before.get("phase_ms_total", {}).get(phase, 0.0)) / cycles
-                    for phase, ms in after.get("phase_ms_total", {}).items()} if cycles else {}
+        cycles = after.cycles - before.cycles
+        cycle_ms = (after.cycle_ms_total - before.cycle_ms_total) / cycles if cycles else float("nan")
+        phase_ms = {phase: (ms - before.phase_ms_total.get(phase, 0.0)) / cycles
+                    for phase, ms in after.phase_ms_total.items()} if cycles else {}
         cpu_ms = {name: (cpu_after[name] - cpu_before[name]) * 1e3 for name in cpu_after.keys() & cpu_before.keys()
                   if cpu_after[name] >= cpu_before[name]}  # a process restarted meanwhile is left out
         steps = (version_after or 0) - (version_before or 0)
@@ -282,11 +285,11 @@ class Soak:
     @staticmethod
     def _poll_ms(ts_url: str, rounds: int = 20) -> float:
         times = []
-        with http_client(ts_url, timeout=30.0) as ts:
+        with TrajectoryClient(ts_url, timeout=30.0) as ts:
             for _ in range(rounds):
                 t = time.perf_counter()
-                ts.get("/v1/pending").raise_for_status()
-                ts.get("/v1/routed").raise_for_status()
+                ts.pending()
+                ts.routed()
                 times.append((time.perf_counter() - t) * 1e3)
         return statistics.median(times)
 

@@ -28,13 +28,14 @@ def ready(log_path: Path) -> bool:
 def main() -> int:
     import os
 
+    # imported before the process waits: a standby is warm once it is taken
     import staleflow.coordinator.app
     import staleflow.servers.instance
     import staleflow.servers.manager
     import staleflow.servers.params
     import staleflow.servers.reward
-    import staleflow.servers.trainer
-    import staleflow.servers.trajectories  # noqa: F401
+    import staleflow.servers.trajectories
+    import staleflow.training.role  # noqa: F401
     from staleflow.config import JobConfig
     from staleflow.launch.job import TRAINER, build_app, run_trainer
     from staleflow.servers.http import serve_forever

@@ -44,10 +44,11 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from staleflow.api.base import ServiceClient, ServiceError
+from staleflow.api.coordinator import CoordinatorClient
 from staleflow.config import SupervisionConfig
 from staleflow.launch import standby
 from staleflow.launch.launcher import BeyondRepair, Launcher
-from staleflow.servers.clients import http_client
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class Supervisor:
         return self.job.components()
 
     def _run(self) -> None:
-        clients: dict[str, httpx.Client] = {}
+        clients: dict[str, ServiceClient | CoordinatorClient] = {}
         next_probe = 0.0
         try:
             while not self._stopping():
@@ -202,19 +203,21 @@ class Supervisor:
         now = time.monotonic()
         return [(name, kind, cause, now) for name, kind, cause in asked]
 
-    def _client(self, clients: dict[str, httpx.Client], name: str) -> httpx.Client | None:
+    def _client(self, clients: dict[str, ServiceClient | CoordinatorClient],
+                name: str) -> ServiceClient | CoordinatorClient | None:
         """A probe client for component ``name`` at its URL now (a Ray component may have moved)."""
         url = self.job.endpoint(name)
         if url is None:
             return None
         client = clients.get(name)
-        if client is None or str(client.base_url).rstrip("/") != url.rstrip("/"):
+        if client is None or client.url.rstrip("/") != url.rstrip("/"):
             if client is not None:
                 client.close()
-            client = clients[name] = http_client(url, token=self.job.token, timeout=self.settings.probe_timeout_s)
+            kind = CoordinatorClient if name == "coordinator" else ServiceClient
+            client = clients[name] = kind(url, token=self.job.token, timeout=self.settings.probe_timeout_s)
         return client
 
-    def _hung(self, clients: dict[str, httpx.Client]) -> list[tuple[str, str, str, float]]:
+    def _hung(self, clients: dict[str, ServiceClient | CoordinatorClient]) -> list[tuple[str, str, str, float]]:
         failed = []
         for name in self._watched():
             if name.startswith("inst-") or name == TRAINER:
@@ -238,24 +241,27 @@ class Supervisor:
         return failed
 
     @staticmethod
-    def _healthy(client: httpx.Client) -> bool:
+    def _healthy(client: ServiceClient | CoordinatorClient) -> bool:
         try:
-            return client.get("/v1/health").status_code == 200
-        except httpx.HTTPError:
+            client.health()
+        except (httpx.HTTPError, ServiceError, ValueError):
             return False
+        return True
 
-    def _declared_failed(self, coordinator: httpx.Client) -> list[tuple[str, float]]:
+    def _declared_failed(self, coordinator: ServiceClient | CoordinatorClient) -> list[tuple[str, float]]:
         """Instances the coordinator declared failed, with how long ago each was last heard of."""
+        if not isinstance(coordinator, CoordinatorClient):
+            return []
         try:
-            listed = coordinator.get("/v1/instances").json()["instances"]
-        except (httpx.HTTPError, ValueError, KeyError):
+            listed = coordinator.instances().instances
+        except (httpx.HTTPError, ServiceError, ValueError):
             return []
         watched = set(self._watched())
         found = []
         for i in listed:
-            if i["status"] == "failed" and i["instance_id"] in watched:
-                stamp = (i.get("snapshot") or {}).get("timestamp")
-                found.append((i["instance_id"], max(0.0, time.time() - stamp) if stamp else 0.0))
+            if i.status == "failed" and i.instance_id in watched:
+                stamp = (i.snapshot or {}).get("timestamp")
+                found.append((i.instance_id, max(0.0, time.time() - stamp) if stamp else 0.0))
         return found
 
     # -- repair ----------------------------------------------------------------------------

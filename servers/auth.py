@@ -19,14 +19,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from staleflow.api.base import TOKEN_ENV, TOKEN_FILE_ENV, TokenFileError, configured_token, token_from_file
 from staleflow.errors import ErrorCode, error_body
-from staleflow.transports.rest import (
-    TOKEN_ENV,
-    TOKEN_FILE_ENV,
-    TokenFileError,
-    configured_token,
-    token_from_file,
-)
 
 log = logging.getLogger(__name__)
 

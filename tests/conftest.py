@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from support import manager_config
 
-from staleflow.servers.clients import ManagerClient
+from staleflow.api.manager import ManagerClient
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app
 

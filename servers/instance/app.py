@@ -11,23 +11,23 @@ from fastapi import Body, FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 
 from staleflow import metrics as m
-from staleflow.engines.base import RolloutEngine
-from staleflow.servers.http import service_app
-from staleflow.servers.instance.config import InstanceConfig
-from staleflow.servers.instance.state import InstanceServer
-from staleflow.servers.instance.wire import (
+from staleflow.api.instance import (
     AckIn,
     AckOut,
     Advanced,
     AdvanceIn,
     AnyCommand,
-    CommandResult,
+    CommandApplied,
     CompletedFeed,
     EngineStats,
     HeldProgress,
     InstanceHealth,
     SnapshotOut,
 )
+from staleflow.engines.base import RolloutEngine
+from staleflow.servers.http import service_app
+from staleflow.servers.instance.config import InstanceConfig
+from staleflow.servers.instance.state import InstanceServer
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
     m.mount_metrics(app, "instance", lambda: instance_metrics(server, scraped.get("snapshot"), scraped.get("stats")),
                     refresh=read_engine)
 
-    @app.post("/v1/commands", response_model=CommandResult)
+    @app.post("/v1/commands", response_model=CommandApplied)
     async def commands(command: Annotated[AnyCommand, Body(discriminator="kind")], response: Response) -> Any:
         status, body, replayed = await server.apply(command)
         headers = {"Idempotent-Replay": "true"} if replayed else None

@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from staleflow.api.base import TRANSIENT_STATUS, async_http_client
+from staleflow.api.instance import AbortCommand, AdvanceIn, AnyCommand, InterruptCommand, RouteCommand
 from staleflow.config.engines import Clock
 from staleflow.engines.base import (
     CompletedTrajectory,
@@ -27,17 +29,8 @@ from staleflow.engines.base import (
 )
 from staleflow.engines.sim import SimEngine
 from staleflow.errors import ErrorCode
-from staleflow.servers.clients import async_http_client
 from staleflow.servers.instance.config import InstanceConfig
-from staleflow.servers.instance.wire import (
-    AbortCommand,
-    AdvanceIn,
-    AnyCommand,
-    InterruptCommand,
-    RouteCommand,
-    trajectory_json,
-)
-from staleflow.training.base import TRANSIENT_STATUS
+from staleflow.servers.instance.wire import engine_request, trajectory_json, weights_ref
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +342,7 @@ class InstanceServer:
     async def _execute(self, command: AnyCommand) -> dict[str, Any]:
         if isinstance(command, RouteCommand):
             try:
-                requests = [t.to_request() for t in command.trajectories]
+                requests = [engine_request(t) for t in command.trajectories]
             except ValueError as exc:  # cross-field checks of the trajectory dataclasses
                 raise EngineError(ErrorCode.INVALID_TRAJECTORY, str(exc)) from None
             await self.engine.route(requests)
@@ -362,7 +355,7 @@ class InstanceServer:
             return {"aborted": abort.aborted, "not_found": abort.not_found}
         self._pulling = True
         try:
-            partials = await self.engine.load_weights(command.weights_ref(), command.keep_running)
+            partials = await self.engine.load_weights(weights_ref(command), command.keep_running)
             kept: list[str] = []
             if command.keep_running:  # complete_trajs restarted at the load: all of them went through it
                 held = await self.engine.snapshot()

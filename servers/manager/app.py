@@ -1,4 +1,5 @@
-"""The staleness manager's REST app: wire models and ``create_app`` over the durable ledger."""
+"""The staleness manager's REST app: ``create_app`` over the durable ledger; its wire models are
+``staleflow.api.manager``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,21 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Path, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from staleflow import metrics as m
+from staleflow.api.manager import (
+    GROUP_ID_PATTERN,
+    SQL_INT_MAX,
+    AdmissionOut,
+    BufferOut,
+    BuffersOut,
+    ConsumedOut,
+    EventsOut,
+    Health,
+    ReservationOut,
+    ReservationRequest,
+    TransitionOut,
+)
 from staleflow.errors import ErrorCode
 from staleflow.ledger import AdmissionWhatIf, BufferView, LedgerError, Transition
 from staleflow.servers.http import service_app
@@ -21,95 +34,11 @@ from staleflow.servers.manager.store import DurableLedger
 
 log = logging.getLogger(__name__)
 
-GROUP_ID_PATTERN = r"^[A-Za-z0-9._:@+\-]{1,200}$"
-SQL_INT_MAX = 2**63 - 1  # what SQL databases store in an integer column
 GroupId = Annotated[str, Path(pattern=GROUP_ID_PATTERN, description="prompt group id")]
-
-
-class ReservationRequest(BaseModel):
-    group_id: str = Field(pattern=GROUP_ID_PATTERN, description="prompt group id (single use)")
-    v_traj: StrictInt = Field(ge=0, description="the group's trajectory version V_traj")
-
-
-class Health(BaseModel):
-    status: str
-    train_version: int
-
-
-class EntryOut(BaseModel):
-    group_id: str
-    v_traj: int | None = None  # absent for consumed buffers
-    status: str
-
-
-class BufferOut(BaseModel):
-    version: int
-    state: str = Field(description="waiting, ready, stuck or consumed")
-    capacity: int
-    entries: list[EntryOut]
-
-
-class BuffersOut(BaseModel):
-    train_version: int
-    eta: int
-    batch_size: int
-    group_size: int = Field(description="trajectories a group needs completed to be occupied (G)")
-    buffers: list[BufferOut]
-
-
-class WhatIfOut(BaseModel):
-    version: int = Field(description="the V_traj asked about")
-    count: int = Field(description="how many more groups were asked about")
-    admissible: bool = Field(description="whether that many groups with that V_traj could be reserved now")
-    room: int = Field(description="how many groups with that V_traj could be reserved now")
-    reason: str = Field(description="the answer in words")
-    full_buffers: list[int] = Field(description="the buffers with no free slot where the groups would have to go")
-    consume_through: int | None = Field(description="consume the buffers from the trainer's version up to this one "
-                                                    "first: then that many groups fit (at then_version); null: "
-                                                    "nothing to consume")
-    then_version: int | None = Field(description="the V_traj that many groups could carry (once consume_through is "
-                                                 "consumed; null: admissible now, or never)")
-    then_room: int | None = Field(description="the room at then_version then (an estimate when buffers must be "
-                                              "consumed first)")
-
-
-class AdmissionOut(BaseModel):
-    train_version: int
-    eta: int
-    admissible: dict[str, int] = Field(description="V_traj -> groups it can still admit")
-    what_if: WhatIfOut | None = Field(None, description="the answer to ?version=V&count=N")
 
 
 def what_if_json(answer: AdmissionWhatIf) -> dict:
     return {**dataclasses.asdict(answer), "admissible": answer.admissible}
-
-
-class TransitionOut(BaseModel):
-    group_id: str
-    buffer: int | None
-    cancelled: list[str] = Field(description="groups aborted as a side effect (surplus)")
-    completed_members: list[str] | None = None
-    occupied: bool | None = None
-
-
-class ReservationOut(BaseModel):
-    group_id: str
-    status: str
-    v_traj: int | None = None
-    completed_members: list[str] | None = None
-
-
-class ConsumedOut(BaseModel):
-    version: int | None
-    group_ids: list[str]
-    cancelled: list[str]
-    replayed: bool
-
-
-class EventsOut(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    events: list[dict]
-    next: int
 
 
 def buffer_json(view: BufferView) -> dict:

@@ -18,14 +18,15 @@ from shared memory), so the PS's own memory stays bounded by a few pieces per st
 
 Endpoints (JSON errors ``{"detail": ...}``): see docs/params.md.
 
-``config`` holds the settings, ``store`` the durable store and its rules, ``app`` the REST app; the
-client (``ParamsClient``) lives in the library, ``staleflow.transports.client``.
+``config`` holds the settings, ``store`` the durable store and its rules, ``app`` the REST app; its
+wire models and routes are ``staleflow.api.params``, and its client (``ParamsClient``, with the
+transports) lives in the library, ``staleflow.transports.client``.
 """
 
+from staleflow.api.base import ServiceError
 from staleflow.servers.params.app import create_app
 from staleflow.servers.params.config import ParamsConfig
 from staleflow.servers.params.store import ParamsError, ParamStore
 from staleflow.transports.client import ParamsClient, RawTensor
-from staleflow.transports.rest import ServiceError
 
 __all__ = ["ParamStore", "ParamsClient", "ParamsConfig", "ParamsError", "RawTensor", "ServiceError", "create_app"]

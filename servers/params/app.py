@@ -1,4 +1,5 @@
-"""The parameter server's REST app: wire models and ``create_app`` (endpoints: see docs/params.md)."""
+"""The parameter server's REST app: ``create_app`` (endpoints: see docs/params.md; wire models:
+``staleflow.api.params``)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,36 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
 from staleflow import metrics as m
+from staleflow.api.params import (
+    ChunkReceived,
+    ManifestOut,
+    ParamsHealth,
+    PartDone,
+    PartFinished,
+    PartJoin,
+    PartJoined,
+    Persisted,
+    PullBegin,
+    PullEnded,
+    PullStarted,
+    PushAborted,
+    PushBegin,
+    PushStarted,
+    StoreDescription,
+    VersionDeleted,
+    VersionSpec,
+    VersionSummary,
+)
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import service_app
-from staleflow.servers.params.config import ParamsConfig, TransportName
+from staleflow.servers.params.config import ParamsConfig
 from staleflow.servers.params.dataplane import ChunkDataPlane
 from staleflow.servers.params.store import ParamsError, ParamStore, StoredVersion
 from staleflow.transports.base import checksum_algorithms
@@ -25,198 +45,6 @@ from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range, stream
 from staleflow.transports.shm import host_id
 
 log = logging.getLogger(__name__)
-
-
-class TensorIn(BaseModel):
-    name: str = Field(min_length=1, max_length=1024)
-    dtype: str
-    shape: list[int] = Field(max_length=64)
-
-
-class PushBegin(BaseModel):
-    tensors: list[TensorIn] = Field(min_length=1)
-    metadata: dict[str, str] = Field(default_factory=dict)
-
-
-class PartJoin(BaseModel):
-    tensors: list[TensorIn] = Field(min_length=1, description="the whole version's tensor table, the same for every part")
-    metadata: dict[str, str] = Field(default_factory=dict)
-    parts: int = Field(ge=1, le=65536, description="how many parts the version is pushed in")
-    ranges: list[tuple[int, int]] | None = Field(None, description="(offset, length) byte ranges of the data section "
-                                                                     "this part delivers; absent: all of it")
-    via: Literal["http", "shm", "nixl"] = "http"
-
-
-class PartDone(BaseModel):
-    checksums: dict[int, str] | None = Field(None, description="chunk index -> checksum, for a part written over shm or nixl")
-    wait_s: float = Field(0.0, ge=0, le=3600, description="wait this long for the other parts to finish")
-
-
-class PullBegin(BaseModel):
-    transport: TransportName = "http"
-    wait_s: float = Field(0.0, ge=0, le=600, description="wait this long for a version that is not complete yet")
-
-
-VersionSpec = Annotated[str, "a version number, 'latest' or 'latest-N'"]
-
-
-class _Answer(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ParamsHealth(_Answer):
-    status: str
-    latest: int | None
-    versions: int
-    transports: list[str]
-    host_id: str
-    data_port: int | None = Field(description="the data plane's port (chunk bodies), on this server's host; "
-                                              "null: chunks go through this port")
-
-
-class VersionSummary(_Answer):
-    version: int
-    total_bytes: int
-    tensors: int
-    chunks: int
-    chunk_bytes: int
-    committed_at: float | None
-
-
-class StoredSummary(VersionSummary):
-    leases: int
-    retained: bool
-    in_memory: bool = Field(description="the version is served from host memory")
-    persisted: bool = Field(description="a copy is on disk (crash recovery)")
-    persist_seconds: float | None = Field(description="persist start to on disk, seconds (off the critical path)")
-    persist_yielded_seconds: float | None = Field(description="of which the persist waited for pushes and pulls to end")
-    visible_seconds: float | None = Field(description="push start to visible, seconds")
-    visible_at_monotonic: float | None
-
-
-class PushProgress(_Answer):
-    version: int
-    push_id: str
-    parts: int = Field(description="parts the version is pushed in (one per pushing rank)")
-    parts_joined: list[int]
-    parts_done: list[int]
-    chunks: int
-    received_chunks: int
-    received_bytes: int
-    total_bytes: int
-    writing: list[tuple[int, int]] = Field(description="(part, chunk) being received")
-    committing: bool
-
-
-class StoreDescription(_Answer):
-    keep: int
-    latest: int | None
-    versions: list[StoredSummary]
-    pushes: list[PushProgress]
-    readers: dict[str, int]
-    writers: int
-    transports: list[str]
-    persist: bool
-    shm: dict[str, Any] | None
-
-
-class ChunkOut(_Answer):
-    index: int
-    offset: int
-    length: int
-    checksum: str | None = None
-
-
-class TensorOut(_Answer):
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
-
-
-class ManifestOut(_Answer):
-    version: int
-    total_bytes: int
-    chunk_bytes: int
-    data_offset: int
-    metadata: dict[str, str]
-    committed_at: float | None
-    tensors: list[TensorOut]
-    chunks: list[ChunkOut]
-
-
-class PartVisible(StoredSummary):
-    """The part is done and the version is visible (this part was the last, or the others
-    finished within ``wait_s``)."""
-
-    visible: Literal[True]
-
-
-class PartPending(PushProgress):
-    """The part is done; the version waits for the other parts."""
-
-    visible: Literal[False]
-
-
-PartFinished = PartVisible | PartPending
-
-
-class PushStarted(_Answer):
-    push_id: str
-    version: int
-    chunk_bytes: int
-    total_bytes: int
-    chunks: list[ChunkOut]
-    checksum_algorithms: list[str]
-
-
-class PartJoined(_Answer):
-    push_id: str
-    version: int
-    part: int
-    chunk_bytes: int
-    total_bytes: int
-    data_offset: int
-    details: dict[str, Any] = Field(description="over shm: the memory slot to write into (path, size, offsets); "
-                                                "over nixl: the PS's agent metadata, the slot's address and data offset")
-    chunks: list[ChunkOut]
-    checksum_algorithms: list[str]
-
-
-class Persisted(_Answer):
-    version: int
-    persisted: bool
-
-
-class ChunkReceived(_Answer):
-    index: int
-    checksum: str
-
-
-class VersionDeleted(_Answer):
-    version: int
-    deleted: bool = Field(description="gone now; false: it goes when its open pulls end")
-    readers: int = Field(description="pulls still reading it")
-
-
-class PushAborted(_Answer):
-    version: int
-    aborted: bool
-
-
-class PullStarted(_Answer):
-    lease_id: str
-    version: int
-    transport: str
-    ttl_s: float
-    details: dict[str, Any] = Field(description="what the transport needs: a shm path, NIXL descriptors, ...")
-    manifest: ManifestOut
-
-
-class PullEnded(_Answer):
-    lease_id: str
-    released: bool
 
 
 def binary_body(description: str) -> dict:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from staleflow.api.base import ServiceError
 from staleflow.transports.client import ParamsClient
-from staleflow.transports.rest import ServiceError
 
 log = logging.getLogger(__name__)
 

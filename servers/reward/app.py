@@ -20,9 +20,9 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
-from pydantic import BaseModel, ConfigDict
 
 from staleflow import metrics as m
+from staleflow.api.reward import RewardHealth, RewardItem, RewardOut, VerifiersOut
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.rewards import RewardRequest, RewardScorer
 from staleflow.rewards.pool import TIMEOUT
@@ -31,13 +31,6 @@ from staleflow.servers.http import service_app
 from staleflow.servers.reward.config import RewardConfig
 
 log = logging.getLogger(__name__)
-
-class RewardItem(BaseModel):
-    id: str | int
-    response_text: str
-    answer: str
-    verifier: str | None = None
-
 
 class RewardTally:
     """What the reward server scored, for /metrics."""
@@ -64,27 +57,6 @@ class RewardTally:
                 m.REWARD_TIMEOUTS.family([([v], n) for v, n in sorted(self.timeouts.items())]),
                 m.REWARD_SECONDS.summary([((), self.batches, self.batch_seconds)]),
                 m.REWARD_VALUE.summary([([v], int(n), total) for v, (n, total) in verifiers])]
-
-
-class RewardOut(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    id: str | int
-    reward: float
-    reason: str
-    detail: str | None = None
-
-
-class RewardHealth(BaseModel):
-    status: str
-    workers: int
-    replaced_workers: int
-    timeouts: dict[str, int]  # by verifier: items that overran their deadline
-
-
-class VerifiersOut(BaseModel):
-    default: str
-    builtin: list[str]
-    user: dict[str, str]
 
 
 def the_scorer(request: Request) -> RewardScorer:

@@ -11,66 +11,41 @@ from typing import Annotated
 import httpx
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
 
-from staleflow.errors import ErrorCode, StaleFlowError, error_body
-from staleflow.metrics import mount_metrics
-from staleflow.servers.clients import AsyncManagerClient, ServiceError
-from staleflow.servers.http import error_response, service_app
-from staleflow.servers.trajectories.config import TrajectoryServerConfig
-from staleflow.servers.trajectories.rewards import RewardFn, make_reward
-from staleflow.servers.trajectories.service import TrajectoryServer
-from staleflow.servers.trajectories.store import TrajectoryStore, TrajState
-from staleflow.servers.trajectories.wire import (
+from staleflow.api.base import ServiceError
+from staleflow.api.manager import AsyncManagerClient
+from staleflow.api.trajectories import (
+    Accepted,
+    Acknowledged,
     AckRequest,
     BatchOut,
+    CancellationsOut,
     CheckedOut,
     CheckoutRequest,
     CompletedRequest,
+    Freed,
     LengthSkewOut,
     ProgressOut,
     ProgressRequest,
+    Released,
+    Returned,
     ReturnRequest,
     TrajectoriesOut,
     TrajectoryDetail,
     TrajectoryPage,
     TrajectoryServerHealth,
-    summary,
-    traj_payload,
 )
+from staleflow.errors import ErrorCode, StaleFlowError, error_body
+from staleflow.metrics import mount_metrics
+from staleflow.servers.http import error_response, service_app
+from staleflow.servers.trajectories.config import TrajectoryServerConfig
+from staleflow.servers.trajectories.rewards import RewardFn, make_reward
+from staleflow.servers.trajectories.service import TrajectoryServer
+from staleflow.servers.trajectories.store import TrajectoryStore, TrajState
+from staleflow.servers.trajectories.wire import summary, traj_payload
 from staleflow.tasks import SkippedRows
 
 log = logging.getLogger(__name__)
-
-
-class Returned(BaseModel):
-    outcome: dict[str, str] = Field(description="traj_id -> pending, aborted, unknown or ignored (its state)")
-
-
-class Accepted(BaseModel):
-    accepted: int
-
-
-class Released(BaseModel):
-    released: int
-
-
-class Cancellation(BaseModel):
-    traj_id: str
-    instance_id: str | None
-
-
-class CancellationsOut(BaseModel):
-    trajectories: list[Cancellation]
-
-
-class Acknowledged(BaseModel):
-    acknowledged: int
-
-
-class Freed(BaseModel):
-    version: int
-    freed_groups: int
 
 
 def the_server(request: Request) -> TrajectoryServer:
@@ -187,7 +162,7 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
     @app.delete("/v1/batches/{version}", response_model=Freed)
     async def free_batch(server: ServerDep, version: int) -> dict:
         buffer = await server.manager.buffer(version)
-        freed = server.store.free([e["group_id"] for e in buffer.get("entries", [])], version)
+        freed = server.store.free([e.group_id for e in buffer.entries], version)
         server.refill()
         return {"version": version, "freed_groups": freed}
 

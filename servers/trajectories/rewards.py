@@ -7,7 +7,7 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
 
-from staleflow.servers.clients import async_http_client
+from staleflow.api.reward import AsyncRewardClient
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
 
 RewardFn = Callable[[list[tuple[str, str, str]]], Awaitable[list[tuple[float, str]]]]
@@ -44,13 +44,11 @@ def local_math_reward() -> RewardFn:
 
 def http_reward(url: str) -> RewardFn:
     """The reward server (``staleflow serve reward``): batched, with a timeout per call."""
-    client = async_http_client(url, timeout=60.0)
+    client = AsyncRewardClient(url, timeout=60.0)
 
     async def score(batch: list[tuple[str, str, str]]) -> list[tuple[float, str]]:
-        reply = await client.post("/v1/rewards", json=[
-            {"id": i, "response_text": text, "answer": answer} for i, text, answer in batch])
-        reply.raise_for_status()
-        by_id = {r["id"]: (float(r["reward"]), r.get("reason", "")) for r in reply.json()}
+        scored = await client.score([{"id": i, "response_text": text, "answer": answer} for i, text, answer in batch])
+        by_id = {r.id: (r.reward, r.reason) for r in scored}
         return [by_id[i] for i, _, _ in batch]
 
     return score

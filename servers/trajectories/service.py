@@ -9,9 +9,11 @@ from collections.abc import Iterable
 
 import httpx
 
+from staleflow.api.base import ServiceError
+from staleflow.api.manager import AsyncManagerClient
+from staleflow.api.trajectories import CheckoutRequest, CompletedRequest, PartialIn, ProgressIn, ProgressRequest
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.length_skew import Fate
-from staleflow.servers.clients import AsyncManagerClient, ServiceError
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
 from staleflow.servers.trajectories.rewards import RewardFn
 from staleflow.servers.trajectories.store import (
@@ -21,14 +23,7 @@ from staleflow.servers.trajectories.store import (
     TrajectoryStore,
     checkpoint,
 )
-from staleflow.servers.trajectories.wire import (
-    CheckoutRequest,
-    CompletedRequest,
-    PartialIn,
-    ProgressIn,
-    ProgressRequest,
-    traj_payload,
-)
+from staleflow.servers.trajectories.wire import traj_payload
 from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
 
 log = logging.getLogger(__name__)
@@ -121,9 +116,9 @@ class TrajectoryServer:
             if exc.code is not ErrorCode.DUPLICATE_GROUP:
                 return exc.detail
             existing = await self.manager.reservation(g.group_id)  # reserved before a crash of the TS
-            if existing.get("status") not in ("reserved", "occupied"):
-                return f"the ledger has this group as {existing.get('status')}"
-            v_traj = existing["v_traj"]
+            if existing.status not in ("reserved", "occupied") or existing.v_traj is None:
+                return f"the ledger has this group as {existing.status}"
+            v_traj = existing.v_traj
         self.store.set_group_version(g.group_id, v_traj)
         return None
 
@@ -201,7 +196,7 @@ class TrajectoryServer:
             return
         reply = await self._ledger_call(self.manager.occupy, g.group_id, ok_codes={ErrorCode.INVALID_STATUS})
         self.store.close_group(g.group_id, GroupState.OCCUPIED)
-        self.store.follow_ledger("occupy", g.group_id, [], (reply or {}).get("cancelled", []), self.cancelled_fate)
+        self.store.follow_ledger("occupy", g.group_id, [], reply.cancelled if reply else [], self.cancelled_fate)
 
     async def _ledger_call(self, fn, group_id: str, ok_codes: set[ErrorCode]):
         try:
@@ -220,10 +215,10 @@ class TrajectoryServer:
             except Exception as exc:  # the manager may be restarting: keep trying
                 log.debug("ledger event poll failed: %s", exc)
             else:
-                for event in page["events"]:
+                for event in page.events:
                     self.apply_ledger_event(event)
-                if page["next"] != cursor:
-                    cursor = page["next"]
+                if page.next != cursor:
+                    cursor = page.next
                     self.store.set_meta("ledger_cursor", str(cursor))
                     self.refill()
                     continue
@@ -239,10 +234,10 @@ class TrajectoryServer:
 
     async def batch(self, version: int) -> dict:
         buffer = await self.manager.buffer(version)
-        if buffer.get("state") != "consumed":
-            raise StoreConflict(f"buffer {version} has not been consumed yet (it is {buffer.get('state')})",
+        if buffer.state != "consumed":
+            raise StoreConflict(f"buffer {version} has not been consumed yet (it is {buffer.state})",
                                 ErrorCode.NOT_CONSUMED)
-        group_ids = [e["group_id"] for e in buffer["entries"]]
+        group_ids = [e.group_id for e in buffer.entries]
         items = self.store.batch(group_ids)
         return {
             "version": version,

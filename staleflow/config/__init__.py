@@ -37,6 +37,7 @@ from staleflow.config.job import (
     JobConfig,
     SupervisionConfig,
     TrainerConfig,
+    TrainerRoleConfig,
 )
 from staleflow.config.manager import LedgerConfig, ManagerConfig, ManagerSettings
 from staleflow.config.params import ParamsConfig, ParamsSettings
@@ -78,6 +79,7 @@ __all__ = [
     "TaskConfig",
     "SupervisionConfig",
     "TrainerConfig",
+    "TrainerRoleConfig",
     "TrajectoryServerConfig",
     "TrajectorySettings",
     "VllmConfig",

@@ -91,6 +91,27 @@ class TrainerConfig(StrictModel):
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
 
+class TrainerRoleConfig(StrictModel):
+    """What the trainer role runs with (every rank of it): its section of the job, composed by
+    ``JobConfig.trainer_role_config``, not the whole job."""
+
+    backend: Literal["simulated", "fsdp"] = Field(description="simulated (the sim engine's jobs) or FSDP2")
+    trainer: TrainerConfig
+    steps: int = Field(ge=1, description="training steps (buffers consumed) to run")
+    eta: int = Field(ge=0, description="the staleness bound: how far behind the trainer the ledger's buffers reach")
+    state_dir: Path = Field(description="the role's own directory: its step log and checkpoints")
+    model_dir: Path | None = Field(None, description="fsdp: the model to train (a local Hugging Face directory)")
+    speed: float = Field(1.0, gt=0, description="simulated: simulated seconds per real second")
+
+    @property
+    def step_log_path(self) -> Path:
+        return self.state_dir / "steps.jsonl"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.state_dir / "checkpoints"
+
+
 class SupervisionConfig(StrictModel):
     """How a job keeps its components running: a component that crashes or stops answering is
     restarted in place; one that keeps crashing stops the job (docs/faults.md)."""
@@ -255,6 +276,12 @@ class JobConfig(ComponentConfigs, StrictModel):
         if self.db_url is not None and self.db_url_file is not None:
             raise ValueError("set db_url or db_url_file, not both")
         return self
+
+    def trainer_role_config(self, model_dir: Path | None = None) -> TrainerRoleConfig:
+        """The trainer role's section; ``model_dir``: the resolved model (the FSDP2 trainer's)."""
+        return TrainerRoleConfig(backend="simulated" if self.engine == "sim" else "fsdp", trainer=self.trainer,
+                                 steps=self.steps, eta=self.ledger.eta, state_dir=self.state_dir / "trainer",
+                                 model_dir=model_dir, speed=self.speed)
 
     def database_url(self) -> str | None:
         """The database URL of the durable state (None: SQLite files in ``state_dir``)."""

@@ -1,6 +1,6 @@
 """What the trainer role needs from a trainer backend, and how a sharded trainer's ranks push.
 
-The role (``staleflow.servers.trainer``) does the I/O: it consumes a Ready buffer, fetches its batch,
+The role (``staleflow.training.role``) does the I/O: it consumes a Ready buffer, fetches its batch,
 hands it to the backend, pushes the weights the backend returns and frees batches once a checkpoint
 covers them. A backend only trains, so the same role drives the simulated trainer and the FSDP one.
 
@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
+from staleflow.api.base import TRANSIENT_STATUS, ServiceError
 from staleflow.errors import ErrorCode
 from staleflow.transports.client import ParamsClient, ShardPiece
-from staleflow.transports.rest import ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,6 @@ VISIBLE_WAIT_S = 5.0
 """One bounded wait of a pushing rank for the other ranks' parts; it asks the PS again after each."""
 KEPT_POLL_S = 1.0
 """Between pushes, how often a rank asks the PS whether its last version is persisted (or lost)."""
-TRANSIENT_STATUS = (502, 503, 504)
-"""Replies that mean the service is restarting or cannot reach its own dependency: retried."""
 RETRIED_CODES = (
     ErrorCode.UNKNOWN_PUSH,  # the PS restarted or dropped the push: join it again
     ErrorCode.PUSH_ID_MISMATCH,  # ... and another rank started a new one
@@ -206,7 +204,7 @@ class SharePusher:
                 pending = pending_push(state, version)
                 if pending is not None and pending["parts"] != share.parts:
                     # left by a killed trainer of another shape: it can never complete
-                    client.http.delete(f"/v1/params/{version}/push", params={"push_id": pending["push_id"]})
+                    client.abort_push(version, pending["push_id"])
                     pending = None
                 if pending is not None and pending["push_id"] == push_id and self.part in pending["parts_done"]:
                     reply = client.finish_part(version, self.part, push_id, wait_s=self.wait_s)

@@ -1,7 +1,7 @@
 """The FSDP2 trainer: GRPO/DAPO on a Hugging Face causal LM, sharded with ``fully_shard``.
 
 Rank 0 runs the trainer role (``TrainerLoop``: consume, fetch, push, free; its process
-orchestration is ``staleflow.servers.trainer.run_fsdp_trainer``) with a ``RankDriver`` backend
+orchestration is ``staleflow.training.role.run_fsdp_trainer``) with a ``RankDriver`` backend
 that broadcasts each call (train, weights, checkpoint) to the other ranks, which run the same call
 on their shard (``follow``). Weights are pushed by every rank at once, each its own shards (no
 gather on rank 0); the parameter server makes the version visible when all of them are in.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from staleflow.config import JobConfig, TrainerConfig
+from staleflow.config import TrainerConfig, TrainerRoleConfig
 from staleflow.training.base import BackgroundSharePushes, ShardedWeights, TrainerBackend
 from staleflow.training.export import ShareStaging, export_dtype, local_shards
 from staleflow.training.grpo import group_advantages, policy_loss
@@ -472,15 +472,13 @@ def init_process_group(rank: int, world: int, port: int, master_addr: str = "127
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def run_follower(rank: int, world: int, port: int, config_json: str, model_dir: str) -> None:
+def run_follower(rank: int, world: int, port: int, role_json: str) -> None:
+    """Rank ``rank`` (> 0) of a trainer whose rank 0 spawned it, with the role's section (JSON)."""
     _die_with_parent()
-    config = JobConfig.model_validate_json(config_json)
+    role = TrainerRoleConfig.model_validate_json(role_json)
+    assert role.model_dir is not None, "an FSDP2 trainer role names its model"
     init_process_group(rank, world, port)
     try:
-        follow(FsdpBackend(config.trainer, Path(model_dir), checkpoint_dir(config), rank, world, config.steps))
+        follow(FsdpBackend(role.trainer, role.model_dir, role.checkpoint_dir, rank, world, role.steps))
     finally:
         dist.destroy_process_group()
-
-
-def checkpoint_dir(config: JobConfig) -> Path:
-    return config.state_dir / "trainer" / "checkpoints"

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from staleflow.api.params import ParamsRoutes
 from staleflow.errors import ErrorCode, StaleFlowError
 
 try:  # xxh3 hashes at ~30 GB/s here, crc32 at ~6 GB/s: use xxh3 where both ends have it
@@ -440,8 +441,9 @@ class PushSession:
     details: Mapping[str, Any] = field(default_factory=dict)
 
     def chunk_target(self, index: int) -> str:
-        part = "" if self.part is None else f"/parts/{self.part}"
-        return f"/v1/params/{self.version}{part}/chunks/{index}?push_id={self.push_id}"
+        if self.part is None:
+            return ParamsRoutes.put_chunk.target(self.version, index, push_id=self.push_id)
+        return ParamsRoutes.put_part_chunk.target(self.version, self.part, index, push_id=self.push_id)
 
 
 class Transport(ABC):

@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from staleflow.api.base import Client, ServiceError
+from staleflow.api.params import ParamsRoutes as API
 from staleflow.errors import ErrorCode
 from staleflow.transports.base import (
     ByteRegions,
@@ -32,7 +34,6 @@ from staleflow.transports.base import (
     safetensors_dtype,
 )
 from staleflow.transports.http import HttpTransport
-from staleflow.transports.rest import RestClient, ServiceError
 from staleflow.transports.selection import Selection, SelectionPlan, copy_blocks, plan_selection, window_lease
 from staleflow.transports.shm import ShmTransport, host_id
 
@@ -107,9 +108,10 @@ def _as_torch(array: np.ndarray, spec: TensorSpec, shape: tuple[int, ...] | None
     return raw.view(dtype).reshape(spec.shape if shape is None else shape)
 
 
-class ParamsClient(RestClient):
+class ParamsClient(Client):
     """The parameter server's API for the trainer (push), the instances (pull) and the coordinator
-    (versions, latest). Not thread-safe: one per thread. ``token`` (default: $STALEFLOW_TOKEN) is
+    (versions, latest), over the routes ``staleflow.api.params`` declares; its replies are plain
+    JSON data. Not thread-safe: one per thread. ``token`` (default: $STALEFLOW_TOKEN) is
     sent with every request, as the services' bearer-token check wants it for pushes.
     ``remote_push``: how an ``auto`` push goes when the PS runs on another host (``http``, or
     ``nixl`` where the hosts have RDMA between them); on the PS's host it goes over ``shm``."""
@@ -122,7 +124,6 @@ class ParamsClient(RestClient):
         super().__init__(url, token, timeout)
         if remote_push not in ("http", "nixl"):
             raise ValueError(f"remote_push {remote_push!r}: use http or nixl")
-        self.url = url
         self.timeout = timeout
         self.remote_push = remote_push
         self._transports: dict[str, Transport] = {}
@@ -151,16 +152,16 @@ class ParamsClient(RestClient):
     # -- queries
 
     def health(self) -> dict:
-        return self._call("GET", "/v1/health")
+        return self.json(API.health)
 
     def versions(self, timeout: float | None = None) -> dict:
-        return self._call("GET", "/v1/params", **({"timeout": timeout} if timeout is not None else {}))
+        return self.json(API.versions, timeout=timeout)
 
     def latest(self) -> dict:
-        return self._call("GET", "/v1/params/latest")
+        return self.json(API.latest)
 
     def manifest(self, version: int | str = "latest") -> Manifest:
-        return Manifest.from_json(self._call("GET", f"/v1/params/{version}/manifest"))
+        return Manifest.from_json(self.json(API.manifest, version))
 
     # -- push (trainer)
 
@@ -210,10 +211,9 @@ class ParamsClient(RestClient):
         if via == "auto":  # on the PS's host shm is fastest; elsewhere only the caller knows whether RDMA is there
             via = "shm" if self._shm_here() else self.remote_push
         mover = self.transport(via)  # before joining: a transport this host lacks fails here, leaving no push behind
-        begin = self._call("POST", f"/v1/params/{version}/parts/{part}", json={
-            "tensors": [{"name": n, "dtype": d, "shape": s} for n, d, s in table], "metadata": dict(metadata or {}),
-            "parts": parts, "ranges": [[offset, len(view)] for offset, view in spans], "via": via,
-        })
+        begin = self.json(API.join_part, version, part,
+                          tensors=[{"name": n, "dtype": d, "shape": s} for n, d, s in table], metadata=dict(metadata or {}),
+                          parts=parts, ranges=[[offset, len(view)] for offset, view in spans], via=via)
         algorithm = next(a for a in begin["checksum_algorithms"] + ["crc32"] if a in checksum_algorithms())
         session = PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]), algorithm,
                               part=part, details=begin["details"])
@@ -227,8 +227,8 @@ class ParamsClient(RestClient):
         """Tell the PS that part ``part`` of ``version`` is in (with its chunks' checksums when it
         wrote them itself, over shm or NIXL); waits up to ``wait_s`` for the version to be visible.
         Called again on a part that is done, it only waits."""
-        return self._call("POST", f"/v1/params/{version}/parts/{part}/done", params={"push_id": push_id},
-                          json={"checksums": checksums, "wait_s": wait_s}, timeout=self.timeout + wait_s)
+        return self.json(API.finish_part, version, part, push_id=push_id, checksums=checksums, wait_s=wait_s,
+                         timeout=self.timeout + wait_s)
 
     def _server_health(self, refresh: bool = False) -> dict:
         """The PS's health answer, asked once per client unless ``refresh`` (a restarted PS may
@@ -253,11 +253,16 @@ class ParamsClient(RestClient):
 
     def delete_version(self, version: int) -> dict:
         """Withdraw ``version`` from the PS (it goes once the pulls reading it end)."""
-        return self._call("DELETE", f"/v1/params/{version}")
+        return self.json(API.delete_version, version)
+
+    def abort_push(self, version: int, push_id: str) -> None:
+        """Drop an unfinished push of ``version`` (left by a killed pusher); one that is gone already is no error."""
+        with contextlib.suppress(ServiceError):
+            self.json(API.abort_push, version, push_id=push_id)
 
     def wait_persisted(self, version: int, timeout_s: float) -> bool:
         """True once ``version`` is persisted on the PS's disk (False when ``timeout_s`` ran out)."""
-        reply = self._call("GET", f"/v1/params/{version}/persisted", params={"wait_s": timeout_s}, timeout=self.timeout + timeout_s)
+        reply = self.json(API.persisted, version, wait_s=timeout_s, timeout=self.timeout + timeout_s)
         return bool(reply["persisted"])
 
     # -- pull (instances)
@@ -266,14 +271,13 @@ class ParamsClient(RestClient):
         """A lease on ``version`` for ``receive``; ``transport="auto"`` as in ``iter_pull``."""
         if transport == "auto":
             return self._open_auto(version, wait_s)
-        body = self._call("POST", f"/v1/params/{version}/pulls", json={"transport": transport, "wait_s": wait_s},
-                          timeout=self.timeout + wait_s)
+        body = self.json(API.open_pull, version, transport=transport, wait_s=wait_s, timeout=self.timeout + wait_s)
         return PullLease(body["lease_id"], Manifest.from_json(body["manifest"]), body["transport"],
                          body["details"], body["ttl_s"])
 
     def close_pull(self, lease: PullLease) -> None:
-        with contextlib.suppress(httpx.HTTPError):  # else the lease lapses on its own
-            self.http.delete(f"/v1/pulls/{lease.lease_id}")
+        with contextlib.suppress(httpx.HTTPError, ServiceError):  # else the lease lapses on its own
+            self.json(API.close_pull, lease.lease_id)
 
     def _open_auto(self, version: int | str, wait_s: float) -> PullLease:
         """shm when the PS offers it and runs on this host, else http."""

@@ -24,8 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
+from staleflow.api.base import ServiceError
+from staleflow.api.params import ParamsRoutes
 from staleflow.transports.base import ByteRegions, ChunkSpec, PullLease, PushSession, Transport, checksum_of
-from staleflow.transports.rest import ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ class HttpTransport(Transport):
         chunks = lease.manifest.chunks
 
         def ask(index: int) -> None:
-            conn.send("GET", f"/v1/params/{lease.manifest.version}/chunks/{index}?lease={lease.lease_id}")
+            conn.send("GET", ParamsRoutes.chunk.target(lease.manifest.version, index, lease=lease.lease_id))
 
         with self._connect() as conn:
             if chunks:

@@ -22,8 +22,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
 from staleflow.servers.http import serve_in_thread  # noqa: E402
 from staleflow.servers.params import ParamsConfig, create_app  # noqa: E402
-from staleflow.servers.trainer import StepLog, TrainerLoop  # noqa: E402
 from staleflow.training.fsdp import FsdpBackend, RankDriver, follow, init_process_group  # noqa: E402
+from staleflow.training.role import StepLog, TrainerLoop  # noqa: E402
 from staleflow.transports.client import ParamsClient  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 from support import free_port, start_cli
 
-from staleflow.servers.clients import ManagerClient, ServiceError
+from staleflow.api.base import ServiceError
+from staleflow.api.manager import ManagerClient
 
 ETA, BATCH = 2, 8
 
@@ -41,7 +42,7 @@ def test_acknowledged_transitions_survive_sigkill(tmp_path: Path, db_url: str | 
             for i in range(10_000):
                 g = f"w{worker}-{i}"
                 try:
-                    version = client.admission()
+                    version = client.admission().by_version()
                     newest = max(version)
                     if version[newest] == 0:
                         continue
@@ -59,7 +60,7 @@ def test_acknowledged_transitions_survive_sigkill(tmp_path: Path, db_url: str | 
             for _ in range(100_000):
                 try:
                     batch = client.consume()
-                    ack("consume", str(batch["version"]), batch["group_ids"])
+                    ack("consume", str(batch.version), batch.group_ids)
                 except ServiceError:
                     continue
                 except httpx.TransportError:
@@ -78,29 +79,29 @@ def test_acknowledged_transitions_survive_sigkill(tmp_path: Path, db_url: str | 
     try:
         with ManagerClient(url) as client:
             state = client.buffers()
-            t = state["train_version"]
+            t = state.train_version
             consumed_versions = {int(k): v for op, k, v in acked if op == "consume"}
             assert consumed_versions and max(consumed_versions) < t
             # no half-applied consume: every consumed buffer holds exactly B groups, all consumed
             for version in range(t):
-                batch = client.http.get(f"/v1/buffers/{version}").json()
-                assert batch["state"] == "consumed" and len(batch["entries"]) == BATCH
+                buffer = client.buffer(version)
+                assert buffer.state == "consumed" and len(buffer.entries) == BATCH
             for version, groups in consumed_versions.items():
-                stored = {e["group_id"] for e in client.http.get(f"/v1/buffers/{version}").json()["entries"]}
+                stored = {e.group_id for e in client.buffer(version).entries}
                 assert stored == set(groups)
             for op, g, _v_traj in acked:
                 if op == "consume":
                     continue
-                record = client.http.get(f"/v1/reservations/{g}").json()
-                assert record["status"] in ("reserved", "occupied", "consumed"), (op, g, record)
+                record = client.reservation(g)
+                assert record.status in ("reserved", "occupied", "consumed"), (op, g, record)
                 if op == "occupy":
-                    assert record["status"] in ("occupied", "consumed")
+                    assert record.status in ("occupied", "consumed")
             # the reloaded state is consistent and live: the buffers respect the windows, and work goes on
-            for b in state["buffers"]:
-                assert len(b["entries"]) <= b["capacity"]
-                for e in b["entries"]:
-                    assert e["v_traj"] <= b["version"] <= e["v_traj"] + ETA
-            newest = max(client.admission())
+            for b in state.buffers:
+                assert len(b.entries) <= b.capacity
+                for e in b.entries:
+                    assert e.v_traj is not None and e.v_traj <= b.version <= e.v_traj + ETA
+            newest = max(client.admission().by_version())
             client.reserve("after-restart", newest)
     finally:
         proc.terminate()

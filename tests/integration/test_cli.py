@@ -12,8 +12,8 @@ import pytest
 from support import free_port, manager_config
 from typer.testing import CliRunner
 
+from staleflow.api.manager import ManagerClient
 from staleflow.cli.main import _health_detail, app
-from staleflow.servers.clients import ManagerClient
 from staleflow.servers.db import head_revision
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app
@@ -57,7 +57,7 @@ def test_one_buffer_and_the_admission_what_if(tmp_path: Path) -> None:
         assert "2 more with v_traj 0? no" in what_if.output and "consume buffer 0 first" in what_if.output
         as_json = runner.invoke(app, ["admission", "--version", "0", "--url", server.url, "--json"])
         assert json.loads(as_json.output)["what_if"]["full_buffers"] == [0, 1]
-        assert len(client.events()["events"]) == 4, "asking changed nothing"
+        assert len(client.events().events) == 4, "asking changed nothing"
         alone = runner.invoke(app, ["admission", "--count", "3", "--url", server.url])
         assert alone.exit_code == 2 and "--version" in alone.output
 

@@ -15,11 +15,11 @@ import httpx
 from support import manager_and_trajectory_server
 from typer.testing import CliRunner
 
+from staleflow.api.base import http_client
 from staleflow.cli.main import app
 from staleflow.config.strategy import MigrationMode, StrategyConfig
 from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.app import create_app as coordinator_app
-from staleflow.servers.clients import http_client
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app

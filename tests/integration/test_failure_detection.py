@@ -18,10 +18,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from support import manager_config
 
+from staleflow.api.base import http_client
 from staleflow.config import LedgerConfig
 from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.app import create_app as coordinator_app
-from staleflow.servers.clients import http_client
 from staleflow.servers.http import bind_socket, serve_in_thread, url_for
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app

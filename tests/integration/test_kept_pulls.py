@@ -13,10 +13,13 @@ from pathlib import Path
 
 from support import manager_and_trajectory_server
 
+from staleflow.api.base import ServiceError
+from staleflow.api.coordinator import CoordinatorClient
+from staleflow.api.manager import ManagerClient
+from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config.strategy import MigrationMode, PullMode, StrategyConfig, SyncMode
 from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.app import create_app as coordinator_app
-from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
@@ -30,7 +33,7 @@ def test_a_job_whose_pulls_keep_the_trajectories_trains_them_across_versions(tmp
                                                             group_size=GROUP)
         instances = {}
         for name in ("a", "b"):
-            config = InstanceConfig(instance_id=name, completion_callback_url=f"{ts_url}/v1/completed",
+            config = InstanceConfig(instance_id=name, completion_callback_url=TrajectoryClient.completed.url(ts_url),
                                     sim=SimConfig(workload="demo", clock="real", speed=10.0))
             instances[name] = stack.enter_context(serve_in_thread(instance_app(config))).url
         strategy = StrategyConfig(sync=SyncMode.GREEDY, migration=MigrationMode.NONE, pull=PullMode.KEEP)
@@ -38,36 +41,37 @@ def test_a_job_whose_pulls_keep_the_trajectories_trains_them_across_versions(tmp
             manager_url=manager_url, ts_url=ts_url, strategy=strategy, cycle_period=0.02, reconcile_after=600.0,
             instances=[InstanceEndpoint(instance_id=n, url=url) for n, url in instances.items()]))))
         manager = stack.enter_context(ManagerClient(manager_url))
-        ts = stack.enter_context(http_client(ts_url))
-        co = stack.enter_context(http_client(coordinator.url))
+        ts = stack.enter_context(TrajectoryClient(ts_url))
+        co = stack.enter_context(CoordinatorClient(coordinator.url))
 
         trained = []
         deadline = time.monotonic() + 120
         while len(trained) < STEPS * BATCH * GROUP:
-            assert time.monotonic() < deadline, f"the job stalled: {co.get('/v1/coordinator').json()}"
+            assert time.monotonic() < deadline, f"the job stalled: {co.stats()}"
             try:
                 step = manager.consume()
             except ServiceError:
                 time.sleep(0.02)  # a trainer polls for a Ready buffer
                 continue
-            batch = ts.get(f"/v1/batches/{step['version']}").json()
-            ts.delete(f"/v1/batches/{step['version']}")
-            trained += [(step["version"], t) for t in batch["trajectories"]]
+            assert step.version is not None
+            batch = ts.batch(step.version)
+            ts.free_batch(step.version)
+            trained += [(step.version, t) for t in batch.trajectories]
 
         across = 0
         for version, t in trained:
-            assert t["v_traj"] <= version <= t["v_traj"] + ETA, "staleness bound"
-            versions = [s["version"] for s in t["segments"]]
-            assert versions == sorted(versions) and versions[0] >= t["v_traj"], "V_traj is the oldest version"
-            assert sum(s["end"] - s["start"] for s in t["segments"]) == len(t["tokens"]) > 0
+            assert t.v_traj is not None and t.v_traj <= version <= t.v_traj + ETA, "staleness bound"
+            versions = [s["version"] for s in t.segments]
+            assert versions == sorted(versions) and versions[0] >= t.v_traj, "V_traj is the oldest version"
+            assert sum(s["end"] - s["start"] for s in t.segments) == len(t.tokens) > 0
             across += len(set(versions)) > 1
-        stats = co.get("/v1/coordinator").json()
-        assert stats["pulls"] > len(instances), "no Pull beyond the instances' first"
-        assert stats["interrupted"] == 0, "a Pull that keeps the trajectories interrupted some"
+        stats = co.stats()
+        assert stats.pulls > len(instances), "no Pull beyond the instances' first"
+        assert stats.interrupted == 0, "a Pull that keeps the trajectories interrupted some"
         assert across > 0, "no trained trajectory went on through a Pull"
-        assert stats["accepted_snapshots"] > 0 and stats["reconciled"] == 0
+        assert stats.accepted_snapshots > 0 and stats.reconciled == 0
         # once the rest of the admitted work is done, every instance matches the speculative state
         deadline = time.monotonic() + 60
-        while not all(i["validated"] for i in co.get("/v1/instances").json()["instances"]):
-            assert time.monotonic() < deadline, co.get("/v1/instances").json()
+        while not all(i.validated for i in co.instances().instances):
+            assert time.monotonic() < deadline, co.instances()
             time.sleep(0.05)  # polling the coordinator's view

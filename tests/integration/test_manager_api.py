@@ -7,33 +7,34 @@ from pathlib import Path
 import pytest
 from support import manager_config
 
-from staleflow.servers.clients import ManagerClient, ServiceError
+from staleflow.api.base import ServiceError
+from staleflow.api.manager import ManagerClient
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app
 from staleflow.servers.manager.store import DurableLedger, SettingsMismatch
 
 
 def test_lifecycle_over_http(manager: ManagerClient) -> None:
-    assert manager.admission() == {0: 4}
-    assert manager.reserve("g1", 0) == {"group_id": "g1", "buffer": 1, "cancelled": []}
-    assert manager.reserve("g2", 0)["buffer"] == 1
-    assert manager.reserve("g3", 0)["buffer"] == 0
+    assert manager.admission().by_version() == {0: 4}
+    assert manager.reserve("g1", 0).model_dump(exclude_none=True) == {"group_id": "g1", "buffer": 1, "cancelled": []}
+    assert manager.reserve("g2", 0).buffer == 1
+    assert manager.reserve("g3", 0).buffer == 0
     data = manager.buffers()
-    assert data["train_version"] == 0 and data["eta"] == 1 and data["batch_size"] == 2
-    assert [(b["version"], b["state"], b["capacity"]) for b in data["buffers"]] == [(0, "waiting", 2), (1, "stuck", 2)]
-    assert manager.occupy("g1")["buffer"] == 0
-    assert manager.occupy("g3")["buffer"] == 0
-    head = manager.http.get("/v1/buffers/0").json()
-    assert head["state"] == "ready" and {e["group_id"] for e in head["entries"]} == {"g1", "g3"}
+    assert data.train_version == 0 and data.eta == 1 and data.batch_size == 2
+    assert [(b.version, b.state, b.capacity) for b in data.buffers] == [(0, "waiting", 2), (1, "stuck", 2)]
+    assert manager.occupy("g1").buffer == 0
+    assert manager.occupy("g3").buffer == 0
+    head = manager.buffer(0)
+    assert head.state == "ready" and {e.group_id for e in head.entries} == {"g1", "g3"}
     consumed = manager.consume()
-    assert consumed["version"] == 0 and sorted(consumed["group_ids"]) == ["g1", "g3"]
-    assert manager.http.get("/v1/buffers/0").json()["state"] == "consumed"
-    assert manager.http.get("/v1/reservations/g1").json()["status"] == "consumed"
-    assert manager.abort("g2")["group_id"] == "g2"
-    assert manager.http.get("/v1/reservations/g2").json()["status"] == "aborted"
-    events = manager.events()["events"]
+    assert consumed.version == 0 and sorted(consumed.group_ids) == ["g1", "g3"]
+    assert manager.buffer(0).state == "consumed"
+    assert manager.reservation("g1").status == "consumed"
+    assert manager.abort("g2").group_id == "g2"
+    assert manager.reservation("g2").status == "aborted"
+    events = manager.events().events
     assert [e["op"] for e in events] == ["reserve"] * 3 + ["occupy"] * 2 + ["consume", "abort"]
-    assert manager.events(after=events[-2]["id"])["events"][0]["op"] == "abort"
+    assert manager.events(after=events[-2]["id"]).events[0]["op"] == "abort"
 
 
 @pytest.mark.parametrize(
@@ -113,11 +114,11 @@ def test_consume_naming_its_buffer_is_exactly_once_under_retries(manager: Manage
         manager.consume(1)  # not the head: refused, nothing consumed
     assert early.value.status == 409 and early.value.body["code"] == "not_next"
     first = manager.consume(0)
-    assert first["replayed"] is False and sorted(first["group_ids"]) == ["a", "b"]
+    assert first.replayed is False and sorted(first.group_ids) == ["a", "b"]
     retry = manager.consume(0)  # the reply was lost; the trainer asks again
-    assert retry["replayed"] is True and sorted(retry["group_ids"]) == ["a", "b"]
-    assert manager.buffers()["train_version"] == 1
-    assert [e["op"] for e in manager.events()["events"]].count("consume") == 1
+    assert retry.replayed is True and sorted(retry.group_ids) == ["a", "b"]
+    assert manager.buffers().train_version == 1
+    assert [e["op"] for e in manager.events().events].count("consume") == 1
 
 
 def test_metrics_are_prometheus_text(manager: ManagerClient) -> None:

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from test_params_sharded import dim0_share, full_state, table
 
+from staleflow.api.base import ServiceError
+from staleflow.api.params import ParamsRoutes
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, ParamStore, create_app
 from staleflow.transports.base import ByteRegions, ChunkSpec, PushSession, checksum_algorithms
 from staleflow.transports.client import ParamsClient, ShardPiece
 from staleflow.transports.nixl import nixl_available
-from staleflow.transports.rest import ServiceError
 
 pytestmark = pytest.mark.skipif(not nixl_available()[0], reason=nixl_available()[1])
 
@@ -119,16 +120,15 @@ def test_an_auto_push_off_the_ps_host_goes_over_the_remote_transport_asked_for(t
 
 def join_over_nixl(client: ParamsClient, version: int, data: np.ndarray) -> PushSession:
     """Part 0 of 1 of a one-tensor version joins over NIXL (the first half of ``push_part``)."""
-    begin = client._call("POST", f"/v1/params/{version}/parts/0", json={
-        "tensors": [{"name": "w", "dtype": "U8", "shape": [data.size]}], "parts": 1, "via": "nixl"})
+    begin = client.json(ParamsRoutes.join_part, version, 0, tensors=[{"name": "w", "dtype": "U8", "shape": [data.size]}],
+                        parts=1, via="nixl")
     assert {"agent_name", "agent_metadata_b64", "base_address", "data_offset"} <= set(begin["details"])
     return PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]),
                        checksum_algorithms()[0], part=0, details=begin["details"])
 
 
 def finish(client: ParamsClient, session: PushSession, checksums: dict[int, str]) -> dict:
-    return client._call("POST", f"/v1/params/{session.version}/parts/0/done", params={"push_id": session.push_id},
-                        json={"checksums": checksums})
+    return client.json(ParamsRoutes.finish_part, session.version, 0, push_id=session.push_id, checksums=checksums)
 
 
 def test_bytes_that_differ_from_the_pushers_checksums_are_refused(tmp_path: Path) -> None:
@@ -164,7 +164,7 @@ def test_bytes_that_differ_from_the_pushers_checksums_are_refused(tmp_path: Path
 
         # an abandoned push over NIXL lets its registration go, and so does a PS that stops
         session = join_over_nixl(client, 3, data)
-        client._call("DELETE", "/v1/params/3/push", params={"push_id": session.push_id})
+        client.abort_push(3, session.push_id)
         assert registered_pushes(store) == 0
         assert client.push(3, {"w": data})["via"] == "shm"  # 'auto' never picks nixl
         join_over_nixl(client, 4, data)
@@ -175,14 +175,14 @@ def test_bytes_that_differ_from_the_pushers_checksums_are_refused(tmp_path: Path
 PARTIAL_NIXL_PUSHER = """
 import sys
 import numpy as np
+from staleflow.api.params import ParamsRoutes
 from staleflow.transports.base import ByteRegions, ChunkSpec, PushSession, checksum_algorithms
 from staleflow.transports.client import ParamsClient
 url, total = sys.argv[1], int(sys.argv[2])
 data = np.full(total, 0xAB, np.uint8)
 with ParamsClient(url) as client:
-    begin = client._call("POST", "/v1/params/2/parts/1", json={
-        "tensors": [{"name": "w", "dtype": "U8", "shape": [total]}], "parts": 2,
-        "ranges": [[total // 2, total - total // 2]], "via": "nixl"})
+    begin = client.json(ParamsRoutes.join_part, 2, 1, tensors=[{"name": "w", "dtype": "U8", "shape": [total]}], parts=2,
+                        ranges=[[total // 2, total - total // 2]], via="nixl")
     chunks = tuple(ChunkSpec.from_json(c) for c in begin["chunks"])
     half = PushSession(begin["push_id"], 2, chunks[: len(chunks) // 2], checksum_algorithms()[0], part=1, details=begin["details"])
     client.transport("nixl").push(half, ByteRegions([(total // 2, memoryview(data[total // 2:]))], total))

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from support import free_port
 
+from staleflow.api.base import ServiceError
 from staleflow.errors import ErrorCode
-from staleflow.servers.clients import ServiceError
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, ParamsError, ParamStore, create_app
 from staleflow.servers.params.store import parse_version_spec, shm_prefix, versions_to_drop

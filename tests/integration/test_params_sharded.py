@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from staleflow.api.base import ServiceError
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
 from staleflow.transports.base import ChecksumMismatch
 from staleflow.transports.client import ParamsClient, ShardPiece
-from staleflow.transports.rest import ServiceError
 
 CHUNK = 64 << 10
 
@@ -115,12 +115,12 @@ def test_a_version_is_invisible_until_its_last_part_and_refuses_overlaps_and_gap
 
 PARTIAL_PUSHER = """
 import sys, numpy as np
+from staleflow.api.params import ParamsRoutes
 from staleflow.transports.client import ParamsClient
 url, total = sys.argv[1], int(sys.argv[2])
 with ParamsClient(url) as client:
-    begin = client._call("POST", "/v1/params/2/parts/1", json={
-        "tensors": [{"name": "w", "dtype": "U8", "shape": [total]}], "parts": 2,
-        "ranges": [[total // 2, total - total // 2]], "via": "shm"})
+    begin = client.json(ParamsRoutes.join_part, 2, 1, tensors=[{"name": "w", "dtype": "U8", "shape": [total]}], parts=2,
+                        ranges=[[total // 2, total - total // 2]], via="shm")
     with open(begin["details"]["path"], "r+b") as slot:  # half of its bytes, straight into the PS's memory
         slot.seek(begin["data_offset"] + total // 2)
         slot.write(b"x" * (total // 4))
@@ -176,7 +176,7 @@ def test_a_corrupted_slot_fails_verification(url: str) -> None:
 def test_the_trainer_pushes_again_a_version_the_ps_lost_before_persisting_it(tmp_path: Path) -> None:
     """Memory first: a version visible but not yet on disk dies with the PS; the trainer role,
     still holding its tensors, pushes it again before the next one."""
-    from staleflow.servers.trainer import StepLog, TrainerLoop
+    from staleflow.training.role import StepLog, TrainerLoop
     from staleflow.training.simulated import SimulatedBackend
 
     backend = SimulatedBackend(0.0, 0.0, 1000, 1.0, threading.Event())

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from support import manager_config
 
+from staleflow.api.base import http_client
 from staleflow.config import LedgerConfig
-from staleflow.servers.clients import http_client
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app

@@ -18,10 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from support import manager_config
 
+from staleflow.api.base import ServiceError, http_client
+from staleflow.api.manager import ManagerClient
 from staleflow.config import LedgerConfig
 from staleflow.coordinator.app import CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.app import create_app as coordinator_app
-from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
@@ -74,11 +75,11 @@ class Job:
             except ServiceError:
                 time.sleep(0.02)  # a trainer polls for a Ready buffer
                 continue
-            assert self.ts.get(f"/v1/batches/{step['version']}").status_code == 200
-            self.ts.delete(f"/v1/batches/{step['version']}")
-            for group_id in step["group_ids"]:
+            assert self.ts.get(f"/v1/batches/{step.version}").status_code == 200
+            self.ts.delete(f"/v1/batches/{step.version}")
+            for group_id in step.group_ids:
                 assert group_id not in self.consumed, f"group {group_id} consumed twice"
-                self.consumed[group_id] = step["version"]
+                self.consumed[group_id] = step.version
             done += 1
 
     def stats(self) -> dict:

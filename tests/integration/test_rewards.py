@@ -13,11 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from staleflow.api.base import ServiceError
+from staleflow.api.reward import RewardClient, RewardOut
 from staleflow.rewards import RewardRequest, RewardScorer, VerifierError, answers_equal, extract_answer, normalize, verify_math
 from staleflow.rewards.math_verify import MAX_EXPONENT, parse_number
-from staleflow.servers.clients import ServiceError
 from staleflow.servers.http import serve_in_thread
-from staleflow.servers.reward import RewardClient, RewardConfig, create_app
+from staleflow.servers.reward import RewardConfig, create_app
 
 # ---------------------------------------------------------------- user verifiers (imported by the workers)
 
@@ -198,17 +199,17 @@ def test_health_probes_answer_while_a_batch_is_scored(deadline_scorer: RewardSco
     batch += [{"id": "spin", "response_text": "x", "answer": "1", "verifier": "spin"}]
     with serve_in_thread(create_app(config, deadline_scorer)) as server, RewardClient(server.url) as client, \
             RewardClient(server.url, timeout=5.0) as prober:
-        results: list[list[dict]] = []
+        results: list[list[RewardOut]] = []
         scoring = threading.Thread(target=lambda: results.append(client.score(batch)))
         scoring.start()
         probes = 0
         while scoring.is_alive():
-            assert prober.health()["status"] == "ok"  # raises if a probe goes unanswered for 5 s
+            assert prober.health().status == "ok"  # raises if a probe goes unanswered for 5 s
             probes += 1
             scoring.join(0.05)
         assert probes >= 1 and results, "the batch did not come back"
-        assert [r["reason"] for r in results[0]][-1] == "timeout"
-        assert prober.health()["timeouts"] == {"spin": 1}
+        assert [r.reason for r in results[0]][-1] == "timeout"
+        assert prober.health().timeouts == {"spin": 1}
         assert 'staleflow_reward_timeouts_total{verifier="spin"} 1.0' in prober.http.get("/metrics").text
 
 
@@ -265,14 +266,14 @@ def test_a_verifier_that_does_not_import_fails_at_startup() -> None:
 def test_rest_batch_endpoint(scorer: RewardScorer) -> None:
     config = RewardConfig(port=0, verifiers=USER_VERIFIERS, timeout_s=TIMEOUT_S, max_batch=8, max_chars=1000)
     with serve_in_thread(create_app(config, scorer)) as server, RewardClient(server.url) as client:
-        assert client.health()["status"] == "ok"
+        assert client.health().status == "ok"
         results = client.score([
             {"id": "a", "response_text": "so \\boxed{\\frac{1}{2}}", "answer": "0.5"},
             {"id": 7, "response_text": "The answer is 3", "answer": "4", "verifier": "math"},
             {"id": "c", "response_text": "42", "answer": "42", "verifier": "half"},
             {"id": "d", "response_text": "", "answer": "1", "verifier": "hang"},
         ])
-        assert [(r["id"], r["reward"], r["reason"]) for r in results] == [
+        assert [(r.id, r.reward, r.reason) for r in results] == [
             ("a", 1.0, "correct"), (7, 0.0, "wrong_answer"), ("c", 0.5, "half"), ("d", 0.0, "timeout")]
         with pytest.raises(ServiceError) as unknown:
             client.score([{"id": 1, "response_text": "x", "answer": "y", "verifier": "nope"}])
@@ -286,4 +287,4 @@ def test_rest_batch_endpoint(scorer: RewardScorer) -> None:
         with pytest.raises(ServiceError) as malformed:
             client.score([{"id": 1, "answer": "y"}])
         assert malformed.value.status == 422
-        assert client.http.get("/v1/verifiers").json()["user"]["half"] == USER_VERIFIERS["half"]
+        assert client.verifiers().user["half"] == USER_VERIFIERS["half"]

@@ -12,9 +12,10 @@ import pytest
 from support import manager_config
 from typer.testing import CliRunner
 
+from staleflow.api.base import ServiceError
+from staleflow.api.manager import ManagerClient
 from staleflow.cli.main import app
 from staleflow.servers.auth import TOKEN_ENV, InsecureBind
-from staleflow.servers.clients import ManagerClient, ServiceError
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app
 
@@ -23,23 +24,23 @@ def test_mutations_need_the_token_reads_do_not(tmp_path: Path, monkeypatch: pyte
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     with serve_in_thread(create_app(manager_config(tmp_path)), token="s3cret") as server:
         with ManagerClient(server.url) as anonymous:
-            assert anonymous.buffers()["train_version"] == 0, "reads stay open"
+            assert anonymous.buffers().train_version == 0, "reads stay open"
             for call in (lambda: anonymous.reserve("g", 0), anonymous.consume):
                 with pytest.raises(ServiceError) as refused:
                     call()
                 assert refused.value.status == 401 and "bearer token" in refused.value.detail
-            assert anonymous.buffers()["buffers"][0]["entries"] == [], "refused requests change nothing"
+            assert anonymous.buffers().buffers[0].entries == [], "refused requests change nothing"
         wrong = httpx.post(f"{server.url}/v1/reservations", json={"group_id": "g", "v_traj": 0},
                            headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and "wrong" in wrong.json()["detail"]
         with ManagerClient(server.url, token="s3cret") as owner:
-            assert owner.reserve("g", 0)["group_id"] == "g"
+            assert owner.reserve("g", 0).group_id == "g"
 
 
 def test_the_environment_token_is_used_by_servers_and_clients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TOKEN_ENV, "from-env")
     with serve_in_thread(create_app(manager_config(tmp_path))) as server, ManagerClient(server.url) as client:
-        assert client.reserve("g", 0)["buffer"] == 1
+        assert client.reserve("g", 0).buffer == 1
         assert httpx.post(f"{server.url}/v1/consume").status_code == 401
 
 

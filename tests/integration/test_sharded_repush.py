@@ -21,13 +21,13 @@ import pytest
 import torch
 from support import ParamsProcess
 
-from staleflow.servers.trainer import StepLog, TrainerLoop
+from staleflow.api.base import ServiceError
 from staleflow.training.base import BackgroundSharePushes, ShardedWeights
 from staleflow.training.export import LocalShard, ShareStaging
+from staleflow.training.role import StepLog, TrainerLoop
 from staleflow.training.simulated import SimulatedBackend
 from staleflow.transports.base import ChecksumMismatch, FormatError
 from staleflow.transports.client import ParamsClient, ShardPiece
-from staleflow.transports.rest import ServiceError
 
 pytestmark = pytest.mark.timeout(180)
 

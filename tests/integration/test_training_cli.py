@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from staleflow.cli.main import app
-from staleflow.servers.trainer import StepLog, StepRecord
+from staleflow.training.role import StepLog, StepRecord
 
 
 def _run(directory: Path, eta: int, rewards: list[float]) -> Path:

@@ -14,17 +14,18 @@ import httpx
 import pytest
 from support import manager_config
 
+from staleflow.api.base import http_client
+from staleflow.api.manager import ManagerClient
 from staleflow.config import LedgerConfig
-from staleflow.servers.clients import ManagerClient, http_client
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
 from staleflow.servers.manager import create_app as manager_app
 from staleflow.servers.params import ParamsConfig
 from staleflow.servers.params import create_app as params_app
-from staleflow.servers.trainer import StepLog, TrainerLoop
 from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfig
 from staleflow.servers.trajectories import create_app as ts_app
+from staleflow.training.role import StepLog, TrainerLoop
 from staleflow.training.simulated import SimulatedBackend
 from staleflow.transports.client import ParamsClient
 
@@ -100,21 +101,21 @@ def test_prompts_flow_to_the_trainer_with_payload_intact(cluster: Cluster) -> No
     first_two = list(groups)[:2]
     for g in first_two:
         cluster.route("a", groups[g], v_traj=0)
-    assert cluster.manager.buffers()["buffers"][1]["entries"], "routing reserved the groups in the ledger"
+    assert cluster.manager.buffers().buffers[1].entries, "routing reserved the groups in the ledger"
     cluster.run_until_idle("a")
     wait_for(lambda: all(
         cluster.ts.get(f"/v1/trajectories/{t}").json()["state"] == "rewarded" for g in first_two for t in groups[g]))
-    wait_for(lambda: cluster.manager.buffers()["buffers"][0]["state"] == "ready")
+    wait_for(lambda: cluster.manager.buffers().buffers[0].state == "ready")
     consumed = cluster.manager.consume()
-    assert sorted(consumed["group_ids"]) == sorted(first_two)
-    batch = cluster.ts.get(f"/v1/batches/{consumed['version']}").json()
+    assert sorted(consumed.group_ids) == sorted(first_two)
+    batch = cluster.ts.get(f"/v1/batches/{consumed.version}").json()
     assert len(batch["trajectories"]) == 2 * GROUP
     for t in batch["trajectories"]:
         assert len(t["tokens"]) == len(t["logprobs"]) > 0
         assert t["segments"] == [{"version": 0, "start": 0, "end": len(t["tokens"])}]
         assert t["reward"] in (0.0, 1.0) and t["v_traj"] == 0 and t["finish_reason"] in ("stop", "length")
-    assert cluster.ts.delete(f"/v1/batches/{consumed['version']}").json()["freed_groups"] == 2
-    refused = cluster.ts.get(f"/v1/batches/{consumed['version']}")
+    assert cluster.ts.delete(f"/v1/batches/{consumed.version}").json()["freed_groups"] == 2
+    refused = cluster.ts.get(f"/v1/batches/{consumed.version}")
     assert refused.status_code == 410 and refused.json()["code"] == "batch_freed", "a freed batch is never served empty"
     # freed groups are replaced by fresh prompts: the TS keeps (eta + 1) x B groups in flight
     wait_for(lambda: len(cluster.ts.get("/v1/pending").json()["trajectories"]) == 4 * GROUP)
@@ -162,8 +163,8 @@ def test_trajectory_server_survives_a_restart(tmp_path: Path, db_url: str | None
         g = pending[0]["group_id"]
         c.route("a", [p["traj_id"] for p in pending if p["group_id"] == g], v_traj=0)
         c.run_until_idle("a")
-        wait_for(lambda: c.manager.buffers()["buffers"][0]["entries"] != [] and all(
-            e["status"] == "occupied" for e in c.manager.buffers()["buffers"][0]["entries"]))
+        wait_for(lambda: c.manager.buffers().buffers[0].entries != [] and all(
+            e.status == "occupied" for e in c.manager.buffers().buffers[0].entries))
         before = c.ts.get("/v1/trajectories", params={"limit": 1000}).json()
         ts_config, manager_url = c.ts_config, c.manager_url
         # restart only the TS, on the same state directory (and database): the old one is gone first
@@ -225,7 +226,7 @@ def test_a_stateless_trainer_frees_a_batch_only_once_the_version_it_produced_is_
     for p in pending:  # fill buffers 0 and 1 (eta = 1: both at v_traj 0)
         cluster.route("a", [p["traj_id"]], v_traj=0)
     cluster.run_until_idle("a")
-    wait_for(lambda: [b["state"] for b in cluster.manager.buffers()["buffers"][:2]] == ["ready", "ready"])
+    wait_for(lambda: [b.state for b in cluster.manager.buffers().buffers[:2]] == ["ready", "ready"])
     params = ParamsConfig(state_dir=tmp_path / "params", port=0, fsync=False)
     with serve_in_thread(params_app(params)) as ps:
         urls = {"manager": cluster.manager_url, "ts": cluster.ts_url, "params": ps.url}

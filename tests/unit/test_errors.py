@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from staleflow.api.base import ServiceError
 from staleflow.engines.base import EngineError
 from staleflow.errors import HTTP_STATUS, ErrorCode, StaleFlowError
 from staleflow.ledger import LedgerError
@@ -13,7 +14,6 @@ from staleflow.servers.manager.store import StoreError
 from staleflow.servers.params import ParamsError
 from staleflow.servers.trajectories.store import StoreConflict
 from staleflow.transports.base import ChecksumMismatch, FormatError
-from staleflow.transports.rest import ServiceError
 
 
 def test_every_code_has_one_status() -> None:

@@ -1,4 +1,6 @@
 """The trainer role: consume a Ready buffer, fetch its batch, train, push the next version, free.
+It is no server but a client loop of the services (``staleflow.api``), run with its own section of
+the job (``TrainerRoleConfig``): in a thread of the job, a process of its own or Ray actors.
 
 Exactly-once across crashes of any role:
 * consume names the buffer it means (``POST /v1/consume?version=v``), so a retry after a lost
@@ -32,14 +34,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import numpy as np
 
-from staleflow.config import JobConfig
+from staleflow.api.base import RetriesStopped, ServiceError, retry_transient
+from staleflow.api.manager import ManagerClient
+from staleflow.api.trajectories import TrajectoryClient
+from staleflow.config import TrainerRoleConfig
 from staleflow.errors import ErrorCode
-from staleflow.servers.clients import ManagerClient, ServiceError, http_client
 from staleflow.training.base import (
-    TRANSIENT_STATUS,
     PushStopped,
     ShardedWeights,
     SharePusher,
@@ -149,27 +151,10 @@ class TrainerLoop:
     # -- retries -----------------------------------------------------------------------
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        began = time.monotonic()
-        warned = began
-        backoff = 0.05
-        while True:
-            if self.stop.is_set():
-                raise TrainerStopped(what)
-            try:
-                return fn()
-            except (httpx.TransportError, ConnectionError, ServiceError) as exc:  # ConnectionError: the PS's raw push socket
-                if isinstance(exc, ServiceError) and exc.status not in TRANSIENT_STATUS:
-                    raise
-                now = time.monotonic()
-                if self.outage_s is not None and now - began > self.outage_s:
-                    raise RuntimeError(f"{what}: still failing after {self.outage_s:.0f} s: {exc}") from exc
-                if now - warned > 30:
-                    warned = now
-                    log.warning("%s: still failing after %.0f s (%s); retrying until it answers", what, now - began, exc)
-                else:
-                    log.info("%s failed (%s); retrying", what, exc)
-            self.stop.wait(backoff)  # retry pacing while a component restarts
-            backoff = min(backoff * 2, 1.0)
+        try:
+            return retry_transient(what, fn, self.stop, outage_s=self.outage_s, log=log)
+        except RetriesStopped as exc:
+            raise TrainerStopped(what) from exc
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -182,7 +167,7 @@ class TrainerLoop:
     def _run(self) -> None:
         from staleflow.transports.client import ParamsClient
 
-        with ManagerClient(self.urls["manager"]) as manager, http_client(self.urls["ts"], timeout=120) as ts, \
+        with ManagerClient(self.urls["manager"]) as manager, TrajectoryClient(self.urls["ts"], timeout=120) as ts, \
                 ParamsClient(self.urls["params"], timeout=300, remote_push=self.remote_push) as params, \
                 ThreadPoolExecutor(1, thread_name_prefix="push") as pusher:
             self.manager, self.ts, self.params = manager, ts, params
@@ -190,7 +175,7 @@ class TrainerLoop:
             # a backend without checkpoints of its own resumes from the newest visible version, so
             # its batches are covered (and freed) once the version they produced is visible
             own_checkpoints = self.backend.resume_version() is not None
-            train_version = self._retry("read the ledger", manager.buffers)["train_version"]
+            train_version = self._retry("read the ledger", manager.buffers).train_version
             freed_below = max(0, trained - self.eta - 2)
             freed_below = self._free(freed_below, trained)
             pushing: Future | None = None
@@ -258,13 +243,13 @@ class TrainerLoop:
 
     def _batch(self, version: int) -> dict:
         def fetch() -> dict:
-            reply = self.ts.get(f"/v1/batches/{version}")
-            if reply.status_code in TRANSIENT_STATUS:
-                raise ServiceError(reply.status_code, reply.text)
-            if reply.status_code != 200:
-                raise RuntimeError(f"batch {version} cannot be fetched ({reply.status_code}: {reply.text}); "
-                                   "it was freed before a checkpoint covered it")
-            return reply.json()
+            try:  # plain data, as the backends take it: no model in between
+                return self.ts.json(TrajectoryClient.batch, version)
+            except ServiceError as exc:
+                if exc.transient:
+                    raise
+                raise RuntimeError(f"batch {version} cannot be fetched ({exc}); "
+                                   "it was freed before a checkpoint covered it") from exc
 
         return self._retry(f"fetch batch {version}", fetch)
 
@@ -301,7 +286,7 @@ class TrainerLoop:
             self._repush_lost(state)
             pending = pending_push(state, version)
             if pending is not None:  # left unfinished by a killed trainer (a part that joins again starts over)
-                self.params.http.delete(f"/v1/params/{version}/push", params={"push_id": pending["push_id"]})
+                self.params.abort_push(version, pending["push_id"])
             self.params.push(version, tensors)
 
         self._retry(f"push version {version}", push)
@@ -320,11 +305,12 @@ class TrainerLoop:
 
     def _free(self, freed_below: int, covered: int) -> int:
         def free(version: int) -> None:
-            reply = self.ts.delete(f"/v1/batches/{version}")
-            if reply.status_code in TRANSIENT_STATUS:  # the TS could not reach the manager: retried, not lost
-                raise ServiceError(reply.status_code, reply.text)
-            if reply.status_code != 200:
-                log.warning("freeing batch %d: %d %s", version, reply.status_code, reply.text)
+            try:
+                self.ts.free_batch(version)
+            except ServiceError as exc:
+                if exc.transient:  # the TS could not reach the manager: retried, not lost
+                    raise
+                log.warning("freeing batch %d: %s", version, exc)
 
         for v in range(freed_below, covered):
             self._retry(f"free batch {v}", lambda v=v: free(v))
@@ -337,40 +323,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, stop: threading.Event,
+def run_trainer_role(role: TrainerRoleConfig, urls: Mapping[str, str], stop: threading.Event,
                      started: float | None = None) -> None:
-    """The trainer role on the FSDP2 backend: this process is rank 0; ranks 1..world-1 are spawned and die with it."""
+    """The trainer role until ``role.steps`` buffers are trained (or ``stop``): the simulated
+    backend in this thread, or an FSDP2 trainer whose rank 0 this process is."""
+    step_log = StepLog(role.step_log_path)
+    if role.backend == "simulated":
+        from staleflow.training.simulated import SimulatedBackend
+
+        t = role.trainer
+        backend = SimulatedBackend(t.seconds_per_step, t.seconds_per_token, t.push_bytes, role.speed, stop)
+        TrainerLoop(backend, steps=role.steps, eta=role.eta, urls=urls, step_log=step_log, stop=stop, started=started,
+                    remote_push=t.remote_push).run()
+        return
+    run_fsdp_trainer(role, urls, step_log, stop, started)
+
+
+def _model_dir(role: TrainerRoleConfig) -> Path:
+    if role.model_dir is None:
+        raise ValueError("an FSDP2 trainer role needs model_dir: the model to train")
+    return role.model_dir
+
+
+def run_fsdp_trainer(role: TrainerRoleConfig, urls: Mapping[str, str], step_log: StepLog, stop: threading.Event,
+                     started: float | None = None) -> None:
+    """The trainer role on the FSDP2 backend: this process is rank 0; ranks 1..world-1 are spawned
+    (with the role's section, not the whole job) and die with it."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from staleflow.training.demo import resolve_model
-    from staleflow.training.fsdp import (
-        FsdpBackend,
-        RankDriver,
-        check_gpus_for_ranks,
-        checkpoint_dir,
-        init_process_group,
-        run_follower,
-    )
+    from staleflow.training.fsdp import FsdpBackend, RankDriver, check_gpus_for_ranks, init_process_group, run_follower
 
-    world = config.trainer.world_size
+    world = role.trainer.world_size
     check_gpus_for_ranks(world)  # all ranks on this node: refused before any starts
-    model_dir = resolve_model(config)
+    model_dir = _model_dir(role)
     port = _free_port()
-    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
+    role.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     context = mp.get_context("spawn")
-    followers = [context.Process(target=run_follower, args=(r, world, port, config.model_dump_json(), str(model_dir)),
+    followers = [context.Process(target=run_follower, args=(r, world, port, role.model_dump_json()),
                                  daemon=True, name=f"rank-{r}") for r in range(1, world)]
     for p in followers:
         p.start()
     init_process_group(0, world, port)
-    driver = RankDriver(FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), 0, world, config.steps),
+    driver = RankDriver(FsdpBackend(role.trainer, model_dir, role.checkpoint_dir, 0, world, role.steps),
                         params_url=urls["params"])
     from staleflow.training.bench import MeteredBackend
 
     try:
-        TrainerLoop(MeteredBackend.around(driver), steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
-                    started=started, remote_push=config.trainer.remote_push).run()
+        TrainerLoop(MeteredBackend.around(driver), steps=role.steps, eta=role.eta, urls=urls, step_log=step_log, stop=stop,
+                    started=started, remote_push=role.trainer.remote_push).run()
     finally:
         driver.close()
         for p in followers:
@@ -378,19 +379,17 @@ def run_fsdp_trainer(config: JobConfig, urls: Mapping[str, str], step_log: Any, 
         dist.destroy_process_group()
 
 
-def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog, stop: threading.Event,
+def run_fsdp_rank(role: TrainerRoleConfig, urls: Mapping[str, str], stop: threading.Event,
                   started: float | None = None) -> None:
     """One rank of an FSDP2 trainer whose ranks a launcher started on their own (one process each,
     maybe on other machines) with the rendezvous in the environment (``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``): rank 0 runs the trainer role, the others follow it."""
     import torch.distributed as dist
 
-    from staleflow.training.demo import resolve_model
     from staleflow.training.fsdp import (
         RENDEZVOUS_ENV,
         FsdpBackend,
         RankDriver,
-        checkpoint_dir,
         follow,
         init_process_group,
         rendezvous_from_env,
@@ -400,11 +399,11 @@ def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog,
     if rendezvous is None:
         raise RuntimeError(f"run_fsdp_rank needs {', '.join(RENDEZVOUS_ENV)} in the environment")
     master_addr, port, rank, world = rendezvous
-    model_dir = resolve_model(config)
-    checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
+    model_dir = _model_dir(role)
+    role.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     init_process_group(rank, world, port, master_addr)
     try:
-        local = FsdpBackend(config.trainer, model_dir, checkpoint_dir(config), rank, world, config.steps)
+        local = FsdpBackend(role.trainer, model_dir, role.checkpoint_dir, rank, world, role.steps)
         if rank > 0:
             follow(local)
             return
@@ -412,8 +411,9 @@ def run_fsdp_rank(config: JobConfig, urls: Mapping[str, str], step_log: StepLog,
         from staleflow.training.bench import MeteredBackend
 
         try:
-            TrainerLoop(MeteredBackend.around(driver), steps=config.steps, eta=config.ledger.eta, urls=urls, step_log=step_log, stop=stop,
-                        started=started, remote_push=config.trainer.remote_push).run()
+            TrainerLoop(MeteredBackend.around(driver), steps=role.steps, eta=role.eta, urls=urls,
+                        step_log=StepLog(role.step_log_path), stop=stop, started=started,
+                        remote_push=role.trainer.remote_push).run()
         finally:
             driver.close()
     finally:

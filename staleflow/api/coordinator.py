@@ -1,0 +1,155 @@
+"""The coordinator's contract: its wire models and its client (sync and async)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from staleflow.api.base import AsyncClient, Client, Route
+from staleflow.api.instance import SnapshotOut
+from staleflow.config.coordinator import InstanceEndpoint
+
+
+class CoordinatorHealth(BaseModel):
+    status: str
+    cycles: int
+
+
+class InstanceView(BaseModel):
+    """An instance as the coordinator sees it (``Coordinator.describe``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    instance_id: str
+    url: str
+    params_url: str | None = Field(None, description="where the instance pulls weights")
+    status: str = Field(description="joining, live, syncing or failed")
+    validated: bool
+    snapshot: dict[str, Any] | None
+    speculative: dict[str, int] | None = Field(description="the speculative state P: inst_version, accum_traj_num")
+    estimated_throughput: float
+    commands_in_flight: int
+
+
+class InstancesOut(BaseModel):
+    ps_version: int
+    instances: list[InstanceView]
+
+
+class Removed(BaseModel):
+    instance_id: str
+    released: int | None = Field(description="trajectories handed back to pending; null: the trajectory server was "
+                                             "unreachable, and reconciliation hands them back after its grace period")
+
+
+class CommandView(BaseModel):
+    command_id: str
+    instance_id: str
+    kind: str
+    size: int
+    issued_at: float
+    completed_at: float | None
+    outcome: str
+
+
+class CommandsOut(BaseModel):
+    commands: list[CommandView]
+
+
+class CoordinatorStatsOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cycles: int
+    accepted_snapshots: int
+    discarded_snapshots: int
+    last_decision_ms: float
+    mean_decision_ms: float
+    routed: int
+    interrupted: int
+    pulls: int
+    aborts: int
+    failures: int
+    rejoined: int
+    released: int
+    reconciled: int
+    strays_aborted: int
+    unreachable: int
+    cycle_ms_total: float
+    phase_ms_total: dict[str, float] = Field(
+        default_factory=dict, description="wall time of each step of the cycle (snapshots, polls, admission, issue...), "
+                                          "summed over every cycle")
+    decisions: int
+    decision_ms_total: float
+    command_count: dict[str, int]
+    command_seconds: dict[str, float]
+    strategy: dict[str, str]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrajectoryWaitOut(_Out):
+    traj_id: str
+    state: str = Field(description="pending, routed, completed, rewarded, cancelling or aborted")
+    where: str = Field(description="where it is, in words")
+    instance_id: str | None
+    generated: int = Field(description="response tokens so far (the instance's count where it gave one)")
+    max_tokens: int | None
+    ready_in_s: float | None = Field(description="seconds until it finishes, by the cost model; null: no estimate")
+
+
+class GroupWaitOut(_Out):
+    group_id: str
+    v_traj: int
+    buffer: int = Field(description="the buffer the ledger places it in now")
+    required: bool = Field(description="it holds a slot up to the buffer asked about and must be occupied itself; "
+                                       "otherwise it fills a slot once occupied, if it is among the first")
+    completed: int = Field(description="members completed")
+    needed: int = Field(description="members it needs completed (the group size)")
+    trajectories: list[TrajectoryWaitOut]
+    ready_in_s: float | None
+    note: str
+
+
+class BufferExplanationOut(_Out):
+    version: int
+    train_version: int
+    state: str = Field(description="waiting, ready, stuck or consumed")
+    consumable: bool = Field(description="the trainer can consume it now")
+    batch_size: int
+    capacity: int
+    occupied: int
+    reserved: int
+    empty: int
+    needed: int = Field(description="groups still to be occupied before it is ready (in it and the buffers before it)")
+    unreserved: int = Field(description="of those, slots no live group can fill: they wait for new reservations")
+    consume_first: list[int] = Field(description="buffers the trainer consumes before it")
+    groups: list[GroupWaitOut] = Field(description="what it waits for: required groups, then the others by "
+                                                   "expected readiness")
+    ready_in_s: float | None = Field(description="seconds until the cost model expects it ready; null: no estimate "
+                                                 "(`estimate` says why)")
+    estimate: str = Field(description="how the estimate was made, or why there is none")
+    summary: str
+
+
+class CoordinatorRoutes:
+    """The coordinator's REST API: the instance pool and what the cycle did."""
+
+    health = Route("GET", "/v1/health", CoordinatorHealth)
+    instances = Route("GET", "/v1/instances", InstancesOut)
+    register = Route("POST", "/v1/instances", InstanceView, body=InstanceEndpoint)
+    upsert = Route("PUT", "/v1/instances/{instance_id}", InstanceView, body="endpoint")
+    instance = Route("GET", "/v1/instances/{instance_id}", InstanceView)
+    remove = Route("DELETE", "/v1/instances/{instance_id}", Removed)
+    instance_snapshot = Route("GET", "/v1/instances/{instance_id}/snapshot", SnapshotOut)
+    commands = Route("GET", "/v1/commands", CommandsOut, query=("limit",))
+    stats = Route("GET", "/v1/coordinator", CoordinatorStatsOut)
+    explain_buffer = Route("GET", "/v1/buffers/{version}/explain", BufferExplanationOut)
+
+
+class CoordinatorClient(CoordinatorRoutes, Client):
+    """The coordinator's client."""
+
+
+class AsyncCoordinatorClient(CoordinatorRoutes, AsyncClient):
+    """The coordinator's client, for callers on an event loop."""

@@ -1,0 +1,262 @@
+"""The trajectory server's contract: its wire models and its client (sync and async)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from staleflow.api.base import AsyncClient, Client, Route
+from staleflow.api.instance import LogProb, TokenId
+
+
+class Assignment(BaseModel):
+    traj_id: str
+    v_traj: int = Field(ge=0)
+
+
+class CheckoutRequest(BaseModel):
+    instance_id: str = Field(min_length=1, max_length=200)
+    assignments: list[Assignment] = Field(min_length=1, max_length=100_000)
+
+
+class ReturnedSegmentIn(BaseModel):
+    version: int = Field(ge=0)
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+
+
+class PartialIn(BaseModel):
+    traj_id: str
+    tokens: list[TokenId] = []
+    logprobs: list[LogProb] = []
+    segments: list[ReturnedSegmentIn] = []
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PartialIn:
+        if len(self.tokens) != len(self.logprobs):
+            raise ValueError(f"{self.traj_id}: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
+        if (self.segments[-1].end if self.segments else 0) != len(self.tokens):
+            raise ValueError(f"{self.traj_id}: segments do not cover the tokens")
+        return self
+
+
+class ReturnRequest(BaseModel):
+    instance_id: str | None = Field(None, min_length=1, max_length=200)
+    partials: list[PartialIn] = Field(max_length=100_000)
+
+
+class CompletedTrajectoryIn(PartialIn):
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+class CompletedIn(BaseModel):
+    """A completed trajectory as the instances deliver it (``staleflow.api.instance.CompletedItem``)."""
+
+    seq: int | None = None
+    instance_id: str | None = Field(None, min_length=1, max_length=200)
+    trajectory: CompletedTrajectoryIn
+
+
+class CompletedRequest(BaseModel):
+    instance_id: str = Field(min_length=1, max_length=200)
+    items: list[CompletedIn] = Field(max_length=100_000)
+
+
+class ProgressIn(BaseModel):
+    traj_id: str
+    start: int = Field(ge=0, description="the response position of the first token")
+    tokens: list[TokenId] = Field(min_length=1)
+    logprobs: list[LogProb]
+    segments: list[ReturnedSegmentIn] = Field(min_length=1,
+                                              description="the versions of the whole response up to the last token")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ProgressIn:
+        if len(self.tokens) != len(self.logprobs):
+            raise ValueError(f"{self.traj_id}: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
+        if self.segments[-1].end != self.start + len(self.tokens):
+            raise ValueError(f"{self.traj_id}: segments do not end at the last token")
+        return self
+
+
+class ProgressRequest(BaseModel):
+    instance_id: str = Field(min_length=1, max_length=200)
+    trajectories: list[ProgressIn] = Field(max_length=100_000)
+    held: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, max_length=100_000,
+        description="traj_id -> response tokens each trajectory on the instance holds now, checkpointed or not: "
+                    "what it holds beyond its checkpoint is counted as regenerated if the instance fails")
+
+
+class ProgressOut(BaseModel):
+    stored: dict[str, int] = Field(description="traj_id -> response tokens the trajectory server now holds")
+    ignored: list[str] = Field(description="not routed to this instance, not running, or not continuing what is "
+                                           "held: nothing changed")
+
+
+class AckRequest(BaseModel):
+    traj_ids: list[str] = Field(max_length=100_000)
+
+
+# -- answers
+
+
+class Returned(BaseModel):
+    outcome: dict[str, str] = Field(description="traj_id -> pending, aborted, unknown or ignored (its state)")
+
+
+class Accepted(BaseModel):
+    accepted: int
+
+
+class Released(BaseModel):
+    released: int
+
+
+class Cancellation(BaseModel):
+    traj_id: str
+    instance_id: str | None
+
+
+class CancellationsOut(BaseModel):
+    trajectories: list[Cancellation]
+
+
+class Acknowledged(BaseModel):
+    acknowledged: int
+
+
+class Freed(BaseModel):
+    version: int
+    freed_groups: int
+
+
+class TrajectorySummary(BaseModel):
+    traj_id: str
+    group_id: str
+    state: str
+    v_traj: int | None
+    length: int = Field(description="prompt plus generated tokens")
+    generated: int
+    instance_id: str | None
+    seq: int
+
+
+class TrajectoriesOut(BaseModel):
+    trajectories: list[TrajectorySummary]
+
+
+class RoutePayload(BaseModel):
+    """A trajectory as an instance's Route command carries it."""
+
+    traj_id: str
+    group_id: str
+    prompt_ids: list[int]
+    v_traj: int | None
+    sampling: dict[str, Any]
+    tokens: list[int]
+    logprobs: list[float]
+    segments: list[dict[str, int]]
+
+
+class CheckedOut(BaseModel):
+    trajectories: list[RoutePayload]
+    refused: list[dict[str, str]] = Field(description="{traj_id, reason} of assignments not granted")
+
+
+class TrainingTrajectory(RoutePayload):
+    reward: float | None
+    finish_reason: str | None
+    answer: str
+
+
+class BatchOut(BaseModel):
+    version: int
+    groups: list[str]
+    trajectories: list[TrainingTrajectory]
+
+
+class TrajectoryDetail(TrajectorySummary, RoutePayload):
+    reward: float | None
+    reward_reason: str | None
+    finish_reason: str | None
+    prompt_text: str
+    held_on_instance: int | None = Field(None, description="response tokens its instance last said it holds "
+                                                           "(routed trajectories): a failure now regenerates those "
+                                                           "beyond what is stored")
+
+
+class TrajectoryPage(BaseModel):
+    counts: dict[str, int]
+    total: int
+    trajectories: list[TrajectorySummary]
+
+
+class SkippedPrompts(BaseModel):
+    count: int
+    reasons: dict[str, int]
+
+
+class ProgressCounts(BaseModel):
+    checkpointed_tokens: int = Field(description="response tokens appended from progress checkpoints")
+    failed_over: int = Field(description="running trajectories handed back from a failed instance")
+    resumed_tokens: int = Field(description="response tokens those trajectories kept (their last checkpoints)")
+    regenerated_trajectories: int = Field(description="trajectories handed back holding less than their instance "
+                                                      "last said it had generated (kept across restarts)")
+    regenerated_tokens: int = Field(description="the tokens they lost, generated again (kept across restarts)")
+
+
+class TrajectoryServerHealth(BaseModel):
+    status: str
+    counts: dict[str, int]
+    skipped_prompts: SkippedPrompts
+    progress: ProgressCounts = Field(description="since this trajectory server started")
+
+
+class LengthSkewOut(BaseModel):
+    """``staleflow.length_skew.LengthSkew.to_json``: per-bucket counts keyed by bucket label."""
+
+    model_config = {"extra": "allow"}
+    buckets: str
+    generated: dict[str, int]
+    trained: dict[str, int]
+    aborted: dict[str, int]
+    filtered: dict[str, int]
+    dropped: dict[str, int]
+    in_flight: dict[str, int]
+    regenerated_tokens: dict[str, int]
+    staleness_mean: dict[str, float]
+    admission: dict[str, int | float]
+    ks_distance: float | None
+    wasserstein_tokens: float | None
+    trained_over_generated_mean: float | None
+    per_step: list[dict[str, Any]]
+
+
+class TrajectoryRoutes:
+    """The trajectory server's REST API."""
+
+    health = Route("GET", "/v1/health", TrajectoryServerHealth)
+    length_skew = Route("GET", "/v1/length-skew", LengthSkewOut, query=("after_step",))
+    pending = Route("GET", "/v1/pending", TrajectoriesOut)
+    routed = Route("GET", "/v1/routed", TrajectoriesOut, query=("instance_id",))
+    checkout = Route("POST", "/v1/checkout", CheckedOut, body=CheckoutRequest)
+    give_back = Route("POST", "/v1/return", Returned, body=ReturnRequest)
+    completed = Route("POST", "/v1/completed", Accepted, body=CompletedRequest)
+    progress = Route("POST", "/v1/progress", ProgressOut, body=ProgressRequest)
+    release = Route("POST", "/v1/instances/{instance_id}/release", Released)
+    cancellations = Route("GET", "/v1/cancellations", CancellationsOut)
+    cancellations_ack = Route("POST", "/v1/cancellations/ack", Acknowledged, body=AckRequest)
+    batch = Route("GET", "/v1/batches/{version}", BatchOut)
+    free_batch = Route("DELETE", "/v1/batches/{version}", Freed)
+    trajectories = Route("GET", "/v1/trajectories", TrajectoryPage, query=("state", "limit", "offset"))
+    trajectory = Route("GET", "/v1/trajectories/{traj_id}", TrajectoryDetail)
+
+
+class TrajectoryClient(TrajectoryRoutes, Client):
+    """The trajectory server's client."""
+
+
+class AsyncTrajectoryClient(TrajectoryRoutes, AsyncClient):
+    """The trajectory server's client, for services running on an event loop (the coordinator)."""
