@@ -184,10 +184,14 @@ def explain_buffer(
     candidates = [_group(g, v, b, False, members.get(g, []), group_size, finish, max_tokens)
                   for b, g, v in candidate_entries]
     candidates.sort(key=lambda g: (g.ready_in_s is None, g.ready_in_s or 0.0, g.buffer))
-    if redundant:
-        # which groups can fill a slot depends on where the ledger pins the others and what a seal
-        # aborts: replay the ledger's own rules, occupying groups in the order they are expected
-        used, unreserved = _replay(buffers, B, train_version, version, [g.group_id for g in candidates], needed)
+    if candidates and from_candidates > 0:
+        # which groups can fill a slot depends on where the ledger must keep room for the others
+        # (a group with a later deadline cannot take a slot the earlier ones all need) and, with
+        # redundancy, on what a seal aborts: replay the ledger's own rules, occupying the required
+        # groups and then the others in the order they are expected to finish
+        first = [g.group_id for g in required]
+        used, unreserved = _replay(buffers, B, train_version, version, [*first, *(g.group_id for g in candidates)],
+                                   needed)
         candidates = [g for g in candidates if g.group_id in used] if unreserved == 0 else candidates
         from_candidates = len(candidates) if unreserved == 0 else len(candidates) + unreserved
 
@@ -412,7 +416,7 @@ def _summary(version: int, view: BufferView, B: int, needed: int, required: list
     if required:
         waits.append(f"{_names(required)} (whose windows end by buffer {version}: "
                      f"{'each' if len(required) > 1 else 'it'} must be occupied)")
-    if redundant and candidates and not unreserved:
+    if candidates and not unreserved:
         waits.append(f"{_names(candidates)} (the first groups expected to finish that make it ready, by the "
                      "ledger's own rules)")
     elif from_candidates - unreserved > 0:
