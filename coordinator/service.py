@@ -43,12 +43,12 @@ from staleflow.api.params import AsyncParamsClient
 from staleflow.api.trajectories import AsyncTrajectoryClient, TrajectorySummary
 from staleflow.backoff import Backoff
 from staleflow.commands import commands_of
-from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
+from staleflow.config.strategy import StrategyConfig, SyncMode
 from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, Membership
 from staleflow.coordinator.reconcile import Suspicion, reconcile
 from staleflow.cost_model import CostModel
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.strategies import InstanceState, PendingTrajectory, SpeculativeState, plan_cycle
+from staleflow.strategies import DecodeSpeeds, InstanceState, PendingTrajectory, SpeculativeState, plan_cycle
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class Coordinator:
         self.sim_weights_bytes = sim_weights_bytes
         self.instances: dict[str, InstanceRecord] = {}
         self.p = SpeculativeState()
+        self.speeds = DecodeSpeeds()  # each instance's decode speed against the cost model, from its snapshots
         self.stats = CoordinatorStats()
         self.commands: deque[CommandRecord] = deque(maxlen=2000)
         self._ids = itertools.count(1)
@@ -335,8 +336,10 @@ class Coordinator:
         s = record.snapshot
         if s is None:
             return InstanceState(record.instance_id, 0, 0.0, [], [], record.cost)
+        speed = self.speeds.observe(record.instance_id, s.decode_steps, s.decode_seconds, float(s.kv_cache),
+                                    len(s.run_trajs), record.cost)
         return InstanceState(record.instance_id, s.inst_version, float(s.kv_cache), list(s.run_trajs),
-                             list(s.wait_trajs), record.cost)
+                             list(s.wait_trajs), record.cost, speed)
 
     async def _ps_version(self) -> int:
         if self.params is None:  # no parameter server: a version exists once its buffer is consumed
@@ -475,13 +478,13 @@ class Coordinator:
             if reply and reply.partials:
                 await self.ts.give_back(instance_id=instance_id, partials=reply.partials)
         # 2. pulls: queued on their instance; routes to it wait behind them
-        keep = {"keep_running": True} if self.strategy.pull is PullMode.KEEP else {}
         for instance_id in commands.pulls:
             record = self.instances[instance_id]
             if record.status is InstanceStatus.FAILED:  # silent to its interrupt
                 continue
             self.membership.sync_started(record)
             self.p.pulled(instance_id, self.ps_version)
+            keep = {"keep_running": True} if instance_id in commands.kept else {}
             self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record), **keep}, 1)
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
         for instance_id, assignments in commands.routes.items():

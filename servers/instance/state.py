@@ -384,6 +384,8 @@ class InstanceServer:
             "complete_trajs": list(snap.complete_trajs),
             "inst_version": snap.inst_version,
             "loading_weights": snap.loading_weights,
+            "decode_steps": snap.decode_steps,
+            "decode_seconds": snap.decode_seconds,
         }
 
     async def advance(self, request: AdvanceIn) -> dict[str, Any]:

@@ -207,6 +207,8 @@ class SnapshotOut(_Answer):
     complete_trajs: list[str]
     inst_version: int
     loading_weights: bool
+    decode_steps: int | None = Field(None, description="decode steps since the engine started (null: not reported)")
+    decode_seconds: float | None = Field(None, description="the seconds those steps took, prefill excluded")
 
 
 class CompletedItem(_Answer):

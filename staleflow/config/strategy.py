@@ -28,6 +28,9 @@ class PullMode(StrEnum):
     # continue on the new weights after the load; their V_traj (the oldest version of any of their
     # tokens) is unchanged, so the staleness bound holds as defined
     KEEP = "keep"
+    # per Pull: keep unless the instance's trajectories would decode markedly faster on a peer (a
+    # straggler, or a still-loaded instance while its peers run dry): then interrupt them
+    AUTO = "auto"
 
 
 class MigrationMode(StrEnum):
@@ -67,6 +70,13 @@ class StrategyConfig:
     # A sync hands the instance's own trajectories straight back to it after the Pull (fixed
     # assignment: what a system without migration does); False: they are routed anew.
     pin_partials: bool = False
+    # PullMode.AUTO: a Pull keeps the trajectories when the tokens per second each of them gets
+    # where it is (Eq. 11 at the instance's observed speed) are at least this share of what the
+    # best peer would give it; otherwise it interrupts them and routing spreads them.
+    keep_share: float = 0.5
+    # Routing weighs each instance's marginal gain (Eq. 3) by its observed decode speed
+    # (``InstanceState.speed``): a straggler's tokens come slower than the cost model predicts.
+    route_by_speed: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.mu <= 1:
@@ -77,5 +87,7 @@ class StrategyConfig:
             raise ValueError(f"phi_throughput must be >= 1, got {self.phi_throughput}")
         if not 0 <= self.sync_kv_threshold <= 1:
             raise ValueError(f"sync_kv_threshold must be within [0, 1], got {self.sync_kv_threshold}")
+        if not 0 <= self.keep_share <= 1:
+            raise ValueError(f"keep_share must be within [0, 1], got {self.keep_share}")
         if self.migration_min_trajectories < 1:
             raise ValueError(f"migration_min_trajectories must be >= 1, got {self.migration_min_trajectories}")

@@ -242,6 +242,10 @@ class EngineSnapshot:
     inst_version: int
     loading_weights: bool = False
     time: float | None = None  # the engine's clock (sim: simulated seconds; vllm: seconds since start)
+    # decode steps since the engine started and the seconds they took, prefill excluded (None: not
+    # reported): how fast the instance really decodes, against what the cost model predicts
+    decode_steps: int | None = None
+    decode_seconds: float | None = None
 
 
 @dataclass(frozen=True)

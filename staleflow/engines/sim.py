@@ -201,6 +201,8 @@ class SimCore:
             inst_version=self.version,
             loading_weights=self._pull_end is not None or self._kept_pull is not None,
             time=self.now,
+            decode_steps=self.stats.decode_steps,
+            decode_seconds=self.stats.decode_seconds,
         )
 
     def generated(self, traj_id: str) -> int:

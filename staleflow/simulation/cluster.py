@@ -18,8 +18,8 @@ Pure and in-process (no HTTP, no threads): paper-scale jobs take seconds of wall
   one (and ``recheck_period_s`` has not passed) or when its plan is provably empty (nothing waits,
   no sync is due, no migration triggers). The plan becomes commands as in the coordinator
   (``staleflow.commands``); they land after ``CommandCosts`` latencies, a Route after the
-  Interrupts whose partials it carries; a Pull is ``SimCore.load_weights`` (with
-  ``PullMode.KEEP`` it keeps the instance's trajectories: nothing is handed back or re-prefilled).
+  Interrupts whose partials it carries; a Pull is ``SimCore.load_weights`` (a kept Pull,
+  ``Commands.kept``, keeps the instance's trajectories: nothing is handed back or re-prefilled).
 * **Trainer**: as soon as the head staleness buffer is Ready and the trainer is idle it consumes
   the batch, trains for ``TrainerModel.step_seconds`` and the new version reaches the parameter
   server ``push_s`` later. Rollout and training overlap (colocated systems: eta = 0 makes them
@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 from staleflow.commands import commands_of
 from staleflow.config.manager import LedgerParams
-from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
+from staleflow.config.strategy import StrategyConfig, SyncMode
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError
@@ -50,7 +50,7 @@ from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, Sim
 from staleflow.simulation.settings import SimulatedCluster
 from staleflow.simulation.systems import CHECKPOINT_STALL_S, Pipeline, WeightSync
 from staleflow.simulation.trajectory_pool import SimTrajectory, TrajectoryPool
-from staleflow.strategies import AdmissionBudget, CyclePlan, InstanceState, plan_cycle, plan_migrations
+from staleflow.strategies import AdmissionBudget, CyclePlan, DecodeSpeeds, InstanceState, plan_cycle, plan_migrations
 from staleflow.trajectory_book import GroupRecord, TrajState
 from staleflow.workload import stable_normal
 
@@ -129,6 +129,7 @@ class ClusterSimulation:
                              f"tokens cannot fit an instance's KV budget of {room:g} tokens")
         slowdowns = straggler_slowdowns(config.rollout_instances, config.straggler_sigma, sim.seed)
         self.nominal_cost = sim.cost  # what the coordinator's cost model says (it does not know the speeds)
+        self._speeds = DecodeSpeeds()  # what the snapshots show of them
         if self.system.checkpoint_tokens:  # each round's stall, spread over the steps between rounds
             per_step = CHECKPOINT_STALL_S / self.system.checkpoint_tokens
             sim = replace(sim, cost=replace(sim.cost, k4=sim.cost.k4 + per_step))
@@ -431,8 +432,10 @@ class ClusterSimulation:
             snap = self.cores[i].snapshot()
             if snap.loading_weights:
                 continue
+            speed = self._speeds.observe(self.cores[i].instance_id, snap.decode_steps, snap.decode_seconds,
+                                         snap.kv_cache, len(snap.run_trajs), self.nominal_cost)
             states.append(InstanceState(self.cores[i].instance_id, snap.inst_version, float(snap.kv_cache),
-                                        list(snap.run_trajs), list(snap.wait_trajs), self.nominal_cost))
+                                        list(snap.run_trajs), list(snap.wait_trajs), self.nominal_cost, speed))
         version = self._visible_version()
         if self.strategy.sync is SyncMode.GLOBAL and len(states) < len(self.cores):
             states = [s for s in states if s.version >= version]  # a global sync waits for everyone
@@ -490,8 +493,8 @@ class ClusterSimulation:
         costs = self.config.commands
         commands = commands_of(plan)
         back_at: dict[str, float] = {}  # interrupted trajectory -> when its partial is in the TS
-        keep = self.strategy.pull is PullMode.KEEP
-        syncs = set() if keep else set(commands.pulls)  # Pulls that interrupt everything on their instance
+        kept = commands.kept
+        syncs = set(commands.pulls) - kept  # Pulls that interrupt everything on their instance
         self._counters["syncs"] += len(commands.pulls)
         for instance_id, traj_ids in commands.interrupts.items():
             i = self._index[instance_id]
@@ -505,7 +508,7 @@ class ClusterSimulation:
             self._land(t + latency, i, "interrupt", traj_ids, instance_id in syncs)
         for instance_id in commands.pulls:  # list order: reproducible event order in every process
             i = self._index[instance_id]
-            if keep:  # after a migration's Interrupt, if any; Routes to it land after it
+            if instance_id in kept:  # after a migration's Interrupt, if any; Routes to it land after it
                 self._busy_until[i] = self._busy_until.get(i, t)
                 self._land(self._busy_until[i], i, "keep", [], True)
             elif instance_id not in commands.interrupts:

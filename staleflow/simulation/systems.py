@@ -26,8 +26,10 @@ strategies (``staleflow.strategies``) decide routing, synchronization and migrat
   vanilla (``x``): routing (``r``: cost-model waterfall / ``x``: fewest trajectories), sync
   (``s``: load-aware / ``x``: greedy per instance), migration (``m``: starved-instance migration /
   ``x``: none, a sync's trajectories go straight back to their instance). ``staleflow`` is ``sf-rsm``,
-  whose Pulls keep the running trajectories and their KV cache (in-flight weight updates,
-  ``PullMode.KEEP``); the other seven interrupt them as the paper's Pull does.
+  whose Pulls each keep the running trajectories and their KV cache (in-flight weight updates) or
+  interrupt them when they would decode markedly faster on a peer (``PullMode.AUTO``), and whose
+  routing weighs gains by the decode speeds the snapshots show (``route_by_speed``); the other
+  seven interrupt them as the paper's Pull does and route by the cost model alone.
 
 Engine and weight sync per system: the baselines run vLLM with ``max_num_seqs`` = 1024 (the
 authors' vanilla scripts) and the VeRL-like ones (``one-step``, ``in-flight``, ``in-flight-fifo``)
@@ -42,7 +44,9 @@ must match: the checked property that StaleFlow's machinery costs nothing by its
   each round of an instance costing it ``CHECKPOINT_STALL_S`` of engine time (spread over the
   steps between rounds): what checkpoints cost in rollout throughput.
 * ``sf-rsm@interrupt`` - StaleFlow whose Pulls interrupt everything on the instance (resumed
-  trajectories re-prefill): the kept Pulls measured alone.
+  trajectories re-prefill), routing by the cost model alone: the paper's StaleFlow.
+* ``sf-rsm@keep`` - StaleFlow whose Pulls all keep the running trajectories and their KV cache,
+  routing by the cost model alone (StaleFlow before Pulls were chosen per instance).
 """
 
 from __future__ import annotations
@@ -139,7 +143,11 @@ STALEFLOW_MIGRATION = MigrationMode.STARVED
 # -4.5 % at eta = 1, 2, +2.0 and +3.1 % at eta = 3, 4; mean +2.5 %. Greedy sync with kept Pulls:
 # 62.9K / 51.7K at eta = 3 (docs/benchmarks.md). The R/S/M ablation variants interrupt, as
 # before, so all-vanilla StaleFlow stays in-flight's twin.
-STALEFLOW_PULL = PullMode.KEEP
+# Chosen per Pull, with routing by decode speed (paper-20k, 64 instances, eta = 1, 2): with
+# stragglers (sigma = 0.25) 42.7K / 53.7K tokens/s against 34.0K / 46.3K keeping every Pull and
+# 35.5K / 48.5K interrupting every one; on identical instances the same decisions as keeping
+# (43.8K / 56.2K; interrupting 42.4K / 52.5K), docs/benchmarks.md.
+STALEFLOW_PULL = PullMode.AUTO
 
 
 def _pull_of(r: bool, s: bool, m: bool) -> PullMode:
@@ -158,6 +166,7 @@ def _staleflow(r: bool, s: bool, m: bool) -> SystemSpec:
         sync=STALEFLOW_SYNC if s else SyncMode.GREEDY,
         migration=STALEFLOW_MIGRATION if m else MigrationMode.NONE,
         pull=_pull_of(r, s, m),
+        route_by_speed=r and s and m,
         pin_partials=not m,  # without migration nothing moves: a sync resumes the instance's own work
         phi_throughput=STALEFLOW_PHI_THROUGHPUT,
     )
@@ -188,7 +197,9 @@ def catalog(redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:
         replace(full, name="sf-rsm+ckpt", label=f"StaleFlow + progress checkpoints every {CHECKPOINT_TOKENS} tokens",
                 checkpoint_tokens=CHECKPOINT_TOKENS, tuned=False),
         replace(full, name="sf-rsm@interrupt", label="StaleFlow with Pulls that interrupt (re-prefill on resume)",
-                strategy=replace(full.strategy, pull=PullMode.INTERRUPT), tuned=False),
+                strategy=replace(full.strategy, pull=PullMode.INTERRUPT, route_by_speed=False), tuned=False),
+        replace(full, name="sf-rsm@keep", label="StaleFlow with Pulls that keep the trajectories and their KV",
+                strategy=replace(full.strategy, pull=PullMode.KEEP, route_by_speed=False), tuned=False),
         ORACLE_SPEC,
     ]
     return systems

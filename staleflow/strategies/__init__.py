@@ -5,10 +5,11 @@ from staleflow.strategies.migration import plan_migrations
 from staleflow.strategies.plan import CyclePlan, plan_cycle
 from staleflow.strategies.routing import RouteDecision, route
 from staleflow.strategies.speculative import SpeculativeState
+from staleflow.strategies.speed import DecodeSpeeds
 from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
 from staleflow.strategies.sync import plan_syncs
 
 __all__ = [
-    "AdmissionBudget", "CyclePlan", "InstanceState", "PendingTrajectory", "RouteDecision", "SpeculativeState",
+    "AdmissionBudget", "CyclePlan", "DecodeSpeeds", "InstanceState", "PendingTrajectory", "RouteDecision", "SpeculativeState",
     "plan_cycle", "plan_migrations", "plan_syncs", "route",
 ]

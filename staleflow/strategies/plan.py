@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from staleflow.config.strategy import PullMode, StrategyConfig
 from staleflow.strategies.migration import plan_migrations
 from staleflow.strategies.routing import RouteDecision, reachable, route
@@ -15,7 +17,8 @@ from staleflow.strategies.sync import plan_syncs
 
 @dataclass
 class CyclePlan:
-    syncs: list[str] = field(default_factory=list)  # Pull (PullMode.INTERRUPT: Interrupt everything on them first)
+    syncs: list[str] = field(default_factory=list)  # Pull (unless kept: Interrupt everything on them first)
+    kept: list[str] = field(default_factory=list)  # the syncs whose Pull keeps the trajectories and their KV
     interrupts: dict[str, list[str]] = field(default_factory=dict)  # by instance, syncs' included
     routes: list[RouteDecision] = field(default_factory=list)
 
@@ -59,10 +62,12 @@ def plan_cycle(
         inst.discard(set(traj_ids))
 
     plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions)
+    plan.kept = keeps_running(plan.syncs, instances, config)
+    kept = set(plan.kept)
     pinned: list[RouteDecision] = []
     for instance_id in plan.syncs:
         inst = states[instance_id]
-        if config.pull is PullMode.KEEP:  # its trajectories, KV and load stay: only the version changes
+        if instance_id in kept:  # its trajectories, KV and load stay: only the version changes
             inst.version = ps_version
             continue
         if config.pin_partials:  # its trajectories come straight back after the Pull
@@ -84,11 +89,54 @@ def plan_cycle(
         migrated.update(dict.fromkeys(traj_ids, instance_id))
     plan.routes = pinned + route(states.values(), waiting, budget, config, group_versions)
     if migrated:
-        _keep_in_place(plan, migrated, kept_syncs=config.pull is PullMode.KEEP)
+        _keep_in_place(plan, migrated, kept)
     return plan
 
 
-def _keep_in_place(plan: CyclePlan, migrated: dict[str, str], kept_syncs: bool) -> None:
+def keeps_running(syncs: Sequence[str], instances: Sequence[InstanceState], config: StrategyConfig) -> list[str]:
+    """The syncs whose Pull keeps the instance's trajectories and their KV cache.
+
+    ``PullMode.AUTO``: a Pull keeps them unless they would decode markedly faster elsewhere. Each
+    of the instance's running trajectories gets a token every step: ``speed / L(kv, n)`` tokens per
+    second (Eq. 11 at its observed speed). Handed back, one would run on the peer where that rate,
+    with it added, is highest. The Pull keeps them when their rate where they are is at least
+    ``keep_share`` of that: on a busy fleet (every peer as loaded) nothing gains from moving and a
+    kept Pull saves the re-prefill; a straggler, or an instance still full while its peers run
+    out of work (the tail a tight bound makes the next buffer wait for), hands them back and
+    routing spreads them over the fleet."""
+    if config.pull is PullMode.INTERRUPT or not syncs:
+        return []
+    if config.pull is PullMode.KEEP or len(instances) < 2:
+        return list(syncs)
+    index = {inst.instance_id: k for k, inst in enumerate(instances)}
+    costs = [inst.cost for inst in instances]
+    k1 = np.array([c.k1 for c in costs])
+    k5 = np.array([c.k5 for c in costs])
+    kv = np.array([inst.kv_cache for inst in instances], dtype=float)
+    n_after = np.array([len(inst.running) + 1 for inst in instances], dtype=float)
+    # the parts of a peer's step latency with one more trajectory that do not depend on its length
+    base = k1 * kv + np.maximum([c.k2 for c in costs], np.array([c.k3 for c in costs]) * n_after) + \
+        np.array([c.k4 for c in costs])
+    speed = np.array([inst.speed for inst in instances])
+    room = np.array([c.kv_budget for c in costs]) - kv
+    room[[bool(inst.waiting) for inst in instances]] = -1.0  # a trajectory would queue there
+    kept = []
+    for instance_id in syncs:
+        k = index[instance_id]
+        inst = instances[k]
+        if not inst.running:
+            kept.append(instance_id)
+            continue
+        here = inst.speed / inst.cost.step_latency(inst.kv_cache, len(inst.running))
+        context = inst.kv_cache / len(inst.running) / inst.cost.k5  # tokens of an average one
+        elsewhere = np.where(room >= k5 * context, speed / (base + k1 * k5 * context), 0.0)
+        elsewhere[k] = 0.0
+        if here >= config.keep_share * float(elsewhere.max()):
+            kept.append(instance_id)
+    return kept
+
+
+def _keep_in_place(plan: CyclePlan, migrated: dict[str, str], kept: set[str]) -> None:
     """A migrated trajectory that routing sends back where it was stays there: an Interrupt and a
     Route to the same instance would only recompute its KV cache (a sync's interrupts are kept,
     the Pull needs them, unless it keeps the trajectories: then they are all migrations)."""
@@ -97,7 +145,7 @@ def _keep_in_place(plan: CyclePlan, migrated: dict[str, str], kept_syncs: bool) 
         return
     plan.routes = [d for d in plan.routes if d.traj_id not in stay]
     for instance_id in list(plan.interrupts):
-        if instance_id in plan.syncs and not kept_syncs:
+        if instance_id in plan.syncs and instance_id not in kept:
             continue
         kept = [t for t in plan.interrupts[instance_id] if t not in stay]
         if kept:

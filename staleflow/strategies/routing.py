@@ -88,6 +88,9 @@ class _MultiLevelQueue:
             self.levels.setdefault(v, deque()).extend(members)
 
 
+SPEED_TOLERANCE = 0.1  # routing by speed treats an instance within 10 % of the cost model as modelled
+
+
 class _Fleet:
     """Every instance of a pass as arrays, ordered by version, with the Eq. 3 gains of one length.
 
@@ -97,8 +100,12 @@ class _Fleet:
     work keeps a full pass over 2048 trajectories and 128 instances in milliseconds.
     """
 
-    def __init__(self, insts: list[InstanceState]):
+    def __init__(self, insts: list[InstanceState], by_speed: bool = False):
         self.insts = insts
+        # gains scaled by each instance's observed decode speed: a straggler's tokens come slower
+        # (within SPEED_TOLERANCE of the model, measurement error: as modelled)
+        self.speed = np.array([inst.speed if abs(inst.speed - 1.0) > SPEED_TOLERANCE else 1.0
+                               for inst in insts]) if by_speed else None
         c = [inst.cost for inst in insts]
         self.k1 = np.array([m.k1 for m in c])
         self.k2 = np.array([m.k2 for m in c])
@@ -125,7 +132,8 @@ class _Fleet:
         """Eq. 3 for every instance (one row per length when ``lengths`` is a column)."""
         grown = self.kv + self.k5 * lengths
         after = self.after_n / (self.k1 * grown + self.after_base + self.k4)
-        return np.where(self.free & (grown <= self.budget), after - self.before, 0.0)
+        gains = after - self.before if self.speed is None else (after - self.before) * self.speed
+        return np.where(self.free & (grown <= self.budget), gains, 0.0)
 
     def at_length(self, length: int) -> np.ndarray:
         if length != self._length:
@@ -152,7 +160,8 @@ class _Fleet:
         if self._length is not None:
             grown = kv + cost.k5 * self._length
             fits = w == 0 and grown <= cost.kv_budget
-            self.gains[i] = (n + 1) / (cost.k1 * grown + after_base + cost.k4) - before if fits else 0.0
+            gain = (n + 1) / (cost.k1 * grown + after_base + cost.k4) - before if fits else 0.0
+            self.gains[i] = gain if self.speed is None else gain * self.speed[i]
 
 
 class _VersionGroup:
@@ -242,7 +251,7 @@ def route(
     by_version: dict[int, list[InstanceState]] = {}
     for inst in instances:
         by_version.setdefault(inst.version, []).append(inst.copy())
-    fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts])
+    fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed)
     groups, lo = [], 0
     for v, insts in sorted(by_version.items()):
         groups.append(_VersionGroup(v, fleet, lo, lo + len(insts)))

@@ -20,6 +20,7 @@ class InstanceState:
     running: list[str] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)
     cost: CostModel = field(default_factory=CostModel)
+    speed: float = 1.0  # observed decode speed over the cost model's (``DecodeSpeeds``): below 1, a straggler
 
     @property
     def trajectories(self) -> list[str]:
@@ -49,7 +50,8 @@ class InstanceState:
         self.waiting = [t for t in self.waiting if t not in traj_ids]
 
     def copy(self) -> InstanceState:
-        return InstanceState(self.instance_id, self.version, self.kv_cache, list(self.running), list(self.waiting), self.cost)
+        return InstanceState(self.instance_id, self.version, self.kv_cache, list(self.running), list(self.waiting), self.cost,
+                             self.speed)
 
 
 @dataclass(frozen=True)

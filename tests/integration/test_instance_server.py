@@ -109,6 +109,7 @@ def test_route_snapshot_and_completed_feed(inst: httpx.Client) -> None:
     advance(inst, by=0.05)
     later = snapshot(inst)
     assert later["kv_cache"] > snap["kv_cache"] and later["engine_time"] == pytest.approx(0.05)
+    assert later["decode_steps"] > snap["decode_steps"] == 0 and later["decode_seconds"] > 0, "the decode counters"
 
     done = advance(inst, until_idle=True)
     assert done["completed_seq"] == 2

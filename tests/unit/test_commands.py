@@ -24,3 +24,10 @@ def test_routes_are_one_checkout_per_instance_in_the_plans_order() -> None:
 def test_an_empty_plan_issues_nothing() -> None:
     commands = commands_of(CyclePlan())
     assert not (commands.interrupts or commands.pulls or commands.routes)
+
+
+def test_a_kept_pull_says_so_and_interrupts_nothing_for_itself() -> None:
+    commands = commands_of(CyclePlan(syncs=["a", "b"], kept=["a"], interrupts={"b": ["t1"]}))
+    assert commands.pulls == ["a", "b"] and commands.kept == {"a"}
+    assert commands.interrupts == {"b": ["t1"]}
+    assert commands_of(CyclePlan(syncs=["a"])).kept == frozenset()
