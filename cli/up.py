@@ -262,38 +262,21 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
 
 
 def prepare_real_job(config: JobConfig) -> None:
-    """Check the real job's dependencies and build the demo model before anything starts."""
-    import importlib.util
+    """Check the real job's packages and model, or build the demo model, before anything starts."""
+    from staleflow.launch.prepare import JobNotReady, check_model_directory, check_real_job_packages
 
-    missing = [m for m in ("vllm", "torch", "transformers") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise fail(f"the vllm engine needs {', '.join(missing)}, which are not installed",
-                   "pip install -e '.[vllm,train]' && pip uninstall -y torchvision torchaudio torchcodec triton "
-                   "(see the README), or run a simulated cluster with --engine sim")
+    try:
+        check_real_job_packages()
+        if config.model is not None:
+            check_model_directory(config.model)
+    except JobNotReady as exc:
+        raise fail(exc.message, exc.fix) from None
     if config.model is None:
         from staleflow.cli.demo import build_with_progress
 
         directory, info = build_with_progress(config.task.digits, config.task.ops)
         console.print(f"  model       demo Qwen2 ({info['parameters']:,} parameters; after warm-up: mean reward "
                       f"{info['sampled_reward']:.2f} sampled, {info['concise_share']:.0%} direct answers) at {directory}")
-    else:
-        check_model_directory(config.model)
-
-
-def check_model_directory(model: Path) -> None:
-    """A model directory vLLM, the trainer and the trajectory server can all use: a config, and a
-    tokenizer whose ids fit the model's vocabulary (else every rollout would be refused)."""
-    if not (model / "config.json").exists():
-        raise fail(f"model {model} has no config.json", "give a local Hugging Face model directory with --model")
-    if not (model / "tokenizer.json").exists():
-        raise fail(f"model {model} has no tokenizer.json", "save the model's (fast) tokenizer into the same directory")
-    from staleflow.tasks import HfTokenizer
-
-    vocab = json.loads((model / "config.json").read_text()).get("vocab_size")
-    tokens = HfTokenizer(model).vocab_size
-    if isinstance(vocab, int) and tokens > vocab:
-        raise fail(f"the tokenizer in {model} has {tokens} tokens but the model's vocabulary is {vocab}: they do not "
-                   "belong together", "save the tokenizer the model was trained with into the model directory")
 
 
 def _serve_trainer(config: JobConfig, endpoints: dict) -> int:
