@@ -6,7 +6,6 @@ import json
 import logging
 import signal
 import sys
-import time
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any
@@ -121,8 +120,8 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launche
 
 def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str,
             namespace: str | None, ray_address: str | None) -> int:
-    from staleflow.launch.job import Job, JobTracking, StateDirInUse, trainer_label
-    from staleflow.report import length_skew_line, summarize, write_report
+    from staleflow.launch.job import Job, JobTracking, StateDirInUse, job_summary, trainer_label, write_job_report
+    from staleflow.report import length_skew_line
     from staleflow.tracking import missing_backends
 
     missing = missing_backends(config.logger.backends)
@@ -216,22 +215,12 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
         tracking.close()
     restarts = show_restarts()
     failure = job.failure
-    wall = time.monotonic() - job.started
-    summary = summarize(config, job.steps(), job.monitor.samples, job.engine_stats(), job.command_times(), wall,
-                        trainer_label(config))
-    summary["restarts"] = restarts
-    summary["failover"] = job.failover()
-    summary["length_skew"] = job.length_skew()
-    if failure:
-        summary["failure"] = failure
+    summary = job_summary(job, config, restarts, failure)
     trainer_error = job.trainer_error
     job.shutdown()
     completed = (trainer_error is None and failure is None and signals["received"] is None
                  and len(job.steps()) >= config.steps)
-    if completed:
-        written = write_report(config.state_dir / "report", summary, job.monitor.samples)
-    else:
-        written = write_report(config.state_dir / "report-partial", summary, job.monitor.samples)
+    written = write_job_report(config, summary, job.monitor.samples, completed)
     if emit:
         emit({"event": "end", "completed": completed, "report": [str(p) for p in written],
               "tokens_per_second": summary["tokens_per_second"], "staleness_violations": summary["staleness_violations"],
