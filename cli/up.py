@@ -6,12 +6,10 @@ import json
 import logging
 import signal
 import sys
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from pydantic import ValidationError
 from rich.console import Group
 from rich.live import Live
@@ -20,27 +18,14 @@ from rich.table import Table
 
 from staleflow.cli.common import console, fail, flag_names, validation_failure
 from staleflow.config import JobConfig
+from staleflow.config.files import SettingsFileError, read_settings_file
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise fail(f"config file {path} does not exist")
     try:
-        if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(path.read_text()) or {}
-        elif path.suffix == ".toml":
-            data = tomllib.loads(path.read_text())
-        elif path.suffix == ".json":
-            data = json.loads(path.read_text())
-        else:
-            raise fail(f"config file {path}: use .yaml, .toml or .json")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise fail(f"config file {path} is not valid: {exc}") from None
-    except OSError as exc:
-        raise fail(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    if not isinstance(data, dict):
-        raise fail(f"config file {path} must hold a mapping of settings")
-    return data
+        return read_settings_file(path)
+    except SettingsFileError as exc:
+        raise fail(str(exc)) from None
 
 
 def job_config(file: Path | None, **flags: Any) -> JobConfig:
