@@ -1,13 +1,11 @@
-"""``staleflow bench ledger``: the ledger's speed, measured side by side in one run."""
+"""``staleflow bench ledger`` and ``staleflow bench coordinator``: their command lines; the measuring
+lives with the manager (``staleflow.servers.manager.bench``) and the simulation
+(``staleflow.simulation.decision_bench``)."""
 
 from __future__ import annotations
 
 import json
-import statistics
-import tempfile
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
@@ -16,139 +14,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from staleflow.cli.common import console, emit_results, fail
-from staleflow.config import LedgerConfig, ManagerConfig
-from staleflow.config.manager import LedgerParams
-from staleflow.ledger import Ledger
-
-
-def _fill_and_drain(ledger, params: LedgerParams, prefix: str, workers: int = 1) -> int:
-    """One training step in steady state: reserve what is admissible at the newest version,
-    occupy it, consume one buffer. Returns the number of transitions."""
-    t = ledger.train_version
-    n_new = ledger.admission([t])[t]
-    ids = [f"{prefix}-{t}-{i}" for i in range(n_new)]
-
-    def lifecycle(chunk: list[str]) -> None:
-        for g in chunk:
-            ledger.reserve(g, t)
-        for g in chunk:
-            ledger.occupy(g)
-
-    if workers == 1:
-        lifecycle(ids)
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lifecycle, [ids[i::workers] for i in range(workers)]))
-    ledger.consume()
-    return 2 * n_new + 1
-
-
-def bench_pure(params: LedgerParams, steps: int) -> dict:
-    ledger = Ledger(params)
-    ops, start = 0, time.perf_counter()
-    for _ in range(steps):
-        ops += _fill_and_drain(ledger, params, "p")
-    elapsed = time.perf_counter() - start
-    return {"transitions": ops, "seconds": elapsed, "per_second": ops / elapsed}
-
-
-def _empty_database(db_url: str | None, workdir: Path, name: str) -> str:
-    """A SQLite file in ``workdir``, or the given database with StaleFlow's tables dropped."""
-    if db_url is None:
-        return f"sqlite:///{workdir / name}"
-    from staleflow.servers import db
-
-    engine = db.make_engine(db_url)
-    try:
-        db.downgrade(engine, "base")
-    finally:
-        engine.dispose()
-    return db_url
-
-
-def bench_durable(params: LedgerParams, steps: int, workers: int, synchronous: str, workdir: Path,
-                  db_url: str | None = None) -> dict:
-    from staleflow.servers.manager.store import DurableLedger
-
-    url = _empty_database(db_url, workdir, f"durable-{workers}-{synchronous}.db")
-    ledger = DurableLedger.open(url, params, synchronous)
-    try:
-        ops, start = 0, time.perf_counter()
-        for _ in range(steps):
-            ops += _fill_and_drain(ledger, params, f"d{workers}", workers)
-        elapsed = time.perf_counter() - start
-    finally:
-        ledger.close()
-    return {"transitions": ops, "seconds": elapsed, "per_second": ops / elapsed, "workers": workers,
-            "synchronous": synchronous}
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def bench_http(params: LedgerParams, requests: int, workdir: Path, db_url: str | None = None) -> dict:
-    from staleflow.api.manager import ManagerClient
-    from staleflow.servers.http import serve_in_thread
-    from staleflow.servers.manager import create_app
-
-    config = ManagerConfig(
-        ledger=LedgerConfig(eta=params.eta, batch_size=params.batch_size, group_size=params.group_size),
-        db_url=_empty_database(db_url, workdir, "http.db"),
-    )
-    latencies: dict[str, list[float]] = {"reserve": [], "occupy": []}
-    with serve_in_thread(create_app(config)) as server, ManagerClient(server.url) as client:
-        client.health()  # waits for the lifespan (database open) to finish
-        done = 0
-        while done < requests:
-            t = client.buffers().train_version
-            room = client.admission([t]).by_version()[t]
-            ids = [f"h-{t}-{i}" for i in range(min(room, requests - done))]
-            for g in ids:
-                start = time.perf_counter()
-                client.reserve(g, t)
-                latencies["reserve"].append(time.perf_counter() - start)
-            for g in ids:
-                start = time.perf_counter()
-                client.occupy(g)
-                latencies["occupy"].append(time.perf_counter() - start)
-            done += len(ids)
-            if len(ids) == room:
-                client.consume()
-    return {
-        op: {"p50_ms": 1e3 * statistics.median(v), "p99_ms": 1e3 * _percentile(v, 0.99), "n": len(v)}
-        for op, v in latencies.items()
-    }
-
-
-def run_ledger_bench(eta: int, batch_size: int, steps: int, http_requests: int, workers: int,
-                     db_url: str | None = None) -> dict:
-    """``db_url``: run the durable and HTTP parts on this database (its StaleFlow tables are dropped
-    before each part) instead of temporary SQLite files."""
-    params = LedgerParams(eta=eta, batch_size=batch_size)
-    database = "sqlite (temporary files)"
-    if db_url is not None:
-        from staleflow.servers.db import masked
-
-        database = masked(db_url)
-    results: dict = {"params": {"eta": eta, "batch_size": batch_size, "steps": steps, "database": database}}
-    with tempfile.TemporaryDirectory() as tmp, Progress(console=console, transient=True) as progress:
-        workdir = Path(tmp)
-        task = progress.add_task("ledger benchmark", total=5)
-        results["pure"] = bench_pure(params, steps)
-        progress.advance(task)
-        durable_steps = max(2, steps // 10)
-        results["durable_sequential"] = bench_durable(params, durable_steps, 1, "FULL", workdir, db_url)
-        progress.advance(task)
-        results["durable_concurrent"] = bench_durable(params, durable_steps, workers, "FULL", workdir, db_url)
-        progress.advance(task)
-        results["durable_concurrent_normal"] = bench_durable(params, durable_steps, workers, "NORMAL", workdir, db_url)
-        progress.advance(task)
-        results["http"] = bench_http(params, http_requests, workdir, db_url)
-        progress.advance(task)
-    results["threads_alive"] = threading.active_count()
-    return results
+from staleflow.servers.manager.bench import LEDGER_BENCH_PARTS, run_ledger_bench
+from staleflow.simulation.decision_bench import decision_bench_cells, run_decision_bench
 
 
 def _print(results: dict) -> None:
@@ -197,78 +64,12 @@ def register(bench_app: typer.Typer) -> None:
                 normalize_url(db)
             except DatabaseUrlError as exc:
                 raise fail(str(exc)) from None
-        results = run_ledger_bench(eta, batch_size, steps, http_requests, workers, db)
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("ledger benchmark", total=LEDGER_BENCH_PARTS)
+            results = run_ledger_bench(eta, batch_size, steps, http_requests, workers, db,
+                                       advance=lambda: progress.advance(task))
+        results["threads_alive"] = threading.active_count()  # after the progress bar's thread has stopped
         emit_results(results, output, as_json, _print)
-
-
-def _decision_scenario(n_instances: int, n_trajectories: int, steady: bool, seed: int = 0):
-    """Instances and waiting trajectories for one decision pass. ``steady``: a loaded fleet at
-    mixed versions with partial trajectories waiting; otherwise an idle fleet and a fresh batch."""
-    import random
-
-    from staleflow.cost_model import CostModel
-    from staleflow.strategies import InstanceState, PendingTrajectory
-
-    rng = random.Random(seed)
-    cost = CostModel()
-    instances, pending = [], []
-    for i in range(n_instances):
-        if steady:
-            running = rng.randint(5, 80)
-            waiting = rng.choice([0, 0, 0, rng.randint(1, 8)])
-            instances.append(InstanceState(f"i{i}", rng.choice([2, 3, 3, 4]), float(running * rng.randint(300, 3000)),
-                                           [f"i{i}-r{k}" for k in range(running)],
-                                           [f"i{i}-w{k}" for k in range(waiting)], cost))
-        else:
-            instances.append(InstanceState(f"i{i}", 0, 0.0, [], [], cost))
-    group_size = 16
-    prompt_lengths: dict[int, int] = {}
-    for k in range(n_trajectories):
-        g = k // group_size
-        if steady and g % 3 == 0:  # interrupted partials of versioned groups
-            pending.append(PendingTrajectory(f"t{k}", f"g{g}", rng.choice([1, 2, 3]), rng.randint(300, 15000), k))
-        else:  # initial: the members of a group share their prompt
-            length = prompt_lengths.setdefault(g, rng.randint(100, 2000))
-            pending.append(PendingTrajectory(f"t{k}", f"g{g}", None, length, k))
-    admission = {1: 0, 2: 64, 3: 128, 4: 256} if steady else {0: 10**6}
-    return instances, pending, (4 if steady else 0), admission
-
-
-def decision_strategy(name: str):
-    """``default``: the coordinator's ``StrategyConfig()``; ``staleflow``: the strategies the
-    simulated StaleFlow runs (load-aware sync, starved migration)."""
-    from staleflow.config.strategy import StrategyConfig
-
-    if name == "default":
-        return StrategyConfig()
-    from staleflow.simulation.systems import resolve
-
-    return resolve("sf-rsm")[0].strategy
-
-
-def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int], repeats: int,
-                       strategy: str = "default") -> dict:
-    from staleflow.strategies import plan_cycle
-
-    config = decision_strategy(strategy)
-    rows = []
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("decision passes", total=2 * len(instance_counts) * len(trajectory_counts))
-        for steady in (False, True):
-            for n_inst in instance_counts:
-                for n_traj in trajectory_counts:
-                    instances, pending, ps_version, admission = _decision_scenario(n_inst, n_traj, steady)
-                    times, routed = [], 0
-                    for _ in range(repeats):
-                        start = time.perf_counter()
-                        plan = plan_cycle(instances, pending, ps_version, admission, config)
-                        times.append(1e3 * (time.perf_counter() - start))
-                        routed = len(plan.routes)
-                    rows.append({"scenario": "steady" if steady else "initial fill", "instances": n_inst,
-                                 "trajectories": n_traj, "median_ms": statistics.median(times), "routed": routed,
-                                 "syncs": len(plan.syncs), "interrupted": sum(map(len, plan.interrupts.values()))})
-                    progress.advance(task)
-    return {"repeats": repeats, "strategy": strategy, "rows": rows}
 
 
 def _print_decisions(results: dict) -> None:
@@ -300,8 +101,12 @@ def register_decision_bench(bench_app: typer.Typer) -> None:
         """Time of one coordinator decision pass as instances and waiting trajectories grow."""
         if strategy not in ("default", "staleflow"):
             raise fail(f"--strategy must be default or staleflow, got {strategy!r}")
-        results = run_decision_bench([int(x) for x in instances.split(",")], [int(x) for x in trajectories.split(",")],
-                                     repeats, strategy)
+        instance_counts = [int(x) for x in instances.split(",")]
+        trajectory_counts = [int(x) for x in trajectories.split(",")]
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("decision passes", total=decision_bench_cells(instance_counts, trajectory_counts))
+            results = run_decision_bench(instance_counts, trajectory_counts, repeats, strategy,
+                                         advance=lambda: progress.advance(task))
         if as_json:
             typer.echo(json.dumps(results))
         else:

@@ -6,7 +6,9 @@
 Measures decode-step latency over a grid of running counts x context lengths, the KV footprint
 per token (k5), the KV budget (M), prefill cost per token and weight-load time; fits k1..k4
 (``staleflow.calibration``), writes the entry for (model, parallelism) into the calibration file
-and refuses (exit 3) or warns on a poor fit. See docs/calibrate.md.
+and refuses (exit 3) or warns on a poor fit. See docs/calibrate.md. The profiling and fitting live in
+``staleflow.calibration.run``, the plot in ``staleflow.calibration.plot``; this module parses the
+flags, shows progress and prints.
 """
 
 from __future__ import annotations
@@ -33,7 +35,18 @@ from staleflow.calibration import (
     Thresholds,
     write_calibration,
 )
-from staleflow.calibration.profile import Probe, SimProbe, VllmProbe, entry_from_profile, profile
+from staleflow.calibration.plot import plot_calibration
+from staleflow.calibration.profile import Probe
+from staleflow.calibration.run import (
+    COEFFICIENTS,
+    SIM_GRID,
+    VLLM_GRID,
+    calibration_document,
+    crossover_text,
+    profile_and_fit,
+    sim_probe,
+    vllm_probe,
+)
 from staleflow.cli.common import console, err_console, fail
 from staleflow.config.calibration import ProfileConfig
 from staleflow.config.engines import SimParams
@@ -45,35 +58,6 @@ CALIBRATE_INSTALL = {  # the install that brings scikit-learn, by engine
     "vllm": "pip install -e '.[vllm,train]' (the README's install; it carries scikit-learn)",
     "sim": "pip install -e '.[calibrate]'",
 }
-COEFFICIENTS = ("k1", "k2", "k3", "k4", "k5", "kv_budget")
-
-# Per-engine grids. The simulator is profiled on its virtual clock, so its grid is dense and its
-# intervals long (k2 and k4 are differences of intercepts: they need many points to pin down); vLLM
-# is measured in wall time, so its grid is what a CPU run affords in a few minutes.
-SIM_GRID = ProfileConfig(
-    n_values=(1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256),
-    contexts=(256, 1024, 4096, 16384),
-    samples_per_point=6,
-    steps_per_sample=2048,
-)
-VLLM_GRID = ProfileConfig(
-    n_values=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128),
-    contexts=(128, 512, 1536),
-    samples_per_point=6,
-    steps_per_sample=48,
-    min_sample_seconds=0.1,
-    max_sample_seconds=1.0,
-    passes=2,
-    trim=1.5,
-    max_foreign_load=0.3,
-    retries=4,
-    subtract_wait=True,
-    prefill_contexts=(128, 512, 1024, 2048),
-    prefill_reps=2,
-    weight_loads=2,
-)
-
-
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
     if text is None:
         return None
@@ -95,12 +79,9 @@ def _config(base: ProfileConfig, **overrides: Any) -> ProfileConfig:
 
 def _sim_probe(cost: dict[str, float], noise: float, seed: int, prefill: float, max_running: int) -> tuple[Probe, dict]:
     try:
-        params = SimParams(cost=CostModel(**cost), noise=noise, seed=seed, prefill_seconds_per_token=prefill,
-                           max_running=max_running)
+        return sim_probe(cost, noise, seed, prefill, max_running)
     except ValueError as exc:
         raise fail(f"invalid sim engine settings: {exc}", "coefficients and --noise must be >= 0") from None
-    truth = {**cost, "noise": noise, "prefill_seconds_per_token": prefill, "weight_load_seconds": params.pull_seconds()}
-    return SimProbe.create(params), truth
 
 
 def _vllm_probe(model: Path | None, dtype: str, max_model_len: int, kv_cache_gib: int | None,
@@ -110,17 +91,9 @@ def _vllm_probe(model: Path | None, dtype: str, max_model_len: int, kv_cache_gib
     if not model.is_dir():
         raise fail(f"model directory {str(model)!r} does not exist",
                    "pass a local directory with config.json and weights")
-    from staleflow.config.engines import VllmEngineParams
-
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the report / --json
-    if cpu_threads is not None:  # CPU builds: the engine core's OpenMP threads, unpinned (see docs/calibrate.md)
-        if cpu_threads < 1:
-            raise fail(f"--cpu-threads must be >= 1, got {cpu_threads}")
-        os.environ["OMP_NUM_THREADS"] = str(cpu_threads)
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    params = VllmEngineParams(model=str(model), dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                              max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
-    return VllmProbe.create(params)
+    if cpu_threads is not None and cpu_threads < 1:
+        raise fail(f"--cpu-threads must be >= 1, got {cpu_threads}")
+    return vllm_probe(model, dtype, max_model_len, kv_cache_gib, max_num_seqs, enforce_eager, cpu_threads)
 
 
 async def _profile_and_fit(
@@ -137,38 +110,11 @@ async def _profile_and_fit(
     live = err_console.is_terminal
     with Progress(*columns, console=err_console, transient=True, disable=not live) as progress:
         task = progress.add_task("starting the engine", total=None)
-        await probe.start()
-        try:
-            data = await profile(probe, config, (lambda done, total, what: progress.update(
-                task, completed=done, total=total, description=what)) if live else plain)
-        finally:
-            progress.update(task, description="stopping the engine")
-            await probe.close()
-    return entry_from_profile(data, config, **fit)
-
-
-def _document(entry: CalibrationEntry, report: DecodeReport, out: Path, written: bool) -> dict[str, Any]:
-    doc: dict[str, Any] = {"calibration": entry.model_dump(mode="json"), "out": str(out) if written else None}
-    if entry.truth:
-        fitted = entry.cost.model_dump()
-        doc["recovery"] = {k: fitted[k] / entry.truth[k] - 1 for k in COEFFICIENTS if entry.truth.get(k)}
-        doc["recovery_max_abs"] = max(abs(v) for k, v in doc["recovery"].items() if k in ("k1", "k2", "k3", "k4"))
-    doc["samples"] = [
-        {"n": s.n, "kv": s.kv, "steps": s.steps, "point": s.point, "latency": s.latency, "predicted": p,
-         "throughput": s.n / s.latency, "predicted_throughput": s.n / p, "fold": report.folds.get(s.point),
-         "cv_predicted": cv}
-        for s, p, cv in zip(report.samples, report.predicted, report.cv_predicted or [None] * len(report.samples),
-                            strict=True)
-    ]
-    return doc
-
-
-def _crossover_text(entry: CalibrationEntry) -> str:
-    if entry.crossover_n is None:
-        return ": none observed (memory-bound throughout)"
-    if entry.regime == "compute-bound only":
-        return f" <= {entry.crossover_n:g} (compute-bound throughout)"
-    return f" = {entry.crossover_n:.1f}"
+        return await profile_and_fit(
+            probe, config,
+            (lambda done, total, what: progress.update(task, completed=done, total=total, description=what))
+            if live else plain,
+            stopping=lambda: progress.update(task, description="stopping the engine"), **fit)
 
 
 def _print_summary(entry: CalibrationEntry, doc: dict[str, Any]) -> None:
@@ -192,7 +138,7 @@ def _print_summary(entry: CalibrationEntry, doc: dict[str, Any]) -> None:
     held = "n/a"
     if q.holdout_mape is not None:
         held = f"{q.holdout_mape:.2%} cross-validated ({q.folds} folds over {q.holdout_points} grid points)"
-    crossover = _crossover_text(entry)
+    crossover = crossover_text(entry)
     lines = [
         f"regime: {entry.regime}; crossover n* (k2/k3){crossover}",
         f"throughput error: {held} (in sample {q.mape:.2%}, worst {q.max_ape:.2%}; paper: {PAPER_MAPE:.2%})",
@@ -222,52 +168,6 @@ def _announce_poor_fit(entry: CalibrationEntry, refused: bool) -> None:
         err_console.print("[bold]fix:[/] profile a wider grid, longer intervals (--steps-per-sample, "
                           "--samples-per-point) on a quiet machine, or relax --max-mape / --min-r2; "
                           "--on-poor-fit warn writes it anyway (marked ok=false)")
-
-
-def plot_calibration(entry: CalibrationEntry, report: DecodeReport, path: Path) -> None:
-    """Measured vs estimated throughput (cf. the paper's Figure 24) and a parity plot, as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-    import numpy as np
-
-    measured = np.array([s.n / s.latency for s in report.samples])
-    predicted = np.array([s.n / p for s, p in zip(report.samples, report.predicted, strict=True)])
-    cv = np.array([np.nan if p is None else s.n / p
-                   for s, p in zip(report.samples, report.cv_predicted or [None] * len(report.samples), strict=True)])
-    held = ~np.isnan(cv)
-    q = entry.quality
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.7, 1]})
-    x = np.arange(len(measured))
-    left.plot(x, measured, ".", color="tab:blue", label="actual", markersize=4)
-    left.plot(x, predicted, "-", color="tab:orange", label="estimated (cost model)", linewidth=1)
-    left.set_yscale("log")
-    left.set_xlabel("profiling sample (grid points in order of n)")
-    left.set_ylabel("throughput (tokens/s)")
-    left.set_title(f"{entry.model} / {entry.parallelism}: in-sample error {q.mape:.2%}")
-    left.legend()
-    top = max(measured.max(), predicted.max()) * 1.1
-    bottom = min(measured.min(), predicted.min()) / 1.1
-    line = np.geomspace(bottom, top, 50)
-    right.fill_between(line, line * (1 - PAPER_MAPE), line * (1 + PAPER_MAPE), color="0.9", label=f"±{PAPER_MAPE:.2%}")
-    right.plot(line, line, "k-", linewidth=0.8)
-    right.scatter(measured, predicted, s=8, label=f"shipped fit ({q.mape:.2%} error)")
-    if held.any():
-        right.scatter(measured[held], cv[held], s=10, marker="x", color="tab:red", linewidths=0.8,
-                      label=f"cross-validated ({q.holdout_mape:.2%} error)")
-    right.set_xscale("log")
-    right.set_yscale("log")
-    right.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # crowded on a narrow decade
-    right.set_xlabel("actual throughput (tokens/s)")
-    right.set_ylabel("estimated throughput (tokens/s)")
-    right.set_title(f"r² {q.r2:.3f}, n*{_crossover_text(entry)}")
-    right.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def register(app: typer.Typer) -> None:
@@ -368,7 +268,7 @@ def register(app: typer.Typer) -> None:
                 raise fail(str(exc), "pass another --out or remove the file") from None
         if plot is not None:
             plot_calibration(entry, report, plot)
-        doc = _document(entry, report, out, written)
+        doc = calibration_document(entry, report, out, written)
         if as_json:
             typer.echo(json.dumps(doc, indent=2))
         else:

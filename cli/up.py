@@ -6,13 +6,10 @@ import json
 import logging
 import signal
 import sys
-import time
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from pydantic import ValidationError
 from rich.console import Group
 from rich.live import Live
@@ -21,27 +18,14 @@ from rich.table import Table
 
 from staleflow.cli.common import console, fail, flag_names, validation_failure
 from staleflow.config import JobConfig
+from staleflow.config.files import SettingsFileError, read_settings_file
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise fail(f"config file {path} does not exist")
     try:
-        if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(path.read_text()) or {}
-        elif path.suffix == ".toml":
-            data = tomllib.loads(path.read_text())
-        elif path.suffix == ".json":
-            data = json.loads(path.read_text())
-        else:
-            raise fail(f"config file {path}: use .yaml, .toml or .json")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise fail(f"config file {path} is not valid: {exc}") from None
-    except OSError as exc:
-        raise fail(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    if not isinstance(data, dict):
-        raise fail(f"config file {path} must hold a mapping of settings")
-    return data
+        return read_settings_file(path)
+    except SettingsFileError as exc:
+        raise fail(str(exc)) from None
 
 
 def job_config(file: Path | None, **flags: Any) -> JobConfig:
@@ -121,8 +105,8 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launche
 
 def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str,
             namespace: str | None, ray_address: str | None) -> int:
-    from staleflow.launch.job import Job, JobTracking, StateDirInUse, trainer_label
-    from staleflow.report import length_skew_line, summarize, write_report
+    from staleflow.launch.job import Job, JobTracking, StateDirInUse, job_summary, trainer_label, write_job_report
+    from staleflow.report import length_skew_line
     from staleflow.tracking import missing_backends
 
     missing = missing_backends(config.logger.backends)
@@ -216,22 +200,12 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
         tracking.close()
     restarts = show_restarts()
     failure = job.failure
-    wall = time.monotonic() - job.started
-    summary = summarize(config, job.steps(), job.monitor.samples, job.engine_stats(), job.command_times(), wall,
-                        trainer_label(config))
-    summary["restarts"] = restarts
-    summary["failover"] = job.failover()
-    summary["length_skew"] = job.length_skew()
-    if failure:
-        summary["failure"] = failure
+    summary = job_summary(job, config, restarts, failure)
     trainer_error = job.trainer_error
     job.shutdown()
     completed = (trainer_error is None and failure is None and signals["received"] is None
                  and len(job.steps()) >= config.steps)
-    if completed:
-        written = write_report(config.state_dir / "report", summary, job.monitor.samples)
-    else:
-        written = write_report(config.state_dir / "report-partial", summary, job.monitor.samples)
+    written = write_job_report(config, summary, job.monitor.samples, completed)
     if emit:
         emit({"event": "end", "completed": completed, "report": [str(p) for p in written],
               "tokens_per_second": summary["tokens_per_second"], "staleness_violations": summary["staleness_violations"],
@@ -262,38 +236,21 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
 
 
 def prepare_real_job(config: JobConfig) -> None:
-    """Check the real job's dependencies and build the demo model before anything starts."""
-    import importlib.util
+    """Check the real job's packages and model, or build the demo model, before anything starts."""
+    from staleflow.launch.prepare import JobNotReady, check_model_directory, check_real_job_packages
 
-    missing = [m for m in ("vllm", "torch", "transformers") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise fail(f"the vllm engine needs {', '.join(missing)}, which are not installed",
-                   "pip install -e '.[vllm,train]' && pip uninstall -y torchvision torchaudio torchcodec triton "
-                   "(see the README), or run a simulated cluster with --engine sim")
+    try:
+        check_real_job_packages()
+        if config.model is not None:
+            check_model_directory(config.model)
+    except JobNotReady as exc:
+        raise fail(exc.message, exc.fix) from None
     if config.model is None:
         from staleflow.cli.demo import build_with_progress
 
         directory, info = build_with_progress(config.task.digits, config.task.ops)
         console.print(f"  model       demo Qwen2 ({info['parameters']:,} parameters; after warm-up: mean reward "
                       f"{info['sampled_reward']:.2f} sampled, {info['concise_share']:.0%} direct answers) at {directory}")
-    else:
-        check_model_directory(config.model)
-
-
-def check_model_directory(model: Path) -> None:
-    """A model directory vLLM, the trainer and the trajectory server can all use: a config, and a
-    tokenizer whose ids fit the model's vocabulary (else every rollout would be refused)."""
-    if not (model / "config.json").exists():
-        raise fail(f"model {model} has no config.json", "give a local Hugging Face model directory with --model")
-    if not (model / "tokenizer.json").exists():
-        raise fail(f"model {model} has no tokenizer.json", "save the model's (fast) tokenizer into the same directory")
-    from staleflow.tasks import HfTokenizer
-
-    vocab = json.loads((model / "config.json").read_text()).get("vocab_size")
-    tokens = HfTokenizer(model).vocab_size
-    if isinstance(vocab, int) and tokens > vocab:
-        raise fail(f"the tokenizer in {model} has {tokens} tokens but the model's vocabulary is {vocab}: they do not "
-                   "belong together", "save the tokenizer the model was trained with into the model directory")
 
 
 def _serve_trainer(config: JobConfig, endpoints: dict) -> int:

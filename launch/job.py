@@ -556,6 +556,29 @@ class Job(Supervised):
         return totals
 
 
+def job_summary(job: Supervised, config: JobConfig, restarts: list[dict], failure: str | None) -> dict:
+    """A finished or stopped job's ``summary.json``: the steps, samples, engine and command
+    timings (``staleflow.report.summarize``), its restarts, failover, length skew and failure."""
+    from staleflow.report import summarize
+
+    wall = time.monotonic() - job.started
+    summary = summarize(config, job.steps(), job.monitor.samples, job.engine_stats(), job.command_times(), wall,
+                        trainer_label(config))
+    summary["restarts"] = restarts
+    summary["failover"] = job.failover()
+    summary["length_skew"] = job.length_skew()
+    if failure:
+        summary["failure"] = failure
+    return summary
+
+
+def write_job_report(config: JobConfig, summary: dict, samples: list, completed: bool) -> list[Path]:
+    """The report of a completed job in ``report/``; of a stopped one in ``report-partial/``."""
+    from staleflow.report import write_report
+
+    return write_report(config.state_dir / ("report" if completed else "report-partial"), summary, samples)
+
+
 SKEW_WAIT_S = 5.0
 """How long a step's tracking waits for the trajectory server to count its batch."""
 

@@ -5,6 +5,9 @@
 * ``files``: reading and writing calibration files, and the entry a config's ``CalibrationRef`` names;
 * ``profile``: the engine-driving probes and the measurement driver (imports the engines, so it
   is not re-exported here);
+* ``run``: the steps of ``staleflow calibrate``: the per-engine grids, probes, profiling and fitting,
+  the fit as a JSON document (imports ``profile``);
+* ``plot``: measured vs estimated throughput as PNG (matplotlib);
 * ``cpu``: the ``/proc`` meter of other processes' CPU use.
 """
 

@@ -17,7 +17,8 @@ calibration and simulation import their settings from here.
 * ``logger``: where a job's per-step metrics go (``LoggerConfig``);
 * ``cluster``: placement on a Ray cluster (``ClusterConfig``);
 * ``compose``: each component's config composed from a job's sections;
-* ``job``: ``JobConfig``, one section per component, the trainer, and the engine presets.
+* ``job``: ``JobConfig``, one section per component, the trainer, and the engine presets;
+* ``files``: a job file's settings read from YAML, TOML or JSON (``read_settings_file``).
 
 A component's ``XSettings`` is what a job sets of it (its section of ``JobConfig``); its ``XConfig``
 adds where it listens and what it talks to, and is what the service runs with. The cost model's

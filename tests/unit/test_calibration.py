@@ -33,7 +33,8 @@ from staleflow.calibration import (
     write_calibration,
 )
 from staleflow.calibration.profile import plan_points, trim_outliers
-from staleflow.cli.calibrate import POOR_FIT_EXIT, SIM_GRID
+from staleflow.calibration.run import SIM_GRID
+from staleflow.cli.calibrate import POOR_FIT_EXIT
 from staleflow.config.calibration import ProfileConfig
 from staleflow.cost_model import CostModel
 

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from staleflow.cli import bench
 from staleflow.config.strategy import MigrationMode, SyncMode
+from staleflow.simulation.decision_bench import decision_strategy
 
 runner = CliRunner()
 
@@ -21,9 +22,9 @@ def _app() -> typer.Typer:
 
 
 def test_the_staleflow_strategy_is_what_the_simulated_staleflow_runs() -> None:
-    config = bench.decision_strategy("staleflow")
+    config = decision_strategy("staleflow")
     assert (config.sync, config.migration) == (SyncMode.LOAD_AWARE, MigrationMode.STARVED)
-    assert bench.decision_strategy("default").sync is SyncMode.SELECTIVE
+    assert decision_strategy("default").sync is SyncMode.SELECTIVE
 
 
 def test_a_small_decision_bench_routes_every_initial_trajectory() -> None:
