@@ -20,16 +20,17 @@ from pathlib import Path
 import pytest
 from support import manager_config
 
+from staleflow.api.base import ServiceError
+from staleflow.api.manager import AsyncManagerClient
+from staleflow.api.trajectories import CheckoutRequest, CompletedRequest
 from staleflow.config import LedgerConfig
 from staleflow.config.manager import LedgerParams
 from staleflow.ledger import Ledger, LedgerError
-from staleflow.servers.clients import AsyncManagerClient, ServiceError
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app as manager_app
 from staleflow.servers.trajectories import TrajectoryServerConfig
 from staleflow.servers.trajectories.service import TrajectoryServer
 from staleflow.servers.trajectories.store import TrajectoryStore
-from staleflow.servers.trajectories.wire import CheckoutRequest, CompletedRequest
 from staleflow.simulation import ClusterSimulation, scenario
 from staleflow.simulation.experiment import Point, SimulatedJob
 from staleflow.simulation.systems import catalog
@@ -143,11 +144,11 @@ class ServerSide:
     async def _follow_ledger(self) -> None:
         while True:
             page = await self.manager.events(after=self.cursor)
-            for event in page["events"]:
+            for event in page.events:
                 self.server.apply_ledger_event(event)
-            if page["next"] == self.cursor:
+            if page.next == self.cursor:
                 return
-            self.cursor = page["next"]
+            self.cursor = page.next
 
     async def apply(self, event: Event) -> object:
         kind, *args = event
@@ -176,15 +177,15 @@ class ServerSide:
             except ServiceError as exc:
                 return "refused", exc.code
             await self._follow_ledger()
-            await self.server.batch(reply["version"])  # what the trainer reads, then frees
-            store.free(reply["group_ids"])
-            return sorted(reply["group_ids"])
+            await self.server.batch(reply.version)  # what the trainer reads, then frees
+            store.free(reply.group_ids)
+            return sorted(reply.group_ids)
         elif kind == "release":
             return store.release_instance(args[0])
         return None
 
     async def admission(self) -> dict[int, int]:
-        return {v: n for v, n in (await self.manager.admission()).items() if n}
+        return {v: n for v, n in (await self.manager.admission()).by_version().items() if n}
 
     def view(self, ids: set[str]) -> dict[str, tuple]:
         return {k: v for k, v in book_view(self.store.book).items() if k in ids}
