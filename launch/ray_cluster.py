@@ -1177,6 +1177,11 @@ class RayClusterJob(Supervised):
 
         return Job.failover(self)
 
+    def length_skew(self, after_step: int = -1) -> dict | None:
+        from staleflow.launch.job import Job
+
+        return Job.length_skew(self, after_step)
+
     def command_times(self) -> dict[str, float]:
         from staleflow.launch.job import Job
 
