@@ -389,7 +389,7 @@ class FaultRun:
             from staleflow.transports.client import ParamsClient
 
             with ParamsClient(job.endpoints["params"]["url"]) as params:
-                latest = params.latest()["version"]
+                latest = params.latest().version
                 weights = params.pull(latest)["weights"]
             complete = latest == expected and weights.size == cfg.trainer.push_bytes and bool(
                 np.all(np.asarray(weights) == latest % 256))

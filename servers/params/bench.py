@@ -379,11 +379,11 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
             raise RuntimeError(f"version {version} did not become visible: {pushed}")
         if persist:
             client.wait_persisted(version, 600)  # outside the timed path, so the next push runs alone
-        summary = next(v for v in client.versions()["versions"] if v["version"] == version)
+        summary = next(v for v in client.versions().versions if v.version == version)
         client.delete_version(version)  # its memory slot takes the next version
         if i < warmup:
             continue
-        visible = summary["visible_at_monotonic"] - t0  # the PS's own clock reading (same host)
+        visible = summary.visible_at_monotonic - t0  # the PS's own clock reading (same host)
         rows.append({
             "push_s": max(p["delivered"] for p in pushed) - t0,
             "visible_s": visible,
@@ -391,7 +391,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
             "end_to_end_s": max(x["loaded"] for x in loaded) - t0,
             "lease_after_visible_s": max(x["leased"] for x in loaded) - (t0 + visible),
             "rank_extra_bytes": max(p["extra_bytes"] for p in pushed),
-            "persist_s": summary["persist_seconds"],
+            "persist_s": summary.persist_seconds,
             "d2h_s": max(p["staged"] - p["started"] for p in pushed),
             "push_to_visible_s": visible - max(p["staged"] - t0 for p in pushed),
             "h2d_s": max(x["loaded"] - x["pulled"] for x in loaded),

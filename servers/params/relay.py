@@ -40,8 +40,8 @@ class Mirror:
 
     def sync(self, upstream: ParamsClient, local: ParamsClient) -> list[int]:
         """One round: copy what the upstream has and the relay lacks; the versions copied."""
-        available = sorted(v["version"] for v in upstream.versions()["versions"])
-        held = {v["version"] for v in local.versions()["versions"]}
+        available = sorted(v.version for v in upstream.versions().versions)
+        held = {v.version for v in local.versions().versions}
         newest_held = max(held, default=-1)
         copied = []
         for version in available:

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from staleflow.api.base import TRANSIENT_STATUS, ServiceError
+from staleflow.api.params import PushProgress, StoreDescription
 from staleflow.errors import ErrorCode
 from staleflow.transports.client import ParamsClient, ShardPiece
 
@@ -99,18 +100,22 @@ class PushStopped(Exception):
     """The pushing rank was told to stop before its version was visible."""
 
 
-def is_visible(state: Mapping[str, Any], version: int) -> bool:
+def is_visible(state: StoreDescription, version: int) -> bool:
     """``version`` is visible on the PS (``GET /v1/params``), or superseded by a newer visible one."""
-    latest = state["latest"]
-    return any(v["version"] == version for v in state["versions"]) or (latest is not None and latest > version)
+    return any(v.version == version for v in state.versions) or newer_visible(state, version)
 
 
-def is_persisted(state: Mapping[str, Any], version: int) -> bool:
-    return any(v["version"] == version and v["persisted"] for v in state["versions"])
+def newer_visible(state: StoreDescription, version: int) -> bool:
+    """A version newer than ``version`` is visible on the PS."""
+    return state.latest is not None and state.latest > version
 
 
-def pending_push(state: Mapping[str, Any], version: int) -> Mapping[str, Any] | None:
-    return next((p for p in state["pushes"] if p["version"] == version), None)
+def is_persisted(state: StoreDescription, version: int) -> bool:
+    return any(v.version == version and v.persisted for v in state.versions)
+
+
+def pending_push(state: StoreDescription, version: int) -> PushProgress | None:
+    return next((p for p in state.pushes if p.version == version), None)
 
 
 class SharePusher:
@@ -159,7 +164,7 @@ class SharePusher:
                     raise
                 log.info("rank %d: the parameter server does not answer (%s); asking again", self.part, exc)
             else:
-                if is_persisted(state, version) or (state["latest"] is not None and state["latest"] > version):
+                if is_persisted(state, version) or newer_visible(state, version):
                     self.kept = None
                     return
                 if not is_visible(state, version):
@@ -202,11 +207,11 @@ class SharePusher:
                     self._see_through(client, kept[0], kept[1], None)
                     continue
                 pending = pending_push(state, version)
-                if pending is not None and pending["parts"] != share.parts:
+                if pending is not None and pending.parts != share.parts:
                     # left by a killed trainer of another shape: it can never complete
-                    client.abort_push(version, pending["push_id"])
+                    client.abort_push(version, pending.push_id)
                     pending = None
-                if pending is not None and pending["push_id"] == push_id and self.part in pending["parts_done"]:
+                if pending is not None and pending.push_id == push_id and self.part in pending.parts_done:
                     reply = client.finish_part(version, self.part, push_id, wait_s=self.wait_s)
                 else:
                     handed_in = True

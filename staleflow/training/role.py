@@ -38,6 +38,7 @@ import numpy as np
 
 from staleflow.api.base import RetriesStopped, ServiceError, retry_transient
 from staleflow.api.manager import ManagerClient
+from staleflow.api.params import StoreDescription
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import TrainerRoleConfig
 from staleflow.errors import ErrorCode
@@ -219,7 +220,7 @@ class TrainerLoop:
     def _latest_pushed(self) -> int | None:
         def latest() -> int | None:
             try:
-                return self.params.latest()["version"]
+                return self.params.latest().version
             except ServiceError as exc:
                 if exc.code is ErrorCode.UNKNOWN_VERSION:  # nothing pushed yet
                     return None
@@ -286,13 +287,13 @@ class TrainerLoop:
             self._repush_lost(state)
             pending = pending_push(state, version)
             if pending is not None:  # left unfinished by a killed trainer (a part that joins again starts over)
-                self.params.abort_push(version, pending["push_id"])
+                self.params.abort_push(version, pending.push_id)
             self.params.push(version, tensors)
 
         self._retry(f"push version {version}", push)
         self._last_pushed = (version, tensors)
 
-    def _repush_lost(self, state: Mapping[str, Any]) -> None:
+    def _repush_lost(self, state: StoreDescription) -> None:
         """The PS serves versions from memory first and persists them after: one that was visible
         but not yet on disk when the PS crashed is gone. Push it again while its tensors are held."""
         if self._last_pushed is None:

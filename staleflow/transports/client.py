@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 
 from staleflow.api.base import Client, ServiceError
+from staleflow.api.params import ParamsHealth, StoreDescription, VersionDeleted, VersionSummary
 from staleflow.api.params import ParamsRoutes as API
 from staleflow.errors import ErrorCode
 from staleflow.transports.base import (
@@ -127,7 +128,7 @@ class ParamsClient(Client):
         self.timeout = timeout
         self.remote_push = remote_push
         self._transports: dict[str, Transport] = {}
-        self._health: dict | None = None
+        self._health: ParamsHealth | None = None
 
     def close(self) -> None:
         for transport in self._transports.values():
@@ -151,14 +152,14 @@ class ParamsClient(Client):
 
     # -- queries
 
-    def health(self) -> dict:
-        return self.json(API.health)
+    def health(self) -> ParamsHealth:
+        return ParamsHealth.model_validate(self.json(API.health))
 
-    def versions(self, timeout: float | None = None) -> dict:
-        return self.json(API.versions, timeout=timeout)
+    def versions(self, timeout: float | None = None) -> StoreDescription:
+        return StoreDescription.model_validate(self.json(API.versions, timeout=timeout))
 
-    def latest(self) -> dict:
-        return self.json(API.latest)
+    def latest(self) -> VersionSummary:
+        return VersionSummary.model_validate(self.json(API.latest))
 
     def manifest(self, version: int | str = "latest") -> Manifest:
         return Manifest.from_json(self.json(API.manifest, version))
@@ -230,7 +231,7 @@ class ParamsClient(Client):
         return self.json(API.finish_part, version, part, push_id=push_id, checksums=checksums, wait_s=wait_s,
                          timeout=self.timeout + wait_s)
 
-    def _server_health(self, refresh: bool = False) -> dict:
+    def _server_health(self, refresh: bool = False) -> ParamsHealth:
         """The PS's health answer, asked once per client unless ``refresh`` (a restarted PS may
         have another data port)."""
         if self._health is None or refresh:
@@ -240,20 +241,20 @@ class ParamsClient(Client):
     def _shm_here(self) -> bool:
         """The PS offers shared memory and runs on this host."""
         health = self._server_health()
-        return health.get("host_id") == host_id() and "shm" in health.get("transports", [])
+        return health.host_id == host_id() and "shm" in health.transports
 
     def _data_url(self, refresh: bool = False) -> str | None:
         """The PS's data plane: its ``data_port`` on the host this client reaches the PS at."""
-        port = self._server_health(refresh).get("data_port")
+        port = self._server_health(refresh).data_port
         if not port:
             return None
         parts = urlsplit(self.url)
         host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
         return f"{parts.scheme}://{host}:{port}"
 
-    def delete_version(self, version: int) -> dict:
+    def delete_version(self, version: int) -> VersionDeleted:
         """Withdraw ``version`` from the PS (it goes once the pulls reading it end)."""
-        return self.json(API.delete_version, version)
+        return VersionDeleted.model_validate(self.json(API.delete_version, version))
 
     def abort_push(self, version: int, push_id: str) -> None:
         """Drop an unfinished push of ``version`` (left by a killed pusher); one that is gone already is no error."""

@@ -101,7 +101,7 @@ def test_two_ranks_match_one_and_resume_from_the_checkpoint(model_dir: Path, tmp
     mp.start_processes(_rank, args=(2, _port(), str(model_dir), str(checkpoints), str(out), ps.url), nprocs=2,
                        start_method="spawn")
     two = {**torch.load(out), "weights": ps.pull(TWO_RANKS, as_torch=True)}
-    one_bytes = ps.versions()["versions"][0]["total_bytes"]
+    one_bytes = ps.versions().versions[0].total_bytes
     assert two["share_bytes"] < one_bytes  # rank 0 held its shards (and the small replicated tensors), not the model
     initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert set(two["weights"]) == set(initial) - {"lm_head.weight"}  # tied head left to the engine
@@ -178,7 +178,7 @@ def test_every_rank_pushes_again_a_version_the_ps_lost_before_persisting_it(mode
             process.join()
             assert process.exitcode == 0
         with ParamsClient(server.url) as client:
-            assert [v["version"] for v in client.versions()["versions"]] == [1, 2]
+            assert [v.version for v in client.versions().versions] == [1, 2]
             assert {name: t.tobytes() for name, t in client.pull(1).items()} == first  # the same bytes again
             second = {name: t.tobytes() for name, t in client.pull(2).items()}
             assert set(second) == set(first) and second != first  # the next step's weights, complete

@@ -28,7 +28,7 @@ def server(tmp_path: Path) -> Iterator[RunningServer]:
 
 
 def data_url(client: ParamsClient) -> str:
-    port = client.health()["data_port"]
+    port = client.health().data_port
     assert port and port != int(client.url.rsplit(":", 1)[1])
     return f"http://127.0.0.1:{port}"
 
@@ -123,10 +123,10 @@ def test_a_client_that_vanishes_mid_chunk_leaves_the_chunk_unreceived(server: Ru
         conn.close()
         refused = client.http.post("/v1/params/3/commit", params={"push_id": begin["push_id"]})
         assert refused.status_code == 409 and refused.json()["code"] == "version_incomplete"
-        progress = client.versions()["pushes"]
-        while progress[0]["writing"]:  # the server's thread notices the disconnect on its own
-            progress = client.versions()["pushes"]
-        assert progress[0]["received_chunks"] == 0
+        progress = client.versions().pushes
+        while progress[0].writing:  # the server's thread notices the disconnect on its own
+            progress = client.versions().pushes
+        assert progress[0].received_chunks == 0
         with RawHttpConnection(data_url(client)) as again:  # the chunk can be sent again
             for chunk in plan_chunks(begin["total_bytes"], begin["chunk_bytes"]):
                 views = session[0].views(chunk.offset, chunk.length)
@@ -179,7 +179,7 @@ def test_an_unreachable_data_plane_falls_back_to_the_api_port(server: RunningSer
 
 def test_a_server_without_a_data_plane_serves_chunks_on_the_api_port(tmp_path: Path) -> None:
     with serve_in_thread(create_app(config(tmp_path, data_port=None))) as running, ParamsClient(running.url) as client:
-        assert client.health()["data_port"] is None
+        assert client.health().data_port is None
         pushed = state_dict(5)
         client.push(5, pushed, transport="http")
         assert_same(client.pull(5, "http"), pushed)
@@ -188,7 +188,7 @@ def test_a_server_without_a_data_plane_serves_chunks_on_the_api_port(tmp_path: P
 def test_stopping_the_server_closes_the_data_plane(tmp_path: Path) -> None:
     running = serve_in_thread(create_app(config(tmp_path)))
     with ParamsClient(running.url) as client:
-        port = client.health()["data_port"]
+        port = client.health().data_port
         client.push(6, state_dict(6), transport="http")  # leaves a keep-alive connection open
     idle = RawHttpConnection(f"http://127.0.0.1:{port}")
     idle.connect()

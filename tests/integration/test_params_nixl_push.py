@@ -151,7 +151,7 @@ def test_bytes_that_differ_from_the_pushers_checksums_are_refused(tmp_path: Path
         with pytest.raises(ServiceError) as wrong:  # a checksum that matches nothing
             finish(client, session, {**checksums, 0: "xxh3_64:0000000000000000"})
         assert wrong.value.code is ErrorCode.CHECKSUM_MISMATCH
-        assert client.latest()["version"] == 1  # nothing of version 2 is visible
+        assert client.latest().version == 1  # nothing of version 2 is visible
         with pytest.raises(ServiceError) as pending:
             client.pull(2)
         assert pending.value.status == 409 and "being pushed" in pending.value.detail
@@ -209,7 +209,7 @@ def test_a_pusher_killed_mid_push_over_nixl_leaves_no_visible_version(ps: tuple[
         finally:
             rank1.kill()
             rank1.wait()
-        assert client.latest()["version"] == 1  # the half-written version never shows
+        assert client.latest().version == 1  # the half-written version never shows
         with pytest.raises(ServiceError) as pending:
             client.pull(2)
         assert pending.value.status == 409 and "being pushed" in pending.value.detail

@@ -140,7 +140,7 @@ def test_a_corrupted_byte_in_a_selected_slice_is_detected(ps: ParamsClient, tran
     assert caught.value.code is ErrorCode.CHECKSUM_MISMATCH
     unverified = ps.pull(1, transport, select=select, verify=False)  # verify=False skips the hashing
     assert unverified["layers.0.o_proj"].shape == (256, 150)
-    assert ps.versions()["readers"]["leases"] == 0
+    assert ps.versions().readers["leases"] == 0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -183,4 +183,4 @@ def test_bad_selections_and_buffers_are_refused_with_clear_errors(ps: ParamsClie
         with pytest.raises(FormatError, match=message) as refused:
             ps.pull(1, transport, **kwargs)
         assert refused.value.code is ErrorCode.INVALID_FORMAT
-    assert ps.versions()["readers"]["leases"] == 0  # every refused pull gave its lease back
+    assert ps.versions().readers["leases"] == 0  # every refused pull gave its lease back

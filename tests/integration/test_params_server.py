@@ -17,6 +17,7 @@ import pytest
 from support import free_port
 
 from staleflow.api.base import ServiceError
+from staleflow.api.params import VersionDeleted
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, ParamsError, ParamStore, create_app
@@ -145,8 +146,8 @@ def test_pulls_never_see_a_torn_version(tmp_path: Path) -> None:
         assert len(set(pulls)) >= 2  # the pulls really overlapped several pushes
         with ParamsClient(server.url) as client:
             listing = client.versions()
-            assert [v["version"] for v in listing["versions"]] == [versions - 2, versions - 1]
-            assert listing["readers"]["leases"] == 0
+            assert [v.version for v in listing.versions] == [versions - 2, versions - 1]
+            assert listing.readers["leases"] == 0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -160,7 +161,7 @@ def test_retention_keeps_newest_k_and_spares_versions_being_pulled(tmp_path: Pat
 def check_retention(ps: ParamsClient, tmp_path: Path, transport: str) -> None:
     for v in (1, 2, 3):
         ps.push(v, state_dict(v))
-    assert [v["version"] for v in ps.versions()["versions"]] == [2, 3]
+    assert [v.version for v in ps.versions().versions] == [2, 3]
     with pytest.raises(ServiceError) as gone:
         ps.pull(1)
     assert gone.value.status == 404 and "not kept" in gone.value.detail
@@ -168,20 +169,20 @@ def check_retention(ps: ParamsClient, tmp_path: Path, transport: str) -> None:
     lease = ps.open_pull(2, transport)  # an instance was told to fetch 2 ...
     ps.push(4, state_dict(4))  # ... while newer ones land
     ps.push(5, state_dict(5))
-    listing = {v["version"]: v for v in ps.versions()["versions"]}
-    assert listing[2]["retained"] is False and listing[2]["leases"] == 1
+    listing = {v.version: v for v in ps.versions().versions}
+    assert listing[2].retained is False and listing[2].leases == 1
     with pytest.raises(ServiceError) as refused:
         ps.open_pull(2)
     assert refused.value.status == 404
     assert_same(dict(ps.receive(lease)), state_dict(2))  # still served whole
     ps.close_pull(lease)
-    assert [v["version"] for v in ps.versions()["versions"]] == [4, 5]
+    assert [v.version for v in ps.versions().versions] == [4, 5]
     assert ps.wait_persisted(5, 60)
     # evicted versions leave the disk (renamed away at once, deleted in the background); 4 may be
     # skipped by the persister once 5 supersedes it
     on_disk = {p.name for p in (tmp_path / "versions").iterdir() if not p.name.startswith(".")}
     assert "v0000000005" in on_disk and on_disk <= {"v0000000004", "v0000000005"}
-    assert ps.versions()["shm"]["slots"] <= 3  # keep + 1 spare
+    assert ps.versions().shm["slots"] <= 3  # keep + 1 spare
     assert_same(ps.pull("latest-1"), state_dict(4))
 
 
@@ -192,7 +193,7 @@ def test_pull_of_a_version_being_pushed_waits_for_the_commit(ps: ParamsClient) -
     with pytest.raises(ServiceError) as busy:
         ps.open_pull(2)
     assert busy.value.status == 409 and "being pushed" in busy.value.detail
-    assert ps.latest()["version"] == 1  # 'latest' is the newest complete version
+    assert ps.latest().version == 1  # 'latest' is the newest complete version
 
     result: dict[str, object] = {}
     waiter = threading.Thread(target=lambda: result.update(ps_pull_waiting(ps.url, 2)))
@@ -372,7 +373,7 @@ def test_complete_versions_survive_sigkill_mid_push(tmp_path: Path) -> None:
 
         proc = start_ps(tmp_path, port)
         with ParamsClient(url) as client:
-            assert [v["version"] for v in client.versions()["versions"]] == [1, 2]
+            assert [v.version for v in client.versions().versions] == [1, 2]
             assert not any(p.name.startswith(".") for p in (tmp_path / "versions").iterdir())
             assert_same(client.pull(1, "http"), state_dict(1))
             assert_same(client.pull(2, "shm"), state_dict(2))  # republished to shared memory on demand
@@ -416,8 +417,8 @@ def test_a_version_not_yet_persisted_is_lost_whole_on_sigkill(tmp_path: Path) ->
         proc = start_ps(tmp_path, port, "--no-persist")
         with ParamsClient(url) as client:
             client.push(2, state_dict(2))
-            assert client.latest()["version"] == 2
-            assert [(v["version"], v["persisted"]) for v in client.versions()["versions"]] == [(1, True), (2, False)]
+            assert client.latest().version == 2
+            assert [(v.version, v.persisted) for v in client.versions().versions] == [(1, True), (2, False)]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         torn = tmp_path / "versions" / ".staging-v0000000002-killed"  # what a persist cut short leaves
@@ -425,7 +426,7 @@ def test_a_version_not_yet_persisted_is_lost_whole_on_sigkill(tmp_path: Path) ->
         (torn / "model.safetensors").write_bytes(b"\0" * 1000)
         proc = start_ps(tmp_path, port)
         with ParamsClient(url) as client:
-            assert client.latest()["version"] == 1
+            assert client.latest().version == 1
             assert_same(client.pull("latest", "shm"), state_dict(1))
             assert not torn.exists()
             client.push(2, state_dict(2))  # the trainer pushes the lost version again
@@ -443,20 +444,20 @@ def test_a_deleted_version_is_refused_at_once_and_freed_when_its_readers_end(ps:
     assert ps.wait_persisted(2, 60)
     reading = ps.open_pull(2, "shm")
     answer = ps.delete_version(2)
-    assert answer == {"version": 2, "deleted": False, "readers": 1}
-    assert ps.latest()["version"] == 1  # the newest kept version is the one before
+    assert answer == VersionDeleted(version=2, deleted=False, readers=1)
+    assert ps.latest().version == 1  # the newest kept version is the one before
     with pytest.raises(ServiceError) as refused:
         ps.open_pull(2)
     assert refused.value.code is ErrorCode.UNKNOWN_VERSION
     assert_same(dict(ps.receive(reading)), state_dict(2))  # an open pull still reads it whole
     ps.close_pull(reading)
-    assert [v["version"] for v in ps.versions()["versions"]] == [1]
+    assert [v.version for v in ps.versions().versions] == [1]
     assert "v0000000002" not in {p.name for p in (tmp_path / "versions").iterdir()}
-    slots_before = ps.versions()["shm"]["slots"]
+    slots_before = ps.versions().shm["slots"]
     ps.push(3, state_dict(3))  # takes the freed memory slot (same size) instead of a new one
-    assert ps.versions()["shm"]["slots"] == slots_before
+    assert ps.versions().shm["slots"] == slots_before
     assert ps.wait_persisted(3, 60)
-    assert ps.delete_version(3) == {"version": 3, "deleted": True, "readers": 0}
+    assert ps.delete_version(3) == VersionDeleted(version=3, deleted=True, readers=0)
     with pytest.raises(ServiceError) as again:
         ps.delete_version(3)
     assert again.value.code is ErrorCode.UNKNOWN_VERSION

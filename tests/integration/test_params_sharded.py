@@ -145,13 +145,13 @@ def test_a_pusher_killed_mid_push_leaves_no_visible_version(url: str) -> None:
             rank1.wait()
         finally:
             rank1.kill()
-        assert client.latest()["version"] == 1  # the half-written version never shows
+        assert client.latest().version == 1  # the half-written version never shows
         with pytest.raises(ServiceError) as pending:
             client.pull(2)
         assert pending.value.status == 409 and "being pushed" in pending.value.detail
         deadline = time.monotonic() + 60
-        while client.versions()["pushes"]:  # the idle push expires (push_ttl_s) and its memory goes
-            assert time.monotonic() < deadline, client.versions()["pushes"]
+        while client.versions().pushes:  # the idle push expires (push_ttl_s) and its memory goes
+            assert time.monotonic() < deadline, client.versions().pushes
             time.sleep(0.1)  # poll pacing, the PS's sweep decides
         for part, piece in ((0, data[: total // 2]), (1, data[total // 2:])):  # the restarted ranks push again
             reply = client.push_part(2, part, 2, tensors, [ShardPiece("w", part * (total // 2), piece)])
@@ -185,12 +185,12 @@ def test_the_trainer_pushes_again_a_version_the_ps_lost_before_persisting_it(tmp
                            stop=threading.Event())
         loop.params = client
         loop._push(1, backend.weights(1))
-        assert client.latest()["version"] == 1
+        assert client.latest().version == 1
     # the PS stopped with version 1 in memory only (never persisted): its successor finds nothing
     with serve_in_thread(create_app(config(tmp_path / "a"))) as second, ParamsClient(second.url) as client:
         loop.params = client
         loop._push(2, backend.weights(2))
-        assert [v["version"] for v in client.versions()["versions"]] == [1, 2]
+        assert [v.version for v in client.versions().versions] == [1, 2]
         assert client.pull(1)["weights"].tobytes() == np.full(1000, 1, np.uint8).tobytes()
 
 

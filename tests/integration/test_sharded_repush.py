@@ -163,7 +163,7 @@ class Ranks:
 
 def assert_visible_with_the_right_bytes(url: str, versions: list[int]) -> None:
     with ParamsClient(url) as client:
-        assert [v["version"] for v in client.versions()["versions"]] == versions
+        assert [v.version for v in client.versions().versions] == versions
         for version in versions:
             for transport in ("shm", "http"):
                 pulled = client.pull(version, transport)
@@ -179,7 +179,7 @@ def test_every_rank_pushes_again_a_version_the_ps_lost_then_the_next(ps: ParamsP
         with TornVersionWatch(ps.url) as watch:
             ranks.push(1)
             state = ranks.client.versions()
-            assert [(v["version"], v["persisted"]) for v in state["versions"]] == [(1, False)]
+            assert [(v.version, v.persisted) for v in state.versions] == [(1, False)]
 
             ps.kill()
             ps.start(persist=False)
@@ -223,14 +223,14 @@ def test_a_restart_with_parts_pending_makes_every_rank_send_its_part_again(ps: P
             rank0.start()
             rank1 = ranks.follow(2, [1])
             while True:  # poll pacing until the PS has both parts
-                pending = [p for p in ranks.client.versions()["pushes"] if p["version"] == 2]
-                if pending and set(pending[0]["parts_done"]) == {0, 1}:
+                pending = [p for p in ranks.client.versions().pushes if p.version == 2]
+                if pending and set(pending[0].parts_done) == {0, 1}:
                     break
                 time.sleep(0.02)
             ps.kill()
             ps.start(persist=persisted)
             if persisted:
-                assert [v["version"] for v in ranks.client.versions()["versions"]] == [1]
+                assert [v.version for v in ranks.client.versions().versions] == [1]
 
             rank2 = ranks.follow(2, [2])
             for thread in [rank0, *rank1, *rank2]:
@@ -312,14 +312,14 @@ def test_a_rank_that_missed_its_version_becoming_visible_pushes_it_again_not_the
 
             rank0 = threading.Thread(target=ranks.lead, args=(2,))
             rank0.start()
-            while not any(p["version"] == 2 and 0 in p["parts_done"] for p in observer.versions()["pushes"]):
+            while not any(p.version == 2 and 0 in p.parts_done for p in observer.versions().pushes):
                 time.sleep(0.02)  # poll pacing until rank 0's part is in
             partition.cut.set()
             for thread in ranks.follow(2):
                 thread.join()
             while any(f.kept_version != 2 for f in ranks.followers):
                 time.sleep(0.02)  # poll pacing until ranks 1 and 2 saw version 2 visible
-            assert [v["version"] for v in observer.versions()["versions"]] == [1, 2]
+            assert [v.version for v in observer.versions().versions] == [1, 2]
             ps.kill()
             partition.heal()
             ps.start(persist=False)
@@ -409,7 +409,7 @@ class OverlappedRanks(Ranks):
 
 def assert_exported(url: str, versions: list[int]) -> None:
     with ParamsClient(url) as client:
-        assert [v["version"] for v in client.versions()["versions"]] == versions
+        assert [v.version for v in client.versions().versions] == versions
         for version in versions:
             assert {n: a.tobytes() for n, a in client.pull(version, "shm").items()} == exported_bytes(version)
         assert {t.name: t.dtype for t in client.manifest(versions[-1]).tensors} == \
@@ -431,10 +431,10 @@ def test_no_torn_version_while_the_next_step_overwrites_what_was_exported(ps: Pa
 
         def drop_the_push() -> None:
             deadline = time.monotonic() + 60
-            while not (pending := [p for p in observer.versions()["pushes"] if p["version"] == 3]):
+            while not (pending := [p for p in observer.versions().pushes if p.version == 3]):
                 assert time.monotonic() < deadline, f"no push of version 3 on the PS: {observer.versions()}"
                 time.sleep(0.01)  # poll pacing until the push of version 3 is on the PS
-            dropped = observer.http.delete("/v1/params/3/push", params={"push_id": pending[0]["push_id"]})
+            dropped = observer.http.delete("/v1/params/3/push", params={"push_id": pending[0].push_id})
             assert dropped.status_code == 200, dropped.text
 
         try:

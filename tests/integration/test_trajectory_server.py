@@ -240,7 +240,7 @@ def test_a_stateless_trainer_frees_a_batch_only_once_the_version_it_produced_is_
         assert kept.status_code == 200 and all(t["tokens"] for t in kept.json()["trajectories"])
         TrainerLoop(KilledWhilePushing(None, stop), steps=2, eta=1, urls=urls, step_log=log, stop=stop).run()
         with ParamsClient(ps.url) as client:
-            assert client.latest()["version"] == 2
+            assert client.latest().version == 2
     records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [r["version"] for r in records] == [0, 1, 1], "the restarted trainer trained step 1 again"
     assert records[1]["response_tokens"] == records[2]["response_tokens"] > 0, "on the same batch"
