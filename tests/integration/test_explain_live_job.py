@@ -75,8 +75,9 @@ def test_a_live_job_says_which_groups_a_buffer_waits_for_and_where_they_run(tmp_
         answer = co.get("/v1/buffers/0/explain").json()
         assert answer["state"] == "stuck" and not answer["consumable"]
         assert answer["needed"] == BATCH and answer["unreserved"] == 0
-        # every group's window reaches buffer 1, so the first two of the four to be occupied fill buffer 0
-        assert {g["group_id"] for g in answer["groups"]} == reserved, "the groups the ledger holds"
+        # every group's window reaches buffer 1: the two of the four expected to finish first fill buffer 0
+        named = {g["group_id"] for g in answer["groups"]}
+        assert len(named) == BATCH and named <= reserved, "groups the ledger holds, as many as it needs"
         assert not any(g["required"] for g in answer["groups"])
         for group in answer["groups"]:
             assert len(group["trajectories"]) == GROUP and group["needed"] == GROUP
@@ -93,34 +94,42 @@ def test_a_live_job_says_which_groups_a_buffer_waits_for_and_where_they_run(tmp_
         cli = ["--url", manager_url, "--coordinator-url", coordinator.url, "--state-dir", str(tmp_path)]
         as_json = runner.invoke(app, ["buffers", "--why", "--json", *cli])
         assert as_json.exit_code == 0, as_json.output
-        assert {g["group_id"] for g in json.loads(as_json.output)["groups"]} == reserved
+        assert {g["group_id"] for g in json.loads(as_json.output)["groups"]} == named
         table = runner.invoke(app, ["buffers", "--why", "0", *cli], env={"COLUMNS": "250"})
         assert table.exit_code == 0, table.output
         assert "buffer 0 is stuck" in table.output and "expected ready in" in table.output
-        for group in reserved:
+        for group in named:
             assert group in table.output
-        assert "running on a" in table.output and "running on b" in table.output
+        for instance_id in {where[t["traj_id"]] for g in answer["groups"] for t in g["trajectories"]}:
+            assert f"running on {instance_id}" in table.output
         gone = runner.invoke(app, ["buffers", "--why", "9", *cli])
         assert gone.exit_code == 2 and "not live yet" in gone.output and "staleflow buffers" in gone.output
 
-        # instance a generates for a while (virtual time): the answer follows its progress
+        # one instance generates for a while (virtual time): the answer follows its progress
         before = {t["traj_id"]: t for g in answer["groups"] for t in g["trajectories"]}
-        instances["a"].post("/v1/sim/advance", json={"by": 1.0})
-        held = instances["a"].get("/v1/progress").json()["held"]
-        on_a = [traj for traj in before if where[traj] == "a"]
-        assert on_a and all(held[traj] > 0 for traj in on_a)
+        mover = where[next(iter(before))]
+        instances[mover].post("/v1/sim/advance", json={"by": 1.0})
+        held = instances[mover].get("/v1/progress").json()["held"]
+
+        def moved_on(answer: dict) -> list[str]:
+            return [t["traj_id"] for g in answer["groups"] for t in g["trajectories"] if where[t["traj_id"]] == mover]
 
         def caught_up() -> dict | None:
             later = co.get("/v1/buffers/0/explain").json()
-            now = {t["traj_id"]: t for g in later["groups"] for t in g["trajectories"]}
-            return now if all(now[traj]["generated"] == held[traj] for traj in on_a) else None
+            moved = moved_on(later)
+            return later if moved and all(
+                t["generated"] == held[t["traj_id"]] for g in later["groups"] for t in g["trajectories"]
+                if t["traj_id"] in moved) else None
 
-        now = wait_for(caught_up)
-        assert isinstance(now, dict)
-        for traj in on_a:
+        later = wait_for(caught_up)
+        assert isinstance(later, dict)
+        now = {t["traj_id"]: t for g in later["groups"] for t in g["trajectories"]}
+        moved = moved_on(later)
+        assert all(held[traj] > 0 for traj in moved)
+        for traj in set(moved) & set(before):
             assert now[traj]["ready_in_s"] < before[traj]["ready_in_s"], "closer to done"
-        for traj in set(before) - set(on_a):
-            assert now[traj]["generated"] == before[traj]["generated"] == 0, "b's clock did not move"
+        for traj in set(now) - set(moved):
+            assert now[traj]["generated"] == 0, "the other instance's clock did not move"
 
         # both instances run their trajectories to the end: the buffer becomes consumable, then consumed
         for client in instances.values():
