@@ -25,7 +25,8 @@ def test_a_short_soak_reports_both_ends_and_a_bounded_live_store(tmp_path: Path)
     assert report["finished"] and report["failure"] is None, (result.output, report["failure"])
     assert report["steps_done"] == 120
     start, end = report["start"], report["end"]
-    assert start["step"] >= 8 and end["step"] >= 60
+    # the end is measured in the run's last part: the margin before the last step grows with the run's pace
+    assert start["step"] >= 8 and end["step"] >= 40 and end["step"] > start["step"] + 20
     for point in (start, end):  # the trajectory server came back from each SIGKILL
         assert point["ts_restart_s"] is not None and point["ts_restart_s"] > 0
         assert point["cycle_ms"] > 0 and point["poll_ms"] > 0
