@@ -60,11 +60,16 @@ def sample(store: TrajectoryStore, version: int) -> list[str]:
     return [g.group_id for g in groups]
 
 
-def train(store: TrajectoryStore, group_ids: list[str], version: int) -> None:
-    """Needed members complete and are rewarded, the groups close (the spare is cancelled and
-    acknowledged), the ledger consumes them, the trainer reads and frees the batch."""
+def complete(store: TrajectoryStore, group_ids: list[str], version: int) -> None:
+    """The needed members of the groups complete (the spare stays on its instance)."""
     members = [m for gid in group_ids for m in store.groups[gid].member_ids]
     store.completed([completion(m, version) for m in members if not m.endswith(f"-m{MEMBERS - 1}")])
+
+
+def finish(store: TrajectoryStore, group_ids: list[str]) -> None:
+    """Completed members are rewarded, the groups close (the spare is cancelled and acknowledged),
+    the ledger consumes them, the trainer reads and frees the batch."""
+    members = [m for gid in group_ids for m in store.groups[gid].member_ids]
     store.rewarded({m: (1.0, "correct") for m in members if store.trajs[m].state is TrajState.COMPLETED})
     for gid in group_ids:
         on_instances = store.close_group(gid, GroupState.OCCUPIED)
@@ -72,6 +77,11 @@ def train(store: TrajectoryStore, group_ids: list[str], version: int) -> None:
     store.mark_consumed(group_ids)
     assert len(store.batch(group_ids)) == BATCH * NEEDED
     store.free(group_ids)
+
+
+def train(store: TrajectoryStore, group_ids: list[str], version: int) -> None:
+    complete(store, group_ids, version)
+    finish(store, group_ids)
 
 
 def step(store: TrajectoryStore, version: int) -> None:
@@ -170,6 +180,7 @@ def test_completions_racing_the_archiving_lose_nothing(url: str) -> None:
     stop = threading.Event()
     errors: list[BaseException] = []
     delivered: list[str] = []
+    raced = threading.Event()
 
     def redeliver() -> None:
         try:
@@ -179,6 +190,7 @@ def test_completions_racing_the_archiving_lose_nothing(url: str) -> None:
                 for traj_id in done[:4]:
                     store.completed([completion(traj_id, 0)])
                     delivered.append(traj_id)
+                    raced.set()
                 store.pending()
                 store.routed("inst-0")
         except BaseException as exc:  # surfaced below
@@ -188,7 +200,12 @@ def test_completions_racing_the_archiving_lose_nothing(url: str) -> None:
     racer.start()
     try:
         for version in range(40):
-            step(store, version)
+            group_ids = sample(store, version)
+            complete(store, group_ids, version)
+            if version % 8 == 0:  # the racer redelivers at least these batches' completions before they close
+                raced.clear()
+                assert raced.wait(60), "the racer never redelivered a completion"
+            finish(store, group_ids)
     finally:
         stop.set()
         racer.join(60)
