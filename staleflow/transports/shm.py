@@ -480,15 +480,22 @@ class ShmTransport(Transport):
         stamp.check()
         return stamp, False
 
+    def _slot(self, lease: PullLease, stamp: _SlotStamp | None) -> _Mapping:
+        """The mapping of the lease's slot, checked to hold the whole version."""
+        mapping = self._mapping(lease.details["path"])
+        if len(mapping.view) < lease.manifest.data_offset + lease.manifest.total_bytes:
+            if stamp is not None:
+                stamp.check()  # the slot went to a smaller version since the stamp was read: say that
+            raise TransportUnavailable(f"segment {lease.details['path']} is shorter than version {lease.manifest.version}")
+        return mapping
+
     def pull_verified(self, lease: PullLease, into: ByteRegions, verify: bool | str) -> Iterator[int]:
         """Copies whole chunks on the worker threads, verified as ``verify`` says (``verify_mode``);
         yields the end of the data section verified so far, in order, as chunks complete."""
         self._check_host(lease.details)
-        source = self._mapping(lease.details["path"]).view
-        base = lease.manifest.data_offset
-        if len(source) < base + lease.manifest.total_bytes:
-            raise TransportUnavailable(f"segment {lease.details['path']} is shorter than version {lease.manifest.version}")
         stamp, hashing = self._guard(lease, verify)
+        source = self._slot(lease, stamp).view
+        base = lease.manifest.data_offset
 
         def batch(chunks: Sequence[ChunkSpec]) -> int:
             for chunk in chunks:
@@ -510,12 +517,10 @@ class ShmTransport(Transport):
         its selected bytes were copied. Chunks go to the worker threads; yields the end of the data
         section verified so far, in order, as touched chunks complete."""
         self._check_host(lease.details)
-        mapping = self._mapping(lease.details["path"])
-        base = lease.manifest.data_offset
-        if len(mapping.view) < base + lease.manifest.total_bytes:
-            raise TransportUnavailable(f"segment {lease.details['path']} is shorter than version {lease.manifest.version}")
-        source, view = mapping.array, mapping.view
         stamp, hashing = self._guard(lease, verify)
+        mapping = self._slot(lease, stamp)
+        base = lease.manifest.data_offset
+        source, view = mapping.array, mapping.view
 
         def one(step: ChunkStep) -> int:
             chunk = step.chunk
