@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from staleflow.api.base import ServiceError
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
@@ -210,3 +211,31 @@ def test_a_reader_whose_lease_lapsed_fails_when_the_ps_reuses_its_slot(tmp_path:
             next(client.receive(lease))
         third = state_dict(3)
         assert all(np.array_equal(a, third[n]) for n, a in client.pull(3, "shm").items())
+
+
+def test_a_version_loaded_from_disk_enters_its_slot_verified(tmp_path: Path) -> None:
+    """shm pullers trust a slot's bytes by default, so a version recovered from disk is hashed as
+    it is loaded into one: a damaged file is refused (422 checksum_mismatch) and leaves no slot."""
+    config = ParamsConfig(state_dir=tmp_path, port=0, chunk_bytes=64 << 10, fsync=False, keep=2, transports=("http", "shm"))
+    first, second = state_dict(1), state_dict(2)
+    with serve_in_thread(create_app(config)) as server, ParamsClient(server.url) as client:
+        client.push(1, first)
+        client.push(2, second)
+        assert client.wait_persisted(1, 60) and client.wait_persisted(2, 60)
+        data_offset = client.manifest(1).data_offset
+    stored = tmp_path / "versions" / "v0000000001" / "model.safetensors"
+    with open(stored, "r+b") as file:  # one byte of chunk 3 rots on disk
+        file.seek(data_offset + 3 * (64 << 10) + 5)
+        byte = file.read(1)[0]
+        file.seek(data_offset + 3 * (64 << 10) + 5)
+        file.write(bytes([byte ^ 0xFF]))
+    with serve_in_thread(create_app(config)) as server, ParamsClient(server.url) as client:
+        with pytest.raises(ServiceError) as refused:
+            client.open_pull(1, "shm")
+        assert refused.value.status == 422 and refused.value.code is ErrorCode.CHECKSUM_MISMATCH
+        assert "chunks [3]" in refused.value.detail
+        with pytest.raises(ChecksumMismatch):
+            client.pull(1, "http")  # served from the file, hashed by the puller
+        assert client.versions().shm["slots"] <= 1 and client.versions().readers["leases"] == 0
+        pulled = client.pull(2, "shm")  # an intact one loads and pulls
+        assert all(np.array_equal(pulled[n], second[n]) for n in second)
