@@ -50,6 +50,9 @@ def register(bench_app: typer.Typer) -> None:
         pool: Annotated[str, typer.Option(help="auto: when a size does not fit in memory, ranks and instances hold "
                                                f"{RING_TENSORS} shared buffers of same-shaped tensors (the PS still holds "
                                                "every byte) and nothing is persisted; on; off")] = "auto",
+        side_by_side: Annotated[bool, typer.Option(help="instead of pushes and pulls by processes: memcpy and one shm pull "
+                                                        "per --verify mode, interleaved in this process (--repeats rounds), "
+                                                        "wall and CPU time against a PS in its own process")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
         output: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
     ) -> None:
@@ -98,11 +101,23 @@ def register(bench_app: typer.Typer) -> None:
             results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb, pool, tables, synthetic,
                                        "host" if device == "cpu" else device,
                                        planned=lambda steps: progress.update(task, total=steps),
-                                       advance=lambda steps: progress.advance(task, steps), verify_modes=verify_list)
+                                       advance=lambda steps: progress.advance(task, steps), verify_modes=verify_list,
+                                       side_by_side=side_by_side)
         emit_results(results, output, as_json, _print)
 
 
 def _print(results: dict) -> None:
+    for side in results.get("side_by_side", []):
+        table = Table(title=f"memcpy and shm pulls of {side['table']} ({side['tensors']} tensors, {side['bytes'] / 1e9:.2f} GB), "
+                            f"interleaved, median of {side['rounds']} rounds; load average {side['load_average_before']:.1f} "
+                            f"-> {side['load_average_after']:.1f}")
+        for column in ("what", "wall s", "GB/s", "vs memcpy", "CPU s", "CPU: memcpy's / this"):
+            table.add_column(column, justify="left" if column == "what" else "right")
+        for name, row in side["runs"].items():
+            table.add_row(name, f"{row['wall_s']:.3f}", f"{row['gb_per_s']:.2f}",
+                          _mark(row["vs_memcpy"], name != "memcpy", TARGETS["pull_shm"]), f"{row['cpu_s']:.3f}",
+                          f"{row['cpu_vs_memcpy']:.2f}")
+        console.print(table)
     for size in results["sizes"]:
         gb = size["bytes"] / 1e9
         if "memcpy" not in size:

@@ -511,13 +511,80 @@ def _ignore(_: int) -> None:
     pass
 
 
+def pull_side_by_side(label: str, table: dict, verify_modes: Sequence[str], rounds: int, chunk_mb: int,
+                      workdir: Path) -> dict:
+    """memcpy of the table's bytes and one shm pull per verify mode, interleaved in this process
+    (each round in a rotated order, after one unmeasured round), against a PS in its own process
+    holding one version of the table: what each pull costs next to memcpy under the same load.
+    Wall and CPU time per round (the pull's CPU time is this process's: the copy threads'; memcpy's
+    its one thread's)."""
+    from staleflow.transports.client import ParamsClient, ShardPiece
+
+    total_bytes = table_bytes(table)
+    source = aligned_array(total_bytes, np.uint8, 3)
+    memcpy_target = aligned_array(total_bytes, np.uint8, 1)
+    out = engine_buffers(table)
+    proc, url = start_params_server(workdir / f"side-{abs(hash(label))}", ["http", "shm"], chunk_mb, persist=False)
+    try:
+        with ParamsClient(url, timeout=600) as client:
+            pieces = [ShardPiece(name, 0, view) for name, view in zip(table, _split(source, table), strict=True)]
+            client.push_part(1, 0, 1, table, pieces, transport="shm", wait_s=600)
+
+            def pull(verify: str) -> None:
+                lease = client.open_pull(1, "shm")
+                try:
+                    for _ in client.receive(lease, out=out, verify=verify):
+                        pass
+                finally:
+                    client.close_pull(lease)
+
+            runs: dict[str, Callable[[], None]] = {"memcpy": lambda: np.copyto(memcpy_target, source)}
+            runs |= {f"pull {mode}": lambda mode=mode: pull(mode) for mode in verify_modes}
+            names = list(runs)
+            wall: dict[str, list[float]] = {name: [] for name in names}
+            cpu: dict[str, list[float]] = {name: [] for name in names}
+            load_before = os.getloadavg()[0]
+            for round_ in range(rounds + 1):
+                for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                    clock = time.thread_time if name == "memcpy" else time.process_time
+                    started, started_cpu = time.perf_counter(), clock()
+                    runs[name]()
+                    if round_:
+                        wall[name].append(time.perf_counter() - started)
+                        cpu[name].append(clock() - started_cpu)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    rows = {name: {"wall_s": statistics.median(wall[name]), "cpu_s": statistics.median(cpu[name])} for name in names}
+    for row in rows.values():
+        row["vs_memcpy"] = rows["memcpy"]["wall_s"] / row["wall_s"]
+        row["cpu_vs_memcpy"] = rows["memcpy"]["cpu_s"] / row["cpu_s"]
+        row["gb_per_s"] = total_bytes / row["wall_s"] / 1e9
+    return {"table": label, "bytes": total_bytes, "tensors": len(table), "rounds": rounds, "load_average_before": load_before,
+            "load_average_after": os.getloadavg()[0], "runs": rows, "wall_s": wall, "cpu_s": cpu}
+
+
+def _split(flat: np.ndarray, table: dict) -> list[np.ndarray]:
+    """``flat`` cut into the table's tensors' bytes, in order."""
+    from staleflow.transports.base import DTYPE_SIZES
+
+    views, at = [], 0
+    for dtype, shape in table.values():
+        n = math.prod(shape) * DTYPE_SIZES[dtype]
+        views.append(flat[at:at + n])
+        at += n
+    return views
+
+
 def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[int], instance_counts: list[int],
                      repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: list[tuple[str, dict]] = (),
                      synthetic_twins: bool = True, device: str = "host", planned: Callable[[int], None] = _ignore,
-                     advance: Callable[[int], None] = _ignore, verify_modes: Sequence[str] = ("auto",)) -> dict:
+                     advance: Callable[[int], None] = _ignore, verify_modes: Sequence[str] = ("auto",),
+                     side_by_side: bool = False) -> dict:
     """``sizes``: synthetic tables; ``models``: (label, tensor table) of real architectures, each
     beside a synthetic table of its bytes when ``synthetic_twins``. Progress: ``planned(steps)``
-    once, then ``advance(steps)`` as they are done."""
+    once, then ``advance(steps)`` as they are done. ``side_by_side``: instead of the cells, each
+    table's ``pull_side_by_side`` (``repeats`` rounds), under ``side_by_side`` in the result."""
     results: dict = {"transports": transports, "verify": list(verify_modes), "ranks": rank_counts, "instances": instance_counts,
                      "repeats": repeats,
                      "cpus": os.cpu_count(), "memory_bytes": total_memory(), "targets": TARGETS, "device": device, "sizes": []}
@@ -526,8 +593,14 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
         work.append((label, table, None))
         if synthetic_twins:
             work.append(("synthetic", tensor_table(table_bytes(table)), label))
-    planned(len(work) * len(rank_counts))
+    planned(len(work) * (1 if side_by_side else len(rank_counts)))
     with tempfile.TemporaryDirectory(prefix="staleflow-bench-params-") as tmp:
+        if side_by_side:
+            results["side_by_side"] = []
+            for label, table, _ in work:
+                results["side_by_side"].append(pull_side_by_side(label, table, verify_modes, repeats, chunk_mb, Path(tmp)))
+                advance(1)
+            return results
         for label, table, twin_of in work:
             size = table_bytes(table)
             pooled = device == "host" and choose_pooling(size, rank_counts, instance_counts, pool)
