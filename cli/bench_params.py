@@ -50,6 +50,8 @@ def register(bench_app: typer.Typer) -> None:
         pool: Annotated[str, typer.Option(help="auto: when a size does not fit in memory, ranks and instances hold "
                                                f"{RING_TENSORS} shared buffers of same-shaped tensors (the PS still holds "
                                                "every byte) and nothing is persisted; on; off")] = "auto",
+        persist: Annotated[bool, typer.Option(help="the PS persists each version; its copy to disk runs while the "
+                                                   "instances pull")] = True,
         side_by_side: Annotated[bool, typer.Option(help="instead of pushes and pulls by processes: memcpy and one shm pull "
                                                         "per --verify mode, interleaved in this process (--repeats rounds), "
                                                         "wall and CPU time against a PS in its own process")] = False,
@@ -102,7 +104,7 @@ def register(bench_app: typer.Typer) -> None:
                                        "host" if device == "cpu" else device,
                                        planned=lambda steps: progress.update(task, total=steps),
                                        advance=lambda steps: progress.advance(task, steps), verify_modes=verify_list,
-                                       side_by_side=side_by_side)
+                                       side_by_side=side_by_side, persist=persist)
         emit_results(results, output, as_json, _print)
 
 

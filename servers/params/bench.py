@@ -427,14 +427,15 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
 
 def bench_table(label: str, table: dict, transports: list[str], rank_counts: list[int], instance_counts: list[int],
                 repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto",
-                device: str = "host", verify_modes: Sequence[str] = ("auto",)) -> dict:
-    """Every cell (transport x verify mode x ranks x instances) for one tensor table."""
+                device: str = "host", verify_modes: Sequence[str] = ("auto",), persist: bool = True) -> dict:
+    """Every cell (transport x verify mode x ranks x instances) for one tensor table. ``persist``:
+    the PS persists each version (its copy to disk runs while the instances pull)."""
     from staleflow.transports.client import ParamsClient
 
     total_bytes = table_bytes(table)
     pooled = device == "host" and choose_pooling(total_bytes, rank_counts, instance_counts, pool)
     # persisting a version that does not fit in memory twice would measure the disk, not the sync
-    persist = not pooled
+    persist = persist and not pooled
     result: dict = {"table": label, "bytes": total_bytes, "tensors": len(table), "chunk_mb": chunk_mb, "pooled": pooled,
                     "device": device, "persist": persist, "load_average_before": os.getloadavg()[0], "cells": [], "skipped": []}
     result["memcpy"] = measure_memcpy(table, repeats, pooled)
@@ -580,7 +581,7 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
                      repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: list[tuple[str, dict]] = (),
                      synthetic_twins: bool = True, device: str = "host", planned: Callable[[int], None] = _ignore,
                      advance: Callable[[int], None] = _ignore, verify_modes: Sequence[str] = ("auto",),
-                     side_by_side: bool = False) -> dict:
+                     side_by_side: bool = False, persist: bool = True) -> dict:
     """``sizes``: synthetic tables; ``models``: (label, tensor table) of real architectures, each
     beside a synthetic table of its bytes when ``synthetic_twins``. Progress: ``planned(steps)``
     once, then ``advance(steps)`` as they are done. ``side_by_side``: instead of the cells, each
@@ -611,7 +612,7 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
                 advance(len(rank_counts))
                 continue
             results["sizes"].append(bench_table(label, table, transports, rank_counts, instance_counts, repeats, chunk_mb,
-                                                Path(tmp), lambda: advance(1), pool, device, verify_modes)
+                                                Path(tmp), lambda: advance(1), pool, device, verify_modes, persist)
                                     | ({"twin_of": twin_of} if twin_of else {}))
     compare_with_synthetic(results)
     return results

@@ -42,11 +42,12 @@ def test_bench_params_pushes_and_pulls_over_nixl(tmp_path: Path) -> None:
 def test_bench_params_measures_each_verify_mode_in_one_run(tmp_path: Path) -> None:
     output = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["bench", "params", "--sizes", "8MB", "--ranks", "1", "--instances", "1", "--repeats", "1",
-                                      "--chunk-mb", "1", "--transports", "shm", "--verify", "auto,checksum",
+                                      "--chunk-mb", "1", "--transports", "shm", "--verify", "auto,checksum", "--no-persist",
                                       "--output", str(output)])
     assert result.exit_code == 0, result.output
     size = json.loads(output.read_text())["sizes"][0]
     assert size["verify"] == ["auto", "checksum"] and size["memcpy"]["cpu_s"] > 0
+    assert not size["persist"] and all(c["persist_s"] is None for c in size["cells"])
     assert [c["verify"] for c in size["cells"]] == ["auto", "checksum"]
     for cell in size["cells"]:
         assert cell["pull_cpu_s"] > 0 and cell["pull_cpu_vs_memcpy"] > 0 and cell["pull_vs_memcpy"] > 0
