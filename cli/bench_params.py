@@ -14,7 +14,7 @@ from rich.table import Table
 
 from staleflow.cli.common import console, emit_results, fail
 from staleflow.servers.params.bench import RING_TENSORS, TARGETS, run_params_bench
-from staleflow.transports.base import FormatError
+from staleflow.transports.base import VERIFY_MODES, FormatError
 from staleflow.transports.tables import model_tensor_table
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -40,6 +40,9 @@ def register(bench_app: typer.Typer) -> None:
         device: Annotated[str, typer.Option(help="cpu: shards and parameters in host memory; cuda: ranks hold their shares "
                                                  "on the GPU, instances load into GPU tensors (legs and copy bound reported)")] = "cpu",
         transports: Annotated[str, typer.Option(help="comma-separated: shm, http, nixl")] = "shm,http",
+        verify: Annotated[str, typer.Option(help="how pulls verify, comma-separated, each measured in the same run: auto "
+                                                 "(checksums; over shm the slot's generation stamp), checksum (every byte "
+                                                 "hashed), none")] = "auto",
         ranks: Annotated[str, typer.Option(help="trainer ranks pushing at once, comma-separated")] = "1,2,4",
         instances: Annotated[str, typer.Option(help="instances pulling at once, comma-separated")] = "1,2,4",
         repeats: Annotated[int, typer.Option(help="versions per measurement (median reported)")] = 3,
@@ -47,6 +50,11 @@ def register(bench_app: typer.Typer) -> None:
         pool: Annotated[str, typer.Option(help="auto: when a size does not fit in memory, ranks and instances hold "
                                                f"{RING_TENSORS} shared buffers of same-shaped tensors (the PS still holds "
                                                "every byte) and nothing is persisted; on; off")] = "auto",
+        persist: Annotated[bool, typer.Option(help="the PS persists each version; its copy to disk runs while the "
+                                                   "instances pull")] = True,
+        side_by_side: Annotated[bool, typer.Option(help="instead of pushes and pulls by processes: memcpy and one shm pull "
+                                                        "per --verify mode, interleaved in this process (--repeats rounds), "
+                                                        "wall and CPU time against a PS in its own process")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
         output: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
     ) -> None:
@@ -81,6 +89,9 @@ def register(bench_app: typer.Typer) -> None:
             available, reason = nixl_available()
             if not available:
                 raise fail(reason, "drop nixl from --transports or install it")
+        verify_list = [v.strip() for v in verify.split(",") if v.strip()]
+        if not verify_list or set(verify_list) - set(VERIFY_MODES):
+            raise fail(f"--verify {verify!r}: choose from {', '.join(VERIFY_MODES)}, comma-separated")
         if not rank_list or not instance_list or min(rank_list + instance_list) < 1:
             raise fail("--ranks and --instances need positive counts")
         if pool not in ("auto", "on", "off"):
@@ -92,11 +103,23 @@ def register(bench_app: typer.Typer) -> None:
             results = run_params_bench(size_list, chosen, rank_list, instance_list, repeats, chunk_mb, pool, tables, synthetic,
                                        "host" if device == "cpu" else device,
                                        planned=lambda steps: progress.update(task, total=steps),
-                                       advance=lambda steps: progress.advance(task, steps))
+                                       advance=lambda steps: progress.advance(task, steps), verify_modes=verify_list,
+                                       side_by_side=side_by_side, persist=persist)
         emit_results(results, output, as_json, _print)
 
 
 def _print(results: dict) -> None:
+    for side in results.get("side_by_side", []):
+        table = Table(title=f"memcpy and shm pulls of {side['table']} ({side['tensors']} tensors, {side['bytes'] / 1e9:.2f} GB), "
+                            f"interleaved, median of {side['rounds']} rounds; load average {side['load_average_before']:.1f} "
+                            f"-> {side['load_average_after']:.1f}")
+        for column in ("what", "wall s", "GB/s", "vs memcpy", "CPU s", "CPU: memcpy's / this"):
+            table.add_column(column, justify="left" if column == "what" else "right")
+        for name, row in side["runs"].items():
+            table.add_row(name, f"{row['wall_s']:.3f}", f"{row['gb_per_s']:.2f}",
+                          _mark(row["vs_memcpy"], name != "memcpy", TARGETS["pull_shm"]), f"{row['cpu_s']:.3f}",
+                          f"{row['cpu_vs_memcpy']:.2f}")
+        console.print(table)
     for size in results["sizes"]:
         gb = size["bytes"] / 1e9
         if "memcpy" not in size:
@@ -109,10 +132,12 @@ def _print(results: dict) -> None:
                       f"{bound['memcpy_s']:.3f} s, H2D {bound['h2d_gb_per_s']:.1f} GB/s)") if bound else ""
         table = Table(title=f"Weight sync of a {gb:.2f} GB state dict: {size.get('table', 'synthetic')} ({size['tensors']} tensors, "
                             f"{size['chunk_mb']} MiB chunks{pooled}, {size.get('device', 'host')}); "
-                            f"memcpy {memcpy['median_s']:.3f} s ({memcpy['gb_per_s']:.1f} GB/s){bound_text}; load average "
+                            f"memcpy {memcpy['median_s']:.3f} s ({memcpy['gb_per_s']:.1f} GB/s, {memcpy['cpu_s']:.3f} CPU s)"
+                            f"{bound_text}; load average "
                             f"{size['load_average_before']:.1f} -> {size['load_average_after']:.1f}")
-        columns = ("transport", "ranks", "inst.", "push s", "visible s", "push GB/s", "visible vs memcpy", "pull s",
-                   "pull vs memcpy", "e2e s", "e2e / (memcpy+pull)", "rank extra MB (shard MB)", "persist s")
+        columns = ("transport", "verify", "ranks", "inst.", "push s", "visible s", "push GB/s", "visible vs memcpy", "pull s",
+                   "pull vs memcpy", "pull CPU: memcpy's / pull's", "e2e s", "e2e / (memcpy+pull)", "rank extra MB (shard MB)",
+                   "persist s")
         legs = bool(bound)
         twins = any("vs_synthetic" in c for c in size["cells"])
         columns += ("D2H s", "push to visible s", "H2D s", "e2e / copy bound") if legs else ()
@@ -126,10 +151,11 @@ def _print(results: dict) -> None:
             if twins:
                 versus = c.get("vs_synthetic")
                 extra += (f"{versus['push']:.2f}, {versus['pull']:.2f}" if versus else "-",)
-            table.add_row(c["transport"], str(c["ranks"]), str(c["instances"]), f"{c['push_s']:.3f}", f"{c['visible_s']:.3f}",
+            table.add_row(c["transport"], c["verify"], str(c["ranks"]), str(c["instances"]), f"{c['push_s']:.3f}",
+                          f"{c['visible_s']:.3f}",
                           f"{c['push_gb_per_s']:.2f}", _mark(c["visible_vs_memcpy"], c["transport"] == "shm", TARGETS["push_visible_shm"]),
                           f"{c['pull_s']:.3f}", _mark(c["pull_vs_memcpy"], c["transport"] == "shm" and c["instances"] == 1,
-                                                      TARGETS["pull_shm"]),
+                                                      TARGETS["pull_shm"]), f"{c['pull_cpu_vs_memcpy']:.2f}",
                           f"{c['end_to_end_s']:.3f}", _mark(c["end_to_end_vs_copy_plus_pull"], False, 0),
                           f"{c['rank_extra_bytes'] / 2**20:.0f} ({shard / 2**20:.0f})",
                           "off" if c["persist_s"] is None else f"{c['persist_s']:.2f}", *extra)

@@ -81,6 +81,7 @@ class ErrorCode(StrEnum):
     INCOMPLETE_CHUNK = "incomplete_chunk"
     MISSING_CHECKSUM = "missing_checksum"
     CHECKSUM_MISMATCH = "checksum_mismatch"
+    SLOT_REUSED = "slot_reused"  # a version's memory slot took another version while a pull read it
     INVALID_FORMAT = "invalid_format"
     UNKNOWN_LEASE = "unknown_lease"
     LEASE_MISMATCH = "lease_mismatch"
@@ -167,6 +168,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INCOMPLETE_CHUNK: 422,
     ErrorCode.MISSING_CHECKSUM: 422,
     ErrorCode.CHECKSUM_MISMATCH: 422,
+    ErrorCode.SLOT_REUSED: _CONFLICT,
     ErrorCode.INVALID_FORMAT: 422,
     ErrorCode.UNKNOWN_LEASE: 404,
     ErrorCode.LEASE_MISMATCH: 422,

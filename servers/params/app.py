@@ -265,7 +265,9 @@ def _transport_details(store: ParamStore, stored: StoredVersion, transport: str)
     version = stored.manifest.version
     if transport == "shm":
         slot = store.memory_slot(stored)  # a version recovered from disk is loaded on demand
-        return {"path": str(slot.path), "size": slot.size, "host_id": host_id()}
+        # the stamp and generation let the puller check the slot was not reused under it (see shm.py)
+        return {"path": str(slot.path), "size": slot.size, "host_id": host_id(), "stamp_path": str(slot.stamp_path),
+                "generation": slot.generation}
     if transport == "nixl":
         assert store.nixl is not None
         return store.nixl.lease_details(version, stored.fd, stored.file_size)

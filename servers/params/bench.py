@@ -3,8 +3,10 @@ as the paper measures it (Figure 19), next to a plain in-memory copy of the same
 
 For each state-dict size, ``N`` trainer-rank processes each hold their dim-0 shard of every
 tensor (as FSDP ranks do) and push it at once, over shared memory, HTTP or NIXL, to a parameter server
-in its own process; ``K`` instance processes wait for the version and pull it, verified, into
-buffers they already hold (an engine's parameters). Per version it records: push time (until the
+in its own process; ``K`` instance processes wait for the version and pull it, verified as each of
+the ``verify`` modes says (``auto``: checksums, over shm the slot's generation stamp; ``checksum``:
+every byte hashed), into buffers they already hold (an engine's parameters), and report the pull's
+CPU time next to memcpy's. Per version it records: push time (until the
 last rank's bytes are in), time until visible, each instance's pull time (all ``K`` at once), the
 end-to-end version latency (trainer done -> every instance loaded), each rank's peak extra memory during its
 push, and the persist time (the copy to disk, after the version is visible and outside the timed
@@ -30,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -191,7 +193,8 @@ def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, p
 def _instance_main(conn: Connection, url: str, table: dict, pooled: bool, device: str) -> None:
     """An instance: holds parameters of the model's size (host arrays, or tensors on ``device``
     behind one pinned host buffer); on ("pull", version, transport) waits for the version and
-    pulls it into them, verified (from ``device``: into the pinned buffer, then host to device)."""
+    pulls it into them, verified as ``verify`` says (from ``device``: into the pinned buffer, then
+    host to device); the pull's CPU time is the process's (the copy threads' too)."""
     from staleflow.transports.base import DTYPE_SIZES
     from staleflow.transports.client import ParamsClient
 
@@ -209,18 +212,18 @@ def _instance_main(conn: Connection, url: str, table: dict, pooled: bool, device
             message = conn.recv()
             if message is None:
                 return
-            _, version, transport, wait_s = message
+            _, version, transport, wait_s, verify = message
             lease = client.open_pull(version, transport, wait_s=wait_s)
-            leased = time.monotonic()
+            leased, cpu = time.monotonic(), time.process_time()
             try:
-                for _ in client.receive(lease, out=out, into=None if staging is None else staging.host):
+                for _ in client.receive(lease, out=out, into=None if staging is None else staging.host, verify=verify):
                     pass
             finally:
                 client.close_pull(lease)
-            pulled = time.monotonic()
+            pulled, cpu = time.monotonic(), time.process_time() - cpu
             if staging is not None:
                 staging.to_device()
-            conn.send({"leased": leased, "pulled": pulled, "loaded": time.monotonic()})
+            conn.send({"leased": leased, "pulled": pulled, "loaded": time.monotonic(), "pull_cpu_s": cpu})
 
 
 class Workers:
@@ -271,14 +274,15 @@ def measure_memcpy(table: dict, repeats: int, pooled: bool = False) -> dict:
     else:
         source = np.full(total_bytes, 3, np.uint8)
         pairs = [(np.ones_like(source), source)]
-    times = []
+    times, cpu = [], []
     for _ in range(repeats + 1):
-        start = time.perf_counter()
+        start, started_cpu = time.perf_counter(), time.thread_time()
         for target, source in pairs:
             np.copyto(target, source)
         times.append(time.perf_counter() - start)
-    times = times[1:]
-    return {"median_s": statistics.median(times), "best_s": min(times),
+        cpu.append(time.thread_time() - started_cpu)
+    times, cpu = times[1:], cpu[1:]
+    return {"median_s": statistics.median(times), "best_s": min(times), "cpu_s": statistics.median(cpu),
             "gb_per_s": total_bytes / statistics.median(times) / 1e9, "pooled": pooled}
 
 
@@ -363,14 +367,15 @@ def _median(values: list[float]) -> float:
 
 
 def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k: int, transport: str,
-               total_bytes: int, repeats: int, next_version: Callable[[], int], memcpy_s: float, warmup: int = 1,
-               persist: bool = True, device: str = "host") -> dict:
+               total_bytes: int, repeats: int, next_version: Callable[[], int], memcpy: dict, warmup: int = 1,
+               persist: bool = True, device: str = "host", verify: str = "auto") -> dict:
     """``warmup`` unmeasured versions first: they map the shared-memory slots in every process
     (a fresh mapping costs a page fault per 4 KiB, several times the copy) and open connections."""
+    memcpy_s = memcpy["median_s"]
     rows = []
     for i in range(repeats + warmup):
         version = next_version()
-        instances.send(("pull", version, transport, 600.0), k)
+        instances.send(("pull", version, transport, 600.0, verify), k)
         t0 = time.monotonic()  # "trainer done": the ranks start pushing
         ranks.send(("push", version, transport, 600.0), n_ranks)
         pushed = ranks.gather(n_ranks)
@@ -388,6 +393,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
             "push_s": max(p["delivered"] for p in pushed) - t0,
             "visible_s": visible,
             "pull_s": [x["loaded"] - x["leased"] for x in loaded],
+            "pull_cpu_s": [x["pull_cpu_s"] for x in loaded],
             "end_to_end_s": max(x["loaded"] for x in loaded) - t0,
             "lease_after_visible_s": max(x["leased"] for x in loaded) - (t0 + visible),
             "rank_extra_bytes": max(p["extra_bytes"] for p in pushed),
@@ -397,10 +403,11 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
             "h2d_s": max(x["loaded"] - x["pulled"] for x in loaded),
         })
     cell = {
-        "transport": transport, "ranks": n_ranks, "instances": k, "runs": repeats,
+        "transport": transport, "verify": verify, "ranks": n_ranks, "instances": k, "runs": repeats,
         "push_s": _median([r["push_s"] for r in rows]),
         "visible_s": _median([r["visible_s"] for r in rows]),
         "pull_s": _median([s for r in rows for s in r["pull_s"]]),
+        "pull_cpu_s": _median([s for r in rows for s in r["pull_cpu_s"]]),
         "end_to_end_s": _median([r["end_to_end_s"] for r in rows]),
         "lease_after_visible_s": _median([r["lease_after_visible_s"] for r in rows]),
         "rank_extra_bytes": max(r["rank_extra_bytes"] for r in rows),
@@ -414,23 +421,26 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
     cell["visible_vs_memcpy"] = memcpy_s / cell["visible_s"]
     cell["pull_gb_per_s"] = total_bytes / cell["pull_s"] / 1e9
     cell["pull_vs_memcpy"] = memcpy_s / cell["pull_s"]
+    cell["pull_cpu_vs_memcpy"] = memcpy["cpu_s"] / cell["pull_cpu_s"] if cell["pull_cpu_s"] else float("nan")
     return cell
 
 
 def bench_table(label: str, table: dict, transports: list[str], rank_counts: list[int], instance_counts: list[int],
                 repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto",
-                device: str = "host") -> dict:
-    """Every cell (transport x ranks x instances) for one tensor table."""
+                device: str = "host", verify_modes: Sequence[str] = ("auto",), persist: bool = True) -> dict:
+    """Every cell (transport x verify mode x ranks x instances) for one tensor table. ``persist``:
+    the PS persists each version (its copy to disk runs while the instances pull)."""
     from staleflow.transports.client import ParamsClient
 
     total_bytes = table_bytes(table)
     pooled = device == "host" and choose_pooling(total_bytes, rank_counts, instance_counts, pool)
     # persisting a version that does not fit in memory twice would measure the disk, not the sync
-    persist = not pooled
+    persist = persist and not pooled
     result: dict = {"table": label, "bytes": total_bytes, "tensors": len(table), "chunk_mb": chunk_mb, "pooled": pooled,
                     "device": device, "persist": persist, "load_average_before": os.getloadavg()[0], "cells": [], "skipped": []}
     result["memcpy"] = measure_memcpy(table, repeats, pooled)
     memcpy_s = result["memcpy"]["median_s"]
+    result["verify"] = list(verify_modes)
     if device != "host":
         result["copy_bound"] = measure_copy_bound(total_bytes, repeats, device)
     counter = iter(range(1, 1 << 30))
@@ -451,9 +461,11 @@ def bench_table(label: str, table: dict, transports: list[str], rank_counts: lis
                     result["shard_bytes"] = result.get("shard_bytes", {}) | {str(n_ranks): max(h["shard_bytes"] for h in ranks.hello)}
                     warmup = 1  # maps the slot in the new processes
                     for transport in transports:
-                        for k in runnable:
-                            result["cells"].append(bench_cell(ranks, instances, client, n_ranks, k, transport, total_bytes,
-                                                              repeats, lambda: next(counter), memcpy_s, warmup, persist, device))
+                        for verify in verify_modes:
+                            for k in runnable:
+                                result["cells"].append(bench_cell(ranks, instances, client, n_ranks, k, transport, total_bytes,
+                                                                  repeats, lambda: next(counter), result["memcpy"], warmup,
+                                                                  persist, device, verify))
                 finally:
                     ranks.close()
                     instances.close()
@@ -461,9 +473,11 @@ def bench_table(label: str, table: dict, transports: list[str], rank_counts: lis
     finally:
         proc.terminate()
         proc.wait(60)
-    one_pull = {c["transport"]: c["pull_s"] for c in result["cells"] if c["instances"] == 1 and c["ranks"] == rank_counts[0]}
+    one_pull = {(c["transport"], c["verify"]): c["pull_s"] for c in result["cells"]
+                if c["instances"] == 1 and c["ranks"] == rank_counts[0]}
     for cell in result["cells"]:
-        cell["end_to_end_vs_copy_plus_pull"] = cell["end_to_end_s"] / (memcpy_s + one_pull.get(cell["transport"], float("nan")))
+        pull_s = one_pull.get((cell["transport"], cell["verify"]), float("nan"))
+        cell["end_to_end_vs_copy_plus_pull"] = cell["end_to_end_s"] / (memcpy_s + pull_s)
         if "copy_bound" in result:
             cell["end_to_end_vs_copy_bound"] = cell["end_to_end_s"] / result["copy_bound"]["copy_bound_s"]
     result["load_average_after"] = os.getloadavg()[0]
@@ -472,10 +486,10 @@ def bench_table(label: str, table: dict, transports: list[str], rank_counts: lis
 
 def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], instance_counts: list[int],
                repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto",
-               device: str = "host") -> dict:
+               device: str = "host", verify_modes: Sequence[str] = ("auto",)) -> dict:
     """The synthetic table of ``total_bytes`` (tensors of 64 MiB)."""
     return bench_table("synthetic", tensor_table(total_bytes), transports, rank_counts, instance_counts, repeats, chunk_mb,
-                       workdir, advance, pool, device)
+                       workdir, advance, pool, device, verify_modes)
 
 
 def compare_with_synthetic(results: dict) -> None:
@@ -486,9 +500,9 @@ def compare_with_synthetic(results: dict) -> None:
         twin = twins.get(size.get("table"))
         if size.get("table") == "synthetic" or twin is None:
             continue
-        cells = {(c["transport"], c["ranks"], c["instances"]): c for c in twin["cells"]}
+        cells = {(c["transport"], c["verify"], c["ranks"], c["instances"]): c for c in twin["cells"]}
         for cell in size["cells"]:
-            other = cells.get((cell["transport"], cell["ranks"], cell["instances"]))
+            other = cells.get((cell["transport"], cell["verify"], cell["ranks"], cell["instances"]))
             if other is not None:
                 cell["vs_synthetic"] = {"push": cell["push_gb_per_s"] / other["push_gb_per_s"],
                                         "pull": cell["pull_gb_per_s"] / other["pull_gb_per_s"]}
@@ -498,22 +512,96 @@ def _ignore(_: int) -> None:
     pass
 
 
+def pull_side_by_side(label: str, table: dict, verify_modes: Sequence[str], rounds: int, chunk_mb: int,
+                      workdir: Path) -> dict:
+    """memcpy of the table's bytes and one shm pull per verify mode, interleaved in this process
+    (each round in a rotated order, after one unmeasured round), against a PS in its own process
+    holding one version of the table: what each pull costs next to memcpy under the same load.
+    Wall and CPU time per round (the pull's CPU time is this process's: the copy threads'; memcpy's
+    its one thread's)."""
+    from staleflow.transports.client import ParamsClient, ShardPiece
+
+    total_bytes = table_bytes(table)
+    source = aligned_array(total_bytes, np.uint8, 3)
+    memcpy_target = aligned_array(total_bytes, np.uint8, 1)
+    out = engine_buffers(table)
+    proc, url = start_params_server(workdir / f"side-{abs(hash(label))}", ["http", "shm"], chunk_mb, persist=False)
+    try:
+        with ParamsClient(url, timeout=600) as client:
+            pieces = [ShardPiece(name, 0, view) for name, view in zip(table, _split(source, table), strict=True)]
+            client.push_part(1, 0, 1, table, pieces, transport="shm", wait_s=600)
+
+            def pull(verify: str) -> None:
+                lease = client.open_pull(1, "shm")
+                try:
+                    for _ in client.receive(lease, out=out, verify=verify):
+                        pass
+                finally:
+                    client.close_pull(lease)
+
+            runs: dict[str, Callable[[], None]] = {"memcpy": lambda: np.copyto(memcpy_target, source)}
+            runs |= {f"pull {mode}": lambda mode=mode: pull(mode) for mode in verify_modes}
+            names = list(runs)
+            wall: dict[str, list[float]] = {name: [] for name in names}
+            cpu: dict[str, list[float]] = {name: [] for name in names}
+            load_before = os.getloadavg()[0]
+            for round_ in range(rounds + 1):
+                for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                    clock = time.thread_time if name == "memcpy" else time.process_time
+                    started, started_cpu = time.perf_counter(), clock()
+                    runs[name]()
+                    if round_:
+                        wall[name].append(time.perf_counter() - started)
+                        cpu[name].append(clock() - started_cpu)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    rows = {name: {"wall_s": statistics.median(wall[name]), "cpu_s": statistics.median(cpu[name])} for name in names}
+    for row in rows.values():
+        row["vs_memcpy"] = rows["memcpy"]["wall_s"] / row["wall_s"]
+        row["cpu_vs_memcpy"] = rows["memcpy"]["cpu_s"] / row["cpu_s"]
+        row["gb_per_s"] = total_bytes / row["wall_s"] / 1e9
+    return {"table": label, "bytes": total_bytes, "tensors": len(table), "rounds": rounds, "load_average_before": load_before,
+            "load_average_after": os.getloadavg()[0], "runs": rows, "wall_s": wall, "cpu_s": cpu}
+
+
+def _split(flat: np.ndarray, table: dict) -> list[np.ndarray]:
+    """``flat`` cut into the table's tensors' bytes, in order."""
+    from staleflow.transports.base import DTYPE_SIZES
+
+    views, at = [], 0
+    for dtype, shape in table.values():
+        n = math.prod(shape) * DTYPE_SIZES[dtype]
+        views.append(flat[at:at + n])
+        at += n
+    return views
+
+
 def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[int], instance_counts: list[int],
                      repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: list[tuple[str, dict]] = (),
                      synthetic_twins: bool = True, device: str = "host", planned: Callable[[int], None] = _ignore,
-                     advance: Callable[[int], None] = _ignore) -> dict:
+                     advance: Callable[[int], None] = _ignore, verify_modes: Sequence[str] = ("auto",),
+                     side_by_side: bool = False, persist: bool = True) -> dict:
     """``sizes``: synthetic tables; ``models``: (label, tensor table) of real architectures, each
     beside a synthetic table of its bytes when ``synthetic_twins``. Progress: ``planned(steps)``
-    once, then ``advance(steps)`` as they are done."""
-    results: dict = {"transports": transports, "ranks": rank_counts, "instances": instance_counts, "repeats": repeats,
+    once, then ``advance(steps)`` as they are done. ``side_by_side``: instead of the cells, each
+    table's ``pull_side_by_side`` (``repeats`` rounds), under ``side_by_side`` in the result."""
+    results: dict = {"transports": transports, "verify": list(verify_modes), "ranks": rank_counts, "instances": instance_counts,
+                     "repeats": repeats,
                      "cpus": os.cpu_count(), "memory_bytes": total_memory(), "targets": TARGETS, "device": device, "sizes": []}
     work: list[tuple[str, dict, str | None]] = [("synthetic", tensor_table(size), None) for size in sizes]
     for label, table in models:
         work.append((label, table, None))
         if synthetic_twins:
             work.append(("synthetic", tensor_table(table_bytes(table)), label))
-    planned(len(work) * len(rank_counts))
+    planned(len(work) * (1 if side_by_side else len(rank_counts)))
     with tempfile.TemporaryDirectory(prefix="staleflow-bench-params-") as tmp:
+        if side_by_side:
+            results["side_by_side"] = []
+            for label, table, _ in work:
+                results["side_by_side"].append(pull_side_by_side(label, table, verify_modes, repeats, chunk_mb, Path(tmp)))
+                advance(1)
+            return results
         for label, table, twin_of in work:
             size = table_bytes(table)
             pooled = device == "host" and choose_pooling(size, rank_counts, instance_counts, pool)
@@ -524,7 +612,7 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
                 advance(len(rank_counts))
                 continue
             results["sizes"].append(bench_table(label, table, transports, rank_counts, instance_counts, repeats, chunk_mb,
-                                                Path(tmp), lambda: advance(1), pool, device)
+                                                Path(tmp), lambda: advance(1), pool, device, verify_modes, persist)
                                     | ({"twin_of": twin_of} if twin_of else {}))
     compare_with_synthetic(results)
     return results

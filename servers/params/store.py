@@ -288,6 +288,7 @@ class ParamStore:
             self.nixl = NixlExporter(f"staleflow-ps-{uuid.uuid4().hex[:8]}")
         self._to_persist: set[int] = set()
         self._trash: list[Path] = []  # evicted versions' folders, deleted by the disk thread
+        self._loading = threading.Lock()  # one version loaded from disk into a memory slot at a time
         self._recover()
         self._disk = threading.Thread(target=self._disk_forever, name="params-disk", daemon=True)
         self._disk.start()
@@ -879,21 +880,45 @@ class ParamStore:
             return self.versions[version]
 
     def memory_slot(self, stored: StoredVersion) -> ShmSlot:
-        """The version's memory slot; a version recovered from disk is loaded into one first."""
+        """The version's memory slot; a version recovered from disk is loaded into one first, and
+        its chunks are checked against their checksums as they land there: shm pullers check only
+        the slot's generation by default, so bytes enter a slot verified (as pushed bytes do)."""
         if stored.slot is not None:
             return stored.slot
-        version = stored.manifest.version
+        with self._loading:  # a second puller of the same version waits here; it never reads a half-loaded slot
+            if stored.slot is not None:
+                return stored.slot
+            version = stored.manifest.version
+            try:
+                slot = self.memory.publish(version, stored.fd, stored.file_size)
+            except (OSError, ValueError) as exc:
+                raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE,
+                                  f"cannot load version {version} into shared memory: {exc}; pull over http") from None
+            self._check_loaded(stored, slot)
+            with self._cond:
+                if stored.slot is None and version in self.versions:
+                    assert slot.fd is not None
+                    os.close(stored.fd)
+                    stored.slot, stored.fd = slot, slot.fd
+            return slot
+
+    def _check_loaded(self, stored: StoredVersion, slot: ShmSlot) -> None:
+        """Hash a version loaded from disk in its slot; a damaged one leaves no slot behind."""
+        manifest = stored.manifest
+        chunks = [c for c in manifest.chunks if c.checksum]
+        view = slot.view()[manifest.data_offset:manifest.data_offset + manifest.total_bytes]
         try:
-            slot = self.memory.publish(version, stored.fd, stored.file_size)
-        except (OSError, ValueError) as exc:
-            raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE,
-                              f"cannot load version {version} into shared memory: {exc}; pull over http") from None
-        with self._cond:
-            if stored.slot is None and version in self.versions:
-                assert slot.fd is not None
-                os.close(stored.fd)
-                stored.slot, stored.fd = slot, slot.fd
-        return slot
+            with ThreadPoolExecutor(min(default_workers(), max(1, len(chunks))), thread_name_prefix="params-load") as pool:
+                landed = list(chunk_checksums(ByteRegions.flat(view), chunks,
+                                              [checksum_algorithm(c.checksum or "") for c in chunks], pool))
+        finally:
+            view.release()
+        damaged = [c.index for c, actual in zip(chunks, landed, strict=True) if actual != c.checksum]
+        if damaged:
+            self.memory.release(manifest.version, discard=True)
+            raise ParamsError(ErrorCode.CHECKSUM_MISMATCH,
+                              f"version {manifest.version} on disk does not match its checksums (chunks {damaged[:5]}): the "
+                              f"persisted copy is damaged; delete it and push the version again")
 
     def metrics(self) -> list:
         """Prometheus view of the store, read at scrape time."""

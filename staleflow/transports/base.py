@@ -71,6 +71,39 @@ class ChecksumMismatch(FormatError):
         self.actual = actual
 
 
+class SlotReused(StaleFlowError):
+    """A shared-memory pull saw its version's slot change generation: the PS gave the slot to
+    another version while the pull read it. Nothing read since is handed out."""
+
+    def __init__(self, version: int, generation: int, current: int | None):
+        now = "the slot is gone" if current is None else f"generation {current}"
+        super().__init__(ErrorCode.SLOT_REUSED,
+                         f"version {version}: its shared-memory slot was given to another version while this pull read it "
+                         f"({now}; the lease was granted under generation {generation}): the pull lease lapsed, so finish "
+                         f"an shm pull within the PS's --lease-ttl or raise it; no torn tensor was returned, pull again")
+        self.version = version
+        self.generation = generation
+        self.current = current
+
+
+VERIFY_MODES = ("auto", "checksum", "none")
+
+
+def verify_mode(verify: bool | str) -> str:
+    """A pull's ``verify`` argument as one of ``VERIFY_MODES``: ``auto`` hashes every byte over
+    http and nixl and checks the slot's generation stamp over shm (the bytes were checksummed as
+    they entered the slot); ``checksum`` (or True) hashes every byte over every transport;
+    ``none`` (or False) checks nothing."""
+    if verify is True:
+        return "checksum"
+    if verify is False:
+        return "none"
+    if verify in VERIFY_MODES:
+        return str(verify)
+    raise FormatError(f"verify={verify!r}: use 'auto' (checksums over http and nixl, the slot's generation over shm), "
+                      f"'checksum' (hash every byte on every transport) or 'none'")
+
+
 # ---------------------------------------------------------------- dtypes
 
 

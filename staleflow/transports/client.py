@@ -1,5 +1,6 @@
 """The parameter server's client (``ParamsClient``): push from numpy arrays, torch tensors or raw bytes,
-pull over any transport into fresh or preallocated buffers, verifying checksums chunk by chunk."""
+pull over any transport into fresh or preallocated buffers, verified chunk by chunk (checksums, or
+over shared memory the slot's generation stamp)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from staleflow.transports.base import (
     layout_tensors,
     numpy_dtype,
     safetensors_dtype,
+    verify_mode,
 )
 from staleflow.transports.http import HttpTransport
 from staleflow.transports.selection import Selection, SelectionPlan, copy_blocks, plan_selection, window_lease
@@ -294,7 +296,7 @@ class ParamsClient(Client):
         return self.open_pull(version, "http", wait_s)
 
     def iter_pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
-                  as_torch: bool = False, verify: bool = True, wait_s: float = 0.0,
+                  as_torch: bool = False, verify: bool | str = "auto", wait_s: float = 0.0,
                   select: Selection | None = None, into: Any = None) -> Iterator[tuple[str, Any]]:
         """Yields (name, tensor) as each tensor's chunks have landed and been verified. Into
         ``out`` (name -> preallocated array of the right size) if given, else into one new buffer
@@ -308,7 +310,7 @@ class ParamsClient(Client):
             self.close_pull(lease)
 
     def pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
-             as_torch: bool = False, verify: bool = True, wait_s: float = 0.0,
+             as_torch: bool = False, verify: bool | str = "auto", wait_s: float = 0.0,
              select: Selection | None = None, into: Any = None) -> dict[str, Any]:
         """The whole state dict of ``version`` (a number, 'latest' or 'latest-N'), or the part of
         it ``select`` names."""
@@ -316,7 +318,7 @@ class ParamsClient(Client):
                                    select=select, into=into))
 
     def receive(self, lease: PullLease, *, out: Mapping[str, Any] | None = None, as_torch: bool = False,
-                verify: bool = True, select: Selection | None = None, into: Any = None) -> Iterator[tuple[str, Any]]:
+                verify: bool | str = "auto", select: Selection | None = None, into: Any = None) -> Iterator[tuple[str, Any]]:
         """The tensors of an open lease (see ``open_pull``), as ``iter_pull`` yields them.
 
         ``select`` pulls only some tensors: a mapping name -> ``None`` (whole) or ``TensorSlice``
@@ -327,7 +329,14 @@ class ParamsClient(Client):
 
         ``into``: a writable C-contiguous buffer (numpy array or CPU torch tensor, e.g. a pinned
         staging buffer kept across versions) of exactly the version's data-section bytes; the
-        whole data section lands in it as one region and the tensors come back as views of it."""
+        whole data section lands in it as one region and the tensors come back as views of it.
+
+        ``verify``: ``"auto"`` (the default) checks every chunk's checksum over http and nixl, and
+        over shm the slot's generation stamp, before and after the copy (the bytes were checksummed
+        once as they entered the PS's memory; see docs/params.md); ``"checksum"`` (or True) hashes
+        every byte on every transport; ``"none"`` (or False) checks nothing. A tensor is yielded
+        only once its bytes passed."""
+        verify = verify_mode(verify)
         if into is not None and (out is not None or select is not None):
             raise FormatError("give one of into=, out= and select=")
         if select is not None:
@@ -353,7 +362,7 @@ class ParamsClient(Client):
                     yield spec.name, _as_torch(arrays[spec.name], spec) if as_torch else arrays[spec.name]
 
     def _receive_selected(self, lease: PullLease, select: Selection, out: Mapping[str, Any] | None, as_torch: bool,
-                          verify: bool) -> Iterator[tuple[str, Any]]:
+                          verify: str) -> Iterator[tuple[str, Any]]:
         plan = plan_selection(lease.manifest, select)
         if out is not None:
             targets = [_selected_target(out, t.name, t.spec.dtype, t.shape, t.nbytes) for t in plan.tensors]
@@ -382,8 +391,9 @@ class ParamsClient(Client):
                     yield selected.name, arrays[position]
 
 
-def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions, verify: bool) -> Iterator[int]:
-    """Runs the transport; yields the end of the data section verified so far after each chunk."""
+def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions, verify: str) -> Iterator[int]:
+    """Runs the transport; yields the end of the data section verified so far after each chunk
+    (``verify``: a ``verify_mode``; only shm has a check other than the checksums)."""
     chunks = lease.manifest.chunks
     yield 0  # zero-size tensors at the front
     if not chunks:
@@ -392,7 +402,7 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
         yield from transport.pull_verified(lease, into, verify)
         return
     index, landed = 0, 0
-    hasher = ChunkHasher(checksum_algorithm(chunks[0].checksum)) if verify else None
+    hasher = ChunkHasher(checksum_algorithm(chunks[0].checksum)) if verify != "none" else None
     for offset, length in transport.pull(lease, into):
         chunk = chunks[index]
         if offset != chunk.offset + landed:
@@ -415,7 +425,7 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
 
 
 def _pull_windows(transport: Transport, lease: PullLease, plan: SelectionPlan, targets: list[np.ndarray],
-                  verify: bool, scratch_bytes: int) -> Iterator[int]:
+                  verify: str, scratch_bytes: int) -> Iterator[int]:
     """A selected pull over a transport that moves whole chunks: the touched chunks, a window of
     adjacent ones at a time, land (verified) in one scratch buffer and the selected bytes are
     copied out of it. Yields the end of the data section verified and copied so far."""

@@ -10,7 +10,15 @@ takes the next version, and keeps its size when the model's size did not change.
 its mapping of each slot, so the page tables stay populated across versions. Mapping a fresh
 segment costs one page fault per 4 KiB page (here: 5 GB/s for a 1 GB copy instead of 17 GB/s
 through a populated mapping). A slot is never rewritten while a lease on its version is open:
-that is the read-write rule of the PS, and the chunk checksums check it on the puller's side.
+that is the read-write rule of the PS.
+
+The puller checks the rule without hashing every byte: each slot has a *generation stamp* (an
+8-byte word in a small segment of its own, ``<slot>.stamp``) that the PS sets to a new value
+whenever the slot is reserved for another version, before any byte of it changes. A lease names
+the generation it was granted under; the puller reads the stamp before copying and again after
+each batch of chunks is copied (a seqlock whose writer side is the slot's reuse): a changed stamp
+fails the pull before anything copied since is handed out. The chunk checksums, computed once as
+the bytes entered the slot, are re-hashed by the puller only when it asks (``verify="checksum"``).
 
 Memory: (keep + 1) x model size of shared memory, counted against ``/dev/shm``'s size.
 """
@@ -22,8 +30,9 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +47,12 @@ from staleflow.transports.base import (
     ChunkSpec,
     PullLease,
     PushSession,
+    SlotReused,
     Transport,
     TransportUnavailable,
     checksum_algorithm,
     pieces_of,
+    verify_mode,
 )
 from staleflow.transports.selection import ChunkStep, SelectionPlan, copy_blocks
 
@@ -58,6 +69,13 @@ PIECE_BYTES = 1 << 20  # copy step: small enough that the verifier hashes it whi
 # not; 1 MiB steps 0.10-0.11 s). Half of L2 also keeps both sides of a step in cache for the hash.
 ALIGNED_PIECE_BYTES = 512 << 10
 COPY_ALIGNMENT = 64
+STAMP_BYTES = 64  # a slot's generation stamp: the first 8 bytes (native uint64) of a cache line of its own
+
+
+def stamp_path_of(slot_path: Path | str) -> Path:
+    """The segment holding the generation stamp of the slot at ``slot_path``."""
+    path = Path(slot_path)
+    return path.with_name(path.name + ".stamp")
 
 
 def host_id() -> str:
@@ -77,6 +95,35 @@ class ShmSlot:
     mapping: mmap.mmap | None = None  # the PS's own read-write mapping, kept across versions
     visible: bool = False  # False while a push is filling it
     allocated: int = 0  # bytes of shared memory already allocated to it
+    generation: int = 0  # set anew each time the slot is reserved for a version (see the module doc)
+    stamp: mmap.mmap | None = None  # the PS's mapping of the generation stamp
+    stamp_word: np.ndarray | None = None  # the stamp as one uint64
+
+    @property
+    def stamp_path(self) -> Path:
+        return stamp_path_of(self.path)
+
+    def set_generation(self, generation: int) -> None:
+        """Publish a new generation in the stamp; one aligned 8-byte store, made before any byte of
+        the slot is written for the new version."""
+        if self.stamp is None:
+            fd = os.open(self.stamp_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, STAMP_BYTES)
+                self.stamp = mmap.mmap(fd, STAMP_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            self.stamp_word = np.frombuffer(self.stamp, np.uint64, 1)
+        assert self.stamp_word is not None
+        self.stamp_word[0] = generation
+        self.generation = generation
+
+    def close_stamp(self) -> None:
+        self.stamp_word = None
+        if self.stamp is not None:
+            with contextlib.suppress(BufferError):
+                self.stamp.close()
+            self.stamp = None
 
     def view(self) -> memoryview:
         assert self.mapping is not None
@@ -104,6 +151,8 @@ class ShmSlots:
         self._slots: list[ShmSlot] = []
         self._lock = threading.Lock()
         self._next_id = 0
+        # generations start from the clock, so no two lifetimes of this PS hand out the same ones
+        self._generation = time.time_ns()
         if not directory.is_dir():
             raise TransportUnavailable(f"shared-memory directory {directory} does not exist")
         self.remove_stale()
@@ -121,10 +170,15 @@ class ShmSlots:
                 raise ValueError(f"version {version} already has a slot")
             slot = self._free_slot(size)
             try:
+                self._generation += 1
+                slot.set_generation(self._generation)  # first: a puller still reading the slot's last version sees it
                 if slot.fd is None:
                     slot.fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
-                if os.fstat(slot.fd).st_size != size:
+                current = os.fstat(slot.fd).st_size
+                if current != size:
                     slot.unmap()
+                    if current:  # a new file, not a truncated one: a puller still mapping the old one gets no SIGBUS
+                        slot.path.unlink(missing_ok=True)
                     slot.fd = os.open(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
                     os.ftruncate(slot.fd, size)
                     slot.allocated = 0
@@ -175,7 +229,9 @@ class ShmSlots:
 
     def _discard(self, slot: ShmSlot) -> None:
         slot.unmap()
+        slot.close_stamp()
         slot.path.unlink(missing_ok=True)
+        slot.stamp_path.unlink(missing_ok=True)
         if slot in self._slots:
             self._slots.remove(slot)
 
@@ -227,6 +283,23 @@ class _Mapping:
         if self.map is not None:
             with contextlib.suppress(BufferError):  # a view still exported: it unmaps when collected
                 self.map.close()
+
+
+class _SlotStamp:
+    """A puller's view of the generation stamp of the slot its lease reads."""
+
+    def __init__(self, word: np.ndarray | None, lease: PullLease):
+        self.word = word  # None: the stamp segment is gone (the slot was trimmed after the lease lapsed)
+        self.generation = int(lease.details["generation"])
+        self.version = lease.manifest.version
+
+    def check(self) -> None:
+        """Raises ``SlotReused`` unless the slot still holds the lease's generation. Called after
+        a copy thread handed a batch over (through the pool's lock), so every byte of that batch was
+        read before the stamp is."""
+        current = int(self.word[0]) if self.word is not None else None
+        if current != self.generation:
+            raise SlotReused(self.version, self.generation, current)
 
 
 def default_workers() -> int:
@@ -393,44 +466,65 @@ class ShmTransport(Transport):
                     position += len(view)
                 yield offset, length
 
-    def pull_verified(self, lease: PullLease, into: ByteRegions, verify: bool) -> Iterator[int]:
-        """Copies (and verifies) whole chunks on the worker threads; yields the end of the data
-        section verified so far, in order, as chunks complete."""
-        self._check_host(lease.details)
-        source = self._mapping(lease.details["path"]).view
-        base = lease.manifest.data_offset
-        if len(source) < base + lease.manifest.total_bytes:
+    def _guard(self, lease: PullLease, verify: bool | str) -> tuple[_SlotStamp | None, bool]:
+        """(the slot's stamp to check, whether to hash every chunk) for ``verify`` (see
+        ``verify_mode``): ``auto`` checks the stamp alone, unless the PS hands out none."""
+        mode = verify_mode(verify)
+        if mode != "auto" or "generation" not in lease.details:
+            return None, mode != "none"
+        try:
+            word = self._mapping(lease.details["stamp_path"]).array[:8].view(np.uint64)
+        except TransportUnavailable:  # on this host (checked), so the slot was trimmed: its lease lapsed
+            word = None
+        stamp = _SlotStamp(word, lease)
+        stamp.check()
+        return stamp, False
+
+    def _slot(self, lease: PullLease, stamp: _SlotStamp | None) -> _Mapping:
+        """The mapping of the lease's slot, checked to hold the whole version."""
+        mapping = self._mapping(lease.details["path"])
+        if len(mapping.view) < lease.manifest.data_offset + lease.manifest.total_bytes:
+            if stamp is not None:
+                stamp.check()  # the slot went to a smaller version since the stamp was read: say that
             raise TransportUnavailable(f"segment {lease.details['path']} is shorter than version {lease.manifest.version}")
+        return mapping
+
+    def pull_verified(self, lease: PullLease, into: ByteRegions, verify: bool | str) -> Iterator[int]:
+        """Copies whole chunks on the worker threads, verified as ``verify`` says (``verify_mode``);
+        yields the end of the data section verified so far, in order, as chunks complete."""
+        self._check_host(lease.details)
+        stamp, hashing = self._guard(lease, verify)
+        source = self._slot(lease, stamp).view
+        base = lease.manifest.data_offset
 
         def batch(chunks: Sequence[ChunkSpec]) -> int:
             for chunk in chunks:
-                algorithm = checksum_algorithm(chunk.checksum) if verify and chunk.checksum else None
+                algorithm = checksum_algorithm(chunk.checksum) if hashing and chunk.checksum else None
                 start = base + chunk.offset
                 actual = copy_and_hash(into.views(chunk.offset, chunk.length), [source[start:start + chunk.length]], algorithm)
                 if algorithm is not None and actual != chunk.checksum:
                     raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual or "")
             return chunks[-1].offset + chunks[-1].length
 
-        yield from _in_order(self._executor(), batch, batches_of(lease.manifest.chunks), self.workers * 2)
+        yield from _checked(_in_order(self._executor(), batch, batches_of(lease.manifest.chunks), self.workers * 2), stamp)
 
     def pull_selected(self, lease: PullLease, plan: SelectionPlan, targets: Sequence[np.ndarray],
-                      verify: bool) -> Iterator[int]:
+                      verify: bool | str) -> Iterator[int]:
         """Copies only the selected bytes out of the slot (strided copies for slices along dim > 0)
-        into ``targets`` (one flat byte buffer per selected tensor, in ``plan.tensors`` order), and
-        verifies each touched chunk by hashing it whole in the slot -- immutable while the lease is
-        open -- piece by piece, each piece after its selected bytes were copied. Chunks go to the
-        worker threads; yields the end of the data section verified so far, in order, as touched
-        chunks complete."""
+        into ``targets`` (one flat byte buffer per selected tensor, in ``plan.tensors`` order).
+        Verified as ``verify`` says: the slot's stamp, or (``checksum``) each touched chunk hashed
+        whole in the slot -- immutable while the lease is open -- piece by piece, each piece after
+        its selected bytes were copied. Chunks go to the worker threads; yields the end of the data
+        section verified so far, in order, as touched chunks complete."""
         self._check_host(lease.details)
-        mapping = self._mapping(lease.details["path"])
+        stamp, hashing = self._guard(lease, verify)
+        mapping = self._slot(lease, stamp)
         base = lease.manifest.data_offset
-        if len(mapping.view) < base + lease.manifest.total_bytes:
-            raise TransportUnavailable(f"segment {lease.details['path']} is shorter than version {lease.manifest.version}")
         source, view = mapping.array, mapping.view
 
         def one(step: ChunkStep) -> int:
             chunk = step.chunk
-            hasher = ChunkHasher(checksum_algorithm(chunk.checksum)) if verify and chunk.checksum else None
+            hasher = ChunkHasher(checksum_algorithm(chunk.checksum)) if hashing and chunk.checksum else None
             for offset, length in pieces_of(chunk, PIECE_BYTES):  # each piece hashed right after its copy, in cache
                 copy_blocks(step.copies_within(offset, offset + length), source, -base, targets)
                 if hasher is not None:
@@ -441,7 +535,7 @@ class ShmTransport(Transport):
                     raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual)
             return chunk.offset + chunk.length
 
-        yield from _in_order(self._executor(), one, plan.steps, self.workers * 2)
+        yield from _checked(_in_order(self._executor(), one, plan.steps, self.workers * 2), stamp)
 
     def push(self, session: PushSession, source: ByteRegions) -> dict[int, str]:
         """Write the session's chunks straight into the PS's slot; returns their checksums,
@@ -493,6 +587,20 @@ def batches_of(chunks: Sequence[ChunkSpec], batch_bytes: int = BATCH_BYTES) -> l
         batches[-1].append(chunk)
         filled += chunk.length
     return batches
+
+
+def _checked(ends: Generator[int, None, None], stamp: _SlotStamp | None) -> Iterator[int]:
+    """``ends`` (verified prefixes, from the copy threads), each passed on only once the slot's
+    stamp still holds the lease's generation after its bytes were copied."""
+    if stamp is None:
+        yield from ends
+        return
+    try:
+        for end in ends:
+            stamp.check()
+            yield end
+    finally:
+        ends.close()  # on an error: cancel the copies still queued, and wait for those running
 
 
 def _in_order(pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any], window: int) -> Iterator[T]:

@@ -39,6 +39,38 @@ def test_bench_params_pushes_and_pulls_over_nixl(tmp_path: Path) -> None:
     assert cell["transport"] == "nixl" and 0 < cell["push_s"] <= cell["visible_s"] <= cell["end_to_end_s"] and cell["pull_s"] > 0
 
 
+def test_bench_params_measures_each_verify_mode_in_one_run(tmp_path: Path) -> None:
+    output = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "params", "--sizes", "8MB", "--ranks", "1", "--instances", "1", "--repeats", "1",
+                                      "--chunk-mb", "1", "--transports", "shm", "--verify", "auto,checksum", "--no-persist",
+                                      "--output", str(output)])
+    assert result.exit_code == 0, result.output
+    size = json.loads(output.read_text())["sizes"][0]
+    assert size["verify"] == ["auto", "checksum"] and size["memcpy"]["cpu_s"] > 0
+    assert not size["persist"] and all(c["persist_s"] is None for c in size["cells"])
+    assert [c["verify"] for c in size["cells"]] == ["auto", "checksum"]
+    for cell in size["cells"]:
+        assert cell["pull_cpu_s"] > 0 and cell["pull_cpu_vs_memcpy"] > 0 and cell["pull_vs_memcpy"] > 0
+
+
+def test_bench_params_side_by_side_interleaves_memcpy_and_each_pull_mode(tmp_path: Path) -> None:
+    output = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "params", "--sizes", "8MB", "--side-by-side", "--verify", "auto,checksum",
+                                      "--repeats", "2", "--chunk-mb", "1", "--output", str(output)])
+    assert result.exit_code == 0, result.output
+    (side,) = json.loads(output.read_text())["side_by_side"]
+    assert set(side["runs"]) == {"memcpy", "pull auto", "pull checksum"} and side["rounds"] == 2
+    assert all(len(times) == 2 for times in side["wall_s"].values())
+    for row in side["runs"].values():
+        assert row["wall_s"] > 0 and row["cpu_s"] > 0 and row["vs_memcpy"] > 0 and row["cpu_vs_memcpy"] > 0
+    assert side["runs"]["memcpy"]["vs_memcpy"] == 1.0
+
+
+def test_bench_params_refuses_unknown_verify_modes() -> None:
+    result = CliRunner().invoke(app, ["bench", "params", "--verify", "auto,stamp"])
+    assert result.exit_code != 0 and "choose from auto, checksum, none" in result.output
+
+
 def test_bench_params_refuses_unknown_transports() -> None:
     result = CliRunner().invoke(app, ["bench", "params", "--transports", "carrier-pigeon"])
     assert result.exit_code != 0 and "choose from shm, http, nixl" in result.output

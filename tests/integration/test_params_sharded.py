@@ -168,9 +168,11 @@ def test_a_corrupted_slot_fails_verification(url: str) -> None:
         with open(lease.details["path"], "r+b") as slot:
             slot.seek(lease.manifest.data_offset + 100)
             slot.write(b"\xff\xfe")
-        for transport in ("shm", "http"):  # both read the same memory; every puller verifies
+        for transport in ("shm", "http"):  # both read the same memory; a puller that hashes finds it
             with pytest.raises(ChecksumMismatch):
-                client.pull(1, transport)
+                client.pull(1, transport, verify="checksum")
+        with pytest.raises(ChecksumMismatch):
+            client.pull(1, "http")  # http hashes by default
 
 
 def test_the_trainer_pushes_again_a_version_the_ps_lost_before_persisting_it(tmp_path: Path) -> None:
