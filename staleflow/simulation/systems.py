@@ -126,6 +126,8 @@ class SystemSpec:
                 self.checkpoint_tokens:
             return None
         s = self.strategy
+        if s.length_aware or s.adaptive_redundancy:
+            return None
         flags = (s.routing is RoutingMode.THROUGHPUT, s.sync not in (SyncMode.GREEDY, SyncMode.GLOBAL),
                  s.migration is not MigrationMode.NONE)
         if s.pull is not _pull_of(*flags):
@@ -200,6 +202,14 @@ def catalog(redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:
                 strategy=replace(full.strategy, pull=PullMode.INTERRUPT, route_by_speed=False), tuned=False),
         replace(full, name="sf-rsm@keep", label="StaleFlow with Pulls that keep the trajectories and their KV",
                 strategy=replace(full.strategy, pull=PullMode.KEEP, route_by_speed=False), tuned=False),
+        replace(full, name="sf-rsm+len", label="StaleFlow with length-aware routing (longest predicted first)",
+                strategy=replace(full.strategy, length_aware=True), tuned=False),
+        replace(full, name="sf-rsm+adaptive", label=f"StaleFlow + batch redundancy {redundancy:g} sized by the "
+                "predicted tail", batch_redundancy=redundancy, strategy=replace(full.strategy, adaptive_redundancy=True),
+                tuned=False),
+        replace(full, name="sf-rsm+len+adaptive", label="StaleFlow with length-aware routing and adaptive redundancy",
+                batch_redundancy=redundancy, strategy=replace(full.strategy, length_aware=True,
+                                                              adaptive_redundancy=True), tuned=False),
         ORACLE_SPEC,
     ]
     return systems

@@ -35,15 +35,17 @@ def plan_cycle(
     config: StrategyConfig,
     on_instances: Mapping[str, PendingTrajectory] | None = None,
     group_versions: Mapping[str, int] | None = None,
+    new_groups: int | None = None,
 ) -> CyclePlan:
     """Decide the commands of one cycle from validated snapshots. Inputs are not modified.
 
     ``on_instances`` describes the trajectories currently on instances (group, V_traj, length
     when routed) so that interrupted ones can be routed again in the same pass; the Route waits
-    for them to reach the trajectory server. ``admission`` is the ledger's answer for this cycle.
+    for them to reach the trajectory server. ``admission`` is the ledger's answer for this cycle;
+    ``new_groups`` caps the groups the pass reserves (adaptive redundancy, ``over_reservation``).
     """
     states = {inst.instance_id: inst.copy() for inst in instances}
-    budget = AdmissionBudget(dict(admission))
+    budget = AdmissionBudget(dict(admission), new_groups)
     on_instances = on_instances or {}
     group_versions = dict(group_versions or {})
     waiting = reachable(pending, budget, group_versions)
@@ -58,7 +60,8 @@ def plan_cycle(
             if known is None:
                 continue  # unknown here: it returns to the trajectory server and waits a cycle
             length = max(known.length, int(share)) if traj_id in running else known.length
-            waiting.append(PendingTrajectory(traj_id, known.group_id, known.v_traj, length, known.seq))
+            waiting.append(PendingTrajectory(traj_id, known.group_id, known.v_traj, length, known.seq,
+                                             known.remaining))
         inst.discard(set(traj_ids))
 
     plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions)
