@@ -83,13 +83,13 @@ class StrategyConfig:
     # arrival order within a level.
     length_aware: bool = False
     # Speculative over-reservation: with batch redundancy in the ledger (its capacity above B), the
-    # extra groups are reserved only while the groups the next buffers wait for have a long
-    # predicted tail (``over_reservation.extra_groups``); False: the ledger's whole capacity is used.
+    # extra groups are reserved only while the groups the next buffer waits for have a long
+    # predicted tail (``over_reservation``); False: the ledger's whole capacity is used.
     adaptive_redundancy: bool = False
-    # Adaptive redundancy reserves every extra group once the longest predicted remainder of the
-    # groups the next buffer waits for is this many times a typical trajectory's length (none at
-    # 1x or below, a share in between).
-    tail_threshold: float = 2.0
+    # Adaptive redundancy uses none of the extra groups while the longest predicted remainder of the
+    # groups the next buffer waits for is at most this many times a typical trajectory's length,
+    # all of them from twice that on, a proportional share in between.
+    tail_threshold: float = 2.5
 
     def __post_init__(self) -> None:
         if not 0 <= self.mu <= 1:
@@ -102,7 +102,7 @@ class StrategyConfig:
             raise ValueError(f"sync_kv_threshold must be within [0, 1], got {self.sync_kv_threshold}")
         if not 0 <= self.keep_share <= 1:
             raise ValueError(f"keep_share must be within [0, 1], got {self.keep_share}")
-        if self.tail_threshold <= 1:
-            raise ValueError(f"tail_threshold must be > 1, got {self.tail_threshold}")
+        if self.tail_threshold <= 0:
+            raise ValueError(f"tail_threshold must be > 0, got {self.tail_threshold}")
         if self.migration_min_trajectories < 1:
             raise ValueError(f"migration_min_trajectories must be >= 1, got {self.migration_min_trajectories}")

@@ -457,15 +457,13 @@ class ClusterSimulation:
             self._skipped += 1
             return None
         started = time.perf_counter()  # predicting lengths is part of the coordinator's decision
-        new_groups = None
         if self.lengths is not None:
             if self.strategy.length_aware:
                 pending = self.lengths.with_remainders(pending)
             if self.strategy.adaptive_redundancy:
-                new_groups = self.lengths.new_groups(self.strategy, self.eta, self.workload.batch_size,
-                                                     self.ledger.capacity)
-        plan = plan_cycle(states, pending, version, admission, self.strategy, self._on_instances,
-                          new_groups=new_groups)
+                admission = self.lengths.spare_admission(admission, self.strategy, self.eta,
+                                                         self.ledger.capacity - self.workload.batch_size)
+        plan = plan_cycle(states, pending, version, admission, self.strategy, self._on_instances)
         self._decision_ms.append((time.perf_counter() - started) * 1e3)
         return plan
 

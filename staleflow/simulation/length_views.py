@@ -2,7 +2,7 @@
 a real one sees: completed trajectories' lengths, and the tokens the trajectory server holds of
 the others (a partial's, after an Interrupt; 0 for one that has run uninterrupted since routed).
 It feeds length-aware routing (``PendingTrajectory.remaining``) and adaptive redundancy (the
-reservation cap of ``over_reservation``). Never the workload's parameters or true lengths."""
+admission ``over_reservation`` withholds). Never the workload's parameters or true lengths."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from staleflow.config.strategy import StrategyConfig
 from staleflow.length_prediction import LengthPredictor
 from staleflow.simulation.trajectory_pool import SimTrajectory, TrajectoryPool
 from staleflow.strategies import PendingTrajectory
-from staleflow.strategies.over_reservation import predicted_tail, reservation_cap
+from staleflow.strategies.over_reservation import extra_groups, predicted_tail, spare_admission
 from staleflow.trajectory_book import GroupRecord, GroupState, TrajState
 
 _UNFINISHED = (TrajState.PENDING, TrajState.ROUTED)
@@ -65,9 +65,8 @@ class PredictedLengths:
         remainders = [r for g in reserved if g.v_traj == oldest for r in self._remainders(g).values()]
         return predicted_tail(remainders, self.predictor.typical_length())
 
-    def new_groups(self, config: StrategyConfig, eta: int, batch_size: int, capacity: int) -> int:
-        """How many groups this cycle may reserve under adaptive redundancy."""
-        book = self.pool.book
-        live = book.groups_in(GroupState.RESERVED) + book.groups_in(GroupState.OCCUPIED)
-        return reservation_cap(live, batch_size, eta, (eta + 1) * (capacity - batch_size), self.tail(),
-                               config.tail_threshold)
+    def spare_admission(self, admission: dict[int, int], config: StrategyConfig, eta: int,
+                        surplus_per_buffer: int) -> dict[int, int]:
+        """The admission table with the extra groups the predicted tail does not call for withheld."""
+        unused = surplus_per_buffer - extra_groups(self.tail(), surplus_per_buffer, config.tail_threshold)
+        return spare_admission(admission, eta, unused)

@@ -5,14 +5,20 @@ occupied fill the buffer and the rest are aborted as surplus. It pays when a buf
 otherwise wait for a long tail (a few long groups), and costs the surplus's tokens when it would
 not. So the extra groups are reserved only while the tail is predicted long: the longest
 predicted remainder among the unfinished members of the groups the next buffer waits for, over a
-typical trajectory's length (``LengthPredictor``). At or below 1x none are reserved, from
-``tail_threshold`` on all of them, a proportional share in between. Pure arithmetic.
+typical trajectory's length (``LengthPredictor``). Up to ``tail_threshold`` none are reserved, from
+twice that on all ``C - B`` of them, a proportional share in between.
+
+The strategies withhold the unused part from the ledger's admission table: a group of version
+``v`` may use the buffers ``t .. v + eta`` (``t``, the trainer's version, is the newest key of the
+table), so a ledger of capacity ``C - unused`` would admit ``unused x (v + eta - t + 1)`` fewer of
+them (exactly so at ``v = t``, where new groups start; at most that many fewer at older versions).
+Pure arithmetic.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 def predicted_tail(remainders: Iterable[float], typical_length: float) -> float:
@@ -23,19 +29,22 @@ def predicted_tail(remainders: Iterable[float], typical_length: float) -> float:
 
 
 def extra_groups(tail: float, surplus_capacity: int, tail_threshold: float) -> int:
-    """How many of the ledger's ``surplus_capacity`` extra groups to keep reserved for a tail of
+    """How many of the ledger's ``surplus_capacity`` extra groups per buffer to use for a tail of
     ``tail`` (``predicted_tail``)."""
     if surplus_capacity < 0:
         raise ValueError(f"surplus_capacity must be >= 0, got {surplus_capacity}")
-    if tail_threshold <= 1:
-        raise ValueError(f"tail_threshold must be > 1, got {tail_threshold}")
-    share = min(1.0, max(0.0, (tail - 1.0) / (tail_threshold - 1.0)))
+    if tail_threshold <= 0:
+        raise ValueError(f"tail_threshold must be > 0, got {tail_threshold}")
+    share = min(1.0, max(0.0, tail / tail_threshold - 1.0))
     return math.ceil(surplus_capacity * share - 1e-9)
 
 
-def reservation_cap(live_groups: int, batch_size: int, eta: int, surplus_capacity: int, tail: float,
-                    tail_threshold: float) -> int:
-    """New groups a cycle may reserve: ``(eta + 1) x B`` plus the extra groups the tail calls for,
-    less the groups already reserved or occupied and not consumed (``live_groups``)."""
-    wanted = (eta + 1) * batch_size + extra_groups(tail, surplus_capacity, tail_threshold)
-    return max(0, wanted - live_groups)
+def spare_admission(admission: Mapping[int, int], eta: int, unused_per_buffer: int) -> dict[int, int]:
+    """The ledger's admission table less the ``unused_per_buffer`` extra groups of every buffer a
+    version's groups may use."""
+    if unused_per_buffer < 0:
+        raise ValueError(f"unused_per_buffer must be >= 0, got {unused_per_buffer}")
+    if not admission or not unused_per_buffer:
+        return dict(admission)
+    t = max(admission)
+    return {v: max(0, n - unused_per_buffer * (v + eta - t + 1)) for v, n in admission.items()}

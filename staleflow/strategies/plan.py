@@ -35,17 +35,15 @@ def plan_cycle(
     config: StrategyConfig,
     on_instances: Mapping[str, PendingTrajectory] | None = None,
     group_versions: Mapping[str, int] | None = None,
-    new_groups: int | None = None,
 ) -> CyclePlan:
     """Decide the commands of one cycle from validated snapshots. Inputs are not modified.
 
     ``on_instances`` describes the trajectories currently on instances (group, V_traj, length
     when routed) so that interrupted ones can be routed again in the same pass; the Route waits
-    for them to reach the trajectory server. ``admission`` is the ledger's answer for this cycle;
-    ``new_groups`` caps the groups the pass reserves (adaptive redundancy, ``over_reservation``).
+    for them to reach the trajectory server. ``admission`` is the ledger's answer for this cycle.
     """
     states = {inst.instance_id: inst.copy() for inst in instances}
-    budget = AdmissionBudget(dict(admission), new_groups)
+    budget = AdmissionBudget(dict(admission))
     on_instances = on_instances or {}
     group_versions = dict(group_versions or {})
     waiting = reachable(pending, budget, group_versions)

@@ -73,23 +73,17 @@ class AdmissionBudget:
     minimum of the prefix slacks over the buffers a version-v group may use, so one reservation
     at version v lowers the count of every v' >= v by one and caps every v' < v at
     ``admissible[v] - 1``: exactly what the ledger would answer after that reservation.
-
-    ``new_groups`` (None: no cap) caps the reservations the pass may make whatever the ledger
-    admits (adaptive redundancy keeps the ledger's extra capacity unused while the tail is short).
     """
 
-    def __init__(self, admissible: dict[int, int], new_groups: int | None = None):
+    def __init__(self, admissible: dict[int, int]):
         self._admissible = dict(admissible)
-        self._cap = new_groups
 
     def allows(self, v: int) -> bool:
-        return self._admissible.get(v, 0) > 0 and (self._cap is None or self._cap > 0)
+        return self._admissible.get(v, 0) > 0
 
     def take(self, v: int) -> None:
         if not self.allows(v):
             raise ValueError(f"no admission left for v_traj {v}")
-        if self._cap is not None:
-            self._cap -= 1
         limit = self._admissible[v] - 1
         for other in self._admissible:
             if other >= v:
@@ -100,11 +94,10 @@ class AdmissionBudget:
     def max_new_groups(self) -> int:
         """An upper bound on the groups one pass can reserve: every ``take`` lowers the largest
         count by one (it lowers every v' >= v and caps every v' < v below the old count at v)."""
-        most = max(self._admissible.values(), default=0)
-        return most if self._cap is None else max(0, min(most, self._cap))
+        return max(self._admissible.values(), default=0)
 
     def copy(self) -> AdmissionBudget:
-        return AdmissionBudget(self._admissible, self._cap)
+        return AdmissionBudget(self._admissible)
 
     def as_dict(self) -> dict[int, int]:
         return dict(self._admissible)

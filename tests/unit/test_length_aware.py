@@ -1,5 +1,5 @@
-"""Length-aware routing, the reservation cap and adaptive redundancy's sizing (pure strategies),
-and both in whole simulated jobs."""
+"""Length-aware routing and adaptive redundancy's sizing (pure strategies), and both in whole
+simulated jobs."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staleflow.config.manager import LedgerParams
 from staleflow.config.strategy import StrategyConfig
 from staleflow.cost_model import CostModel
+from staleflow.ledger import Ledger
 from staleflow.simulation import ClusterSimulation, RunResult, scenario
 from staleflow.simulation.experiment import Point, SimulatedJob
 from staleflow.simulation.systems import catalog
-from staleflow.strategies import AdmissionBudget, InstanceState, PendingTrajectory, plan_cycle, route
-from staleflow.strategies.over_reservation import extra_groups, predicted_tail, reservation_cap
+from staleflow.strategies import AdmissionBudget, InstanceState, PendingTrajectory, route
+from staleflow.strategies.over_reservation import extra_groups, predicted_tail, spare_admission
 
 COST = CostModel(kv_budget=30_000)
 
@@ -57,52 +59,38 @@ def test_length_aware_routing_changes_the_order_not_what_is_admissible(trajs, fl
         route(instances, flat, AdmissionBudget({}), StrategyConfig())
 
 
-# ---------------------------------------------------------------------- the reservation cap
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(0, 12), st.integers(1, 8), st.integers(0, 3))
-def test_a_pass_reserves_no_more_groups_than_its_cap(cap, groups, versions) -> None:
-    instances = [idle(f"i{v}", version=v) for v in range(versions + 1)]
-    pending = [PendingTrajectory(f"g{g}-{m}", f"g{g}", None, 200, 4 * g + m) for g in range(groups) for m in range(4)]
-    admission = {v: 50 for v in range(versions + 1)}
-    plan = plan_cycle(instances, pending, versions, admission, StrategyConfig(), new_groups=cap)
-    reserved = {d.group_id for d in plan.routes if d.reserves_group}
-    assert len(reserved) == min(cap, groups)
-    uncapped = plan_cycle(instances, pending, versions, admission, StrategyConfig())
-    assert {d.group_id for d in uncapped.routes if d.reserves_group} == {f"g{g}" for g in range(groups)}
-
-
-def test_a_capped_budget_still_follows_the_ledgers_table() -> None:
-    budget = AdmissionBudget({0: 1, 1: 5}, new_groups=3)
-    assert budget.max_new_groups() == 3
-    budget.take(0)
-    assert not budget.allows(0) and budget.allows(1) and budget.max_new_groups() == 2
-    budget.take(1)
-    budget.take(1)
-    assert not budget.allows(1) and budget.max_new_groups() == 0
-    assert AdmissionBudget({0: 1}, new_groups=0).max_new_groups() == 0
-
-
 # ---------------------------------------------------------------------- adaptive redundancy
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.floats(0, 50), st.floats(0, 50), st.integers(0, 200), st.floats(1.01, 10))
+@given(st.floats(0, 50), st.floats(0, 50), st.integers(0, 200), st.floats(0.5, 10))
 def test_extra_groups_grow_with_the_tail_within_the_ledgers_surplus(tail, more, capacity, threshold) -> None:
     fewer, most = extra_groups(tail, capacity, threshold), extra_groups(tail + more, capacity, threshold)
     assert 0 <= fewer <= most <= capacity
-    assert extra_groups(min(tail, 1.0), capacity, threshold) == 0
-    assert extra_groups(max(tail, threshold), capacity, threshold) == capacity
+    assert extra_groups(min(tail, threshold), capacity, threshold) == 0
+    assert extra_groups(max(tail, 2 * threshold), capacity, threshold) == capacity
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.integers(0, 2_000), st.integers(1, 256), st.integers(0, 4), st.integers(0, 100), st.floats(0, 10))
-def test_the_cap_keeps_eta_plus_one_batches_and_what_the_tail_adds(live, batch, eta, surplus, tail) -> None:
-    cap = reservation_cap(live, batch, eta, surplus, tail, 2.0)
-    assert cap >= 0
-    assert live + cap >= (eta + 1) * batch or cap == 0
-    assert live + cap <= (eta + 1) * batch + surplus or cap == 0
+def ledger(capacity: int, eta: int, groups: int) -> Ledger:
+    """B = 4, ``capacity`` groups per buffer, ``groups`` reserved at version 0."""
+    ledger = Ledger(LedgerParams(eta, 4, batch_redundancy=(capacity - 4) / 4))
+    for k in range(groups):
+        ledger.reserve(f"g{k}", 0)
+    return ledger
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 3), st.integers(0, 4), st.data())
+def test_withheld_admission_is_what_a_ledger_without_the_unused_surplus_admits(eta, unused, data) -> None:
+    """Two real ledgers holding the same groups, of capacity B + 4 and B + 4 - unused: the table
+    withheld from the first is the second's for new groups (at the trainer's version), and never
+    above the first's."""
+    groups = data.draw(st.integers(0, 4 * (eta + 1)))
+    big, small = ledger(8, eta, groups), ledger(8 - unused, eta, groups)
+    withheld = spare_admission(big.admission(), eta, unused)
+    assert withheld == small.admission()
+    assert all(0 <= n <= big.admission()[v] for v, n in withheld.items())
+    assert spare_admission(big.admission(), eta, 0) == big.admission()
 
 
 def test_the_tail_is_the_longest_remainder_over_a_typical_length_and_bad_input_is_refused() -> None:
@@ -111,9 +99,11 @@ def test_the_tail_is_the_longest_remainder_over_a_typical_length_and_bad_input_i
     with pytest.raises(ValueError, match="typical_length"):
         predicted_tail([1], 0)
     with pytest.raises(ValueError, match="tail_threshold"):
-        extra_groups(2, 8, 1.0)
+        extra_groups(2, 8, 0)
+    with pytest.raises(ValueError, match="unused_per_buffer"):
+        spare_admission({0: 3}, 1, -1)
     with pytest.raises(ValueError, match="tail_threshold"):
-        StrategyConfig(tail_threshold=1.0)
+        StrategyConfig(tail_threshold=0)
 
 
 # ---------------------------------------------------------------------- whole jobs
