@@ -161,7 +161,8 @@ class LengthPredictor:
         mean, var, s2 = self.group_log_mean(group_id, generated, prompt_key)
         sigma = math.sqrt(var + s2)
         cap = math.inf if self.max_tokens is None else self.max_tokens
-        return [max(min(_expected_above(mean, sigma, g), cap), float(g)) for g in generated]
+        expected = {g: max(min(_expected_above(mean, sigma, g), cap), float(g)) for g in set(generated)}
+        return [expected[g] for g in generated]
 
     def remaining(self, group_id: str, generated: int = 0, running: Iterable[int] = (),
                   prompt_key: str | None = None) -> float:

@@ -68,5 +68,7 @@ class PredictedLengths:
     def spare_admission(self, admission: dict[int, int], config: StrategyConfig, eta: int,
                         surplus_per_buffer: int) -> dict[int, int]:
         """The admission table with the extra groups the predicted tail does not call for withheld."""
+        if not any(admission.values()):
+            return admission  # nothing to withhold: the tail need not be predicted
         unused = surplus_per_buffer - extra_groups(self.tail(), surplus_per_buffer, config.tail_threshold)
         return spare_admission(admission, eta, unused)
