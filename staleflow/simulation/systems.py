@@ -47,6 +47,12 @@ must match: the checked property that StaleFlow's machinery costs nothing by its
   trajectories re-prefill), routing by the cost model alone: the paper's StaleFlow.
 * ``sf-rsm@keep`` - StaleFlow whose Pulls all keep the running trajectories and their KV cache,
   routing by the cost model alone (StaleFlow before Pulls were chosen per instance).
+* ``sf-rsm+len`` / ``sf-rsm+adaptive`` / ``sf-rsm+len+adaptive`` - StaleFlow with length-aware
+  routing (longest predicted remainder first), with batch redundancy sized by the predicted tail,
+  or both (``StrategyConfig.length_aware`` / ``adaptive_redundancy``, fed by
+  ``length_views.PredictedLengths``). Measured at paper-20k, 64 instances, eta = 1 and 3: length-aware
+  routing within -0.8 % (noise), adaptive redundancy -2.1 to -4.9 % (fixed redundancy -3.7 to
+  -8.1 %), so ``sf-rsm`` runs neither (docs/benchmarks.md).
 """
 
 from __future__ import annotations
