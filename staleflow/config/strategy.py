@@ -77,6 +77,19 @@ class StrategyConfig:
     # Routing weighs each instance's marginal gain (Eq. 3) by its observed decode speed
     # (``InstanceState.speed``): a straggler's tokens come slower than the cost model predicts.
     route_by_speed: bool = False
+    # Length-aware routing: each priority level is routed longest predicted remainder first (the
+    # ``remaining`` tokens a ``LengthPredictor`` expects of each waiting trajectory), so long work
+    # starts early on the instances with the most room and short work fills the tail; False:
+    # arrival order within a level.
+    length_aware: bool = False
+    # Speculative over-reservation: with batch redundancy in the ledger (its capacity above B), the
+    # extra groups are reserved only while the groups the next buffer waits for have a long
+    # predicted tail (``over_reservation``); False: the ledger's whole capacity is used.
+    adaptive_redundancy: bool = False
+    # Adaptive redundancy uses none of the extra groups while the longest predicted remainder of the
+    # groups the next buffer waits for is at most this many times a typical trajectory's length,
+    # all of them from twice that on, a proportional share in between.
+    tail_threshold: float = 2.5
 
     def __post_init__(self) -> None:
         if not 0 <= self.mu <= 1:
@@ -89,5 +102,7 @@ class StrategyConfig:
             raise ValueError(f"sync_kv_threshold must be within [0, 1], got {self.sync_kv_threshold}")
         if not 0 <= self.keep_share <= 1:
             raise ValueError(f"keep_share must be within [0, 1], got {self.keep_share}")
+        if self.tail_threshold <= 0:
+            raise ValueError(f"tail_threshold must be > 0, got {self.tail_threshold}")
         if self.migration_min_trajectories < 1:
             raise ValueError(f"migration_min_trajectories must be >= 1, got {self.migration_min_trajectories}")

@@ -46,6 +46,7 @@ from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError
 from staleflow.length_skew import Fate, LengthSkew
 from staleflow.simulation.completion_order import CompletionOrderLedger
+from staleflow.simulation.length_views import PredictedLengths
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
 from staleflow.simulation.settings import SimulatedCluster
 from staleflow.simulation.systems import CHECKPOINT_STALL_S, Pipeline, WeightSync
@@ -117,6 +118,8 @@ class ClusterSimulation:
         self.pool = TrajectoryPool(w, w.batch_size, params.group_members, params.group_size,
                                    Fate.DROPPED if self.system.batch_redundancy else Fate.ABORTED)
         self.strategy: StrategyConfig = self.system.strategy_for(self.eta, w.batch_size, params.group_members)
+        predicts = self.strategy.length_aware or self.strategy.adaptive_redundancy
+        self.lengths = PredictedLengths(self.pool, w.max_response_tokens) if predicts else None
         sim = replace(config.sim, workload=w, reprefill=self.system.reprefill)
         if self.system.max_num_seqs is not None:
             sim = replace(sim, max_running=self.system.max_num_seqs)
@@ -280,6 +283,8 @@ class ClusterSimulation:
         self.skew.generated(traj.traj_id, traj.generated)
         self._on_instances.pop(traj.traj_id, None)
         self._counters["completed"] += 1
+        if self.lengths is not None:
+            self.lengths.finished(traj)
         surplus = self.pool.surplus_groups
         counted, occupied, abort = self.pool.completed(self.cores[i].instance_id, traj, self.ledger.occupy)
         if not counted:
@@ -343,6 +348,8 @@ class ClusterSimulation:
         buffer = transition.buffer
         assert buffer is not None and transition.consumed is not None
         record = self._record_batch(buffer, len(transition.consumed), batch)
+        if self.lengths is not None:
+            self.lengths.forget(transition.consumed)
         seconds = self.config.trainer.step_seconds(record.trained_tokens, self.config.train_gpus)
         self._training = True
         self._steps_started += 1
@@ -449,7 +456,13 @@ class ClusterSimulation:
         if not self._may_act(states, pending, version, admission):
             self._skipped += 1
             return None
-        started = time.perf_counter()
+        started = time.perf_counter()  # predicting lengths is part of the coordinator's decision
+        if self.lengths is not None:
+            if self.strategy.length_aware:
+                pending = self.lengths.with_remainders(pending)
+            if self.strategy.adaptive_redundancy:
+                admission = self.lengths.spare_admission(admission, self.strategy, self.eta,
+                                                         self.ledger.capacity - self.workload.batch_size)
         plan = plan_cycle(states, pending, version, admission, self.strategy, self._on_instances)
         self._decision_ms.append((time.perf_counter() - started) * 1e3)
         return plan

@@ -58,7 +58,8 @@ def plan_cycle(
             if known is None:
                 continue  # unknown here: it returns to the trajectory server and waits a cycle
             length = max(known.length, int(share)) if traj_id in running else known.length
-            waiting.append(PendingTrajectory(traj_id, known.group_id, known.v_traj, length, known.seq))
+            waiting.append(PendingTrajectory(traj_id, known.group_id, known.v_traj, length, known.seq,
+                                             known.remaining))
         inst.discard(set(traj_ids))
 
     plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions)

@@ -41,16 +41,23 @@ class RouteDecision(NamedTuple):  # a tuple: a pass creates thousands, a frozen 
 
 
 class _MultiLevelQueue:
-    def __init__(self, pending: Iterable[PendingTrajectory], group_versions: dict[str, int]):
+    def __init__(self, pending: Iterable[PendingTrajectory], group_versions: dict[str, int],
+                 longest_first: bool = False):
         self.levels: dict[int, deque[PendingTrajectory]] = {}
         self.withheld = False  # a trajectory of the current level was passed over: the pass ends with it
-        self.initial: dict[str, deque[PendingTrajectory]] = {}  # by group, groups in arrival order
+        # by group, groups in arrival order (longest_first: by their first member's predicted remainder)
+        self.initial: dict[str, deque[PendingTrajectory]] = {}
         for t in sorted(pending, key=_SEQ):
             v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
             if v is None:
                 self.initial.setdefault(t.group_id, deque()).append(t)
             else:
                 self.levels.setdefault(v, deque()).append(t)
+        if longest_first:  # stable: arrival order among equal predictions
+            for v, level in self.levels.items():
+                self.levels[v] = deque(sorted(level, key=_REMAINING, reverse=True))
+            order = sorted(self.initial.values(), key=lambda group: group[0].remaining, reverse=True)
+            self.initial = {group[0].group_id: group for group in order}
 
     def head(self) -> tuple[PendingTrajectory, int | None] | None:
         """The highest-priority trajectory and its version (None: initial)."""
@@ -228,6 +235,7 @@ def reachable(pending: Iterable[PendingTrajectory], budget: AdmissionBudget,
 
 
 _SEQ = attrgetter("seq")
+_REMAINING = attrgetter("remaining")
 
 
 def route(
@@ -258,7 +266,7 @@ def route(
         lo += len(insts)
     budget = budget.copy()
     group_versions = dict(group_versions or {})
-    queue = _MultiLevelQueue(pending, group_versions)
+    queue = _MultiLevelQueue(pending, group_versions, config.length_aware)
     in_flight = int(fleet.count.sum())
     choose = _waterfall if config.routing is RoutingMode.THROUGHPUT else _fewest_trajectories
     decisions: list[RouteDecision] = []

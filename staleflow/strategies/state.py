@@ -63,6 +63,7 @@ class PendingTrajectory:
     v_traj: int | None  # None: an initial trajectory whose group has no version yet
     length: int  # tokens of context it brings: prompt plus what it generated so far
     seq: int = 0  # arrival order: FIFO within a priority level
+    remaining: float = 0.0  # predicted tokens still to generate (0: no prediction); length-aware routing
 
 
 class AdmissionBudget:
