@@ -89,9 +89,15 @@ def test_a_refusal_is_raised_at_once_and_a_long_outage_gives_up() -> None:
 
 
 def test_a_stop_ends_the_retries() -> None:
+    """A stop set while the service is down (here: on its third failure) ends the retries."""
     stop = threading.Event()
-    down, calls = _failing([ServiceError(503, "down")] * 1000)
-    threading.Timer(0.05, stop.set).start()
+    failing, calls = _failing([ServiceError(503, "down")] * 1000)
+
+    def down() -> str:
+        if len(calls) == 2:
+            stop.set()
+        return failing()
+
     with pytest.raises(RetriesStopped):
         retry_transient("ask", down, stop, backoff=Backoff(0.005, 0.01))
-    assert len(calls) >= 1
+    assert len(calls) == 3
