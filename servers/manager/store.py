@@ -326,7 +326,8 @@ class DurableLedger:
     def _archived_fates_of_reserved(self, conn: Connection, batch: list[tuple[str, tuple, Future]]) -> dict[str, Fate | None]:
         """How each group id the batch reserves left the ledger long ago (None: never), in one
         query: the ledger asks its archive about every new id, and memory holds only recent ones."""
-        fates: dict[str, Fate | None] = dict.fromkeys(args[0] for name, args, _ in batch if name == "reserve")
+        fates: dict[str, Fate | None] = dict.fromkeys(
+            args[0] for name, args, _ in batch if name == "reserve" and args and isinstance(args[0], str))
         if fates:
             fates.update((g, Fate(fate)) for g, fate in conn.execute(self._retired_fates, {"ids": list(fates)}))
         return fates
