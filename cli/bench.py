@@ -24,16 +24,19 @@ def _print(results: dict) -> None:
     table.add_column("measurement")
     table.add_column("result", justify="right")
     table.add_column("goal", justify="right")
-    table.add_row("pure ledger transitions/s", f"{results['pure']['per_second']:,.0f}", ">= 100,000")
+    table.add_column("CPU us per op", justify="right")
+    table.add_row("pure ledger transitions/s", f"{results['pure']['per_second']:,.0f}", ">= 100,000",
+                  f"{results['pure']['cpu_us_per_transition']:,.1f}")
     for key, label in (
         ("durable_sequential", "durable transitions/s, 1 client, FULL sync"),
         ("durable_concurrent", f"durable transitions/s, {results['durable_concurrent']['workers']} clients, FULL sync"),
         ("durable_concurrent_normal", f"durable transitions/s, {results['durable_concurrent']['workers']} clients, NORMAL sync"),
     ):
-        table.add_row(label, f"{results[key]['per_second']:,.0f}", ">= 5,000")
+        table.add_row(label, f"{results[key]['per_second']:,.0f}", ">= 5,000", f"{results[key]['cpu_us_per_transition']:,.0f}")
     for op in ("reserve", "occupy"):
         h = results["http"][op]
-        table.add_row(f"HTTP {op} latency p50 / p99 (ms)", f"{h['p50_ms']:.2f} / {h['p99_ms']:.2f}", "p50 <= 2")
+        table.add_row(f"HTTP {op} latency p50 / p99 (ms)", f"{h['p50_ms']:.2f} / {h['p99_ms']:.2f}", "p50 <= 2",
+                      f"{results['http']['cpu_us_per_request']:,.0f} (a request)" if op == "reserve" else "")
     console.print(table)
 
 

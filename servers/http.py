@@ -132,7 +132,8 @@ class BodyTooLarge(HTTPException):
 
 class BodyLimitMiddleware:
     """Refuses request bodies over ``limit`` bytes with 413: by Content-Length before reading,
-    and by counting what arrives for chunked or under-declared bodies. Paths matching the app's
+    and by counting what arrives for chunked bodies (the server frames any other body by its
+    Content-Length, so no more than declared can arrive). Paths matching the app's
     ``state.body_limit_exempt`` (a regex; the PS's chunk uploads, bounded per chunk) pass."""
 
     def __init__(self, app: ASGIApp, limit: int, exempt: str | None = None):
@@ -145,9 +146,14 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limit, path = self.limit, scope["path"]
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._refuse(send, BodyTooLarge(limit, path))
+            return
+        if b"transfer-encoding" not in headers and (declared is None or declared.isdigit()):
+            # the server frames such a body by its Content-Length (none: no body), so no more can arrive
+            await self.app(scope, receive, send)
             return
         received = 0
         started = False

@@ -269,6 +269,8 @@ class _RequestMetrics:
 
     def __init__(self, app: Any, component: str, requests: Counter, latency: Histogram):
         self.app, self.component, self.requests, self.latency = app, component, requests, latency
+        # the labelled series of each (method, route, status): ``labels()`` costs a lock and a lookup per call
+        self._series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -287,8 +289,13 @@ class _RequestMetrics:
         finally:
             path = getattr(scope.get("route"), "path", None) or "unmatched"  # the router sets it on the scope
             if path != "/metrics":
-                self.requests.labels(self.component, scope["method"], path, str(status[0])).inc()
-                self.latency.labels(self.component, scope["method"], path).observe(time.perf_counter() - begun)
+                key = (scope["method"], path, status[0])
+                series = self._series.get(key)
+                if series is None:
+                    series = self._series[key] = (self.requests.labels(self.component, key[0], path, str(key[2])),
+                                                  self.latency.labels(self.component, key[0], path))
+                series[0].inc()
+                series[1].observe(time.perf_counter() - begun)
 
 
 def exported_series(text: str) -> set[str]:

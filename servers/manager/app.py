@@ -75,7 +75,8 @@ def ledger_metrics(ledger: DurableLedger) -> list:
     ]
 
 
-def the_ledger(request: Request) -> DurableLedger:
+async def the_ledger(request: Request) -> DurableLedger:
+    # async: FastAPI runs a sync dependency in its thread pool, a thread hop on every request
     return request.app.state.ledger
 
 

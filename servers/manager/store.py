@@ -7,6 +7,10 @@ calls return. If the commit fails, the memory state is rebuilt from the database
 the batch fails, so memory and disk never diverge and nothing half-applied is visible: readers take
 the same lock the writer holds from the first apply to the commit.
 
+Only the recently retired groups stay in memory; whether a new group id was retired long ago is
+asked of ``ledger_retired`` once per batch, for all the batch's reservations in one query on the
+writer's connection, inside the batch's transaction.
+
 On PostgreSQL the writer's session also holds an advisory lock for the ledger's lifetime, so two
 managers can never write one ledger: a second one (say, a restarted manager whose predecessor is
 not quite dead) waits for the lock, and the server drops a vanished holder's session within
@@ -27,7 +31,6 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -42,7 +45,6 @@ from staleflow.ledger import (
     EntryStatus,
     Fate,
     Ledger,
-    LedgerError,
     PutEntry,
     RetireEntry,
     SetSealed,
@@ -101,6 +103,10 @@ class DurableLedger:
             .values({c: bindparam(c) for c in ("v_traj", "deadline", "status", "seq", "occupied_seq", "completed")})
         )
         self._delete_entry = delete(ledger_entries).where(ledger_entries.c.group_id == bindparam("key"))
+        self._retired_fates = select(ledger_retired.c.group_id, ledger_retired.c.fate).where(
+            ledger_retired.c.group_id.in_(bindparam("ids", expanding=True)))
+        # the archived fates of the group ids the batch being applied reserves (None: never retired)
+        self._batch_fates: dict[str, Fate | None] = {}
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._writer = threading.Thread(target=self._writer_loop, name="ledger-writer", daemon=True)
@@ -197,6 +203,8 @@ class DurableLedger:
         return params.eta + 2
 
     def _archived_fate(self, group_id: str) -> Fate | None:
+        if group_id in self._batch_fates:
+            return self._batch_fates[group_id]
         with self.engine.connect() as conn:
             fate = conn.execute(select(ledger_retired.c.fate).where(ledger_retired.c.group_id == group_id)).scalar()
         return None if fate is None else Fate(fate)
@@ -227,7 +235,7 @@ class DurableLedger:
         if self._closed:
             future.set_exception(StoreError("the ledger is closed"))
             return future
-        self._queue.put((lambda: getattr(self.ledger, name)(*args), future))
+        self._queue.put((name, args, future))
         return future
 
     def reserve(self, group_id: str, v_traj: int) -> Transition:
@@ -276,27 +284,25 @@ class DurableLedger:
             self._stale = False
         return self._conn
 
-    def _commit_batch(self, batch: list[tuple[Callable[[], Transition], Future]]) -> None:
+    def _commit_batch(self, batch: list[tuple[str, tuple, Future]]) -> None:
         with self._lock:
             try:
                 conn = self._ready()
             except Exception as exc:  # the database is unreachable, or owned by another manager
-                for _, future in batch:
+                for _, _, future in batch:
                     future.set_exception(StoreError(f"the ledger's database is not usable now: {exc}"))
                 return
-            done: list[tuple[Future, Transition]] = []
-            for op, future in batch:
-                try:
-                    done.append((future, op()))  # a refused op raises before touching state
-                except LedgerError as exc:
-                    future.set_exception(exc)
-                except Exception as exc:  # a bug must not kill the writer
-                    future.set_exception(exc)
-            if not done:
-                return
+            done: dict[Future, Transition] = {}
             try:
                 with conn.begin():
-                    self._write(conn, [t for _, t in done])
+                    self._batch_fates = self._archived_fates_of_reserved(conn, batch)
+                    for name, args, future in batch:
+                        try:
+                            done[future] = getattr(self.ledger, name)(*args)  # a refused op raises before touching state
+                        except Exception as exc:  # a refusal (LedgerError); a bug must not kill the writer either
+                            future.set_exception(exc)
+                    if done:
+                        self._write(conn, list(done.values()))
             except Exception as exc:
                 self._stale = True  # memory holds the batch; reload before the next write
                 try:
@@ -304,18 +310,31 @@ class DurableLedger:
                     self._stale = False
                 except Exception:  # the connection is gone: _ready reconnects and reloads
                     pass
-                for future, transition in done:
-                    future.set_exception(StoreError(f"could not persist {transition.op}: {exc}"))
+                for name, _, future in batch:
+                    if not future.done():
+                        op = done[future].op if future in done else name
+                        future.set_exception(StoreError(f"could not persist {op}: {exc}"))
                 return
-            if any(t.op == "consume" for _, t in done):  # their retirements are durable now
+            finally:
+                self._batch_fates = {}
+            if any(t.op == "consume" for t in done.values()):  # their retirements are durable now
                 self.ledger.forget_retired(self.ledger.train_version - self.retired_kept_versions(self.params))
-            for future, transition in done:
+            for future, transition in done.items():
                 self._count(transition)
                 future.set_result(transition)
 
+    def _archived_fates_of_reserved(self, conn: Connection, batch: list[tuple[str, tuple, Future]]) -> dict[str, Fate | None]:
+        """How each group id the batch reserves left the ledger long ago (None: never), in one
+        query: the ledger asks its archive about every new id, and memory holds only recent ones."""
+        fates: dict[str, Fate | None] = dict.fromkeys(
+            args[0] for name, args, _ in batch if name == "reserve" and args and isinstance(args[0], str))
+        if fates:
+            fates.update((g, Fate(fate)) for g, fate in conn.execute(self._retired_fates, {"ids": list(fates)}))
+        return fates
+
     def _write(self, conn: Connection, transitions: list[Transition]) -> None:
         now = time.time()
-        inserts, updates, retired, events = [], [], [], []
+        inserts, updates, deletes, retired, events = [], [], [], [], []
         settings: dict[str, object] = {}
         for transition in transitions:
             for change in transition.changes:
@@ -335,8 +354,8 @@ class DurableLedger:
                         self._flush(conn, inserts)  # an update may touch a row inserted in this batch
                         updates.append({"key": e.group_id, **row})
                 elif isinstance(change, RetireEntry):
-                    self._flush(conn, inserts, updates)
-                    conn.execute(self._delete_entry, {"key": change.group_id})
+                    # deleted after the batch's inserts and updates: a retired id never comes back
+                    deletes.append({"key": change.group_id})
                     retired.append(
                         {"group_id": change.group_id, "v_traj": change.v_traj, "fate": change.fate.value,
                          "buffer": change.buffer, "retired_at": now}
@@ -353,6 +372,8 @@ class DurableLedger:
                  "detail": json.dumps(detail)}
             )
         self._flush(conn, inserts, updates)
+        if deletes:
+            conn.execute(self._delete_entry, deletes)
         if retired:
             conn.execute(insert(ledger_retired), retired)
         conn.execute(insert(ledger_events), events)
