@@ -52,7 +52,7 @@ def coordinator_metrics(c: Coordinator) -> list:
     ]
 
 
-def the_coordinator(request: Request) -> Coordinator:
+async def the_coordinator(request: Request) -> Coordinator:
     return request.app.state.coordinator
 
 

@@ -53,7 +53,7 @@ def binary_body(description: str) -> dict:
                   "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
-def the_store(request: Request) -> ParamStore:
+async def the_store(request: Request) -> ParamStore:
     return request.app.state.store
 
 

@@ -59,7 +59,7 @@ class RewardTally:
                 m.REWARD_VALUE.summary([([v], int(n), total) for v, (n, total) in verifiers])]
 
 
-def the_scorer(request: Request) -> RewardScorer:
+async def the_scorer(request: Request) -> RewardScorer:
     return request.app.state.scorer
 
 

@@ -48,7 +48,7 @@ from staleflow.tasks import SkippedRows
 log = logging.getLogger(__name__)
 
 
-def the_server(request: Request) -> TrajectoryServer:
+async def the_server(request: Request) -> TrajectoryServer:
     return request.app.state.ts
 
 
