@@ -33,9 +33,10 @@ instance it tries every set of startable trajectories to start and every set of 
 remembering the states it has searched and cutting branches that cannot beat the best found. Its
 cost grows exponentially: tiny cases only.
 
-``heuristic`` runs at scale, from boundary to boundary that matters. ``routes`` assigns each
-trajectory to an instance up front, oldest step and longest first, onto the instance whose work
-would end first at its speed (LPT list scheduling on machines of different speeds); an instance
+``heuristic`` runs at scale, from boundary to boundary that matters. ``Router`` assigns each
+trajectory to an instance when its step may start, oldest step and longest first, onto the
+instance whose outstanding work would end first at its speed (LPT list scheduling on machines of
+different speeds); an instance
 pauses its lowest-priority trajectories when the next step would not fit its KV, and when one of
 its trajectories ends, at time 0 or at its first boundary after a publication, it starts what it
 was routed that may start and runs what it holds in priority order while it fits and it runs fewer
@@ -52,6 +53,7 @@ import functools
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -84,6 +86,8 @@ class BoundedJob:
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.steps < 1 or self.eta < 0 or not self.slowdowns or self.max_running < 1:
             raise ValueError("need batch_size >= 1, steps >= 1, eta >= 0, max_running >= 1 and an instance")
+        if not self.train_overhead_s > 0 or self.train_s_per_token < 0 or self.push_s < 0:
+            raise ValueError("need train_overhead_s > 0 (a step takes time), train_s_per_token >= 0 and push_s >= 0")
         if len(self.groups) < self.steps * self.batch_size:
             raise ValueError("not enough groups for the steps")
         if self.prompt_tokens and len(self.prompt_tokens) < len(self.groups):
@@ -110,8 +114,8 @@ class BoundedJob:
 
     @functools.cached_property
     def _trajectories(self) -> tuple[Trajectory, ...]:
-        out = sorted(((k + 1, -length, self.prompt(g)) for k in range(self.steps)
-                      for g in range(k * self.batch_size, (k + 1) * self.batch_size) for length in self.groups[g]))
+        out = sorted((k + 1, -length, self.prompt(g)) for k in range(self.steps)
+                     for g in range(k * self.batch_size, (k + 1) * self.batch_size) for length in self.groups[g])
         return tuple(Trajectory(step, -negative, prompt, i) for i, (step, negative, prompt) in enumerate(out))
 
     @property
@@ -193,17 +197,36 @@ def _caps(job: BoundedJob, cap: int) -> list[int]:
     return [max(1, min(job.max_running, math.floor(cap * fastest / f + 1e-9))) for f in job.slowdowns]
 
 
-def routes(job: BoundedJob) -> list[int]:
-    """The heuristic's instance for each trajectory (by index): in priority order (oldest step,
-    longest first), the one where its work would end first if every instance worked through what
-    it was given at its own speed (LPT list scheduling on machines of different speeds)."""
-    work, slowdowns = np.zeros(len(job.slowdowns)), np.array(job.slowdowns)
-    out = []
-    for x in job.trajectories():
-        k = int(np.argmin((work + (x.length + x.prompt)) * slowdowns))
-        work[k] += x.length + x.prompt
-        out.append(k)
-    return out
+class Router:
+    """The heuristic's routing: when a step's trajectories may start (time 0, or the publication
+    of the version they need), each, oldest step and longest first, goes to the instance whose
+    outstanding work (prompt and response tokens of what it was given and has not ended) would end
+    first at its speed: LPT list scheduling on machines of different speeds."""
+
+    def __init__(self, job: BoundedJob):
+        self.job = job
+        self.slowdowns = np.array(job.slowdowns)
+        self.by_step: dict[int, list[Trajectory]] = {}
+        for x in job.trajectories():
+            self.by_step.setdefault(x.step, []).append(x)
+        self.routed = 0  # steps routed so far
+        self.route: dict[int, int] = {}  # trajectory index: instance
+
+    def route_through(self, step: int, outstanding: Sequence[float]) -> list[tuple[Trajectory, int]]:
+        """Route the steps up to ``step`` not routed yet, given each instance's outstanding work."""
+        work, out = np.array(outstanding, dtype=float), []
+        while self.routed < min(step, self.job.steps):
+            self.routed += 1
+            for x in self.by_step[self.routed]:
+                k = int(np.argmin((work + (x.length + x.prompt)) * self.slowdowns))
+                work[k] += x.length + x.prompt
+                self.route[x.index] = k
+                out.append((x, k))
+        return out
+
+    def first_steps(self) -> int:
+        """The steps that may start at time 0."""
+        return 1 + self.job.eta
 
 
 # ---------------------------------------------------------------------- the model, step by step
@@ -254,12 +277,15 @@ class _StepModel:
         self.budget = job.cost.kv_budget / job.cost.k5
         self.trainer = _Trainer(job)
         self.pending = job.trajectories()  # not started, by index
+        self.ended: dict[int, float] = {}  # trajectory index: when it ended
+        self.now = 0.0
         self.instances = [_Instance() for _ in job.slowdowns]
 
     def copy(self) -> _StepModel:
         other = object.__new__(_StepModel)
         other.job, other.budget, other.trainer = self.job, self.budget, self.trainer.copy()
         other.pending, other.instances = self.pending[:], [i.copy() for i in self.instances]
+        other.ended, other.now = dict(self.ended), self.now
         return other
 
     def key(self, k: int) -> tuple:
@@ -283,11 +309,12 @@ class _StepModel:
         inst = self.instances[k]
         t = inst.next_s
         assert t is not None
-        ended = False
+        self.now, ended = t, False
         for h in [h for h in inst.held if h.running]:
             h.done += 1
             if h.done == h.traj.length:
                 ended = True
+                self.ended[h.traj.index] = t
                 inst.held.remove(h)
                 for p in self.trainer.complete(h.traj.step, t):
                     for other in self.instances:
@@ -371,7 +398,7 @@ def _every_choice(model: _StepModel, k: int, startable: list[Trajectory], event:
     for x in startable:
         by_kind.setdefault(x.kind, []).append(x)
     news: list[tuple[Trajectory, ...]] = [()]
-    for kind, same in by_kind.items():
+    for same in by_kind.values():
         news = [new + tuple(same[:count]) for new in news for count in range(len(same) + 1)]
     runs = [frozenset(c) for size in range(len(held) + 1) for c in itertools.combinations(held, size)]
     return [(run | {x.index for x in new}, new) for run in runs for new in news]
@@ -401,9 +428,25 @@ def greedy_policy(job: BoundedJob, cap: int) -> Policy:
     KV, pause its lowest-priority running trajectories; at events only, start the startable ones
     ``routes`` gives it, and run what it holds in priority order while it fits and ``k`` runs
     fewer than its cap (head of line, as vLLM's waiting queue)."""
-    caps, route = _caps(job, cap), routes(job)
+    caps, router = _caps(job, cap), Router(job)
+
+    def catch_up(model: _StepModel) -> None:
+        # route what the instances learn of at their boundary as the heuristic does at publication
+        trainer = model.trainer
+        steps = [(0.0, router.first_steps())] + [(trainer.published[v], v + 1 + job.eta)
+                                                  for v in range(1, trainer.known + 1)]
+        for p, step in steps:
+            if p <= model.now and step > router.routed:
+                outstanding = [0.0] * len(job.slowdowns)
+                for index, where in router.route.items():
+                    if model.ended.get(index, math.inf) >= p:
+                        x = job.trajectories()[index]
+                        outstanding[where] += x.length + x.prompt
+                router.route_through(step, outstanding)
 
     def choose(model: _StepModel, k: int, startable: list[Trajectory], event: bool) -> list[Choice]:
+        catch_up(model)
+        route = router.route
         held = model.instances[k].held
         running = [h for h in held if h.running]
         _pause_to_fit(running, lambda h: h.context, lambda h: h.traj.index, model.budget)
@@ -429,11 +472,11 @@ def greedy_policy(job: BoundedJob, cap: int) -> Policy:
 class _Paced:
     __slots__ = ("slowdown", "running", "waiting", "routed", "held", "steps", "clock", "prefill", "token")
 
-    def __init__(self, slowdown: float, routed: list[Trajectory]):
+    def __init__(self, slowdown: float):
         self.slowdown = slowdown
         self.running: list[tuple[int, int, Trajectory]] = []  # (fin, base, traj) by fin
         self.waiting: list[tuple[int, Trajectory, int]] = []  # (index, traj, done): started, not running
-        self.routed = routed[::-1]  # not started yet, the next one last
+        self.routed: deque[Trajectory] = deque()  # routed here, not started yet, the next one last
         self.held = 0  # sum of the running bases: they hold held + n * steps tokens (context base + steps)
         self.steps = 0  # its decode steps so far
         self.clock = 0.0  # time of its last boundary
@@ -476,15 +519,21 @@ def _run_greedy(job: BoundedJob, cap: int) -> tuple[float, list[float], list[flo
     cost, budget, caps = job.cost, job.cost.kv_budget / job.cost.k5, _caps(job, cap)
     trainer = _Trainer(job)
     starts = [math.inf] * len(job.trajectories())
-    routed: list[list[Trajectory]] = [[] for _ in job.slowdowns]
-    for x, k in zip(job.trajectories(), routes(job), strict=True):
-        routed[k].append(x)
-    fleet = [_Paced(f, mine) for f, mine in zip(job.slowdowns, routed, strict=True)]
+    router, outstanding = Router(job), [0.0] * len(job.slowdowns)
+    fleet = [_Paced(f) for f in job.slowdowns]
+
+    def route(step: int) -> None:
+        for x, k in router.route_through(step, outstanding):
+            fleet[k].routed.appendleft(x)
+            outstanding[k] += x.length + x.prompt
+
+    route(router.first_steps())
     # (time, instance or _PUBLISH, 0 for an event / 1 for a pause only, its steps then, token)
     events: list[tuple[float, int, int, int, int]] = [(0.0, k, 0, 0, 0) for k in range(len(fleet))]
     while events:
         t, k, quiet, target, token = heapq.heappop(events)
         if k == _PUBLISH:
+            route(target + 1 + job.eta)  # the version published now lets that step start
             for k, inst in enumerate(fleet):
                 if not inst.running:
                     heapq.heappush(events, (t, k, 0, inst.steps, inst.token))
@@ -498,15 +547,17 @@ def _run_greedy(job: BoundedJob, cap: int) -> tuple[float, list[float], list[flo
         while inst.running and inst.running[0][0] == inst.steps:
             _, base, traj = inst.running.pop(0)
             inst.held -= base
-            for p in trainer.complete(traj.step, t):
-                heapq.heappush(events, (p, _PUBLISH, 0, 0, 0))
+            outstanding[k] -= traj.length + traj.prompt
+            news = trainer.complete(traj.step, t)
+            for version, p in enumerate(news, start=trainer.known - len(news) + 1):
+                heapq.heappush(events, (p, _PUBLISH, 0, version, 0))
         if trainer.finished:
             return trainer.end, starts, trainer.published
-        steps_now = inst.steps
-        for entry in _pause_to_fit(list(inst.running), lambda e: e[1] + steps_now, lambda e: e[2].index, budget):
+        for entry in _pause_to_fit(list(inst.running), lambda e, now=inst.steps: e[1] + now, lambda e: e[2].index,
+                                   budget):
             inst.running.remove(entry)
             inst.held -= entry[1]
-            bisect.insort(inst.waiting, (entry[2].index, entry[2], entry[1] + steps_now - entry[2].prompt))
+            bisect.insort(inst.waiting, (entry[2].index, entry[2], entry[1] + inst.steps - entry[2].prompt))
         if not quiet:
             while inst.routed and (release := trainer.release(inst.routed[-1].step)) is not None and release <= t:
                 x = inst.routed.pop()

@@ -15,11 +15,11 @@ from staleflow.cost_model import CostModel
 from staleflow.simulation.bounded_oracle import (
     BoundedJob,
     BoundedSchedule,
+    Router,
     exact,
     greedy_policy,
     heuristic,
     replay,
-    routes,
     scenario_job,
 )
 from staleflow.simulation.scenarios import scenario
@@ -73,10 +73,13 @@ def test_a_first_run_is_prefilled_once() -> None:
     assert both(j) == (1 + 2 + 1, 1 + 2 + 1)
 
 
-def test_routes_balance_work_by_speed() -> None:
+def test_the_router_balances_outstanding_work_by_speed() -> None:
     # four equal trajectories, the second instance twice as slow: it gets one of them
-    j = replace(job([[5, 5, 5, 5]], eta=0, steps=1, instances=2), slowdowns=(1.0, 2.0))
-    assert sorted(routes(j)) == [0, 0, 0, 1]
+    j = replace(job([[5, 5, 5, 5], [5, 5]], eta=0, steps=2, instances=2), slowdowns=(1.0, 2.0))
+    router = Router(j)
+    assert sorted(k for _, k in router.route_through(router.first_steps(), [0.0, 0.0])) == [0, 0, 0, 1]
+    # the next step, when the fast instance still has 20 tokens to do: both go to the idle slow one
+    assert [k for _, k in router.route_through(2, [20.0, 0.0])] == [1, 1]
 
 
 def test_bad_jobs_are_refused_with_what_to_fix() -> None:
