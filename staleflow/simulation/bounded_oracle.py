@@ -40,8 +40,8 @@ different speeds); an instance
 pauses its lowest-priority trajectories when the next step would not fit its KV, and when one of
 its trajectories ends, at time 0 or at its first boundary after a publication, it starts what it
 was routed that may start and runs what it holds in priority order while it fits and it runs fewer
-than a concurrency cap (head of line, as vLLM's waiting queue). It tries a few caps, scaled by each
-instance's speed, and keeps the best. ``replay`` runs a policy through the step-by-step model: the
+than a concurrency cap (head of line, as vLLM's waiting queue). It tries a few caps and keeps the
+best. ``replay`` runs a policy through the step-by-step model: the
 tests check that the heuristic's schedule is the greedy policy's there (so ``exact`` considers it)
 and measure the gap.
 """
@@ -55,7 +55,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -139,9 +139,10 @@ class Trajectory:
 class BoundedSchedule:
     makespan_s: float
     tokens: int
-    cap: int | None = None  # the heuristic's concurrency cap (of the fastest instance)
+    cap: int | None = None  # the heuristic's concurrency cap
     starts: tuple[float, ...] = ()  # the heuristic's: when each trajectory (by index) started
     published: tuple[float, ...] = ()  # the heuristic's: when each version was published (0: at 0)
+    eta: int | None = None  # the heuristic's: the bound it scheduled under (the job's or tighter)
 
     @property
     def throughput(self) -> float:
@@ -189,12 +190,6 @@ class _Trainer:
     @property
     def finished(self) -> bool:
         return self.known == self.job.steps
-
-
-def _caps(job: BoundedJob, cap: int) -> list[int]:
-    """Each instance's concurrency cap: ``cap`` for the fastest, scaled by speed for the others."""
-    fastest = min(job.slowdowns)
-    return [max(1, min(job.max_running, math.floor(cap * fastest / f + 1e-9))) for f in job.slowdowns]
 
 
 class Router:
@@ -428,7 +423,7 @@ def greedy_policy(job: BoundedJob, cap: int) -> Policy:
     KV, pause its lowest-priority running trajectories; at events only, start the startable ones
     ``routes`` gives it, and run what it holds in priority order while it fits and ``k`` runs
     fewer than its cap (head of line, as vLLM's waiting queue)."""
-    caps, router = _caps(job, cap), Router(job)
+    caps, router = [min(cap, job.max_running)] * len(job.slowdowns), Router(job)
 
     def catch_up(model: _StepModel) -> None:
         # route what the instances learn of at their boundary as the heuristic does at publication
@@ -516,7 +511,7 @@ def _run_greedy(job: BoundedJob, cap: int) -> tuple[float, list[float], list[flo
     """``replay(job, greedy_policy(job, cap))``, jumping from boundary to boundary that matters:
     between them an instance's batch changes only in its KV. Returns the makespan (inf: it
     stalled), each trajectory's start time and each version's publication time."""
-    cost, budget, caps = job.cost, job.cost.kv_budget / job.cost.k5, _caps(job, cap)
+    cost, budget, caps = job.cost, job.cost.kv_budget / job.cost.k5, [min(cap, job.max_running)] * len(job.slowdowns)
     trainer = _Trainer(job)
     starts = [math.inf] * len(job.trajectories())
     router, outstanding = Router(job), [0.0] * len(job.slowdowns)
@@ -582,20 +577,23 @@ def _run_greedy(job: BoundedJob, cap: int) -> tuple[float, list[float], list[flo
 
 
 def heuristic_caps(job: BoundedJob) -> list[int]:
-    """The concurrency caps the heuristic tries: no cap, and around as many trajectories of mean
-    final context as fill the KV budget."""
+    """The concurrency caps the heuristic tries: about one, one and a half and two times as many
+    trajectories of mean final context as fill the KV budget."""
     lengths = [n for g in range(job.steps * job.batch_size) for n in job.groups[g]]
     prompts = [job.prompt(g) for g in range(job.steps * job.batch_size) for _ in job.groups[g]]
     fill = job.cost.kv_budget / job.cost.k5 / (sum(lengths) + sum(prompts)) * len(lengths)
-    return sorted({job.max_running, *(max(1, min(job.max_running, round(fill * m))) for m in (1, 1.5, 2))})
+    return sorted({max(1, min(job.max_running, round(fill * m))) for m in (1, 1.5, 2)})
 
 
 def heuristic(job: BoundedJob) -> BoundedSchedule:
-    """The greedy schedule (``greedy_policy``) at the best of ``heuristic_caps``."""
-    runs = {cap: _run_greedy(job, cap) for cap in heuristic_caps(job)}
-    cap = min(runs, key=lambda c: (runs[c][0], -c))
-    makespan, starts, published = runs[cap]
-    return BoundedSchedule(makespan, job.tokens, cap, tuple(starts), tuple(published))
+    """The best greedy schedule (``greedy_policy``) over ``heuristic_caps``, under the job's bound
+    and under the next tighter one (whose schedules respect the job's too: the greedy schedule is
+    not always shorter under a looser bound)."""
+    runs = {(eta, cap): _run_greedy(replace(job, eta=eta) if eta != job.eta else job, cap)
+            for eta in {max(0, job.eta - 1), job.eta} for cap in heuristic_caps(job)}
+    eta, cap = min(runs, key=lambda key: (runs[key][0], -key[0], -key[1]))
+    makespan, starts, published = runs[eta, cap]
+    return BoundedSchedule(makespan, job.tokens, cap, tuple(starts), tuple(published), eta)
 
 
 def scenario_job(scenario: Scenario, eta: int, steps: int, instances: int) -> BoundedJob:

@@ -119,7 +119,9 @@ def test_the_heuristic_is_a_schedule_of_the_model_never_shorter_than_the_exact_o
     fast = heuristic(j)
     assert fast.tokens == j.tokens and math.isfinite(fast.makespan_s)
     # the heuristic's jumps from event to event give the greedy policy's schedule, step by step
-    assert replay(j, greedy_policy(j, fast.cap)) == pytest.approx(fast.makespan_s, rel=1e-9)
+    assert fast.eta is not None and fast.eta <= j.eta and fast.cap is not None
+    scheduled = replace(j, eta=fast.eta)
+    assert replay(scheduled, greedy_policy(scheduled, fast.cap)) == pytest.approx(fast.makespan_s, rel=1e-9)
     best = exact(j, fast.makespan_s * (1 + 1e-9))
     assert best.makespan_s <= fast.makespan_s * (1 + 1e-9)
     assert _bound_holds(j, fast)
@@ -140,6 +142,7 @@ def test_a_simulated_cluster_becomes_a_bounded_job_and_its_schedule_keeps_the_bo
     assert len(j.slowdowns) == 2 and j.slowdowns[0] != j.slowdowns[1]
     schedule = heuristic(j)
     assert schedule.throughput > 0 and _bound_holds(j, schedule)
-    assert replay(j, greedy_policy(j, schedule.cap)) == pytest.approx(schedule.makespan_s, rel=1e-9)
+    scheduled = replace(j, eta=schedule.eta)
+    assert replay(scheduled, greedy_policy(scheduled, schedule.cap)) == pytest.approx(schedule.makespan_s, rel=1e-9)
     # a looser bound lets the next steps generate sooner
     assert heuristic(replace(j, eta=3)).makespan_s < schedule.makespan_s
