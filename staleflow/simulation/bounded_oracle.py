@@ -40,10 +40,10 @@ different speeds); an instance
 pauses its lowest-priority trajectories when the next step would not fit its KV, and when one of
 its trajectories ends, at time 0 or at its first boundary after a publication, it starts what it
 was routed that may start and runs what it holds in priority order while it fits and it runs fewer
-than a concurrency cap (head of line, as vLLM's waiting queue). It tries a few caps and keeps the
-best. ``replay`` runs a policy through the step-by-step model: the
-tests check that the heuristic's schedule is the greedy policy's there (so ``exact`` considers it)
-and measure the gap.
+than a concurrency cap (head of line, as vLLM's waiting queue). It tries a few caps (the same on
+every instance, or scaled by speed), under the bound and the next tighter one, and keeps the best.
+``replay`` runs a policy through the step-by-step model: the tests check that the heuristic's
+schedule is the greedy policy's there (so ``exact`` considers it) and measure the gap.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class Trajectory:
 class BoundedSchedule:
     makespan_s: float
     tokens: int
-    cap: int | None = None  # the heuristic's concurrency cap
+    caps: tuple[int, ...] = ()  # the heuristic's: each instance's concurrency cap
     starts: tuple[float, ...] = ()  # the heuristic's: when each trajectory (by index) started
     published: tuple[float, ...] = ()  # the heuristic's: when each version was published (0: at 0)
     eta: int | None = None  # the heuristic's: the bound it scheduled under (the job's or tighter)
@@ -418,12 +418,12 @@ def _pause_to_fit(running: list, context: Callable[[object], int], index: Callab
     return paused
 
 
-def greedy_policy(job: BoundedJob, cap: int) -> Policy:
+def greedy_policy(job: BoundedJob, caps: Sequence[int]) -> Policy:
     """The heuristic's choice at a boundary of instance ``k``: when the next step would not fit the
     KV, pause its lowest-priority running trajectories; at events only, start the startable ones
     ``routes`` gives it, and run what it holds in priority order while it fits and ``k`` runs
     fewer than its cap (head of line, as vLLM's waiting queue)."""
-    caps, router = [min(cap, job.max_running)] * len(job.slowdowns), Router(job)
+    router = Router(job)
 
     def catch_up(model: _StepModel) -> None:
         # route what the instances learn of at their boundary as the heuristic does at publication
@@ -507,11 +507,11 @@ class _Paced:
 _PUBLISH = -1
 
 
-def _run_greedy(job: BoundedJob, cap: int) -> tuple[float, list[float], list[float]]:
-    """``replay(job, greedy_policy(job, cap))``, jumping from boundary to boundary that matters:
+def _run_greedy(job: BoundedJob, caps: Sequence[int]) -> tuple[float, list[float], list[float]]:
+    """``replay(job, greedy_policy(job, caps))``, jumping from boundary to boundary that matters:
     between them an instance's batch changes only in its KV. Returns the makespan (inf: it
     stalled), each trajectory's start time and each version's publication time."""
-    cost, budget, caps = job.cost, job.cost.kv_budget / job.cost.k5, [min(cap, job.max_running)] * len(job.slowdowns)
+    cost, budget = job.cost, job.cost.kv_budget / job.cost.k5
     trainer = _Trainer(job)
     starts = [math.inf] * len(job.trajectories())
     router, outstanding = Router(job), [0.0] * len(job.slowdowns)
@@ -576,24 +576,29 @@ def _run_greedy(job: BoundedJob, cap: int) -> tuple[float, list[float], list[flo
     return math.inf, starts, trainer.published
 
 
-def heuristic_caps(job: BoundedJob) -> list[int]:
-    """The concurrency caps the heuristic tries: about one, one and a half and two times as many
-    trajectories of mean final context as fill the KV budget."""
+def heuristic_caps(job: BoundedJob) -> list[tuple[int, ...]]:
+    """The per-instance concurrency caps the heuristic tries: about one, one and a half and two
+    times as many trajectories of mean final context as fill the KV budget, on every instance, or
+    on the fastest and fewer on the others in proportion to their speed."""
     lengths = [n for g in range(job.steps * job.batch_size) for n in job.groups[g]]
     prompts = [job.prompt(g) for g in range(job.steps * job.batch_size) for _ in job.groups[g]]
     fill = job.cost.kv_budget / job.cost.k5 / (sum(lengths) + sum(prompts)) * len(lengths)
-    return sorted({max(1, min(job.max_running, round(fill * m))) for m in (1, 1.5, 2)})
+    fastest, out = min(job.slowdowns), set()
+    for cap in {max(1, min(job.max_running, round(fill * m))) for m in (1, 1.5, 2)}:
+        out.add((cap,) * len(job.slowdowns))
+        out.add(tuple(max(1, math.floor(cap * fastest / f + 1e-9)) for f in job.slowdowns))
+    return sorted(out)
 
 
 def heuristic(job: BoundedJob) -> BoundedSchedule:
     """The best greedy schedule (``greedy_policy``) over ``heuristic_caps``, under the job's bound
     and under the next tighter one (whose schedules respect the job's too: the greedy schedule is
     not always shorter under a looser bound)."""
-    runs = {(eta, cap): _run_greedy(replace(job, eta=eta) if eta != job.eta else job, cap)
-            for eta in {max(0, job.eta - 1), job.eta} for cap in heuristic_caps(job)}
-    eta, cap = min(runs, key=lambda key: (runs[key][0], -key[0], -key[1]))
-    makespan, starts, published = runs[eta, cap]
-    return BoundedSchedule(makespan, job.tokens, cap, tuple(starts), tuple(published), eta)
+    runs = {(eta, caps): _run_greedy(replace(job, eta=eta) if eta != job.eta else job, caps)
+            for eta in {max(0, job.eta - 1), job.eta} for caps in heuristic_caps(job)}
+    eta, caps = min(runs, key=lambda key: (runs[key][0], -key[0], key[1]))
+    makespan, starts, published = runs[eta, caps]
+    return BoundedSchedule(makespan, job.tokens, caps, tuple(starts), tuple(published), eta)
 
 
 def scenario_job(scenario: Scenario, eta: int, steps: int, instances: int) -> BoundedJob:

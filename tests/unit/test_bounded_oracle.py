@@ -119,9 +119,9 @@ def test_the_heuristic_is_a_schedule_of_the_model_never_shorter_than_the_exact_o
     fast = heuristic(j)
     assert fast.tokens == j.tokens and math.isfinite(fast.makespan_s)
     # the heuristic's jumps from event to event give the greedy policy's schedule, step by step
-    assert fast.eta is not None and fast.eta <= j.eta and fast.cap is not None
+    assert fast.eta is not None and fast.eta <= j.eta and fast.caps
     scheduled = replace(j, eta=fast.eta)
-    assert replay(scheduled, greedy_policy(scheduled, fast.cap)) == pytest.approx(fast.makespan_s, rel=1e-9)
+    assert replay(scheduled, greedy_policy(scheduled, fast.caps)) == pytest.approx(fast.makespan_s, rel=1e-9)
     best = exact(j, fast.makespan_s * (1 + 1e-9))
     assert best.makespan_s <= fast.makespan_s * (1 + 1e-9)
     assert _bound_holds(j, fast)
@@ -143,6 +143,6 @@ def test_a_simulated_cluster_becomes_a_bounded_job_and_its_schedule_keeps_the_bo
     schedule = heuristic(j)
     assert schedule.throughput > 0 and _bound_holds(j, schedule)
     scheduled = replace(j, eta=schedule.eta)
-    assert replay(scheduled, greedy_policy(scheduled, schedule.cap)) == pytest.approx(schedule.makespan_s, rel=1e-9)
+    assert replay(scheduled, greedy_policy(scheduled, schedule.caps)) == pytest.approx(schedule.makespan_s, rel=1e-9)
     # a looser bound lets the next steps generate sooner
     assert heuristic(replace(j, eta=3)).makespan_s < schedule.makespan_s
