@@ -52,7 +52,7 @@ def throughput_table(result: ExperimentResult) -> Table:
             cells.append("-" if run is None else _n(run.throughput))
         rows.append([system.name, system.label, *cells])
     if any(p.oracle_eta for p in points):
-        rows.append(["oracle-eta", "Clairvoyant schedule under the bound (relaxed cluster, computed)",
+        rows.append(["oracle-eta", "Clairvoyant schedule under the bound (load-paced instances, computed)",
                      *["-" if not p.oracle_eta else _n(p.oracle_eta) for p in points]])
     return Table("Throughput (response tokens/s over all trained steps)", ["system", "models",
                                                                             *[p.point.label for p in points]], rows)
