@@ -557,10 +557,8 @@ class ParamStore:
         chunks = [entry.chunks[i] for i in sorted(claimed)]
         landed: list[str] = []
         try:
-            view = push.slot.view()[push.data_offset:push.data_offset + push.total_bytes]
-            with ThreadPoolExecutor(min(default_workers(), max(1, len(chunks))), thread_name_prefix="params-verify") as pool:
-                landed = list(chunk_checksums(ByteRegions.flat(view), chunks, [checksum_algorithm(claimed[c.index]) for c in chunks],
-                                              pool))
+            landed = _hash_chunks(push.slot, push.data_offset, push.total_bytes, chunks,
+                                  [checksum_algorithm(claimed[c.index]) for c in chunks], "params-verify")
         finally:
             with self._cond:
                 entry.writing.difference_update(claimed)
@@ -906,13 +904,8 @@ class ParamStore:
         """Hash a version loaded from disk in its slot; a damaged one leaves no slot behind."""
         manifest = stored.manifest
         chunks = [c for c in manifest.chunks if c.checksum]
-        view = slot.view()[manifest.data_offset:manifest.data_offset + manifest.total_bytes]
-        try:
-            with ThreadPoolExecutor(min(default_workers(), max(1, len(chunks))), thread_name_prefix="params-load") as pool:
-                landed = list(chunk_checksums(ByteRegions.flat(view), chunks,
-                                              [checksum_algorithm(c.checksum or "") for c in chunks], pool))
-        finally:
-            view.release()
+        landed = _hash_chunks(slot, manifest.data_offset, manifest.total_bytes, chunks,
+                              [checksum_algorithm(c.checksum or "") for c in chunks], "params-load")
         damaged = [c.index for c, actual in zip(chunks, landed, strict=True) if actual != c.checksum]
         if damaged:
             self.memory.release(manifest.version, discard=True)
@@ -949,6 +942,18 @@ class ParamStore:
                 "persist": self.config.persist,
                 "shm": self.memory.usage(),
             }
+
+
+def _hash_chunks(slot: ShmSlot, data_offset: int, total_bytes: int, chunks: Sequence[ChunkSpec],
+                 algorithms: Sequence[str], thread_name: str) -> list[str]:
+    """The checksums of ``chunks`` as they lie in ``slot``'s data section, hashed on a few threads
+    (off the lock and the GIL)."""
+    view = slot.view()[data_offset:data_offset + total_bytes]
+    try:
+        with ThreadPoolExecutor(min(default_workers(), max(1, len(chunks))), thread_name_prefix=thread_name) as pool:
+            return list(chunk_checksums(ByteRegions.flat(view), chunks, algorithms, pool))
+    finally:
+        view.release()
 
 
 def _claimed_checksums(entry: PushPart, checksums: Mapping[int, str]) -> dict[int, str]:
