@@ -150,19 +150,23 @@ class LengthPredictor:
         ``generated`` tokens so far (>= ``generated``; <= ``max_tokens`` unless it already
         generated more). ``running``: tokens so far of the group's other running members."""
         mean, var, s2 = self.group_log_mean(group_id, running, prompt_key)
-        expected = _expected_above(mean, math.sqrt(var + s2), generated)
-        if self.max_tokens is not None:
-            expected = min(expected, self.max_tokens)
-        return max(expected, float(generated))
+        return self._bounded(mean, math.sqrt(var + s2), generated)
 
     def predict_members(self, group_id: str, generated: Sequence[int], prompt_key: str | None = None) -> list[float]:
         """``predict`` for several unfinished members of one group at once, each with the tokens
         so far of all of them (``generated``) as the group's lower bounds."""
         mean, var, s2 = self.group_log_mean(group_id, generated, prompt_key)
         sigma = math.sqrt(var + s2)
-        cap = math.inf if self.max_tokens is None else self.max_tokens
-        expected = {g: max(min(_expected_above(mean, sigma, g), cap), float(g)) for g in set(generated)}
+        expected = {g: self._bounded(mean, sigma, g) for g in set(generated)}
         return [expected[g] for g in generated]
+
+    def _bounded(self, mean: float, sigma: float, generated: int) -> float:
+        """E[L | L > generated] for log L ~ N(mean, sigma²), capped at ``max_tokens`` and never
+        below ``generated``."""
+        expected = _expected_above(mean, sigma, generated)
+        if self.max_tokens is not None:
+            expected = min(expected, self.max_tokens)
+        return max(expected, float(generated))
 
     def remaining(self, group_id: str, generated: int = 0, running: Iterable[int] = (),
                   prompt_key: str | None = None) -> float:
