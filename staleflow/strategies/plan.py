@@ -148,8 +148,8 @@ def _keep_in_place(plan: CyclePlan, migrated: dict[str, str], kept: set[str]) ->
     for instance_id in list(plan.interrupts):
         if instance_id in plan.syncs and instance_id not in kept:
             continue
-        kept = [t for t in plan.interrupts[instance_id] if t not in stay]
-        if kept:
-            plan.interrupts[instance_id] = kept
+        left = [t for t in plan.interrupts[instance_id] if t not in stay]
+        if left:
+            plan.interrupts[instance_id] = left
         else:
             del plan.interrupts[instance_id]

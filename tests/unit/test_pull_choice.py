@@ -14,8 +14,16 @@ from staleflow.config.strategy import MigrationMode, PullMode, StrategyConfig, S
 from staleflow.cost_model import CostModel
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore
-from staleflow.strategies import AdmissionBudget, DecodeSpeeds, InstanceState, PendingTrajectory, plan_cycle, route
-from staleflow.strategies.plan import keeps_running
+from staleflow.strategies import (
+    AdmissionBudget,
+    DecodeSpeeds,
+    InstanceState,
+    PendingTrajectory,
+    RouteDecision,
+    plan_cycle,
+    route,
+)
+from staleflow.strategies.plan import CyclePlan, _keep_in_place, keeps_running
 
 COST = CostModel(kv_budget=100_000)
 AUTO = StrategyConfig(sync=SyncMode.GREEDY, migration=MigrationMode.NONE, pull=PullMode.AUTO, route_by_speed=False)
@@ -141,3 +149,16 @@ def test_routing_by_speed_prefers_the_faster_of_two_equal_instances() -> None:
     assert [d.instance_id for d in by_model] == ["slow"]
     by_speed = route([slow, quick], pending, AdmissionBudget({}), StrategyConfig(route_by_speed=True))
     assert [d.instance_id for d in by_speed] == ["quick"]
+
+
+def test_migrations_routed_home_stay_on_every_kept_sync() -> None:
+    """A migrated trajectory that routing sends back to its own instance is neither interrupted
+    nor routed, on each kept sync in turn (not only the first); one routed elsewhere moves."""
+    def routed(instance_id: str, traj_id: str) -> RouteDecision:
+        return RouteDecision(instance_id, traj_id, "g", 0, False)
+
+    plan = CyclePlan(syncs=["A", "B"], kept=["A", "B"], interrupts={"A": ["a1", "a2"], "B": ["b1", "b2"]},
+                     routes=[routed("A", "a1"), routed("B", "b1"), routed("A", "b2")])
+    _keep_in_place(plan, {"a1": "A", "a2": "A", "b1": "B", "b2": "B"}, {"A", "B"})
+    assert plan.interrupts == {"A": ["a2"], "B": ["b2"]}
+    assert [(d.instance_id, d.traj_id) for d in plan.routes] == [("A", "b2")]
