@@ -200,6 +200,7 @@ class Coordinator:
         if record.worker:
             record.worker.cancel()
         self.p.forget(instance_id)
+        self.speeds.forget(instance_id)
         await record.client.aclose()
         log.warning("instance %s removed", instance_id)
         try:
@@ -314,7 +315,7 @@ class Coordinator:
                 pass
         pending = [self._pending(t) for t in pending_reply.trajectories]
         on_instances = {t.traj_id: self._pending(t) for t in routed}
-        states = [self._state(r) for r in ready]
+        states = [self._state(r, observe=True) for r in ready]
         if self.strategy.sync is SyncMode.GLOBAL and any(
                 r.status is not InstanceStatus.FAILED and not (r.validated and r in ready) for r in self.instances.values()):
             states = [s for s in states if s.version >= self.ps_version]  # a global sync waits for everyone
@@ -332,12 +333,14 @@ class Coordinator:
     def _pending(t: TrajectorySummary) -> PendingTrajectory:
         return PendingTrajectory(t.traj_id, t.group_id, t.v_traj, t.length, t.seq)
 
-    def _state(self, record: InstanceRecord) -> InstanceState:
+    def _state(self, record: InstanceRecord, observe: bool = False) -> InstanceState:
+        """The instance as the strategies see it; ``observe``: its snapshot also updates the decode
+        speed estimate (the planning cycle's reading; inspection and scrapes only read it)."""
         s = record.snapshot
         if s is None:
             return InstanceState(record.instance_id, 0, 0.0, [], [], record.cost)
         speed = self.speeds.observe(record.instance_id, s.decode_steps, s.decode_seconds, float(s.kv_cache),
-                                    len(s.run_trajs), record.cost)
+                                    len(s.run_trajs), record.cost) if observe else self.speeds.speed(record.instance_id)
         return InstanceState(record.instance_id, s.inst_version, float(s.kv_cache), list(s.run_trajs),
                              list(s.wait_trajs), record.cost, speed)
 
