@@ -155,13 +155,13 @@ class ParamsClient(Client):
     # -- queries
 
     def health(self) -> ParamsHealth:
-        return ParamsHealth.model_validate(self.json(API.health))
+        return self.send(API.health, API.health.request())
 
     def versions(self, timeout: float | None = None) -> StoreDescription:
-        return StoreDescription.model_validate(self.json(API.versions, timeout=timeout))
+        return self.send(API.versions, API.versions.request(timeout=timeout))
 
     def latest(self) -> VersionSummary:
-        return VersionSummary.model_validate(self.json(API.latest))
+        return self.send(API.latest, API.latest.request())
 
     def manifest(self, version: int | str = "latest") -> Manifest:
         return Manifest.from_json(self.json(API.manifest, version))
@@ -256,7 +256,7 @@ class ParamsClient(Client):
 
     def delete_version(self, version: int) -> VersionDeleted:
         """Withdraw ``version`` from the PS (it goes once the pulls reading it end)."""
-        return VersionDeleted.model_validate(self.json(API.delete_version, version))
+        return self.send(API.delete_version, API.delete_version.request(version))
 
     def abort_push(self, version: int, push_id: str) -> None:
         """Drop an unfinished push of ``version`` (left by a killed pusher); one that is gone already is no error."""
