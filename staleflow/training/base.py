@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from staleflow.api.base import TRANSIENT_STATUS, ServiceError
+from staleflow.api.base import ServiceError
 from staleflow.api.params import PushProgress, StoreDescription
 from staleflow.errors import ErrorCode
 from staleflow.transports.client import ParamsClient, ShardPiece
@@ -160,7 +160,7 @@ class SharePusher:
             try:
                 state = client.versions()
             except (httpx.TransportError, OSError, ServiceError) as exc:
-                if isinstance(exc, ServiceError) and exc.status not in TRANSIENT_STATUS:
+                if isinstance(exc, ServiceError) and not exc.transient:
                     raise
                 log.info("rank %d: the parameter server does not answer (%s); asking again", self.part, exc)
             else:
@@ -223,7 +223,7 @@ class SharePusher:
                 backoff = 0.05
                 continue
             except ServiceError as exc:
-                if exc.status not in TRANSIENT_STATUS and exc.code not in RETRIED_CODES:
+                if not exc.transient and exc.code not in RETRIED_CODES:
                     raise
                 problem: Exception = exc
             except (httpx.TransportError, OSError) as exc:  # OSError: the PS's raw push socket or its memory slot
