@@ -5,8 +5,9 @@ wrong, and the fix."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
+
+from staleflow.config.compose import model_vocab_size
 
 REAL_JOB_PACKAGES = ("vllm", "torch", "transformers")
 
@@ -34,7 +35,7 @@ def check_model_directory(model: Path) -> None:
                           "save the model's (fast) tokenizer into the same directory")
     from staleflow.tasks import HfTokenizer
 
-    vocab = json.loads((model / "config.json").read_text()).get("vocab_size")
+    vocab = model_vocab_size(model)
     tokens = HfTokenizer(model).vocab_size
     if isinstance(vocab, int) and tokens > vocab:
         raise JobNotReady(f"the tokenizer in {model} has {tokens} tokens but the model's vocabulary is {vocab}: they "
