@@ -323,16 +323,20 @@ def measure_copy_bound(total_bytes: int, repeats: int, device: str) -> dict:
 
 def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, persist: bool) -> tuple[subprocess.Popen, str]:
     """A PS in its own process, as an operator starts one (``staleflow serve params``)."""
-    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", "serve", "params", "--state-dir", str(state_dir),
+    # -P as this process was started: a checkout's folders must not shadow the installed package
+    safe_path = ["-P"] if sys.flags.safe_path else []
+    proc = subprocess.Popen([sys.executable, *safe_path, "-m", "staleflow.cli", "serve", "params", "--state-dir", str(state_dir),
                              "--port", "0", "--keep", "1", "--no-fsync", "--persist" if persist else "--no-persist",
                              "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
     for line in proc.stderr:
         if "listening on" in line:
             url = line.strip().rsplit(" ", 1)[-1]
             threading.Thread(target=proc.stderr.read, daemon=True).start()
             return proc, url
-    raise RuntimeError(f"the parameter server exited with {proc.wait()} before listening")
+        said = [*said[-19:], line]
+    raise RuntimeError(f"the parameter server exited with {proc.wait()} before listening; it said:\n{''.join(said)}")
 
 
 def memory_need(total_bytes: int, ranks: int, instances: int, pooled: bool, largest_tensor: int = TENSOR_BYTES) -> int:

@@ -128,6 +128,25 @@ def test_a_checkpoint_round_trips(gpu_model_dir: Path, tmp_path: Path, nccl_rank
         assert torch.equal(value.full_tensor().cpu(), trained[name]), name
 
 
+def test_the_export_is_the_engines_dtype_in_pinned_buffers_and_the_next_step_leaves_it_whole(
+        gpu_model_dir: Path, tmp_path: Path, nccl_rank: None) -> None:
+    backend = FsdpBackend(_config(export_dtype="bfloat16"), gpu_model_dir, tmp_path / "ckpt", 0, 1, final_version=3)
+    vocab = backend.model.config.vocab_size
+    backend.train(0, _batch(vocab))
+    exported = {k: v.full_tensor().to(torch.bfloat16).cpu() for k, v in backend.model.state_dict().items()}
+    share = backend.weights(1)  # copies on a side stream; the next step runs while they are in flight
+    backend.train(1, _batch(vocab, seed=1))
+    assert share.ready is not None
+    share.ready()
+    assert {p.name for p in share.pieces} == set(exported) - ({"lm_head.weight"} if backend.tied else set())
+    for piece in share.pieces:
+        assert piece.data.is_pinned() and piece.data.dtype == torch.bfloat16, piece.name
+        assert torch.equal(piece.data, exported[piece.name]), f"{piece.name}: the next step wrote into the export"
+    trained = {k: v.full_tensor().to(torch.bfloat16).cpu() for k, v in backend.model.state_dict().items()}
+    assert any(not torch.equal(trained[k], exported[k]) for k in exported), "the second step changed nothing"
+    assert share.tensors[share.pieces[0].name][0] == "BF16"
+
+
 def _which_gpu(rank: int, world: int, port: int, out: str) -> None:
     init_process_group(rank, world, port)
     try:
