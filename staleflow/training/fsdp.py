@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import logging
 import os
@@ -246,8 +247,8 @@ class FsdpBackend(TrainerBackend):
         token budget (``max_tokens_per_micro_batch``: packed, or padded rows within the budget)."""
         budget = self.cfg.max_tokens_per_micro_batch
         if budget is None:
-            size = self.algo.micro_batch
-            return [mine[i:i + size] for i in range(0, len(mine), size)]
+            return row_count_batches({i: len(trajs[i]["prompt_ids"]) + len(trajs[i]["tokens"]) for i in mine},
+                                     self.algo.micro_batch)
         longest_prompt = max((len(trajs[i]["prompt_ids"]) for i in mine), default=0)
         if longest_prompt >= budget:
             raise ValueError(f"trainer.max_tokens_per_micro_batch is {budget} tokens but a prompt has {longest_prompt}: "
@@ -350,6 +351,25 @@ def packing_for(model: torch.nn.Module, setting: bool | str) -> bool:
             raise ValueError("trainer.packing: true needs flash attention or a transformers whose attention masks "
                              "detect packed sequences (5.x); set packing to auto or false") from None
     return bool(setting)
+
+
+def row_count_batches(lengths: Mapping[int, int], size: int) -> list[list[int]]:
+    """The given rows (id -> tokens) in as few micro-batches of at most ``size`` rows as there can
+    be, rows of like length together. Right-padded, a micro-batch costs its row count times its
+    longest row, so the rows go longest first and the one short micro-batch sits where it saves
+    the most (a long-tail batch in arrival order pads nearly every micro-batch to the longest row)."""
+    order = sorted(lengths, key=lambda r: (-lengths[r], r))
+    count = -(-len(order) // size)
+    short = len(order) - (count - 1) * size
+
+    def sizes_with_short_at(position: int) -> list[int]:
+        return [short if b == position else size for b in range(count)]
+
+    def padded_cost(sizes: list[int]) -> int:
+        return sum(n * lengths[order[start]] for start, n in zip(itertools.accumulate([0, *sizes[:-1]]), sizes, strict=True))
+
+    sizes = min((sizes_with_short_at(b) for b in range(count)), key=padded_cost, default=[])
+    return [sorted(order[start:start + n]) for start, n in zip(itertools.accumulate([0, *sizes[:-1]]), sizes, strict=True)]
 
 
 def token_budget_batches(lengths: Mapping[int, int], budget: int, packed: bool) -> list[list[int]]:

@@ -25,7 +25,13 @@ import torch.distributed as dist  # noqa: E402
 
 from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
 from staleflow.training import fsdp  # noqa: E402
-from staleflow.training.fsdp import FsdpBackend, check_gpus_for_ranks, init_process_group, token_budget_batches  # noqa: E402
+from staleflow.training.fsdp import (  # noqa: E402
+    FsdpBackend,
+    check_gpus_for_ranks,
+    init_process_group,
+    row_count_batches,
+    token_budget_batches,
+)
 from staleflow.training.loading import ModelLoadError, empty_causal_lm  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
@@ -179,6 +185,28 @@ def test_token_budget_batches_cover_every_row_once_within_the_budget(lengths: li
     for batch in batches:
         cost = sum(rows[r] for r in batch) if packed else len(batch) * max(rows[r] for r in batch)
         assert cost <= budget or len(batch) == 1  # a row longer than the budget trains alone
+
+
+def _padded_cost(batches: list[list[int]], rows: dict[int, int]) -> int:
+    return sum(len(b) * max(rows[r] for r in b) for b in batches)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 50), min_size=0, max_size=30), size=st.integers(1, 8))
+def test_row_count_batches_pad_no_more_than_arrival_order(lengths: list[int], size: int) -> None:
+    rows = dict(enumerate(lengths))
+    batches = row_count_batches(rows, size)
+    assert sorted(r for b in batches for r in b) == sorted(rows)
+    assert all(0 < len(b) <= size for b in batches)
+    assert len(batches) == -(-len(rows) // size)  # no more forward passes than arrival order makes
+    in_order = [list(rows)[i:i + size] for i in range(0, len(rows), size)]
+    assert _padded_cost(batches, rows) <= _padded_cost(in_order, rows)
+
+
+def test_a_long_tail_batch_pads_to_its_long_rows_once() -> None:
+    rows = {i: 8192 if i % 16 == 0 else 300 for i in range(64)}  # four long responses among short ones
+    batches = row_count_batches(rows, 32)
+    assert _padded_cost(batches, rows) == 32 * 8192 + 32 * 300  # arrival order: 2 x 32 x 8192
 
 
 def test_more_ranks_than_gpus_is_refused_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
