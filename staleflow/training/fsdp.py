@@ -359,6 +359,8 @@ def row_count_batches(lengths: Mapping[int, int], size: int) -> list[list[int]]:
     longest row, so the rows go longest first and the one short micro-batch sits where it saves
     the most (a long-tail batch in arrival order pads nearly every micro-batch to the longest row)."""
     order = sorted(lengths, key=lambda r: (-lengths[r], r))
+    if not order:
+        return []
     count = -(-len(order) // size)
     short = len(order) - (count - 1) * size
 
@@ -368,7 +370,7 @@ def row_count_batches(lengths: Mapping[int, int], size: int) -> list[list[int]]:
     def padded_cost(sizes: list[int]) -> int:
         return sum(n * lengths[order[start]] for start, n in zip(itertools.accumulate([0, *sizes[:-1]]), sizes, strict=True))
 
-    sizes = min((sizes_with_short_at(b) for b in range(count)), key=padded_cost, default=[])
+    sizes = min((sizes_with_short_at(b) for b in range(count)), key=padded_cost)
     return [sorted(order[start:start + n]) for start, n in zip(itertools.accumulate([0, *sizes[:-1]]), sizes, strict=True)]
 
 
