@@ -38,6 +38,7 @@ from staleflow.transports.base import (
     Manifest,
     TensorSpec,
     checksum_algorithm,
+    checksum_algorithms,
     chunk_checksums,
     layout_tensors,
     parse_safetensors_header,
@@ -91,16 +92,85 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def split_ranges(ranges: Sequence[tuple[int, int]], chunk_bytes: int) -> list[ChunkSpec]:
+SMALL_RANGE_BYTES = 4 << 20  # below this a range is gathered with others (push) and joined with its neighbours (manifest)
+
+
+def small_range_bytes(chunk_bytes: int) -> int:
+    """Ranges shorter than this are small: a chunk of their own would cost more (a request, a
+    checksum, a manifest entry, per-chunk work on every pull) than hashing their bytes again."""
+    return min(chunk_bytes, SMALL_RANGE_BYTES)
+
+
+def split_ranges(ranges: Sequence[tuple[int, int]], chunk_bytes: int, gather: bool = False) -> list[ChunkSpec]:
     """A part's byte ranges of the data section cut into chunks of at most ``chunk_bytes``,
     numbered within the part. Ranges that touch (a pusher's consecutive tensors, each its own
     range) are joined first, so a table of many small tensors makes as few chunks -- requests,
-    checksums, copies -- as one big tensor of the same bytes."""
+    checksums, copies -- as one big tensor of the same bytes. ``gather``: the small ranges left
+    apart (a rank of several holds dim-0 rows of every tensor, which are not adjacent) are
+    gathered, in offset order, into chunks of several ranges of at most ``chunk_bytes`` in all."""
     chunks: list[ChunkSpec] = []
+    small = small_range_bytes(chunk_bytes)
+    gathered: list[tuple[int, int]] = []
+    filled = 0
+
+    def flush() -> None:
+        nonlocal gathered, filled
+        if len(gathered) == 1:
+            chunks.append(ChunkSpec(len(chunks), gathered[0][0], gathered[0][1]))
+        elif gathered:
+            chunks.append(ChunkSpec(len(chunks), gathered[0][0], filled, ranges=tuple(gathered)))
+        gathered, filled = [], 0
+
     for offset, length in merge_ranges(ranges):
+        if gather and length < small:
+            if filled + length > chunk_bytes:
+                flush()
+            gathered.append((offset, length))
+            filled += length
+            continue
         for start in range(offset, offset + length, chunk_bytes):
             chunks.append(ChunkSpec(len(chunks), start, min(chunk_bytes, offset + length - start)))
+    flush()
     return chunks
+
+
+def manifest_chunks(delivered: Iterable[tuple[ChunkSpec, str | None]], chunk_bytes: int) -> list[ChunkSpec]:
+    """A version's chunk table, cut anew over the data section its parts' chunks tile: a
+    contiguous push chunk of at least ``small_range_bytes`` keeps its place and its pusher's
+    checksum; the bytes between such chunks (small chunks and gathered ones, of any parts) are
+    cut into chunks of at most ``chunk_bytes``, each keeping a checksum only where it is exactly
+    one delivered chunk. Chunks left with ``checksum=None`` are hashed by the PS before the
+    version is visible. Pure: no bytes are read here."""
+    small = small_range_bytes(chunk_bytes)
+    known: dict[tuple[int, int], str] = {}
+    pieces: list[tuple[int, int, bool]] = []  # (offset, length, kept whole)
+    for chunk, checksum in delivered:
+        if chunk.ranges:
+            pieces.extend((offset, length, False) for offset, length in chunk.ranges)
+            continue
+        if checksum is not None:
+            known[(chunk.offset, chunk.length)] = checksum
+        pieces.append((chunk.offset, chunk.length, checksum is not None and chunk.length >= small))
+    pieces.sort()
+    out: list[ChunkSpec] = []
+
+    def cut(start: int, end: int) -> None:
+        for offset in range(start, end, chunk_bytes):
+            length = min(chunk_bytes, end - offset)
+            out.append(ChunkSpec(len(out), offset, length, known.get((offset, length))))
+
+    span_start = span_end = 0
+    for offset, length, whole in pieces:
+        if length == 0:
+            continue
+        if whole:
+            cut(span_start, span_end)
+            out.append(ChunkSpec(len(out), offset, length, known[(offset, length)]))
+            span_start = span_end = offset + length
+        else:
+            span_end = offset + length
+    cut(span_start, span_end)
+    return out
 
 
 def coverage_gaps(ranges: Iterable[tuple[int, int]], total_bytes: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -158,12 +228,12 @@ class PushPart:
     index: int
     via: str  # "http": chunk bodies to the PS; "shm", "nixl": the pusher writes into the slot itself
     chunks: list[ChunkSpec]
-    received: dict[int, str] = field(default_factory=dict)  # chunk index -> checksum
+    received: dict[int, str | None] = field(default_factory=dict)  # chunk index -> checksum (None: the PS hashes it)
     writing: set[int] = field(default_factory=set)
     done: bool = False
 
     def ranges(self) -> list[tuple[int, int]]:
-        return [(c.offset, c.length) for c in self.chunks]
+        return [span for c in self.chunks for span in c.spans()]
 
 
 @dataclass
@@ -211,37 +281,54 @@ class Lease:
 
 class ChunkWriter:
     """Receives one chunk of a push piece by piece (as the HTTP server hands them over), copying
-    each straight into the version's memory slot at the chunk's offset and checksumming it there,
+    each straight into the version's memory slot at the chunk's ranges and checksumming it there,
     while it is in cache: no buffering, no thread hop (a piece is tens of KiB)."""
 
     def __init__(self, store: ParamStore, push: PendingPush, part: PushPart, chunk: ChunkSpec, claimed: str):
         self.store, self.push, self.part, self.chunk, self.claimed = store, push, part, chunk, claimed
         self.hasher = ChunkHasher(checksum_algorithm(claimed))
         self.written = 0
-        start = push.data_offset + chunk.offset
-        self.target: np.ndarray | None = np.frombuffer(push.slot.view()[start:start + chunk.length], np.uint8)
+        slot = np.frombuffer(push.slot.view(), np.uint8)
+        self.targets: list[np.ndarray] | None = [slot[push.data_offset + o:push.data_offset + o + n] for o, n in chunk.spans()]
+        self._span, self._at = 0, 0  # where the next byte lands: which target, how far into it
 
     def add(self, piece: bytes) -> None:
-        assert self.target is not None
         if self.written + len(piece) > self.chunk.length:
             raise ParamsError(ErrorCode.BODY_TOO_LARGE, f"chunk {self.chunk.index} is {self.chunk.length} bytes; the body is longer")
-        np.copyto(self.target[self.written:self.written + len(piece)], np.frombuffer(piece, np.uint8))
-        self.landed(len(piece))
+        source = np.frombuffer(piece, np.uint8)
+        taken = 0
+        while taken < len(source):
+            target = self._current()
+            n = min(len(target), len(source) - taken)
+            np.copyto(target[:n], source[taken:taken + n])
+            taken += n
+            self.landed(n)
 
-    def remaining(self) -> memoryview:
-        """Where the rest of the chunk goes, for a receiver that writes into it itself (the data
-        plane's ``recv_into``); it calls ``landed`` after each piece, in order."""
-        assert self.target is not None
-        return memoryview(self.target[self.written:])
+    def _current(self) -> np.ndarray:
+        assert self.targets is not None
+        return self.targets[self._span][self._at:]
+
+    def remaining(self) -> list[memoryview]:
+        """Where the rest of the chunk goes, in order, for a receiver that writes into it itself
+        (the data plane's ``recv_into``); it calls ``landed`` after each piece, in order, a
+        piece never crossing from one of these views into the next."""
+        assert self.targets is not None
+        return [memoryview(self._current()), *(memoryview(t) for t in self.targets[self._span + 1:])]
 
     def landed(self, n: int) -> None:
         """``n`` more bytes are in place: checksum them while they are in cache."""
-        assert self.target is not None
-        self.hasher.update(self.target[self.written:self.written + n])
+        assert self.targets is not None
+        target = self.targets[self._span]
+        if self._at + n > len(target):
+            raise ValueError(f"a piece of {n} bytes crosses the end of range {self._span} of chunk {self.chunk.index}")
+        self.hasher.update(target[self._at:self._at + n])
         self.written += n
+        self._at += n
+        while self._span < len(self.targets) - 1 and self._at == len(self.targets[self._span]):
+            self._span, self._at = self._span + 1, 0
 
     def finish(self) -> str:
-        self.target = None
+        self.targets = None
         actual = self.hasher.hexdigest()
         if self.written != self.chunk.length:
             self.store.chunk_done(self.push, self.part, self.chunk.index, None)
@@ -254,7 +341,7 @@ class ChunkWriter:
         return actual
 
     def abandon(self) -> None:
-        self.target = None
+        self.targets = None
         self.store.chunk_done(self.push, self.part, self.chunk.index, None)
 
 
@@ -372,11 +459,13 @@ class ParamStore:
     # -- push
 
     def join_push(self, version: int, part: int, parts: int, tensors: Iterable[tuple[str, str, list[int]]],
-                  metadata: Mapping[str, str], ranges: Sequence[tuple[int, int]] | None, via: str) -> tuple[PendingPush, PushPart]:
+                  metadata: Mapping[str, str], ranges: Sequence[tuple[int, int]] | None, via: str,
+                  gather: bool = False) -> tuple[PendingPush, PushPart]:
         """Part ``part`` of ``parts`` joins the push of ``version`` (the first to arrive starts it).
         Every part names the whole tensor table and its own byte ranges of the data section
         (``None``: all of it); the version becomes visible once the parts' ranges tile the data
-        section and every part is done. A part that joins again (a restarted pusher) starts over."""
+        section and every part is done. A part that joins again (a restarted pusher) starts over.
+        ``gather``: the pusher takes chunks of several ranges (see ``split_ranges``)."""
         laid = tuple(layout_tensors(tensors, self.config.max_tensors))
         total = sum(t.nbytes for t in laid)
         if not 0 <= part < parts:
@@ -413,7 +502,7 @@ class ParamStore:
             if overlaps:
                 raise ParamsError(ErrorCode.PART_CONFLICT,
                                   f"part {part}'s ranges overlap another part's at {overlaps[:3]} (offset, length)")
-            entry = PushPart(part, via, split_ranges(ranges, self.config.chunk_bytes))
+            entry = PushPart(part, via, split_ranges(ranges, self.config.chunk_bytes, gather))
             push.parts[part] = entry
             push.metadata.update(metadata)
             push.last_active = time.monotonic()
@@ -519,6 +608,8 @@ class ParamStore:
                 if entry.via != "shm":
                     raise ParamsError(ErrorCode.INVALID_PART, f"part {part} sends its chunks over http; checksums come with each chunk")
                 entry.received.update(_claimed_checksums(entry, checksums))
+                # a gathered chunk written over shm is hashed in the slot at commit, in the manifest's chunks
+                entry.received.update({c.index: None for c in entry.chunks if c.ranges and c.index not in entry.received})
             missing = [c.index for c in entry.chunks if c.index not in entry.received]
             if missing or entry.writing:
                 shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
@@ -528,7 +619,7 @@ class ParamStore:
             entry.done = True
             push.last_active = time.monotonic()
             if len(push.parts) == push.expected_parts and all(p.done for p in push.parts.values()) and not push.committing:
-                self._commit(push)
+                self._commit(push)  # waits for the lock again while it hashes
             deadline = time.monotonic() + wait_s
             while version not in self.versions and push.dropped is None and time.monotonic() < deadline:
                 self._cond.wait(min(1.0, deadline - time.monotonic()))
@@ -575,17 +666,35 @@ class ParamStore:
                               f"(chunk {index}: {actual} in the PS's memory, {expected} claimed); the part is not done, push it again")
         return True
 
-    def _commit(self, push: PendingPush) -> Manifest:
-        """Under the lock: every part is done; make the version visible if the parts tile it."""
+    def _commit(self, push: PendingPush) -> None:
+        """Under the lock: every part is done; make the version visible if the parts tile it. The
+        manifest's chunks are cut anew over the data section (``manifest_chunks``); those that
+        join several delivered chunks are hashed in the slot first, off the lock (``committing``
+        keeps the push from being joined, aborted or swept meanwhile)."""
         _, gaps = coverage_gaps([r for p in push.parts.values() for r in p.ranges()], push.total_bytes)
         if gaps:
             raise ParamsError(ErrorCode.PART_CONFLICT,
                               f"version {push.version}: the parts leave bytes {gaps[:3]} (offset, length) uncovered")
         push.committing = True
-        chunks = sorted(((c, p.received[c.index]) for p in push.parts.values() for c in p.chunks), key=lambda x: x[0].offset)
+        delivered = [(c, p.received[c.index]) for p in push.parts.values() for c in p.chunks]
+        chunks = manifest_chunks(delivered, self.config.chunk_bytes)
+        unhashed = [c for c in chunks if c.checksum is None]
+        if unhashed:
+            algorithm = next((checksum_algorithm(x) for _, x in delivered if x is not None), checksum_algorithms()[0])
+            self._cond.release()  # held once: finish_part takes it for this call alone
+            try:
+                sums = iter(_hash_chunks(push.slot, push.data_offset, push.total_bytes, unhashed,
+                                         [algorithm] * len(unhashed), "params-commit"))
+            except BaseException:
+                push.committing = False  # a later done tries again
+                raise
+            finally:
+                self._cond.acquire()
+            if push.dropped is not None:
+                raise ParamsError(ErrorCode.UNKNOWN_PUSH, f"the push of version {push.version} was dropped: {push.dropped}; push it again")
+            chunks = [c if c.checksum is not None else ChunkSpec(c.index, c.offset, c.length, next(sums)) for c in chunks]
         manifest = Manifest(
-            version=push.version, tensors=push.tensors,
-            chunks=tuple(ChunkSpec(i, c.offset, c.length, checksum) for i, (c, checksum) in enumerate(chunks)),
+            version=push.version, tensors=push.tensors, chunks=tuple(chunks),
             chunk_bytes=self.config.chunk_bytes, data_offset=push.data_offset, metadata=push.metadata,
             committed_at=time.time(),
         )
@@ -601,9 +710,8 @@ class ParamStore:
             self._to_persist.add(push.version)
         self._apply_retention()
         self._cond.notify_all()
-        log.info("version %d visible (%d bytes, %d chunks, %.3f s after the push began)", push.version,
-                 manifest.total_bytes, len(manifest.chunks), stored.visible_seconds)
-        return manifest
+        log.info("version %d visible (%d bytes, %d chunks, %d hashed at commit, %.3f s after the push began)", push.version,
+                 manifest.total_bytes, len(manifest.chunks), len(unhashed), stored.visible_seconds)
 
     def commit(self, version: int, push_id: str) -> Manifest:
         """The one-pusher API's commit: finish part 0 and return the visible version's manifest."""
@@ -621,7 +729,8 @@ class ParamStore:
                 reason = f"chunks missing: {shown}" if missing else "chunks are still being received"
                 raise ParamsError(ErrorCode.VERSION_INCOMPLETE, f"version {version} is incomplete "
                                               f"({len(entry.received)}/{len(entry.chunks)} chunks): {reason}")
-            self.finish_part(version, push_id, 0)
+        self.finish_part(version, push_id, 0)  # not under the lock: the commit lets it go while it hashes
+        with self._cond:
             return self.versions[version].manifest
 
     def delete_version(self, version: int) -> StoredVersion:
@@ -946,8 +1055,8 @@ class ParamStore:
 
 def _hash_chunks(slot: ShmSlot, data_offset: int, total_bytes: int, chunks: Sequence[ChunkSpec],
                  algorithms: Sequence[str], thread_name: str) -> list[str]:
-    """The checksums of ``chunks`` as they lie in ``slot``'s data section, hashed on a few threads
-    (off the lock and the GIL)."""
+    """The checksums of ``chunks`` (gathered ones over their ranges in order) as they lie in
+    ``slot``'s data section, hashed on a few threads (off the lock and the GIL)."""
     view = slot.view()[data_offset:data_offset + total_bytes]
     try:
         with ThreadPoolExecutor(min(default_workers(), max(1, len(chunks))), thread_name_prefix=thread_name) as pool:

@@ -30,6 +30,8 @@ class PartJoin(BaseModel):
     ranges: list[tuple[int, int]] | None = Field(None, description="(offset, length) byte ranges of the data section "
                                                                      "this part delivers; absent: all of it")
     via: Literal["http", "shm", "nixl"] = "http"
+    gather: bool = Field(False, description="the pusher takes chunks that gather several of its small ranges "
+                                            "(each such chunk lists its ranges)")
 
 
 class PartDone(BaseModel):
@@ -112,6 +114,11 @@ class ChunkOut(_Answer):
     checksum: str | None = None
 
 
+class PushChunkOut(ChunkOut):
+    ranges: list[tuple[int, int]] | None = Field(None, description="a gathered chunk's (offset, length) ranges of the "
+                                                                   "data section, in order: its bytes, one after the other")
+
+
 class TensorOut(_Answer):
     name: str
     dtype: str
@@ -165,7 +172,7 @@ class PartJoined(_Answer):
     data_offset: int
     details: dict[str, Any] = Field(description="over shm: the memory slot to write into (path, size, offsets); "
                                                 "over nixl: the PS's agent metadata, the slot's address and data offset")
-    chunks: list[ChunkOut]
+    chunks: list[PushChunkOut]
     checksum_algorithms: list[str]
 
 

@@ -12,6 +12,7 @@ Pure logic and in-memory buffers only; no network or file I/O here.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import math
@@ -157,17 +158,32 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ChunkSpec:
+    """A chunk: ``length`` bytes of the data section from ``offset``, with its checksum. A push's
+    chunk may instead *gather* several ranges of the data section (``ranges``: (offset,
+    length) pairs in offset order; ``offset`` is the first one's, ``length`` their sum): one
+    request and one checksum, over the ranges' bytes one after the other, for a pusher's many
+    small shards. A manifest's chunks are always one range."""
+
     index: int
     offset: int  # in the data section
     length: int
     checksum: str | None = None  # "algorithm:hex"; None while a push has not delivered it
+    ranges: tuple[tuple[int, int], ...] = ()  # a gathered push chunk's ranges; () for one range
+
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The (offset, length) ranges of the data section the chunk's bytes are, in order."""
+        return self.ranges or ((self.offset, self.length),)
 
     def to_json(self) -> dict:
-        return {"index": self.index, "offset": self.offset, "length": self.length, "checksum": self.checksum}
+        out = {"index": self.index, "offset": self.offset, "length": self.length, "checksum": self.checksum}
+        if self.ranges:
+            out["ranges"] = [list(r) for r in self.ranges]
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ChunkSpec:
-        return cls(d["index"], d["offset"], d["length"], d.get("checksum"))
+        ranges = tuple((int(o), int(n)) for o, n in d.get("ranges") or ())
+        return cls(d["index"], d["offset"], d["length"], d.get("checksum"), ranges)
 
 
 def layout_tensors(specs: Iterable[tuple[str, str, Sequence[int]]], max_tensors: int = 1_000_000) -> list[TensorSpec]:
@@ -370,7 +386,7 @@ def chunk_checksums(regions: ByteRegions, chunks: Sequence[ChunkSpec], algorithm
     """Each chunk's checksum over its bytes in ``regions`` (with the algorithm at the same
     position), hashed on ``pool``'s threads: xxhash and zlib release the GIL on large buffers, so
     the hashes run beside each other and beside the caller. Submitted at once, yielded in order."""
-    return pool.map(lambda item: checksum_of(item[1], regions.views(item[0].offset, item[0].length)),
+    return pool.map(lambda item: checksum_of(item[1], regions.gather(item[0].spans())),
                     zip(chunks, algorithms, strict=True))
 
 
@@ -409,7 +425,7 @@ class ByteRegions:
         if offset < 0 or offset + length > self.total_bytes:
             raise FormatError(f"range {offset}+{length} is outside the {self.total_bytes}-byte data section")
         out: list[memoryview] = []
-        i = max(0, _bisect_right(self._starts, offset) - 1)
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
         end = offset + length
         while offset < end and i < len(self._views):
             start, view = self._starts[i], self._views[i]
@@ -421,16 +437,9 @@ class ByteRegions:
             i += 1
         return out
 
-
-def _bisect_right(values: list[int], x: int) -> int:
-    lo, hi = 0, len(values)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if x < values[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    def gather(self, spans: Iterable[tuple[int, int]]) -> list[memoryview]:
+        """The pieces of buffers covering each (offset, length) span in turn."""
+        return [view for offset, length in spans for view in self.views(offset, length)]
 
 
 def _byte_view(buffer: Any) -> memoryview:

@@ -216,7 +216,7 @@ class ParamsClient(Client):
         mover = self.transport(via)  # before joining: a transport this host lacks fails here, leaving no push behind
         begin = self.json(API.join_part, version, part,
                           tensors=[{"name": n, "dtype": d, "shape": s} for n, d, s in table], metadata=dict(metadata or {}),
-                          parts=parts, ranges=[[offset, len(view)] for offset, view in spans], via=via)
+                          parts=parts, ranges=[[offset, len(view)] for offset, view in spans], via=via, gather=True)
         algorithm = next(a for a in begin["checksum_algorithms"] + ["crc32"] if a in checksum_algorithms())
         session = PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]), algorithm,
                               part=part, details=begin["details"])

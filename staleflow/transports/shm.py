@@ -539,7 +539,9 @@ class ShmTransport(Transport):
 
     def push(self, session: PushSession, source: ByteRegions) -> dict[int, str]:
         """Write the session's chunks straight into the PS's slot; returns their checksums,
-        computed over the bytes as they landed in the slot."""
+        computed over the bytes as they landed in the slot. A gathered chunk (a rank's many small
+        shards) is copied range by range and not hashed: the PS hashes the version's chunks that
+        join several parts' bytes in the slot at commit, so a hash here would be thrown away."""
         self._check_host(session.details)
         try:
             target = self._mapping(session.details["path"], writable=True).view
@@ -551,6 +553,9 @@ class ShmTransport(Transport):
         def batch(chunks: Sequence[ChunkSpec]) -> list[tuple[int, str]]:
             sums = []
             for chunk in chunks:
+                if chunk.ranges:
+                    copy_ranges(target, base, chunk.ranges, source)
+                    continue
                 start = base + chunk.offset
                 checksum = copy_and_hash([target[start:start + chunk.length]], source.views(chunk.offset, chunk.length),
                                          session.checksum_algorithm)
@@ -569,6 +574,19 @@ class ShmTransport(Transport):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def copy_ranges(target: memoryview, base: int, ranges: Sequence[tuple[int, int]], source: ByteRegions) -> None:
+    """Copy data-section ``ranges`` of ``source`` to ``target[base + offset:]``: one numpy copy
+    per range (a range is one or a few of the caller's buffers, which a copy cannot join)."""
+    slot = np.frombuffer(target, np.uint8)
+    for offset, length in ranges:
+        destination = slot[base + offset:base + offset + length]
+        views = source.views(offset, length)
+        if len(views) == 1:
+            np.copyto(destination, np.frombuffer(views[0], np.uint8))
+        else:
+            np.concatenate([np.frombuffer(v, np.uint8) for v in views], out=destination)
 
 
 BATCH_BYTES = 4 << 20  # small chunks go to the copy threads together, up to this many bytes
