@@ -32,14 +32,16 @@ from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.params.config import ParamsConfig
 from staleflow.transports.base import (
     ByteRegions,
-    ChunkHasher,
     ChunkSpec,
     FormatError,
     Manifest,
+    SegmentHasher,
     TensorSpec,
     checksum_algorithm,
     checksum_algorithms,
     chunk_checksums,
+    chunk_hasher,
+    combined_checksum,
     layout_tensors,
     parse_safetensors_header,
     safetensors_header,
@@ -134,42 +136,55 @@ def split_ranges(ranges: Sequence[tuple[int, int]], chunk_bytes: int, gather: bo
     return chunks
 
 
-def manifest_chunks(delivered: Iterable[tuple[ChunkSpec, str | None]], chunk_bytes: int) -> list[ChunkSpec]:
-    """A version's chunk table, cut anew over the data section its parts' chunks tile: a
-    contiguous push chunk of at least ``small_range_bytes`` keeps its place and its pusher's
-    checksum; the bytes between such chunks (small chunks and gathered ones, of any parts) are
-    cut into chunks of at most ``chunk_bytes``, each keeping a checksum only where it is exactly
-    one delivered chunk. Chunks left with ``checksum=None`` are hashed by the PS before the
+def manifest_chunks(delivered: Iterable[tuple[ChunkSpec, str | None, Sequence[str] | None]],
+                    chunk_bytes: int) -> list[ChunkSpec]:
+    """A version's chunk table, cut anew over the data section its parts' delivered chunks tile
+    (each with its checksum, and a gathered one with its ranges' checksums where known). A
+    contiguous chunk of at least ``small_range_bytes`` keeps its place and checksum. The runs
+    between such chunks (small chunks and gathered ranges, of any parts, one after the other in
+    the data section) are joined into chunks of at most ``chunk_bytes``, cut where runs meet; a
+    joined chunk's checksum is the ``combined_checksum`` of its runs' (``segments``: their
+    lengths), so no byte is hashed twice. A chunk with a run of unknown checksum, or runs hashed
+    with different algorithms, is left with ``checksum=None``: the PS hashes its bytes before the
     version is visible. Pure: no bytes are read here."""
     small = small_range_bytes(chunk_bytes)
-    known: dict[tuple[int, int], str] = {}
-    pieces: list[tuple[int, int, bool]] = []  # (offset, length, kept whole)
-    for chunk, checksum in delivered:
+    runs: list[tuple[int, int, str | None, bool]] = []  # (offset, length, checksum, kept whole)
+    for chunk, checksum, range_checksums in delivered:
         if chunk.ranges:
-            pieces.extend((offset, length, False) for offset, length in chunk.ranges)
-            continue
-        if checksum is not None:
-            known[(chunk.offset, chunk.length)] = checksum
-        pieces.append((chunk.offset, chunk.length, checksum is not None and chunk.length >= small))
-    pieces.sort()
+            sums = range_checksums or [None] * len(chunk.ranges)
+            runs.extend((offset, length, x, False) for (offset, length), x in zip(chunk.ranges, sums, strict=True))
+        elif chunk.length:
+            runs.append((chunk.offset, chunk.length, checksum, checksum is not None and chunk.length >= small))
+    runs.sort(key=lambda run: run[0])
     out: list[ChunkSpec] = []
+    joined: list[tuple[int, int, str | None, bool]] = []
+    filled = 0
 
-    def cut(start: int, end: int) -> None:
-        for offset in range(start, end, chunk_bytes):
-            length = min(chunk_bytes, end - offset)
-            out.append(ChunkSpec(len(out), offset, length, known.get((offset, length))))
+    def flush() -> None:
+        nonlocal joined, filled
+        if len(joined) == 1:
+            out.append(ChunkSpec(len(out), joined[0][0], joined[0][1], joined[0][2]))
+        elif joined:
+            sums = [run[2] for run in joined if run[2] is not None]
+            algorithms = {checksum_algorithm(x) for x in sums}
+            if len(sums) == len(joined) and len(algorithms) == 1:
+                out.append(ChunkSpec(len(out), joined[0][0], filled, combined_checksum(algorithms.pop(), sums),
+                                     segments=tuple(run[1] for run in joined)))
+            else:
+                out.append(ChunkSpec(len(out), joined[0][0], filled))
+        joined, filled = [], 0
 
-    span_start = span_end = 0
-    for offset, length, whole in pieces:
-        if length == 0:
-            continue
+    for run in runs:
+        offset, length, checksum, whole = run
         if whole:
-            cut(span_start, span_end)
-            out.append(ChunkSpec(len(out), offset, length, known[(offset, length)]))
-            span_start = span_end = offset + length
-        else:
-            span_end = offset + length
-    cut(span_start, span_end)
+            flush()
+            out.append(ChunkSpec(len(out), offset, length, checksum))
+            continue
+        if filled + length > chunk_bytes:
+            flush()
+        joined.append(run)
+        filled += length
+    flush()
     return out
 
 
@@ -229,6 +244,7 @@ class PushPart:
     via: str  # "http": chunk bodies to the PS; "shm", "nixl": the pusher writes into the slot itself
     chunks: list[ChunkSpec]
     received: dict[int, str | None] = field(default_factory=dict)  # chunk index -> checksum (None: the PS hashes it)
+    range_checksums: dict[int, tuple[str, ...]] = field(default_factory=dict)  # a gathered chunk's ranges' checksums
     writing: set[int] = field(default_factory=set)
     done: bool = False
 
@@ -286,7 +302,7 @@ class ChunkWriter:
 
     def __init__(self, store: ParamStore, push: PendingPush, part: PushPart, chunk: ChunkSpec, claimed: str):
         self.store, self.push, self.part, self.chunk, self.claimed = store, push, part, chunk, claimed
-        self.hasher = ChunkHasher(checksum_algorithm(claimed))
+        self.hasher = chunk_hasher(chunk, checksum_algorithm(claimed))  # a gathered chunk: range by range
         self.written = 0
         slot = np.frombuffer(push.slot.view(), np.uint8)
         self.targets: list[np.ndarray] | None = [slot[push.data_offset + o:push.data_offset + o + n] for o, n in chunk.spans()]
@@ -337,7 +353,8 @@ class ChunkWriter:
             self.store.chunk_done(self.push, self.part, self.chunk.index, None)
             raise ParamsError(ErrorCode.CHECKSUM_MISMATCH, f"chunk {self.chunk.index}: bad checksum: the body hashes to {actual}, "
                                          f"the request claims {self.claimed}; the chunk was not stored, send it again")
-        self.store.chunk_done(self.push, self.part, self.chunk.index, actual)
+        ranges = tuple(self.hasher.checksums) if isinstance(self.hasher, SegmentHasher) else None
+        self.store.chunk_done(self.push, self.part, self.chunk.index, actual, ranges)
         return actual
 
     def abandon(self) -> None:
@@ -584,14 +601,18 @@ class ParamStore:
                 raise ParamsError(ErrorCode.BUSY, f"chunk {index} of version {version} is being received or committed right now")
             entry.writing.add(index)
             entry.received.pop(index, None)
+            entry.range_checksums.pop(index, None)
             push.last_active = time.monotonic()
         return ChunkWriter(self, push, entry, chunk, claimed)
 
-    def chunk_done(self, push: PendingPush, part: PushPart, index: int, checksum: str | None) -> None:
+    def chunk_done(self, push: PendingPush, part: PushPart, index: int, checksum: str | None,
+                   range_checksums: tuple[str, ...] | None = None) -> None:
         with self._cond:
             part.writing.discard(index)
             if checksum is not None:
                 part.received[index] = checksum
+                if range_checksums is not None:
+                    part.range_checksums[index] = range_checksums
             push.last_active = time.monotonic()
 
     def finish_part(self, version: int, push_id: str, part: int, checksums: Mapping[int, str] | None = None,
@@ -607,8 +628,10 @@ class ParamStore:
             if checksums is not None:
                 if entry.via != "shm":
                     raise ParamsError(ErrorCode.INVALID_PART, f"part {part} sends its chunks over http; checksums come with each chunk")
-                entry.received.update(_claimed_checksums(entry, checksums))
-                # a gathered chunk written over shm is hashed in the slot at commit, in the manifest's chunks
+                claimed, ranges = _claimed_checksums(entry, checksums)
+                entry.received.update(claimed)
+                entry.range_checksums.update(ranges)
+                # a gathered chunk handed in without checksums is hashed in the slot at commit
                 entry.received.update({c.index: None for c in entry.chunks if c.ranges and c.index not in entry.received})
             missing = [c.index for c in entry.chunks if c.index not in entry.received]
             if missing or entry.writing:
@@ -640,7 +663,7 @@ class ParamStore:
                 return False
             if entry.writing or push.committing:
                 raise ParamsError(ErrorCode.BUSY, f"part {part} of version {version} is being verified or committed right now")
-            claimed = _claimed_checksums(entry, checksums)
+            claimed, ranges = _claimed_checksums(entry, checksums)
             entry.writing.update(claimed)  # not swept, aborted or joined again while it is hashed
             for index in claimed:
                 entry.received.pop(index, None)
@@ -656,6 +679,8 @@ class ParamStore:
                 for chunk, actual in zip(chunks, landed, strict=False):
                     if actual == claimed[chunk.index]:
                         entry.received[chunk.index] = actual
+                        if chunk.index in ranges:  # they hash to what landed
+                            entry.range_checksums[chunk.index] = ranges[chunk.index]
                 push.last_active = time.monotonic()
                 self._cond.notify_all()
         mismatched = [(c.index, actual, claimed[c.index]) for c, actual in zip(chunks, landed, strict=True) if actual != claimed[c.index]]
@@ -676,11 +701,11 @@ class ParamStore:
             raise ParamsError(ErrorCode.PART_CONFLICT,
                               f"version {push.version}: the parts leave bytes {gaps[:3]} (offset, length) uncovered")
         push.committing = True
-        delivered = [(c, p.received[c.index]) for p in push.parts.values() for c in p.chunks]
+        delivered = [(c, p.received[c.index], p.range_checksums.get(c.index)) for p in push.parts.values() for c in p.chunks]
         chunks = manifest_chunks(delivered, self.config.chunk_bytes)
         unhashed = [c for c in chunks if c.checksum is None]
         if unhashed:
-            algorithm = next((checksum_algorithm(x) for _, x in delivered if x is not None), checksum_algorithms()[0])
+            algorithm = next((checksum_algorithm(x) for _, x, _ in delivered if x is not None), checksum_algorithms()[0])
             self._cond.release()  # held once: finish_part takes it for this call alone
             try:
                 sums = iter(_hash_chunks(push.slot, push.data_offset, push.total_bytes, unhashed,
@@ -1065,18 +1090,31 @@ def _hash_chunks(slot: ShmSlot, data_offset: int, total_bytes: int, chunks: Sequ
         view.release()
 
 
-def _claimed_checksums(entry: PushPart, checksums: Mapping[int, str]) -> dict[int, str]:
-    """A part's checksums as its pusher hands them in (over shm or NIXL), validated."""
+def _claimed_checksums(entry: PushPart, checksums: Mapping[int, str | list[str]]) -> tuple[dict[int, str], dict[int, tuple[str, ...]]]:
+    """A part's checksums as its pusher hands them in (over shm or NIXL), validated: (chunk index
+    -> checksum, gathered chunk index -> its ranges' checksums, where it gave those instead)."""
     claimed: dict[int, str] = {}
+    ranges: dict[int, tuple[str, ...]] = {}
     for index, checksum in checksums.items():
         if not 0 <= int(index) < len(entry.chunks):
             raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {entry.index} has chunks 0..{len(entry.chunks) - 1}, not {index}")
+        chunk = entry.chunks[int(index)]
+        listed = [checksum] if isinstance(checksum, str) else list(checksum)
+        if not isinstance(checksum, str) and len(listed) != len(chunk.ranges):
+            raise ParamsError(ErrorCode.INVALID_FORMAT, f"chunk {index} of part {entry.index} gathers {len(chunk.ranges)} range(s); "
+                                                        f"{len(listed)} checksum(s) were handed in for them")
         try:
-            checksum_algorithm(checksum)
+            algorithms = {checksum_algorithm(x) for x in listed}
         except FormatError as exc:
             raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
-        claimed[int(index)] = checksum
-    return claimed
+        if len(algorithms) != 1:
+            raise ParamsError(ErrorCode.INVALID_FORMAT, f"chunk {index} of part {entry.index}: its ranges' checksums mix algorithms")
+        if isinstance(checksum, str):
+            claimed[int(index)] = checksum
+        else:
+            claimed[int(index)] = combined_checksum(algorithms.pop(), listed)
+            ranges[int(index)] = tuple(listed)
+    return claimed, ranges
 
 
 def _load_version(directory: Path, version: int) -> StoredVersion:

@@ -35,7 +35,9 @@ class PartJoin(BaseModel):
 
 
 class PartDone(BaseModel):
-    checksums: dict[int, str] | None = Field(None, description="chunk index -> checksum, for a part written over shm or nixl")
+    checksums: dict[int, str | list[str]] | None = Field(None, description="chunk index -> checksum, for a part written over "
+                                                                          "shm or nixl (a gathered chunk: its checksum, or "
+                                                                          "the list of its ranges' checksums)")
     wait_s: float = Field(0.0, ge=0, le=3600, description="wait this long for the other parts to finish")
 
 
@@ -112,6 +114,8 @@ class ChunkOut(_Answer):
     offset: int
     length: int
     checksum: str | None = None
+    segments: list[int] | None = Field(None, description="lengths of the runs the chunk's checksum is made of: each run "
+                                                         "hashed alone, the checksum the hash of theirs (absent: one run)")
 
 
 class PushChunkOut(ChunkOut):

@@ -162,28 +162,43 @@ class ChunkSpec:
     chunk may instead *gather* several ranges of the data section (``ranges``: (offset,
     length) pairs in offset order; ``offset`` is the first one's, ``length`` their sum): one
     request and one checksum, over the ranges' bytes one after the other, for a pusher's many
-    small shards. A manifest's chunks are always one range."""
+    small shards. A manifest's chunks are always one range.
+
+    A chunk of *segments* (a gathered chunk's ranges; ``segments``: the lengths of consecutive
+    runs of a manifest chunk, each hashed by the pusher that wrote it) has for checksum the
+    hash of its segments' checksums (``combined_checksum``): parts' bytes joined in one chunk
+    need no second pass over them. ``chunk_hasher`` computes either kind."""
 
     index: int
     offset: int  # in the data section
     length: int
     checksum: str | None = None  # "algorithm:hex"; None while a push has not delivered it
     ranges: tuple[tuple[int, int], ...] = ()  # a gathered push chunk's ranges; () for one range
+    segments: tuple[int, ...] = ()  # a manifest chunk's segment lengths, summing to ``length``; () for one
 
     def spans(self) -> tuple[tuple[int, int], ...]:
         """The (offset, length) ranges of the data section the chunk's bytes are, in order."""
         return self.ranges or ((self.offset, self.length),)
 
+    def segment_lengths(self) -> tuple[int, ...]:
+        """The lengths of the runs its checksum is made of (one run: the plain hash of its bytes)."""
+        return self.segments or tuple(n for _, n in self.ranges) or (self.length,)
+
     def to_json(self) -> dict:
-        out = {"index": self.index, "offset": self.offset, "length": self.length, "checksum": self.checksum}
+        out: dict[str, Any] = {"index": self.index, "offset": self.offset, "length": self.length, "checksum": self.checksum}
         if self.ranges:
             out["ranges"] = [list(r) for r in self.ranges]
+        if self.segments:
+            out["segments"] = list(self.segments)
         return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ChunkSpec:
         ranges = tuple((int(o), int(n)) for o, n in d.get("ranges") or ())
-        return cls(d["index"], d["offset"], d["length"], d.get("checksum"), ranges)
+        segments = tuple(int(n) for n in d.get("segments") or ())
+        if segments and (sum(segments) != d["length"] or min(segments) <= 0):
+            raise FormatError(f"chunk {d['index']}: segments {list(segments)[:5]}... do not tile its {d['length']} bytes")
+        return cls(d["index"], d["offset"], d["length"], d.get("checksum"), ranges, segments)
 
 
 def layout_tensors(specs: Iterable[tuple[str, str, Sequence[int]]], max_tensors: int = 1_000_000) -> list[TensorSpec]:
@@ -374,6 +389,61 @@ def checksum_of(algorithm: str, pieces: Iterable[bytes | memoryview]) -> str:
     return hasher.hexdigest()
 
 
+def combined_checksum(algorithm: str, checksums: Sequence[str]) -> str:
+    """The checksum of a chunk of several segments: the hash of their checksums, in order."""
+    return checksum_of(algorithm, [",".join(checksums).encode()])
+
+
+class SegmentHasher:
+    """Incremental checksum over the pieces of a chunk of segments, in order: each segment (a run
+    of ``lengths[i]`` bytes) hashed on its own, the chunk's checksum ``combined_checksum`` of
+    theirs. Pieces may start and end anywhere; they are cut at the segments' ends."""
+
+    def __init__(self, algorithm: str, lengths: Sequence[int]):
+        self.algorithm = algorithm
+        self.lengths = lengths
+        self.checksums: list[str] = []  # of the segments hashed so far
+        self._segment = ChunkHasher(algorithm)
+        self._left = lengths[0]
+        self._extra = False  # bytes beyond the last segment: the checksum cannot match
+
+    def update(self, data: Any) -> None:
+        taken, size = 0, len(data)
+        while taken < size:
+            if len(self.checksums) == len(self.lengths):
+                self._extra = True
+                return
+            n = min(self._left, size - taken)
+            self._segment.update(data[taken:taken + n] if n < size else data)
+            taken += n
+            self._left -= n
+            if self._left == 0:
+                self.checksums.append(self._segment.hexdigest())
+                if len(self.checksums) < len(self.lengths):
+                    self._segment = ChunkHasher(self.algorithm)
+                    self._left = self.lengths[len(self.checksums)]
+
+    def hexdigest(self) -> str:
+        partial = [self._segment.hexdigest() + "+"] if len(self.checksums) < len(self.lengths) else []
+        return combined_checksum(self.algorithm, self.checksums + partial + (["+"] if self._extra else []))
+
+
+def chunk_hasher(chunk: ChunkSpec, algorithm: str | None = None) -> ChunkHasher | SegmentHasher:
+    """The hasher of ``chunk``'s checksum, with its own algorithm unless ``algorithm`` is given
+    (a push chunk's, before it has a checksum): plain for one run, ``SegmentHasher`` for several."""
+    lengths = chunk.segment_lengths()
+    algorithm = algorithm or checksum_algorithm(chunk.checksum or "")
+    return SegmentHasher(algorithm, lengths) if len(lengths) > 1 else ChunkHasher(algorithm)
+
+
+def chunk_checksum(chunk: ChunkSpec, algorithm: str | None, pieces: Iterable[Any]) -> str:
+    """``chunk``'s checksum over its bytes, given in pieces in order (see ``chunk_hasher``)."""
+    hasher = chunk_hasher(chunk, algorithm)
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.hexdigest()
+
+
 def checksum_algorithm(checksum: str) -> str:
     algorithm, sep, digest = checksum.partition(":")
     if not sep or algorithm not in ("xxh3_64", "crc32") or not digest or any(c not in "0123456789abcdef" for c in digest):
@@ -384,9 +454,10 @@ def checksum_algorithm(checksum: str) -> str:
 def chunk_checksums(regions: ByteRegions, chunks: Sequence[ChunkSpec], algorithms: Sequence[str],
                     pool: Executor) -> Iterator[str]:
     """Each chunk's checksum over its bytes in ``regions`` (with the algorithm at the same
-    position), hashed on ``pool``'s threads: xxhash and zlib release the GIL on large buffers, so
-    the hashes run beside each other and beside the caller. Submitted at once, yielded in order."""
-    return pool.map(lambda item: checksum_of(item[1], regions.gather(item[0].spans())),
+    position; see ``chunk_hasher``), hashed on ``pool``'s threads: xxhash and zlib release the
+    GIL on large buffers, so the hashes run beside each other and beside the caller. Submitted at
+    once, yielded in order."""
+    return pool.map(lambda item: chunk_checksum(item[0], item[1], regions.gather(item[0].spans())),
                     zip(chunks, algorithms, strict=True))
 
 
@@ -498,9 +569,10 @@ class Transport(ABC):
     @abstractmethod
     def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]: ...
 
-    def push(self, session: PushSession, source: ByteRegions) -> dict[int, str] | None:
+    def push(self, session: PushSession, source: ByteRegions) -> dict[int, str | list[str]] | None:
         """Deliver the session's chunks from ``source``. Returns the chunks' checksums when the PS
-        did not receive the bytes itself (the pusher wrote them into its memory), else None."""
+        did not receive the bytes itself (the pusher wrote them into its memory), else None; a
+        gathered chunk's may be the list of its ranges' checksums."""
         raise NotImplementedError(f"transport {self.name!r} only pulls; push over 'http', 'shm' or 'nixl'")
 
     def close(self) -> None:  # noqa: B027 - optional hook

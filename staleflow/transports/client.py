@@ -21,7 +21,6 @@ from staleflow.errors import ErrorCode
 from staleflow.transports.base import (
     ByteRegions,
     ChecksumMismatch,
-    ChunkHasher,
     ChunkSpec,
     FormatError,
     Manifest,
@@ -29,8 +28,8 @@ from staleflow.transports.base import (
     PushSession,
     TensorSpec,
     Transport,
-    checksum_algorithm,
     checksum_algorithms,
+    chunk_hasher,
     layout_tensors,
     numpy_dtype,
     safetensors_dtype,
@@ -225,7 +224,7 @@ class ParamsClient(Client):
         reply = self.finish_part(version, part, session.push_id, checksums=checksums, wait_s=wait_s)
         return {**reply, "via": via, "delivered_at_monotonic": delivered}
 
-    def finish_part(self, version: int, part: int, push_id: str, *, checksums: Mapping[int, str] | None = None,
+    def finish_part(self, version: int, part: int, push_id: str, *, checksums: Mapping[int, str | list[str]] | None = None,
                     wait_s: float = 0.0) -> dict:
         """Tell the PS that part ``part`` of ``version`` is in (with its chunks' checksums when it
         wrote them itself, over shm or NIXL); waits up to ``wait_s`` for the version to be visible.
@@ -402,7 +401,7 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
         yield from transport.pull_verified(lease, into, verify)
         return
     index, landed = 0, 0
-    hasher = ChunkHasher(checksum_algorithm(chunks[0].checksum)) if verify != "none" else None
+    hasher = chunk_hasher(chunks[0]) if verify != "none" else None
     for offset, length in transport.pull(lease, into):
         chunk = chunks[index]
         if offset != chunk.offset + landed:
@@ -419,7 +418,7 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
             yield chunk.offset + chunk.length
             index, landed = index + 1, 0
             if hasher is not None and index < len(chunks):
-                hasher = ChunkHasher(checksum_algorithm(chunks[index].checksum))
+                hasher = chunk_hasher(chunks[index])
     if index != len(chunks):
         raise FormatError(f"transport {transport.name} stopped after {index} of {len(chunks)} chunks")
 

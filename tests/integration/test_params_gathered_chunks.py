@@ -96,6 +96,32 @@ def test_a_moe_table_pushed_in_parts_has_about_one_chunk_per_chunk_bytes(url: st
             assert chunk.offset == position and 0 < chunk.length <= CHUNK and chunk.checksum and not chunk.ranges
             position += chunk.length
         assert position == total
+        joined = [c for c in manifest.chunks if c.segments]  # made of the ranks' checksums: no byte hashed twice
+        assert joined and all(len(c.segments) > 1 and sum(c.segments) == c.length for c in joined)
+        assert_pulls_back(client, 1, weights)
+
+
+def test_gathered_chunks_handed_in_without_checksums_are_hashed_by_the_ps(url: str, moe: tuple) -> None:
+    """A part written over shm whose pusher hands in no checksums for its gathered chunks: the
+    PS hashes the chunks holding those bytes itself before the version is visible."""
+    table, weights = moe
+    tensors = [{"name": n, "dtype": d, "shape": list(s)} for n, (d, s) in table.items()]
+    offsets = data_offsets(table)
+    share = rank_share(weights, table, 1, 2)
+    with ParamsClient(url) as client:
+        assert not client.push_part(1, 0, 2, table, rank_share(weights, table, 0, 2), transport="shm")["visible"]
+        joined = client.json(ParamsRoutes.join_part, 1, 1, tensors=tensors, parts=2, via="shm", gather=True,
+                             ranges=[[offsets[p.name] + p.start, p.data.numel()] for p in share])
+        assert all(c["ranges"] for c in joined["chunks"])
+        with open(joined["details"]["path"], "r+b") as slot:
+            for piece in share:
+                slot.seek(joined["data_offset"] + offsets[piece.name] + piece.start)
+                slot.write(piece.data.numpy().tobytes())
+        done = client.finish_part(1, 1, joined["push_id"], checksums={})
+        assert done["visible"]
+        manifest = client.manifest(1)
+        assert all(c.checksum and not c.segments for c in manifest.chunks)  # the PS's own hashes of whole chunks
+        assert len(manifest.chunks) <= math.ceil(table_bytes(table) / CHUNK) + 2
         assert_pulls_back(client, 1, weights)
 
 
