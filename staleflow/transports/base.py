@@ -16,6 +16,7 @@ import bisect
 import functools
 import json
 import math
+import re
 import struct
 import zlib
 from abc import ABC, abstractmethod
@@ -389,6 +390,14 @@ def checksum_of(algorithm: str, pieces: Iterable[bytes | memoryview]) -> str:
     return hasher.hexdigest()
 
 
+def checksum_bytes(algorithm: str, data: Any) -> str:
+    """One buffer's checksum: ``checksum_of`` one piece, without a hasher object (a call per
+    small range of a gathered chunk)."""
+    if algorithm == "xxh3_64" and xxhash is not None:
+        return f"xxh3_64:{xxhash.xxh3_64_intdigest(data):016x}"
+    return checksum_of(algorithm, [data])
+
+
 def combined_checksum(algorithm: str, checksums: Sequence[str]) -> str:
     """The checksum of a chunk of several segments: the hash of their checksums, in order."""
     return checksum_of(algorithm, [",".join(checksums).encode()])
@@ -444,11 +453,14 @@ def chunk_checksum(chunk: ChunkSpec, algorithm: str | None, pieces: Iterable[Any
     return hasher.hexdigest()
 
 
+_CHECKSUM = re.compile(r"(xxh3_64|crc32):[0-9a-f]+")
+
+
 def checksum_algorithm(checksum: str) -> str:
-    algorithm, sep, digest = checksum.partition(":")
-    if not sep or algorithm not in ("xxh3_64", "crc32") or not digest or any(c not in "0123456789abcdef" for c in digest):
+    match = _CHECKSUM.fullmatch(checksum) if isinstance(checksum, str) else None
+    if match is None:
         raise FormatError(f"checksum {checksum!r} is not 'xxh3_64:<hex>' or 'crc32:<hex>'")
-    return algorithm
+    return match.group(1)
 
 
 def chunk_checksums(regions: ByteRegions, chunks: Sequence[ChunkSpec], algorithms: Sequence[str],

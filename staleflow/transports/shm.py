@@ -51,7 +51,7 @@ from staleflow.transports.base import (
     SlotReused,
     Transport,
     TransportUnavailable,
-    checksum_of,
+    checksum_bytes,
     chunk_hasher,
     pieces_of,
     verify_mode,
@@ -597,7 +597,7 @@ def copy_ranges(target: memoryview, base: int, ranges: Sequence[tuple[int, int]]
             np.copyto(destination, np.frombuffer(views[0], np.uint8))
         else:
             np.concatenate([np.frombuffer(v, np.uint8) for v in views], out=destination)
-        checksums.append(checksum_of(algorithm, [destination]))
+        checksums.append(checksum_bytes(algorithm, destination))
     return checksums
 
 
