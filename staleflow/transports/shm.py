@@ -352,12 +352,22 @@ def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview
 def copy_window_bytes(destination: Sequence[np.ndarray], source: Sequence[np.ndarray]) -> int:
     """``ALIGNED_PIECE_BYTES`` when every byte of ``source`` lands at an address that agrees with
     its own modulo ``COPY_ALIGNMENT`` (checked where either side's pieces change), else
-    ``PIECE_BYTES``."""
+    ``PIECE_BYTES``. One side in one piece (the slot, a flat buffer: the usual case) costs one
+    address per piece of the other side."""
+    if len(source) == 1 or len(destination) == 1:
+        whole, pieces = (source[0], destination) if len(source) == 1 else (destination[0], source)
+        base = _address(whole)
+        position = 0
+        for piece in pieces:
+            if len(piece) and (_address(piece) - base - position) % COPY_ALIGNMENT:
+                return PIECE_BYTES
+            position += len(piece)
+        return ALIGNED_PIECE_BYTES
     d = s = 0  # piece index on each side
     d_at = s_at = 0  # offset into that piece
     while d < len(destination) and s < len(source):
         if len(destination[d]) and len(source[s]):
-            gap = destination[d].__array_interface__["data"][0] + d_at - source[s].__array_interface__["data"][0] - s_at
+            gap = _address(destination[d]) + d_at - _address(source[s]) - s_at
             if gap % COPY_ALIGNMENT:
                 return PIECE_BYTES
         n = min(len(destination[d]) - d_at, len(source[s]) - s_at)
@@ -367,6 +377,10 @@ def copy_window_bytes(destination: Sequence[np.ndarray], source: Sequence[np.nda
         if s_at == len(source[s]):
             s, s_at = s + 1, 0
     return ALIGNED_PIECE_BYTES
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
 
 
 def _windows(pieces: Sequence[np.ndarray], window: int) -> Iterator[tuple[int, list[np.ndarray]]]:
