@@ -42,7 +42,7 @@ from staleflow.transports.base import (
     chunk_checksums,
     chunk_hasher,
     combined_checksum,
-    layout_tensors,
+    laid_table,
     parse_safetensors_header,
     safetensors_header,
 )
@@ -204,6 +204,7 @@ def coverage_gaps(ranges: Iterable[tuple[int, int]], total_bytes: int) -> tuple[
     return overlaps, gaps
 
 
+TABLES_KEPT = 8  # tensor tables a PS remembers by digest (a job pushes one)
 PERSIST_STEP = 64 << 20  # bytes a persist copies between looks at the traffic
 HEADER_ALIGN = 4096  # the data section starts page-aligned, and the header size does not change with the version number
 
@@ -263,6 +264,7 @@ class PendingPush:
     metadata: dict[str, str]
     expected_parts: int
     parts: dict[int, PushPart] = field(default_factory=dict)
+    table: str = ""  # the tensor table's digest
     committing: bool = False
     dropped: str | None = None  # why it was dropped, for parts waiting on it
     started: float = field(default_factory=time.monotonic)
@@ -378,6 +380,7 @@ class ParamStore:
             raise OSError(f"another parameter server is using {config.state_dir}; stop it or pick another --state-dir") from None
         self.versions: dict[int, StoredVersion] = {}
         self.pushes: dict[int, PendingPush] = {}
+        self._tables: dict[str, tuple[TensorSpec, ...]] = {}  # tables sent, by digest, newest last
         self.leases: dict[str, Lease] = {}
         self.pushes_committed = 0  # since this server started
         self.pulls_started: dict[str, int] = {}  # by transport, since this server started
@@ -475,15 +478,16 @@ class ParamStore:
 
     # -- push
 
-    def join_push(self, version: int, part: int, parts: int, tensors: Iterable[tuple[str, str, list[int]]],
+    def join_push(self, version: int, part: int, parts: int, tensors: Iterable[tuple[str, str, list[int]]] | None,
                   metadata: Mapping[str, str], ranges: Sequence[tuple[int, int]] | None, via: str,
-                  gather: bool = False) -> tuple[PendingPush, PushPart]:
+                  gather: bool = False, table: str | None = None) -> tuple[PendingPush, PushPart]:
         """Part ``part`` of ``parts`` joins the push of ``version`` (the first to arrive starts it).
-        Every part names the whole tensor table and its own byte ranges of the data section
-        (``None``: all of it); the version becomes visible once the parts' ranges tile the data
-        section and every part is done. A part that joins again (a restarted pusher) starts over.
-        ``gather``: the pusher takes chunks of several ranges (see ``split_ranges``)."""
-        laid = tuple(layout_tensors(tensors, self.config.max_tensors))
+        Every part names the whole tensor table (``tensors``, or ``table``: the digest of one sent
+        before) and its own byte ranges of the data section (``None``: all of it); the version
+        becomes visible once the parts' ranges tile the data section and every part is done. A
+        part that joins again (a restarted pusher) starts over. ``gather``: the pusher takes
+        chunks of several ranges (see ``split_ranges``)."""
+        laid, digest = self._table(tensors, table)
         total = sum(t.nbytes for t in laid)
         if not 0 <= part < parts:
             raise ParamsError(ErrorCode.INVALID_PART, f"part {part} is outside 0..{parts - 1}")
@@ -506,6 +510,7 @@ class ParamStore:
                 if newest is not None and version < newest:
                     raise ParamsError(ErrorCode.VERSION_TOO_OLD, f"version {version} is older than the newest complete version {newest}")
                 push = self._start_push(version, laid, total, metadata, parts)
+                push.table = digest
             elif push.tensors != laid or push.expected_parts != parts:
                 raise ParamsError(ErrorCode.PART_CONFLICT, f"a push of version {version} with another tensor table or number of parts is "
                                               f"in progress (push_id {push.push_id}); finish or abort it first")
@@ -524,6 +529,29 @@ class ParamStore:
             push.metadata.update(metadata)
             push.last_active = time.monotonic()
             return push, entry
+
+    def _table(self, tensors: Iterable[tuple[str, str, list[int]]] | None, table: str | None) -> tuple[tuple[TensorSpec, ...], str]:
+        """A join's tensor table, laid out, and its digest: from the tensors sent (remembered by
+        digest), or the digest of a table sent before."""
+        if tensors is not None:
+            laid, digest = laid_table(tensors, self.config.max_tensors)
+            if table is not None and table != digest:
+                raise ParamsError(ErrorCode.INVALID_PART, f"table {table} is not the digest of the tensors sent ({digest})")
+            with self._cond:
+                self._tables.pop(digest, None)
+                self._tables[digest] = laid
+                while len(self._tables) > TABLES_KEPT:
+                    self._tables.pop(next(iter(self._tables)))
+            return laid, digest
+        if table is None:
+            raise ParamsError(ErrorCode.INVALID_PART, "a join names its tensor table: send the tensors, or the table's digest "
+                                                      "(the 'table' a join answered)")
+        with self._cond:
+            known = self._tables.get(table)
+        if known is None:
+            raise ParamsError(ErrorCode.UNKNOWN_TABLE, f"tensor table {table} is not known here (the parameter server restarted, "
+                                                       f"or another one answered): send the tensors")
+        return known, table
 
     def _start_push(self, version: int, laid: tuple[TensorSpec, ...], total: int, metadata: Mapping[str, str],
                     parts: int) -> PendingPush:

@@ -24,7 +24,10 @@ class PushBegin(BaseModel):
 
 
 class PartJoin(BaseModel):
-    tensors: list[TensorIn] = Field(min_length=1, description="the whole version's tensor table, the same for every part")
+    tensors: list[TensorIn] | None = Field(None, min_length=1, description="the whole version's tensor table, the same for "
+                                                                         "every part (may be left out once ``table`` names it)")
+    table: str | None = Field(None, pattern=r"^[0-9a-f]{32}$", description="the table's digest (``table`` of a join's answer): "
+                                                                          "names a table this PS was sent before")
     metadata: dict[str, str] = Field(default_factory=dict)
     parts: int = Field(ge=1, le=65536, description="how many parts the version is pushed in")
     ranges: list[tuple[int, int]] | None = Field(None, description="(offset, length) byte ranges of the data section "
@@ -171,6 +174,7 @@ class PartJoined(_Answer):
     push_id: str
     version: int
     part: int
+    table: str = Field(description="the tensor table's digest: later joins may send it instead of the table")
     chunk_bytes: int
     total_bytes: int
     data_offset: int

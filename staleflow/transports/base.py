@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import json
 import math
 import re
@@ -206,6 +207,13 @@ def layout_tensors(specs: Iterable[tuple[str, str, Sequence[int]]], max_tensors:
     """Place tensors back to back in the data section, in the given order. Validates names, dtypes
     and shapes. A table laid out before (every push of a model names the same one) comes from a
     small cache: one pass to build its key instead of the validation and layout per tensor."""
+    return list(laid_table(specs, max_tensors)[0])
+
+
+def laid_table(specs: Iterable[tuple[str, str, Sequence[int]]],
+               max_tensors: int = 1_000_000) -> tuple[tuple[TensorSpec, ...], str]:
+    """``layout_tensors`` and the table's digest (of its safetensors header entries: names,
+    dtypes, shapes, offsets), computed once per table: a pusher names a table the PS has by it."""
     specs = list(specs)
     if len(specs) > max_tensors:
         raise FormatError(f"more than {max_tensors} tensors")
@@ -217,17 +225,18 @@ def layout_tensors(specs: Iterable[tuple[str, str, Sequence[int]]], max_tensors:
         key = None  # 2.0 or True would equal a valid 2 or 1 in the cache; let the checks refuse them
     cached = _LAYOUTS.get(key) if key is not None else None
     if cached is not None:
-        return list(cached)
-    laid = _layout_checked(specs, max_tensors)
+        return cached
+    laid = tuple(_layout_checked(specs, max_tensors))
+    entry = laid, hashlib.blake2b(_header_entries(laid).encode(), digest_size=16).hexdigest()
     if key is not None:
         if len(_LAYOUTS) >= _LAYOUT_CACHE_SIZE:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))
-        _LAYOUTS[key] = tuple(laid)
-    return laid
+        _LAYOUTS[key] = entry
+    return entry
 
 
 _LAYOUT_CACHE_SIZE = 8
-_LAYOUTS: dict[tuple, tuple[TensorSpec, ...]] = {}
+_LAYOUTS: dict[tuple, tuple[tuple[TensorSpec, ...], str]] = {}
 
 
 def _layout_checked(specs: Sequence[tuple[str, str, Sequence[int]]], max_tensors: int) -> list[TensorSpec]:

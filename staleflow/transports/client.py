@@ -30,7 +30,7 @@ from staleflow.transports.base import (
     Transport,
     checksum_algorithms,
     chunk_hasher,
-    layout_tensors,
+    laid_table,
     numpy_dtype,
     safetensors_dtype,
     verify_mode,
@@ -130,6 +130,7 @@ class ParamsClient(Client):
         self.remote_push = remote_push
         self._transports: dict[str, Transport] = {}
         self._health: ParamsHealth | None = None
+        self._tables_sent: set[str] = set()  # digests of the tensor tables this client sent the PS
 
     def close(self) -> None:
         for transport in self._transports.values():
@@ -195,7 +196,8 @@ class ParamsClient(Client):
         ``visible`` says whether the version is visible (after waiting up to ``wait_s`` for the
         other parts)."""
         table = [(name, dtype, list(shape)) for name, (dtype, shape) in tensors.items()]
-        laid = {t.name: t for t in layout_tensors(table)}
+        laid_tuple, digest = laid_table(table)
+        laid = {t.name: t for t in laid_tuple}
         spans = []
         for piece in pieces:
             spec = laid.get(piece.name)
@@ -213,9 +215,22 @@ class ParamsClient(Client):
         if via == "auto":  # on the PS's host shm is fastest; elsewhere only the caller knows whether RDMA is there
             via = "shm" if self._shm_here() else self.remote_push
         mover = self.transport(via)  # before joining: a transport this host lacks fails here, leaving no push behind
-        begin = self.json(API.join_part, version, part,
-                          tensors=[{"name": n, "dtype": d, "shape": s} for n, d, s in table], metadata=dict(metadata or {}),
-                          parts=parts, ranges=[[offset, len(view)] for offset, view in spans], via=via, gather=True)
+        join = {"metadata": dict(metadata or {}), "parts": parts, "ranges": [[offset, len(view)] for offset, view in spans],
+                "via": via, "gather": True, "table": digest}
+
+        def with_tensors() -> dict:
+            return {**join, "tensors": [{"name": n, "dtype": d, "shape": s} for n, d, s in table]}
+
+        if digest in self._tables_sent:  # a table this PS was sent before is named by its digest, not sent again
+            try:
+                begin = self.json(API.join_part, version, part, **join)
+            except ServiceError as exc:
+                if exc.code is not ErrorCode.UNKNOWN_TABLE:  # else a restarted PS: send the table
+                    raise
+                begin = self.json(API.join_part, version, part, **with_tensors())
+        else:
+            begin = self.json(API.join_part, version, part, **with_tensors())
+        self._tables_sent.add(digest)
         algorithm = next(a for a in begin["checksum_algorithms"] + ["crc32"] if a in checksum_algorithms())
         session = PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]), algorithm,
                               part=part, details=begin["details"])

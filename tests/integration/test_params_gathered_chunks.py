@@ -19,9 +19,10 @@ from test_params_real_tables import TINY_MOE, random_weights, rank_share
 
 from staleflow.api.base import ServiceError
 from staleflow.api.params import ParamsRoutes
+from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
-from staleflow.transports.base import ChecksumMismatch, ChunkSpec, checksum_of, layout_tensors
+from staleflow.transports.base import ChecksumMismatch, ChunkSpec, checksum_of, laid_table, layout_tensors
 from staleflow.transports.client import ParamsClient
 from staleflow.transports.http import CHECKSUM_HEADER, RawHttpConnection
 from staleflow.transports.tables import fsdp_shard_ranges, model_tensor_table, table_bytes
@@ -213,3 +214,34 @@ def test_gathered_chunks_through_the_api_port_and_a_version_recovered_from_disk(
     with serve_in_thread(create_app(config(tmp_path))) as server, ParamsClient(server.url) as client:
         assert [v.version for v in client.versions().versions] == [1]
         assert_pulls_back(client, 1, weights)  # loaded into a memory slot, every chunk checked as it lands
+
+
+def test_a_pusher_names_a_table_it_sent_before_by_its_digest(tmp_path: Path, moe: tuple) -> None:
+    """The tensor table (thousands of entries) is sent with a rank's first push; later joins send
+    its digest. A PS that does not know the digest (restarted) answers unknown_table and the
+    client sends the table again; a digest that is not the tensors' is refused."""
+    table, weights = moe
+    tensors = [{"name": n, "dtype": d, "shape": list(s)} for n, (d, s) in table.items()]
+    digest = laid_table([(n, d, list(s)) for n, (d, s) in table.items()])[1]
+    whole = [[0, table_bytes(table)]]
+    with serve_in_thread(create_app(config(tmp_path / "a"))) as server, ParamsClient(server.url) as client:
+        with pytest.raises(ServiceError) as unknown:  # never sent here
+            client.json(ParamsRoutes.join_part, 1, 0, table=digest, parts=1, ranges=whole, via="http")
+        assert unknown.value.status == 404 and unknown.value.code is ErrorCode.UNKNOWN_TABLE
+        assert client.push_part(1, 0, 1, table, rank_share(weights, table, 0, 1), transport="shm")["visible"]
+        named = client.json(ParamsRoutes.join_part, 2, 0, table=digest, parts=1, ranges=whole, via="http")
+        assert named["table"] == digest and named["total_bytes"] == table_bytes(table)
+        client.abort_push(2, named["push_id"])
+        assert client.push_part(2, 0, 1, table, rank_share(weights, table, 0, 1), transport="shm")["visible"]
+        with pytest.raises(ServiceError) as mismatch:
+            client.json(ParamsRoutes.join_part, 3, 0, tensors=tensors, table="f" * 32, parts=1, ranges=whole, via="http")
+        assert mismatch.value.status == 422 and "digest" in mismatch.value.detail
+        with pytest.raises(ServiceError) as neither:
+            client.json(ParamsRoutes.join_part, 3, 0, parts=1, ranges=whole, via="http")
+        assert neither.value.status == 422
+        remembered = set(client._tables_sent)
+    assert remembered == {digest}
+    with serve_in_thread(create_app(config(tmp_path / "b"))) as server, ParamsClient(server.url) as client:
+        client._tables_sent = remembered  # a trainer's client across a restart of its PS
+        assert client.push_part(3, 0, 1, table, rank_share(weights, table, 0, 1), transport="http")["visible"]
+        assert_pulls_back(client, 3, weights)
