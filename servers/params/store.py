@@ -99,7 +99,8 @@ SMALL_RANGE_BYTES = 4 << 20  # below this a range is gathered with others (push)
 
 def small_range_bytes(chunk_bytes: int) -> int:
     """Ranges shorter than this are small: a chunk of their own would cost more (a request, a
-    checksum, a manifest entry, per-chunk work on every pull) than hashing their bytes again."""
+    copy task, a manifest entry, per-chunk work on every pull) than one more segment of a chunk
+    joined with others (a hash call)."""
     return min(chunk_bytes, SMALL_RANGE_BYTES)
 
 
@@ -643,7 +644,7 @@ class ParamStore:
                     part.range_checksums[index] = range_checksums
             push.last_active = time.monotonic()
 
-    def finish_part(self, version: int, push_id: str, part: int, checksums: Mapping[int, str] | None = None,
+    def finish_part(self, version: int, push_id: str, part: int, checksums: Mapping[int, str | list[str]] | None = None,
                     wait_s: float = 0.0) -> dict:
         """Part ``part`` has delivered its chunks (a part written over shared memory or NIXL hands
         in its chunks' checksums here). Returns the push's state; the last part to finish makes the
@@ -680,7 +681,7 @@ class ParamStore:
                 return {"version": version, "visible": True, **self.versions[version].summary()}
             return {"version": version, "visible": False, **push.progress()}
 
-    def _verify_landed(self, version: int, push_id: str, part: int, checksums: Mapping[int, str]) -> bool:
+    def _verify_landed(self, version: int, push_id: str, part: int, checksums: Mapping[int, str | list[str]]) -> bool:
         """A part written over NIXL hands in checksums of its *source* bytes: hash the bytes that
         landed in the slot (off the lock; on a few threads, off the GIL) and record the chunks
         that match. A mismatch leaves the part not done. False for parts not written over NIXL."""

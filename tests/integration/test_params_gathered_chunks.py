@@ -75,10 +75,14 @@ def push_ranks(url: str, version: int, table: dict, weights: dict, transports: l
 
 
 def assert_pulls_back(client: ParamsClient, version: int, weights: dict[str, torch.Tensor]) -> None:
+    """Whole and selected pulls over shm and http, every byte hashed (joined chunks included)."""
+    some = list(weights)[5::300]
     for transport in ("shm", "http"):
         pulled = client.pull(version, transport, as_torch=True, verify="checksum")
         assert list(pulled) == list(weights)
         assert all(torch.equal(pulled[name], weights[name]) for name in weights), transport
+        selected = client.pull(version, transport, as_torch=True, verify="checksum", select=some)
+        assert sorted(selected) == sorted(some) and all(torch.equal(selected[n], weights[n]) for n in some), transport
 
 
 @pytest.mark.parametrize("transports", [["shm", "shm"], ["shm", "shm", "shm", "shm"], ["http", "http", "http"],
