@@ -131,6 +131,7 @@ class ParamsClient(Client):
         self._transports: dict[str, Transport] = {}
         self._health: ParamsHealth | None = None
         self._tables_sent: set[str] = set()  # digests of the tensor tables this client sent the PS
+        self._last_table: tuple[dict, list, str, dict[str, TensorSpec]] | None = None
 
     def close(self) -> None:
         for transport in self._transports.values():
@@ -195,9 +196,7 @@ class ParamsClient(Client):
         WRITEs them into the PS's memory with NIXL and the PS verifies what landed. Returns the PS's answer:
         ``visible`` says whether the version is visible (after waiting up to ``wait_s`` for the
         other parts)."""
-        table = [(name, dtype, list(shape)) for name, (dtype, shape) in tensors.items()]
-        laid_tuple, digest = laid_table(table)
-        laid = {t.name: t for t in laid_tuple}
+        table, digest, laid = self._laid(tensors)
         spans = []
         for piece in pieces:
             spec = laid.get(piece.name)
@@ -215,8 +214,14 @@ class ParamsClient(Client):
         if via == "auto":  # on the PS's host shm is fastest; elsewhere only the caller knows whether RDMA is there
             via = "shm" if self._shm_here() else self.remote_push
         mover = self.transport(via)  # before joining: a transport this host lacks fails here, leaving no push behind
-        join = {"metadata": dict(metadata or {}), "parts": parts, "ranges": [[offset, len(view)] for offset, view in spans],
-                "via": via, "gather": True, "table": digest}
+        ranges: list[list[int]] = []  # the pieces' ranges, those that touch joined (one for a one-rank table)
+        for offset, view in spans:
+            if ranges and ranges[-1][0] + ranges[-1][1] == offset:
+                ranges[-1][1] += len(view)
+            else:
+                ranges.append([offset, len(view)])
+        join = {"metadata": dict(metadata or {}), "parts": parts, "ranges": ranges, "via": via, "gather": True,
+                "table": digest}
 
         def with_tensors() -> dict:
             return {**join, "tensors": [{"name": n, "dtype": d, "shape": s} for n, d, s in table]}
@@ -238,6 +243,20 @@ class ParamsClient(Client):
         delivered = time.monotonic()  # the bytes are in; the PS is told next
         reply = self.finish_part(version, part, session.push_id, checksums=checksums, wait_s=wait_s)
         return {**reply, "via": via, "delivered_at_monotonic": delivered}
+
+    def _laid(self, tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[list, str, dict[str, TensorSpec]]:
+        """(the table as the join sends it, its digest, name -> its layout) for ``tensors``; the
+        last table pushed is kept, and an equal mapping (one comparison in C: a trainer pushes the
+        same table every version) skips the walk over its thousands of entries."""
+        cached = self._last_table
+        if cached is not None and cached[0] == tensors:
+            return cached[1], cached[2], cached[3]
+        table = [(name, dtype, list(shape)) for name, (dtype, shape) in tensors.items()]
+        laid_tuple, digest = laid_table(table)
+        # shapes as tuples: a mapping with list shapes (which can change in place) never equals it
+        snapshot = {name: (dtype, tuple(shape)) for name, (dtype, shape) in tensors.items()}
+        self._last_table = (snapshot, table, digest, {t.name: t for t in laid_tuple})
+        return table, digest, self._last_table[3]
 
     def finish_part(self, version: int, part: int, push_id: str, *, checksums: Mapping[int, str | list[str]] | None = None,
                     wait_s: float = 0.0) -> dict:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_params_real_tables import TINY_MOE, random_weights, rank_share
@@ -23,7 +24,7 @@ from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
 from staleflow.transports.base import ChecksumMismatch, ChunkSpec, checksum_of, laid_table, layout_tensors
-from staleflow.transports.client import ParamsClient
+from staleflow.transports.client import ParamsClient, ShardPiece
 from staleflow.transports.http import CHECKSUM_HEADER, RawHttpConnection
 from staleflow.transports.tables import fsdp_shard_ranges, model_tensor_table, table_bytes
 
@@ -249,3 +250,18 @@ def test_a_pusher_names_a_table_it_sent_before_by_its_digest(tmp_path: Path, moe
         client._tables_sent = remembered  # a trainer's client across a restart of its PS
         assert client.push_part(3, 0, 1, table, rank_share(weights, table, 0, 1), transport="http")["visible"]
         assert_pulls_back(client, 3, weights)
+
+
+def test_a_table_changed_in_place_between_pushes_is_laid_out_anew(url: str) -> None:
+    """The client keeps the last table it laid out; a mapping changed since (in place or not) is
+    never taken for it."""
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {"a": ("U8", (4, 4)), "b": ("U8", (8,))}
+    with ParamsClient(url) as client:
+        data = {"a": np.arange(16, dtype=np.uint8), "b": np.full(8, 7, np.uint8)}
+        assert client.push_part(1, 0, 1, tensors, [ShardPiece(n, 0, d) for n, d in data.items()])["visible"]
+        tensors["a"] = ("U8", (2, 4))  # the same mapping, another table
+        data["a"] = np.arange(8, dtype=np.uint8)
+        assert client.push_part(2, 0, 1, tensors, [ShardPiece(n, 0, d) for n, d in data.items()])["visible"]
+        pulled = client.pull(2)
+        assert pulled["a"].shape == (2, 4) and pulled["a"].tobytes() == bytes(range(8))
+        assert pulled["b"].tobytes() == b"\x07" * 8
