@@ -73,6 +73,7 @@ class ErrorCode(StrEnum):
     PUSH_ID_MISMATCH = "push_id_mismatch"
     INVALID_PART = "invalid_part"  # a sharded push part that does not fit the version
     UNKNOWN_PART = "unknown_part"
+    UNKNOWN_TABLE = "unknown_table"  # a push names its tensor table by digest, and this PS has not seen it
     PART_CONFLICT = "part_conflict"  # parts that overlap, leave bytes uncovered or disagree on the version
     MEMORY_FULL = "memory_full"  # no host memory for another version
     BUSY = "busy"  # being received or committed right now: retry later
@@ -160,6 +161,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.PUSH_ID_MISMATCH: _CONFLICT,
     ErrorCode.INVALID_PART: 422,
     ErrorCode.UNKNOWN_PART: 404,
+    ErrorCode.UNKNOWN_TABLE: 404,
     ErrorCode.PART_CONFLICT: _CONFLICT,
     ErrorCode.MEMORY_FULL: 503,
     ErrorCode.BUSY: _CONFLICT,

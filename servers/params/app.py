@@ -127,15 +127,17 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
             raise ParamsError(ErrorCode.TRANSPORT_DISABLED, "shared memory is not enabled here; push the part over http")
         if body.via == "nixl" and "nixl" not in config.transports:
             raise ParamsError(ErrorCode.TRANSPORT_DISABLED, "NIXL is not enabled here; push the part over http")
-        push, entry = store.join_push(version, part, body.parts, [(t.name, t.dtype, t.shape) for t in body.tensors],
-                                      body.metadata, body.ranges, body.via)
+        tensors = None if body.tensors is None else [(t.name, t.dtype, t.shape) for t in body.tensors]
+        push, entry = store.join_push(version, part, body.parts, tensors, body.metadata, body.ranges, body.via, body.gather,
+                                      body.table)
         details = ({"path": str(push.slot.path), "size": push.slot.size, "data_offset": push.data_offset,
                     "host_id": host_id()} if body.via == "shm" else {})
         if body.via == "nixl":
             details = store.nixl_push_details(push)
-        return {"push_id": push.push_id, "version": version, "part": part, "chunk_bytes": config.chunk_bytes,
+        return {"push_id": push.push_id, "version": version, "part": part, "table": push.table, "chunk_bytes": config.chunk_bytes,
                 "total_bytes": push.total_bytes, "data_offset": push.data_offset, "details": details,
-                "chunks": [{"index": c.index, "offset": c.offset, "length": c.length} for c in entry.chunks],
+                "chunks": [{"index": c.index, "offset": c.offset, "length": c.length, "ranges": c.ranges or None}
+                           for c in entry.chunks],
                 "checksum_algorithms": checksum_algorithms()}
 
     @app.put("/v1/params/{version}/parts/{part}/chunks/{index}", response_model=ChunkReceived)

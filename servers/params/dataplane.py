@@ -170,15 +170,16 @@ class ChunkDataPlane:
             raise _Refused(exc.code, exc.message) from None
         if headers.get("expect", "").lower() == "100-continue":
             conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-        view = writer.remaining()
+        views = writer.remaining()  # the chunk's ranges in the slot; Content-Length is their sum (checked)
         try:
-            for n in reader.into([view[:int(length)]], PIECE_BYTES):
+            for n in reader.into(views, PIECE_BYTES):
                 writer.landed(n)
         except BaseException:
             writer.abandon()
             raise
         finally:
-            view.release()
+            for view in views:
+                view.release()
         _send_json(conn, 200, {"index": index, "checksum": writer.finish()}, False)
 
     def _send_chunk(self, conn: socket.socket, version: int, index: int, lease: str | None) -> None:

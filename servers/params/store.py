@@ -32,14 +32,17 @@ from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.params.config import ParamsConfig
 from staleflow.transports.base import (
     ByteRegions,
-    ChunkHasher,
     ChunkSpec,
     FormatError,
     Manifest,
+    SegmentHasher,
     TensorSpec,
     checksum_algorithm,
+    checksum_algorithms,
     chunk_checksums,
-    layout_tensors,
+    chunk_hasher,
+    combined_checksum,
+    laid_table,
     parse_safetensors_header,
     safetensors_header,
 )
@@ -91,16 +94,99 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def split_ranges(ranges: Sequence[tuple[int, int]], chunk_bytes: int) -> list[ChunkSpec]:
+SMALL_RANGE_BYTES = 4 << 20  # below this a range is gathered with others (push) and joined with its neighbours (manifest)
+
+
+def small_range_bytes(chunk_bytes: int) -> int:
+    """Ranges shorter than this are small: a chunk of their own would cost more (a request, a
+    copy task, a manifest entry, per-chunk work on every pull) than one more segment of a chunk
+    joined with others (a hash call)."""
+    return min(chunk_bytes, SMALL_RANGE_BYTES)
+
+
+def split_ranges(ranges: Sequence[tuple[int, int]], chunk_bytes: int, gather: bool = False) -> list[ChunkSpec]:
     """A part's byte ranges of the data section cut into chunks of at most ``chunk_bytes``,
     numbered within the part. Ranges that touch (a pusher's consecutive tensors, each its own
     range) are joined first, so a table of many small tensors makes as few chunks -- requests,
-    checksums, copies -- as one big tensor of the same bytes."""
+    checksums, copies -- as one big tensor of the same bytes. ``gather``: the small ranges left
+    apart (a rank of several holds dim-0 rows of every tensor, which are not adjacent) are
+    gathered, in offset order, into chunks of several ranges of at most ``chunk_bytes`` in all."""
     chunks: list[ChunkSpec] = []
+    small = small_range_bytes(chunk_bytes)
+    gathered: list[tuple[int, int]] = []
+    filled = 0
+
+    def flush() -> None:
+        nonlocal gathered, filled
+        if len(gathered) == 1:
+            chunks.append(ChunkSpec(len(chunks), gathered[0][0], gathered[0][1]))
+        elif gathered:
+            chunks.append(ChunkSpec(len(chunks), gathered[0][0], filled, ranges=tuple(gathered)))
+        gathered, filled = [], 0
+
     for offset, length in merge_ranges(ranges):
+        if gather and length < small:
+            if filled + length > chunk_bytes:
+                flush()
+            gathered.append((offset, length))
+            filled += length
+            continue
         for start in range(offset, offset + length, chunk_bytes):
             chunks.append(ChunkSpec(len(chunks), start, min(chunk_bytes, offset + length - start)))
+    flush()
     return chunks
+
+
+def manifest_chunks(delivered: Iterable[tuple[ChunkSpec, str | None, Sequence[str] | None]],
+                    chunk_bytes: int) -> list[ChunkSpec]:
+    """A version's chunk table, cut anew over the data section its parts' delivered chunks tile
+    (each with its checksum, and a gathered one with its ranges' checksums where known). A
+    contiguous chunk of at least ``small_range_bytes`` keeps its place and checksum. The runs
+    between such chunks (small chunks and gathered ranges, of any parts, one after the other in
+    the data section) are joined into chunks of at most ``chunk_bytes``, cut where runs meet; a
+    joined chunk's checksum is the ``combined_checksum`` of its runs' (``segments``: their
+    lengths), so no byte is hashed twice. A chunk with a run of unknown checksum, or runs hashed
+    with different algorithms, is left with ``checksum=None``: the PS hashes its bytes before the
+    version is visible. Pure: no bytes are read here."""
+    small = small_range_bytes(chunk_bytes)
+    runs: list[tuple[int, int, str | None, bool]] = []  # (offset, length, checksum, kept whole)
+    for chunk, checksum, range_checksums in delivered:
+        if chunk.ranges:
+            sums = range_checksums or [None] * len(chunk.ranges)
+            runs.extend((offset, length, x, False) for (offset, length), x in zip(chunk.ranges, sums, strict=True))
+        elif chunk.length:
+            runs.append((chunk.offset, chunk.length, checksum, checksum is not None and chunk.length >= small))
+    runs.sort(key=lambda run: run[0])
+    out: list[ChunkSpec] = []
+    joined: list[tuple[int, int, str | None, bool]] = []
+    filled = 0
+
+    def flush() -> None:
+        nonlocal joined, filled
+        if len(joined) == 1:
+            out.append(ChunkSpec(len(out), joined[0][0], joined[0][1], joined[0][2]))
+        elif joined:
+            sums = [run[2] for run in joined if run[2] is not None]
+            algorithms = {checksum_algorithm(x) for x in sums}
+            if len(sums) == len(joined) and len(algorithms) == 1:
+                out.append(ChunkSpec(len(out), joined[0][0], filled, combined_checksum(algorithms.pop(), sums),
+                                     segments=tuple(run[1] for run in joined)))
+            else:
+                out.append(ChunkSpec(len(out), joined[0][0], filled))
+        joined, filled = [], 0
+
+    for run in runs:
+        offset, length, checksum, whole = run
+        if whole:
+            flush()
+            out.append(ChunkSpec(len(out), offset, length, checksum))
+            continue
+        if filled + length > chunk_bytes:
+            flush()
+        joined.append(run)
+        filled += length
+    flush()
+    return out
 
 
 def coverage_gaps(ranges: Iterable[tuple[int, int]], total_bytes: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -119,6 +205,7 @@ def coverage_gaps(ranges: Iterable[tuple[int, int]], total_bytes: int) -> tuple[
     return overlaps, gaps
 
 
+TABLES_KEPT = 8  # tensor tables a PS remembers by digest (a job pushes one)
 PERSIST_STEP = 64 << 20  # bytes a persist copies between looks at the traffic
 HEADER_ALIGN = 4096  # the data section starts page-aligned, and the header size does not change with the version number
 
@@ -158,12 +245,13 @@ class PushPart:
     index: int
     via: str  # "http": chunk bodies to the PS; "shm", "nixl": the pusher writes into the slot itself
     chunks: list[ChunkSpec]
-    received: dict[int, str] = field(default_factory=dict)  # chunk index -> checksum
+    received: dict[int, str | None] = field(default_factory=dict)  # chunk index -> checksum (None: the PS hashes it)
+    range_checksums: dict[int, tuple[str, ...]] = field(default_factory=dict)  # a gathered chunk's ranges' checksums
     writing: set[int] = field(default_factory=set)
     done: bool = False
 
     def ranges(self) -> list[tuple[int, int]]:
-        return [(c.offset, c.length) for c in self.chunks]
+        return [span for c in self.chunks for span in c.spans()]
 
 
 @dataclass
@@ -177,6 +265,7 @@ class PendingPush:
     metadata: dict[str, str]
     expected_parts: int
     parts: dict[int, PushPart] = field(default_factory=dict)
+    table: str = ""  # the tensor table's digest
     committing: bool = False
     dropped: str | None = None  # why it was dropped, for parts waiting on it
     started: float = field(default_factory=time.monotonic)
@@ -211,37 +300,54 @@ class Lease:
 
 class ChunkWriter:
     """Receives one chunk of a push piece by piece (as the HTTP server hands them over), copying
-    each straight into the version's memory slot at the chunk's offset and checksumming it there,
+    each straight into the version's memory slot at the chunk's ranges and checksumming it there,
     while it is in cache: no buffering, no thread hop (a piece is tens of KiB)."""
 
     def __init__(self, store: ParamStore, push: PendingPush, part: PushPart, chunk: ChunkSpec, claimed: str):
         self.store, self.push, self.part, self.chunk, self.claimed = store, push, part, chunk, claimed
-        self.hasher = ChunkHasher(checksum_algorithm(claimed))
+        self.hasher = chunk_hasher(chunk, checksum_algorithm(claimed))  # a gathered chunk: range by range
         self.written = 0
-        start = push.data_offset + chunk.offset
-        self.target: np.ndarray | None = np.frombuffer(push.slot.view()[start:start + chunk.length], np.uint8)
+        slot = np.frombuffer(push.slot.view(), np.uint8)
+        self.targets: list[np.ndarray] | None = [slot[push.data_offset + o:push.data_offset + o + n] for o, n in chunk.spans()]
+        self._span, self._at = 0, 0  # where the next byte lands: which target, how far into it
 
     def add(self, piece: bytes) -> None:
-        assert self.target is not None
         if self.written + len(piece) > self.chunk.length:
             raise ParamsError(ErrorCode.BODY_TOO_LARGE, f"chunk {self.chunk.index} is {self.chunk.length} bytes; the body is longer")
-        np.copyto(self.target[self.written:self.written + len(piece)], np.frombuffer(piece, np.uint8))
-        self.landed(len(piece))
+        source = np.frombuffer(piece, np.uint8)
+        taken = 0
+        while taken < len(source):
+            target = self._current()
+            n = min(len(target), len(source) - taken)
+            np.copyto(target[:n], source[taken:taken + n])
+            taken += n
+            self.landed(n)
 
-    def remaining(self) -> memoryview:
-        """Where the rest of the chunk goes, for a receiver that writes into it itself (the data
-        plane's ``recv_into``); it calls ``landed`` after each piece, in order."""
-        assert self.target is not None
-        return memoryview(self.target[self.written:])
+    def _current(self) -> np.ndarray:
+        assert self.targets is not None
+        return self.targets[self._span][self._at:]
+
+    def remaining(self) -> list[memoryview]:
+        """Where the rest of the chunk goes, in order, for a receiver that writes into it itself
+        (the data plane's ``recv_into``); it calls ``landed`` after each piece, in order, a
+        piece never crossing from one of these views into the next."""
+        assert self.targets is not None
+        return [memoryview(self._current()), *(memoryview(t) for t in self.targets[self._span + 1:])]
 
     def landed(self, n: int) -> None:
         """``n`` more bytes are in place: checksum them while they are in cache."""
-        assert self.target is not None
-        self.hasher.update(self.target[self.written:self.written + n])
+        assert self.targets is not None
+        target = self.targets[self._span]
+        if self._at + n > len(target):
+            raise ValueError(f"a piece of {n} bytes crosses the end of range {self._span} of chunk {self.chunk.index}")
+        self.hasher.update(target[self._at:self._at + n])
         self.written += n
+        self._at += n
+        while self._span < len(self.targets) - 1 and self._at == len(self.targets[self._span]):
+            self._span, self._at = self._span + 1, 0
 
     def finish(self) -> str:
-        self.target = None
+        self.targets = None
         actual = self.hasher.hexdigest()
         if self.written != self.chunk.length:
             self.store.chunk_done(self.push, self.part, self.chunk.index, None)
@@ -250,11 +356,12 @@ class ChunkWriter:
             self.store.chunk_done(self.push, self.part, self.chunk.index, None)
             raise ParamsError(ErrorCode.CHECKSUM_MISMATCH, f"chunk {self.chunk.index}: bad checksum: the body hashes to {actual}, "
                                          f"the request claims {self.claimed}; the chunk was not stored, send it again")
-        self.store.chunk_done(self.push, self.part, self.chunk.index, actual)
+        ranges = tuple(self.hasher.checksums) if isinstance(self.hasher, SegmentHasher) else None
+        self.store.chunk_done(self.push, self.part, self.chunk.index, actual, ranges)
         return actual
 
     def abandon(self) -> None:
-        self.target = None
+        self.targets = None
         self.store.chunk_done(self.push, self.part, self.chunk.index, None)
 
 
@@ -274,6 +381,7 @@ class ParamStore:
             raise OSError(f"another parameter server is using {config.state_dir}; stop it or pick another --state-dir") from None
         self.versions: dict[int, StoredVersion] = {}
         self.pushes: dict[int, PendingPush] = {}
+        self._tables: dict[str, tuple[TensorSpec, ...]] = {}  # tables sent, by digest, newest last
         self.leases: dict[str, Lease] = {}
         self.pushes_committed = 0  # since this server started
         self.pulls_started: dict[str, int] = {}  # by transport, since this server started
@@ -371,13 +479,16 @@ class ParamStore:
 
     # -- push
 
-    def join_push(self, version: int, part: int, parts: int, tensors: Iterable[tuple[str, str, list[int]]],
-                  metadata: Mapping[str, str], ranges: Sequence[tuple[int, int]] | None, via: str) -> tuple[PendingPush, PushPart]:
+    def join_push(self, version: int, part: int, parts: int, tensors: Iterable[tuple[str, str, list[int]]] | None,
+                  metadata: Mapping[str, str], ranges: Sequence[tuple[int, int]] | None, via: str,
+                  gather: bool = False, table: str | None = None) -> tuple[PendingPush, PushPart]:
         """Part ``part`` of ``parts`` joins the push of ``version`` (the first to arrive starts it).
-        Every part names the whole tensor table and its own byte ranges of the data section
-        (``None``: all of it); the version becomes visible once the parts' ranges tile the data
-        section and every part is done. A part that joins again (a restarted pusher) starts over."""
-        laid = tuple(layout_tensors(tensors, self.config.max_tensors))
+        Every part names the whole tensor table (``tensors``, or ``table``: the digest of one sent
+        before) and its own byte ranges of the data section (``None``: all of it); the version
+        becomes visible once the parts' ranges tile the data section and every part is done. A
+        part that joins again (a restarted pusher) starts over. ``gather``: the pusher takes
+        chunks of several ranges (see ``split_ranges``)."""
+        laid, digest = self._table(tensors, table)
         total = sum(t.nbytes for t in laid)
         if not 0 <= part < parts:
             raise ParamsError(ErrorCode.INVALID_PART, f"part {part} is outside 0..{parts - 1}")
@@ -400,6 +511,7 @@ class ParamStore:
                 if newest is not None and version < newest:
                     raise ParamsError(ErrorCode.VERSION_TOO_OLD, f"version {version} is older than the newest complete version {newest}")
                 push = self._start_push(version, laid, total, metadata, parts)
+                push.table = digest
             elif push.tensors != laid or push.expected_parts != parts:
                 raise ParamsError(ErrorCode.PART_CONFLICT, f"a push of version {version} with another tensor table or number of parts is "
                                               f"in progress (push_id {push.push_id}); finish or abort it first")
@@ -413,11 +525,34 @@ class ParamStore:
             if overlaps:
                 raise ParamsError(ErrorCode.PART_CONFLICT,
                                   f"part {part}'s ranges overlap another part's at {overlaps[:3]} (offset, length)")
-            entry = PushPart(part, via, split_ranges(ranges, self.config.chunk_bytes))
+            entry = PushPart(part, via, split_ranges(ranges, self.config.chunk_bytes, gather))
             push.parts[part] = entry
             push.metadata.update(metadata)
             push.last_active = time.monotonic()
             return push, entry
+
+    def _table(self, tensors: Iterable[tuple[str, str, list[int]]] | None, table: str | None) -> tuple[tuple[TensorSpec, ...], str]:
+        """A join's tensor table, laid out, and its digest: from the tensors sent (remembered by
+        digest), or the digest of a table sent before."""
+        if tensors is not None:
+            laid, digest = laid_table(tensors, self.config.max_tensors)
+            if table is not None and table != digest:
+                raise ParamsError(ErrorCode.INVALID_PART, f"table {table} is not the digest of the tensors sent ({digest})")
+            with self._cond:
+                self._tables.pop(digest, None)
+                self._tables[digest] = laid
+                while len(self._tables) > TABLES_KEPT:
+                    self._tables.pop(next(iter(self._tables)))
+            return laid, digest
+        if table is None:
+            raise ParamsError(ErrorCode.INVALID_PART, "a join names its tensor table: send the tensors, or the table's digest "
+                                                      "(the 'table' a join answered)")
+        with self._cond:
+            known = self._tables.get(table)
+        if known is None:
+            raise ParamsError(ErrorCode.UNKNOWN_TABLE, f"tensor table {table} is not known here (the parameter server restarted, "
+                                                       f"or another one answered): send the tensors")
+        return known, table
 
     def _start_push(self, version: int, laid: tuple[TensorSpec, ...], total: int, metadata: Mapping[str, str],
                     parts: int) -> PendingPush:
@@ -495,17 +630,21 @@ class ParamStore:
                 raise ParamsError(ErrorCode.BUSY, f"chunk {index} of version {version} is being received or committed right now")
             entry.writing.add(index)
             entry.received.pop(index, None)
+            entry.range_checksums.pop(index, None)
             push.last_active = time.monotonic()
         return ChunkWriter(self, push, entry, chunk, claimed)
 
-    def chunk_done(self, push: PendingPush, part: PushPart, index: int, checksum: str | None) -> None:
+    def chunk_done(self, push: PendingPush, part: PushPart, index: int, checksum: str | None,
+                   range_checksums: tuple[str, ...] | None = None) -> None:
         with self._cond:
             part.writing.discard(index)
             if checksum is not None:
                 part.received[index] = checksum
+                if range_checksums is not None:
+                    part.range_checksums[index] = range_checksums
             push.last_active = time.monotonic()
 
-    def finish_part(self, version: int, push_id: str, part: int, checksums: Mapping[int, str] | None = None,
+    def finish_part(self, version: int, push_id: str, part: int, checksums: Mapping[int, str | list[str]] | None = None,
                     wait_s: float = 0.0) -> dict:
         """Part ``part`` has delivered its chunks (a part written over shared memory or NIXL hands
         in its chunks' checksums here). Returns the push's state; the last part to finish makes the
@@ -518,7 +657,11 @@ class ParamStore:
             if checksums is not None:
                 if entry.via != "shm":
                     raise ParamsError(ErrorCode.INVALID_PART, f"part {part} sends its chunks over http; checksums come with each chunk")
-                entry.received.update(_claimed_checksums(entry, checksums))
+                claimed, ranges = _claimed_checksums(entry, checksums)
+                entry.received.update(claimed)
+                entry.range_checksums.update(ranges)
+                # a gathered chunk handed in without checksums is hashed in the slot at commit
+                entry.received.update({c.index: None for c in entry.chunks if c.ranges and c.index not in entry.received})
             missing = [c.index for c in entry.chunks if c.index not in entry.received]
             if missing or entry.writing:
                 shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
@@ -528,7 +671,7 @@ class ParamStore:
             entry.done = True
             push.last_active = time.monotonic()
             if len(push.parts) == push.expected_parts and all(p.done for p in push.parts.values()) and not push.committing:
-                self._commit(push)
+                self._commit(push)  # waits for the lock again while it hashes
             deadline = time.monotonic() + wait_s
             while version not in self.versions and push.dropped is None and time.monotonic() < deadline:
                 self._cond.wait(min(1.0, deadline - time.monotonic()))
@@ -538,7 +681,7 @@ class ParamStore:
                 return {"version": version, "visible": True, **self.versions[version].summary()}
             return {"version": version, "visible": False, **push.progress()}
 
-    def _verify_landed(self, version: int, push_id: str, part: int, checksums: Mapping[int, str]) -> bool:
+    def _verify_landed(self, version: int, push_id: str, part: int, checksums: Mapping[int, str | list[str]]) -> bool:
         """A part written over NIXL hands in checksums of its *source* bytes: hash the bytes that
         landed in the slot (off the lock; on a few threads, off the GIL) and record the chunks
         that match. A mismatch leaves the part not done. False for parts not written over NIXL."""
@@ -549,7 +692,7 @@ class ParamStore:
                 return False
             if entry.writing or push.committing:
                 raise ParamsError(ErrorCode.BUSY, f"part {part} of version {version} is being verified or committed right now")
-            claimed = _claimed_checksums(entry, checksums)
+            claimed, ranges = _claimed_checksums(entry, checksums)
             entry.writing.update(claimed)  # not swept, aborted or joined again while it is hashed
             for index in claimed:
                 entry.received.pop(index, None)
@@ -565,6 +708,8 @@ class ParamStore:
                 for chunk, actual in zip(chunks, landed, strict=False):
                     if actual == claimed[chunk.index]:
                         entry.received[chunk.index] = actual
+                        if chunk.index in ranges:  # they hash to what landed
+                            entry.range_checksums[chunk.index] = ranges[chunk.index]
                 push.last_active = time.monotonic()
                 self._cond.notify_all()
         mismatched = [(c.index, actual, claimed[c.index]) for c, actual in zip(chunks, landed, strict=True) if actual != claimed[c.index]]
@@ -575,17 +720,35 @@ class ParamStore:
                               f"(chunk {index}: {actual} in the PS's memory, {expected} claimed); the part is not done, push it again")
         return True
 
-    def _commit(self, push: PendingPush) -> Manifest:
-        """Under the lock: every part is done; make the version visible if the parts tile it."""
+    def _commit(self, push: PendingPush) -> None:
+        """Under the lock: every part is done; make the version visible if the parts tile it. The
+        manifest's chunks are cut anew over the data section (``manifest_chunks``); those that
+        join several delivered chunks are hashed in the slot first, off the lock (``committing``
+        keeps the push from being joined, aborted or swept meanwhile)."""
         _, gaps = coverage_gaps([r for p in push.parts.values() for r in p.ranges()], push.total_bytes)
         if gaps:
             raise ParamsError(ErrorCode.PART_CONFLICT,
                               f"version {push.version}: the parts leave bytes {gaps[:3]} (offset, length) uncovered")
         push.committing = True
-        chunks = sorted(((c, p.received[c.index]) for p in push.parts.values() for c in p.chunks), key=lambda x: x[0].offset)
+        delivered = [(c, p.received[c.index], p.range_checksums.get(c.index)) for p in push.parts.values() for c in p.chunks]
+        chunks = manifest_chunks(delivered, self.config.chunk_bytes)
+        unhashed = [c for c in chunks if c.checksum is None]
+        if unhashed:
+            algorithm = next((checksum_algorithm(x) for _, x, _ in delivered if x is not None), checksum_algorithms()[0])
+            self._cond.release()  # held once: finish_part takes it for this call alone
+            try:
+                sums = iter(_hash_chunks(push.slot, push.data_offset, push.total_bytes, unhashed,
+                                         [algorithm] * len(unhashed), "params-commit"))
+            except BaseException:
+                push.committing = False  # a later done tries again
+                raise
+            finally:
+                self._cond.acquire()
+            if push.dropped is not None:
+                raise ParamsError(ErrorCode.UNKNOWN_PUSH, f"the push of version {push.version} was dropped: {push.dropped}; push it again")
+            chunks = [c if c.checksum is not None else ChunkSpec(c.index, c.offset, c.length, next(sums)) for c in chunks]
         manifest = Manifest(
-            version=push.version, tensors=push.tensors,
-            chunks=tuple(ChunkSpec(i, c.offset, c.length, checksum) for i, (c, checksum) in enumerate(chunks)),
+            version=push.version, tensors=push.tensors, chunks=tuple(chunks),
             chunk_bytes=self.config.chunk_bytes, data_offset=push.data_offset, metadata=push.metadata,
             committed_at=time.time(),
         )
@@ -601,9 +764,8 @@ class ParamStore:
             self._to_persist.add(push.version)
         self._apply_retention()
         self._cond.notify_all()
-        log.info("version %d visible (%d bytes, %d chunks, %.3f s after the push began)", push.version,
-                 manifest.total_bytes, len(manifest.chunks), stored.visible_seconds)
-        return manifest
+        log.info("version %d visible (%d bytes, %d chunks, %d hashed at commit, %.3f s after the push began)", push.version,
+                 manifest.total_bytes, len(manifest.chunks), len(unhashed), stored.visible_seconds)
 
     def commit(self, version: int, push_id: str) -> Manifest:
         """The one-pusher API's commit: finish part 0 and return the visible version's manifest."""
@@ -621,7 +783,8 @@ class ParamStore:
                 reason = f"chunks missing: {shown}" if missing else "chunks are still being received"
                 raise ParamsError(ErrorCode.VERSION_INCOMPLETE, f"version {version} is incomplete "
                                               f"({len(entry.received)}/{len(entry.chunks)} chunks): {reason}")
-            self.finish_part(version, push_id, 0)
+        self.finish_part(version, push_id, 0)  # not under the lock: the commit lets it go while it hashes
+        with self._cond:
             return self.versions[version].manifest
 
     def delete_version(self, version: int) -> StoredVersion:
@@ -946,8 +1109,8 @@ class ParamStore:
 
 def _hash_chunks(slot: ShmSlot, data_offset: int, total_bytes: int, chunks: Sequence[ChunkSpec],
                  algorithms: Sequence[str], thread_name: str) -> list[str]:
-    """The checksums of ``chunks`` as they lie in ``slot``'s data section, hashed on a few threads
-    (off the lock and the GIL)."""
+    """The checksums of ``chunks`` (gathered ones over their ranges in order) as they lie in
+    ``slot``'s data section, hashed on a few threads (off the lock and the GIL)."""
     view = slot.view()[data_offset:data_offset + total_bytes]
     try:
         with ThreadPoolExecutor(min(default_workers(), max(1, len(chunks))), thread_name_prefix=thread_name) as pool:
@@ -956,18 +1119,31 @@ def _hash_chunks(slot: ShmSlot, data_offset: int, total_bytes: int, chunks: Sequ
         view.release()
 
 
-def _claimed_checksums(entry: PushPart, checksums: Mapping[int, str]) -> dict[int, str]:
-    """A part's checksums as its pusher hands them in (over shm or NIXL), validated."""
+def _claimed_checksums(entry: PushPart, checksums: Mapping[int, str | list[str]]) -> tuple[dict[int, str], dict[int, tuple[str, ...]]]:
+    """A part's checksums as its pusher hands them in (over shm or NIXL), validated: (chunk index
+    -> checksum, gathered chunk index -> its ranges' checksums, where it gave those instead)."""
     claimed: dict[int, str] = {}
+    ranges: dict[int, tuple[str, ...]] = {}
     for index, checksum in checksums.items():
         if not 0 <= int(index) < len(entry.chunks):
             raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {entry.index} has chunks 0..{len(entry.chunks) - 1}, not {index}")
+        chunk = entry.chunks[int(index)]
+        listed = [checksum] if isinstance(checksum, str) else list(checksum)
+        if not isinstance(checksum, str) and len(listed) != len(chunk.ranges):
+            raise ParamsError(ErrorCode.INVALID_FORMAT, f"chunk {index} of part {entry.index} gathers {len(chunk.ranges)} range(s); "
+                                                        f"{len(listed)} checksum(s) were handed in for them")
         try:
-            checksum_algorithm(checksum)
+            algorithms = {checksum_algorithm(x) for x in listed}
         except FormatError as exc:
             raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
-        claimed[int(index)] = checksum
-    return claimed
+        if len(algorithms) != 1:
+            raise ParamsError(ErrorCode.INVALID_FORMAT, f"chunk {index} of part {entry.index}: its ranges' checksums mix algorithms")
+        if isinstance(checksum, str):
+            claimed[int(index)] = checksum
+        else:
+            claimed[int(index)] = combined_checksum(algorithms.pop(), listed)
+            ranges[int(index)] = tuple(listed)
+    return claimed, ranges
 
 
 def _load_version(directory: Path, version: int) -> StoredVersion:

@@ -24,16 +24,23 @@ class PushBegin(BaseModel):
 
 
 class PartJoin(BaseModel):
-    tensors: list[TensorIn] = Field(min_length=1, description="the whole version's tensor table, the same for every part")
+    tensors: list[TensorIn] | None = Field(None, min_length=1, description="the whole version's tensor table, the same for "
+                                                                         "every part (may be left out once ``table`` names it)")
+    table: str | None = Field(None, pattern=r"^[0-9a-f]{32}$", description="the table's digest (``table`` of a join's answer): "
+                                                                          "names a table this PS was sent before")
     metadata: dict[str, str] = Field(default_factory=dict)
     parts: int = Field(ge=1, le=65536, description="how many parts the version is pushed in")
     ranges: list[tuple[int, int]] | None = Field(None, description="(offset, length) byte ranges of the data section "
                                                                      "this part delivers; absent: all of it")
     via: Literal["http", "shm", "nixl"] = "http"
+    gather: bool = Field(False, description="the pusher takes chunks that gather several of its small ranges "
+                                            "(each such chunk lists its ranges)")
 
 
 class PartDone(BaseModel):
-    checksums: dict[int, str] | None = Field(None, description="chunk index -> checksum, for a part written over shm or nixl")
+    checksums: dict[int, str | list[str]] | None = Field(None, description="chunk index -> checksum, for a part written over "
+                                                                          "shm or nixl (a gathered chunk: its checksum, or "
+                                                                          "the list of its ranges' checksums)")
     wait_s: float = Field(0.0, ge=0, le=3600, description="wait this long for the other parts to finish")
 
 
@@ -110,6 +117,13 @@ class ChunkOut(_Answer):
     offset: int
     length: int
     checksum: str | None = None
+    segments: list[int] | None = Field(None, description="lengths of the runs the chunk's checksum is made of: each run "
+                                                         "hashed alone, the checksum the hash of theirs (absent: one run)")
+
+
+class PushChunkOut(ChunkOut):
+    ranges: list[tuple[int, int]] | None = Field(None, description="a gathered chunk's (offset, length) ranges of the "
+                                                                   "data section, in order: its bytes, one after the other")
 
 
 class TensorOut(_Answer):
@@ -160,12 +174,13 @@ class PartJoined(_Answer):
     push_id: str
     version: int
     part: int
+    table: str = Field(description="the tensor table's digest: later joins may send it instead of the table")
     chunk_bytes: int
     total_bytes: int
     data_offset: int
     details: dict[str, Any] = Field(description="over shm: the memory slot to write into (path, size, offsets); "
                                                 "over nixl: the PS's agent metadata, the slot's address and data offset")
-    chunks: list[ChunkOut]
+    chunks: list[PushChunkOut]
     checksum_algorithms: list[str]
 
 

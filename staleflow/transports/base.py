@@ -12,9 +12,12 @@ Pure logic and in-memory buffers only; no network or file I/O here.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import hashlib
 import json
 import math
+import re
 import struct
 import zlib
 from abc import ABC, abstractmethod
@@ -157,23 +160,60 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ChunkSpec:
+    """A chunk: ``length`` bytes of the data section from ``offset``, with its checksum. A push's
+    chunk may instead *gather* several ranges of the data section (``ranges``: (offset,
+    length) pairs in offset order; ``offset`` is the first one's, ``length`` their sum): one
+    request and one checksum, over the ranges' bytes one after the other, for a pusher's many
+    small shards. A manifest's chunks are always one range.
+
+    A chunk of *segments* (a gathered chunk's ranges; ``segments``: the lengths of consecutive
+    runs of a manifest chunk, each hashed by the pusher that wrote it) has for checksum the
+    hash of its segments' checksums (``combined_checksum``): parts' bytes joined in one chunk
+    need no second pass over them. ``chunk_hasher`` computes either kind."""
+
     index: int
     offset: int  # in the data section
     length: int
     checksum: str | None = None  # "algorithm:hex"; None while a push has not delivered it
+    ranges: tuple[tuple[int, int], ...] = ()  # a gathered push chunk's ranges; () for one range
+    segments: tuple[int, ...] = ()  # a manifest chunk's segment lengths, summing to ``length``; () for one
+
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The (offset, length) ranges of the data section the chunk's bytes are, in order."""
+        return self.ranges or ((self.offset, self.length),)
+
+    def segment_lengths(self) -> tuple[int, ...]:
+        """The lengths of the runs its checksum is made of (one run: the plain hash of its bytes)."""
+        return self.segments or tuple(n for _, n in self.ranges) or (self.length,)
 
     def to_json(self) -> dict:
-        return {"index": self.index, "offset": self.offset, "length": self.length, "checksum": self.checksum}
+        out: dict[str, Any] = {"index": self.index, "offset": self.offset, "length": self.length, "checksum": self.checksum}
+        if self.ranges:
+            out["ranges"] = [list(r) for r in self.ranges]
+        if self.segments:
+            out["segments"] = list(self.segments)
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ChunkSpec:
-        return cls(d["index"], d["offset"], d["length"], d.get("checksum"))
+        ranges = tuple((int(o), int(n)) for o, n in d.get("ranges") or ())
+        segments = tuple(int(n) for n in d.get("segments") or ())
+        if segments and (sum(segments) != d["length"] or min(segments) <= 0):
+            raise FormatError(f"chunk {d['index']}: segments {list(segments)[:5]}... do not tile its {d['length']} bytes")
+        return cls(d["index"], d["offset"], d["length"], d.get("checksum"), ranges, segments)
 
 
 def layout_tensors(specs: Iterable[tuple[str, str, Sequence[int]]], max_tensors: int = 1_000_000) -> list[TensorSpec]:
     """Place tensors back to back in the data section, in the given order. Validates names, dtypes
     and shapes. A table laid out before (every push of a model names the same one) comes from a
     small cache: one pass to build its key instead of the validation and layout per tensor."""
+    return list(laid_table(specs, max_tensors)[0])
+
+
+def laid_table(specs: Iterable[tuple[str, str, Sequence[int]]],
+               max_tensors: int = 1_000_000) -> tuple[tuple[TensorSpec, ...], str]:
+    """``layout_tensors`` and the table's digest (of its safetensors header entries: names,
+    dtypes, shapes, offsets), computed once per table: a pusher names a table the PS has by it."""
     specs = list(specs)
     if len(specs) > max_tensors:
         raise FormatError(f"more than {max_tensors} tensors")
@@ -185,17 +225,18 @@ def layout_tensors(specs: Iterable[tuple[str, str, Sequence[int]]], max_tensors:
         key = None  # 2.0 or True would equal a valid 2 or 1 in the cache; let the checks refuse them
     cached = _LAYOUTS.get(key) if key is not None else None
     if cached is not None:
-        return list(cached)
-    laid = _layout_checked(specs, max_tensors)
+        return cached
+    laid = tuple(_layout_checked(specs, max_tensors))
+    entry = laid, hashlib.blake2b(_header_entries(laid).encode(), digest_size=16).hexdigest()
     if key is not None:
         if len(_LAYOUTS) >= _LAYOUT_CACHE_SIZE:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))
-        _LAYOUTS[key] = tuple(laid)
-    return laid
+        _LAYOUTS[key] = entry
+    return entry
 
 
 _LAYOUT_CACHE_SIZE = 8
-_LAYOUTS: dict[tuple, tuple[TensorSpec, ...]] = {}
+_LAYOUTS: dict[tuple, tuple[tuple[TensorSpec, ...], str]] = {}
 
 
 def _layout_checked(specs: Sequence[tuple[str, str, Sequence[int]]], max_tensors: int) -> list[TensorSpec]:
@@ -358,19 +399,86 @@ def checksum_of(algorithm: str, pieces: Iterable[bytes | memoryview]) -> str:
     return hasher.hexdigest()
 
 
+def checksum_bytes(algorithm: str, data: Any) -> str:
+    """One buffer's checksum: ``checksum_of`` one piece, without a hasher object (a call per
+    small range of a gathered chunk)."""
+    if algorithm == "xxh3_64" and xxhash is not None:
+        return f"xxh3_64:{xxhash.xxh3_64_intdigest(data):016x}"
+    return checksum_of(algorithm, [data])
+
+
+def combined_checksum(algorithm: str, checksums: Sequence[str]) -> str:
+    """The checksum of a chunk of several segments: the hash of their checksums, in order."""
+    return checksum_of(algorithm, [",".join(checksums).encode()])
+
+
+class SegmentHasher:
+    """Incremental checksum over the pieces of a chunk of segments, in order: each segment (a run
+    of ``lengths[i]`` bytes) hashed on its own, the chunk's checksum ``combined_checksum`` of
+    theirs. Pieces may start and end anywhere; they are cut at the segments' ends."""
+
+    def __init__(self, algorithm: str, lengths: Sequence[int]):
+        self.algorithm = algorithm
+        self.lengths = lengths
+        self.checksums: list[str] = []  # of the segments hashed so far
+        self._segment = ChunkHasher(algorithm)
+        self._left = lengths[0]
+        self._extra = False  # bytes beyond the last segment: the checksum cannot match
+
+    def update(self, data: Any) -> None:
+        taken, size = 0, len(data)
+        while taken < size:
+            if len(self.checksums) == len(self.lengths):
+                self._extra = True
+                return
+            n = min(self._left, size - taken)
+            self._segment.update(data[taken:taken + n] if n < size else data)
+            taken += n
+            self._left -= n
+            if self._left == 0:
+                self.checksums.append(self._segment.hexdigest())
+                if len(self.checksums) < len(self.lengths):
+                    self._segment = ChunkHasher(self.algorithm)
+                    self._left = self.lengths[len(self.checksums)]
+
+    def hexdigest(self) -> str:
+        partial = [self._segment.hexdigest() + "+"] if len(self.checksums) < len(self.lengths) else []
+        return combined_checksum(self.algorithm, self.checksums + partial + (["+"] if self._extra else []))
+
+
+def chunk_hasher(chunk: ChunkSpec, algorithm: str | None = None) -> ChunkHasher | SegmentHasher:
+    """The hasher of ``chunk``'s checksum, with its own algorithm unless ``algorithm`` is given
+    (a push chunk's, before it has a checksum): plain for one run, ``SegmentHasher`` for several."""
+    lengths = chunk.segment_lengths()
+    algorithm = algorithm or checksum_algorithm(chunk.checksum or "")
+    return SegmentHasher(algorithm, lengths) if len(lengths) > 1 else ChunkHasher(algorithm)
+
+
+def chunk_checksum(chunk: ChunkSpec, algorithm: str | None, pieces: Iterable[Any]) -> str:
+    """``chunk``'s checksum over its bytes, given in pieces in order (see ``chunk_hasher``)."""
+    hasher = chunk_hasher(chunk, algorithm)
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.hexdigest()
+
+
+_CHECKSUM = re.compile(r"(xxh3_64|crc32):[0-9a-f]+")
+
+
 def checksum_algorithm(checksum: str) -> str:
-    algorithm, sep, digest = checksum.partition(":")
-    if not sep or algorithm not in ("xxh3_64", "crc32") or not digest or any(c not in "0123456789abcdef" for c in digest):
+    match = _CHECKSUM.fullmatch(checksum) if isinstance(checksum, str) else None
+    if match is None:
         raise FormatError(f"checksum {checksum!r} is not 'xxh3_64:<hex>' or 'crc32:<hex>'")
-    return algorithm
+    return match.group(1)
 
 
 def chunk_checksums(regions: ByteRegions, chunks: Sequence[ChunkSpec], algorithms: Sequence[str],
                     pool: Executor) -> Iterator[str]:
     """Each chunk's checksum over its bytes in ``regions`` (with the algorithm at the same
-    position), hashed on ``pool``'s threads: xxhash and zlib release the GIL on large buffers, so
-    the hashes run beside each other and beside the caller. Submitted at once, yielded in order."""
-    return pool.map(lambda item: checksum_of(item[1], regions.views(item[0].offset, item[0].length)),
+    position; see ``chunk_hasher``), hashed on ``pool``'s threads: xxhash and zlib release the
+    GIL on large buffers, so the hashes run beside each other and beside the caller. Submitted at
+    once, yielded in order."""
+    return pool.map(lambda item: chunk_checksum(item[0], item[1], regions.gather(item[0].spans())),
                     zip(chunks, algorithms, strict=True))
 
 
@@ -409,7 +517,7 @@ class ByteRegions:
         if offset < 0 or offset + length > self.total_bytes:
             raise FormatError(f"range {offset}+{length} is outside the {self.total_bytes}-byte data section")
         out: list[memoryview] = []
-        i = max(0, _bisect_right(self._starts, offset) - 1)
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
         end = offset + length
         while offset < end and i < len(self._views):
             start, view = self._starts[i], self._views[i]
@@ -421,16 +529,9 @@ class ByteRegions:
             i += 1
         return out
 
-
-def _bisect_right(values: list[int], x: int) -> int:
-    lo, hi = 0, len(values)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if x < values[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    def gather(self, spans: Iterable[tuple[int, int]]) -> list[memoryview]:
+        """The pieces of buffers covering each (offset, length) span in turn."""
+        return [view for offset, length in spans for view in self.views(offset, length)]
 
 
 def _byte_view(buffer: Any) -> memoryview:
@@ -489,9 +590,10 @@ class Transport(ABC):
     @abstractmethod
     def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]: ...
 
-    def push(self, session: PushSession, source: ByteRegions) -> dict[int, str] | None:
+    def push(self, session: PushSession, source: ByteRegions) -> dict[int, str | list[str]] | None:
         """Deliver the session's chunks from ``source``. Returns the chunks' checksums when the PS
-        did not receive the bytes itself (the pusher wrote them into its memory), else None."""
+        did not receive the bytes itself (the pusher wrote them into its memory), else None; a
+        gathered chunk's may be the list of its ranges' checksums."""
         raise NotImplementedError(f"transport {self.name!r} only pulls; push over 'http', 'shm' or 'nixl'")
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -21,7 +21,6 @@ from staleflow.errors import ErrorCode
 from staleflow.transports.base import (
     ByteRegions,
     ChecksumMismatch,
-    ChunkHasher,
     ChunkSpec,
     FormatError,
     Manifest,
@@ -29,9 +28,9 @@ from staleflow.transports.base import (
     PushSession,
     TensorSpec,
     Transport,
-    checksum_algorithm,
     checksum_algorithms,
-    layout_tensors,
+    chunk_hasher,
+    laid_table,
     numpy_dtype,
     safetensors_dtype,
     verify_mode,
@@ -131,6 +130,8 @@ class ParamsClient(Client):
         self.remote_push = remote_push
         self._transports: dict[str, Transport] = {}
         self._health: ParamsHealth | None = None
+        self._tables_sent: set[str] = set()  # digests of the tensor tables this client sent the PS
+        self._last_table: tuple[dict, list, str, dict[str, TensorSpec]] | None = None
 
     def close(self) -> None:
         for transport in self._transports.values():
@@ -195,8 +196,7 @@ class ParamsClient(Client):
         WRITEs them into the PS's memory with NIXL and the PS verifies what landed. Returns the PS's answer:
         ``visible`` says whether the version is visible (after waiting up to ``wait_s`` for the
         other parts)."""
-        table = [(name, dtype, list(shape)) for name, (dtype, shape) in tensors.items()]
-        laid = {t.name: t for t in layout_tensors(table)}
+        table, digest, laid = self._laid(tensors)
         spans = []
         for piece in pieces:
             spec = laid.get(piece.name)
@@ -214,9 +214,28 @@ class ParamsClient(Client):
         if via == "auto":  # on the PS's host shm is fastest; elsewhere only the caller knows whether RDMA is there
             via = "shm" if self._shm_here() else self.remote_push
         mover = self.transport(via)  # before joining: a transport this host lacks fails here, leaving no push behind
-        begin = self.json(API.join_part, version, part,
-                          tensors=[{"name": n, "dtype": d, "shape": s} for n, d, s in table], metadata=dict(metadata or {}),
-                          parts=parts, ranges=[[offset, len(view)] for offset, view in spans], via=via)
+        ranges: list[list[int]] = []  # the pieces' ranges, those that touch joined (one for a one-rank table)
+        for offset, view in spans:
+            if ranges and ranges[-1][0] + ranges[-1][1] == offset:
+                ranges[-1][1] += len(view)
+            else:
+                ranges.append([offset, len(view)])
+        join = {"metadata": dict(metadata or {}), "parts": parts, "ranges": ranges, "via": via, "gather": True,
+                "table": digest}
+
+        def with_tensors() -> dict:
+            return {**join, "tensors": [{"name": n, "dtype": d, "shape": s} for n, d, s in table]}
+
+        if digest in self._tables_sent:  # a table this PS was sent before is named by its digest, not sent again
+            try:
+                begin = self.json(API.join_part, version, part, **join)
+            except ServiceError as exc:
+                if exc.code is not ErrorCode.UNKNOWN_TABLE:  # else a restarted PS: send the table
+                    raise
+                begin = self.json(API.join_part, version, part, **with_tensors())
+        else:
+            begin = self.json(API.join_part, version, part, **with_tensors())
+        self._tables_sent.add(digest)
         algorithm = next(a for a in begin["checksum_algorithms"] + ["crc32"] if a in checksum_algorithms())
         session = PushSession(begin["push_id"], version, tuple(ChunkSpec.from_json(c) for c in begin["chunks"]), algorithm,
                               part=part, details=begin["details"])
@@ -225,7 +244,21 @@ class ParamsClient(Client):
         reply = self.finish_part(version, part, session.push_id, checksums=checksums, wait_s=wait_s)
         return {**reply, "via": via, "delivered_at_monotonic": delivered}
 
-    def finish_part(self, version: int, part: int, push_id: str, *, checksums: Mapping[int, str] | None = None,
+    def _laid(self, tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[list, str, dict[str, TensorSpec]]:
+        """(the table as the join sends it, its digest, name -> its layout) for ``tensors``; the
+        last table pushed is kept, and an equal mapping (one comparison in C: a trainer pushes the
+        same table every version) skips the walk over its thousands of entries."""
+        cached = self._last_table
+        if cached is not None and cached[0] == tensors:
+            return cached[1], cached[2], cached[3]
+        table = [(name, dtype, list(shape)) for name, (dtype, shape) in tensors.items()]
+        laid_tuple, digest = laid_table(table)
+        # shapes as tuples: a mapping with list shapes (which can change in place) never equals it
+        snapshot = {name: (dtype, tuple(shape)) for name, (dtype, shape) in tensors.items()}
+        self._last_table = (snapshot, table, digest, {t.name: t for t in laid_tuple})
+        return table, digest, self._last_table[3]
+
+    def finish_part(self, version: int, part: int, push_id: str, *, checksums: Mapping[int, str | list[str]] | None = None,
                     wait_s: float = 0.0) -> dict:
         """Tell the PS that part ``part`` of ``version`` is in (with its chunks' checksums when it
         wrote them itself, over shm or NIXL); waits up to ``wait_s`` for the version to be visible.
@@ -402,7 +435,7 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
         yield from transport.pull_verified(lease, into, verify)
         return
     index, landed = 0, 0
-    hasher = ChunkHasher(checksum_algorithm(chunks[0].checksum)) if verify != "none" else None
+    hasher = chunk_hasher(chunks[0]) if verify != "none" else None
     for offset, length in transport.pull(lease, into):
         chunk = chunks[index]
         if offset != chunk.offset + landed:
@@ -419,7 +452,7 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
             yield chunk.offset + chunk.length
             index, landed = index + 1, 0
             if hasher is not None and index < len(chunks):
-                hasher = ChunkHasher(checksum_algorithm(chunks[index].checksum))
+                hasher = chunk_hasher(chunks[index])
     if index != len(chunks):
         raise FormatError(f"transport {transport.name} stopped after {index} of {len(chunks)} chunks")
 
@@ -483,6 +516,8 @@ def _flat_target(into: Any, total_bytes: int) -> np.ndarray:
 
 
 def _byte_view_of(data: Any) -> memoryview:
+    if type(data) is np.ndarray and data.dtype == np.uint8 and data.ndim == 1 and data.flags.c_contiguous:
+        return memoryview(data)  # a shard held as bytes (a rank's pieces of a staging buffer): once per piece per push
     if type(data).__module__.startswith("torch"):
         data = _torch_bytes(data)[2]
     if isinstance(data, np.ndarray):

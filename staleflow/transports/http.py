@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from staleflow.api.base import ServiceError
 from staleflow.api.params import ParamsRoutes
-from staleflow.transports.base import ByteRegions, ChunkSpec, PullLease, PushSession, Transport, checksum_of
+from staleflow.transports.base import ByteRegions, ChunkSpec, PullLease, PushSession, Transport, chunk_checksum
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class HttpTransport(Transport):
         thread (the hash releases the GIL) while this one is on the wire."""
 
         def checksum(chunk: ChunkSpec) -> str:
-            return checksum_of(session.checksum_algorithm, source.views(chunk.offset, chunk.length))
+            return chunk_checksum(chunk, session.checksum_algorithm, source.gather(chunk.spans()))
 
         chunks = session.chunks
         with self._connect() as conn, \
@@ -281,7 +281,7 @@ class HttpTransport(Transport):
                 status, _, body = conn.request(
                     "PUT", session.chunk_target(chunk.index),
                     {CHECKSUM_HEADER: claimed, "Content-Type": "application/octet-stream"},
-                    source.views(chunk.offset, chunk.length),
+                    source.gather(chunk.spans()),  # a gathered chunk's ranges, one after the other
                 )
                 raise_for_status(status, body)
 

@@ -262,13 +262,20 @@ class NixlTransport(Transport):
         details = dict(session.details)
         remote = self._remote(details)
         remote_base = int(details["base_address"]) + int(details["data_offset"])
-        views = {chunk.index: source.views(chunk.offset, chunk.length) for chunk in session.chunks}
-        registration = self._register(v for chunk_views in views.values() for v in chunk_views)
+        views = {chunk.index: [(offset, source.views(offset, length)) for offset, length in chunk.spans()]
+                 for chunk in session.chunks}
+        registration = self._register(v for spans in views.values() for _, span_views in spans for v in span_views)
         try:
             checksums = chunk_checksums(source, session.chunks, [session.checksum_algorithm] * len(session.chunks),
                                         self._executor())
-            for chunk in session.chunks:
-                self._transfer("WRITE", remote, *self._descriptors(views[chunk.index], remote_base + chunk.offset))
+            for chunk in session.chunks:  # one transfer per chunk; a gathered chunk's ranges are its descriptors
+                local: list[tuple[int, int, int]] = []
+                remote_descs: list[tuple[int, int, int]] = []
+                for offset, span_views in views[chunk.index]:
+                    span_local, span_remote = self._descriptors(span_views, remote_base + offset)
+                    local += span_local
+                    remote_descs += span_remote
+                self._transfer("WRITE", remote, local, remote_descs)
             return {chunk.index: checksum for chunk, checksum in zip(session.chunks, checksums, strict=True)}
         finally:
             if registration is not None:

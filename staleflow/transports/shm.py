@@ -47,10 +47,12 @@ from staleflow.transports.base import (
     ChunkSpec,
     PullLease,
     PushSession,
+    SegmentHasher,
     SlotReused,
     Transport,
     TransportUnavailable,
-    checksum_algorithm,
+    checksum_bytes,
+    chunk_hasher,
     pieces_of,
     verify_mode,
 )
@@ -307,17 +309,19 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview], algorithm: str | None) -> str | None:
+def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview],
+                  hashing: str | ChunkHasher | SegmentHasher | None) -> str | None:
     """Copy ``source`` pieces into ``destination`` pieces (the same total length) in windows of
     ``ALIGNED_PIECE_BYTES`` where both sides are mutually aligned, else ``PIECE_BYTES``, hashing
-    each window right after it is written, while it is in cache. numpy's copy and xxhash both run
+    each window right after it is written, while it is in cache (``hashing``: an algorithm, or
+    the hasher of the chunk's checksum, ``chunk_hasher``). numpy's copy and xxhash both run
     without the GIL, so several threads overlap.
 
     Many small pieces (a table of small tensors) cost no call per piece where one side is one
     buffer: the pieces of a window are gathered into it with one ``np.concatenate`` (a push into
     the slot), and a window is hashed once, where it is contiguous (the destination of a push, the
     source of a pull -- the PS's slot, immutable while a lease is open)."""
-    hasher = ChunkHasher(algorithm) if algorithm else None
+    hasher = ChunkHasher(hashing) if isinstance(hashing, str) else hashing
     targets = [np.frombuffer(view, np.uint8) for view in destination]
     origins = [np.frombuffer(view, np.uint8) for view in source]
     window = copy_window_bytes(targets, origins)
@@ -348,12 +352,22 @@ def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview
 def copy_window_bytes(destination: Sequence[np.ndarray], source: Sequence[np.ndarray]) -> int:
     """``ALIGNED_PIECE_BYTES`` when every byte of ``source`` lands at an address that agrees with
     its own modulo ``COPY_ALIGNMENT`` (checked where either side's pieces change), else
-    ``PIECE_BYTES``."""
+    ``PIECE_BYTES``. One side in one piece (the slot, a flat buffer: the usual case) costs one
+    address per piece of the other side."""
+    if len(source) == 1 or len(destination) == 1:
+        whole, pieces = (source[0], destination) if len(source) == 1 else (destination[0], source)
+        base = _address(whole)
+        position = 0
+        for piece in pieces:
+            if len(piece) and (_address(piece) - base - position) % COPY_ALIGNMENT:
+                return PIECE_BYTES
+            position += len(piece)
+        return ALIGNED_PIECE_BYTES
     d = s = 0  # piece index on each side
     d_at = s_at = 0  # offset into that piece
     while d < len(destination) and s < len(source):
         if len(destination[d]) and len(source[s]):
-            gap = destination[d].__array_interface__["data"][0] + d_at - source[s].__array_interface__["data"][0] - s_at
+            gap = _address(destination[d]) + d_at - _address(source[s]) - s_at
             if gap % COPY_ALIGNMENT:
                 return PIECE_BYTES
         n = min(len(destination[d]) - d_at, len(source[s]) - s_at)
@@ -363,6 +377,10 @@ def copy_window_bytes(destination: Sequence[np.ndarray], source: Sequence[np.nda
         if s_at == len(source[s]):
             s, s_at = s + 1, 0
     return ALIGNED_PIECE_BYTES
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
 
 
 def _windows(pieces: Sequence[np.ndarray], window: int) -> Iterator[tuple[int, list[np.ndarray]]]:
@@ -385,7 +403,8 @@ def _windows(pieces: Sequence[np.ndarray], window: int) -> Iterator[tuple[int, l
         yield start, parts
 
 
-def _copy_and_hash_one(target: np.ndarray, origin: np.ndarray, hasher: ChunkHasher | None, window: int) -> str | None:
+def _copy_and_hash_one(target: np.ndarray, origin: np.ndarray, hasher: ChunkHasher | SegmentHasher | None,
+                       window: int) -> str | None:
     for start in range(0, len(target), window):
         step = target[start:start + window]
         np.copyto(step, origin[start:start + window])
@@ -394,7 +413,7 @@ def _copy_and_hash_one(target: np.ndarray, origin: np.ndarray, hasher: ChunkHash
     return hasher.hexdigest() if hasher is not None else None
 
 
-def _copy_and_hash_pieces(dst: Sequence[np.ndarray], src: Sequence[np.ndarray], hasher: ChunkHasher | None,
+def _copy_and_hash_pieces(dst: Sequence[np.ndarray], src: Sequence[np.ndarray], hasher: ChunkHasher | SegmentHasher | None,
                           window: int) -> str | None:
     """Both sides in several pieces: copy step by step, hashing each step of the destination."""
     si = so = 0
@@ -499,10 +518,10 @@ class ShmTransport(Transport):
 
         def batch(chunks: Sequence[ChunkSpec]) -> int:
             for chunk in chunks:
-                algorithm = checksum_algorithm(chunk.checksum) if hashing and chunk.checksum else None
+                hasher = chunk_hasher(chunk) if hashing and chunk.checksum else None
                 start = base + chunk.offset
-                actual = copy_and_hash(into.views(chunk.offset, chunk.length), [source[start:start + chunk.length]], algorithm)
-                if algorithm is not None and actual != chunk.checksum:
+                actual = copy_and_hash(into.views(chunk.offset, chunk.length), [source[start:start + chunk.length]], hasher)
+                if hasher is not None and actual != chunk.checksum:
                     raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual or "")
             return chunks[-1].offset + chunks[-1].length
 
@@ -524,7 +543,7 @@ class ShmTransport(Transport):
 
         def one(step: ChunkStep) -> int:
             chunk = step.chunk
-            hasher = ChunkHasher(checksum_algorithm(chunk.checksum)) if hashing and chunk.checksum else None
+            hasher = chunk_hasher(chunk) if hashing and chunk.checksum else None
             for offset, length in pieces_of(chunk, PIECE_BYTES):  # each piece hashed right after its copy, in cache
                 copy_blocks(step.copies_within(offset, offset + length), source, -base, targets)
                 if hasher is not None:
@@ -537,9 +556,12 @@ class ShmTransport(Transport):
 
         yield from _checked(_in_order(self._executor(), one, plan.steps, self.workers * 2), stamp)
 
-    def push(self, session: PushSession, source: ByteRegions) -> dict[int, str]:
+    def push(self, session: PushSession, source: ByteRegions) -> dict[int, str | list[str]]:
         """Write the session's chunks straight into the PS's slot; returns their checksums,
-        computed over the bytes as they landed in the slot."""
+        computed over the bytes as they landed in the slot. A gathered chunk (a rank's many small
+        shards) is copied range by range, each range hashed right after its copy; its entry is
+        the list of its ranges' checksums, from which the PS makes the checksums of the
+        version's chunks that join several parts' ranges (see ``ChunkSpec``)."""
         self._check_host(session.details)
         try:
             target = self._mapping(session.details["path"], writable=True).view
@@ -548,9 +570,12 @@ class ShmTransport(Transport):
                                     f"dropped or the parameter server restarted)") from exc
         base = int(session.details["data_offset"])
 
-        def batch(chunks: Sequence[ChunkSpec]) -> list[tuple[int, str]]:
-            sums = []
+        def batch(chunks: Sequence[ChunkSpec]) -> list[tuple[int, str | list[str]]]:
+            sums: list[tuple[int, str | list[str]]] = []
             for chunk in chunks:
+                if chunk.ranges:
+                    sums.append((chunk.index, copy_ranges(target, base, chunk.ranges, source, session.checksum_algorithm)))
+                    continue
                 start = base + chunk.offset
                 checksum = copy_and_hash([target[start:start + chunk.length]], source.views(chunk.offset, chunk.length),
                                          session.checksum_algorithm)
@@ -569,6 +594,25 @@ class ShmTransport(Transport):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def copy_ranges(target: memoryview, base: int, ranges: Sequence[tuple[int, int]], source: ByteRegions,
+                algorithm: str) -> list[str]:
+    """Copy data-section ``ranges`` of ``source`` to ``target[base + offset:]`` and return each
+    range's checksum, hashed where it landed right after its copy (in cache): one numpy copy and
+    one hash call per range (a range is one or a few of the caller's buffers, which a copy
+    cannot join; the small ranges this is for fit in cache)."""
+    slot = np.frombuffer(target, np.uint8)
+    checksums = []
+    for offset, length in ranges:
+        destination = slot[base + offset:base + offset + length]
+        views = source.views(offset, length)
+        if len(views) == 1:
+            np.copyto(destination, np.frombuffer(views[0], np.uint8))
+        else:
+            np.concatenate([np.frombuffer(v, np.uint8) for v in views], out=destination)
+        checksums.append(checksum_bytes(algorithm, destination))
+    return checksums
 
 
 BATCH_BYTES = 4 << 20  # small chunks go to the copy threads together, up to this many bytes
