@@ -190,6 +190,9 @@ def test_a_reader_whose_lease_lapsed_fails_when_the_ps_reuses_its_slot(tmp_path:
     first = state_dict(1)
     with serve_in_thread(create_app(config)) as server, ParamsClient(server.url) as client:
         client.push(1, first)
+        # the PS pins a version while it copies it to disk: once that is done, only the reader's
+        # lease keeps version 1's slot, so version 3 lands in it exactly when the lease has lapsed
+        assert client.wait_persisted(1, 60)
         lease = client.open_pull(1, "shm")
         reading = client.receive(lease)
         name, tensor = next(reading)
