@@ -144,9 +144,10 @@ def wheel_in_fresh_venv(tmp_path: Path) -> tuple[Path, str]:
                    check=True, cwd=tmp_path)
     (wheel,) = wheels.glob("staleflow-*.whl")
     env_dir = tmp_path / "env"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)  # this interpreter's pip installs into it (--python): no ensurepip
     python = env_dir / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, cwd=tmp_path)
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
