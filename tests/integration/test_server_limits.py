@@ -127,8 +127,10 @@ def trickle(sock: socket.socket, data: bytes, every_s: float, timeout_s: float =
 
 
 def test_a_body_trickled_below_the_minimum_rate_is_shed(sockets: list[socket.socket]) -> None:
-    # a byte every 0.1 s never pauses for the 1 s the pause deadline allows: only the rate catches it
-    limits = ConnectionLimits(body_timeout_s=1.0, min_body_rate=100, body_rate_grace_s=0.5)
+    # a byte every 0.1 s (10 bytes/s, at most) never pauses for the 3 s the pause deadline allows:
+    # only the rate catches it. The steady body, 100 bytes every 0.1 s, is 20 times the floor: a test
+    # thread left unscheduled for a few seconds on a loaded machine still keeps it above
+    limits = ConnectionLimits(body_timeout_s=3.0, min_body_rate=50, body_rate_grace_s=0.5)
     with serve(limits) as server:
         slow = connect(server.url, sockets)
         slow.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
