@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,7 +34,7 @@ from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig, LedgerConfig
 from staleflow.launch.launcher import ComponentStuck, Supervised, exit_cause
 from staleflow.servers.auth import TOKEN_ENV, run_token
-from staleflow.servers.http import RunningServer, serve_in_thread
+from staleflow.servers.http import RunningServer, free_port, serve_in_thread
 from staleflow.training.role import StepLog, StepRecord, run_trainer_role
 
 log = logging.getLogger(__name__)
@@ -53,12 +52,6 @@ def component_names(config: JobConfig) -> list[str]:
     return [*STATIC_COMPONENTS, *instance_ids(config), "coordinator"]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def in_own_process(name: str, config: JobConfig) -> bool:
     """vLLM instances always get a process each: one engine per process."""
     return config.processes or (config.engine != "sim" and name.startswith("inst-"))
@@ -67,7 +60,7 @@ def in_own_process(name: str, config: JobConfig) -> bool:
 def plan_endpoints(config: JobConfig) -> dict[str, dict]:
     endpoints = {}
     for offset, name in enumerate(component_names(config)):
-        port = config.base_port + offset if config.base_port else _free_port(config.host)
+        port = config.base_port + offset if config.base_port else free_port(config.host)
         endpoints[name] = {"url": f"http://{config.host}:{port}", "host": config.host, "port": port}
     return endpoints
 

@@ -11,6 +11,7 @@ import ipaddress
 import json
 import logging
 import os
+import random
 import re
 import socket
 import sys
@@ -220,6 +221,32 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PLANNED_PORT = 10000
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on ``host``, for a server that binds it later (a planned endpoint). Drawn below
+    the kernel's ephemeral range where that is known: a port from inside it can be handed to any
+    process's outgoing connection before the server binds it, which then fails to start."""
+    try:
+        with open(EPHEMERAL_PORTS) as ports:
+            low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the kernel's pick
+        low = 0
+    for _ in range(100 if low > LOWEST_PLANNED_PORT else 0):
+        port = random.randrange(LOWEST_PLANNED_PORT, low)
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def url_for(sock: socket.socket) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from sqlalchemy import select
 
 from staleflow.config import LedgerConfig, ManagerConfig
 from staleflow.ledger import Ledger, LedgerError
+from staleflow.servers.http import free_port as planned_port
 from staleflow.servers.schema import ts_groups_archive, ts_trajectories_archive
 from staleflow.servers.trajectories.store import TrajectoryStore
 
@@ -63,9 +63,9 @@ def run_ledger_ops(ledger: Ledger, ops: list[tuple[str, int]]) -> Ledger:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port for a server process the test starts later (below the ephemeral range: no
+    outgoing connection takes it meanwhile)."""
+    return planned_port("127.0.0.1")
 
 
 def save_tiny_qwen2(directory: Path, tied: bool = True) -> Path:
