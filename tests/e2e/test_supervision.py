@@ -60,14 +60,23 @@ def _pid_listening_on(port: int) -> int:
     raise AssertionError(f"nothing listens on port {port}")
 
 
-def _pid_running(text: str) -> int:
+def _pids_running(text: str) -> list[int]:
+    """Every process whose command line mentions ``text``."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if text in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
-                return int(pid)
+                found.append(int(pid))
         except OSError:
             continue
-    raise AssertionError(f"no process runs {text!r}")
+    return found
+
+
+def _pid_running(text: str) -> int:
+    pids = _pids_running(text)
+    if not pids:
+        raise AssertionError(f"no process runs {text!r}")
+    return pids[0]
 
 
 def _assert_ledger_intact(state: Path, steps: int) -> None:
@@ -158,7 +167,8 @@ def test_every_role_sigkilled_from_outside_the_run_finishes_intact(tmp_path: Pat
 
 @pytest.mark.timeout(300)
 def test_a_crash_looping_component_stops_the_job_naming_it_and_its_log(tmp_path: Path) -> None:
-    """The parameter server's storage is replaced by a file: every restart dies at start-up."""
+    """The parameter server's storage is replaced by a file: every restart dies at start-up. The
+    stopped job leaves none of its component processes behind."""
     state = tmp_path / "run"
     proc = _spawn_up(state, "--steps", "200")
     ports: dict[str, int] = {}
@@ -167,6 +177,8 @@ def test_a_crash_looping_component_stops_the_job_naming_it_and_its_log(tmp_path:
             ports[event["name"]] = int(event["url"].rsplit(":", 1)[1])
         if event["event"] == "sample" and event["train_version"] >= 1:
             break
+    job_file = str(state / "job.json")
+    assert _pids_running(job_file), "the components run as processes"
     shutil.rmtree(state / "params")
     (state / "params").write_text("not a directory")
     os.kill(_pid_listening_on(ports["params"]), signal.SIGKILL)
@@ -174,6 +186,7 @@ def test_a_crash_looping_component_stops_the_job_naming_it_and_its_log(tmp_path:
     code = proc.wait(120)
     stderr = proc.stderr.read() if proc.stderr else ""
     assert code == 1, stderr
+    assert _pids_running(job_file) == [], "orphan component processes"
     log = state / "logs" / "params.log"
     assert "params keeps failing" in stderr and str(log) in " ".join(stderr.split()), stderr
     assert "NotADirectoryError" in log.read_text(), "the log shows why it cannot start"
