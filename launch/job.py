@@ -296,11 +296,16 @@ class Job(Supervised):
                  "--endpoints", str(self.state / "endpoints.planned.json")],
                 stdout=log_file, stderr=subprocess.STDOUT, text=True,
                 env={**os.environ, STARTED_ENV: repr(self.started)})
+        self._register(name, proc)  # now: a start that fails before it is awaited still stops it
         return name, proc, log_path
 
-    def _await_up(self, name: str, proc: subprocess.Popen, log_path: Path) -> subprocess.Popen:
-        self.processes.append(proc)
+    def _register(self, name: str, proc: subprocess.Popen) -> None:
+        if proc not in self.processes:
+            self.processes.append(proc)
         self.procs[name] = proc
+
+    def _await_up(self, name: str, proc: subprocess.Popen, log_path: Path) -> subprocess.Popen:
+        self._register(name, proc)
         if name == TRAINER:
             return proc  # no endpoint: the job watches its process and its step log
         limit = 60 if self.config.engine == "sim" else 900  # a vLLM engine on a busy CPU starts slowly

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -231,3 +232,25 @@ def test_embedded_server_threads_that_stop_are_served_again(tmp_path: Path) -> N
         job.shutdown()
     _assert_steps_intact([asdict(s) for s in job.steps()], config.steps)
     _assert_ledger_intact(config.state_dir, config.steps)
+
+
+@pytest.mark.timeout(300)
+def test_a_start_that_fails_leaves_no_component_process_behind(tmp_path: Path) -> None:
+    """Instances start side by side: when the first cannot start (its planned port is taken), the
+    one launched beside it, not yet awaited, is stopped with the rest."""
+    config = JobConfig(engine="sim", workload="ci-tiny", max_tokens=48, instances=2, speed=20.0, steps=2,
+                       processes=True, ledger=LedgerConfig(eta=ETA, batch_size=BATCH, group_size=GROUP),
+                       state_dir=tmp_path / "run")
+    job = Job(config, fresh=True)
+    job.write_planned_endpoints()
+    job_file = str(config.state_dir / "job.json")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", job.endpoints["inst-0"]["port"]))
+        taken.listen()
+        try:
+            with pytest.raises(RuntimeError, match="component inst-0 exited with 1"):
+                job.start()
+            assert _pids_running(f"serve component inst-1 --job {job_file}"), "inst-1 was launched beside inst-0"
+        finally:
+            job.shutdown()
+    assert _pids_running(job_file) == [], "orphan component processes"
