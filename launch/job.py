@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,7 +34,7 @@ from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig, LedgerConfig
 from staleflow.launch.launcher import ComponentStuck, Supervised, exit_cause
 from staleflow.servers.auth import TOKEN_ENV, run_token
-from staleflow.servers.http import RunningServer, serve_in_thread
+from staleflow.servers.http import RunningServer, free_port, serve_in_thread
 from staleflow.training.role import StepLog, StepRecord, run_trainer_role
 
 log = logging.getLogger(__name__)
@@ -53,12 +52,6 @@ def component_names(config: JobConfig) -> list[str]:
     return [*STATIC_COMPONENTS, *instance_ids(config), "coordinator"]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def in_own_process(name: str, config: JobConfig) -> bool:
     """vLLM instances always get a process each: one engine per process."""
     return config.processes or (config.engine != "sim" and name.startswith("inst-"))
@@ -67,7 +60,7 @@ def in_own_process(name: str, config: JobConfig) -> bool:
 def plan_endpoints(config: JobConfig) -> dict[str, dict]:
     endpoints = {}
     for offset, name in enumerate(component_names(config)):
-        port = config.base_port + offset if config.base_port else _free_port(config.host)
+        port = config.base_port + offset if config.base_port else free_port(config.host)
         endpoints[name] = {"url": f"http://{config.host}:{port}", "host": config.host, "port": port}
     return endpoints
 
@@ -303,11 +296,16 @@ class Job(Supervised):
                  "--endpoints", str(self.state / "endpoints.planned.json")],
                 stdout=log_file, stderr=subprocess.STDOUT, text=True,
                 env={**os.environ, STARTED_ENV: repr(self.started)})
+        self._register(name, proc)  # now: a start that fails before it is awaited still stops it
         return name, proc, log_path
 
-    def _await_up(self, name: str, proc: subprocess.Popen, log_path: Path) -> subprocess.Popen:
-        self.processes.append(proc)
+    def _register(self, name: str, proc: subprocess.Popen) -> None:
+        if proc not in self.processes:
+            self.processes.append(proc)
         self.procs[name] = proc
+
+    def _await_up(self, name: str, proc: subprocess.Popen, log_path: Path) -> subprocess.Popen:
+        self._register(name, proc)
         if name == TRAINER:
             return proc  # no endpoint: the job watches its process and its step log
         limit = 60 if self.config.engine == "sim" else 900  # a vLLM engine on a busy CPU starts slowly

@@ -40,9 +40,7 @@ import contextlib
 import json
 import logging
 import os
-import random
 import re
-import socket
 import sys
 import threading
 import time
@@ -106,19 +104,12 @@ def node_ip() -> str:
 def free_port(host: str, low: int, high: int, taken: set[int] | frozenset = frozenset()) -> int:
     """A port free on ``host`` now, from [low, high], not in ``taken``; tried from a random start
     so that launchers on one node rarely race for the same port."""
-    span = high - low + 1
-    start = random.randrange(span)
-    for i in range(span):
-        port = low + (start + i) % span
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise LauncherError(f"no free port on {host} in {low}-{high}; widen cluster.port_range")
+    from staleflow.servers.http import free_port_between
+
+    port = free_port_between(host, low, high, taken)
+    if port is None:
+        raise LauncherError(f"no free port on {host} in {low}-{high}; widen cluster.port_range")
+    return port
 
 
 def probe(low: int, high: int, taken: list[int]) -> dict:

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import manager_config
+from support import manager_config, wheel_in_fresh_venv
 
 from staleflow.api.manager import ManagerClient
 from staleflow.servers.http import serve_in_thread
@@ -39,6 +39,13 @@ def postgres_server() -> Iterator[object]:
         yield server.start()
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """StaleFlow's wheel installed into a fresh virtual environment (``wheel_in_fresh_venv``): its
+    python and the folder the wheel went into. Built once for every test that installs it."""
+    return wheel_in_fresh_venv(tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

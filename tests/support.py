@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from sqlalchemy import select
 
 from staleflow.config import LedgerConfig, ManagerConfig
 from staleflow.ledger import Ledger, LedgerError
+from staleflow.servers.http import free_port as planned_port
 from staleflow.servers.schema import ts_groups_archive, ts_trajectories_archive
 from staleflow.servers.trajectories.store import TrajectoryStore
 
@@ -63,9 +63,9 @@ def run_ledger_ops(ledger: Ledger, ops: list[tuple[str, int]]) -> Ledger:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port for a server process the test starts later (below the ephemeral range: no
+    outgoing connection takes it meanwhile)."""
+    return planned_port("127.0.0.1")
 
 
 def save_tiny_qwen2(directory: Path, tied: bool = True) -> Path:
@@ -144,9 +144,10 @@ def wheel_in_fresh_venv(tmp_path: Path) -> tuple[Path, str]:
                    check=True, cwd=tmp_path)
     (wheel,) = wheels.glob("staleflow-*.whl")
     env_dir = tmp_path / "env"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)  # this interpreter's pip installs into it (--python): no ensurepip
     python = env_dir / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, cwd=tmp_path)
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]

@@ -4,14 +4,13 @@ parameter-server crash, every rank pushes again the version the PS lost before p
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import ParamsProcess, save_tiny_qwen2
+from support import ParamsProcess, free_port, save_tiny_qwen2
 
 torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install 'staleflow[train]')")
 transformers = pytest.importorskip("transformers", reason="the trainer needs transformers")
@@ -64,12 +63,6 @@ def _rank(rank: int, world: int, port: int, model_dir: str, checkpoints: str, ou
 ONE_RANK, TWO_RANKS, RESUMED = 1, 2, 3  # the versions each trainer pushes
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
@@ -77,7 +70,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _train_here(model_dir: Path, checkpoints: Path, ps: ParamsClient) -> dict:
     """One rank in this process: the reference the two ranks must match."""
-    init_process_group(0, 1, _port())
+    init_process_group(0, 1, free_port())
     try:
         backend = FsdpBackend(_config(1), model_dir, checkpoints, 0, 1, final_version=1)
         metrics = backend.train(0, _batch())
@@ -98,7 +91,7 @@ def test_two_ranks_match_one_and_resume_from_the_checkpoint(model_dir: Path, tmp
     one = _train_here(model_dir, tmp_path / "ckpt-1", ps)
     out, checkpoints = tmp_path / "out-2.pt", tmp_path / "ckpt-2"
     checkpoints.mkdir()
-    mp.start_processes(_rank, args=(2, _port(), str(model_dir), str(checkpoints), str(out), ps.url), nprocs=2,
+    mp.start_processes(_rank, args=(2, free_port(), str(model_dir), str(checkpoints), str(out), ps.url), nprocs=2,
                        start_method="spawn")
     two = {**torch.load(out), "weights": ps.pull(TWO_RANKS, as_torch=True)}
     one_bytes = ps.versions().versions[0].total_bytes
@@ -113,7 +106,7 @@ def test_two_ranks_match_one_and_resume_from_the_checkpoint(model_dir: Path, tmp
         assert one["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-4, abs=1e-6), key
     assert two["metrics"]["importance_weight_mean"] > 0 and two["metrics"]["grad_norm"] > 0
 
-    init_process_group(0, 1, _port())  # a fresh single-rank trainer resumes from the two-rank checkpoint
+    init_process_group(0, 1, free_port())  # a fresh single-rank trainer resumes from the two-rank checkpoint
     try:
         resumed = FsdpBackend(_config(1), model_dir, checkpoints, 0, 1, final_version=2)
         assert resumed.resume_version() == 1
@@ -161,7 +154,7 @@ def test_every_rank_pushes_again_a_version_the_ps_lost_before_persisting_it(mode
     context = mp.get_context("spawn")
     pushed, restarted = context.Event(), context.Event()
     (tmp_path / "checkpoints").mkdir()
-    port = _port()
+    port = free_port()
     ranks = [context.Process(target=_trainer_rank, args=(r, 2, port, str(model_dir), str(tmp_path), server.url, pushed, restarted))
              for r in range(2)]
     try:

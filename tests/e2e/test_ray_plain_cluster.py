@@ -39,7 +39,9 @@ from ray_support import (  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 NAMESPACE = "staleflow-ray-plain"
-STEPS = 60
+# every kill comes before the first step: enough steps that the job still runs while the first test
+# reads its actors and placement groups (a few seconds after it started), no more
+STEPS = 30
 PLAIN_NODE = {**NODE, "num_cpus": 2}  # what `ray start` gives a 2-core machine: no GPU, no labels, no resources
 KILLED_WHEN_ALIVE = ("endpoints", "manager", "params", "reward", "ts", "coordinator")  # the start order
 

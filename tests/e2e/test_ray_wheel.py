@@ -15,7 +15,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support import wheel_in_fresh_venv
 
 pytest.importorskip("ray", reason="the Ray launcher's tests need Ray (the [ray] extra)")
 
@@ -48,8 +47,9 @@ CLUSTER_AND_JOB = textwrap.dedent('''
 
 
 @pytest.mark.timeout(900)
-def test_a_wheel_install_runs_the_sim_job_on_a_local_ray_cluster(tmp_path: Path) -> None:
-    python, site = wheel_in_fresh_venv(tmp_path)
+def test_a_wheel_install_runs_the_sim_job_on_a_local_ray_cluster(installed_wheel: tuple[Path, str],
+                                                                 tmp_path: Path) -> None:
+    python, site = installed_wheel
 
     state = tmp_path / "run"
     # the rollout node carries a role label of its own: select rollout and trainer nodes by resource

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -144,33 +143,6 @@ def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
             assert group_state(store, g)[1] == ["consumed", "consumed"], g
     finally:
         store.close()
-
-
-def test_processes_mode_leaves_no_process_behind(tmp_path: Path) -> None:
-    state = tmp_path / "run"
-    proc = _spawn_up(state, "--processes", "--steps", "200")
-    for event in _events(proc):
-        if event["event"] == "sample" and event["train_version"] >= 1:
-            break
-    job_file = str(state / "job.json")
-    assert _processes_mentioning(job_file), "the components run as processes"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 128 + signal.SIGTERM
-    assert _processes_mentioning(job_file) == [], "orphan component processes"
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(int(pid))
-    return found
 
 
 def test_compose_file_runs_the_jobs_components() -> None:

@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support import wheel_in_fresh_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_IMPORTABLE = {"staleflow.cli.__main__", "staleflow.migrations.env"}  # run on import, by design
@@ -49,8 +48,9 @@ def test_every_source_folder_is_a_package() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_wheel_installs_imports_every_module_and_runs_a_job(tmp_path: Path) -> None:
-    python, site = wheel_in_fresh_venv(tmp_path)
+def test_the_wheel_installs_imports_every_module_and_runs_a_job(installed_wheel: tuple[Path, str],
+                                                                tmp_path: Path) -> None:
+    python, site = installed_wheel
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     modules = source_modules()

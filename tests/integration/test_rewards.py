@@ -243,7 +243,7 @@ def test_a_hanging_verifier_times_out_and_later_calls_still_work(scorer: RewardS
     replaced = scorer.pool.replaced
     start = time.monotonic()
     verdicts = scorer.score([RewardRequest("x", "y", "hang"), RewardRequest("it is 42", "42", "half")])
-    assert time.monotonic() - start < TIMEOUT_S + 5
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S, "the hanging verifier held the call"
     assert (verdicts[0].reward, verdicts[0].reason) == (0.0, "timeout")
     assert verdicts[1].reward == 0.5
     assert scorer.pool.replaced == replaced + 1

@@ -16,7 +16,16 @@ import pytest
 from fastapi import Request
 from test_params_server import config as params_config
 
-from staleflow.servers.http import ConnectionLimits, RunningServer, serve_in_thread, service_app
+from staleflow.servers.http import (
+    EPHEMERAL_PORTS,
+    LOWEST_PLANNED_PORT,
+    ConnectionLimits,
+    RunningServer,
+    bind_socket,
+    free_port,
+    serve_in_thread,
+    service_app,
+)
 from staleflow.servers.params.dataplane import ChunkDataPlane
 from staleflow.servers.params.store import ParamStore
 
@@ -127,8 +136,10 @@ def trickle(sock: socket.socket, data: bytes, every_s: float, timeout_s: float =
 
 
 def test_a_body_trickled_below_the_minimum_rate_is_shed(sockets: list[socket.socket]) -> None:
-    # a byte every 0.1 s never pauses for the 1 s the pause deadline allows: only the rate catches it
-    limits = ConnectionLimits(body_timeout_s=1.0, min_body_rate=100, body_rate_grace_s=0.5)
+    # a byte every 0.1 s (10 bytes/s, at most) never pauses for the 3 s the pause deadline allows:
+    # only the rate catches it. The steady body, 100 bytes every 0.1 s, is 20 times the floor: a test
+    # thread left unscheduled for a few seconds on a loaded machine still keeps it above
+    limits = ConnectionLimits(body_timeout_s=3.0, min_body_rate=50, body_rate_grace_s=0.5)
     with serve(limits) as server:
         slow = connect(server.url, sockets)
         slow.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
@@ -228,3 +239,13 @@ def test_the_data_plane_sheds_connections_without_a_timely_request_head(tmp_path
     finally:
         plane.close()
         store.close()
+
+
+def test_a_planned_port_is_free_and_outside_the_ports_outgoing_connections_take() -> None:
+    """A planned endpoint's port stays free until its server binds it: drawn below the kernel's
+    ephemeral range, from which every outgoing connection takes its local port."""
+    ports = [free_port("127.0.0.1") for _ in range(50)]
+    low = int(Path(EPHEMERAL_PORTS).read_text().split()[0])  # this suite runs on Linux
+    assert all(LOWEST_PLANNED_PORT <= port < low for port in ports), (ports, low)
+    assert len(set(ports)) > 40, "drawn at random, not handed out in turn"
+    bind_socket("127.0.0.1", ports[0]).close()  # what the planned server does

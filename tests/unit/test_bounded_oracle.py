@@ -104,6 +104,14 @@ jobs = st.builds(
 ).filter(lambda j: sum(map(len, j.groups[:j.steps * j.batch_size])) <= 4)
 
 
+# the exact search grows exponentially with the tokens it schedules: over six seeds, 60 jobs of up to
+# 16 tokens took 1.6-35.6 s (9.5 s on average), of at most 10 tokens 0.4-2.1 s; a looser bound
+# widens it further (30 jobs: 1.1-35.3 s; of at most 8 tokens 0.2-3.3 s). The properties that call
+# it run on those smaller jobs, every shape of the strategy above still drawn.
+exact_sized_jobs = jobs.filter(lambda j: j.tokens <= 10)
+looser_sized_jobs = jobs.filter(lambda j: j.tokens <= 8)
+
+
 def _bound_holds(j: BoundedJob, schedule: BoundedSchedule) -> bool:
     for x in j.trajectories():
         start = schedule.starts[x.index]
@@ -114,7 +122,7 @@ def _bound_holds(j: BoundedJob, schedule: BoundedSchedule) -> bool:
 
 
 @settings(max_examples=60, deadline=None)
-@given(jobs)
+@given(exact_sized_jobs)
 def test_the_heuristic_is_a_schedule_of_the_model_never_shorter_than_the_exact_one(j: BoundedJob) -> None:
     fast = heuristic(j)
     assert fast.tokens == j.tokens and math.isfinite(fast.makespan_s)
@@ -128,7 +136,7 @@ def test_the_heuristic_is_a_schedule_of_the_model_never_shorter_than_the_exact_o
 
 
 @settings(max_examples=30, deadline=None)
-@given(jobs)
+@given(looser_sized_jobs)
 def test_a_looser_bound_never_lengthens_the_best_schedule(j: BoundedJob) -> None:
     strict = exact(j, heuristic(j).makespan_s * (1 + 1e-9)).makespan_s
     assert exact(replace(j, eta=j.eta + 1), strict * (1 + 1e-9)).makespan_s <= strict * (1 + 1e-9)
