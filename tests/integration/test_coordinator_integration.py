@@ -67,11 +67,11 @@ def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Pat
                     proc = instances[candidate][0]
                     proc.send_signal(signal.SIGSTOP)  # frozen: what it holds now is what the kill loses
                     held = [t.traj_id for t in ts.routed(instance_id=candidate).trajectories]
-                    if held:
+                    if len(held) >= 3:  # so the kill strands work even if one completion was already on its way
                         victim, stranded = candidate, held
                         proc.send_signal(signal.SIGKILL)
                         proc.wait()
-                    else:  # it finished everything in the meantime: let it go on, pick again later
+                    else:  # it finished most of it in the meantime: let it go on, pick again later
                         proc.send_signal(signal.SIGCONT)
             if victim and detected_at is None and co.stats().failures:
                 detected_at = len(batches)
