@@ -43,6 +43,7 @@ from staleflow.transports.base import (
     chunk_hasher,
     combined_checksum,
     laid_table,
+    merge_ranges,
     parse_safetensors_header,
     safetensors_header,
 )
@@ -81,17 +82,6 @@ def shm_prefix(state_dir: Path) -> str:
 def versions_to_drop(committed: Iterable[int], keep: int) -> list[int]:
     """Retention: everything but the newest ``keep`` complete versions."""
     return sorted(committed)[:-keep] if keep > 0 else sorted(committed)
-
-
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Non-overlapping byte ranges in offset order, the ones that touch joined into one."""
-    merged: list[tuple[int, int]] = []
-    for offset, length in sorted(r for r in ranges if r[1] > 0):
-        if merged and merged[-1][0] + merged[-1][1] == offset:
-            merged[-1] = (merged[-1][0], merged[-1][1] + length)
-        else:
-            merged.append((offset, length))
-    return merged
 
 
 SMALL_RANGE_BYTES = 4 << 20  # below this a range is gathered with others (push) and joined with its neighbours (manifest)

@@ -392,6 +392,17 @@ class ChunkHasher:
         return f"{self.algorithm}:{value:0{width}x}"
 
 
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Non-overlapping byte ranges in offset order, the ones that touch joined into one."""
+    merged: list[tuple[int, int]] = []
+    for offset, length in sorted(r for r in ranges if r[1] > 0):
+        if merged and merged[-1][0] + merged[-1][1] == offset:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((offset, length))
+    return merged
+
+
 def checksum_of(algorithm: str, pieces: Iterable[bytes | memoryview]) -> str:
     hasher = ChunkHasher(algorithm)
     for piece in pieces:

@@ -31,6 +31,7 @@ from staleflow.transports.base import (
     checksum_algorithms,
     chunk_hasher,
     laid_table,
+    merge_ranges,
     numpy_dtype,
     safetensors_dtype,
     verify_mode,
@@ -214,12 +215,7 @@ class ParamsClient(Client):
         if via == "auto":  # on the PS's host shm is fastest; elsewhere only the caller knows whether RDMA is there
             via = "shm" if self._shm_here() else self.remote_push
         mover = self.transport(via)  # before joining: a transport this host lacks fails here, leaving no push behind
-        ranges: list[list[int]] = []  # the pieces' ranges, those that touch joined (one for a one-rank table)
-        for offset, view in spans:
-            if ranges and ranges[-1][0] + ranges[-1][1] == offset:
-                ranges[-1][1] += len(view)
-            else:
-                ranges.append([offset, len(view)])
+        ranges = merge_ranges((offset, len(view)) for offset, view in spans)  # one for a one-rank table
         join = {"metadata": dict(metadata or {}), "parts": parts, "ranges": ranges, "via": via, "gather": True,
                 "table": digest}
 
