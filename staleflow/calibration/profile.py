@@ -88,6 +88,7 @@ class Probe(abc.ABC):
     engine: RolloutEngine
     realtime: bool
     vocab_size: int
+    engine_name: str = "rollout"
     max_context: int | None = None  # prompt + response tokens one trajectory may hold
     max_running: int | None = None
     distinct_prompts: bool = True  # defeat prefix caching, which would shrink the KV
@@ -153,6 +154,7 @@ class SimProbe(Probe):
     """A ``SimEngine`` on its virtual clock: profiling costs events, not simulated seconds."""
 
     realtime = False
+    engine_name = "sim"
     distinct_prompts = False  # no prefix cache to defeat; one shared prompt tuple saves memory
     _first_poll = 1e-4
     _max_poll = 1.0
@@ -227,6 +229,7 @@ class VllmProbe(Probe):
     """A ``VllmEngine``, measured in wall time."""
 
     realtime = True
+    engine_name = "vllm"
     _first_poll = 0.002
     _max_poll = 0.005
 
@@ -234,9 +237,9 @@ class VllmProbe(Probe):
         self.engine = self._counter = engine
         self.model_dir = str(model_dir)
         self.max_context = engine.params.max_model_len
-        config = _read_model_config(self.model_dir)
+        config = read_model_config(self.model_dir)
         self.vocab_size = int(config.get("vocab_size", 0))
-        self.kv_bytes_per_token = _kv_bytes_per_token(config, engine.params.dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token_of(config, engine.params.dtype)
         self.meter = CpuMeter.create()
         self._finished: dict[str, float] = {}
         self._arrived = asyncio.Event()
@@ -291,7 +294,7 @@ class VllmProbe(Probe):
         return WeightsPath(version, self.model_dir)
 
 
-def _read_model_config(model_dir: str) -> dict[str, Any]:
+def read_model_config(model_dir: str) -> dict[str, Any]:
     try:
         return json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -301,7 +304,7 @@ def _read_model_config(model_dir: str) -> dict[str, Any]:
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
-def _kv_bytes_per_token(config: dict[str, Any], dtype: str) -> float | None:
+def kv_bytes_per_token_of(config: dict[str, Any], dtype: str) -> float | None:
     """2 (K and V) x layers x KV heads x head dim x bytes per element, from a HF config."""
     try:
         heads = config["num_attention_heads"]

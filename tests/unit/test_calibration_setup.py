@@ -1,0 +1,50 @@
+"""The vLLM settings `staleflow calibrate` derives from the model and the machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from staleflow.calibration.engine_setup import GIB, EngineSetupError, model_positions, vllm_settings
+
+DEMO = {"max_position_embeddings": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 128}
+DEMO_KV_BYTES = 2 * 4 * 2 * 32 * 4  # K and V x layers x KV heads x head dim x float32
+
+
+def settings(config: dict = DEMO, **given: object):  # type: ignore[no-untyped-def]
+    defaults = dict(max_model_len=None, kv_cache_gib=None, kv_bytes_per_token=DEMO_KV_BYTES, largest_n=128, cpu=True,
+                    kv_space_set=False, free_bytes=15 * GIB)
+    return vllm_settings(config, **{**defaults, **given})  # type: ignore[arg-type]
+
+
+def test_max_model_len_is_the_models_positions_at_most() -> None:
+    assert settings().max_model_len == 512
+    assert settings({**DEMO, "max_position_embeddings": 32768}).max_model_len == 4096
+    assert settings({}).max_model_len == 4096, "a config that does not say: the usual default"
+    assert settings(max_model_len=256).max_model_len == 256
+    with pytest.raises(EngineSetupError) as refused:
+        settings(max_model_len=4096)
+    assert "more than the model's 512 positions" in str(refused.value)
+    assert refused.value.fix == "pass --max-model-len 512 or less, or leave it out"
+    assert model_positions({"n_positions": 1024}) == 1024 and model_positions({"max_position_embeddings": "x"}) is None
+
+
+def test_the_cpu_kv_cache_is_sized_for_the_grid_within_the_free_memory() -> None:
+    # the demo model's grid (128 trajectories of 512 tokens) fills 128 MiB: 1 GiB is plenty
+    demo = settings()
+    assert demo.kv_cache_gib == 1 and any("KV cache 1 GiB" in note for note in demo.notes)
+    # a model with 64 KiB per token would fill 128 x 4096 x 64 KiB / 0.85 = 38 GiB: half the free memory it is
+    big = settings({}, kv_bytes_per_token=64 * 1024, free_bytes=15 * GIB)
+    assert big.kv_cache_gib == 7 and any("left out" in note for note in big.notes)
+    assert settings({}, kv_bytes_per_token=64 * 1024, free_bytes=200 * GIB).kv_cache_gib == 38
+    with pytest.raises(EngineSetupError) as refused:
+        settings(free_bytes=GIB)
+    assert "only 1.0 GiB of memory is free" in str(refused.value) and "--kv-cache-gib" in refused.value.fix
+
+
+def test_what_is_given_or_set_elsewhere_is_kept() -> None:
+    assert settings(kv_cache_gib=3).kv_cache_gib == 3
+    assert settings(cpu=False).kv_cache_gib is None, "a GPU build sizes its cache by memory utilisation"
+    assert settings(kv_space_set=True).kv_cache_gib is None, "VLLM_CPU_KVCACHE_SPACE is the user's"
+    with pytest.raises(EngineSetupError):
+        settings(kv_cache_gib=0)
