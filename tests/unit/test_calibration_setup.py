@@ -48,3 +48,12 @@ def test_what_is_given_or_set_elsewhere_is_kept() -> None:
     assert settings(kv_space_set=True).kv_cache_gib is None, "VLLM_CPU_KVCACHE_SPACE is the user's"
     with pytest.raises(EngineSetupError):
         settings(kv_cache_gib=0)
+
+
+def test_a_machine_that_stays_busy_is_not_waited_for() -> None:
+    from staleflow.calibration.profile import machine_stays_busy
+
+    assert not machine_stays_busy([5.0] * 9, 0.3), "too few intervals to tell"
+    assert machine_stays_busy([5.0] * 8 + [0.0] * 2, 0.3)
+    assert not machine_stays_busy([0.1] * 8 + [5.0] * 2, 0.3), "quiet most of the time: disturbed points are retried"
+    assert not machine_stays_busy([5.0] * 20, None), "no gating asked for"
