@@ -169,10 +169,30 @@ def _print_summary(entry: CalibrationEntry, doc: dict[str, Any]) -> None:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
 
 
+SHORT_STEP_S = 5e-3  # decode steps shorter than this are mostly the engine's per-step overhead
+
+
+def short_step_reason(entry: CalibrationEntry) -> str | None:
+    """Why a real-time fit of a model this small misses the limit, and what model size fits: None
+    where its decode steps are long enough for that not to be the reason."""
+    cost = entry.cost
+    step = cost.k4 + max(cost.k2, cost.k3)
+    if entry.engine == "sim" or step >= SHORT_STEP_S:
+        return None
+    return (f"why: a decode step of this model takes {step * 1e3:.1f} ms with one trajectory running, "
+            f"{cost.k4 * 1e3:.1f} ms of it the engine's fixed per-step overhead (k4); steps that short vary from "
+            "interval to interval by more than the limit while other processes share the CPU. A model whose step "
+            f"takes {SHORT_STEP_S * 1e3:.0f} ms or more (on this kind of CPU about 20M parameters, e.g. 6 layers of "
+            "width 512: 6.2 % measured in docs/calibrate.md) fits within it, as does this one on a quiet machine")
+
+
 def _announce_poor_fit(entry: CalibrationEntry, refused: bool) -> None:
     head = "[bold red]POOR FIT, REFUSED:[/]" if refused else "[bold red]WARNING: POOR FIT[/]"
     for problem in entry.problems:
         err_console.print(f"{head} {escape(problem)}")
+    reason = short_step_reason(entry)
+    if reason:
+        err_console.print(escape(reason))
     if refused:
         err_console.print("[bold]fix:[/] profile a wider grid, longer intervals (--steps-per-sample, "
                           "--samples-per-point) on a quiet machine, or relax --max-mape / --min-r2; "

@@ -57,3 +57,18 @@ def test_a_machine_that_stays_busy_is_not_waited_for() -> None:
     assert machine_stays_busy([5.0] * 8 + [0.0] * 2, 0.3)
     assert not machine_stays_busy([0.1] * 8 + [5.0] * 2, 0.3), "quiet most of the time: disturbed points are retried"
     assert not machine_stays_busy([5.0] * 20, None), "no gating asked for"
+
+
+def test_a_refused_fit_of_a_small_model_says_why_and_what_size_fits() -> None:
+    from types import SimpleNamespace
+
+    from staleflow.cli.calibrate import short_step_reason
+    from staleflow.cost_model import CostModel
+
+    def entry(engine: str, **cost: float) -> SimpleNamespace:
+        return SimpleNamespace(engine=engine, cost=CostModel(**{"k1": 1e-7, "k2": 5e-5, "k3": 5e-5, **cost}))
+
+    reason = short_step_reason(entry("vllm", k4=1.2e-3))  # type: ignore[arg-type]
+    assert reason is not None and "1.2 ms with one trajectory running" in reason and "20M parameters" in reason
+    assert short_step_reason(entry("vllm", k4=8e-3)) is None, "steps long enough: not the reason"  # type: ignore[arg-type]
+    assert short_step_reason(entry("sim", k4=1e-3)) is None, "a virtual clock has no noise to blame"  # type: ignore[arg-type]
