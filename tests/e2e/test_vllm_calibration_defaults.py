@@ -51,6 +51,11 @@ def test_calibrate_the_demo_model_with_defaults(tmp_path: Path) -> None:
     doc = json.loads(done.stdout)
     entry = doc["calibration"]
     quality = entry["quality"]
+    print(f"exit {done.returncode}: r2 {quality['r2']:.3f}, cross-validated error {quality['holdout_mape']:.2%}, "
+          f"in sample {quality['mape']:.2%}; {quality['samples']} samples at {quality['grid_points']} points in "
+          f"{entry['wall_seconds']:.0f} s; problems {entry['problems']}; warnings {entry['warnings']}")
+    print("\n".join(line for line in done.stderr.splitlines() if not line.startswith(("(", "INFO", "WARNING", "W1"))
+                     and "Warning" not in line)[-3000:])
     if done.returncode == 0:
         assert entry["ok"] and quality["holdout_mape"] <= entry["thresholds"]["max_mape"]
         assert quality["r2"] >= entry["thresholds"]["min_r2"]
