@@ -72,3 +72,18 @@ def test_a_refused_fit_of_a_small_model_says_why_and_what_size_fits() -> None:
     assert reason is not None and "1.2 ms with one trajectory running" in reason and "20M parameters" in reason
     assert short_step_reason(entry("vllm", k4=8e-3)) is None, "steps long enough: not the reason"  # type: ignore[arg-type]
     assert short_step_reason(entry("sim", k4=1e-3)) is None, "a virtual clock has no noise to blame"  # type: ignore[arg-type]
+
+
+def test_the_command_refuses_more_positions_than_the_model_has_before_starting_vllm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from support import calibrate_cli
+    from typer.testing import CliRunner
+
+    (tmp_path / "config.json").write_text(json.dumps(DEMO))
+    result = CliRunner().invoke(calibrate_cli(), ["calibrate", "--engine", "vllm", "--model", str(tmp_path),
+                                                  "--max-model-len", "4096", "--no-write"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    lines = [line.strip() for line in result.output.splitlines()]
+    assert lines[-2].startswith("error: --max-model-len 4096 is more than the model's 512 positions")
+    assert lines[-1] == "fix: pass --max-model-len 512 or less, or leave it out"
