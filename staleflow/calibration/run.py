@@ -115,6 +115,13 @@ START_FIX = {"vllm": "vLLM's log above says why; check --model (a Hugging Face m
 
 
 def _first_line(exc: BaseException) -> str:
+    """What an exception says, in one line (a pydantic error: each field and its message)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in errors())
+        except (TypeError, KeyError):
+            pass
     text = str(exc).strip().splitlines()
     return text[0] if text else exc.__class__.__name__
 

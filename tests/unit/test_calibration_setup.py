@@ -87,3 +87,27 @@ def test_the_command_refuses_more_positions_than_the_model_has_before_starting_v
     lines = [line.strip() for line in result.output.splitlines()]
     assert lines[-2].startswith("error: --max-model-len 4096 is more than the model's 512 positions")
     assert lines[-1] == "fix: pass --max-model-len 512 or less, or leave it out"
+
+
+def test_an_engine_that_does_not_start_is_one_message_with_the_fix() -> None:
+    import asyncio
+
+    from pydantic import BaseModel
+
+    from staleflow.calibration.run import SIM_GRID, profile_and_fit, sim_probe
+    from staleflow.cost_model import CostModel
+
+    class ModelConfig(BaseModel):
+        dtype: int
+
+    probe, _ = sim_probe(dict(vars(CostModel())), 0.0, 0, 0.0, 64)
+
+    async def refuses() -> None:
+        ModelConfig(dtype="nonsense")  # type: ignore[arg-type]  # what vLLM raises for a bad --dtype
+
+    probe.engine.start = refuses  # type: ignore[method-assign]
+    with pytest.raises(EngineSetupError) as failed:
+        asyncio.run(profile_and_fit(probe, SIM_GRID, lambda *_: None, model="m", parallelism="tp1", engine="sim"))
+    assert str(failed.value) == ("the sim engine did not start: dtype: Input should be a valid integer, unable to "
+                                 "parse string as an integer")
+    assert failed.value.fix
