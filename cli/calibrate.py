@@ -101,7 +101,7 @@ def _vllm_probe(model: Path | None, dtype: str, max_model_len: int | None, kv_ca
     except EngineSetupError as exc:
         raise fail(str(exc), exc.fix) from None
     if settings.notes:
-        err_console.print(f"calibrate: derived {'; '.join(settings.notes)}", highlight=False)
+        err_console.print(f"calibrate: derived {'; '.join(settings.notes)}", highlight=False, soft_wrap=True)
     return probe
 
 

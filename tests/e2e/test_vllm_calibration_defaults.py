@@ -44,9 +44,9 @@ def test_calibrate_the_demo_model_with_defaults(tmp_path: Path) -> None:
     out = tmp_path / "calibration.json"
     done = subprocess.run([sys.executable, "-m", "staleflow.cli", "calibrate", "--engine", "vllm", "--model", str(model),
                            "--out", str(out), "--json"], capture_output=True, text=True, timeout=2300)
+    (tmp_path / "stdout.json").write_text(done.stdout)  # kept for a look afterwards, whatever the outcome
+    (tmp_path / "stderr.txt").write_text(done.stderr)
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
-    assert "derived max_model_len 512 (the model has 512 positions)" in done.stderr, "the model's positions, not 4096"
-    assert "KV cache 1 GiB" in done.stderr, "sized for the grid, not 0.92 of the machine"
     assert done.returncode in (0, 3), done.stderr[-4000:]
     doc = json.loads(done.stdout)
     entry = doc["calibration"]
@@ -56,6 +56,8 @@ def test_calibrate_the_demo_model_with_defaults(tmp_path: Path) -> None:
           f"{entry['wall_seconds']:.0f} s; problems {entry['problems']}; warnings {entry['warnings']}")
     print("\n".join(line for line in done.stderr.splitlines() if not line.startswith(("(", "INFO", "WARNING", "W1"))
                      and "Warning" not in line)[-3000:])
+    assert "derived max_model_len 512 (the model has 512 positions)" in done.stderr, "the model's positions, not 4096"
+    assert "KV cache 1 GiB" in done.stderr, "sized for the grid, not 0.92 of the machine"
     if done.returncode == 0:
         assert entry["ok"] and quality["holdout_mape"] <= entry["thresholds"]["max_mape"]
         assert quality["r2"] >= entry["thresholds"]["min_r2"]
