@@ -210,3 +210,25 @@ def test_checkpoints_out_of_bounds_are_refused_with_422(job: Job) -> None:
     gap = post(start=5, tokens=[8], logprobs=[-0.1], segments=[{"version": 0, "start": 0, "end": 6}])
     assert gap.json() == {"stored": {}, "ignored": [members[0]]}
     assert job.stored(members[0])["tokens"] == [5, 6, 7]
+
+
+def test_what_the_coordinators_last_snapshot_saw_counts_as_regenerated_once_and_durably(job: Job) -> None:
+    """Instance b sends no checkpoints and no word of its progress: what its trajectories held is
+    known from the coordinator's snapshots alone, handed over when it declares b failed."""
+    members = a_group(job)
+    job.route("b", members, v_traj=0)
+    job.instances["b"].post("/v1/sim/advance", json={"by": 5.0}).raise_for_status()
+    generated = job.instances["b"].get("/v1/snapshot").json()["generated"]
+    assert set(generated) == set(members) and all(n > 0 for n in generated.values()), generated
+    assert all(job.stored(t)["generated"] == 0 for t in members)
+
+    release = job.ts.post("/v1/instances/b/release", json={"generated": generated})
+    assert release.json()["released"] == GROUP
+    lost = sum(generated.values())
+    progress = job.ts.get("/v1/health").json()["progress"]
+    assert (progress["regenerated_trajectories"], progress["regenerated_tokens"]) == (GROUP, lost)
+    assert f"staleflow_trajectory_failure_regenerated_tokens_total {float(lost)}" in job.ts.get("/metrics").text
+    # a retried release (the coordinator's reply lost) counts nothing again
+    assert job.ts.post("/v1/instances/b/release", json={"generated": generated}).json()["released"] == 0
+    job.restart_ts()
+    assert job.ts.get("/v1/health").json()["progress"]["regenerated_tokens"] == lost
