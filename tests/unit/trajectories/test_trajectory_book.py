@@ -313,7 +313,10 @@ class BookMachine(RuleBasedStateMachine):
         if traj_id not in self.book.trajs:  # its group finished and left the book
             assert self.book.completed([Generated(traj_id, (1,), (-1.0,))]) == []
         elif self.book.trajs[traj_id].state is not TrajState.PENDING:  # (pending: released, then finished again)
-            assert self.book.completed([self._grown(traj_id, 1)]) == []
+            t = self.book.trajs[traj_id]  # as first delivered (a consumed one's tokens are dropped here)
+            n = t.segments[-1][2] if t.segments else 0
+            again = Generated(traj_id, tuple(range(n)), tuple(-1.0 for _ in range(n)), t.segments, "stop", "i0")
+            assert self.book.completed([again], LIMITS) == []
 
     @precondition(lambda self: self._ids(TrajState.COMPLETED))
     @rule(data=st.data(), reward=st.sampled_from([0.0, 1.0]))
@@ -365,7 +368,6 @@ class BookMachine(RuleBasedStateMachine):
         assert len(batch) == needed and all(t.state is TrajState.REWARDED for t, _ in batch)
         for t, g in batch:  # the bound holds for every token trained, not only for V_traj
             assert segment_violation(t.segments, len(t.tokens), g.v_traj, LIMITS) is None
-            assert 0 <= buffer - min(v for v, _, _ in t.segments) <= ETA if t.segments else True
             assert buffer - oldest_version(t, g.v_traj) <= ETA
         self.book.free([group_id])
         assert all(t.state is TrajState.CONSUMED and not t.tokens for t, _ in batch)
