@@ -49,13 +49,13 @@ def train_buffer_zero(ts_url: str, manager_url: str, route_and_run: Callable[[li
     and generated to completion) and consume buffer 0: the trainer version becomes 1, so a model
     version 1 may now exist (the trajectory server takes no segment of a newer one). Returns the
     groups consumed."""
-    from staleflow.api.base import http_client
     from staleflow.api.manager import ManagerClient
+    from staleflow.api.trajectories import TrajectoryClient
 
-    with http_client(ts_url) as ts, ManagerClient(manager_url) as manager:
+    with TrajectoryClient(ts_url) as ts, ManagerClient(manager_url) as manager:
         groups: dict[str, list[str]] = {}
-        for p in ts.get("/v1/pending").json()["trajectories"]:
-            groups.setdefault(p["group_id"], []).append(p["traj_id"])
+        for p in ts.pending().trajectories:
+            groups.setdefault(p.group_id, []).append(p.traj_id)
         picked = [g for g in groups if g != keep][:2]
         route_and_run([t for g in picked for t in groups[g]])
         deadline = time.monotonic() + 30
