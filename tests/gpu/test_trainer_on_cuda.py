@@ -6,7 +6,6 @@ round-trips, and each rank gets its own GPU."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
+from staleflow.ports import free_port  # noqa: E402
 from staleflow.training.fsdp import FsdpBackend, check_gpus_for_ranks, init_process_group  # noqa: E402
 from staleflow.training.logprobs import chunked_token_logprobs, liger_available, liger_token_logprobs  # noqa: E402
 
@@ -27,12 +27,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch, pytest.mark.timeout(900)]
 PROMPT = int(os.environ.get("STALEFLOW_GPU_TEST_PROMPT", "64"))
 RESPONSE = int(os.environ.get("STALEFLOW_GPU_TEST_RESPONSE", "448"))
 TRAJECTORIES = int(os.environ.get("STALEFLOW_GPU_TEST_TRAJECTORIES", "8"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(vocab: int, seed: int = 0) -> dict[str, Any]:
