@@ -56,6 +56,34 @@ def test_values_and_gradients_match_the_plain_formula(rows: int, tokens: int, hi
         assert torch.allclose(plain, chunked, rtol=1e-5, atol=1e-6)
 
 
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 3), tokens=st.integers(1, 17), hidden_size=st.integers(1, 9), vocab=st.integers(2, 40),
+       chunk=st.integers(1, 20), kept=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_the_head_at_some_positions_matches_the_plain_formula_there(rows: int, tokens: int, hidden_size: int,
+                                                                     vocab: int, chunk: int, kept: float,
+                                                                     seed: int) -> None:
+    """The trainer's head: the hidden states at the response positions gathered first, then the
+    chunked head over those alone; the same values there and the same gradients (zero elsewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, tokens, hidden_size, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (rows, tokens), generator=g)
+    positions = torch.nonzero(torch.rand(rows * tokens, generator=g) < kept).flatten()
+    upstream = torch.randn(len(positions), generator=g, dtype=torch.float64)
+    results = []
+    for gathered_first in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if gathered_first:
+            out = chunked_token_logprobs(h.reshape(-1, hidden_size)[positions], w, targets.reshape(-1)[positions], chunk)
+        else:
+            out = _plain(h, w, targets).reshape(-1)[positions]
+        (out.double() * upstream).sum().backward()
+        results.append((out.double(), h.grad if h.grad is not None else torch.zeros_like(h),
+                        w.grad if w.grad is not None else torch.zeros_like(w)))
+    for plain, chunked in zip(*results, strict=True):
+        assert torch.allclose(plain, chunked, rtol=1e-5, atol=1e-6)
+
+
 def test_the_model_forward_returns_log_probs_without_logits() -> None:
     torch.manual_seed(0)
     for tied in (True, False):
