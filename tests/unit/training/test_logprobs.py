@@ -1,8 +1,8 @@
 """Chunked per-token log-probs: the same values and gradients as the plain log_softmax formula,
 for any chunk size, and through a Hugging Face model's own forward (tied and untied heads), also
-when the head sees only some positions; no [V, H] tensor is allocated per chunk, on the CPU path
-and on the CUDA path (bf16 GEMMs with fp32 outputs, run on the meta device); Liger gets an fp32
-accumulator."""
+when the head sees only some positions, and with a timer around its forward and backward; no
+[V, H] tensor is allocated per chunk, on the CPU path and on the CUDA path (bf16 GEMMs with fp32
+outputs, run on the meta device); Liger gets an fp32 accumulator."""
 
 from __future__ import annotations
 
@@ -229,3 +229,39 @@ def test_liger_gets_no_reduction_and_an_fp32_accumulator(monkeypatch: pytest.Mon
     got = liger_token_logprobs(hidden, weight, targets)
     assert fake.calls == [{"reduction": "none", "accum_dtype": torch.float32}]
     assert got.shape == (2, 3) and torch.allclose(got, chunked_token_logprobs(hidden, weight, targets, 2), atol=1e-5)
+
+
+def test_the_head_timer_brackets_the_heads_forward_and_backward() -> None:
+    """Begun and ended around the head's forward, then again around its backward: the backward's
+    interval opens once the loss's gradient reaches the head and closes when the head is done."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=31, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.Qwen2ForCausalLM(config)
+    events: list[str] = []
+    original = logprobs.log_probs_of
+
+    class Timer:
+        def begin(self) -> None:
+            events.append("begin")
+
+        def end(self) -> None:
+            events.append("end")
+
+    def spy(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        events.append("head forward")
+        out = original(hidden, *args, **kwargs)
+        out.register_hook(lambda grad: events.append("gradient into the head"))
+        hidden.register_hook(lambda grad: events.append("gradient out of the head"))
+        return out
+
+    logprobs.log_probs_of = spy
+    try:
+        ids = torch.randint(0, 31, (1, 6))
+        with head_returns_logprobs(model, torch.roll(ids, -1, 1), chunk=4, timer=Timer()):
+            logp = model(input_ids=ids).logits
+    finally:
+        logprobs.log_probs_of = original
+    assert events == ["begin", "head forward", "end"]
+    logp.sum().backward()
+    assert events[3:] == ["begin", "gradient into the head", "gradient out of the head", "end"], events
