@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import venv
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -39,6 +41,29 @@ def manager_and_trajectory_server(stack: ExitStack, tmp_path: Path, max_tokens: 
         ledger=LedgerConfig(**ledger), manager_url=manager_url, state_dir=tmp_path, reward="sim",
         sampling=SamplingConfig(max_tokens=max_tokens))))).url
     return manager_url, ts_url
+
+
+def train_buffer_zero(ts_url: str, manager_url: str, route_and_run: Callable[[list[str]], None],
+                      keep: str | None = None) -> list[str]:
+    """Run two pending groups (not group ``keep``) through ``route_and_run`` (routed at V_traj 0
+    and generated to completion) and consume buffer 0: the trainer version becomes 1, so a model
+    version 1 may now exist (the trajectory server takes no segment of a newer one). Returns the
+    groups consumed."""
+    from staleflow.api.manager import ManagerClient
+    from staleflow.api.trajectories import TrajectoryClient
+
+    with TrajectoryClient(ts_url) as ts, ManagerClient(manager_url) as manager:
+        groups: dict[str, list[str]] = {}
+        for p in ts.pending().trajectories:
+            groups.setdefault(p.group_id, []).append(p.traj_id)
+        picked = [g for g in groups if g != keep][:2]
+        route_and_run([t for g in picked for t in groups[g]])
+        deadline = time.monotonic() + 30
+        while manager.buffers().buffers[0].state != "ready":
+            assert time.monotonic() < deadline, "buffer 0 did not fill"
+            time.sleep(0.02)
+        assert sorted(manager.consume().group_ids) == sorted(picked)
+    return picked
 
 
 def run_ledger_ops(ledger: Ledger, ops: list[tuple[str, int]]) -> Ledger:
