@@ -284,6 +284,14 @@ class ConnectionLimits:
     once it has waited ``body_rate_grace_s``: a client trickling a byte every few seconds never
     pauses for ``body_timeout_s``, yet would hold its connection for as long as it liked."""
     body_rate_grace_s: float = 10.0
+    send_timeout_s: float = 60.0
+    """The longest a response waits for its client to take any more of it: a reader that never
+    reads would otherwise hold the response (and what it pins, such as a weights version) forever."""
+    min_send_rate: float = 1024.0
+    """Bytes per second a client must take of a response, averaged over the time the server has
+    waited for it to, once it has waited ``send_rate_grace_s`` (a trickling reader never pauses
+    for ``send_timeout_s``)."""
+    send_rate_grace_s: float = 10.0
     keep_alive_s: float = 5.0
     """An idle keep-alive connection is closed after this long."""
     max_head_bytes: int = 64 << 10
@@ -307,12 +315,33 @@ def _uvicorn_protocol() -> type:
         return H11Protocol
 
 
+class _MeteredTransport:
+    """A transport that counts the bytes written to it: what the client has taken of them is
+    that count less the transport's write buffer."""
+
+    def __init__(self, transport: Any):
+        self._transport = transport
+        self.written = 0
+
+    def write(self, data: Any) -> None:
+        self.written += len(data)
+        self._transport.write(data)
+
+    def taken(self) -> int:
+        return self.written - self._transport.get_write_buffer_size()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol with ``limits``: a deadline for each request head, a deadline for
     each pause in a body and a minimum average rate of a body while the server waits for it (not
-    while the app is busy or holds the client back), a cap on head bytes, and a cap on connections."""
+    while the app is busy or holds the client back), the same two for a response while it waits
+    for the client to take it, a cap on head bytes, and a cap on connections."""
     base: Any = _uvicorn_protocol()
-    tick = min(limits.header_timeout_s, limits.body_timeout_s, limits.body_rate_grace_s) / 4
+    tick = min(limits.header_timeout_s, limits.body_timeout_s, limits.body_rate_grace_s,
+               limits.send_timeout_s, limits.send_rate_grace_s) / 4
     refusal = _refusal(limits.max_connections)
 
     class GuardedProtocol(base):
@@ -330,11 +359,17 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
                     transport.write_eof()
                 self._timer = self.loop.call_later(limits.header_timeout_s, transport.close)
                 return
-            super().connection_made(transport)
+            self._metered = _MeteredTransport(transport)
+            super().connection_made(self._metered)
             self._head_since = self._last_read = self._last_check = self.loop.time()
             self._head_bytes = 0
             self._body_waited_s, self._body_bytes = 0.0, 0
+            self._reset_sending()
             self._timer = self.loop.call_later(tick, self._check)
+
+        def _reset_sending(self) -> None:
+            self._send_waited_s, self._taken_at_start = 0.0, self._metered.taken()
+            self._last_taken, self._last_take = self._taken_at_start, self.loop.time()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._timer is not None:
@@ -367,6 +402,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             self._head_since = self.loop.time()
             self._head_bytes = 0
             self._body_waited_s, self._body_bytes = 0.0, 0
+            self._reset_sending()
 
         def _awaiting_head(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -395,9 +431,31 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
                              self._body_bytes / self._body_waited_s, limits.min_body_rate)
                     self.transport.close()
                     return
-            else:  # the app's turn: the client is not holding anything up
+            else:  # the app's turn, or the client's to take the response
                 self._last_read = now
+                if self._client_holds_response(now, since_check):
+                    self.transport.abort()  # its buffered response is dropped: the client never took it
+                    return
             self._timer = self.loop.call_later(tick, self._check)
+
+        def _client_holds_response(self, now: float, since_check: float) -> bool:
+            """Whether a response waited too long, or at too low a rate, for the client to take it
+            (only while the server's writes are paused on it: not while the app is busy)."""
+            taken = self._metered.taken()
+            if taken != self._last_taken or not self.flow.write_paused:
+                self._last_taken, self._last_take = taken, now
+                if not self.flow.write_paused:
+                    return False
+            self._send_waited_s += since_check
+            if now - self._last_take > limits.send_timeout_s:
+                log.info("closing a connection whose client took none of its response for %g s", limits.send_timeout_s)
+                return True
+            rate = (taken - self._taken_at_start) / self._send_waited_s
+            if self._send_waited_s > limits.send_rate_grace_s and rate < limits.min_send_rate:
+                log.info("closing a connection whose client took its response at %.0f bytes/s (the least is %g)",
+                         rate, limits.min_send_rate)
+                return True
+            return False
 
     return GuardedProtocol
 

@@ -36,7 +36,7 @@ from staleflow.api.params import (
     VersionSummary,
 )
 from staleflow.errors import ErrorCode
-from staleflow.servers.http import service_app
+from staleflow.servers.http import ConnectionLimits, service_app
 from staleflow.servers.params.config import ParamsConfig
 from staleflow.servers.params.dataplane import ChunkDataPlane
 from staleflow.servers.params.store import ParamsError, ParamStore, StoredVersion
@@ -60,10 +60,12 @@ async def the_store(request: Request) -> ParamStore:
 StoreDep = Annotated[ParamStore, Depends(the_store)]
 
 
-def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store: bool | None = None) -> FastAPI:
+def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store: bool | None = None,
+               limits: ConnectionLimits | None = None) -> FastAPI:
     """The parameter server. Closes the store at shutdown if it opened it, or if ``owns_store``
     (uvicorn ends the process with the stop signal itself after a graceful shutdown, so code
-    after ``serve_forever`` may never run)."""
+    after ``serve_forever`` may never run). ``limits``: the data plane's (the API port's are
+    uvicorn's, given where the app is served)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,7 +74,8 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         sweeper = asyncio.create_task(_sweep_forever(app.state.store, min(config.lease_ttl_s, config.push_ttl_s) / 4))
         try:
             app.state.data_plane = (None if config.data_port is None else
-                                    ChunkDataPlane(app.state.store, config.host, config.data_port, getattr(app.state, "token", None)))
+                                    ChunkDataPlane(app.state.store, config.host, config.data_port, getattr(app.state, "token", None),
+                                                   limits))
         except BaseException:
             sweeper.cancel()
             if owned:
@@ -95,10 +98,15 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
 
     @app.get("/v1/health", response_model=ParamsHealth)
     def health(store: StoreDep) -> dict:
+        plane: ChunkDataPlane | None = app.state.data_plane
+        if plane is not None and not plane.accepting:
+            raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE, f"the data plane on port {plane.port} stopped accepting "
+                                                               "connections (its log says why); restart the parameter server")
         s = store.describe()
         return {"status": "ok", "latest": s["latest"], "versions": len(s["versions"]),
                 "transports": list(config.transports), "host_id": host_id(),
-                "data_port": app.state.data_plane.port if app.state.data_plane is not None else None}
+                "data_port": plane.port if plane is not None else None,
+                "data_plane_accept_failures": plane.accept_failures if plane is not None else 0}
 
     @app.get("/v1/params", response_model=StoreDescription)
     def list_versions(store: StoreDep) -> dict:

@@ -239,6 +239,12 @@ _LAYOUT_CACHE_SIZE = 8
 _LAYOUTS: dict[tuple, tuple[tuple[TensorSpec, ...], str]] = {}
 
 
+MAX_DIMS = 64
+MAX_TABLE_BYTES = 1 << 50
+"""A tensor table's data section is at most this (1 PiB): far beyond any host's memory, and well
+inside what the offsets, file sizes and memory mappings it turns into can hold (64-bit)."""
+
+
 def _layout_checked(specs: Sequence[tuple[str, str, Sequence[int]]], max_tensors: int) -> list[TensorSpec]:
     laid: list[TensorSpec] = []
     seen: set[str] = set()
@@ -251,9 +257,14 @@ def _layout_checked(specs: Sequence[tuple[str, str, Sequence[int]]], max_tensors
         if dtype not in DTYPE_SIZES:
             raise FormatError(f"tensor {name!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}")
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise FormatError(f"tensor {name!r}: shape {list(shape)} must be non-negative integers")
+            raise FormatError(f"tensor {name!r}: shape {list(shape)[:MAX_DIMS]} must be non-negative integers")
+        if len(shape) > MAX_DIMS or any(d > MAX_TABLE_BYTES for d in shape):
+            raise FormatError(f"tensor {name!r}: a shape has at most {MAX_DIMS} dimensions of at most {MAX_TABLE_BYTES} each")
         seen.add(name)
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        if offset + nbytes > MAX_TABLE_BYTES:
+            raise FormatError(f"tensor {name!r}: the table's tensors come to more than {MAX_TABLE_BYTES} bytes "
+                              f"(shape {list(shape)} of {dtype} is {nbytes} bytes)")
         laid.append(TensorSpec(name, dtype, tuple(shape), offset, nbytes))
         offset += nbytes
         if len(laid) > max_tensors:

@@ -189,7 +189,7 @@ def test_the_bearer_scheme_is_case_insensitive_and_one_header_is_allowed() -> No
 @pytest.fixture
 def data_plane(tmp_path: Path) -> Iterator[ChunkDataPlane]:
     store = ParamStore(params_config(tmp_path))
-    plane = ChunkDataPlane(store, "127.0.0.1", 0, "s3cret", max_connections=2)
+    plane = ChunkDataPlane(store, "127.0.0.1", 0, "s3cret", ConnectionLimits(max_connections=2))
     yield plane
     plane.close()
     store.close()
@@ -223,7 +223,7 @@ def test_the_data_plane_caps_connections_and_honours_connection_close(data_plane
 def test_the_data_plane_sheds_connections_without_a_timely_request_head(tmp_path: Path,
                                                                         sockets: list[socket.socket]) -> None:
     store = ParamStore(params_config(tmp_path))
-    plane = ChunkDataPlane(store, "127.0.0.1", 0, "s3cret", header_timeout_s=0.5)
+    plane = ChunkDataPlane(store, "127.0.0.1", 0, "s3cret", ConnectionLimits(header_timeout_s=0.5))
     try:
         url = f"http://127.0.0.1:{plane.port}"
         trickling = connect(url, sockets)  # a head that never ends, a byte at a time
