@@ -14,7 +14,8 @@ from rich.table import Table
 
 from staleflow.cli.common import console, emit_results, fail
 from staleflow.servers.params.bench import RING_TENSORS, TARGETS, run_params_bench
-from staleflow.transports.base import VERIFY_MODES, FormatError
+from staleflow.transports.checksums import VERIFY_MODES
+from staleflow.transports.errors import FormatError
 from staleflow.transports.tables import model_tensor_table
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -30,24 +30,18 @@ import numpy as np
 
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.params.config import ParamsConfig
-from staleflow.transports.base import (
-    ByteRegions,
-    ChunkSpec,
-    FormatError,
-    Manifest,
+from staleflow.transports.checksums import (
     SegmentHasher,
-    TensorSpec,
     checksum_algorithm,
     checksum_algorithms,
     chunk_checksums,
     chunk_hasher,
     combined_checksum,
-    laid_table,
-    merge_ranges,
-    parse_safetensors_header,
-    safetensors_header,
 )
+from staleflow.transports.errors import FormatError
 from staleflow.transports.http import CHECKSUM_HEADER
+from staleflow.transports.layout import ChunkSpec, Manifest, TensorSpec, laid_table, parse_safetensors_header, safetensors_header
+from staleflow.transports.regions import ByteRegions, merge_ranges
 from staleflow.transports.shm import ShmSlot, ShmSlots, default_workers
 
 log = logging.getLogger(__name__)
