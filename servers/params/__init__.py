@@ -26,7 +26,8 @@ transports) lives in the library, ``staleflow.transports.client``.
 from staleflow.api.base import ServiceError
 from staleflow.servers.params.app import create_app
 from staleflow.servers.params.config import ParamsConfig
-from staleflow.servers.params.store import ParamsError, ParamStore
+from staleflow.servers.params.rules import ParamsError
+from staleflow.servers.params.store import ParamStore
 from staleflow.transports.client import ParamsClient, RawTensor
 
 __all__ = ["ParamStore", "ParamsClient", "ParamsConfig", "ParamsError", "RawTensor", "ServiceError", "create_app"]

@@ -39,7 +39,8 @@ from staleflow.errors import ErrorCode
 from staleflow.servers.http import ConnectionLimits, service_app
 from staleflow.servers.params.config import ParamsConfig
 from staleflow.servers.params.dataplane import ChunkDataPlane
-from staleflow.servers.params.store import ParamsError, ParamStore, StoredVersion
+from staleflow.servers.params.rules import ParamsError, StoredVersion
+from staleflow.servers.params.store import ParamStore
 from staleflow.transports.checksums import checksum_algorithms
 from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range, stream_mapped_range
 from staleflow.transports.shm import host_id

@@ -1,6 +1,6 @@
 """The parameter server's store: immutable versions in host memory, sharded pushes in progress,
-pull leases, retention and background persistence, plus the pure rules they follow (version specs,
-retention, part coverage, shared-memory names).
+pull leases, retention and background persistence. The pure rules they follow (version specs,
+retention, part coverage, the records) are ``rules``; a version's folder on disk is ``files``.
 
 Memory first: a push writes straight into a shared-memory slot (``/dev/shm``); the version becomes
 visible from it as soon as every part of the push is in and verified. A background thread then
@@ -12,274 +12,55 @@ discards). After a crash the newest persisted versions are served again.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from staleflow.errors import ErrorCode, StaleFlowError
+from staleflow.errors import ErrorCode
 from staleflow.servers.params.config import ParamsConfig
+from staleflow.servers.params.files import DATA_FILE, MANIFEST_FILE, VERSION_DIR, fsync_dir, load_version, write_atomically
+from staleflow.servers.params.rules import (
+    Lease,
+    ParamsError,
+    PendingPush,
+    PushPart,
+    StoredVersion,
+    claimed_checksums,
+    coverage_gaps,
+    manifest_chunks,
+    parse_version_spec,
+    shm_prefix,
+    split_ranges,
+    versions_to_drop,
+)
 from staleflow.transports.checksums import (
     SegmentHasher,
     checksum_algorithm,
     checksum_algorithms,
     chunk_checksums,
     chunk_hasher,
-    combined_checksum,
 )
 from staleflow.transports.errors import FormatError
 from staleflow.transports.http import CHECKSUM_HEADER
-from staleflow.transports.layout import ChunkSpec, Manifest, TensorSpec, laid_table, parse_safetensors_header, safetensors_header
-from staleflow.transports.regions import ByteRegions, merge_ranges
+from staleflow.transports.layout import ChunkSpec, Manifest, TensorSpec, laid_table, safetensors_header
+from staleflow.transports.regions import ByteRegions
 from staleflow.transports.shm import ShmSlot, ShmSlots, default_workers
 
 log = logging.getLogger(__name__)
 
 
-DATA_FILE = "model.safetensors"
-MANIFEST_FILE = "manifest.json"
-_VERSION_DIR = re.compile(r"^v(\d{10})$")
-_VERSION_SPEC = re.compile(r"^(?:(\d{1,18})|latest(?:-(\d{1,18}))?)$")
-
-
-class ParamsError(StaleFlowError):
-    """A request the parameter store refuses."""
-
-
-def parse_version_spec(spec: str) -> tuple[str, int]:
-    """``"42"`` -> ("exact", 42); ``"latest"`` -> ("latest", 0); ``"latest-2"`` -> ("latest", 2)."""
-    match = _VERSION_SPEC.match(spec)
-    if not match:
-        raise ParamsError(ErrorCode.INVALID_VERSION, f"version {spec!r} must be a number, 'latest' or 'latest-N'")
-    if match.group(1) is not None:
-        return "exact", int(match.group(1))
-    return "latest", int(match.group(2) or 0)
-
-
-def shm_prefix(state_dir: Path) -> str:
-    """Shared-memory segment names of the PS on ``state_dir``: a restart on the same directory
-    finds (and removes) what a killed predecessor left."""
-    return "staleflow-ps-" + hashlib.blake2b(str(state_dir.resolve()).encode(), digest_size=6).hexdigest()
-
-
-def versions_to_drop(committed: Iterable[int], keep: int) -> list[int]:
-    """Retention: everything but the newest ``keep`` complete versions."""
-    return sorted(committed)[:-keep] if keep > 0 else sorted(committed)
-
-
-SMALL_RANGE_BYTES = 4 << 20  # below this a range is gathered with others (push) and joined with its neighbours (manifest)
-
-
-def small_range_bytes(chunk_bytes: int) -> int:
-    """Ranges shorter than this are small: a chunk of their own would cost more (a request, a
-    copy task, a manifest entry, per-chunk work on every pull) than one more segment of a chunk
-    joined with others (a hash call)."""
-    return min(chunk_bytes, SMALL_RANGE_BYTES)
-
-
-def split_ranges(ranges: Sequence[tuple[int, int]], chunk_bytes: int, gather: bool = False) -> list[ChunkSpec]:
-    """A part's byte ranges of the data section cut into chunks of at most ``chunk_bytes``,
-    numbered within the part. Ranges that touch (a pusher's consecutive tensors, each its own
-    range) are joined first, so a table of many small tensors makes as few chunks -- requests,
-    checksums, copies -- as one big tensor of the same bytes. ``gather``: the small ranges left
-    apart (a rank of several holds dim-0 rows of every tensor, which are not adjacent) are
-    gathered, in offset order, into chunks of several ranges of at most ``chunk_bytes`` in all."""
-    chunks: list[ChunkSpec] = []
-    small = small_range_bytes(chunk_bytes)
-    gathered: list[tuple[int, int]] = []
-    filled = 0
-
-    def flush() -> None:
-        nonlocal gathered, filled
-        if len(gathered) == 1:
-            chunks.append(ChunkSpec(len(chunks), gathered[0][0], gathered[0][1]))
-        elif gathered:
-            chunks.append(ChunkSpec(len(chunks), gathered[0][0], filled, ranges=tuple(gathered)))
-        gathered, filled = [], 0
-
-    for offset, length in merge_ranges(ranges):
-        if gather and length < small:
-            if filled + length > chunk_bytes:
-                flush()
-            gathered.append((offset, length))
-            filled += length
-            continue
-        for start in range(offset, offset + length, chunk_bytes):
-            chunks.append(ChunkSpec(len(chunks), start, min(chunk_bytes, offset + length - start)))
-    flush()
-    return chunks
-
-
-def manifest_chunks(delivered: Iterable[tuple[ChunkSpec, str | None, Sequence[str] | None]],
-                    chunk_bytes: int) -> list[ChunkSpec]:
-    """A version's chunk table, cut anew over the data section its parts' delivered chunks tile
-    (each with its checksum, and a gathered one with its ranges' checksums where known). A
-    contiguous chunk of at least ``small_range_bytes`` keeps its place and checksum. The runs
-    between such chunks (small chunks and gathered ranges, of any parts, one after the other in
-    the data section) are joined into chunks of at most ``chunk_bytes``, cut where runs meet; a
-    joined chunk's checksum is the ``combined_checksum`` of its runs' (``segments``: their
-    lengths), so no byte is hashed twice. A chunk with a run of unknown checksum, or runs hashed
-    with different algorithms, is left with ``checksum=None``: the PS hashes its bytes before the
-    version is visible. Pure: no bytes are read here."""
-    small = small_range_bytes(chunk_bytes)
-    runs: list[tuple[int, int, str | None, bool]] = []  # (offset, length, checksum, kept whole)
-    for chunk, checksum, range_checksums in delivered:
-        if chunk.ranges:
-            sums = range_checksums or [None] * len(chunk.ranges)
-            runs.extend((offset, length, x, False) for (offset, length), x in zip(chunk.ranges, sums, strict=True))
-        elif chunk.length:
-            runs.append((chunk.offset, chunk.length, checksum, checksum is not None and chunk.length >= small))
-    runs.sort(key=lambda run: run[0])
-    out: list[ChunkSpec] = []
-    joined: list[tuple[int, int, str | None, bool]] = []
-    filled = 0
-
-    def flush() -> None:
-        nonlocal joined, filled
-        if len(joined) == 1:
-            out.append(ChunkSpec(len(out), joined[0][0], joined[0][1], joined[0][2]))
-        elif joined:
-            sums = [run[2] for run in joined if run[2] is not None]
-            algorithms = {checksum_algorithm(x) for x in sums}
-            if len(sums) == len(joined) and len(algorithms) == 1:
-                out.append(ChunkSpec(len(out), joined[0][0], filled, combined_checksum(algorithms.pop(), sums),
-                                     segments=tuple(run[1] for run in joined)))
-            else:
-                out.append(ChunkSpec(len(out), joined[0][0], filled))
-        joined, filled = [], 0
-
-    for run in runs:
-        offset, length, checksum, whole = run
-        if whole:
-            flush()
-            out.append(ChunkSpec(len(out), offset, length, checksum))
-            continue
-        if filled + length > chunk_bytes:
-            flush()
-        joined.append(run)
-        filled += length
-    flush()
-    return out
-
-
-def coverage_gaps(ranges: Iterable[tuple[int, int]], total_bytes: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(overlaps, gaps) of byte ranges against the data section [0, total_bytes): a sharded
-    version is complete when its parts' ranges tile it exactly."""
-    overlaps, gaps = [], []
-    position = 0
-    for offset, length in sorted(r for r in ranges if r[1] > 0):
-        if offset < position:
-            overlaps.append((offset, min(position, offset + length) - offset))
-        elif offset > position:
-            gaps.append((position, offset - position))
-        position = max(position, offset + length)
-    if position < total_bytes:
-        gaps.append((position, total_bytes - position))
-    return overlaps, gaps
-
-
 TABLES_KEPT = 8  # tensor tables a PS remembers by digest (a job pushes one)
 PERSIST_STEP = 64 << 20  # bytes a persist copies between looks at the traffic
 HEADER_ALIGN = 4096  # the data section starts page-aligned, and the header size does not change with the version number
-
-
-# ---------------------------------------------------------------- the store
-
-
-@dataclass
-class StoredVersion:
-    """A complete, visible version: in a memory slot (``slot``), on disk (``directory``), or both."""
-
-    manifest: Manifest
-    fd: int  # where its bytes are read from: the memory slot, else the persisted file
-    file_size: int
-    slot: ShmSlot | None = None
-    directory: Path | None = None
-    leases: int = 0  # pull leases, streams and the persister pin it
-    retained: bool = True  # False: beyond the newest K, deleted once ``leases`` reaches 0
-    persisted: bool = False
-    persist_seconds: float | None = None  # its persist started until it was on disk
-    persist_yielded_seconds: float | None = None  # of which it waited for pushes and pulls to end
-    visible_seconds: float | None = None  # from the push's start until it was visible
-    visible_at_monotonic: float | None = None  # when it became visible (this host's monotonic clock)
-
-    def summary(self) -> dict:
-        return {**self.manifest.summary(), "leases": self.leases, "retained": self.retained,
-                "in_memory": self.slot is not None, "persisted": self.persisted,
-                "persist_seconds": self.persist_seconds, "persist_yielded_seconds": self.persist_yielded_seconds,
-                "visible_seconds": self.visible_seconds,
-                "visible_at_monotonic": self.visible_at_monotonic}
-
-
-@dataclass
-class PushPart:
-    """What one pusher (e.g. one trainer rank) delivers: its byte ranges of the data section."""
-
-    index: int
-    via: str  # "http": chunk bodies to the PS; "shm", "nixl": the pusher writes into the slot itself
-    chunks: list[ChunkSpec]
-    received: dict[int, str | None] = field(default_factory=dict)  # chunk index -> checksum (None: the PS hashes it)
-    range_checksums: dict[int, tuple[str, ...]] = field(default_factory=dict)  # a gathered chunk's ranges' checksums
-    writing: set[int] = field(default_factory=set)
-    done: bool = False
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return [span for c in self.chunks for span in c.spans()]
-
-
-@dataclass
-class PendingPush:
-    push_id: str
-    version: int
-    tensors: tuple[TensorSpec, ...]
-    total_bytes: int
-    slot: ShmSlot
-    data_offset: int
-    metadata: dict[str, str]
-    expected_parts: int
-    parts: dict[int, PushPart] = field(default_factory=dict)
-    table: str = ""  # the tensor table's digest
-    committing: bool = False
-    dropped: str | None = None  # why it was dropped, for parts waiting on it
-    started: float = field(default_factory=time.monotonic)
-    last_active: float = field(default_factory=time.monotonic)
-
-    @property
-    def fd(self) -> int:
-        assert self.slot.fd is not None
-        return self.slot.fd
-
-    @property
-    def writing(self) -> bool:
-        return any(p.writing for p in self.parts.values())
-
-    def progress(self) -> dict:
-        received = sum(p.chunks[i].length for p in self.parts.values() for i in p.received)
-        return {"version": self.version, "push_id": self.push_id, "parts": self.expected_parts,
-                "parts_joined": sorted(self.parts), "parts_done": sorted(i for i, p in self.parts.items() if p.done),
-                "chunks": sum(len(p.chunks) for p in self.parts.values()),
-                "received_chunks": sum(len(p.received) for p in self.parts.values()),
-                "received_bytes": received, "total_bytes": self.total_bytes,
-                "writing": sorted((i, c) for i, p in self.parts.items() for c in p.writing), "committing": self.committing}
-
-
-@dataclass
-class Lease:
-    lease_id: str
-    version: int
-    transport: str
-    expires_at: float
 
 
 class ChunkWriter:
@@ -398,11 +179,11 @@ class ParamStore:
                 log.info("discarding %s", entry.name)
                 shutil.rmtree(entry, ignore_errors=True)
                 continue
-            match = _VERSION_DIR.match(entry.name)
+            match = VERSION_DIR.match(entry.name)
             if not match:
                 continue
             try:
-                stored = _load_version(entry, int(match.group(1)))
+                stored = load_version(entry, int(match.group(1)))
             except (OSError, ValueError) as exc:
                 log.warning("discarding incomplete version in %s: %s", entry.name, exc)
                 shutil.rmtree(entry, ignore_errors=True)
@@ -641,7 +422,7 @@ class ParamStore:
             if checksums is not None:
                 if entry.via != "shm":
                     raise ParamsError(ErrorCode.INVALID_PART, f"part {part} sends its chunks over http; checksums come with each chunk")
-                claimed, ranges = _claimed_checksums(entry, checksums)
+                claimed, ranges = claimed_checksums(entry, checksums)
                 entry.received.update(claimed)
                 entry.range_checksums.update(ranges)
                 # a gathered chunk handed in without checksums is hashed in the slot at commit
@@ -676,7 +457,7 @@ class ParamStore:
                 return False
             if entry.writing or push.committing:
                 raise ParamsError(ErrorCode.BUSY, f"part {part} of version {version} is being verified or committed right now")
-            claimed, ranges = _claimed_checksums(entry, checksums)
+            claimed, ranges = claimed_checksums(entry, checksums)
             entry.writing.update(claimed)  # not swept, aborted or joined again while it is hashed
             for index in claimed:
                 entry.received.pop(index, None)
@@ -856,11 +637,11 @@ class ParamStore:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            _write_atomically(directory / MANIFEST_FILE, json.dumps(stored.manifest.to_json()).encode(), self.config.fsync)
+            write_atomically(directory / MANIFEST_FILE, json.dumps(stored.manifest.to_json()).encode(), self.config.fsync)
             final = self.root / f"v{version:010d}"
             os.rename(directory, final)
             if self.config.fsync:
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
@@ -1103,64 +884,3 @@ def _hash_chunks(slot: ShmSlot, data_offset: int, total_bytes: int, chunks: Sequ
         view.release()
 
 
-def _claimed_checksums(entry: PushPart, checksums: Mapping[int, str | list[str]]) -> tuple[dict[int, str], dict[int, tuple[str, ...]]]:
-    """A part's checksums as its pusher hands them in (over shm or NIXL), validated: (chunk index
-    -> checksum, gathered chunk index -> its ranges' checksums, where it gave those instead)."""
-    claimed: dict[int, str] = {}
-    ranges: dict[int, tuple[str, ...]] = {}
-    for index, checksum in checksums.items():
-        if not 0 <= int(index) < len(entry.chunks):
-            raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"part {entry.index} has chunks 0..{len(entry.chunks) - 1}, not {index}")
-        chunk = entry.chunks[int(index)]
-        listed = [checksum] if isinstance(checksum, str) else list(checksum)
-        if not isinstance(checksum, str) and len(listed) != len(chunk.ranges):
-            raise ParamsError(ErrorCode.INVALID_FORMAT, f"chunk {index} of part {entry.index} gathers {len(chunk.ranges)} range(s); "
-                                                        f"{len(listed)} checksum(s) were handed in for them")
-        try:
-            algorithms = {checksum_algorithm(x) for x in listed}
-        except FormatError as exc:
-            raise ParamsError(ErrorCode.INVALID_FORMAT, str(exc)) from None
-        if len(algorithms) != 1:
-            raise ParamsError(ErrorCode.INVALID_FORMAT, f"chunk {index} of part {entry.index}: its ranges' checksums mix algorithms")
-        if isinstance(checksum, str):
-            claimed[int(index)] = checksum
-        else:
-            claimed[int(index)] = combined_checksum(algorithms.pop(), listed)
-            ranges[int(index)] = tuple(listed)
-    return claimed, ranges
-
-
-def _load_version(directory: Path, version: int) -> StoredVersion:
-    """A stored version whose manifest, file size and safetensors header agree, else FormatError."""
-    manifest = Manifest.from_json(json.loads((directory / MANIFEST_FILE).read_text()))
-    expected = manifest.data_offset + manifest.total_bytes
-    fd = os.open(directory / DATA_FILE, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if manifest.version != version or size != expected:
-            raise FormatError(f"data file is {size} bytes, the manifest of version {manifest.version} says {expected}")
-        data_offset, tensors, _ = parse_safetensors_header(os.pread(fd, manifest.data_offset, 0))
-        if data_offset != manifest.data_offset or tuple(tensors) != tuple(sorted(manifest.tensors, key=lambda t: t.offset)):
-            raise FormatError("the file's safetensors header disagrees with the manifest")
-    except BaseException:
-        os.close(fd)
-        raise
-    return StoredVersion(manifest, fd, expected, directory=directory, persisted=True)
-
-
-def _write_atomically(path: Path, data: bytes, fsync: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.rename(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -21,7 +21,7 @@ from staleflow.api.params import VersionDeleted
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, ParamsError, ParamStore, create_app
-from staleflow.servers.params.store import parse_version_spec, shm_prefix, versions_to_drop
+from staleflow.servers.params.rules import parse_version_spec, shm_prefix, versions_to_drop
 from staleflow.transports.checksums import checksum_of
 from staleflow.transports.client import ParamsClient, RawTensor
 from staleflow.transports.errors import FormatError
