@@ -109,6 +109,15 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
                 "data_port": plane.port if plane is not None else None,
                 "data_plane_accept_failures": plane.accept_failures if plane is not None else 0}
 
+    _add_version_routes(app)
+    _add_push_routes(app, config)
+    _add_pull_routes(app, config)
+    return app
+
+
+def _add_version_routes(app: FastAPI) -> None:
+    """Listing, resolving and withdrawing versions."""
+
     @app.get("/v1/params", response_model=StoreDescription)
     def list_versions(store: StoreDep) -> dict:
         return store.describe()
@@ -117,11 +126,21 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     def latest(store: StoreDep) -> dict:
         return store.resolve_stored("latest").manifest.summary()
 
+    @app.delete("/v1/params/{version}", response_model=VersionDeleted)
+    def delete_version(store: StoreDep, version: int) -> dict:
+        """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end."""
+        stored = store.delete_version(version)
+        return {"version": version, "deleted": stored.leases == 0, "readers": stored.leases}
+
+
+def _add_push_routes(app: FastAPI, config: ParamsConfig) -> None:
+    """Pushes: one pusher's (begin, chunks, commit) and in parts (join, chunks, done), and aborts."""
+
     @app.post("/v1/params/{version}", status_code=201, response_model=PushStarted)
     def begin_push(store: StoreDep, version: Annotated[int, "version number"], body: PushBegin) -> dict:
         if version < 0:
             raise ParamsError(ErrorCode.INVALID_VERSION, "version must be >= 0")
-        push = store.begin_push(version, [(t.name, t.dtype, t.shape) for t in body.tensors], body.metadata)
+        push = store.pushes.begin_push(version, [(t.name, t.dtype, t.shape) for t in body.tensors], body.metadata)
         chunks = push.parts[0].chunks
         return {"push_id": push.push_id, "version": version, "chunk_bytes": config.chunk_bytes,
                 "total_bytes": push.total_bytes,
@@ -137,12 +156,12 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         if body.via == "nixl" and "nixl" not in config.transports:
             raise ParamsError(ErrorCode.TRANSPORT_DISABLED, "NIXL is not enabled here; push the part over http")
         tensors = None if body.tensors is None else [(t.name, t.dtype, t.shape) for t in body.tensors]
-        push, entry = store.join_push(version, part, body.parts, tensors, body.metadata, body.ranges, body.via, body.gather,
+        push, entry = store.pushes.join_push(version, part, body.parts, tensors, body.metadata, body.ranges, body.via, body.gather,
                                       body.table)
         details = ({"path": str(push.slot.path), "size": push.slot.size, "data_offset": push.data_offset,
                     "host_id": host_id()} if body.via == "shm" else {})
         if body.via == "nixl":
-            details = store.nixl_push_details(push)
+            details = store.pushes.nixl_push_details(push)
         return {"push_id": push.push_id, "version": version, "part": part, "table": push.table, "chunk_bytes": config.chunk_bytes,
                 "total_bytes": push.total_bytes, "data_offset": push.data_offset, "details": details,
                 "chunks": [{"index": c.index, "offset": c.offset, "length": c.length, "ranges": c.ranges or None}
@@ -158,43 +177,25 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     def finish_part(store: StoreDep, version: int, part: int, push_id: Annotated[str, Query()],
                     body: PartDone | None = None) -> dict:
         body = body or PartDone()
-        return store.finish_part(version, push_id, part, body.checksums, body.wait_s)
+        return store.pushes.finish_part(version, push_id, part, body.checksums, body.wait_s)
 
     @app.put("/v1/params/{version}/chunks/{index}", response_model=ChunkReceived)
     async def put_chunk(request: Request, store: StoreDep, version: int, index: int,
                         push_id: Annotated[str, Query()]) -> dict:
         return await _receive_chunk(request, store, version, index, push_id, 0)
 
-    async def _receive_chunk(request: Request, store: ParamStore, version: int, index: int, push_id: str,
-                             part: int) -> dict:
-        length = request.headers.get("content-length")
-        writer = store.chunk_writer(version, push_id, index, request.headers.get(CHECKSUM_HEADER),
-                                    int(length) if length and length.isdigit() else None, part)
-        try:
-            async for piece in request.stream():
-                writer.add(piece)
-        except ClientDisconnect:
-            writer.abandon()
-            raise ParamsError(ErrorCode.CLIENT_DISCONNECTED, f"the client went away in the middle of chunk {index}") from None
-        except BaseException:
-            writer.abandon()
-            raise
-        return {"index": index, "checksum": writer.finish()}
-
     @app.post("/v1/params/{version}/commit", response_model=VersionSummary)
     def commit(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
-        return store.commit(version, push_id).summary()
-
-    @app.delete("/v1/params/{version}", response_model=VersionDeleted)
-    def delete_version(store: StoreDep, version: int) -> dict:
-        """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end."""
-        stored = store.delete_version(version)
-        return {"version": version, "deleted": stored.leases == 0, "readers": stored.leases}
+        return store.pushes.commit(version, push_id).summary()
 
     @app.delete("/v1/params/{version}/push", response_model=PushAborted)
     def abort_push(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
-        store.abort_push(version, push_id)
+        store.pushes.abort_push(version, push_id)
         return {"version": version, "aborted": True}
+
+
+def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
+    """Pulls: leases, chunks and whole files, and whether a version is on disk yet."""
 
     @app.get("/v1/params/{version}/persisted", response_model=Persisted)
     def persisted(store: StoreDep, version: int, wait_s: Annotated[float, Query(ge=0, le=3600)] = 0.0) -> dict:
@@ -247,7 +248,22 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         return _stream(s, stored, fd, 0, stored.file_size,
                        {"content-disposition": f'attachment; filename="v{stored.manifest.version}.safetensors"'})
 
-    return app
+
+async def _receive_chunk(request: Request, store: ParamStore, version: int, index: int, push_id: str,
+                         part: int) -> dict:
+    length = request.headers.get("content-length")
+    writer = store.pushes.chunk_writer(version, push_id, index, request.headers.get(CHECKSUM_HEADER),
+                                int(length) if length and length.isdigit() else None, part)
+    try:
+        async for piece in request.stream():
+            writer.add(piece)
+    except ClientDisconnect:
+        writer.abandon()
+        raise ParamsError(ErrorCode.CLIENT_DISCONNECTED, f"the client went away in the middle of chunk {index}") from None
+    except BaseException:
+        writer.abandon()
+        raise
+    return {"index": index, "checksum": writer.finish()}
 
 
 def _stream(store: ParamStore, stored: StoredVersion, fd: int, offset: int, length: int,

@@ -273,7 +273,7 @@ class ChunkDataPlane:
         if "push_id" not in query:
             raise _Refused(ErrorCode.INVALID_REQUEST, "query parameter push_id is missing")
         try:
-            writer = self.store.chunk_writer(version, query["push_id"], index, headers.get(CHECKSUM_HEADER), int(length), part)
+            writer = self.store.pushes.chunk_writer(version, query["push_id"], index, headers.get(CHECKSUM_HEADER), int(length), part)
         except StaleFlowError as exc:
             raise _Refused(exc.code, exc.message) from None
         if headers.get("expect", "").lower() == "100-continue":
