@@ -488,14 +488,6 @@ def bench_table(label: str, table: dict, transports: list[str], rank_counts: lis
     return result
 
 
-def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], instance_counts: list[int],
-               repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto",
-               device: str = "host", verify_modes: Sequence[str] = ("auto",)) -> dict:
-    """The synthetic table of ``total_bytes`` (tensors of 64 MiB)."""
-    return bench_table("synthetic", tensor_table(total_bytes), transports, rank_counts, instance_counts, repeats, chunk_mb,
-                       workdir, advance, pool, device, verify_modes)
-
-
 def compare_with_synthetic(results: dict) -> None:
     """Each real table's rates against the synthetic table of its bytes (to 4 KiB) measured in the same
     run (``vs_synthetic``: the real table's GB/s over the synthetic one's, per cell)."""
