@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 import pytest
 from support import free_port
+from support.sockets import address, closed_by_peer, connect, read_all, wait_for
 from test_params_server import config, serve_params_command
-from test_server_limits import address, closed_by_peer, connect, read_all, wait_for
 
 from staleflow.api.base import ServiceError
 from staleflow.servers.http import ConnectionLimits, serve_in_thread
@@ -28,14 +28,6 @@ from staleflow.servers.params import ParamsConfig, create_app
 from staleflow.transports.client import ParamsClient
 
 DESCRIPTORS = 128  # the server's RLIMIT_NOFILE: far below the connections the test opens
-
-
-@pytest.fixture
-def sockets() -> Iterator[list[socket.socket]]:
-    opened: list[socket.socket] = []
-    yield opened
-    for sock in opened:
-        sock.close()
 
 
 def start_with_few_descriptors(state_dir: Path, port: int) -> tuple[subprocess.Popen, list[str]]:
