@@ -9,8 +9,6 @@ import json
 import os
 import resource
 import socket
-import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +16,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from support import free_port
+from support import free_port, start_cli
 from support.sockets import address, closed_by_peer, connect, read_all, wait_for
-from test_params_server import config, serve_params_command
+from test_params_server import config
 
 from staleflow.api.base import ServiceError
 from staleflow.servers.http import ConnectionLimits, serve_in_thread
@@ -30,31 +28,16 @@ from staleflow.transports.client import ParamsClient
 DESCRIPTORS = 128  # the server's RLIMIT_NOFILE: far below the connections the test opens
 
 
-def start_with_few_descriptors(state_dir: Path, port: int) -> tuple[subprocess.Popen, list[str]]:
-    """``staleflow serve params`` in a process that may open at most ``DESCRIPTORS`` files;
-    returns it and its log lines as they arrive."""
-
-    def limit() -> None:  # runs in the child, before the server starts
-        resource.setrlimit(resource.RLIMIT_NOFILE, (DESCRIPTORS, DESCRIPTORS))
-
-    proc = subprocess.Popen([*serve_params_command(), "--state-dir", str(state_dir), "--port", str(port), "--no-fsync"],
-                            stderr=subprocess.PIPE, text=True, preexec_fn=limit)
-    lines: list[str] = []
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        lines.append(line)
-        if "listening on" in line:
-            break
-    else:
-        raise AssertionError(f"the parameter server exited early with {proc.wait()}: {''.join(lines)}")
-    threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True).start()
-    return proc, lines
+def limit_descriptors() -> None:  # runs in the server's process, before it starts
+    resource.setrlimit(resource.RLIMIT_NOFILE, (DESCRIPTORS, DESCRIPTORS))
 
 
 def test_the_data_plane_accepts_again_after_running_out_of_descriptors(tmp_path: Path,
                                                                        sockets: list[socket.socket]) -> None:
     port = free_port()
-    proc, log = start_with_few_descriptors(tmp_path, port)
+    log: list[str] = []
+    proc = start_cli("serve", "params", "--state-dir", str(tmp_path), "--port", str(port), "--no-fsync",
+                     preexec_fn=limit_descriptors, log=log)
     try:
         with ParamsClient(f"http://127.0.0.1:{port}") as client:
             data_url = f"http://127.0.0.1:{client.health().data_port}"
