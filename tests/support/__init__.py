@@ -17,7 +17,7 @@ from sqlalchemy import select
 
 from staleflow.config import LedgerConfig, ManagerConfig
 from staleflow.ledger import Ledger, LedgerError
-from staleflow.servers.http import free_port as planned_port
+from staleflow.ports import free_port as planned_port
 from staleflow.servers.schema import ts_groups_archive, ts_trajectories_archive
 from staleflow.servers.trajectories.store import TrajectoryStore
 
