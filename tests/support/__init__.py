@@ -106,19 +106,22 @@ def save_tiny_qwen2(directory: Path, tied: bool = True) -> Path:
     return directory
 
 
-def start_cli(*args: str) -> subprocess.Popen:
+def start_cli(*args: str, preexec_fn: Callable[[], None] | None = None, log: list[str] | None = None) -> subprocess.Popen:
     """Run ``staleflow ARGS`` as its own process; return once its socket listens (the log line
-    comes after the bind, and requests queue in the backlog until the app serves them)."""
-    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", *args], stderr=subprocess.PIPE, text=True)
+    comes after the bind, and requests queue in the backlog until the app serves them).
+    ``preexec_fn`` runs in the child first (a resource limit); ``log`` collects its log lines."""
+    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", *args], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=preexec_fn)
     assert proc.stderr is not None
-    seen = []
+    seen = [] if log is None else log
     for line in proc.stderr:
         seen.append(line)
         if "listening on" in line:
             break
     else:
         raise AssertionError(f"`staleflow {' '.join(args)}` exited with {proc.wait()}:\n{''.join(seen[-20:])}")
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the pipe
+    drain = proc.stderr.read if log is None else lambda: log.extend(proc.stderr or ())
+    threading.Thread(target=drain, daemon=True).start()  # keep draining the pipe
     return proc
 
 
