@@ -6,7 +6,10 @@ traceback), never with a traceback.
 
 The model has the demo model's architecture and tokenizer with random weights: what a decode step
 costs depends on the architecture, not on the weights (the generation ignores EOS), and building
-it takes seconds instead of the warm-up's minutes."""
+it takes seconds instead of the warm-up's minutes.
+
+It profiles the default grid, minutes of CPU, so it is in the `smoke` tier:
+`.venv/bin/pytest -q -m smoke tests/e2e/test_vllm_calibration_defaults.py`."""
 
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [
-    pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400),
+pytestmark = [  # smoke: the default grid profiles for minutes; tests/e2e/test_vllm_calibration.py runs a small one
+    pytest.mark.smoke, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(2400),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vLLM is not installed (pip install 'staleflow[vllm]'; see docs/calibrate.md)"),
 ]
