@@ -386,6 +386,7 @@ class InstanceServer:
             "loading_weights": snap.loading_weights,
             "decode_steps": snap.decode_steps,
             "decode_seconds": snap.decode_seconds,
+            "kv_usage": snap.kv_usage,
         }
 
     async def advance(self, request: AdvanceIn) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from staleflow.strategies.migration import plan_migrations
 from staleflow.strategies.repack import RepackMove, plan_repack
 from staleflow.strategies.routing import RouteDecision, reachable, route
 from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
-from staleflow.strategies.sync import plan_syncs
+from staleflow.strategies.sync import Routable, plan_syncs
 
 
 @dataclass
@@ -94,20 +94,26 @@ def plan_cycle(
         hand_back(states[instance_id], traj_ids)
         migrated.update(dict.fromkeys(traj_ids, instance_id))
     if repack_previous is not None and config.migration.repacks:
-        pinned += _repack(plan, states, repack_previous, on_instances, ps_version, config)
+        routable = Routable(waiting, group_versions)
+        idle = [s for s in states.values() if s.instance_id not in plan.syncs and not routable.on(s, budget)]
+        pinned += _repack(plan, states, idle, repack_previous, on_instances, ps_version, config)
     plan.routes = pinned + route(states.values(), waiting, budget, config, group_versions)
     if migrated:
         _keep_in_place(plan, migrated, kept)
     return plan
 
 
-def _repack(plan: CyclePlan, states: dict[str, InstanceState], previous: Mapping[str, float],
+def _repack(plan: CyclePlan, states: dict[str, InstanceState], idle: list[InstanceState], previous: Mapping[str, float],
             on_instances: Mapping[str, PendingTrajectory], ps_version: int, config: StrategyConfig) -> list[RouteDecision]:
-    """Repack's moves: an Interrupt of everything on each source and a Route of each trajectory to
-    its destination. A freed source that lags the newest version Pulls it at once (Laminar's point:
-    freed instances take new work on new weights). Instances syncing in this pass take no part."""
-    syncing = set(plan.syncs)
-    plan.repacks = plan_repack([s for s in states.values() if s.instance_id not in syncing], previous, config)
+    """Repack's moves among ``idle`` instances: an Interrupt of everything on each source and a
+    Route of each trajectory to its destination. A freed source that lags the newest version Pulls
+    it at once (Laminar's point: freed instances take new work on new weights).
+
+    ``idle``: those not syncing in this pass that nothing waiting may run on. Laminar's ramp-down
+    is a rollout whose batch has nothing left to admit; StaleFlow's router holds work back in the
+    trajectory server instead of queueing it on an instance, so an instance below C_max with work
+    it may still take is not winding down, it is being fed."""
+    plan.repacks = plan_repack(idle, previous, config)
     routes = []
     for move in plan.repacks:
         source, dest = states[move.source], states[move.destination]

@@ -90,7 +90,7 @@ def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
 def test_smoke_writes_figures_and_markdown(smoke: tuple[dict, Path, str]) -> None:
     _, out, output = smoke
     figures = out / "figures"
-    for name in ("fig13_throughput", "fig16_ablation", "fig17_instance_load", "fig18_staleness"):
+    for name in ("fig13_throughput", "fig16_ablation", "fig17_instance_load", "fig18_staleness", "repack"):
         assert (figures / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
     md = (figures / "results.md").read_text()
     assert "| sf-rsm |" in md and "Gains" in md and "cf. Table 3" in md

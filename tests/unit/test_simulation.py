@@ -342,4 +342,4 @@ def test_unknown_systems_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="sf-rsm"):
         resolve("sf-zzz")
     assert [s.name for s in resolve("staleflow,verl")] == ["verl", "sf-rsm"]
-    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 21
+    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 24
