@@ -47,6 +47,13 @@ must match: the checked property that StaleFlow's machinery costs nothing by its
   trajectories re-prefill), routing by the cost model alone: the paper's StaleFlow.
 * ``sf-rsm@keep`` - StaleFlow whose Pulls all keep the running trajectories and their KV cache,
   routing by the cost model alone (StaleFlow before Pulls were chosen per instance).
+* ``sf-rsm+repack`` / ``sf-repack`` - StaleFlow with Laminar's repack (``strategies.repack``) beside
+  starved migration, or instead of it.
+* ``laminar`` - Laminar-like trajectory-level asynchrony: new groups start only on instances at
+  the newest version, an instance Pulls (from a relay, trainer unblocked) once it has finished
+  everything it holds, repack consolidates the tails of a version group, and the trainer takes
+  groups in completion order with no staleness bound (eta sizes the pool, as for in-flight-fifo;
+  its staleness over eta is reported as exceedances).
 * ``sf-rsm+len`` / ``sf-rsm+adaptive`` / ``sf-rsm+len+adaptive`` - StaleFlow with length-aware
   routing (longest predicted remainder first), with batch redundancy sized by the predicted tail,
   or both (``StrategyConfig.length_aware`` / ``adaptive_redundancy``, fed by
