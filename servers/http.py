@@ -11,7 +11,6 @@ import ipaddress
 import json
 import logging
 import os
-import random
 import re
 import socket
 import sys
@@ -31,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from staleflow.errors import HTTP_STATUS, ErrorCode, StaleFlowError, error_body
+from staleflow.ports import EPHEMERAL_PORTS, LOWEST_PLANNED_PORT, free_port, free_port_between  # noqa: F401  (re-exported)
 from staleflow.servers.auth import protect
 
 log = logging.getLogger(__name__)
@@ -221,45 +221,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-
-
-EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
-LOWEST_PLANNED_PORT = 10000
-
-
-def free_port_between(host: str, low: int, high: int, taken: set[int] | frozenset = frozenset()) -> int | None:
-    """A port free on ``host`` now, from [low, high], not in ``taken`` (None if there is none); tried
-    from a random start so that planners on one host rarely race for the same port."""
-    span = high - low + 1
-    start = random.randrange(span) if span > 0 else 0
-    for i in range(max(span, 0)):
-        port = low + (start + i) % span
-        if port in taken:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return port
-    return None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now on ``host``, for a server that binds it later (a planned endpoint). Drawn below
-    the kernel's ephemeral range where that is known: a port from inside it can be handed to any
-    process's outgoing connection before the server binds it, which then fails to start."""
-    try:
-        with open(EPHEMERAL_PORTS) as ports:
-            ephemeral_low = int(ports.read().split()[0])
-    except (OSError, ValueError, IndexError):  # not Linux: the kernel's pick
-        ephemeral_low = 0
-    port = free_port_between(host, LOWEST_PLANNED_PORT, ephemeral_low - 1)
-    if port is not None:
-        return port
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def url_for(sock: socket.socket) -> str:

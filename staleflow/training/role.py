@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -42,6 +41,7 @@ from staleflow.api.params import StoreDescription
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import TrainerRoleConfig
 from staleflow.errors import ErrorCode
+from staleflow.ports import free_port
 from staleflow.training.base import (
     PushStopped,
     ShardedWeights,
@@ -318,12 +318,6 @@ class TrainerLoop:
         return max(freed_below, covered)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_trainer_role(role: TrainerRoleConfig, urls: Mapping[str, str], stop: threading.Event,
                      started: float | None = None) -> None:
     """The trainer role until ``role.steps`` buffers are trained (or ``stop``): the simulated
@@ -358,7 +352,7 @@ def run_fsdp_trainer(role: TrainerRoleConfig, urls: Mapping[str, str], step_log:
     world = role.trainer.world_size
     check_gpus_for_ranks(world)  # all ranks on this node: refused before any starts
     model_dir = _model_dir(role)
-    port = _free_port()
+    port = free_port()
     role.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     context = mp.get_context("spawn")
     followers = [context.Process(target=run_follower, args=(r, world, port, role.model_dump_json()),
@@ -368,7 +362,7 @@ def run_fsdp_trainer(role: TrainerRoleConfig, urls: Mapping[str, str], step_log:
     init_process_group(0, world, port)
     driver = RankDriver(FsdpBackend(role.trainer, model_dir, role.checkpoint_dir, 0, world, role.steps),
                         params_url=urls["params"])
-    from staleflow.training.bench import MeteredBackend
+    from staleflow.training.metering import MeteredBackend
 
     try:
         TrainerLoop(MeteredBackend.around(driver), steps=role.steps, eta=role.eta, urls=urls, step_log=step_log, stop=stop,
@@ -409,7 +403,7 @@ def run_fsdp_rank(role: TrainerRoleConfig, urls: Mapping[str, str], stop: thread
             follow(local)
             return
         driver = RankDriver(local, params_url=urls["params"])
-        from staleflow.training.bench import MeteredBackend
+        from staleflow.training.metering import MeteredBackend
 
         try:
             TrainerLoop(MeteredBackend.around(driver), steps=role.steps, eta=role.eta, urls=urls,

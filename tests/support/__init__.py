@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from staleflow.config import LedgerConfig, ManagerConfig
 from staleflow.ledger import Ledger, LedgerError
-from staleflow.servers.http import free_port as planned_port
+from staleflow.ports import free_port as planned_port
 from staleflow.servers.schema import ts_groups_archive, ts_trajectories_archive
 from staleflow.servers.trajectories.store import TrajectoryStore
 
@@ -127,7 +127,7 @@ class ParamsProcess:
                 self.proc.wait()
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wheel_in_fresh_venv(tmp_path: Path) -> tuple[Path, str]:
