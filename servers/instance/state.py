@@ -387,6 +387,7 @@ class InstanceServer:
             "decode_steps": snap.decode_steps,
             "decode_seconds": snap.decode_seconds,
             "kv_usage": snap.kv_usage,
+            "generated": dict(snap.generated) if snap.generated is not None else None,
         }
 
     async def advance(self, request: AdvanceIn) -> dict[str, Any]:

@@ -205,6 +205,7 @@ class SimCore:
             decode_steps=self.stats.decode_steps,
             decode_seconds=self.stats.decode_seconds,
             kv_usage=self.kv_units / self.cost.kv_budget,
+            generated={traj_id: self._generated_now(live) for traj_id, live in self._live.items()},
         )
 
     def generated(self, traj_id: str) -> int:

@@ -325,6 +325,7 @@ class VllmEngine(RolloutEngine):
             inst_version=self.version,
             time=time.monotonic() - self._started_at,
             kv_usage=self._counts.kv_usage,
+            generated={s.request.traj_id: self.generated(s.request.traj_id) for s in live},
         )
 
     def completions(self) -> AsyncIterator[CompletedTrajectory]:
