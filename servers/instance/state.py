@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib
 import json
 import logging
+import os
 import random
 import time
 import uuid
@@ -154,7 +156,16 @@ class Outbox:
         return len(self._items)
 
 
+ENGINE_FACTORY_ENV = "STALEFLOW_TEST_ENGINE_FACTORY"
+"""Test-only: ``module:function`` that builds the engine from the ``InstanceConfig`` instead, so a
+test can run a whole job whose instances use an engine of its own (the memory soak's planted leak)."""
+
+
 def create_engine(config: InstanceConfig) -> RolloutEngine:
+    if factory := os.environ.get(ENGINE_FACTORY_ENV):
+        module, _, name = factory.partition(":")
+        log.warning("%s=%s: a test's engine, not the configured one", ENGINE_FACTORY_ENV, factory)
+        return getattr(importlib.import_module(module), name)(config)
     if config.engine == "sim":
         sim = config.sim
         return SimEngine(sim.params(), instance_id=config.instance_id, clock=sim.clock, speed=sim.speed)

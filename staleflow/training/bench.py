@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.config import TrainerConfig
+from staleflow.procfs import status_kib
 from staleflow.training.base import ShardedWeights, TrainerBackend
 
 RESPONSE_DISTRIBUTIONS = ("uniform", "longtail")
@@ -307,11 +308,10 @@ class Memory:
 
 
 def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
+    kib = status_kib(key)
+    if kib is None:
+        raise RuntimeError(f"/proc/self/status has no {key}")
+    return kib
 
 
 def _local_bytes(tensor: Any) -> tuple[int, Any]:
