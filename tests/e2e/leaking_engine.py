@@ -1,4 +1,4 @@
-"""A simulated engine that leaks on purpose: it keeps 64 KiB of garbage for every trajectory it
+"""A simulated engine that leaks on purpose: it keeps 1 MiB of garbage for every trajectory it
 completes. Named by ``STALEFLOW_TEST_ENGINE_FACTORY=leaking_engine:build`` (with this directory on
 ``PYTHONPATH``), it is what the memory soak must catch."""
 
@@ -8,7 +8,7 @@ from staleflow.engines.base import CompletedTrajectory
 from staleflow.engines.sim import SimEngine
 from staleflow.servers.instance.config import InstanceConfig
 
-LEAK_BYTES = 64 << 10
+LEAK_BYTES = 1 << 20
 
 
 class LeakingSimEngine(SimEngine):
