@@ -470,14 +470,17 @@ class Job(Supervised):
     def steps(self) -> list[StepRecord]:
         return self.step_log.read()
 
-    def shutdown(self) -> None:
+    def shutdown(self, release_state_dir: bool = True) -> None:
+        """Stop every component; ``release_state_dir``: give up the state directory's lock too
+        (`up` keeps it until its report is written)."""
         self.stop.set()
         if self.supervisor is not None:
             self.supervisor.stop()  # first: nothing stopped below is restarted
         try:
             self._stop_components()
         finally:
-            self.state_lock.release()
+            if release_state_dir:
+                self.state_lock.release()
             if getattr(self, "token", None) is not None:
                 if self._previous_token is None:
                     os.environ.pop(TOKEN_ENV, None)
