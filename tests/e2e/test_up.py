@@ -75,6 +75,7 @@ def _events(proc: subprocess.Popen):
             yield json.loads(line)
 
 
+@pytest.mark.timeout(300)
 def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
     state = tmp_path / "run"
     steps = 40
