@@ -30,7 +30,7 @@ from staleflow.api.coordinator import CoordinatorClient
 from staleflow.api.instance import InstanceClient
 from staleflow.api.manager import ManagerClient
 from staleflow.api.trajectories import TrajectoryClient
-from staleflow.config import JobConfig, LedgerConfig
+from staleflow.config import JobConfig
 from staleflow.launch.launcher import ComponentStuck, Supervised, exit_cause
 from staleflow.launch.state_lock import StateDirInUse, StateDirLock, clear_state_dir
 from staleflow.servers.auth import TOKEN_ENV, run_token
@@ -649,7 +649,3 @@ class JobTracking:
     def close(self) -> None:
         self.tracker.close()
 
-
-def ledger_config_from(state_dir: Path) -> LedgerConfig | None:
-    path = state_dir / "job.json"
-    return JobConfig.model_validate_json(path.read_text()).ledger if path.exists() else None

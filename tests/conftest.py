@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +29,26 @@ def postgres_server() -> Iterator[object]:
     end (``throwaway_postgres``); skipped, saying why, only where no server binary or driver exists."""
     if importlib.util.find_spec("psycopg") is None:
         pytest.skip("the psycopg driver is not installed (pip install 'staleflow[postgres]')")
-    from throwaway_postgres import ThrowawayPostgres, find_binaries
+    from support.throwaway_postgres import ThrowawayPostgres, find_binaries
+
+    binaries = find_binaries()
+    if binaries is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl, postgres) on PATH, in $POSTGRES_BIN "
+                    "or in /usr/lib/postgresql/*/bin")
+    server = ThrowawayPostgres(binaries)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[object]:
+    """A throwaway PostgreSQL server of one test's own, which it may stop (``halt``, an outage)
+    and start again (``resume``); skipped like ``postgres_server`` where none can run."""
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("the psycopg driver is not installed (pip install 'staleflow[postgres]')")
+    from support.throwaway_postgres import ThrowawayPostgres, find_binaries
 
     binaries = find_binaries()
     if binaries is None:
@@ -77,3 +97,12 @@ def no_ambient_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test starts without $STALEFLOW_TOKEN(_FILE); tests that want one set it themselves."""
     monkeypatch.delenv("STALEFLOW_TOKEN", raising=False)
     monkeypatch.delenv("STALEFLOW_TOKEN_FILE", raising=False)
+
+
+@pytest.fixture
+def sockets() -> Iterator[list[socket.socket]]:
+    """The raw sockets a test opens (``support.sockets.connect``), closed when it ends."""
+    opened: list[socket.socket] = []
+    yield opened
+    for sock in opened:
+        sock.close()

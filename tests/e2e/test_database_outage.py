@@ -4,7 +4,6 @@ itself once the server is back, and finishes with every trajectory accounted for
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -26,20 +25,6 @@ STEPS = 8
 LEDGER = {"eta": 1, "batch_size": 4, "group_size": 2}
 
 
-@pytest.fixture
-def own_postgres() -> Iterator[object]:
-    if importlib.util.find_spec("psycopg") is None:
-        pytest.skip("the psycopg driver is not installed (pip install 'staleflow[postgres]')")
-    from throwaway_postgres import ThrowawayPostgres, find_binaries
-
-    binaries = find_binaries()
-    if binaries is None:
-        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl, postgres)")
-    server = ThrowawayPostgres(binaries)
-    try:
-        yield server.start()
-    finally:
-        server.stop()
 
 
 def _events(proc: subprocess.Popen) -> Iterator[dict]:

@@ -1,0 +1,92 @@
+"""The shm copy path over many small pieces: whatever the split of either side into pieces (one
+buffer, a table of small tensors, both) and however the two sides are aligned to each other, every
+byte lands in place and the checksum is the one of the whole chunk; small chunks are batched
+without losing or reordering one."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from staleflow.transports.checksums import checksum_of
+from staleflow.transports.layout import ChunkSpec
+from staleflow.transports.shm import (
+    ALIGNED_PIECE_BYTES,
+    COPY_ALIGNMENT,
+    PIECE_BYTES,
+    batches_of,
+    copy_and_hash,
+    copy_window_bytes,
+)
+
+
+def split(buffer: np.ndarray, cuts: list[int]) -> list[memoryview]:
+    points = sorted({min(c, len(buffer)) for c in cuts} | {0, len(buffer)})
+    return [memoryview(buffer[a:b]) for a, b in zip(points, points[1:], strict=False) if b > a]
+
+
+sizes = st.integers(1, 3 * PIECE_BYTES + 17)
+cut_lists = st.lists(st.integers(0, 3 * PIECE_BYTES + 17), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=sizes, source_cuts=cut_lists, target_cuts=cut_lists, algorithm=st.sampled_from(["xxh3_64", "crc32"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_copy_and_hash_lands_every_byte_and_hashes_the_whole_chunk(size: int, source_cuts: list[int], target_cuts: list[int],
+                                                                   algorithm: str, seed: int) -> None:
+    source = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    for target_cuts_used in (target_cuts, []):  # many pieces on both sides; one destination buffer
+        for source_cuts_used in (source_cuts, []):
+            target = np.zeros(size, np.uint8)
+            checksum = copy_and_hash(split(target, target_cuts_used), split(source, source_cuts_used), algorithm)
+            assert np.array_equal(target, source)
+            assert checksum == checksum_of(algorithm, [memoryview(source)])
+
+
+def aligned(size: int, shift: int) -> np.ndarray:
+    """``size`` bytes starting ``shift`` bytes past a ``COPY_ALIGNMENT`` boundary."""
+    raw = np.zeros(size + 2 * COPY_ALIGNMENT, np.uint8)
+    start = (-raw.__array_interface__["data"][0]) % COPY_ALIGNMENT + shift
+    return raw[start:start + size]
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 2 * PIECE_BYTES + 17), source_cuts=cut_lists, target_cuts=cut_lists,
+       source_shift=st.integers(0, COPY_ALIGNMENT - 1), target_shift=st.integers(0, COPY_ALIGNMENT - 1),
+       seed=st.integers(0, 2**32 - 1))
+def test_every_byte_lands_whether_or_not_the_sides_are_aligned_to_each_other(
+        size: int, source_cuts: list[int], target_cuts: list[int], source_shift: int, target_shift: int, seed: int) -> None:
+    source = aligned(size, source_shift)
+    source[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    for target_cuts_used in (target_cuts, []):
+        for source_cuts_used in (source_cuts, []):
+            target = aligned(size, target_shift)
+            checksum = copy_and_hash(split(target, target_cuts_used), split(source, source_cuts_used), "xxh3_64")
+            assert np.array_equal(target, source)
+            assert checksum == checksum_of("xxh3_64", [memoryview(source)])
+
+
+def test_the_short_copy_step_only_where_every_byte_keeps_its_alignment() -> None:
+    def arrays(pieces: list[memoryview]) -> list[np.ndarray]:
+        return [np.frombuffer(p, np.uint8) for p in pieces]
+
+    source, target = aligned(4 * COPY_ALIGNMENT, 0), aligned(4 * COPY_ALIGNMENT, 0)
+    assert copy_window_bytes(arrays([memoryview(target)]), arrays([memoryview(source)])) == ALIGNED_PIECE_BYTES
+    # the pieces' boundaries fall anywhere: what counts is where each source byte lands
+    assert copy_window_bytes(arrays(split(target, [3, 70])), arrays(split(source, [5, 128]))) == ALIGNED_PIECE_BYTES
+    shifted = aligned(4 * COPY_ALIGNMENT, 16)
+    assert copy_window_bytes(arrays([memoryview(shifted)]), arrays([memoryview(source)])) == PIECE_BYTES
+    # one piece of the destination out of step is enough
+    pieces = [memoryview(target[:64]), memoryview(shifted[64:])]
+    assert copy_window_bytes(arrays(pieces), arrays([memoryview(source)])) == PIECE_BYTES
+
+
+@given(lengths=st.lists(st.integers(1, 10 << 20), min_size=1, max_size=200), batch=st.integers(1, 8 << 20))
+def test_batches_keep_every_chunk_in_order_and_hold_at_least_a_batch(lengths: list[int], batch: int) -> None:
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).tolist()
+    chunks = [ChunkSpec(i, int(o), n) for i, (o, n) in enumerate(zip(offsets, lengths, strict=True))]
+    batches = batches_of(chunks, batch)
+    assert [c for b in batches for c in b] == chunks
+    assert all(sum(c.length for c in b) >= batch for b in batches[:-1])
+    assert all(sum(c.length for c in b[:-1]) < batch for b in batches)  # nothing joins a full batch
