@@ -36,8 +36,8 @@ from staleflow.api.coordinator import CoordinatorClient
 from staleflow.api.manager import ManagerClient
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig
+from staleflow.host import status_kib
 from staleflow.launch.job import TRAINER, Job, component_names
-from staleflow.procfs import status_kib
 from staleflow.servers import db
 from staleflow.servers.schema import ledger_events, ts_trajectories, ts_trajectories_archive
 

@@ -76,6 +76,7 @@ from staleflow.engines.base import (
     progress_start,
     with_response,
 )
+from staleflow.host import has_cuda
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +89,6 @@ ENGINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 
 CPU_SHARED_HOST_ENVIRONMENT = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 EAGER_CPU_ENVIRONMENT = ("TORCHDYNAMO_DISABLE", "1")  # torch.compile'd helpers run eagerly
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 def vllm_available() -> bool:
@@ -165,7 +157,7 @@ class VllmEngine(RolloutEngine):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.params.kv_cache_gib)
         for name, value in ENGINE_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
-        if not _has_cuda():
+        if not has_cuda():
             # vLLM-CPU pins one OpenMP thread per core by default; beside a trainer and other
             # instances every step then waits at barriers for pinned threads that are not running
             # (60-200 ms per step measured at load 8-12, vs ~2 ms unpinned with one thread)

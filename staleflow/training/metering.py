@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from staleflow.procfs import status_kib
+from staleflow.host import status_kib
 from staleflow.training.base import ShardedWeights, TrainerBackend
 
 PEAK_BF16_TFLOPS = (  # dense bf16 tensor-core peaks, per GPU; first match of the device's name wins
