@@ -445,6 +445,12 @@ def check_spec(spec: BenchSpec) -> TrainerConfig:
                               f"raise max_tokens_per_micro_batch to at least {spec.prompt_tokens}, or lower --prompt-tokens")
     import torch
 
+    from staleflow.training.fsdp import resolve_settings
+
+    try:  # the settings this machine cannot honour (fused_kernels: true without CUDA and Liger, ...)
+        resolve_settings(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    except ValueError as exc:
+        raise BenchInputError(str(exc), "change that --set value") from None
     if torch.cuda.is_available():
         check_ranks_fit(spec.world_size, torch.cuda.device_count())
     return cfg
