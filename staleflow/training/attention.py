@@ -93,7 +93,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return out.transpose(1, 2), None
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
-    if not query.is_cuda:
+    if not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):  # flash kernels: half precision
         return per_sequence_sdpa(query, key, value, cu_q, scaling), None
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     out = varlen_causal(q, k, v, cu_q, cu_k if cu_k is not None else cu_q, kwargs["max_length_q"],
@@ -130,6 +130,9 @@ def packing_for(model: torch.nn.Module, setting: bool | str, device: torch.devic
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(f"trainer.packing: true, but {type(model).__name__}'s attention cannot take packed rows (it "
                          "does not use transformers' attention functions); set packing to auto or false")
+    if device.type == "cuda" and torch_varlen_attn() is None:
+        raise ValueError(f"trainer.packing: true on CUDA needs torch's varlen attention (torch >= 2.10, this is "
+                         f"{torch.__version__}) or a model configured for flash attention; set packing to auto or false")
     register_packed_attention()
     model.set_attn_implementation(PACKED_ATTENTION)
     return True

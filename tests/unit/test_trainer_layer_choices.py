@@ -107,6 +107,8 @@ def test_packing_auto_turns_on_with_cuda_and_varlen_only(monkeypatch: pytest.Mon
     assert packing_for(model, "auto", CUDA) and model.config._attn_implementation == PACKED_ATTENTION
     monkeypatch.setattr(attention, "torch_varlen_attn", lambda: None)  # a torch before 2.10
     assert not packing_for(_tiny(), "auto", CUDA)
+    with pytest.raises(ValueError, match=r"needs torch's varlen attention \(torch >= 2.10"):
+        packing_for(_tiny(), True, CUDA)
     model = _tiny()
     assert packing_for(model, True, CPU) and model.config._attn_implementation == PACKED_ATTENTION  # the CPU fallback
     assert not packing_for(_tiny(), False, CUDA)
