@@ -52,10 +52,10 @@ def test_liger_layers_match_the_unpatched_layers_and_keep_their_names() -> None:
         torch.log_softmax(logits, -1).gather(-1, ids[..., None]).mean().backward()
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    names = list(model.state_dict())
+    names, plain_norm = list(model.state_dict()), type(model.model.norm).forward
     plain_logits, plain_grads = run()  # before the patch: its RoPE swap is process-wide
     apply_liger_layers(model)
-    assert type(model.model.norm).forward is not model.model.norm.forward.__func__  # bound onto the instance
+    assert model.model.norm.forward.__func__ is not plain_norm  # Liger's forward, bound onto the instance
     liger_logits, liger_grads = run()
     assert list(model.state_dict()) == names
     assert _relative(liger_logits, plain_logits) < 2e-2
