@@ -11,6 +11,7 @@ import sys
 import types
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +80,32 @@ class KeptStorages(TorchDispatchMode):
         return sum(storage.nbytes() for ref in self.made.values() if (storage := ref()) is not None)
 
 
-def _one_backward(backend: FsdpBackend) -> tuple[dict[str, torch.Tensor], int, int]:
-    """One micro-batch of every row's log-probs: (the gradients, the matmuls run in backward,
-    the bytes the forward left alive for backward)."""
+@dataclass
+class Backward:
+    """One micro-batch of every row's response log-probs through the trainer's model."""
+
+    logp: torch.Tensor  # [rows, width - 1], zero outside the responses
+    grads: dict[str, torch.Tensor]
+    matmuls: int  # aten mm / addmm / bmm run in backward, recomputation included
+    kept_bytes: int  # what the forward left alive for backward
+
+
+def _one_backward(backend: FsdpBackend) -> Backward:
     rows = _batch()["trajectories"]
     inputs, index, mask, _ = backend._tensors(rows, live=True)
     with KeptStorages() as forward:
-        loss = (backend._token_logp(backend.model, inputs, index) * mask).sum()
+        logp = backend._token_logp(backend.model, inputs, index) * mask
     kept = forward.bytes_alive()
+    upstream = torch.linspace(-1, 1, logp.numel()).reshape(logp.shape)  # a different weight per token
     with MatmulCount() as matmuls:
-        loss.backward()
+        (logp * upstream).sum().backward()
     grads = {name: p.grad.full_tensor().clone() for name, p in backend.model.named_parameters()}
-    return grads, matmuls.count, kept
+    return Backward(logp.detach(), grads, matmuls.count, kept)
+
+
+def _assert_same_gradients(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_selective_checkpointing_recomputes_no_matmul_and_keeps_less(model_dir: Path, tmp_path: Path,
@@ -99,13 +114,23 @@ def test_selective_checkpointing_recomputes_no_matmul_and_keeps_less(model_dir: 
     for setting in (False, "selective", True):
         backend = _backend(model_dir, tmp_path / str(setting), activation_checkpointing=setting)
         runs[backend.settings.activation_checkpointing] = _one_backward(backend)
-    (none_grads, none_mm, none_saved), (sac_grads, sac_mm, sac_saved), (full_grads, full_mm, full_saved) = (
-        runs["none"], runs["selective"], runs["full"])
-    for name, grad in none_grads.items():
-        torch.testing.assert_close(sac_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
-        torch.testing.assert_close(full_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
-    assert sac_mm == none_mm < full_mm, (none_mm, sac_mm, full_mm)
-    assert none_saved > sac_saved > full_saved, (none_saved, sac_saved, full_saved)
+    none, selective, full = runs["none"], runs["selective"], runs["full"]
+    _assert_same_gradients(selective.grads, none.grads)
+    _assert_same_gradients(full.grads, none.grads)
+    assert selective.matmuls == none.matmuls < full.matmuls, (none.matmuls, selective.matmuls, full.matmuls)
+    assert none.kept_bytes > selective.kept_bytes > full.kept_bytes, (none.kept_bytes, selective.kept_bytes,
+                                                                       full.kept_bytes)
+
+
+def test_packed_rows_give_the_log_probs_and_gradients_of_padded_rows(model_dir: Path, tmp_path: Path,
+                                                                      one_rank: None) -> None:
+    packed = _backend(model_dir, tmp_path / "packed", packing=True)
+    padded = _backend(model_dir, tmp_path / "padded", packing=False)
+    assert packed.model.config._attn_implementation == PACKED_ATTENTION and not padded.packing
+    got, expected = _one_backward(packed), _one_backward(padded)
+    assert expected.logp.abs().sum() > 0
+    torch.testing.assert_close(got.logp, expected.logp, rtol=1e-5, atol=1e-6)
+    _assert_same_gradients(got.grads, expected.grads)
 
 
 class AttentionSpy:
