@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import torch
 
+from staleflow.training.attention import torch_varlen_attn
+
 Checkpointing = Literal["none", "full", "selective"]
 
 
@@ -88,9 +90,8 @@ def saved_ops() -> frozenset[Any]:
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
              "_efficient_attention_forward")
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
-    varlen = getattr(getattr(torch.ops, "torch_attn", None), "_varlen_attn", None)
-    if varlen is not None:
-        ops.add(varlen.default)
+    if torch_varlen_attn() is not None:  # importing it registers its op
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
     return frozenset(ops)
 
 
