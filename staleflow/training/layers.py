@@ -19,13 +19,12 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from staleflow.training.attention import torch_varlen_attn
-
-Checkpointing = Literal["none", "full", "selective"]
+from staleflow.training.memory_model import CheckpointingPolicy
 
 
 def liger_layers_available(device: torch.device) -> bool:
@@ -73,7 +72,7 @@ def fused_kernels_for(setting: bool | str, device: torch.device, model_type: str
     return True
 
 
-def checkpointing_for(setting: bool | str, device: torch.device) -> Checkpointing:
+def checkpointing_for(setting: bool | str, device: torch.device) -> CheckpointingPolicy:
     """auto: selective with CUDA, none on the CPU (fp32, memory is not the limit there)."""
     if setting == "auto":
         return "selective" if device.type == "cuda" else "none"
@@ -108,14 +107,14 @@ def selective_context() -> Callable[[], Any]:
     return functools.partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
 
 
-def checkpoint_kwargs(policy: Checkpointing) -> dict[str, Any]:
+def checkpoint_kwargs(policy: CheckpointingPolicy) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if policy == "selective":
         kwargs["context_fn"] = selective_context()
     return kwargs
 
 
-def prepare_layers(model: torch.nn.Module, layers: list[torch.nn.Module], policy: Checkpointing,
+def prepare_layers(model: torch.nn.Module, layers: list[torch.nn.Module], policy: CheckpointingPolicy,
                    compiled: bool) -> None:
     """Checkpointing and compile for a trainable model's decoder layers, before ``fully_shard``.
     Eager: transformers' own gradient checkpointing with the policy's kwargs. Compiled: each
@@ -128,7 +127,7 @@ def prepare_layers(model: torch.nn.Module, layers: list[torch.nn.Module], policy
         layer.forward = compiled_forward(layer.forward, policy)
 
 
-def compiled_forward(forward: Callable[..., Any], policy: Checkpointing) -> Callable[..., Any]:
+def compiled_forward(forward: Callable[..., Any], policy: CheckpointingPolicy) -> Callable[..., Any]:
     from torch.utils.checkpoint import checkpoint
 
     if policy == "none":

@@ -92,9 +92,9 @@ class Backward:
 
 def _one_backward(backend: FsdpBackend) -> Backward:
     rows = _batch()["trajectories"]
-    inputs, index, mask, _ = backend._tensors(rows, live=True)
+    inputs, head, mask, _ = backend._tensors(rows, live=True)
     with KeptStorages() as forward:
-        logp = backend._token_logp(backend.model, inputs, index) * mask
+        logp = backend._token_logp(backend.model, inputs, head) * mask
     kept = forward.bytes_alive()
     upstream = torch.linspace(-1, 1, logp.numel()).reshape(logp.shape)  # a different weight per token
     with MatmulCount() as matmuls:
@@ -241,8 +241,8 @@ def test_compiled_layers_train_what_eager_layers_train_with_one_graph(model_dir:
         rows = [trajectories[i] for i in pair]
         grads = {}
         for compiled, backend in backends.items():
-            inputs, index, mask, _ = backend._tensors(rows, live=True)
-            (backend._token_logp(backend.model, inputs, index) * mask).sum().backward()
+            inputs, head, mask, _ = backend._tensors(rows, live=True)
+            (backend._token_logp(backend.model, inputs, head) * mask).sum().backward()
             grads[compiled] = {n: p.grad.full_tensor().clone() for n, p in backend.model.named_parameters()}
             backend.model.zero_grad(set_to_none=True)
         for name, grad in grads[False].items():
