@@ -273,6 +273,12 @@ class JobConfig(ComponentConfigs, StrictModel):
             self._fits("kv_budget", self.kv_budget, "the sim KV budget (kv_budget, tokens)", prompt)
         elif isinstance(limit := self.vllm_args.get("max_model_len"), int):
             self._fits("vllm_args.max_model_len", limit, "vllm_args.max_model_len", 1)  # the model's tokens: >= 1
+        migration = self.coordinator.strategy.migration
+        if (self.engine == "vllm" and migration.repacks
+                and (self.vllm_args.get("engine_args") or {}).get("disable_log_stats")):
+            raise ValueError(f"migration {migration.value} repacks by each instance's KV utilisation, which vLLM "
+                             "reports only with its stats on: drop vllm_args.engine_args.disable_log_stats, or "
+                             "choose migration: starved (or throughput, none)")
         return self
 
     _db_url_supported = field_validator("db_url")(check_database_url)

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.config import TrainerConfig
+from staleflow.host import meminfo_bytes
 from staleflow.ports import free_port
 from staleflow.training.metering import SectionTimer, StepMeter, model_flops_utilization, trained_tokens
 
@@ -217,11 +218,10 @@ def check_host_memory(parameters: int, cfg: TrainerConfig, on_cuda: bool, availa
 
 
 def _meminfo_bytes(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/meminfo has no {key}")
+    found = meminfo_bytes(key)
+    if found is None:
+        raise RuntimeError(f"/proc/meminfo has no {key}")
+    return found
 
 
 def prepare_model(path: Path, scratch: Path, cfg: TrainerConfig) -> ModelSource:
