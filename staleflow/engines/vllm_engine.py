@@ -121,7 +121,7 @@ class _Stint:
 class _SchedulerCounts:
     running: int = 0
     waiting: int = 0
-    kv_usage: float = 0.0
+    kv_usage: float | None = None  # None until the scheduler's first stats (never, with vLLM's stats off)
 
 
 class VllmEngine(RolloutEngine):
@@ -185,6 +185,7 @@ class VllmEngine(RolloutEngine):
         if self.params.max_num_seqs is not None:
             args["max_num_seqs"] = self.params.max_num_seqs
         args.update(self.params.engine_args)
+        self._counts.kv_usage = None if args.get("disable_log_stats") else 0.0  # no stats: no KV utilisation to report
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_stats_tap(self._counts)])
         cache = self._llm.vllm_config.cache_config
         self._kv_tokens_per_unit = float((cache.num_gpu_blocks or 0) * cache.block_size)
@@ -309,12 +310,13 @@ class VllmEngine(RolloutEngine):
         live = sorted(self._live.values(), key=lambda s: s.order)
         running = min(self._counts.running, len(live))
         return EngineSnapshot(
-            kv_cache=round(self._counts.kv_usage * self._kv_tokens_per_unit),
+            kv_cache=round((self._counts.kv_usage or 0.0) * self._kv_tokens_per_unit),
             run_trajs=tuple(s.request.traj_id for s in live[:running]),
             wait_trajs=tuple(s.request.traj_id for s in live[running:]),
             complete_trajs=tuple(self._complete_ids),
             inst_version=self.version,
             time=time.monotonic() - self._started_at,
+            kv_usage=self._counts.kv_usage,
             generated={s.request.traj_id: self.generated(s.request.traj_id) for s in live},
         )
 
