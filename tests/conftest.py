@@ -42,6 +42,25 @@ def postgres_server() -> Iterator[object]:
         server.stop()
 
 
+@pytest.fixture
+def own_postgres() -> Iterator[object]:
+    """A throwaway PostgreSQL server of one test's own, which it may stop (``halt``, an outage)
+    and start again (``resume``); skipped like ``postgres_server`` where none can run."""
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("the psycopg driver is not installed (pip install 'staleflow[postgres]')")
+    from support.throwaway_postgres import ThrowawayPostgres, find_binaries
+
+    binaries = find_binaries()
+    if binaries is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl, postgres) on PATH, in $POSTGRES_BIN "
+                    "or in /usr/lib/postgresql/*/bin")
+    server = ThrowawayPostgres(binaries)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """StaleFlow's wheel installed into a fresh virtual environment (``wheel_in_fresh_venv``): its

@@ -146,7 +146,6 @@ class TrainerLoop:
         self.started = time.monotonic() if started is None else started
         self.outage_s = outage_s
         self.on_step = on_step
-        self.push_seconds: list[float] = []
         self._last_pushed: tuple[int, Mapping[str, Any]] | None = None  # a whole state dict, held until the next push
         self._share_pusher: SharePusher | None = None  # a sharded trainer's: keeps this rank's last share
 
@@ -256,12 +255,10 @@ class TrainerLoop:
         return self._retry(f"fetch batch {version}", fetch)
 
     def _push(self, version: int, tensors: Mapping[str, Any] | ShardedWeights) -> None:
-        started = time.perf_counter()
         if isinstance(tensors, ShardedWeights):
             self._push_share(version, tensors)
         else:
             self._push_whole(version, tensors)
-        self.push_seconds.append(time.perf_counter() - started)
 
     def _push_share(self, version: int, share: ShardedWeights) -> None:
         """This rank's share of a sharded version (the other ranks push theirs at once), seen
