@@ -193,7 +193,7 @@ class _Fleet:
         """``InstanceState.add`` on the arrays: it runs if it fits and nothing waits, else it waits."""
         cost = self.costs[i]
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
-        self.count[i] += 1
+        self.count[i] = n + w + 1
         if w == 0 and kv + cost.k5 * length <= cost.kv_budget:
             kv += cost.k5 * length
             n += 1
@@ -425,12 +425,12 @@ def _best_gain(candidates: list[_VersionGroup], length: int, mu: float) -> tuple
     instance, if it clears the threshold; its staleness is the same wherever it runs."""
     fleet = candidates[0].fleet
     if fleet.uniform and mu > 0:  # one threshold: the first largest gain of the candidates' slice
-        lo = candidates[0].lo
+        lo, hi = candidates[0].lo, candidates[-1].hi
         gains = fleet.at_length(length)
-        i = lo + int(gains[lo:candidates[-1].hi].argmax())
-        if not gains[i] >= mu * fleet.ideal_gain(length):
+        i = int(gains.argmax()) if lo == 0 and hi == len(gains) else lo + int(gains[lo:hi].argmax())
+        if not gains.item(i) >= mu * fleet.ideal_gain(length):
             return None
-        group = next(g for g in candidates if i < g.hi)
+        group = candidates[0] if len(candidates) == 1 else next(g for g in candidates if i < g.hi)
         return group, i - group.lo
     best: tuple[_VersionGroup, int] | None = None
     top = -1.0
