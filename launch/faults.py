@@ -40,10 +40,6 @@ SERVICE_OF_ROLE = {"ts": "ts", "params": "params", "manager": "manager", "coordi
                    "reward": "reward"}
 
 
-def role_of(name: str) -> str:
-    return "instance" if name.startswith("inst-") else name
-
-
 @dataclass
 class Fault:
     role: str

@@ -31,7 +31,7 @@ from staleflow.api.coordinator import CoordinatorClient
 from staleflow.api.instance import InstanceClient
 from staleflow.api.manager import ManagerClient
 from staleflow.api.trajectories import TrajectoryClient
-from staleflow.config import JobConfig, LedgerConfig
+from staleflow.config import JobConfig
 from staleflow.launch.launcher import ComponentStuck, Supervised, exit_cause
 from staleflow.servers.auth import TOKEN_ENV, run_token
 from staleflow.servers.http import RunningServer, free_port, serve_in_thread
@@ -639,7 +639,3 @@ class JobTracking:
     def close(self) -> None:
         self.tracker.close()
 
-
-def ledger_config_from(state_dir: Path) -> LedgerConfig | None:
-    path = state_dir / "job.json"
-    return JobConfig.model_validate_json(path.read_text()).ledger if path.exists() else None

@@ -487,15 +487,6 @@ class Ledger:
             pool -= at[b]
         return at
 
-    def buffer_of(self, group_id: str) -> int:
-        for view in self.buffers():
-            if any(e.group_id == group_id for e in view.entries):
-                return view.version
-        raise LedgerError(ErrorCode.UNKNOWN_GROUP, f"group {group_id!r} is not live")
-
-    def head_state(self) -> BufferState:
-        return self.buffers()[0].state
-
     # ------------------------------------------------------------------ transitions
 
     def reserve(self, group_id: str, v_traj: int) -> Transition:

@@ -28,7 +28,7 @@ def postgres_server() -> Iterator[object]:
     end (``throwaway_postgres``); skipped, saying why, only where no server binary or driver exists."""
     if importlib.util.find_spec("psycopg") is None:
         pytest.skip("the psycopg driver is not installed (pip install 'staleflow[postgres]')")
-    from throwaway_postgres import ThrowawayPostgres, find_binaries
+    from support.throwaway_postgres import ThrowawayPostgres, find_binaries
 
     binaries = find_binaries()
     if binaries is None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from staleflow.api.base import AsyncClient, Client, Route
+from staleflow.api.base import Client, Route
 from staleflow.api.instance import SnapshotOut
 from staleflow.config.coordinator import InstanceEndpoint
 
@@ -150,6 +150,3 @@ class CoordinatorRoutes:
 class CoordinatorClient(CoordinatorRoutes, Client):
     """The coordinator's client."""
 
-
-class AsyncCoordinatorClient(CoordinatorRoutes, AsyncClient):
-    """The coordinator's client, for callers on an event loop."""

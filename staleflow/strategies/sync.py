@@ -19,12 +19,6 @@ from staleflow.strategies.routing import route
 from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
 
 
-def can_route_any(inst: InstanceState, pending: Sequence[PendingTrajectory], budget: AdmissionBudget,
-                  group_versions: dict[str, int]) -> bool:
-    """Whether some waiting trajectory may run on ``inst`` at its current version (Algorithm 2)."""
-    return Routable(pending, group_versions).on(inst, budget)
-
-
 class Routable:
     """What waits in the trajectory server, reduced to what Algorithm 2 asks of it: whether a new
     group waits (it may start on any instance whose version the ledger admits) and the oldest

@@ -37,7 +37,7 @@ import yaml
 
 ray = pytest.importorskip("ray", reason="the Ray launcher's tests need Ray (the [ray] extra)")
 
-from ray_support import (  # noqa: E402
+from support.ray_cluster import (  # noqa: E402
     NODE,
     ClusterRun,
     RunningJob,

@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray", reason="the Ray launcher's tests need Ray (the 
 pytest.importorskip("vllm", reason="the real-engine smoke needs vLLM (the vllm extra)")
 pytest.importorskip("transformers", reason="the real-engine smoke needs the trainer (the train extra)")
 
-from ray_support import NODE, descendants, loopback_only_network, still_running, wait_for  # noqa: E402
+from support.ray_cluster import NODE, descendants, loopback_only_network, still_running, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.torch, pytest.mark.slow, pytest.mark.smoke]
 

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from ray_support import descendants
+from support.ray_cluster import descendants
 from test_vllm_engine import build_tiny_qwen2  # importing it also sets the offline environment vLLM needs
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import psycopg
+
 from support import free_port
 
 USER = "staleflow"

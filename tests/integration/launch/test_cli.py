@@ -128,7 +128,7 @@ def test_calibrate_without_scikit_learn_names_the_extra(engine: str, fix: str, t
 
 def test_the_readme_install_carries_scikit_learn() -> None:
     """`staleflow calibrate --engine vllm` works after the README's first line."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     first_line = (root / "README.md").read_text().split("```bash\n", 1)[1].splitlines()[0]
     extras = re.search(r"install -e '\.\[([\w,]+)\]'", first_line).group(1).split(",")
     optional = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -13,11 +13,11 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from kuberay_rayjob_schema import RAYJOB
+from support.kuberay_rayjob_schema import RAYJOB
 
 from staleflow.config import JobConfig
 
-K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 KUBERNETES_VERSIONS = ["1.33.0", "1.37.0"]  # shipped by kubernetes-validate; the oldest and newest we claim
 ROLES = ("control", "rollout", "trainer")
 JOB = "staleflow-exp1"

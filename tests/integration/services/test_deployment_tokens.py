@@ -16,7 +16,7 @@ from staleflow.launch.job import build_app
 from staleflow.servers.auth import TOKEN_ENV, TOKEN_FILE_ENV, InsecureBind
 from staleflow.servers.http import serve_in_thread
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def compose_manager(tmp_path: Path):

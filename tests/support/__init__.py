@@ -127,7 +127,7 @@ class ParamsProcess:
                 self.proc.wait()
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wheel_in_fresh_venv(tmp_path: Path) -> tuple[Path, str]:

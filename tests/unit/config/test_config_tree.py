@@ -30,7 +30,7 @@ from staleflow.config.strategy import MigrationMode, RoutingMode, StrategyConfig
 from staleflow.coordinator.service import Coordinator
 from staleflow.cost_model import CostModel
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 URLS = {name: f"http://127.0.0.1:{9000 + i}" for i, name in
         enumerate(["manager", "params", "reward", "ts", "inst-0", "inst-1", "coordinator"])}
 

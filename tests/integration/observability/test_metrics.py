@@ -17,7 +17,7 @@ from staleflow.config import JobConfig
 from staleflow.launch.job import Job, component_names
 from staleflow.metrics import CATALOGUE
 
-DASHBOARDS = sorted((Path(__file__).parents[2] / "deploy" / "grafana").glob("*.json"))
+DASHBOARDS = sorted((Path(__file__).parents[3] / "deploy" / "grafana").glob("*.json"))
 SERIES_SUFFIXES = {"counter": ("_total",), "summary": ("_count", "_sum"), "histogram": ("_bucket", "_count", "_sum")}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCANNED = ["coordinator", "cli", "launch", "servers", "staleflow"]  # and the tests' shared helpers (below):
 # support modules and conftest files; standalone scripts that drive one service (e2e probes) test its API
 CONTRACTS = ROOT / "staleflow" / "api"
@@ -57,7 +57,7 @@ def raw_paths(source: str) -> list[tuple[int, str]]:
 
 def _scanned_files() -> list[Path]:
     files = [f for entry in SCANNED for f in sorted((ROOT / entry).rglob("*.py")) if CONTRACTS not in f.parents]
-    helpers = [f for f in sorted((ROOT / "tests").rglob("*.py")) if f.stem == "conftest" or "support" in f.stem]
+    helpers = [f for f in sorted((ROOT / "tests").rglob("*.py")) if f.stem == "conftest" or "support" in f.relative_to(ROOT).parts]
     return files + helpers
 
 
@@ -92,5 +92,5 @@ def caller(client, ts, version, url):
 def test_the_scan_covers_every_caller_folder() -> None:
     names = {p.relative_to(ROOT).parts[0] for p in _scanned_files()}
     assert {"coordinator", "cli", "launch", "servers", "staleflow", "tests"} <= names
-    assert ROOT / "tests" / "support.py" in _scanned_files() and ROOT / "tests" / "conftest.py" in _scanned_files()
+    assert ROOT / "tests" / "support" / "__init__.py" in _scanned_files() and ROOT / "tests" / "conftest.py" in _scanned_files()
     assert not any(CONTRACTS in p.parents for p in _scanned_files())

@@ -10,7 +10,7 @@ from pathlib import Path
 from staleflow.launch.job import Job
 from staleflow.launch.ray_cluster import RayClusterJob
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _job_attributes_read(*files: Path) -> set[str]:
