@@ -143,7 +143,7 @@ class _Fleet:
         self.ideal_base = np.maximum(k2, k3 * 1)
         self.k1_all, self.k4_all, self.k5_all = k1, k4, k5
         self._ideal: dict[int, float] = {}
-        self._length: int | None = None
+        self.length: int | None = None  # the length ``gains`` holds the gains of
         self.gains = np.zeros(len(insts))
 
     def gains_for(self, lengths: np.ndarray | int) -> np.ndarray:
@@ -184,9 +184,9 @@ class _Fleet:
         return ideal
 
     def at_length(self, length: int) -> np.ndarray:
-        if length != self._length:
+        if length != self.length:
             self.gains = self.gains_for(length)
-            self._length = length
+            self.length = length
         return self.gains
 
     def add(self, i: int, length: int) -> None:
@@ -209,8 +209,8 @@ class _Fleet:
         self.before[i] = before
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
-        if self._length is not None:
-            grown = kv + cost.k5 * self._length
+        if self.length is not None:
+            grown = kv + cost.k5 * self.length
             fits = w == 0 and grown <= cost.kv_budget
             gain = (n + 1) / (cost.k1 * grown + after_base + cost.k4) - before if fits else 0.0
             self.gains[i] = gain if self.speed is None else gain * self.speed[i]
@@ -252,9 +252,6 @@ class _VersionGroup:
         best = gains[:, self.lo:self.hi].argmax(axis=1) + self.lo
         ideal = 1.0 / (f.k1_all[best] * (f.k5_all[best] * lengths) + f.ideal_base[best] + f.k4_all[best])
         return ~(gains[np.arange(len(lengths)), best] >= mu * ideal)
-
-    def add(self, i: int, length: int) -> None:
-        self.fleet.add(self.lo + i, length)
 
 
 def reachable(pending: Iterable[PendingTrajectory], budget: AdmissionBudget,
@@ -368,7 +365,7 @@ def route(
             budget.take(v)
             group_versions[traj.group_id] = v
             queue.promote_group(traj.group_id, v)
-        group.add(i, traj.length)
+        fleet.add(group.lo + i, traj.length)
         in_flight += 1
         instance_id = group.ids[i]
         decisions.append(RouteDecision(instance_id, traj.traj_id, traj.group_id, v, reserves))
@@ -426,7 +423,7 @@ def _best_gain(candidates: list[_VersionGroup], length: int, mu: float) -> tuple
     fleet = candidates[0].fleet
     if fleet.uniform and mu > 0:  # one threshold: the first largest gain of the candidates' slice
         lo, hi = candidates[0].lo, candidates[-1].hi
-        gains = fleet.at_length(length)
+        gains = fleet.gains if length == fleet.length else fleet.at_length(length)
         i = int(gains.argmax()) if lo == 0 and hi == len(gains) else lo + int(gains[lo:hi].argmax())
         if not gains.item(i) >= mu * fleet.ideal_gain(length):
             return None
