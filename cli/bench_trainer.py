@@ -66,6 +66,10 @@ def _show(results: dict) -> None:
                            f"{lengths['min']}..{lengths['max']}, mean {lengths['mean']:.0f}) = "
                            f"{results['tokens_per_step']:,} tokens")
     table.add_row("step seconds", ", ".join(f"{s:.2f}" for s in results["steps"]))
+    table.add_row("log-prob head", f"{100 * results['head_share']:.1f} % of the step "
+                                   f"({', '.join(f'{s:.2f}' for s in results['head_seconds'])} s)")
+    table.add_row("token budget per micro-batch", "none (micro_batch rows)" if results["token_budget"] is None
+                  else f"{results['token_budget']:,} tokens")
     table.add_row("tokens/s", f"{results['tokens_per_s']:,.0f}")
     table.add_row("MFU", "-" if results["mfu"] is None else f"{100 * results['mfu']:.1f} % of "
                                                           f"{results['peak_tflops']:g} TFLOP/s per GPU")

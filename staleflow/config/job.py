@@ -69,17 +69,24 @@ class TrainerConfig(StrictModel):
     activation_checkpointing: bool | Literal["auto"] = Field(
         "auto", description="recompute each decoder layer's activations in backward instead of keeping them; "
                             "auto: on with CUDA, off on CPU")
-    max_tokens_per_micro_batch: int | None = Field(
-        None, ge=1, description="micro-batches by token budget: each rank packs trajectories (prompt + response) into "
-                                "micro-batches of at most this many tokens (a longer one trains alone); none: "
-                                "algorithm.micro_batch trajectories each")
+    max_tokens_per_micro_batch: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto", description="micro-batches by token budget: each rank packs trajectories (prompt + response) into "
+                            "micro-batches of at most this many tokens (a longer one trains alone); none: "
+                            "algorithm.micro_batch trajectories each; auto: on CUDA, the budget a memory model of "
+                            "the model's shape and the checkpointing policy fits in token_budget_memory_gib, on CPU "
+                            "none")
+    token_budget_memory_gib: float = Field(
+        40.0, gt=0, description="the device memory per rank (GiB) that max_tokens_per_micro_batch: auto plans for, at "
+                                "most 95 % of the GPU's; beyond about 10k tokens per micro-batch more memory buys "
+                                "little speed")
     packing: bool | Literal["auto"] = Field(
         "auto", description="padding-free micro-batches: sequences concatenated with position ids restarting at 0; "
                             "auto: with flash attention (varlen), else right-padded rows; true also packs for "
                             "transformers 5's sdpa/eager masks (attention over the whole packed row)")
     logprob_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="tokens per chunk of the output head when computing log-probs (the [tokens, vocab] logits "
-                            "never exist whole); auto: about 8M logits per chunk")
+                            "never exist whole); auto: about 1 GB of fp32 logits per chunk on CUDA (at least 1,024 "
+                            "tokens), 32 MB on CPU")
     fused_logprobs: bool | Literal["auto"] = Field(
         "auto", description="Liger's fused linear cross-entropy for the log-probs on CUDA (the liger extra); auto: "
                             "when liger_kernel is importable, else the chunked head")

@@ -330,6 +330,7 @@ class VllmEngine(RolloutEngine):
             time=time.monotonic() - self._started_at,
             decode_steps=steps.decode_steps,
             decode_seconds=steps.decode_step_seconds,
+            generated={s.request.traj_id: self.generated(s.request.traj_id) for s in live},
         )
 
     def completions(self) -> AsyncIterator[CompletedTrajectory]:

@@ -1,9 +1,10 @@
 """``staleflow bench trainer``: the FSDP2 trainer on a synthetic GRPO batch, measured.
 
 It trains ``steps`` steps of one synthetic batch with ``FsdpBackend`` (its constructor,
-``train(version, batch)``, nothing else), on ``world_size`` ranks (processes: gloo on CPU, NCCL on
-GPU, one rank per GPU), and reports per-step seconds, trained tokens per second, the state's and
-the activations' memory and, on a GPU, the model FLOP utilisation (MFU).
+``train(version, batch)`` and its head timer, nothing else), on ``world_size`` ranks (processes:
+gloo on CPU, NCCL on GPU, one rank per GPU), and reports per-step seconds, the log-prob head's
+share of them, trained tokens per second, the state's and the activations' memory and, on a GPU,
+the model FLOP utilisation (MFU).
 
 The model is a Hugging Face directory with weights, or a ``config.json`` (or a directory holding
 only one) of any causal LM that transformers knows: then the weights are random, built from the
@@ -31,6 +32,11 @@ The numbers (``run`` returns them; the CLI prints them as JSON):
 * ``mfu``: ``6 x params x tokens_per_s / (peak_tflops x 1e12 x world_size)``; the 6N estimate leaves
   out attention's quadratic term and the frozen reference model's forward (``kl_coef > 0``); null
   without a peak (CPU, or a GPU the table does not know: give ``--peak-tflops``);
+* ``head_seconds``, ``head_share``: rank 0's seconds inside the log-prob head per step (its forward
+  and backward: a timer around it, CUDA events on a GPU), and their share of the step, over the
+  steps after the first;
+* ``token_budget``: ``max_tokens_per_micro_batch`` as the trainer resolved it (``auto``: the memory
+  model's budget on a GPU, none on CPU);
 * ``state_bytes``: parameters + gradients + optimizer state of every rank together (gradients as
   the trainable parameters' shards; they exist from the backward to the optimizer step);
 * ``peak_memory_bytes``: the largest per-rank peak during the steps: allocated device memory on a
@@ -39,29 +45,29 @@ The numbers (``run`` returns them; the CLI prints them as JSON):
   gradients and optimizer state that live on the device; on a GPU this is the peak minus the state,
   on CPU it also leaves out the interpreter and libraries that the RSS holds.
 
-The trainer role reports the same per-step numbers (``MeteredBackend``) into the job's tracking.
+The trainer role reports the same per-step numbers (``staleflow.training.metering.MeteredBackend``)
+into the job's tracking.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import multiprocessing
 import os
 import random
-import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
 from staleflow.config import TrainerConfig
-from staleflow.training.base import ShardedWeights, TrainerBackend
+from staleflow.ports import free_port
+from staleflow.training.metering import SectionTimer, StepMeter, model_flops_utilization, trained_tokens
 
 RESPONSE_DISTRIBUTIONS = ("uniform", "longtail")
 LONGTAIL_AT_MAX_EVERY = 16
@@ -69,15 +75,6 @@ LONGTAIL_AT_MAX_EVERY = 16
 LONGTAIL_SHORT_RANGE = (1 / 64, 1 / 8)
 """longtail: the other responses' lengths, as fractions of ``response_tokens`` (uniform between)."""
 
-PEAK_BF16_TFLOPS = (  # dense bf16 tensor-core peaks, per GPU; first match of the device's name wins
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H200", 989.0),
-    ("H100", 989.0),  # SXM
-    ("H800", 989.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-)
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
@@ -106,11 +103,6 @@ class BenchSpec:
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig.model_validate({**self.trainer, "world_size": self.world_size})
-
-
-def peak_tflops_of(device_name: str) -> float | None:
-    """The dense bf16 peak of a GPU by its name (``torch.cuda.get_device_name``), if the table knows it."""
-    return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key.lower() in device_name.lower()), None)
 
 
 # ------------------------------------------------------------------------------ the batch
@@ -146,10 +138,6 @@ def synthetic_batch(spec: BenchSpec, vocab_size: int) -> dict[str, Any]:
         })
     groups = sorted({t["group_id"] for t in trajectories})
     return {"version": 0, "groups": groups, "trajectories": trajectories}
-
-
-def trained_tokens(batch: Mapping[str, Any]) -> int:
-    return sum(len(t["prompt_ids"]) + len(t["tokens"]) for t in batch["trajectories"])
 
 
 # ------------------------------------------------------------------------------ the model
@@ -268,52 +256,6 @@ def quiet_transformers() -> None:
 # ------------------------------------------------------------------------------ memory and time
 
 
-class Memory:
-    """One rank's memory: allocated device memory on a GPU, the process's resident set on CPU
-    (its high-water mark reset through ``/proc/self/clear_refs``)."""
-
-    def __init__(self, device: Any):
-        self.device = device
-        self.kind = "device memory allocated" if device.type == "cuda" else "process RSS"
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(self.device)
-
-    def current(self) -> int:
-        if self.device.type == "cuda":
-            import torch
-
-            return int(torch.cuda.memory_allocated(self.device))
-        return _status_kib("VmRSS") * 1024
-
-    def reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux)
-
-    def peak(self) -> int:
-        if self.device.type == "cuda":
-            import torch
-
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return _status_kib("VmHWM") * 1024
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
 def _local_bytes(tensor: Any) -> tuple[int, Any]:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size(), local.device
@@ -342,78 +284,6 @@ def state_bytes(backend: Any) -> dict[str, int]:
                 totals["on_device"] += nbytes if device.type == backend.device.type else 0
     totals["total"] = totals["parameters"] + totals["gradients"] + totals["optimizer"]
     return totals
-
-
-class StepMeter:
-    """One rank's per-step seconds, trained tokens/s, peak memory and MFU (on a known GPU)."""
-
-    def __init__(self, device: Any, parameters: int, world_size: int, peak_tflops: float | None = None):
-        self.memory = Memory(device)
-        self.parameters, self.world_size = parameters, world_size
-        if peak_tflops is None and device.type == "cuda":
-            import torch
-
-            peak_tflops = peak_tflops_of(torch.cuda.get_device_name(device))
-        self.peak_tflops = peak_tflops
-        self._started = 0.0
-
-    def start(self) -> None:
-        self.memory.synchronize()
-        self.memory.reset_peak()
-        self._started = time.perf_counter()
-
-    def stop(self, tokens: int) -> dict[str, float]:
-        self.memory.synchronize()
-        seconds = time.perf_counter() - self._started
-        numbers = {"step_seconds": seconds, "tokens_per_second": tokens / seconds,
-                   "peak_memory_bytes": float(self.memory.peak())}
-        mfu = self.mfu(tokens / seconds)
-        if mfu is not None:
-            numbers["mfu"] = mfu
-        return numbers
-
-    def mfu(self, tokens_per_second: float) -> float | None:
-        if self.peak_tflops is None or self.memory.device.type != "cuda":
-            return None
-        return model_flops_utilization(self.parameters, tokens_per_second, self.peak_tflops, self.world_size)
-
-
-def model_flops_utilization(parameters: int, tokens_per_second: float, peak_tflops: float, world_size: int) -> float:
-    """6N FLOPs per trained token (forward 2N, backward 4N) against the GPUs' dense peak."""
-    return 6.0 * parameters * tokens_per_second / (peak_tflops * 1e12 * world_size)
-
-
-class MeteredBackend(TrainerBackend):
-    """A trainer backend whose ``train`` metrics also carry the step's ``step_seconds``,
-    ``tokens_per_second`` (trained prompt + response tokens), ``peak_memory_bytes`` (rank 0) and
-    ``mfu`` (on a GPU the peak table knows): the job's tracking logs them as ``train/*``."""
-
-    def __init__(self, inner: TrainerBackend, meter: StepMeter):
-        self.inner, self.meter = inner, meter
-        self.label = inner.label
-
-    @classmethod
-    def around(cls, driver: Any) -> MeteredBackend:
-        """Around a ``RankDriver`` (its ``local`` is rank 0's ``FsdpBackend``)."""
-        local = driver.local
-        return cls(driver, StepMeter(local.device, sum(p.numel() for p in local.model.parameters()), local.world))
-
-    def resume_version(self) -> int | None:
-        return self.inner.resume_version()
-
-    def train(self, version: int, batch: Mapping[str, Any]) -> dict[str, float]:
-        self.meter.start()
-        metrics = self.inner.train(version, batch)
-        return {**metrics, **self.meter.stop(trained_tokens(batch))}
-
-    def weights(self, version: int) -> Mapping[str, Any] | ShardedWeights:
-        return self.inner.weights(version)
-
-    def checkpoint(self, version: int) -> bool:
-        return self.inner.checkpoint(version)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 # ------------------------------------------------------------------------------ the run
@@ -483,6 +353,7 @@ def run(spec: BenchSpec, progress: ProgressCallback = _no_progress) -> dict[str,
     rank0 = results[0]
     measured = rank0["steps"][1:] or rank0["steps"]
     seconds = sum(measured) / len(measured)
+    head_measured = rank0["head_seconds"][-len(measured):]
     tokens = rank0["tokens_per_step"]
     peak_tflops = rank0["peak_tflops"]  # --peak-tflops, else the device's from the table
     on_gpu = rank0["device_type"] == "cuda"
@@ -509,6 +380,9 @@ def run(spec: BenchSpec, progress: ProgressCallback = _no_progress) -> dict[str,
         "mfu": mfu,
         "steps": rank0["steps"],
         "step_seconds": seconds,
+        "head_seconds": rank0["head_seconds"],
+        "head_share": sum(head_measured) / sum(measured),
+        "token_budget": rank0["token_budget"],
         "warmup_steps_excluded": len(rank0["steps"]) - len(measured),
         "model_seconds": model_seconds,
         "load_seconds": rank0["load_seconds"],
@@ -520,17 +394,11 @@ def run(spec: BenchSpec, progress: ProgressCallback = _no_progress) -> dict[str,
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_on_ranks(spec: BenchSpec, cfg: TrainerConfig, source: ModelSource, scratch: Path,
                     progress: ProgressCallback) -> list[dict[str, Any]]:
     """Rank 0 here, ranks 1.. as spawned processes; every rank trains the same batch (each its
     share, as ``FsdpBackend.train`` splits it) and rank 0 gathers their numbers."""
-    port = _free_port()
+    port = free_port()
     checkpoints = scratch / "checkpoints"  # the backend looks for one to resume from; none is written
     context = multiprocessing.get_context("spawn")
     followers = [context.Process(target=_follower, args=(rank, port, spec, cfg.model_dump_json(), checkpoints, source),
@@ -582,9 +450,10 @@ def _rank(rank: int, port: int, spec: BenchSpec, cfg: TrainerConfig, checkpoints
         batch = synthetic_batch(spec, source.vocab_size)
         tokens = trained_tokens(batch)
         meter = StepMeter(backend.device, source.parameters, spec.world_size, spec.peak_tflops)
+        backend.head_timer = head_timer = SectionTimer(backend.device)
         meter.memory.synchronize()
         baseline = meter.memory.current()
-        steps, peaks, metrics = [], [], {}
+        steps, head_seconds, peaks, metrics = [], [], [], {}
         progress("step", 0, spec.steps)
         for step in range(spec.steps):
             meter.start()
@@ -598,13 +467,15 @@ def _rank(rank: int, port: int, spec: BenchSpec, cfg: TrainerConfig, checkpoints
                     "mixed precision / activation checkpointing, or use more ranks") from None
             measured = meter.stop(tokens)
             steps.append(measured["step_seconds"])
+            head_seconds.append(head_timer.seconds())
             peaks.append(int(measured["peak_memory_bytes"]))
             progress("step", step + 1, spec.steps)
         state = state_bytes(backend)
         later_state = state["on_device"] - state["parameters_on_device"]  # what the steps allocated
         peak = max(peaks)
         mine = {
-            "rank": rank, "steps": steps, "tokens_per_step": tokens, "state": state,
+            "rank": rank, "steps": steps, "head_seconds": head_seconds, "token_budget": backend.token_budget,
+            "tokens_per_step": tokens, "state": state,
             "peak_memory_bytes": peak, "baseline_bytes": baseline,
             "activation_peak_bytes": max(0, peak - baseline - later_state),
             "memory_kind": meter.memory.kind, "load_seconds": load_seconds, "metrics": metrics,

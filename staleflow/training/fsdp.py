@@ -38,7 +38,8 @@ from staleflow.training.base import BackgroundSharePushes, ShardedWeights, Train
 from staleflow.training.export import ShareStaging, export_dtype, local_shards
 from staleflow.training.grpo import group_advantages, policy_loss
 from staleflow.training.loading import decoder_layers, empty_causal_lm, load_sharded, materialize
-from staleflow.training.logprobs import chunk_tokens_for, head_returns_logprobs, liger_available
+from staleflow.training.logprobs import HeadTimer, chunk_tokens_for, head_returns_logprobs, liger_available
+from staleflow.training.memory_model import ModelShape, policy_of, resolve_token_budget
 from staleflow.training.schedule import learning_rate
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,12 @@ class FsdpBackend(TrainerBackend):
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.pad_id = self.model.config.pad_token_id or 0
         self.packing = packing_for(self.model, cfg.packing)
-        self.chunk_tokens = chunk_tokens_for(self.model.config.vocab_size, self.settings.logprob_chunk_tokens)
+        self.chunk_tokens = chunk_tokens_for(self.model.config.vocab_size, self.settings.logprob_chunk_tokens,
+                                             self.device)
+        self.token_budget = resolve_token_budget(
+            cfg, self.device, ModelShape.of(self.model.config, sum(p.numel() for p in self.model.parameters())),
+            policy_of(self.settings.activation_checkpointing), self.settings.mixed_precision, self.chunk_tokens, world)
+        self.head_timer: HeadTimer | None = None  # the bench's: time spent in the log-prob head
         self.reference = self._sharded(model_dir, trainable=False, load=True) if self.algo.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay,
                                            **({"fused": True} if self.device.type == "cuda" and not cfg.optimizer_offload
@@ -124,12 +130,12 @@ class FsdpBackend(TrainerBackend):
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for chunk in chunks:
             rows = [trajs[i] for i in chunk] or [trajs[0]]  # an empty share still joins the collectives
-            inputs, index, mask, behaviour = self._tensors(rows, live=bool(chunk))
-            logp = self._token_logp(self.model, inputs, index)
+            inputs, head, mask, behaviour = self._tensors(rows, live=bool(chunk))
+            logp = self._token_logp(self.model, inputs, head)
             reference = None
             if self.reference is not None:
                 with torch.no_grad():
-                    reference = self._token_logp(self.reference, inputs, index)
+                    reference = self._token_logp(self.reference, inputs, head)
             adv = self._to_device(advantages[chunk] if chunk else torch.zeros(1))
             terms = policy_loss(logp, behaviour, adv, mask, self.algo, global_tokens=global_tokens,
                                 global_sequences=float(len(trajs)), reference=reference)
@@ -244,54 +250,55 @@ class FsdpBackend(TrainerBackend):
 
     def _micro_batches(self, trajs: list[Mapping[str, Any]], mine: list[int]) -> list[list[int]]:
         """This rank's trajectories in micro-batches: ``algorithm.micro_batch`` at a time, or by
-        token budget (``max_tokens_per_micro_batch``: packed, or padded rows within the budget)."""
-        budget = self.cfg.max_tokens_per_micro_batch
+        token budget (``max_tokens_per_micro_batch``, resolved: packed, or padded rows within the budget)."""
+        budget = self.token_budget
         if budget is None:
             return row_count_batches({i: len(trajs[i]["prompt_ids"]) + len(trajs[i]["tokens"]) for i in mine},
                                      self.algo.micro_batch)
         longest_prompt = max((len(trajs[i]["prompt_ids"]) for i in mine), default=0)
         if longest_prompt >= budget:
-            raise ValueError(f"trainer.max_tokens_per_micro_batch is {budget} tokens but a prompt has {longest_prompt}: "
-                             f"set it above the longest prompt plus a response (at least {longest_prompt + 1})")
+            resolved = " (auto, from the memory model)" if self.cfg.max_tokens_per_micro_batch == "auto" else ""
+            raise ValueError(f"trainer.max_tokens_per_micro_batch is {budget} tokens{resolved} but a prompt has "
+                             f"{longest_prompt}: set it above the longest prompt plus a response (at least "
+                             f"{longest_prompt + 1})")
         return token_budget_batches({i: len(trajs[i]["prompt_ids"]) + len(trajs[i]["tokens"]) for i in mine},
                                     budget, packed=self.packing)
 
     def _tensors(self, rows: list[Mapping[str, Any]], live: bool) -> tuple[Any, ...]:
         """The model's inputs (packed into one row with restarting position ids, or right-padded
-        rows), the index of each row's positions in the flattened output [rows, width - 1], and
-        per-position (shifted) response mask and behaviour log-probs."""
+        rows with no attention mask: causal attention never lets a real token see the pads after
+        it), what the log-prob head sees (``HeadInputs``: the response positions only), and the
+        per-position (shifted) response mask and behaviour log-probs, [rows, width - 1]."""
         lengths = [len(r["prompt_ids"]) + len(r["tokens"]) for r in rows]
         width = max(lengths)
         mask = torch.zeros((len(rows), width - 1))
         behaviour = torch.zeros((len(rows), width - 1))
-        index = torch.zeros((len(rows), width - 1), dtype=torch.long)
-        sequences = [torch.tensor(list(r["prompt_ids"]) + list(r["tokens"]), dtype=torch.long) for r in rows]
-        if self.packing:
-            ids = torch.cat(sequences)[None]
-            positions = torch.cat([torch.arange(n) for n in lengths])[None]
-            starts = [0]
-            for n in lengths[:-1]:
-                starts.append(starts[-1] + n)
-        else:
-            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-            attention = torch.zeros((len(rows), width), dtype=torch.long)
-            starts = [i * width for i in range(len(rows))]
-        for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
-            index[i, :n - 1] = torch.arange(starts[i], starts[i] + n - 1)
-            if not self.packing:
-                ids[i, :n] = sequences[i]
-                attention[i, :n] = 1
+        sequences = [list(r["prompt_ids"]) + list(r["tokens"]) for r in rows]
+        starts = list(itertools.accumulate([0, *lengths[:-1]])) if self.packing else [i * width for i in range(len(rows))]
+        positions: list[int] = []
+        targets: list[int] = []
+        slots: list[int] = []
+        for i, r in enumerate(rows):
             p, t = len(r["prompt_ids"]), len(r["tokens"])
             if live:  # position j predicts token j + 1: the response starts at p - 1
                 mask[i, p - 1:p - 1 + t] = 1
                 behaviour[i, p - 1:p - 1 + t] = torch.tensor(r["logprobs"], dtype=torch.float32)
-        inputs = {"input_ids": ids}
+                positions += range(starts[i] + p - 1, starts[i] + p - 1 + t)
+                targets += r["tokens"]
+                slots += range(i * (width - 1) + p - 1, i * (width - 1) + p - 1 + t)
+        if not positions:  # an empty share still runs the head (masked out) so the collectives line up
+            positions, targets, slots = [starts[0]], [sequences[0][1]], [0]
         if self.packing:
-            inputs["position_ids"] = positions
+            inputs = {"input_ids": torch.tensor([x for seq in sequences for x in seq])[None],
+                      "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
         else:
-            inputs["attention_mask"] = attention
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            for i, seq in enumerate(sequences):
+                ids[i, :lengths[i]] = torch.tensor(seq)
+            inputs = {"input_ids": ids}
         to = self._to_device
-        return {k: to(v) for k, v in inputs.items()}, to(index), to(mask), to(behaviour)
+        head = HeadInputs(to(torch.tensor(positions)), to(torch.tensor(targets)), to(torch.tensor(slots)), mask.shape)
+        return {k: to(v) for k, v in inputs.items()}, head, to(mask), to(behaviour)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor to the device without waiting for the device's queued work (pinned)."""
@@ -299,14 +306,26 @@ class FsdpBackend(TrainerBackend):
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _token_logp(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    def _token_logp(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], head: HeadInputs) -> torch.Tensor:
         """Each position's log-prob of the next token, [rows, width - 1], through the chunked (or
-        fused) output head: the [tokens, vocab] logits never exist whole."""
-        ids = inputs["input_ids"]
-        targets = torch.roll(ids, -1, dims=-1)  # across a packed boundary: never indexed
-        with head_returns_logprobs(model, targets, self.chunk_tokens, self.settings.fused_logprobs):
-            flat = model(**inputs).logits.reshape(-1)
-        return flat[index]
+        fused) output head, which sees the response positions only (0 elsewhere: masked out)."""
+        with head_returns_logprobs(model, head.targets, self.chunk_tokens, self.settings.fused_logprobs,
+                                   positions=head.positions, timer=self.head_timer):
+            picked = model(**inputs).logits
+        flat = torch.zeros(head.shape.numel(), dtype=picked.dtype, device=picked.device)
+        return flat.index_copy(0, head.slots, picked).view(head.shape)
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """What the log-prob head computes: at ``positions`` (indices into the model's flattened
+    positions) the log-prob of ``targets``, written to ``slots`` of the flattened [rows, width - 1]
+    per-position tensors (``shape``)."""
+
+    positions: torch.Tensor
+    targets: torch.Tensor
+    slots: torch.Tensor
+    shape: torch.Size
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -42,6 +41,7 @@ from staleflow.api.params import StoreDescription
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import TrainerRoleConfig
 from staleflow.errors import ErrorCode
+from staleflow.ports import free_port
 from staleflow.training.base import (
     PushStopped,
     ShardedWeights,
@@ -66,7 +66,7 @@ class StepRecord:
     mean_reward: float
     mean_length: float
     max_length: int
-    staleness: dict[int, int]  # V_buf - V_traj -> count
+    staleness: dict[int, int]  # V_buf minus the oldest segment version (V_traj if none) -> count
     train_seconds: float  # simulated with the sim trainer, measured with a real one
     metrics: dict[str, float] = field(default_factory=dict)
     rewards: dict[str, float] = field(default_factory=dict)  # std, min, max of the batch's rewards
@@ -83,8 +83,9 @@ def batch_record(version: int, batch: Mapping[str, Any], finished_at: float, met
     trajs = batch["trajectories"]
     lengths = [len(t["tokens"]) for t in trajs]
     staleness: dict[int, int] = {}
-    for t in trajs:
-        staleness[version - t["v_traj"]] = staleness.get(version - t["v_traj"], 0) + 1
+    for t in trajs:  # from the oldest model that generated any of its tokens, not from V_traj alone
+        oldest = min((segment["version"] for segment in t.get("segments", ())), default=t["v_traj"])
+        staleness[version - oldest] = staleness.get(version - oldest, 0) + 1
     rewards = np.array([float(t["reward"]) for t in trajs])
     return StepRecord(
         version, finished_at, len(batch["groups"]), len(trajs), sum(lengths),
@@ -318,12 +319,6 @@ class TrainerLoop:
         return max(freed_below, covered)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_trainer_role(role: TrainerRoleConfig, urls: Mapping[str, str], stop: threading.Event,
                      started: float | None = None) -> None:
     """The trainer role until ``role.steps`` buffers are trained (or ``stop``): the simulated
@@ -358,7 +353,7 @@ def run_fsdp_trainer(role: TrainerRoleConfig, urls: Mapping[str, str], step_log:
     world = role.trainer.world_size
     check_gpus_for_ranks(world)  # all ranks on this node: refused before any starts
     model_dir = _model_dir(role)
-    port = _free_port()
+    port = free_port()
     role.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     context = mp.get_context("spawn")
     followers = [context.Process(target=run_follower, args=(r, world, port, role.model_dump_json()),
@@ -368,7 +363,7 @@ def run_fsdp_trainer(role: TrainerRoleConfig, urls: Mapping[str, str], step_log:
     init_process_group(0, world, port)
     driver = RankDriver(FsdpBackend(role.trainer, model_dir, role.checkpoint_dir, 0, world, role.steps),
                         params_url=urls["params"])
-    from staleflow.training.bench import MeteredBackend
+    from staleflow.training.metering import MeteredBackend
 
     try:
         TrainerLoop(MeteredBackend.around(driver), steps=role.steps, eta=role.eta, urls=urls, step_log=step_log, stop=stop,
@@ -409,7 +404,7 @@ def run_fsdp_rank(role: TrainerRoleConfig, urls: Mapping[str, str], stop: thread
             follow(local)
             return
         driver = RankDriver(local, params_url=urls["params"])
-        from staleflow.training.bench import MeteredBackend
+        from staleflow.training.metering import MeteredBackend
 
         try:
             TrainerLoop(MeteredBackend.around(driver), steps=role.steps, eta=role.eta, urls=urls,

@@ -6,7 +6,6 @@ round-trips, and each rank gets its own GPU."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +18,20 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
+from staleflow.ports import free_port  # noqa: E402
 from staleflow.training.fsdp import FsdpBackend, check_gpus_for_ranks, init_process_group  # noqa: E402
-from staleflow.training.logprobs import chunked_token_logprobs, liger_available, liger_token_logprobs  # noqa: E402
+from staleflow.training.logprobs import (  # noqa: E402
+    chunk_tokens_for,
+    chunked_token_logprobs,
+    liger_available,
+    liger_token_logprobs,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch, pytest.mark.timeout(900)]
 
 PROMPT = int(os.environ.get("STALEFLOW_GPU_TEST_PROMPT", "64"))
 RESPONSE = int(os.environ.get("STALEFLOW_GPU_TEST_RESPONSE", "448"))
 TRAJECTORIES = int(os.environ.get("STALEFLOW_GPU_TEST_TRAJECTORIES", "8"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(vocab: int, seed: int = 0) -> dict[str, Any]:
@@ -88,7 +87,10 @@ def test_log_probs_in_bf16_match_the_plain_formula(tokens: int) -> None:
     def plain(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax((h @ w.t()).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
 
-    paths = {"chunked": lambda h, w: chunked_token_logprobs(h, w, targets, 64)}
+    auto_chunk = chunk_tokens_for(151_936, device=torch.device("cuda"))
+    paths = {"chunked": lambda h, w: chunked_token_logprobs(h, w, targets, 64),  # bf16 GEMMs, fp32 outputs
+             "chunked, auto chunk": lambda h, w: chunked_token_logprobs(h, w, targets, auto_chunk),
+             "chunked, fp32 GEMMs": lambda h, w: chunked_token_logprobs(h, w, targets, 64, fp32_gemm=False)}
     if liger_available(torch.device("cuda")):
         paths["liger"] = lambda h, w: liger_token_logprobs(h, w, targets)
     h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

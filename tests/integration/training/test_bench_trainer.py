@@ -28,13 +28,11 @@ from staleflow.training.bench import (  # noqa: E402
     HOST_BYTES_PER_PARAMETER,
     LONGTAIL_AT_MAX_EVERY,
     BenchInputError,
-    MeteredBackend,
-    StepMeter,
     check_host_memory,
     check_ranks_fit,
     response_lengths,
-    trained_tokens,
 )
+from staleflow.training.metering import MeteredBackend, StepMeter, trained_tokens  # noqa: E402
 from staleflow.training.simulated import SimulatedBackend  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
@@ -84,6 +82,10 @@ def test_json_numbers_agree_with_the_model_and_each_other(tiny_config: Path) -> 
     assert out["tokens_per_s"] == pytest.approx(out["tokens_per_step"] / out["steps"][1])
     assert out["memory_kind"] == "process RSS"
     assert 0 <= out["activation_peak_bytes"] < out["peak_memory_bytes"]
+    # the head's timer: inside every step, forward and backward, and a part of it
+    assert len(out["head_seconds"]) == steps and all(0 < h < s for h, s in zip(out["head_seconds"], out["steps"], strict=True))
+    assert out["head_share"] == pytest.approx(out["head_seconds"][1] / out["steps"][1])
+    assert out["token_budget"] is None and out["trainer"]["max_tokens_per_micro_batch"] == "auto"  # auto: none on CPU
     assert out["per_rank"][0]["state_bytes"] == out["state_bytes"]
     assert math.isfinite(out["last_metrics"]["loss"])
 
@@ -190,18 +192,17 @@ def test_the_trainer_roles_steps_carry_the_bench_numbers_into_tracking() -> None
 
 
 ROLE_STEP = """
-import json, socket, sys
+import json, sys
 from pathlib import Path
 import torch, transformers
 from staleflow.config import TrainerConfig
-from staleflow.training.bench import MeteredBackend, synthetic_batch, BenchSpec, trained_tokens
+from staleflow.ports import free_port
+from staleflow.training.bench import synthetic_batch, BenchSpec
+from staleflow.training.metering import MeteredBackend, trained_tokens
 from staleflow.training.fsdp import FsdpBackend, RankDriver, init_process_group
 model_dir, checkpoints = Path(sys.argv[1]), Path(sys.argv[2])
 transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**json.loads(sys.argv[3]))).save_pretrained(model_dir)
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-init_process_group(0, 1, port)
+init_process_group(0, 1, free_port())
 driver = RankDriver(FsdpBackend(TrainerConfig(world_size=1), model_dir, checkpoints, 0, 1, 1))
 batch = synthetic_batch(BenchSpec(model=model_dir, batch=4, prompt_tokens=4, response_tokens=8), 96)
 metrics = MeteredBackend.around(driver).train(0, batch)

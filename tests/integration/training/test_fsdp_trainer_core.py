@@ -1,6 +1,7 @@
 """The FSDP2 trainer's core on one gloo rank: collectives see tensors on the backend's device and
 no host transfer happens per micro-batch; packed micro-batches train what padded ones train;
-micro-batches by token budget; optimizer offload trains the same step; the meta-device sharded
+padded rows need no attention mask, and the log-prob head sees the response tokens only;
+micro-batches by token budget (auto: none on CPU); optimizer offload trains the same step; the meta-device sharded
 load reproduces the saved weights; bad
 input (too many ranks for the GPUs, a budget below a prompt, an unknown architecture) is refused
 with a message that says what to do."""
@@ -24,7 +25,7 @@ transformers = pytest.importorskip("transformers", reason="the trainer needs tra
 import torch.distributed as dist  # noqa: E402
 
 from staleflow.config import AlgorithmConfig, TrainerConfig  # noqa: E402
-from staleflow.training import fsdp  # noqa: E402
+from staleflow.training import fsdp, logprobs  # noqa: E402
 from staleflow.training.fsdp import (  # noqa: E402
     FsdpBackend,
     check_gpus_for_ranks,
@@ -173,6 +174,60 @@ def test_a_budget_below_a_prompt_is_refused_with_the_fix(model_dir: Path, tmp_pa
     backend = _backend(model_dir, tmp_path, max_tokens_per_micro_batch=4)
     with pytest.raises(ValueError, match=r"max_tokens_per_micro_batch is 4 tokens but a prompt has 5.*at least 6"):
         backend.train(0, _batch())
+    auto = _backend(model_dir, tmp_path / "auto")
+    assert auto.cfg.max_tokens_per_micro_batch == "auto" and auto.token_budget is None  # auto on CPU: none
+    auto.token_budget = 4  # as the memory model could resolve it on a small GPU
+    with pytest.raises(ValueError, match=r"is 4 tokens \(auto, from the memory model\) but a prompt has 5.*at least 6"):
+        auto.train(0, _batch())
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_right_padded_rows_need_no_attention_mask(attention: str) -> None:
+    """Causal attention never lets a real token see the pads after it: with and without the mask,
+    the same log-probs at the real positions and the same gradients."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation=attention)
+    model = transformers.Qwen2ForCausalLM(config)
+    lengths = [12, 7, 4]
+    ids = torch.zeros((3, 12), dtype=torch.long)
+    mask = torch.zeros((3, 12), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(1, 64, (n,))
+        mask[i, :n] = 1
+    real = mask[:, 1:].bool()
+    weights = torch.randn(3, 11)
+    runs = []
+    for inputs in ({"input_ids": ids, "attention_mask": mask}, {"input_ids": ids}):
+        model.zero_grad()
+        logp = torch.log_softmax(model(**inputs).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (logp * weights)[real].sum().backward()
+        runs.append((logp[real].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (with_mask, masked_grads), (without, grads) = runs
+    assert torch.allclose(with_mask, without, atol=1e-6)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, masked_grads[name], atol=1e-6), name
+
+
+def test_padded_inputs_carry_no_mask_and_the_head_sees_the_response_tokens_only(
+        model_dir: Path, tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = _backend(model_dir, tmp_path)
+    batch = _batch()
+    inputs, head, mask, _ = backend._tensors(batch["trajectories"], live=True)
+    assert set(inputs) == {"input_ids"} and not backend.packing
+    responses = [len(t["tokens"]) for t in batch["trajectories"]]
+    assert head.positions.numel() == head.targets.numel() == int(mask.sum()) == sum(responses)
+    seen: list[int] = []
+    original = logprobs.log_probs_of
+
+    def spy(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(hidden.shape[0])
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(logprobs, "log_probs_of", spy)
+    metrics = backend.train(0, batch)
+    assert len(seen) == metrics["micro_batches"] == 3  # micro-batches of 2 rows
+    assert sum(seen) == sum(responses)  # no prompt position, no pad
 
 
 @settings(max_examples=60, deadline=None)
