@@ -24,17 +24,12 @@ from typing import Any
 import torch
 
 from staleflow.training.attention import torch_varlen_attn
+from staleflow.training.logprobs import liger_available
 from staleflow.training.memory_model import CheckpointingPolicy
 
 
 def liger_layers_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return liger_available(device, "liger_kernel.transformers")
 
 
 def liger_patch_for(model_type: str) -> Callable[..., Any] | None:
