@@ -15,7 +15,7 @@ from rich.table import Table
 
 from staleflow.cli.common import console, emit_results, fail
 from staleflow.servers.manager.bench import LEDGER_BENCH_PARTS, run_ledger_bench
-from staleflow.simulation.decision_bench import decision_bench_cells, run_decision_bench
+from staleflow.simulation.decision_bench import DECISION_STRATEGIES, decision_bench_cells, run_decision_bench
 
 
 def _print(results: dict) -> None:
@@ -96,14 +96,15 @@ def register_decision_bench(bench_app: typer.Typer) -> None:
         instances: Annotated[str, typer.Option(help="comma-separated instance counts")] = "16,32,64,128",
         trajectories: Annotated[str, typer.Option(help="comma-separated waiting-trajectory counts")] = "256,512,1024,2048",
         repeats: Annotated[int, typer.Option(help="passes per cell (median reported)")] = 5,
-        strategy: Annotated[str, typer.Option(help="default (the coordinator's StrategyConfig()) or staleflow "
-                                              "(load-aware sync, starved migration, as bench systems runs it)")
+        strategy: Annotated[str, typer.Option(help="default (the coordinator's StrategyConfig()), staleflow "
+                                              "(load-aware sync, starved migration, as bench systems runs it) or "
+                                              "repack (staleflow with repack, every pass a repack check)")
                             ] = "default",
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     ) -> None:
         """Time of one coordinator decision pass as instances and waiting trajectories grow."""
-        if strategy not in ("default", "staleflow"):
-            raise fail(f"--strategy must be default or staleflow, got {strategy!r}")
+        if strategy not in DECISION_STRATEGIES:
+            raise fail(f"--strategy must be one of {', '.join(DECISION_STRATEGIES)}, got {strategy!r}")
         instance_counts = [int(x) for x in instances.split(",")]
         trajectory_counts = [int(x) for x in trajectories.split(",")]
         with Progress(console=console, transient=True) as progress:

@@ -282,7 +282,8 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         instances: Annotated[int | None, typer.Option(help="rollout instances")] = None,
         routing: Annotated[str | None, typer.Option(help="throughput or vanilla")] = None,
         sync: Annotated[str | None, typer.Option(help="selective, greedy or global")] = None,
-        migration: Annotated[str | None, typer.Option(help="throughput or none")] = None,
+        migration: Annotated[str | None, typer.Option(help="starved, throughput, repack, both (throughput and "
+                                                            "repack), starved+repack or none")] = None,
         workload: Annotated[str | None, typer.Option(help="sim workload preset")] = None,
         model: Annotated[Path | None, typer.Option(help="vllm: local model directory (default: the demo model)")] = None,
         trainer_ranks: Annotated[int | None, typer.Option("--trainer-ranks", help="vllm: FSDP2 ranks")] = None,

@@ -375,6 +375,7 @@ class InstanceServer:
             "loading_weights": snap.loading_weights,
             "decode_steps": snap.decode_steps,
             "decode_seconds": snap.decode_seconds,
+            "kv_usage": snap.kv_usage,
             "generated": dict(snap.generated) if snap.generated is not None else None,
         }
 

@@ -97,6 +97,7 @@ class RunResult:
     exceedances: int = 0  # completion-order systems: trained trajectories older than eta allows (their rule)
     max_exceedance: int = 0  # by how many versions the worst of them exceeded eta
     length_skew: dict | None = None  # trained against generated lengths (``staleflow.length_skew.LengthSkew.to_json``)
+    busy_kv_utilisation: float = 0.0  # KV cache held while generating over the budget, time-weighted mean
 
     @property
     def step_time_s(self) -> float:

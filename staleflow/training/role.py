@@ -345,13 +345,22 @@ def run_fsdp_trainer(role: TrainerRoleConfig, urls: Mapping[str, str], step_log:
                      started: float | None = None) -> None:
     """The trainer role on the FSDP2 backend: this process is rank 0; ranks 1..world-1 are spawned
     (with the role's section, not the whole job) and die with it."""
+    import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from staleflow.training.fsdp import FsdpBackend, RankDriver, check_gpus_for_ranks, init_process_group, run_follower
+    from staleflow.training.fsdp import (
+        FsdpBackend,
+        RankDriver,
+        check_gpus_for_ranks,
+        init_process_group,
+        resolve_settings,
+        run_follower,
+    )
 
     world = role.trainer.world_size
     check_gpus_for_ranks(world)  # all ranks on this node: refused before any starts
+    resolve_settings(role.trainer, torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # likewise
     model_dir = _model_dir(role)
     port = free_port()
     role.checkpoint_dir.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from staleflow.host import meminfo_bytes
 from staleflow.transports.tables import table_bytes
 
 TENSOR_BYTES = 64 << 20  # a large layer of a multi-GB model
@@ -615,13 +616,8 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
 
 
 def _meminfo(key: str) -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
+    found = meminfo_bytes(key)
+    return 1 << 62 if found is None else found
 
 
 def available_memory() -> int:

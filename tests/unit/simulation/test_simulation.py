@@ -342,4 +342,14 @@ def test_unknown_systems_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="sf-rsm"):
         resolve("sf-zzz")
     assert [s.name for s in resolve("staleflow,verl")] == ["verl", "sf-rsm"]
-    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 21
+    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 24
+
+
+def test_repack_runs_in_the_simulation_and_laminar_trains_beyond_eta_without_violations() -> None:
+    laminar = run("laminar", eta=1, steps=8)
+    assert laminar.counters["repacks"] >= 1 and laminar.counters["repacked"] >= laminar.counters["repacks"]
+    assert laminar.violations == 0 and laminar.exceedances > 0, "no bound: staleness over eta is reported"
+    assert 0 < laminar.busy_kv_utilisation <= 1
+    staleflow = run("sf-rsm+repack", eta=1, steps=8)
+    assert staleflow.violations == 0 and staleflow.exceedances == 0
+    assert max(staleflow.staleness_total()) <= 1

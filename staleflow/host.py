@@ -1,0 +1,26 @@
+"""What this machine has: free memory (Linux ``/proc/meminfo``) and whether torch sees a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def meminfo_bytes(key: str) -> int | None:
+    """A ``/proc/meminfo`` entry (``MemAvailable``, ``MemTotal``...) in bytes; None where it cannot
+    be read (not Linux) or the kernel does not report it."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
