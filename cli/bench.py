@@ -79,14 +79,15 @@ def _print_decisions(results: dict) -> None:
     for scenario in ("initial fill", "steady"):
         rows = [r for r in results["rows"] if r["scenario"] == scenario]
         counts = sorted({r["trajectories"] for r in rows})
-        table = Table(title=f"decision pass (sync + migration + routing), ms, {scenario}, "
+        table = Table(title=f"decision pass (sync + migration + routing), ms (min CPU ms, peak MiB), {scenario}, "
                             f"{results['strategy']} strategy")
         table.add_column("instances \\ trajectories")
         for c in counts:
             table.add_column(str(c), justify="right")
         for n in sorted({r["instances"] for r in rows}):
             cells = {r["trajectories"]: r for r in rows if r["instances"] == n}
-            table.add_row(str(n), *(f"{cells[c]['median_ms']:.1f} ({cells[c]['routed']} routed)" for c in counts))
+            table.add_row(str(n), *(f"{cells[c]['median_ms']:.1f} (CPU {cells[c]['cpu_min_ms']:.1f}, "
+                                    f"{cells[c]['peak_mib']:.1f} MiB, {cells[c]['routed']} routed)" for c in counts))
         console.print(table)
 
 

@@ -28,7 +28,9 @@ vLLM is imported only when the engine starts, so StaleFlow installs and runs wit
   instance held work, pulled weights or sat idle. The parts add up to the instance's rollout time
   (``staleflow.engines.accounting``).
 * Snapshot: counts and KV usage from vLLM's per-step ``SchedulerStats`` (KV tokens = usage x
-  num_gpu_blocks x block_size). vLLM reports counts, not ids: the oldest-routed trajectories in flight
+  num_gpu_blocks x block_size), and the worker's steps that only decoded with their seconds
+  (``decode_steps`` / ``decode_seconds``: the coordinator's decode speeds, hence ``pull: auto``
+  and routing by speed, read them). vLLM reports counts, not ids: the oldest-routed trajectories in flight
   are reported as running and the rest as waiting, which matches vLLM's FIFO admission and LIFO
   preemption but can be off for a step after a change.
 
@@ -307,8 +309,11 @@ class VllmEngine(RolloutEngine):
             return partials
 
     async def snapshot(self) -> EngineSnapshot:
+        if self._timeline.state != EngineTimeline.PULL:  # during a Pull the totals read before it stand
+            await self._read_step_totals()
         live = sorted(self._live.values(), key=lambda s: s.order)
         running = min(self._counts.running, len(live))
+        steps = self._steps
         return EngineSnapshot(
             kv_cache=round((self._counts.kv_usage or 0.0) * self._kv_tokens_per_unit),
             run_trajs=tuple(s.request.traj_id for s in live[:running]),
@@ -316,6 +321,8 @@ class VllmEngine(RolloutEngine):
             complete_trajs=tuple(self._complete_ids),
             inst_version=self.version,
             time=time.monotonic() - self._started_at,
+            decode_steps=steps.decode_steps,
+            decode_seconds=steps.decode_step_seconds,
             kv_usage=self._counts.kv_usage,
             generated={s.request.traj_id: self.generated(s.request.traj_id) for s in live},
         )

@@ -380,7 +380,7 @@ class ClusterSimulation:
             staleness = buffer - group.v_traj
             hist[staleness] += 1
             oldest = traj.oldest_version
-            if self.completion_order and staleness > self.eta:  # the system's own rule allows it
+            if not self.system.keeps_bound and staleness > self.eta:  # the system's own rule allows it
                 self._exceedances += 1
                 self._max_exceedance = max(self._max_exceedance, staleness - self.eta)
             elif not 0 <= staleness <= self.eta or oldest is None or oldest < group.v_traj:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import tracemalloc
 from collections.abc import Callable
 
 
@@ -63,7 +64,10 @@ def decision_strategy(name: str):
 
 def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int], repeats: int,
                        strategy: str = "default", advance: Callable[[], None] = lambda: None) -> dict:
-    """``advance`` is called after each of the ``decision_bench_cells`` cells."""
+    """``advance`` is called after each of the ``decision_bench_cells`` cells. Each row has the
+    median wall time of a pass, the minimum and median CPU time of the process (what a loaded
+    machine does not inflate as much) and the peak of the memory a pass allocates (tracemalloc,
+    one more pass)."""
     from staleflow.strategies import plan_cycle
     from staleflow.strategies.repack import kv_utilisation
 
@@ -75,14 +79,20 @@ def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int],
                 instances, pending, ps_version, admission = _decision_scenario(n_inst, n_traj, steady)
                 previous = {i.instance_id: kv_utilisation(i) + 0.01 for i in instances} \
                     if config.migration.repacks else None
-                times, routed = [], 0
+                times, cpu = [], []
                 for _ in range(repeats):
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     plan = plan_cycle(instances, pending, ps_version, admission, config, repack_previous=previous)
+                    cpu.append(1e3 * (time.process_time() - start_cpu))
                     times.append(1e3 * (time.perf_counter() - start))
-                    routed = len(plan.routes)
+                tracemalloc.start()
+                plan_cycle(instances, pending, ps_version, admission, config, repack_previous=previous)
+                peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
                 rows.append({"scenario": "steady" if steady else "initial fill", "instances": n_inst,
-                             "trajectories": n_traj, "median_ms": statistics.median(times), "routed": routed,
+                             "trajectories": n_traj, "median_ms": statistics.median(times),
+                             "cpu_min_ms": min(cpu), "cpu_median_ms": statistics.median(cpu),
+                             "peak_mib": peak / 2**20, "routed": len(plan.routes),
                              "syncs": len(plan.syncs), "interrupted": sum(map(len, plan.interrupts.values())),
                              "repacks": len(plan.repacks)})
                 advance()

@@ -165,6 +165,39 @@ def staleness_histograms(result: ExperimentResult) -> Figure | None:
     return fig
 
 
+def staleness_tradeoff(result: ExperimentResult) -> Figure | None:
+    """Throughput against the realised p99 staleness, one curve per headline or bound-breaking
+    system (StaleFlow's runs at the peers' realised staleness included), one panel per sweep
+    value: the trade-off a user picks a point on."""
+    values = list(dict.fromkeys(p.point.sweep_value for p in result.points))
+    runs: dict[tuple[float | None, str], list[RunResult]] = {}
+    for p in result.points:
+        for name, run in p.runs.items():
+            runs.setdefault((p.point.sweep_value, name), []).append(run)
+    for m in result.matched:
+        runs.setdefault((m.sweep_value, REFERENCE), []).append(m.staleflow)
+    if not runs:
+        return None
+    fig = Figure(figsize=(5.0 * len(values), 4.0), layout="constrained")
+    for k, value in enumerate(values):
+        ax = fig.add_subplot(1, len(values), k + 1)
+        for system in result.spec.systems:
+            mine = runs.get((value, system.name))
+            if not mine or (system.name not in HEADLINE and system.keeps_bound):
+                continue
+            curve = sorted({(r.realised_staleness()["p99"], r.throughput / 1e3) for r in mine})
+            ax.plot([x for x, _ in curve], [y for _, y in curve], marker="o", label=system.name,
+                    color=_COLORS.get(system.name), linestyle="-" if system.keeps_bound else "--")
+        ax.set_xlabel("realised p99 staleness (V_buf - V_traj)")
+        ax.set_ylabel("throughput (K tokens/s)")
+        ax.set_title(result.spec.scenario.name if value is None else f"{result.spec.sweep_key} = {value:g}",
+                     fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle("Throughput against realised staleness (dashed: bound not kept)", fontsize=10)
+    return fig
+
+
 def repack_bars(result: ExperimentResult) -> Figure | None:
     """Repack side by side: throughput (left) and the mean KV utilisation of busy instances
     (right) of StaleFlow with and without Laminar's repack, and Laminar, per point."""
@@ -196,5 +229,6 @@ FIGURES = {
     "fig16_ablation": ablation_bars,
     "fig17_instance_load": instance_load,
     "fig18_staleness": staleness_histograms,
+    "staleness_tradeoff": staleness_tradeoff,
     "repack": repack_bars,
 }

@@ -124,6 +124,19 @@ class SystemSpec:
     weight_sync: WeightSync = WeightSync.PARAMETER_SERVER
     reprefill: bool = True  # False: no trajectory is prefilled twice (the upper bound)
     checkpoint_tokens: int = 0  # progress checkpoints of running trajectories every this many tokens (0: none)
+    bound_kept: bool | None = None  # whether every trained trajectory is within eta (None: unless completion order)
+
+    @property
+    def keeps_bound(self) -> bool:
+        """Whether the system promises ``V_buf - V_traj <= eta`` for every trained trajectory: a
+        break is a violation. One that does not (its rule lets long groups be trained late) has
+        exceedances instead and is compared with StaleFlow at the staleness it really reaches."""
+        return (not self.completion_order) if self.bound_kept is None else self.bound_kept
+
+    @property
+    def bound_breaking_peer(self) -> bool:
+        """A peer system (not the upper bound) that trains beyond its nominal eta."""
+        return not self.keeps_bound and self.family is not Family.ORACLE
     new_work_on_newest: bool = False  # new groups start only on instances at the newest version (Laminar)
 
     def eta_for(self, eta: int) -> int:

@@ -182,9 +182,26 @@ def length_skew_cells(skew: dict | None) -> list[str]:
             f"{admission['waited']} ({admission['mean_wait_s']:.2f})"]
 
 
+def matched_table(result: ExperimentResult) -> Table | None:
+    """StaleFlow run with eta = each bound-breaking peer's realised p99 and max staleness, against
+    the peer at its nominal eta."""
+    if not result.matched:
+        return None
+    rows = []
+    for m in result.matched:
+        point = f"eta={m.peer_eta}" if m.sweep_value is None else f"{m.sweep_value:g}, eta={m.peer_eta}"
+        rows.append([m.peer, point, f"{m.realised_p99} / {m.realised_max} ({100 * m.over_eta_share:.0f}%)",
+                     str(m.staleflow_eta), _n(m.peer_throughput), _n(m.staleflow.throughput), _x(m.ratio),
+                     str(m.staleflow.violations)])
+    header = ["peer", "peer's point", "peer's realised p99 / max (share over eta)", "StaleFlow eta", "peer tok/s",
+              "StaleFlow tok/s", "StaleFlow / peer", "StaleFlow violations"]
+    return Table("Matched staleness: StaleFlow bounded at each bound-breaking peer's realised staleness", header, rows)
+
+
 def tables(result: ExperimentResult) -> list[Table]:
-    return [throughput_table(result), gains_table(result), detail_table(result), breakdown_table(result),
-            skew_table(result)]
+    out = [throughput_table(result), gains_table(result), matched_table(result), detail_table(result),
+           breakdown_table(result), skew_table(result)]
+    return [t for t in out if t is not None]
 
 
 def markdown(result: ExperimentResult, command: str | None = None) -> str:

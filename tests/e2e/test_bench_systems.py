@@ -62,6 +62,13 @@ def test_smoke_run_completes_within_the_bound_with_every_system(smoke: tuple[dic
     assert set(summary["oracle_eta_share"]) == set(ALL)
     assert all(p["oracle_eta"] > 0 and set(p["oracle_eta_share"]) == set(ALL) for p in data["points"])
     assert {"vs", "steady_vs", "violations", "gap_recovered", "all_vanilla_vs_in_flight"} <= set(summary)
+    assert set(summary["realised_staleness"]) == set(ALL)
+    matched = data["matched"]  # StaleFlow at the completion-order peer's realised p99 and max, at every eta
+    assert {m["peer"] for m in matched} == {"in-flight-fifo", "laminar"}
+    assert {m["peer_eta"] for m in matched} == {1, 2, 3, 4}
+    for m in matched:
+        assert m["staleflow_eta"] in (m["realised_p99"], m["realised_max"]) and m["staleflow_violations"] == 0
+        assert m["ratio"] == m["staleflow_throughput"] / m["peer_throughput"]
 
 
 def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
@@ -91,7 +98,8 @@ def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
 def test_smoke_writes_figures_and_markdown(smoke: tuple[dict, Path, str]) -> None:
     _, out, output = smoke
     figures = out / "figures"
-    for name in ("fig13_throughput", "fig16_ablation", "fig17_instance_load", "fig18_staleness", "repack"):
+    for name in ("fig13_throughput", "fig16_ablation", "fig17_instance_load", "fig18_staleness", "repack",
+                 "staleness_tradeoff"):
         assert (figures / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
     md = (figures / "results.md").read_text()
     assert "| sf-rsm |" in md and "Gains" in md and "cf. Table 3" in md
@@ -139,7 +147,9 @@ def test_bad_options_say_what_to_fix(args: tuple[str, ...], message: str) -> Non
 def test_report_tables_have_a_row_per_system() -> None:
     spec = ExperimentSpec(scenario("ci"), tuple(resolve("headline")), (2,), steps=3, detail_eta=2)
     result = run_experiment(spec)
-    throughput, gains, detail, breakdown, skew = tables(result)
+    throughput, gains, matched, detail, breakdown, skew = tables(result)
+    assert [row[0] for row in matched.rows] == [m.peer for m in result.matched]
+    assert {m.peer for m in result.matched} == {"in-flight-fifo", "laminar"}, "every peer that does not keep the bound"
     assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "laminar",
                                                    "oracle", "oracle-eta"]
     labels = [r[0] for r in gains.rows]
@@ -151,7 +161,7 @@ def test_report_tables_have_a_row_per_system() -> None:
     assert [row[0] for row in detail.rows] == [row[0] for row in breakdown.rows] == [row[0] for row in skew.rows]
     assert all(len(r) == len(skew.header) and r[1] != "-" for r in skew.rows), "every system's length skew"
     md = markdown(result, "staleflow bench systems --preset ci")
-    assert sum(line.startswith("|---") for line in md.splitlines()) == 5, "five tables"
+    assert sum(line.startswith("|---") for line in md.splitlines()) == 6, "six tables"
     assert "staleflow bench systems --preset ci" in md
 
 

@@ -35,6 +35,7 @@ def test_a_small_decision_bench_routes_every_initial_trajectory() -> None:
     assert data["strategy"] == "staleflow"
     initial = next(r for r in data["rows"] if r["scenario"] == "initial fill")
     assert initial["routed"] == 32 and initial["median_ms"] > 0
+    assert all(r["cpu_min_ms"] > 0 and r["peak_mib"] > 0 for r in data["rows"])
 
 
 def test_an_unknown_strategy_says_which_ones_exist() -> None:
