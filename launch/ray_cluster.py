@@ -71,7 +71,7 @@ class LauncherError(RuntimeError):
 
 def import_ray():
     try:
-        import ray
+        import ray.exceptions  # binds ray too; the job catches the exceptions' classes
     except ImportError:
         raise LauncherError(RAY_MISSING) from None
     return ray

@@ -106,13 +106,13 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
         # awaited on the event loop: no worker-thread hop on the hot path
         return await asyncio.wrap_future(led.submit(name, *args))
 
-    optional = {"response_model_exclude_none": True}  # fields that only some answers carry are left out
+    # response_model_exclude_none: fields that only some answers carry are left out
 
     @app.get("/v1/health", response_model=Health)
     def health(led: LedgerDep) -> dict:
         return {"status": "ok", "train_version": led.train_version}
 
-    @app.get("/v1/buffers", response_model=BuffersOut, **optional)
+    @app.get("/v1/buffers", response_model=BuffersOut, response_model_exclude_none=True)
     def buffers(led: LedgerDep) -> dict:
         version, views, _ = led.snapshot()
         return {
@@ -123,7 +123,7 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             "buffers": [buffer_json(v) for v in views],
         }
 
-    @app.get("/v1/buffers/{version}", response_model=BufferOut, **optional)
+    @app.get("/v1/buffers/{version}", response_model=BufferOut, response_model_exclude_none=True)
     def buffer(led: LedgerDep, version: Annotated[int, Path(ge=0, le=SQL_INT_MAX)]) -> dict:
         current, views, _ = led.snapshot()
         for view in views:
@@ -154,23 +154,23 @@ def create_app(config: ManagerConfig, ledger: DurableLedger | None = None) -> Fa
             body["what_if"] = what_if_json(led.what_if(version, count or 1))
         return body
 
-    @app.post("/v1/reservations", status_code=201, response_model=TransitionOut, **optional)
+    @app.post("/v1/reservations", status_code=201, response_model=TransitionOut, response_model_exclude_none=True)
     async def reserve(led: LedgerDep, body: ReservationRequest) -> dict:
         return transition_json(await transition(led, "reserve", body.group_id, body.v_traj))
 
-    @app.post("/v1/reservations/{group_id}/occupy", response_model=TransitionOut, **optional)
+    @app.post("/v1/reservations/{group_id}/occupy", response_model=TransitionOut, response_model_exclude_none=True)
     async def occupy(led: LedgerDep, group_id: GroupId) -> dict:
         return transition_json(await transition(led, "occupy", group_id))
 
-    @app.post("/v1/reservations/{group_id}/members/{member_id}/complete", response_model=TransitionOut, **optional)
+    @app.post("/v1/reservations/{group_id}/members/{member_id}/complete", response_model=TransitionOut, response_model_exclude_none=True)
     async def complete_member(led: LedgerDep, group_id: GroupId, member_id: GroupId) -> dict:
         return transition_json(await transition(led, "complete_member", group_id, member_id))
 
-    @app.delete("/v1/reservations/{group_id}", response_model=TransitionOut, **optional)
+    @app.delete("/v1/reservations/{group_id}", response_model=TransitionOut, response_model_exclude_none=True)
     async def abort(led: LedgerDep, group_id: GroupId) -> dict:
         return transition_json(await transition(led, "abort", group_id))
 
-    @app.get("/v1/reservations/{group_id}", response_model=ReservationOut, **optional)
+    @app.get("/v1/reservations/{group_id}", response_model=ReservationOut, response_model_exclude_none=True)
     def reservation(led: LedgerDep, group_id: GroupId) -> dict:
         entry = led.entry(group_id)
         if entry is not None:
