@@ -414,7 +414,7 @@ class Coordinator:
                         instance_id, len(traj_ids))
             record = self.instances.get(instance_id)
             reply = record and await self._command(record, "abort", {"traj_ids": traj_ids}, len(traj_ids))
-            if reply:
+            if isinstance(reply, AbortApplied):
                 self.stats.strays_aborted += len(reply.aborted)
         return not outcome.empty
 
@@ -478,7 +478,7 @@ class Coordinator:
             self._command(self.instances[i], "interrupt", {"traj_ids": trajs}, len(trajs))
             for i, trajs in commands.interrupts.items()))
         for instance_id, reply in zip(commands.interrupts, interrupted, strict=True):
-            if reply and reply.partials:
+            if isinstance(reply, InterruptApplied) and reply.partials:
                 await self.ts.give_back(instance_id=instance_id, partials=reply.partials)
         # 2. pulls: queued on their instance; routes to it wait behind them
         for instance_id in commands.pulls:

@@ -13,6 +13,7 @@ going backwards, the parameter server serving a complete newest version.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -412,12 +413,12 @@ class FaultRun:
             for t in routed:
                 inst = t.instance_id
                 if inst not in held:
-                    try:
-                        with InstanceClient(urls[inst], timeout=5) as c:
-                            s = c.snapshot()
-                        held[inst] = set(s.run_trajs) | set(s.wait_trajs) | set(s.complete_trajs)
-                    except (httpx.HTTPError, ServiceError, KeyError, ValueError):
-                        held[inst] = set()
+                    held[inst] = set()
+                    if inst in urls:
+                        with contextlib.suppress(httpx.HTTPError, ServiceError, ValueError):
+                            with InstanceClient(urls[inst], timeout=5) as c:
+                                s = c.snapshot()
+                            held[inst] = set(s.run_trajs) | set(s.wait_trajs) | set(s.complete_trajs)
                 if t.traj_id not in held[inst]:
                     now.add(t.traj_id)
             suspects = now if suspects is None else suspects & now

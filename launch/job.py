@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 from fastapi import FastAPI
@@ -176,6 +177,30 @@ class Monitor:
 # ---------------------------------------------------------------------------- the job
 
 
+class RunningJob(Protocol):
+    """What the job's read views (``Job.engine_stats`` and the others below) use of a launcher's job:
+    the Ray launcher runs the same views over its own endpoints."""
+
+    config: JobConfig
+    state: Path
+    endpoints: dict[str, dict]
+
+    def coordinator_stats(self: RunningJob) -> dict | None: ...
+
+
+class SummarizedJob(Protocol):
+    """What ``job_summary`` reads of a launcher's job, local or on Ray."""
+
+    started: float
+    monitor: Monitor
+
+    def steps(self) -> list[StepRecord]: ...
+    def engine_stats(self: RunningJob) -> dict[str, dict]: ...
+    def command_times(self: RunningJob) -> dict[str, float]: ...
+    def failover(self: RunningJob) -> dict | None: ...
+    def length_skew(self: RunningJob, after_step: int = -1) -> dict | None: ...
+
+
 class StateDirInUse(RuntimeError):
     pass
 
@@ -205,7 +230,7 @@ class Job(Supervised):
         self.trainer_raised: BaseException | None = None  # what the embedded trainer thread last raised
         self.keeps_standby = config.processes  # a standby serves a role as a process
 
-    def _prepare_state_dir(self, resume: bool, fresh: bool) -> None:
+    def _prepare_state_dir(self: RunningJob, resume: bool, fresh: bool) -> None:
         previous = self.state / "job.json"
         replaced = previous.exists() and not resume  # a finished run, or an unfinished one with --fresh
         if previous.exists() and not resume:
@@ -554,7 +579,7 @@ class Job(Supervised):
         return totals
 
 
-def job_summary(job: Supervised, config: JobConfig, restarts: list[dict], failure: str | None) -> dict:
+def job_summary(job: SummarizedJob, config: JobConfig, restarts: list[dict], failure: str | None) -> dict:
     """A finished or stopped job's ``summary.json``: the steps, samples, engine and command
     timings (``staleflow.report.summarize``), its restarts, failover, length skew and failure."""
     from staleflow.report import summarize

@@ -366,7 +366,9 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
 def _uvicorn_config(app: FastAPI, log_level: str, limits: ConnectionLimits | None) -> uvicorn.Config:
     limits = limits or ConnectionLimits()
     return uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-                          http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_s)
+                          http=guarded_protocol(limits),
+                          # uvicorn annotates int, but takes seconds as a float (it hands them to loop.call_later)
+                          timeout_keep_alive=limits.keep_alive_s)  # pyright: ignore[reportArgumentType]
 
 
 @dataclass

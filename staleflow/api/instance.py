@@ -26,7 +26,7 @@ class SamplingIn(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
     seed: int | None = None
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list[TokenId])
     ignore_eos: bool = False
 
     @field_validator("top_k")
@@ -51,9 +51,9 @@ class TrajectoryIn(StrictModel):
     prompt_ids: list[TokenId] = Field(min_length=1)
     v_traj: int = Field(ge=0, description="assigned by the coordinator before routing; never null")
     sampling: SamplingIn
-    tokens: list[TokenId] = Field(default_factory=list)
-    logprobs: list[LogProb] = Field(default_factory=list)
-    segments: list[RoutedSegmentIn] = Field(default_factory=list)
+    tokens: list[TokenId] = Field(default_factory=list[TokenId])
+    logprobs: list[LogProb] = Field(default_factory=list[LogProb])
+    segments: list[RoutedSegmentIn] = Field(default_factory=list[RoutedSegmentIn])
 
 
 class SimWeightsIn(StrictModel):
@@ -274,7 +274,8 @@ class Advanced(_Answer):
 class InstanceRoutes:
     """The rollout instance's REST API."""
 
-    command = Route("POST", "/v1/commands", CommandApplied, body="command")
+    command: Route[RouteApplied | InterruptApplied | AbortApplied | PullApplied] = Route(
+        "POST", "/v1/commands", CommandApplied, body="command")
     snapshot = Route("GET", "/v1/snapshot", SnapshotOut)
     completed = Route("GET", "/v1/completed", CompletedFeed, query=("after", "limit", "wait_s"))
     ack = Route("POST", "/v1/completed/ack", AckOut, body=AckIn)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from staleflow.api.base import AsyncClient, Client, Route
@@ -92,7 +94,7 @@ class ConsumedOut(BaseModel):
 
 class EventsOut(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    events: list[dict]
+    events: list[dict[str, Any]]
     next: int
 
 

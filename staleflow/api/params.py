@@ -229,8 +229,8 @@ class ParamsRoutes:
     manifest = Route("GET", "/v1/params/{version}/manifest", ManifestOut)
     begin_push = Route("POST", "/v1/params/{version}", PushStarted, body=PushBegin)
     join_part = Route("POST", "/v1/params/{version}/parts/{part}", PartJoined, body=PartJoin)
-    finish_part = Route("POST", "/v1/params/{version}/parts/{part}/done", PartFinished, body=PartDone,
-                        query=("push_id",))
+    finish_part: Route[PartVisible | PartPending] = Route("POST", "/v1/params/{version}/parts/{part}/done", PartFinished,
+                                                          body=PartDone, query=("push_id",))
     commit = Route("POST", "/v1/params/{version}/commit", VersionSummary, query=("push_id",))
     delete_version = Route("DELETE", "/v1/params/{version}", VersionDeleted)
     abort_push = Route("DELETE", "/v1/params/{version}/push", PushAborted, query=("push_id",))
@@ -240,8 +240,8 @@ class ParamsRoutes:
     put_chunk = Route("PUT", "/v1/params/{version}/chunks/{index}", ChunkReceived, query=("push_id",))
     put_part_chunk = Route("PUT", "/v1/params/{version}/parts/{part}/chunks/{index}", ChunkReceived,
                            query=("push_id",))
-    chunk = Route("GET", "/v1/params/{version}/chunks/{index}", None, query=("lease",))
-    file = Route("GET", "/v1/params/{version}/file", None)
+    chunk: Route[None] = Route("GET", "/v1/params/{version}/chunks/{index}", None, query=("lease",))
+    file: Route[None] = Route("GET", "/v1/params/{version}/file", None)
 
 
 class AsyncParamsClient(ParamsRoutes, AsyncClient):

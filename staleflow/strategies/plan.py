@@ -17,10 +17,10 @@ from staleflow.strategies.sync import plan_syncs
 
 @dataclass
 class CyclePlan:
-    syncs: list[str] = field(default_factory=list)  # Pull (unless kept: Interrupt everything on them first)
-    kept: list[str] = field(default_factory=list)  # the syncs whose Pull keeps the trajectories and their KV
-    interrupts: dict[str, list[str]] = field(default_factory=dict)  # by instance, syncs' included
-    routes: list[RouteDecision] = field(default_factory=list)
+    syncs: list[str] = field(default_factory=list[str])  # Pull (unless kept: Interrupt everything on them first)
+    kept: list[str] = field(default_factory=list[str])  # the syncs whose Pull keeps the trajectories and their KV
+    interrupts: dict[str, list[str]] = field(default_factory=dict[str, list[str]])  # by instance, syncs' included
+    routes: list[RouteDecision] = field(default_factory=list[RouteDecision])
 
     @property
     def empty(self) -> bool:
@@ -121,7 +121,7 @@ def keeps_running(syncs: Sequence[str], instances: Sequence[InstanceState], conf
     speed = np.array([inst.speed for inst in instances])
     room = np.array([c.kv_budget for c in costs]) - kv
     room[[bool(inst.waiting) for inst in instances]] = -1.0  # a trajectory would queue there
-    kept = []
+    kept: list[str] = []
     for instance_id in syncs:
         k = index[instance_id]
         inst = instances[k]
