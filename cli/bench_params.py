@@ -1,6 +1,6 @@
 """``staleflow bench params``: the command line of the parameter server benchmark; the measuring
-lives with the parameter server (``staleflow.servers.params.bench``, which describes what is
-measured)."""
+lives in the library beside the transports it measures (``staleflow.transports.bench``, which
+describes what is measured)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from staleflow.cli.common import console, emit_results, fail
-from staleflow.servers.params.bench import RING_TENSORS, TARGETS, run_params_bench
-from staleflow.transports.base import VERIFY_MODES, FormatError
+from staleflow.transports.bench import RING_TENSORS, TARGETS, run_params_bench
+from staleflow.transports.checksums import VERIFY_MODES
+from staleflow.transports.errors import FormatError
 from staleflow.transports.tables import model_tensor_table
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

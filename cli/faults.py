@@ -101,8 +101,10 @@ def register(app: typer.Typer) -> None:
                                   if cfg.instance.progress_tokens else "no progress checkpoints)"))
             counted = lost["counted_by_trajectory_server"]
             if counted["total"] is not None:
+                cycle = counted["one_cycle_tokens"]
                 console.print(f"  the trajectory server counted {counted['total']} tokens regenerated over "
-                              f"{counted['trajectories']} trajectories (from what the instances last said they held)")
+                              f"{counted['trajectories']} trajectories (from the coordinator's last snapshot of each "
+                              "failed instance" + (f"; those trajectories generate {cycle:.0f} tokens a cycle)" if cycle else ")"))
             if report["length_skew"]:
                 console.print(length_skew_line(report["length_skew"]))
             console.print("checks: " + ", ".join(f"{k}={v}" for k, v in report["checks"].items()))

@@ -73,7 +73,7 @@ def register(serve_app: typer.Typer) -> None:
     ) -> None:
         """The parameter server: versioned model weights, pushed by the trainer, pulled by instances."""
         from staleflow.servers.params import ParamStore, create_app
-        from staleflow.transports.base import TransportUnavailable
+        from staleflow.transports.errors import TransportUnavailable
 
         config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s, persist, data_port)
         if "nixl" in config.transports:

@@ -204,7 +204,7 @@ class Coordinator:
         await record.client.aclose()
         log.warning("instance %s removed", instance_id)
         try:
-            released = (await self.ts.release(instance_id)).released
+            released = (await self.ts.release(instance_id, generated=self._generated(record))).released
         except (httpx.HTTPError, ServiceError, ValueError) as exc:
             log.error("trajectories of removed instance %s could not be handed back yet (%s); reconciliation "
                       "will", instance_id, exc)
@@ -243,7 +243,7 @@ class Coordinator:
         """Hand a failed or restarted instance's trajectories back to the trajectory server; a
         failure (the TS restarting) is retried on later cycles until it succeeds."""
         try:
-            released = (await self.ts.release(record.instance_id)).released
+            released = (await self.ts.release(record.instance_id, generated=self._generated(record))).released
         except (httpx.HTTPError, ServiceError, ValueError) as exc:
             log.error("trajectories of %s could not be released yet (%s); retrying", record.instance_id, exc)
             return False
@@ -251,6 +251,13 @@ class Coordinator:
         self.stats.released += released
         log.warning("%d trajectories of %s back to the trajectory server", released, record.instance_id)
         return True
+
+    @staticmethod
+    def _generated(record: InstanceRecord) -> dict[str, int]:
+        """The response tokens each trajectory held on the instance at its last snapshot (at most a
+        cycle old): the trajectory server counts what lies beyond their checkpoints as regenerated."""
+        snapshot = record.snapshot
+        return dict(snapshot.generated or {}) if snapshot is not None else {}
 
     async def _rejoin(self, record: InstanceRecord, snap: SnapshotOut, why: str) -> bool:
         """A restarted instance (a new boot id): what was routed to its previous process is

@@ -60,6 +60,7 @@ class Fault:
     # the instance it resumes on generates again
     regenerated_tokens: list[int] = field(default_factory=list)
     checkpoint_round_s: float | None = None  # the failed instance's mean time to take and send a checkpoint batch
+    decode_steps_per_s: float | None = None  # the failed instance's decode steps per wall second before the fault
     since_checkpoint_round_s: float | None = None  # from the failed instance's last look for checkpoints to the fault
 
     @property
@@ -136,6 +137,7 @@ class FaultRunResult:
     step_times: list[float] = field(default_factory=list)  # when each step finished, s since the start
     failover: dict | None = None  # the trajectory server's checkpoint and failover counts (``Job.failover``)
     length_skew: dict | None = None  # what the bound did to the response lengths (``Job.length_skew``)
+    cycle_s: float | None = None  # the coordinator's mean time from one cycle's start to the next
 
     @property
     def pace_s(self) -> float:
@@ -153,7 +155,7 @@ class FaultRunResult:
         return {"wall_s": self.wall_s, "steps": self.steps, "faults": [f.to_json() for f in self.faults],
                 "violations": self.violations, "checks": self.checks, "restarts": self.restarts,
                 "events": self.events, "step_times": self.step_times, "pace_s": self.pace_s,
-                "failover": self.failover, "length_skew": self.length_skew}
+                "failover": self.failover, "length_skew": self.length_skew, "cycle_s": self.cycle_s}
 
 
 class FaultRun:
@@ -242,6 +244,7 @@ class FaultRun:
                 fault.steps_during = meter.steps(start_abs, end)
             self._verify(job, versions, ps_versions, result)
             result.failover, result.length_skew = job.failover(), job.length_skew()
+            result.cycle_s = self._cycle_seconds(probe.coordinator)
             return result
         finally:
             supervisor.stop()
@@ -265,12 +268,14 @@ class FaultRun:
             name = "trainer"
         else:
             name = SERVICE_OF_ROLE[role]
-        held = self._held_progress(job, name) if role == "instance" else {}
+        decode_rate = self._decode_rate(job, name) if role == "instance" else None  # read first: the kill
+        held = self._held_progress(job, name) if role == "instance" else {}  # follows the held progress at once
         waited_until = time.monotonic() + INSTANCE_BUSY_WAIT_S
         while role == "instance" and not held.get("held") and time.monotonic() < waited_until:  # mid-generation
             job.stop.wait(0.05)
             held = self._held_progress(job, name)
         fault = Fault(role, name, how, time.monotonic() - started, tv)
+        fault.decode_steps_per_s = decode_rate
         self.faults.append(fault)
         self._started = started
         job.kill(name, signal.SIGSTOP if how == "hang" else signal.SIGKILL)
@@ -278,6 +283,28 @@ class FaultRun:
         if held.get("batches"):
             fault.checkpoint_round_s = held["seconds"] / held["batches"]
         fault.since_checkpoint_round_s = held.get("since_last_round_s")
+
+    def _cycle_seconds(self, coordinator: CoordinatorClient) -> float | None:
+        """The coordinator's mean cycle interval (its period, or the cycle's own time where longer):
+        how old its last snapshot of a failed instance can be."""
+        try:
+            stats = coordinator.stats()
+        except (httpx.HTTPError, ServiceError, ValueError):
+            return None
+        return max(self.config.cycle_period, stats.cycle_ms_total / 1e3 / stats.cycles if stats.cycles else 0.0)
+
+    def _decode_rate(self, job: Job, name: str) -> float | None:
+        """The instance's decode steps per wall second so far (a step gives each running trajectory
+        one token), from its snapshot's counters on the engine's clock."""
+        try:
+            with InstanceClient(job.endpoints[name]["url"], timeout=2.0) as instance:
+                snap = instance.snapshot()
+        except (httpx.HTTPError, ServiceError, ValueError):
+            return None
+        if not snap.decode_steps or not snap.decode_seconds:
+            return None
+        clock = self.config.speed if self.config.engine == "sim" else 1.0
+        return snap.decode_steps / snap.decode_seconds * clock
 
     @staticmethod
     def _held_progress(job: Job, name: str) -> dict:
@@ -432,6 +459,16 @@ class FaultRun:
 # ---------------------------------------------------------------------------- the report
 
 
+def _one_cycle_tokens(run: FaultRunResult) -> float | None:
+    """What the trajectories hit by instance faults generate in one coordinator cycle (each of
+    them a token per decode step of its instance): how far the trajectory server's regenerated
+    count, from the coordinator's last snapshot, may lie from the harness's."""
+    hit = [f for f in run.faults if f.regenerated_tokens]
+    if run.cycle_s is None or any(f.decode_steps_per_s is None for f in hit):
+        return None
+    return sum(len(f.regenerated_tokens) * f.decode_steps_per_s for f in hit) * run.cycle_s
+
+
 def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:
     per_role: dict[str, dict] = {}
     for f in faulty.faults:
@@ -459,11 +496,13 @@ def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:
                                    "per_trajectory_mean": float(np.mean(regenerated)) if regenerated else None,
                                    "per_trajectory_max": max(regenerated) if regenerated else None,
                                    "total": sum(regenerated),
-                                   # the trajectory server's own count, from what instances said they held
-                                   # (a lower bound: what they generated after their last word is not in it)
+                                   # the trajectory server's own count, from the coordinator's last snapshot of the
+                                   # failed instance (or the instance's last word, if newer): it may miss what was
+                                   # generated in the cycle before the fault
                                    "counted_by_trajectory_server": {
                                        "trajectories": counted.get("regenerated_trajectories"),
-                                       "total": counted.get("regenerated_tokens")}},
+                                       "total": counted.get("regenerated_tokens"),
+                                       "one_cycle_tokens": _one_cycle_tokens(faulty)}},
             "length_skew": faulty.length_skew,
             "fault_every_steps": None, "baseline_wall_s": baseline.wall_s if baseline else None,
             "faulty_wall_s": faulty.wall_s, "violations": faulty.violations, "checks": faulty.checks,

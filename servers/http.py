@@ -245,6 +245,14 @@ class ConnectionLimits:
     once it has waited ``body_rate_grace_s``: a client trickling a byte every few seconds never
     pauses for ``body_timeout_s``, yet would hold its connection for as long as it liked."""
     body_rate_grace_s: float = 10.0
+    send_timeout_s: float = 60.0
+    """The longest a response waits for its client to take any more of it: a reader that never
+    reads would otherwise hold the response (and what it pins, such as a weights version) forever."""
+    min_send_rate: float = 1024.0
+    """Bytes per second a client must take of a response, averaged over the time the server has
+    waited for it to, once it has waited ``send_rate_grace_s`` (a trickling reader never pauses
+    for ``send_timeout_s``)."""
+    send_rate_grace_s: float = 10.0
     keep_alive_s: float = 5.0
     """An idle keep-alive connection is closed after this long."""
     max_head_bytes: int = 64 << 10
@@ -268,99 +276,164 @@ def _uvicorn_protocol() -> type:
         return H11Protocol
 
 
+class _MeteredTransport:
+    """A transport that counts the bytes written to it: what the client has taken of them is
+    that count less the transport's write buffer."""
+
+    def __init__(self, transport: Any):
+        self._transport = transport
+        self.written = 0
+
+    def write(self, data: Any) -> None:
+        self.written += len(data)
+        self._transport.write(data)
+
+    def taken(self) -> int:
+        return self.written - self._transport.get_write_buffer_size()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _ResponseWatch:
+    """How a client takes one response, checked on each tick: it has held the server up too long
+    (nothing taken for ``send_timeout_s`` while the server's writes are paused on it), or too
+    slowly (below ``min_send_rate`` over the time they were paused, once that passes the grace)."""
+
+    def __init__(self, transport: _MeteredTransport, limits: ConnectionLimits, now: float):
+        self.transport, self.limits = transport, limits
+        self.waited_s, self.taken_at_start = 0.0, transport.taken()
+        self.last_taken, self.last_take = self.taken_at_start, now
+
+    def refusal(self, now: float, since_check: float, write_paused: bool) -> str | None:
+        """Why the connection should close, or None."""
+        taken = self.transport.taken()
+        if taken != self.last_taken or not write_paused:
+            self.last_taken, self.last_take = taken, now
+            if not write_paused:
+                return None
+        self.waited_s += since_check
+        if now - self.last_take > self.limits.send_timeout_s:
+            return f"took none of its response for {self.limits.send_timeout_s:g} s"
+        rate = (taken - self.taken_at_start) / self.waited_s
+        if self.waited_s > self.limits.send_rate_grace_s and rate < self.limits.min_send_rate:
+            return f"took its response at {rate:.0f} bytes/s (the least is {self.limits.min_send_rate:g})"
+        return None
+
+
+class _Guarded:
+    """The limits ``guarded_protocol`` adds to uvicorn's protocol (mixed in before it)."""
+
+    limits: ConnectionLimits
+    tick: float
+    refusal: bytes
+    _refused = False
+    _timer: asyncio.TimerHandle | None = None
+    connections: Any
+    loop: Any
+    transport: Any
+    cycle: Any
+    flow: Any
+
+    def connection_made(self, transport: Any) -> None:
+        if len(self.connections) >= self.limits.max_connections:
+            # half-close after the refusal and drain what the client sends: closing with unread
+            # input would reset the connection, and the client might not read the refusal
+            self._refused = True
+            self.transport = transport
+            transport.write(self.refusal)
+            if transport.can_write_eof():
+                transport.write_eof()
+            self._timer = self.loop.call_later(self.limits.header_timeout_s, transport.close)
+            return
+        self._metered = _MeteredTransport(transport)
+        super().connection_made(self._metered)
+        self._head_since = self._last_read = self._last_check = self.loop.time()
+        self._head_bytes = 0
+        self._body_waited_s, self._body_bytes = 0.0, 0
+        self._response = _ResponseWatch(self._metered, self.limits, self.loop.time())
+        self._timer = self.loop.call_later(self.tick, self._check)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._refused:
+            super().connection_lost(exc)
+
+    def eof_received(self) -> Any:
+        if self._refused:
+            self.transport.close()
+            return None
+        return super().eof_received()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._last_read = self.loop.time()
+        super().data_received(data)
+        if self._awaiting_head():
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_head_bytes and not self.transport.is_closing():
+                log.info("closing a connection whose request head passed %d bytes", self.limits.max_head_bytes)
+                self.transport.close()
+        else:
+            self._head_bytes = 0
+            self._body_bytes += len(data)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._head_since = self.loop.time()
+        self._head_bytes = 0
+        self._body_waited_s, self._body_bytes = 0.0, 0
+        self._response = _ResponseWatch(self._metered, self.limits, self._head_since)
+
+    def _awaiting_head(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _check(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        now = self.loop.time()
+        since_check, self._last_check = now - self._last_check, now
+        cycle = self.cycle
+        if self._awaiting_head():
+            if now - self._head_since > self.limits.header_timeout_s:
+                log.info("closing a connection that sent no complete request head in %g s", self.limits.header_timeout_s)
+                self.transport.close()
+                return
+        elif cycle.more_body and not cycle.waiting_for_100_continue and not self.flow.read_paused:
+            self._body_waited_s += since_check
+            if now - self._last_read > self.limits.body_timeout_s:
+                log.info("closing a connection whose request body paused for %g s", self.limits.body_timeout_s)
+                self.transport.close()
+                return
+            if self._body_waited_s > self.limits.body_rate_grace_s \
+                    and self._body_bytes < self.limits.min_body_rate * self._body_waited_s:
+                log.info("closing a connection whose request body came at %.0f bytes/s (the least is %g)",
+                         self._body_bytes / self._body_waited_s, self.limits.min_body_rate)
+                self.transport.close()
+                return
+        else:  # the app's turn, or the client's to take the response
+            self._last_read = now
+            refusal = self._response.refusal(now, since_check, self.flow.write_paused)
+            if refusal is not None:
+                log.info("closing a connection whose client %s", refusal)
+                self.transport.abort()  # its buffered response is dropped: the client never took it
+                return
+        self._timer = self.loop.call_later(self.tick, self._check)
+
+
+
 def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol with ``limits``: a deadline for each request head, a deadline for
     each pause in a body and a minimum average rate of a body while the server waits for it (not
-    while the app is busy or holds the client back), a cap on head bytes, and a cap on connections."""
-    base: Any = _uvicorn_protocol()
-    tick = min(limits.header_timeout_s, limits.body_timeout_s, limits.body_rate_grace_s) / 4
-    refusal = _refusal(limits.max_connections)
-
-    class GuardedProtocol(base):
-        _refused = False
-        _timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: Any) -> None:
-            if len(self.connections) >= limits.max_connections:
-                # half-close after the refusal and drain what the client sends: closing with unread
-                # input would reset the connection, and the client might not read the refusal
-                self._refused = True
-                self.transport = transport
-                transport.write(refusal)
-                if transport.can_write_eof():
-                    transport.write_eof()
-                self._timer = self.loop.call_later(limits.header_timeout_s, transport.close)
-                return
-            super().connection_made(transport)
-            self._head_since = self._last_read = self._last_check = self.loop.time()
-            self._head_bytes = 0
-            self._body_waited_s, self._body_bytes = 0.0, 0
-            self._timer = self.loop.call_later(tick, self._check)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            if not self._refused:
-                super().connection_lost(exc)
-
-        def eof_received(self) -> Any:
-            if self._refused:
-                self.transport.close()
-                return None
-            return super().eof_received()
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
-            self._last_read = self.loop.time()
-            super().data_received(data)
-            if self._awaiting_head():
-                self._head_bytes += len(data)
-                if self._head_bytes > limits.max_head_bytes and not self.transport.is_closing():
-                    log.info("closing a connection whose request head passed %d bytes", limits.max_head_bytes)
-                    self.transport.close()
-            else:
-                self._head_bytes = 0
-                self._body_bytes += len(data)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._head_since = self.loop.time()
-            self._head_bytes = 0
-            self._body_waited_s, self._body_bytes = 0.0, 0
-
-        def _awaiting_head(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def _check(self) -> None:
-            self._timer = None
-            if self.transport.is_closing():
-                return
-            now = self.loop.time()
-            since_check, self._last_check = now - self._last_check, now
-            cycle = self.cycle
-            if self._awaiting_head():
-                if now - self._head_since > limits.header_timeout_s:
-                    log.info("closing a connection that sent no complete request head in %g s", limits.header_timeout_s)
-                    self.transport.close()
-                    return
-            elif cycle.more_body and not cycle.waiting_for_100_continue and not self.flow.read_paused:
-                self._body_waited_s += since_check
-                if now - self._last_read > limits.body_timeout_s:
-                    log.info("closing a connection whose request body paused for %g s", limits.body_timeout_s)
-                    self.transport.close()
-                    return
-                if self._body_waited_s > limits.body_rate_grace_s \
-                        and self._body_bytes < limits.min_body_rate * self._body_waited_s:
-                    log.info("closing a connection whose request body came at %.0f bytes/s (the least is %g)",
-                             self._body_bytes / self._body_waited_s, limits.min_body_rate)
-                    self.transport.close()
-                    return
-            else:  # the app's turn: the client is not holding anything up
-                self._last_read = now
-            self._timer = self.loop.call_later(tick, self._check)
-
-    return GuardedProtocol
+    while the app is busy or holds the client back), the same two for a response while it waits
+    for the client to take it, a cap on head bytes, and a cap on connections."""
+    tick = min(limits.header_timeout_s, limits.body_timeout_s, limits.body_rate_grace_s,
+               limits.send_timeout_s, limits.send_rate_grace_s) / 4
+    return type("GuardedProtocol", (_Guarded, _uvicorn_protocol()),
+                {"limits": limits, "tick": tick, "refusal": _refusal(limits.max_connections)})
 
 
 def _uvicorn_config(app: FastAPI, log_level: str, limits: ConnectionLimits | None) -> uvicorn.Config:

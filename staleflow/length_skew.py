@@ -13,7 +13,7 @@ Every trajectory that generated anything is counted once in ``generated``, by th
 reached, when it leaves generation: a completion by its response length, one cut while it ran
 (or waited with a partial response) by what it held then. Each then gets one fate:
 
-* ``trained``: consumed in a batch (with its staleness ``V_buf - V_traj``);
+* ``trained``: consumed in a batch (with its staleness ``V_buf`` minus the oldest version among its segments);
 * ``aborted``: its group was aborted by the staleness bound (expired before it could be consumed);
 * ``filtered``: its group was filtered (all rewards equal);
 * ``dropped``: surplus of redundancy (a member beyond the group's ``G``, a group beyond the batch).
@@ -123,6 +123,10 @@ class StepSkew:
         self.generated_tokens += other.generated_tokens
         self.trained_tokens += other.trained_tokens
 
+    def violations(self, eta: int) -> int:
+        """Trained trajectories whose staleness lies outside ``[0, eta]`` (must be none)."""
+        return sum(n for hist in self.staleness.values() for k, n in hist.items() if not 0 <= k <= eta)
+
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, **_counts_json(self.generated, self.fates, self.staleness, self.regenerated,
                                                   self.regenerated_tokens),
@@ -223,7 +227,7 @@ class LengthSkew:
             self.stopped(traj_id, length, fate)
 
     def consumed(self, buffer: int, trained: Iterable[tuple[str, int]]) -> None:
-        """Buffer ``buffer`` was consumed with these (traj_id, staleness ``V_buf - V_traj``): they
+        """Buffer ``buffer`` was consumed with these (traj_id, staleness: ``V_buf`` minus its oldest segment version): they
         are trained in step ``buffer``, whose window closes; later events go to ``buffer + 1``.
         What came before the first consumption seen belongs to that consumption's step."""
         if not self._step_known:

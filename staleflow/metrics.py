@@ -168,6 +168,9 @@ TRAJECTORY_FAILURE_REGENERATED_TOKENS = Metric(
     "staleflow_trajectory_failure_regenerated_tokens", "counter",
     "response tokens trajectories handed back from a failed instance had generated beyond their last checkpoint "
     "(generated again)")
+TRAJECTORY_STALENESS_VIOLATIONS = Metric(
+    "staleflow_trajectory_staleness_violations", "counter",
+    "trained trajectories with a token more than eta versions older than their buffer (must stay 0)")
 LENGTH_SKEW_TRAJECTORIES = Metric(
     "staleflow_length_skew_trajectories", "counter",
     "trajectories by what became of them (generated, trained, aborted, filtered, dropped, regenerated) and "
@@ -178,7 +181,7 @@ LENGTH_SKEW_REGENERATED_TOKENS = Metric("staleflow_length_skew_regenerated_token
 LENGTH_SKEW_IN_FLIGHT = Metric("staleflow_length_skew_in_flight", "gauge",
                                "generated trajectories whose fate is not known yet, by length bucket", ("bucket",))
 LENGTH_SKEW_STALENESS = Metric("staleflow_length_skew_staleness", "summary",
-                               "staleness V_buf - V_traj of trained trajectories, by length bucket", ("bucket",))
+                               "staleness (V_buf minus the oldest segment version) of trained trajectories, by length bucket", ("bucket",))
 ADMISSION_WAIT_SECONDS = Metric("staleflow_admission_wait_seconds", "summary",
                                 "how long each admitted group waited from sampled to admitted by the ledger")
 ADMISSION_WAITED = Metric("staleflow_admission_waited_groups", "counter",

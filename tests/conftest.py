@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,3 +78,12 @@ def no_ambient_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test starts without $STALEFLOW_TOKEN(_FILE); tests that want one set it themselves."""
     monkeypatch.delenv("STALEFLOW_TOKEN", raising=False)
     monkeypatch.delenv("STALEFLOW_TOKEN_FILE", raising=False)
+
+
+@pytest.fixture
+def sockets() -> Iterator[list[socket.socket]]:
+    """The raw sockets a test opens (``support.sockets.connect``), closed when it ends."""
+    opened: list[socket.socket] = []
+    yield opened
+    for sock in opened:
+        sock.close()

@@ -386,6 +386,7 @@ class InstanceServer:
             "loading_weights": snap.loading_weights,
             "decode_steps": snap.decode_steps,
             "decode_seconds": snap.decode_seconds,
+            "generated": dict(snap.generated) if snap.generated is not None else None,
         }
 
     async def advance(self, request: AdvanceIn) -> dict[str, Any]:

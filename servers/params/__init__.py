@@ -11,22 +11,26 @@ Every version is immutable once committed, so the paper's read-write rule become
 * eviction is the other exclusive writer: a version outside the newest ``keep`` takes no new
   leases and is deleted only when its last lease is released (or expires).
 
-Durability: a version lives in ``state_dir/versions/vNNNNNNNNNN/`` as one safetensors file plus
-``manifest.json``, written last and renamed into place; a push in progress lives in a
-``.staging-*`` folder that a restart discards. Data is served with pread from the stored file (or
-from shared memory), so the PS's own memory stays bounded by a few pieces per stream.
+Memory first: a push writes into a shared-memory slot and the version is visible from there;
+a background thread persists it to ``state_dir/versions/vNNNNNNNNNN/`` (one safetensors file plus
+``manifest.json``, written last and renamed into place), and a restart serves the newest persisted
+versions again. Data is sent from the slot (or the file), so the PS's own memory stays bounded.
 
-Endpoints (JSON errors ``{"detail": ...}``): see docs/params.md.
+Endpoints (errors are ``{"detail", "code", ...}`` with a stable code): see docs/params.md.
 
-``config`` holds the settings, ``store`` the durable store and its rules, ``app`` the REST app; its
-wire models and routes are ``staleflow.api.params``, and its client (``ParamsClient``, with the
-transports) lives in the library, ``staleflow.transports.client``.
+The modules, by concern: ``rules`` the pure rules and records (version specs, retention, chunk
+cutting, coverage), ``files`` a version's folder on disk, ``push`` the pushes in progress
+(``PushTable``), ``store`` the store that owns them (versions, leases, retention, persistence),
+``app`` the REST app, ``dataplane`` the chunk bodies' own port, ``relay`` the cross-node relay and
+``config`` the settings. The wire models and routes are ``staleflow.api.params``; the client
+(``ParamsClient``, with the transports) lives in the library, ``staleflow.transports.client``.
 """
 
 from staleflow.api.base import ServiceError
 from staleflow.servers.params.app import create_app
 from staleflow.servers.params.config import ParamsConfig
-from staleflow.servers.params.store import ParamsError, ParamStore
+from staleflow.servers.params.rules import ParamsError
+from staleflow.servers.params.store import ParamStore
 from staleflow.transports.client import ParamsClient, RawTensor
 
 __all__ = ["ParamStore", "ParamsClient", "ParamsConfig", "ParamsError", "RawTensor", "ServiceError", "create_app"]

@@ -36,11 +36,12 @@ from staleflow.api.params import (
     VersionSummary,
 )
 from staleflow.errors import ErrorCode
-from staleflow.servers.http import service_app
+from staleflow.servers.http import ConnectionLimits, service_app
 from staleflow.servers.params.config import ParamsConfig
 from staleflow.servers.params.dataplane import ChunkDataPlane
-from staleflow.servers.params.store import ParamsError, ParamStore, StoredVersion
-from staleflow.transports.base import checksum_algorithms
+from staleflow.servers.params.rules import ParamsError, StoredVersion
+from staleflow.servers.params.store import ParamStore
+from staleflow.transports.checksums import checksum_algorithms
 from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range, stream_mapped_range
 from staleflow.transports.shm import host_id
 
@@ -60,10 +61,12 @@ async def the_store(request: Request) -> ParamStore:
 StoreDep = Annotated[ParamStore, Depends(the_store)]
 
 
-def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store: bool | None = None) -> FastAPI:
+def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store: bool | None = None,
+               limits: ConnectionLimits | None = None) -> FastAPI:
     """The parameter server. Closes the store at shutdown if it opened it, or if ``owns_store``
     (uvicorn ends the process with the stop signal itself after a graceful shutdown, so code
-    after ``serve_forever`` may never run)."""
+    after ``serve_forever`` may never run). ``limits``: the data plane's (the API port's are
+    uvicorn's, given where the app is served)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,7 +75,8 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         sweeper = asyncio.create_task(_sweep_forever(app.state.store, min(config.lease_ttl_s, config.push_ttl_s) / 4))
         try:
             app.state.data_plane = (None if config.data_port is None else
-                                    ChunkDataPlane(app.state.store, config.host, config.data_port, getattr(app.state, "token", None)))
+                                    ChunkDataPlane(app.state.store, config.host, config.data_port, getattr(app.state, "token", None),
+                                                   limits))
         except BaseException:
             sweeper.cancel()
             if owned:
@@ -95,10 +99,24 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
 
     @app.get("/v1/health", response_model=ParamsHealth)
     def health(store: StoreDep) -> dict:
+        plane: ChunkDataPlane | None = app.state.data_plane
+        if plane is not None and not plane.accepting:
+            raise ParamsError(ErrorCode.TRANSPORT_UNAVAILABLE, f"the data plane on port {plane.port} stopped accepting "
+                                                               "connections (its log says why); restart the parameter server")
         s = store.describe()
         return {"status": "ok", "latest": s["latest"], "versions": len(s["versions"]),
                 "transports": list(config.transports), "host_id": host_id(),
-                "data_port": app.state.data_plane.port if app.state.data_plane is not None else None}
+                "data_port": plane.port if plane is not None else None,
+                "data_plane_accept_failures": plane.accept_failures if plane is not None else 0}
+
+    _add_version_routes(app)
+    _add_push_routes(app, config)
+    _add_pull_routes(app, config)
+    return app
+
+
+def _add_version_routes(app: FastAPI) -> None:
+    """Listing, resolving and withdrawing versions."""
 
     @app.get("/v1/params", response_model=StoreDescription)
     def list_versions(store: StoreDep) -> dict:
@@ -108,11 +126,21 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     def latest(store: StoreDep) -> dict:
         return store.resolve_stored("latest").manifest.summary()
 
+    @app.delete("/v1/params/{version}", response_model=VersionDeleted)
+    def delete_version(store: StoreDep, version: int) -> dict:
+        """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end."""
+        stored = store.delete_version(version)
+        return {"version": version, "deleted": stored.leases == 0, "readers": stored.leases}
+
+
+def _add_push_routes(app: FastAPI, config: ParamsConfig) -> None:
+    """Pushes: one pusher's (begin, chunks, commit) and in parts (join, chunks, done), and aborts."""
+
     @app.post("/v1/params/{version}", status_code=201, response_model=PushStarted)
     def begin_push(store: StoreDep, version: Annotated[int, "version number"], body: PushBegin) -> dict:
         if version < 0:
             raise ParamsError(ErrorCode.INVALID_VERSION, "version must be >= 0")
-        push = store.begin_push(version, [(t.name, t.dtype, t.shape) for t in body.tensors], body.metadata)
+        push = store.pushes.begin_push(version, [(t.name, t.dtype, t.shape) for t in body.tensors], body.metadata)
         chunks = push.parts[0].chunks
         return {"push_id": push.push_id, "version": version, "chunk_bytes": config.chunk_bytes,
                 "total_bytes": push.total_bytes,
@@ -128,12 +156,12 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         if body.via == "nixl" and "nixl" not in config.transports:
             raise ParamsError(ErrorCode.TRANSPORT_DISABLED, "NIXL is not enabled here; push the part over http")
         tensors = None if body.tensors is None else [(t.name, t.dtype, t.shape) for t in body.tensors]
-        push, entry = store.join_push(version, part, body.parts, tensors, body.metadata, body.ranges, body.via, body.gather,
+        push, entry = store.pushes.join_push(version, part, body.parts, tensors, body.metadata, body.ranges, body.via, body.gather,
                                       body.table)
         details = ({"path": str(push.slot.path), "size": push.slot.size, "data_offset": push.data_offset,
                     "host_id": host_id()} if body.via == "shm" else {})
         if body.via == "nixl":
-            details = store.nixl_push_details(push)
+            details = store.pushes.nixl_push_details(push)
         return {"push_id": push.push_id, "version": version, "part": part, "table": push.table, "chunk_bytes": config.chunk_bytes,
                 "total_bytes": push.total_bytes, "data_offset": push.data_offset, "details": details,
                 "chunks": [{"index": c.index, "offset": c.offset, "length": c.length, "ranges": c.ranges or None}
@@ -149,43 +177,25 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     def finish_part(store: StoreDep, version: int, part: int, push_id: Annotated[str, Query()],
                     body: PartDone | None = None) -> dict:
         body = body or PartDone()
-        return store.finish_part(version, push_id, part, body.checksums, body.wait_s)
+        return store.pushes.finish_part(version, push_id, part, body.checksums, body.wait_s)
 
     @app.put("/v1/params/{version}/chunks/{index}", response_model=ChunkReceived)
     async def put_chunk(request: Request, store: StoreDep, version: int, index: int,
                         push_id: Annotated[str, Query()]) -> dict:
         return await _receive_chunk(request, store, version, index, push_id, 0)
 
-    async def _receive_chunk(request: Request, store: ParamStore, version: int, index: int, push_id: str,
-                             part: int) -> dict:
-        length = request.headers.get("content-length")
-        writer = store.chunk_writer(version, push_id, index, request.headers.get(CHECKSUM_HEADER),
-                                    int(length) if length and length.isdigit() else None, part)
-        try:
-            async for piece in request.stream():
-                writer.add(piece)
-        except ClientDisconnect:
-            writer.abandon()
-            raise ParamsError(ErrorCode.CLIENT_DISCONNECTED, f"the client went away in the middle of chunk {index}") from None
-        except BaseException:
-            writer.abandon()
-            raise
-        return {"index": index, "checksum": writer.finish()}
-
     @app.post("/v1/params/{version}/commit", response_model=VersionSummary)
     def commit(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
-        return store.commit(version, push_id).summary()
-
-    @app.delete("/v1/params/{version}", response_model=VersionDeleted)
-    def delete_version(store: StoreDep, version: int) -> dict:
-        """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end."""
-        stored = store.delete_version(version)
-        return {"version": version, "deleted": stored.leases == 0, "readers": stored.leases}
+        return store.pushes.commit(version, push_id).summary()
 
     @app.delete("/v1/params/{version}/push", response_model=PushAborted)
     def abort_push(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
-        store.abort_push(version, push_id)
+        store.pushes.abort_push(version, push_id)
         return {"version": version, "aborted": True}
+
+
+def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
+    """Pulls: leases, chunks and whole files, and whether a version is on disk yet."""
 
     @app.get("/v1/params/{version}/persisted", response_model=Persisted)
     def persisted(store: StoreDep, version: int, wait_s: Annotated[float, Query(ge=0, le=3600)] = 0.0) -> dict:
@@ -238,7 +248,22 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         return _stream(s, stored, fd, 0, stored.file_size,
                        {"content-disposition": f'attachment; filename="v{stored.manifest.version}.safetensors"'})
 
-    return app
+
+async def _receive_chunk(request: Request, store: ParamStore, version: int, index: int, push_id: str,
+                         part: int) -> dict:
+    length = request.headers.get("content-length")
+    writer = store.pushes.chunk_writer(version, push_id, index, request.headers.get(CHECKSUM_HEADER),
+                                int(length) if length and length.isdigit() else None, part)
+    try:
+        async for piece in request.stream():
+            writer.add(piece)
+    except ClientDisconnect:
+        writer.abandon()
+        raise ParamsError(ErrorCode.CLIENT_DISCONNECTED, f"the client went away in the middle of chunk {index}") from None
+    except BaseException:
+        writer.abandon()
+        raise
+    return {"index": index, "checksum": writer.finish()}
 
 
 def _stream(store: ParamStore, stored: StoredVersion, fd: int, offset: int, length: int,

@@ -19,16 +19,26 @@ Leases, joins and commits stay on the API port; clients find this port in ``/v1/
 ``max_connections`` are served at once (one more is answered 503 ``too_many_connections`` and
 closed), a request that says ``Connection: close`` closes its connection once answered, and a
 connection that sends no complete request head within ``header_timeout_s`` of its start (or of
-its previous response) is closed, as on the API port.
+its previous response) is closed, as on the API port. So is one whose client takes none of a
+response for ``send_timeout_s``, or takes it slower than ``min_send_rate`` once it has kept the
+server waiting ``send_rate_grace_s``: a chunk being sent pins its version, which a reader that
+never reads would otherwise hold forever.
+
+Running out of descriptors or memory (``EMFILE``, ``ENFILE``, ``ENOBUFS``, ``ENOMEM``) while
+accepting is logged and retried after a pause; the connection waits in the backlog meanwhile.
+Should the accept loop stop for another reason, ``accepting`` says so (and ``/v1/health``
+answers 503, so a supervisor restarts the server).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
+import select
 import socket
 import threading
 import time
@@ -43,7 +53,12 @@ from staleflow.transports.http import CHECKSUM_HEADER, PIECE_BYTES, SocketReader
 log = logging.getLogger(__name__)
 
 _CHUNK_ROUTE = re.compile(r"^/v1/params/(\d{1,18})/(?:parts/(\d{1,9})/)?chunks/(\d{1,9})$")
-_SEND_STEP = 64 << 20  # bytes per sendfile call
+_SEND_STEP = 64 << 20  # bytes per send or sendfile call
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_TRANSIENT = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR})  # the connection, not the listener
+ACCEPT_RETRY_S = 0.25
+"""The pause before accepting again after running out of descriptors or memory: they come back
+as connections close, and the pending connections wait in the backlog meanwhile."""
 
 
 class _Refused(StaleFlowError):
@@ -51,29 +66,94 @@ class _Refused(StaleFlowError):
     request after it."""
 
 
+class _SlowReader(TimeoutError):
+    """The client took a response too slowly, or not at all, within the send limits."""
+
+
+class _Sender:
+    """Sends the bytes of a connection's responses within ``limits``: the client must take some
+    of them every ``send_timeout_s``, and on average ``min_send_rate`` bytes a second of the time
+    the server waits for it, once that is over ``send_rate_grace_s``. The socket is non-blocking
+    while sending; ``done`` hands it back blocking (``recv_into``, the request heads)."""
+
+    def __init__(self, conn: socket.socket, limits: ConnectionLimits):
+        self.conn, self.limits = conn, limits
+        self.sent, self.waited_s = 0, 0.0
+        self.last_take = time.monotonic()
+        self._poll = select.poll()
+        self._poll.register(conn, select.POLLOUT)
+        conn.setblocking(False)
+
+    def done(self) -> None:
+        self.conn.setblocking(True)
+
+    def data(self, data: bytes | memoryview) -> None:
+        with memoryview(data) as view:
+            at = 0
+            while at < len(view):
+                try:
+                    at += self._took(self.conn.send(view[at:at + _SEND_STEP]))
+                except BlockingIOError:
+                    self._wait()
+
+    def file(self, fd: int, offset: int, end: int) -> None:
+        while offset < end:
+            try:
+                sent = os.sendfile(self.conn.fileno(), fd, offset, min(_SEND_STEP, end - offset))
+            except BlockingIOError:
+                self._wait()
+                continue
+            if sent == 0:
+                raise OSError(f"the file ended at byte {offset} of {end}")
+            offset += self._took(sent)
+
+    def _took(self, n: int) -> int:
+        self.sent += n
+        self.last_take = time.monotonic()
+        return n
+
+    def _wait(self) -> None:
+        limits = self.limits
+        now = time.monotonic()
+        left = self.last_take + limits.send_timeout_s - now
+        if left <= 0:
+            raise _SlowReader(f"the client took none of a response for {limits.send_timeout_s:g} s")
+        if self.waited_s > limits.send_rate_grace_s and self.sent < limits.min_send_rate * self.waited_s:
+            raise _SlowReader(f"the client took a response at {self.sent / self.waited_s:.0f} bytes/s "
+                              f"(the least is {limits.min_send_rate:g})")
+        self._poll.poll(max(1, int(1000 * min(left, limits.send_rate_grace_s))))
+        self.waited_s += time.monotonic() - now
+
+
 class ChunkDataPlane:
     """Serves the chunk routes of ``store`` on ``host:port`` (0: any free port) until ``close``."""
 
     def __init__(self, store: ParamStore, host: str, port: int, token: str | None,
-                 max_connections: int = ConnectionLimits.max_connections,
-                 header_timeout_s: float = ConnectionLimits.header_timeout_s):
+                 limits: ConnectionLimits | None = None):
         self.store = store
         self._listener = bind_socket(host, port)
         self.port: int = self._listener.getsockname()[1]
         self._token = token
-        self.max_connections = max_connections
-        self.header_timeout_s = header_timeout_s
+        self.limits = limits or ConnectionLimits()
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # wakes an accept loop pausing after running out of descriptors
+        self.accept_failures = 0  # accepts that ran out of descriptors or memory, and were retried
         self._acceptor = threading.Thread(target=self._accept_forever, name="params-data-accept", daemon=True)
         self._acceptor.start()
         log.info("parameter server data plane on %s:%d", host, self.port)
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the accept loop runs (it may be pausing for descriptors to come back)."""
+        return self._acceptor.is_alive() and not self._closed
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             connections = dict(self._connections)
+        self._closing.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor
         self._listener.close()
@@ -85,33 +165,59 @@ class ChunkDataPlane:
             thread.join(5)
 
     def _accept_forever(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            thread = threading.Thread(target=self._serve, args=(conn,), name="params-data", daemon=True)
-            with self._lock:
+            except OSError as exc:
                 if self._closed:
-                    conn.close()
                     return
-                full = len(self._connections) >= self.max_connections
-                if not full:
-                    self._connections[conn] = thread
+                if exc.errno in _TRANSIENT:
+                    continue
+                if exc.errno not in _EXHAUSTED:
+                    log.exception("the data plane stopped accepting connections; restart the parameter server")
+                    return
+                self._pause(f"{errno.errorcode.get(exc.errno or 0, exc.errno)} ({exc.strerror})")
+                continue
+            try:
+                self._admit(conn)
+            except RuntimeError as exc:  # no thread to serve it: out of memory or of threads
+                conn.close()
+                self._pause(str(exc))
+
+    def _pause(self, why: str) -> None:
+        self.accept_failures += 1
+        log.warning("the data plane cannot accept a connection: %s; retrying in %g s (%d time(s) so far)",
+                    why, ACCEPT_RETRY_S, self.accept_failures)
+        self._closing.wait(ACCEPT_RETRY_S)
+
+    def _admit(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        thread = threading.Thread(target=self._serve, args=(conn,), name="params-data", daemon=True)
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            full = len(self._connections) >= self.limits.max_connections
+            if not full:
+                self._connections[conn] = thread
+                try:
                     thread.start()
-            if full:
-                _refuse_connection(conn, self.max_connections)
+                except BaseException:
+                    del self._connections[conn]
+                    raise
+        if full:
+            _refuse_connection(conn, self.limits.max_connections)
 
     def _serve(self, conn: socket.socket) -> None:
         reader = SocketReader(conn)
         try:
             while True:
                 try:
-                    message = reader.head(deadline=time.monotonic() + self.header_timeout_s)
+                    message = reader.head(deadline=time.monotonic() + self.limits.header_timeout_s)
                 except TimeoutError:
                     log.info("closing a data-plane connection that sent no complete request head in %g s",
-                             self.header_timeout_s)
+                             self.limits.header_timeout_s)
                     return
                 if message is None:
                     return
@@ -120,11 +226,13 @@ class ChunkDataPlane:
                 try:
                     self._answer(conn, reader, request_line, headers)
                 except StaleFlowError as exc:
-                    _send_json(conn, exc.status, exc.to_json(), close=closing or isinstance(exc, _Refused))
+                    self._send_json(conn, exc.status, exc.to_json(), close=closing or isinstance(exc, _Refused))
                     if isinstance(exc, _Refused):
                         return
                 if closing:
                     return
+        except _SlowReader as exc:
+            log.info("closing a data-plane connection: %s", exc)
         except (OSError, ConnectionError):
             pass  # the peer went away (a push in flight was abandoned where it stood)
         except Exception:
@@ -165,11 +273,11 @@ class ChunkDataPlane:
         if "push_id" not in query:
             raise _Refused(ErrorCode.INVALID_REQUEST, "query parameter push_id is missing")
         try:
-            writer = self.store.chunk_writer(version, query["push_id"], index, headers.get(CHECKSUM_HEADER), int(length), part)
+            writer = self.store.pushes.chunk_writer(version, query["push_id"], index, headers.get(CHECKSUM_HEADER), int(length), part)
         except StaleFlowError as exc:
             raise _Refused(exc.code, exc.message) from None
         if headers.get("expect", "").lower() == "100-continue":
-            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._send(conn, b"HTTP/1.1 100 Continue\r\n\r\n")
         views = writer.remaining()  # the chunk's ranges in the slot; Content-Length is their sum (checked)
         try:
             for n in reader.into(views, PIECE_BYTES):
@@ -180,7 +288,7 @@ class ChunkDataPlane:
         finally:
             for view in views:
                 view.release()
-        _send_json(conn, 200, {"index": index, "checksum": writer.finish()}, False)
+        self._send_json(conn, 200, {"index": index, "checksum": writer.finish()}, False)
 
     def _send_chunk(self, conn: socket.socket, version: int, index: int, lease: str | None) -> None:
         fd, stored = self.store.open_range(version, lease)
@@ -189,21 +297,31 @@ class ChunkDataPlane:
             if not 0 <= index < len(chunks):
                 raise StaleFlowError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{len(chunks) - 1}, not {index}")
             chunk = chunks[index]
-            conn.sendall(_head(200, {"Content-Type": "application/octet-stream", "Content-Length": str(chunk.length),
-                                     CHECKSUM_HEADER: chunk.checksum or ""}))
-            offset, end = stored.manifest.data_offset + chunk.offset, stored.manifest.data_offset + chunk.offset + chunk.length
-            if stored.slot is not None and stored.slot.mapping is not None:  # measured faster than sendfile from tmpfs
-                with memoryview(stored.slot.mapping) as mapped:
-                    conn.sendall(mapped[offset:end])
-                return
-            while offset < end:
-                sent = os.sendfile(conn.fileno(), fd, offset, min(_SEND_STEP, end - offset))
-                if sent == 0:
-                    raise OSError(f"version {version} ended at byte {offset}")
-                offset += sent
+            sender = _Sender(conn, self.limits)
+            try:
+                sender.data(_head(200, {"Content-Type": "application/octet-stream", "Content-Length": str(chunk.length),
+                                        CHECKSUM_HEADER: chunk.checksum or ""}))
+                offset = stored.manifest.data_offset + chunk.offset
+                if stored.slot is not None and stored.slot.mapping is not None:  # measured faster than sendfile from tmpfs
+                    with memoryview(stored.slot.mapping) as mapped:
+                        sender.data(mapped[offset:offset + chunk.length])
+                else:
+                    sender.file(fd, offset, offset + chunk.length)
+            finally:
+                sender.done()
         finally:
             os.close(fd)
             self.store.stream_done(stored)
+
+    def _send(self, conn: socket.socket, data: bytes) -> None:
+        sender = _Sender(conn, self.limits)
+        try:
+            sender.data(data)
+        finally:
+            sender.done()
+
+    def _send_json(self, conn: socket.socket, status: int, body: dict, close: bool) -> None:
+        self._send(conn, _json_response(status, body, close))
 
 
 def _refuse_connection(conn: socket.socket, limit: int) -> None:
@@ -212,7 +330,7 @@ def _refuse_connection(conn: socket.socket, limit: int) -> None:
     error = StaleFlowError(ErrorCode.TOO_MANY_CONNECTIONS, f"the data plane holds its limit of {limit} connections; "
                                                             "retry later")
     with contextlib.suppress(OSError):
-        _send_json(conn, error.status, error.to_json(), close=True)
+        conn.sendall(_json_response(error.status, error.to_json(), close=True))
         conn.shutdown(socket.SHUT_WR)
         conn.setblocking(False)
         while conn.recv(1 << 16):
@@ -225,12 +343,12 @@ def _head(status: int, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def _send_json(conn: socket.socket, status: int, body: dict, close: bool) -> None:
+def _json_response(status: int, body: dict, close: bool) -> bytes:
     data = json.dumps(body).encode()
     headers = {"Content-Type": "application/json", "Content-Length": str(len(data))}
     if close:
         headers["Connection"] = "close"
-    conn.sendall(_head(status, headers) + data)
+    return _head(status, headers) + data
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",

@@ -28,6 +28,7 @@ from staleflow.api.trajectories import (
     ProgressOut,
     ProgressRequest,
     Released,
+    ReleaseRequest,
     Returned,
     ReturnRequest,
     TrajectoriesOut,
@@ -100,7 +101,8 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
                 "progress": {"checkpointed_tokens": server.checkpointed_tokens,
                              "failed_over": server.store.failed_over[0], "resumed_tokens": server.store.failed_over[1],
                              "regenerated_trajectories": server.store.book.regenerated[0],
-                             "regenerated_tokens": server.store.book.regenerated[1]}}
+                             "regenerated_tokens": server.store.book.regenerated[1]},
+                "staleness_violations": server.staleness_violations()}
 
     @app.get("/v1/length-skew", response_model=LengthSkewOut)
     async def length_skew(server: ServerDep, after_step: Annotated[int, Query(ge=-1)] = -1) -> dict:
@@ -125,8 +127,7 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
     @app.post("/v1/return", response_model=Returned)
     async def give_back(server: ServerDep, body: ReturnRequest) -> dict:
         server.check_vocabulary(body.partials)
-        outcome = server.store.returned([p.model_dump() for p in body.partials], body.instance_id)
-        return {"outcome": outcome}
+        return {"outcome": await server.returned(body)}
 
     @app.post("/v1/completed", response_model=Accepted)
     async def completed(server: ServerDep, body: CompletedRequest) -> dict:
@@ -138,12 +139,14 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
         """Progress checkpoints of trajectories running on an instance, appended durably: a
         trajectory handed back from a failed instance resumes from its last checkpoint."""
         server.check_vocabulary(body.trajectories)
-        return server.progress(body)
+        return await server.progress(body)
 
     @app.post("/v1/instances/{instance_id}/release", response_model=Released)
-    async def release(server: ServerDep, instance_id: str) -> dict:
-        """The coordinator declared the instance failed: its trajectories become routable again."""
-        return {"released": server.store.release_instance(instance_id)}
+    async def release(server: ServerDep, instance_id: str, body: ReleaseRequest | None = None) -> dict:
+        """The coordinator declared the instance failed: its trajectories become routable again.
+        What they held there beyond their checkpoints (the coordinator's last snapshot, or the
+        instance's last word if more) is counted as regenerated, once, durably."""
+        return {"released": server.store.release_instance(instance_id, body.generated if body else {})}
 
     @app.get("/v1/cancellations", response_model=CancellationsOut)
     async def cancellations(server: ServerDep) -> dict:

@@ -11,7 +11,14 @@ import httpx
 
 from staleflow.api.base import ServiceError
 from staleflow.api.manager import AsyncManagerClient
-from staleflow.api.trajectories import CheckoutRequest, CompletedRequest, PartialIn, ProgressIn, ProgressRequest
+from staleflow.api.trajectories import (
+    CheckoutRequest,
+    CompletedRequest,
+    PartialIn,
+    ProgressIn,
+    ProgressRequest,
+    ReturnRequest,
+)
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.length_skew import Fate
 from staleflow.servers.trajectories.config import TrajectoryServerConfig
@@ -25,6 +32,7 @@ from staleflow.servers.trajectories.store import (
 )
 from staleflow.servers.trajectories.wire import traj_payload
 from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
+from staleflow.trajectory_book import SegmentLimits
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,19 @@ class TrajectoryServer:
         self.reward_tally = [0, 0.0]  # rewarded trajectories, sum of their rewards
         self.length_tally = [0, 0]  # rewarded trajectories, sum of their response tokens
         self.checkpointed_tokens = 0  # appended from progress checkpoints since this server started
+        # the ledger's train version as last heard: no model newer than it can have been published
+        self.train_version = 0
+
+    async def segment_limits(self, trajectories: Iterable[PartialIn | ProgressIn]) -> SegmentLimits:
+        """The limits every generated token must keep (``staleflow.trajectory_book.segment_violation``).
+        The newest version is the staleness manager's train version: the trainer publishes version
+        ``b + 1`` only after consuming buffer ``b``, and the ledger holds that count durably, so it
+        survives a restart of any service (the parameter server keeps only its last few versions).
+        It is asked again only when a segment claims a version newer than the one last heard."""
+        claimed = max((s.version for t in trajectories for s in t.segments), default=-1)
+        if claimed > self.train_version:
+            self.train_version = max(self.train_version, (await self.manager.health()).train_version)
+        return SegmentLimits(self.train_version, self.config.sampling.max_tokens)
 
     def check_vocabulary(self, trajectories: Iterable[PartialIn | ProgressIn]) -> None:
         """Refuse the whole request (422 ``invalid_token``) if a token id lies outside the model's
@@ -122,6 +143,11 @@ class TrajectoryServer:
         self.store.set_group_version(g.group_id, v_traj)
         return None
 
+    def staleness_violations(self) -> int:
+        """Trained trajectories with a token older than the bound allows (the length-skew
+        accounting's staleness, measured from each trajectory's oldest segment version)."""
+        return self.store.length_skew_totals()[0].violations(self.config.ledger.eta)
+
     def metrics(self) -> list:
         """Prometheus view of the trajectory server, read at scrape time."""
         from staleflow import metrics as m
@@ -135,23 +161,31 @@ class TrajectoryServer:
             m.TRAJECTORIES_FAILED_OVER.value(self.store.failed_over[0]),
             m.TRAJECTORY_FAILURE_RESUMED_TOKENS.value(self.store.failed_over[1]),
             m.TRAJECTORY_FAILURE_REGENERATED_TOKENS.value(self.store.book.regenerated[1]),
+            m.TRAJECTORY_STALENESS_VIOLATIONS.value(self.staleness_violations()),
             *m.length_skew_families(*self.store.length_skew_totals()),
         ]
 
-    def progress(self, request: ProgressRequest) -> dict:
+    async def progress(self, request: ProgressRequest) -> dict:
         """Checkpoints of running trajectories (see ``TrajectoryBook.checkpoint``)."""
+        limits = await self.segment_limits(request.trajectories)
         before = {p.traj_id: len(t.tokens) for p in request.trajectories if (t := self.store.trajs.get(p.traj_id))}
         stored = self.store.checkpoint([checkpoint(p.model_dump(), request.instance_id) for p in request.trajectories],
-                                       request.instance_id, request.held)
+                                       request.instance_id, request.held, limits)
         self.checkpointed_tokens += sum(n - before.get(traj_id, n) for traj_id, n in stored.items())
         return {"stored": stored, "ignored": [p.traj_id for p in request.trajectories if p.traj_id not in stored]}
 
     # -- completion, rewards, occupation --------------------------------------------------
 
+    async def returned(self, request: ReturnRequest) -> dict[str, str]:
+        """Trajectories handed back (see ``TrajectoryBook.returned``)."""
+        limits = await self.segment_limits(request.partials)
+        return self.store.returned([p.model_dump() for p in request.partials], request.instance_id, limits)
+
     async def completed(self, request: CompletedRequest) -> int:
+        limits = await self.segment_limits(item.trajectory for item in request.items)
         items = [{"instance_id": it.instance_id or request.instance_id, "trajectory": it.trajectory.model_dump()}
                  for it in request.items]
-        fresh = self.store.completed(items)
+        fresh = self.store.completed(items, limits)
         self.accepted += len(fresh)
         if fresh:
             self._work.set()
@@ -227,6 +261,8 @@ class TrajectoryServer:
     def apply_ledger_event(self, event: dict) -> None:
         """One transition of the ledger's event log (see ``TrajectoryBook.follow_ledger``)."""
         detail, consume = event["detail"], event["op"] == "consume"
+        if consume and event.get("buffer") is not None:  # buffer b consumed: version b + 1 may be published
+            self.train_version = max(self.train_version, event["buffer"] + 1)
         self.store.follow_ledger(event["op"], event.get("group_id"), detail.get("consumed", []) if consume else [],
                                  detail.get("cancelled", []), self.cancelled_fate, event.get("buffer") if consume else None)
 

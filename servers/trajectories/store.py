@@ -23,7 +23,7 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 from sqlalchemy import Engine, bindparam, delete, func, insert, select, update
@@ -41,10 +41,12 @@ from staleflow.servers.schema import (
 )
 from staleflow.trajectory_book import (
     LIVE_GROUP_STATES,
+    UNLIMITED,
     Checkpoint,
     Generated,
     GroupRecord,
     GroupState,
+    SegmentLimits,
     StoreConflict,
     TrajectoryBook,
     TrajRecord,
@@ -297,11 +299,12 @@ class TrajectoryStore:
             self._persist(trajs=routed)
             return [(t, self.groups[t.group_id]) for t in routed]
 
-    def returned(self, partials: list[dict], instance_id: str | None) -> dict[str, str]:
+    def returned(self, partials: list[dict], instance_id: str | None,
+                 limits: SegmentLimits = UNLIMITED) -> dict[str, str]:
         """Trajectories handed back (interrupt, failed route, dead instance). Returns outcome by id."""
         with self.lock:
             regenerated = list(self.book.regenerated)
-            outcome, changed = self.book.returned([generated(p) for p in partials], instance_id)
+            outcome, changed = self.book.returned([generated(p) for p in partials], instance_id, limits)
             if changed:
                 self._persist(trajs=changed, meta=self._regenerated_meta(regenerated))
             return outcome
@@ -312,7 +315,7 @@ class TrajectoryStore:
         return {REGENERATED_META: f"{after[0]},{after[1]}"} if after != before else None
 
     def checkpoint(self, checkpoints: list[Checkpoint], instance_id: str | None = None,
-                   on_instance: dict[str, int] | None = None) -> dict[str, int]:
+                   on_instance: dict[str, int] | None = None, limits: SegmentLimits = UNLIMITED) -> dict[str, int]:
         """Progress of running trajectories, appended durably as checkpoint rows (the trajectory's
         own row is not rewritten). Returns the response length held of each one that counted.
         ``on_instance``: what ``instance_id`` holds of each of its trajectories now (kept in memory:
@@ -320,7 +323,7 @@ class TrajectoryStore:
         with self.lock:
             if instance_id is not None and on_instance:
                 self.book.holding(instance_id, on_instance)
-            held, appended = self.book.checkpoint(checkpoints)
+            held, appended = self.book.checkpoint(checkpoints, limits)
             if appended:
                 now = time.time()
                 try:
@@ -335,11 +338,11 @@ class TrajectoryStore:
                 self._checkpointed.update(c.traj_id for c in appended)
             return held
 
-    def release_instance(self, instance_id: str) -> int:
+    def release_instance(self, instance_id: str, generated: Mapping[str, int] | None = None) -> int:
         """A failed instance: its trajectories return to pending (see ``TrajectoryBook``)."""
         with self.lock:
             regenerated = list(self.book.regenerated)
-            changed = self.book.release_instance(instance_id)
+            changed = self.book.release_instance(instance_id, generated)
             if changed:
                 self._persist(trajs=changed, meta=self._regenerated_meta(regenerated))
             resumed = [t for t in changed if t.state is TrajState.PENDING]
@@ -347,10 +350,11 @@ class TrajectoryStore:
             self.failed_over[1] += sum(len(t.tokens) for t in resumed)
             return len(changed)
 
-    def completed(self, items: list[dict]) -> list[TrajRecord]:
+    def completed(self, items: list[dict], limits: SegmentLimits = UNLIMITED) -> list[TrajRecord]:
         """Finished trajectories from instances; redeliveries are ignored. Returns the new ones."""
         with self.lock:
-            changed = self.book.completed([generated(item["trajectory"], item.get("instance_id")) for item in items])
+            changed = self.book.completed([generated(item["trajectory"], item.get("instance_id")) for item in items],
+                                          limits)
             if changed:
                 self._persist(trajs=changed)
             return [t for t in changed if t.state is TrajState.COMPLETED]

@@ -64,6 +64,8 @@ class ParamsHealth(_Answer):
     host_id: str
     data_port: int | None = Field(description="the data plane's port (chunk bodies), on this server's host; "
                                               "null: chunks go through this port")
+    data_plane_accept_failures: int = Field(0, description="times the data plane ran out of descriptors or memory "
+                                                           "accepting a connection, and retried")
 
 
 class VersionSummary(_Answer):

@@ -34,10 +34,10 @@ class PartialIn(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PartialIn:
+        # the segments are checked by the trajectory server against the group's V_traj as well
+        # (``staleflow.trajectory_book.segment_violation``), with a code of their own
         if len(self.tokens) != len(self.logprobs):
             raise ValueError(f"{self.traj_id}: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
-        if (self.segments[-1].end if self.segments else 0) != len(self.tokens):
-            raise ValueError(f"{self.traj_id}: segments do not cover the tokens")
         return self
 
 
@@ -93,6 +93,13 @@ class ProgressOut(BaseModel):
     stored: dict[str, int] = Field(description="traj_id -> response tokens the trajectory server now holds")
     ignored: list[str] = Field(description="not routed to this instance, not running, or not continuing what is "
                                            "held: nothing changed")
+
+
+class ReleaseRequest(BaseModel):
+    generated: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, max_length=100_000,
+        description="traj_id -> response tokens each trajectory held on the failed instance at the coordinator's "
+                    "last snapshot of it: what it held beyond its checkpoint is counted as regenerated")
 
 
 class AckRequest(BaseModel):
@@ -212,6 +219,9 @@ class TrajectoryServerHealth(BaseModel):
     counts: dict[str, int]
     skipped_prompts: SkippedPrompts
     progress: ProgressCounts = Field(description="since this trajectory server started")
+    staleness_violations: int = Field(0, description="trajectories trained with a token more than eta versions "
+                                                     "older than their buffer (staleness from the oldest segment "
+                                                     "version), since this trajectory server started: must be 0")
 
 
 class LengthSkewOut(BaseModel):
@@ -245,7 +255,7 @@ class TrajectoryRoutes:
     give_back = Route("POST", "/v1/return", Returned, body=ReturnRequest)
     completed = Route("POST", "/v1/completed", Accepted, body=CompletedRequest)
     progress = Route("POST", "/v1/progress", ProgressOut, body=ProgressRequest)
-    release = Route("POST", "/v1/instances/{instance_id}/release", Released)
+    release = Route("POST", "/v1/instances/{instance_id}/release", Released, body=ReleaseRequest)
     cancellations = Route("GET", "/v1/cancellations", CancellationsOut)
     cancellations_ack = Route("POST", "/v1/cancellations/ack", Acknowledged, body=AckRequest)
     batch = Route("GET", "/v1/batches/{version}", BatchOut)

@@ -203,6 +203,7 @@ class SimCore:
             time=self.now,
             decode_steps=self.stats.decode_steps,
             decode_seconds=self.stats.decode_seconds,
+            generated={traj_id: self._generated_now(live) for traj_id, live in self._live.items()},
         )
 
     def generated(self, traj_id: str) -> int:

@@ -323,6 +323,7 @@ class VllmEngine(RolloutEngine):
             complete_trajs=tuple(self._complete_ids),
             inst_version=self.version,
             time=time.monotonic() - self._started_at,
+            generated={s.request.traj_id: self.generated(s.request.traj_id) for s in live},
         )
 
     def completions(self) -> AsyncIterator[CompletedTrajectory]:

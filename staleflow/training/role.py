@@ -66,7 +66,7 @@ class StepRecord:
     mean_reward: float
     mean_length: float
     max_length: int
-    staleness: dict[int, int]  # V_buf - V_traj -> count
+    staleness: dict[int, int]  # V_buf minus the oldest segment version (V_traj if none) -> count
     train_seconds: float  # simulated with the sim trainer, measured with a real one
     metrics: dict[str, float] = field(default_factory=dict)
     rewards: dict[str, float] = field(default_factory=dict)  # std, min, max of the batch's rewards
@@ -83,8 +83,9 @@ def batch_record(version: int, batch: Mapping[str, Any], finished_at: float, met
     trajs = batch["trajectories"]
     lengths = [len(t["tokens"]) for t in trajs]
     staleness: dict[int, int] = {}
-    for t in trajs:
-        staleness[version - t["v_traj"]] = staleness.get(version - t["v_traj"], 0) + 1
+    for t in trajs:  # from the oldest model that generated any of its tokens, not from V_traj alone
+        oldest = min((segment["version"] for segment in t.get("segments", ())), default=t["v_traj"])
+        staleness[version - oldest] = staleness.get(version - oldest, 0) + 1
     rewards = np.array([float(t["reward"]) for t in trajs])
     return StepRecord(
         version, finished_at, len(batch["groups"]), len(trajs), sum(lengths),

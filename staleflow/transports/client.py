@@ -18,25 +18,13 @@ from staleflow.api.base import Client, ServiceError
 from staleflow.api.params import ParamsHealth, StoreDescription, VersionDeleted, VersionSummary
 from staleflow.api.params import ParamsRoutes as API
 from staleflow.errors import ErrorCode
-from staleflow.transports.base import (
-    ByteRegions,
-    ChecksumMismatch,
-    ChunkSpec,
-    FormatError,
-    Manifest,
-    PullLease,
-    PushSession,
-    TensorSpec,
-    Transport,
-    checksum_algorithms,
-    chunk_hasher,
-    laid_table,
-    merge_ranges,
-    numpy_dtype,
-    safetensors_dtype,
-    verify_mode,
-)
+from staleflow.transports.base import PullLease, PushSession, Transport
+from staleflow.transports.checksums import checksum_algorithms, chunk_hasher, verify_mode
+from staleflow.transports.dtypes import numpy_dtype, safetensors_dtype
+from staleflow.transports.errors import ChecksumMismatch, FormatError
 from staleflow.transports.http import HttpTransport
+from staleflow.transports.layout import ChunkSpec, Manifest, TensorSpec, laid_table
+from staleflow.transports.regions import ByteRegions, merge_ranges
 from staleflow.transports.selection import Selection, SelectionPlan, copy_blocks, plan_selection, window_lease
 from staleflow.transports.shm import ShmTransport, host_id
 

@@ -26,7 +26,10 @@ from urllib.parse import urlsplit
 
 from staleflow.api.base import ServiceError
 from staleflow.api.params import ParamsRoutes
-from staleflow.transports.base import ByteRegions, ChunkSpec, PullLease, PushSession, Transport, chunk_checksum
+from staleflow.transports.base import PullLease, PushSession, Transport
+from staleflow.transports.checksums import chunk_checksum
+from staleflow.transports.layout import ChunkSpec
+from staleflow.transports.regions import ByteRegions
 
 log = logging.getLogger(__name__)
 

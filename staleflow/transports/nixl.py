@@ -37,7 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from staleflow.transports.base import ByteRegions, PullLease, PushSession, Transport, TransportUnavailable, chunk_checksums
+from staleflow.transports.base import PullLease, PushSession, Transport
+from staleflow.transports.checksums import chunk_checksums
+from staleflow.transports.errors import TransportUnavailable
+from staleflow.transports.regions import ByteRegions
 
 INSTALL_HINT = "install the optional extra: pip install torch==2.13.0 'staleflow[nixl]'"
 

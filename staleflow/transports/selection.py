@@ -20,7 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from staleflow.transports.base import DTYPE_SIZES, ChunkSpec, FormatError, Manifest, PullLease, TensorSpec
+from staleflow.transports.base import PullLease
+from staleflow.transports.dtypes import DTYPE_SIZES
+from staleflow.transports.errors import FormatError
+from staleflow.transports.layout import ChunkSpec, Manifest, TensorSpec
 
 TARGET_ALIGN = 64  # where each selected tensor starts in a freshly allocated buffer
 

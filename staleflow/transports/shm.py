@@ -40,22 +40,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from staleflow.transports.base import (
-    ByteRegions,
-    ChecksumMismatch,
-    ChunkHasher,
-    ChunkSpec,
-    PullLease,
-    PushSession,
-    SegmentHasher,
-    SlotReused,
-    Transport,
-    TransportUnavailable,
-    checksum_bytes,
-    chunk_hasher,
-    pieces_of,
-    verify_mode,
-)
+from staleflow.transports.base import PullLease, PushSession, Transport
+from staleflow.transports.checksums import ChunkHasher, SegmentHasher, checksum_bytes, chunk_hasher, verify_mode
+from staleflow.transports.errors import ChecksumMismatch, SlotReused, TransportUnavailable
+from staleflow.transports.layout import ChunkSpec
+from staleflow.transports.regions import ByteRegions, pieces_of
 from staleflow.transports.selection import ChunkStep, SelectionPlan, copy_blocks
 
 T = TypeVar("T")

@@ -22,7 +22,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from staleflow.transports.base import DTYPE_SIZES, FormatError
+from staleflow.transports.dtypes import DTYPE_SIZES
+from staleflow.transports.errors import FormatError
 
 TensorTable = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape)
 

@@ -189,6 +189,8 @@ def test_interrupt_keeps_partial_and_resume_equals_one_shot(harness: Harness) ->
     snap = harness.run(engine.snapshot())
     assert request.traj_id in snap.run_trajs + snap.wait_trajs
     harness.wait_until(lambda: harness.run(engine.snapshot()).kv_cache > 0)
+    held = harness.run(engine.snapshot()).generated  # what a failure now would make it generate again
+    assert held is not None and 0 <= held[request.traj_id] < 400
 
     result = harness.run(engine.interrupt([request.traj_id, "no-such-trajectory"]))
     assert result.not_found == ["no-such-trajectory"]
@@ -196,8 +198,10 @@ def test_interrupt_keeps_partial_and_resume_equals_one_shot(harness: Harness) ->
     assert 8 <= len(partial.tokens) < 400
     assert partial.tokens == one_shot[: len(partial.tokens)]
     assert partial.segments == (Segment(0, 0, len(partial.tokens)),)
+    assert len(partial.tokens) >= held[request.traj_id], "the snapshot counted tokens the partial holds"
     snap = harness.run(engine.snapshot())
     assert request.traj_id not in snap.run_trajs + snap.wait_trajs + snap.complete_trajs
+    assert request.traj_id not in (snap.generated or {})
 
     resumed = harness.generate(partial.to_request())
     assert resumed.tokens == one_shot

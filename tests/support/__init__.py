@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import venv
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -39,6 +41,29 @@ def manager_and_trajectory_server(stack: ExitStack, tmp_path: Path, max_tokens: 
         ledger=LedgerConfig(**ledger), manager_url=manager_url, state_dir=tmp_path, reward="sim",
         sampling=SamplingConfig(max_tokens=max_tokens))))).url
     return manager_url, ts_url
+
+
+def train_buffer_zero(ts_url: str, manager_url: str, route_and_run: Callable[[list[str]], None],
+                      keep: str | None = None) -> list[str]:
+    """Run two pending groups (not group ``keep``) through ``route_and_run`` (routed at V_traj 0
+    and generated to completion) and consume buffer 0: the trainer version becomes 1, so a model
+    version 1 may now exist (the trajectory server takes no segment of a newer one). Returns the
+    groups consumed."""
+    from staleflow.api.manager import ManagerClient
+    from staleflow.api.trajectories import TrajectoryClient
+
+    with TrajectoryClient(ts_url) as ts, ManagerClient(manager_url) as manager:
+        groups: dict[str, list[str]] = {}
+        for p in ts.pending().trajectories:
+            groups.setdefault(p.group_id, []).append(p.traj_id)
+        picked = [g for g in groups if g != keep][:2]
+        route_and_run([t for g in picked for t in groups[g]])
+        deadline = time.monotonic() + 30
+        while manager.buffers().buffers[0].state != "ready":
+            assert time.monotonic() < deadline, "buffer 0 did not fill"
+            time.sleep(0.02)
+        assert sorted(manager.consume().group_ids) == sorted(picked)
+    return picked
 
 
 def run_ledger_ops(ledger: Ledger, ops: list[tuple[str, int]]) -> Ledger:
@@ -81,19 +106,22 @@ def save_tiny_qwen2(directory: Path, tied: bool = True) -> Path:
     return directory
 
 
-def start_cli(*args: str) -> subprocess.Popen:
+def start_cli(*args: str, preexec_fn: Callable[[], None] | None = None, log: list[str] | None = None) -> subprocess.Popen:
     """Run ``staleflow ARGS`` as its own process; return once its socket listens (the log line
-    comes after the bind, and requests queue in the backlog until the app serves them)."""
-    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", *args], stderr=subprocess.PIPE, text=True)
+    comes after the bind, and requests queue in the backlog until the app serves them).
+    ``preexec_fn`` runs in the child first (a resource limit); ``log`` collects its log lines."""
+    proc = subprocess.Popen([sys.executable, "-m", "staleflow.cli", *args], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=preexec_fn)
     assert proc.stderr is not None
-    seen = []
+    seen = [] if log is None else log
     for line in proc.stderr:
         seen.append(line)
         if "listening on" in line:
             break
     else:
         raise AssertionError(f"`staleflow {' '.join(args)}` exited with {proc.wait()}:\n{''.join(seen[-20:])}")
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the pipe
+    drain = proc.stderr.read if log is None else lambda: log.extend(proc.stderr or ())
+    threading.Thread(target=drain, daemon=True).start()  # keep draining the pipe
     return proc
 
 

@@ -72,6 +72,9 @@ def test_slow_instance_stays_live_hung_ones_are_declared_failed(tmp_path: Path,
         while not (slow.get("/v1/snapshot").json()["run_trajs"] and stalled.get("/v1/snapshot").json()["run_trajs"]):
             assert time.monotonic() < deadline, f"no work was routed: {statuses()}"
             slow.post("/v1/sim/advance", json={"by": 0.01})
+        stalled.post("/v1/sim/advance", json={"by": 0.5}).raise_for_status()  # some tokens, then it stalls
+        stalled_held = stalled.get("/v1/snapshot").json()["generated"]
+        assert sum(stalled_held.values()) > 0, stalled_held
         first_running = set(slow.get("/v1/snapshot").json()["run_trajs"])
         started = time.monotonic()
         # long enough that silence or stalling would have been detected, both hung ones declared failed
@@ -92,6 +95,9 @@ def test_slow_instance_stays_live_hung_ones_are_declared_failed(tmp_path: Path,
         assert co.get("/v1/coordinator").json()["failures"] == 2
         with http_client(ts) as t:
             assert not t.get("/v1/routed", params={"instance_id": "stalled"}).json()["trajectories"]
+            # what it held (no checkpoints: all of it) is generated again, as the coordinator's snapshots saw it
+            progress = t.get("/v1/health").json()["progress"]
+            assert progress["regenerated_tokens"] == sum(stalled_held.values()), (progress, stalled_held)
 
 
 class HangsFromItsFirstAbort:

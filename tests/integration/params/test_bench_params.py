@@ -115,7 +115,7 @@ def test_bench_params_measures_a_real_table_beside_its_synthetic_twin(tmp_path: 
 def test_staged_device_legs_run_on_cpu_tensors(tmp_path: Path) -> None:
     """The ``--device cuda`` path (shards and parameters as device tensors behind one staging
     buffer, legs and copy bound measured) on CPU tensors, where no GPU is."""
-    from staleflow.servers.params.bench import run_params_bench
+    from staleflow.transports.bench import run_params_bench
     from staleflow.transports.tables import model_tensor_table
 
     table = model_tensor_table({"model_type": "qwen2", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,

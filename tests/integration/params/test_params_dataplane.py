@@ -16,9 +16,11 @@ from test_params_server import CHUNK, assert_same, config, start_raw_push, state
 
 from staleflow.servers.http import RunningServer, serve_in_thread
 from staleflow.servers.params import create_app
-from staleflow.transports.base import ByteRegions, checksum_of, plan_chunks
+from staleflow.transports.checksums import checksum_of
 from staleflow.transports.client import ParamsClient
 from staleflow.transports.http import CHECKSUM_HEADER, HttpTransport, RawHttpConnection
+from staleflow.transports.layout import plan_chunks
+from staleflow.transports.regions import ByteRegions
 
 
 @pytest.fixture

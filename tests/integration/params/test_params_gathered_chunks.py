@@ -23,9 +23,11 @@ from staleflow.api.params import ParamsRoutes
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
-from staleflow.transports.base import ChecksumMismatch, ChunkSpec, checksum_of, laid_table, layout_tensors
+from staleflow.transports.checksums import checksum_of
 from staleflow.transports.client import ParamsClient, ShardPiece
+from staleflow.transports.errors import ChecksumMismatch
 from staleflow.transports.http import CHECKSUM_HEADER, RawHttpConnection
+from staleflow.transports.layout import ChunkSpec, laid_table, layout_tensors
 from staleflow.transports.tables import fsdp_shard_ranges, model_tensor_table, table_bytes
 
 CHUNK = 256 << 10  # the tiny MoE table is ~2.4 MB: several chunks, each joining many tensors of every rank

@@ -22,9 +22,12 @@ from staleflow.api.params import ParamsRoutes
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, ParamStore, create_app
-from staleflow.transports.base import ByteRegions, ChunkSpec, PushSession, checksum_algorithms
+from staleflow.transports.base import PushSession
+from staleflow.transports.checksums import checksum_algorithms
 from staleflow.transports.client import ParamsClient, ShardPiece
+from staleflow.transports.layout import ChunkSpec
 from staleflow.transports.nixl import nixl_available
+from staleflow.transports.regions import ByteRegions
 
 pytestmark = pytest.mark.skipif(not nixl_available()[0], reason=nixl_available()[1])
 
@@ -176,7 +179,10 @@ PARTIAL_NIXL_PUSHER = """
 import sys
 import numpy as np
 from staleflow.api.params import ParamsRoutes
-from staleflow.transports.base import ByteRegions, ChunkSpec, PushSession, checksum_algorithms
+from staleflow.transports.base import PushSession
+from staleflow.transports.checksums import checksum_algorithms
+from staleflow.transports.layout import ChunkSpec
+from staleflow.transports.regions import ByteRegions
 from staleflow.transports.client import ParamsClient
 url, total = sys.argv[1], int(sys.argv[2])
 data = np.full(total, 0xAB, np.uint8)

@@ -14,8 +14,9 @@ import torch
 
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
-from staleflow.transports.base import DTYPE_SIZES, FormatError
 from staleflow.transports.client import ParamsClient, ShardPiece
+from staleflow.transports.dtypes import DTYPE_SIZES
+from staleflow.transports.errors import FormatError
 from staleflow.transports.staging import FlatStaging
 from staleflow.transports.tables import fsdp_shard_ranges, model_tensor_table, table_bytes
 

@@ -14,8 +14,9 @@ import torch
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
-from staleflow.transports.base import ChecksumMismatch, FormatError, PullLease
+from staleflow.transports.base import PullLease
 from staleflow.transports.client import ParamsClient, RawTensor
+from staleflow.transports.errors import ChecksumMismatch, FormatError
 from staleflow.transports.nixl import nixl_available
 from staleflow.transports.selection import TensorSlice, select_prefix
 

@@ -21,11 +21,14 @@ from staleflow.api.params import VersionDeleted
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, ParamsError, ParamStore, create_app
-from staleflow.servers.params.store import parse_version_spec, shm_prefix, versions_to_drop
-from staleflow.transports.base import ByteRegions, FormatError, checksum_of, plan_chunks
+from staleflow.servers.params.rules import parse_version_spec, shm_prefix, versions_to_drop
+from staleflow.transports.checksums import checksum_of
 from staleflow.transports.client import ParamsClient, RawTensor
+from staleflow.transports.errors import FormatError
 from staleflow.transports.http import CHECKSUM_HEADER, RawHttpConnection
+from staleflow.transports.layout import plan_chunks
 from staleflow.transports.nixl import nixl_available
+from staleflow.transports.regions import ByteRegions
 
 CHUNK = 64 << 10
 
@@ -210,8 +213,8 @@ def ps_pull_waiting(url: str, version: int) -> dict[str, object]:
 
 
 def start_raw_push(ps: ParamsClient, version: int, tensors: dict[str, object]) -> tuple[dict, list]:
-    from staleflow.transports.base import layout_tensors
     from staleflow.transports.client import _as_bytes
+    from staleflow.transports.layout import layout_tensors
 
     converted = [(n, *_as_bytes(v)) for n, v in tensors.items()]
     response = ps.http.post(f"/v1/params/{version}", json={

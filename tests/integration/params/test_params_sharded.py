@@ -17,8 +17,8 @@ import pytest
 from staleflow.api.base import ServiceError
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
-from staleflow.transports.base import ChecksumMismatch
 from staleflow.transports.client import ParamsClient, ShardPiece
+from staleflow.transports.errors import ChecksumMismatch
 
 CHUNK = 64 << 10
 

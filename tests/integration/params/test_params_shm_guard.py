@@ -20,21 +20,12 @@ from staleflow.api.base import ServiceError
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
-from staleflow.transports.base import (
-    ByteRegions,
-    ChecksumMismatch,
-    ChunkSpec,
-    FormatError,
-    Manifest,
-    PullLease,
-    SlotReused,
-    checksum_algorithms,
-    checksum_of,
-    layout_tensors,
-    plan_chunks,
-    verify_mode,
-)
+from staleflow.transports.base import PullLease
+from staleflow.transports.checksums import checksum_algorithms, checksum_of, verify_mode
 from staleflow.transports.client import ParamsClient
+from staleflow.transports.errors import ChecksumMismatch, FormatError, SlotReused
+from staleflow.transports.layout import ChunkSpec, Manifest, layout_tensors, plan_chunks
+from staleflow.transports.regions import ByteRegions
 from staleflow.transports.shm import ShmSlots, ShmTransport, host_id
 
 HEADER = 64  # where the data section starts in the test's slots

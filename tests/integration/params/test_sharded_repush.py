@@ -26,8 +26,8 @@ from staleflow.training.base import BackgroundSharePushes, ShardedWeights
 from staleflow.training.export import LocalShard, ShareStaging
 from staleflow.training.role import StepLog, TrainerLoop
 from staleflow.training.simulated import SimulatedBackend
-from staleflow.transports.base import ChecksumMismatch, FormatError
 from staleflow.transports.client import ParamsClient, ShardPiece
+from staleflow.transports.errors import ChecksumMismatch, FormatError
 
 pytestmark = pytest.mark.timeout(180)
 

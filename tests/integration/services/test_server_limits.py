@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from fastapi import Request
-from test_params_server import config as params_config
+from support.sockets import closed_by_peer, connect, read_all, wait_for
 
 from staleflow.servers.http import (
     EPHEMERAL_PORTS,
@@ -26,6 +26,7 @@ from staleflow.servers.http import (
     serve_in_thread,
     service_app,
 )
+from staleflow.servers.params import ParamsConfig
 from staleflow.servers.params.dataplane import ChunkDataPlane
 from staleflow.servers.params.store import ParamStore
 
@@ -48,54 +49,6 @@ def echo_app():  # a service with the shared contract and nothing else
 
 def serve(limits: ConnectionLimits, token: str | None = None) -> RunningServer:
     return serve_in_thread(echo_app(), limits=limits, token=token)
-
-
-def address(url: str) -> tuple[str, int]:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"still waiting for {what} after {timeout_s:g} s"
-        time.sleep(0.02)
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the server has closed ``sock`` (what it answered first is read and dropped)."""
-    sock.setblocking(False)
-    try:
-        while True:
-            data = sock.recv(1 << 16)
-            if not data:
-                return True
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
-def read_all(sock: socket.socket, timeout_s: float = 30.0) -> bytes:
-    sock.settimeout(timeout_s)
-    chunks = []
-    while data := sock.recv(1 << 16):
-        chunks.append(data)
-    return b"".join(chunks)
-
-
-@pytest.fixture
-def sockets() -> Iterator[list[socket.socket]]:
-    opened: list[socket.socket] = []
-    yield opened
-    for sock in opened:
-        sock.close()
-
-
-def connect(url: str, opened: list[socket.socket]) -> socket.socket:
-    sock = socket.create_connection(address(url))
-    opened.append(sock)
-    return sock
 
 
 def test_slow_header_connections_are_shed_and_others_are_served(sockets: list[socket.socket]) -> None:
@@ -188,8 +141,8 @@ def test_the_bearer_scheme_is_case_insensitive_and_one_header_is_allowed() -> No
 
 @pytest.fixture
 def data_plane(tmp_path: Path) -> Iterator[ChunkDataPlane]:
-    store = ParamStore(params_config(tmp_path))
-    plane = ChunkDataPlane(store, "127.0.0.1", 0, "s3cret", max_connections=2)
+    store = ParamStore(ParamsConfig(state_dir=tmp_path, port=0, fsync=False))
+    plane = ChunkDataPlane(store, "127.0.0.1", 0, "s3cret", ConnectionLimits(max_connections=2))
     yield plane
     plane.close()
     store.close()
@@ -222,8 +175,8 @@ def test_the_data_plane_caps_connections_and_honours_connection_close(data_plane
 
 def test_the_data_plane_sheds_connections_without_a_timely_request_head(tmp_path: Path,
                                                                         sockets: list[socket.socket]) -> None:
-    store = ParamStore(params_config(tmp_path))
-    plane = ChunkDataPlane(store, "127.0.0.1", 0, "s3cret", header_timeout_s=0.5)
+    store = ParamStore(ParamsConfig(state_dir=tmp_path, port=0, fsync=False))
+    plane = ChunkDataPlane(store, "127.0.0.1", 0, "s3cret", ConnectionLimits(header_timeout_s=0.5))
     try:
         url = f"http://127.0.0.1:{plane.port}"
         trickling = connect(url, sockets)  # a head that never ends, a byte at a time

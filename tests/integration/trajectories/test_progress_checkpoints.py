@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import manager_config
+from support import manager_config, train_buffer_zero
 
 from staleflow.api.base import http_client
 from staleflow.config import LedgerConfig
@@ -49,6 +49,7 @@ class Job:
         self.ts_server = serve_in_thread(ts_app(self.ts_config)).__enter__()
         self.ts_url = self.ts_server.url
         self.ts = stack.enter_context(http_client(self.ts_url))
+        self.manager_url = manager_url
         self.instances: dict[str, httpx.Client] = {}
         for name, every in (("a", EVERY), ("b", 0)):
             cfg = InstanceConfig(instance_id=name, sim=SimConfig(workload="paper-20k", kv_budget=10**7),
@@ -133,7 +134,13 @@ def test_a_failed_instance_loses_at_most_one_checkpoint_interval(job: Job) -> No
         "resumed_tokens": sum(c["generated"] for c in checkpointed.values()),
         # how far a had got was said before the restart, to the server that stopped: nothing known to count
         "regenerated_trajectories": 0, "regenerated_tokens": 0}
-    job.command("b", kind="pull", version=1)
+
+    def route_and_run(traj_ids: list[str]) -> None:
+        job.route("b", traj_ids, v_traj=0)
+        job.instances["b"].post("/v1/sim/advance", json={"until_idle": True}).raise_for_status()
+
+    train_buffer_zero(job.ts_url, job.manager_url, route_and_run, keep=job.stored(members[0])["group_id"])
+    job.command("b", kind="pull", version=1)  # version 1 may exist now: buffer 0 was consumed
     job.route("b", members, v_traj=0)
     job.instances["b"].post("/v1/sim/advance", json={"until_idle": True}).raise_for_status()
     wait_for(lambda: all(job.stored(t)["state"] == "rewarded" for t in members))
@@ -203,3 +210,25 @@ def test_checkpoints_out_of_bounds_are_refused_with_422(job: Job) -> None:
     gap = post(start=5, tokens=[8], logprobs=[-0.1], segments=[{"version": 0, "start": 0, "end": 6}])
     assert gap.json() == {"stored": {}, "ignored": [members[0]]}
     assert job.stored(members[0])["tokens"] == [5, 6, 7]
+
+
+def test_what_the_coordinators_last_snapshot_saw_counts_as_regenerated_once_and_durably(job: Job) -> None:
+    """Instance b sends no checkpoints and no word of its progress: what its trajectories held is
+    known from the coordinator's snapshots alone, handed over when it declares b failed."""
+    members = a_group(job)
+    job.route("b", members, v_traj=0)
+    job.instances["b"].post("/v1/sim/advance", json={"by": 5.0}).raise_for_status()
+    generated = job.instances["b"].get("/v1/snapshot").json()["generated"]
+    assert set(generated) == set(members) and all(n > 0 for n in generated.values()), generated
+    assert all(job.stored(t)["generated"] == 0 for t in members)
+
+    release = job.ts.post("/v1/instances/b/release", json={"generated": generated})
+    assert release.json()["released"] == GROUP
+    lost = sum(generated.values())
+    progress = job.ts.get("/v1/health").json()["progress"]
+    assert (progress["regenerated_trajectories"], progress["regenerated_tokens"]) == (GROUP, lost)
+    assert f"staleflow_trajectory_failure_regenerated_tokens_total {float(lost)}" in job.ts.get("/metrics").text
+    # a retried release (the coordinator's reply lost) counts nothing again
+    assert job.ts.post("/v1/instances/b/release", json={"generated": generated}).json()["released"] == 0
+    job.restart_ts()
+    assert job.ts.get("/v1/health").json()["progress"]["regenerated_tokens"] == lost

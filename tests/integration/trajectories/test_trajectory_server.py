@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import manager_config
+from support import manager_config, train_buffer_zero
 
 from staleflow.api.base import http_client
 from staleflow.api.manager import ManagerClient
@@ -79,6 +79,13 @@ class Cluster:
     def run_until_idle(self, instance: str) -> None:
         assert self.instances[instance].post("/v1/sim/advance", json={"until_idle": True}).status_code == 200
 
+    def train_buffer_zero(self, keep: str | None = None) -> None:
+        """Consume buffer 0 with two groups run on instance a: model version 1 may exist now."""
+        def route_and_run(traj_ids: list[str]) -> None:
+            self.route("a", traj_ids, v_traj=0)
+            self.run_until_idle("a")
+        train_buffer_zero(self.ts_url, self.manager_url, route_and_run, keep)
+
 
 @pytest.fixture
 def cluster(tmp_path: Path, db_url: str | None) -> Iterator[Cluster]:
@@ -133,6 +140,7 @@ def test_interrupt_and_reroute_keep_tokens_and_segments(cluster: Cluster) -> Non
         traj["traj_id"]: "pending"}
     stored = cluster.ts.get(f"/v1/trajectories/{traj['traj_id']}").json()
     assert stored["state"] == "pending" and stored["tokens"] == partial["tokens"] and stored["v_traj"] == 0
+    cluster.train_buffer_zero(keep=traj["group_id"])
     # instance b runs version 1; the partial (V_traj 0) may resume there, re-prefilling its tokens
     cluster.command("b", kind="pull", version=1)
     cluster.route("b", [traj["traj_id"]] + [s["traj_id"] for s in sibling], v_traj=0)
@@ -308,3 +316,44 @@ def test_token_ids_outside_the_models_vocabulary_are_refused_with_422_and_change
         assert handed_over("/v1/return", [3, 511, 0], traj_id=second).json()["outcome"] == {second: "pending"}
         assert handed_over("/v1/completed", [3, 511, 0]).json() == {"accepted": 1}
         assert cluster.ts.get(f"/v1/trajectories/{first}").json()["tokens"] == [3, 511, 0]
+
+
+def test_tokens_the_bound_forbids_are_refused_with_422_and_change_nothing(cluster: Cluster) -> None:
+    """Completions and returned partials are held to the rule progress checkpoints keep: segments
+    contiguous over the tokens, every version from the group's V_traj to the newest the trainer has
+    produced (the ledger's train version), at most max_tokens (64 here)."""
+    cluster.train_buffer_zero()
+    traj_id = cluster.ts.get("/v1/pending").json()["trajectories"][0]["traj_id"]
+    checkout = cluster.ts.post("/v1/checkout", json={"instance_id": "b", "assignments": [{"traj_id": traj_id, "v_traj": 1}]})
+    assert checkout.status_code == 200 and not checkout.json()["refused"], checkout.text
+
+    def handed_over(route: str, segments: list[tuple[int, int, int]], tokens: int | None = None) -> httpx.Response:
+        n = tokens if tokens is not None else max((end for _, _, end in segments), default=0)
+        trajectory = {"traj_id": traj_id, "tokens": [5] * n, "logprobs": [-0.5] * n,
+                      "segments": [{"version": v, "start": s, "end": e} for v, s, e in segments]}
+        body = {"/v1/completed": {"instance_id": "b", "items": [{"seq": 1, "trajectory": {**trajectory,
+                                                                                       "finish_reason": "stop"}}]},
+                "/v1/return": {"instance_id": "b", "partials": [trajectory]}}[route]
+        return cluster.ts.post(route, json=body)
+
+    hostile = [([(0, 0, 4)], None, "stale_segment", "older than the group's V_traj 1"),
+               ([(1, 0, 2), (0, 2, 4)], None, "stale_segment", "version 0"),
+               ([(1, 0, 2), (2, 2, 4)], None, "unpublished_version", "version 2"),
+               ([(1, 0, 2), (10**9, 2, 4)], None, "unpublished_version", "newer than any"),
+               ([(1, 0, 2), (1, 3, 4)], None, "invalid_segments", "contiguous"),
+               ([(1, 0, 3), (1, 2, 4)], None, "invalid_segments", "contiguous"),
+               ([(1, 2, 4), (1, 0, 2)], 4, "invalid_segments", "contiguous"),
+               ([(1, 0, 65)], None, "too_many_tokens", "max_tokens 64")]
+    for route in ("/v1/completed", "/v1/return"):
+        for segments, tokens, code, mentions in hostile:
+            refused = handed_over(route, segments, tokens)
+            assert refused.status_code == 422, (route, segments, refused.text)
+            error = refused.json()
+            assert error["code"] == code and error["traj_id"] == traj_id and mentions in error["detail"], error
+            detail = cluster.ts.get(f"/v1/trajectories/{traj_id}").json()
+            assert (detail["state"], detail["instance_id"], detail["generated"]) == ("routed", "b", 0)
+    assert handed_over("/v1/return", [(1, 0, 3)]).json()["outcome"] == {traj_id: "pending"}
+    assert cluster.ts.post("/v1/checkout", json={"instance_id": "b", "assignments": [
+        {"traj_id": traj_id, "v_traj": 1}]}).json()["refused"] == []
+    assert handed_over("/v1/completed", [(1, 0, 3), (1, 3, 64)]).json() == {"accepted": 1}
+    assert cluster.ts.get(f"/v1/trajectories/{traj_id}").json()["generated"] == 64

@@ -13,7 +13,7 @@ from staleflow.rewards import VerifierError
 from staleflow.servers.manager.store import StoreError
 from staleflow.servers.params import ParamsError
 from staleflow.servers.trajectories.store import StoreConflict
-from staleflow.transports.base import ChecksumMismatch, FormatError
+from staleflow.transports.errors import ChecksumMismatch, FormatError
 
 
 def test_every_code_has_one_status() -> None:

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleflow.servers.params.bench import RING_TENSORS, engine_buffers, rank_pieces, tensor_table
+from staleflow.transports.bench import RING_TENSORS, engine_buffers, rank_pieces, tensor_table
 
 TENSOR = 64 << 10
 

@@ -9,7 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleflow.transports.base import ChunkSpec, checksum_of
+from staleflow.transports.checksums import checksum_of
+from staleflow.transports.layout import ChunkSpec
 from staleflow.transports.shm import (
     ALIGNED_PIECE_BYTES,
     COPY_ALIGNMENT,

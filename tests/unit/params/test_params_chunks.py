@@ -11,8 +11,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleflow.servers.params.store import manifest_chunks, small_range_bytes, split_ranges
-from staleflow.transports.base import ChunkSpec, checksum_of, chunk_checksum, merge_ranges
+from staleflow.servers.params.rules import manifest_chunks, small_range_bytes, split_ranges
+from staleflow.transports.checksums import checksum_of, chunk_checksum
+from staleflow.transports.layout import ChunkSpec
+from staleflow.transports.regions import merge_ranges
 
 
 def covered(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleflow.errors import ErrorCode
-from staleflow.transports.base import FormatError, Manifest, layout_tensors, numpy_dtype, plan_chunks
+from staleflow.transports.dtypes import numpy_dtype
+from staleflow.transports.errors import FormatError
+from staleflow.transports.layout import Manifest, layout_tensors, plan_chunks
 from staleflow.transports.selection import (
     Strided,
     TensorSlice,

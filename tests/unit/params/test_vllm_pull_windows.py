@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from staleflow.engines.vllm_worker import pull_windows
-from staleflow.transports.base import TensorSpec
+from staleflow.transports.layout import TensorSpec
 
 layers = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 40)), min_size=1, max_size=60)  # (layer, bytes)
 

@@ -96,7 +96,7 @@ def engine_buffers(table: dict[str, tuple[str, tuple[int, ...]]], pooled: bool =
     """An instance's parameters to pull into (touched, as an engine's are); ``pooled``: same-shaped
     tensors share ``RING_TENSORS`` buffers, standing in for device memory the host does not have
     (every full-size tensor of a version holds the same bytes, so sharing changes nothing)."""
-    from staleflow.transports.base import DTYPE_SIZES
+    from staleflow.transports.dtypes import DTYPE_SIZES
 
     buffers: dict[tuple, np.ndarray] = {}
     out = {}
@@ -195,8 +195,8 @@ def _instance_main(conn: Connection, url: str, table: dict, pooled: bool, device
     behind one pinned host buffer); on ("pull", version, transport) waits for the version and
     pulls it into them, verified as ``verify`` says (from ``device``: into the pinned buffer, then
     host to device); the pull's CPU time is the process's (the copy threads' too)."""
-    from staleflow.transports.base import DTYPE_SIZES
     from staleflow.transports.client import ParamsClient
+    from staleflow.transports.dtypes import DTYPE_SIZES
 
     staging = out = None
     if device == "host":
@@ -488,14 +488,6 @@ def bench_table(label: str, table: dict, transports: list[str], rank_counts: lis
     return result
 
 
-def bench_size(total_bytes: int, transports: list[str], rank_counts: list[int], instance_counts: list[int],
-               repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto",
-               device: str = "host", verify_modes: Sequence[str] = ("auto",)) -> dict:
-    """The synthetic table of ``total_bytes`` (tensors of 64 MiB)."""
-    return bench_table("synthetic", tensor_table(total_bytes), transports, rank_counts, instance_counts, repeats, chunk_mb,
-                       workdir, advance, pool, device, verify_modes)
-
-
 def compare_with_synthetic(results: dict) -> None:
     """Each real table's rates against the synthetic table of its bytes (to 4 KiB) measured in the same
     run (``vs_synthetic``: the real table's GB/s over the synthetic one's, per cell)."""
@@ -571,7 +563,7 @@ def pull_side_by_side(label: str, table: dict, verify_modes: Sequence[str], roun
 
 def _split(flat: np.ndarray, table: dict) -> list[np.ndarray]:
     """``flat`` cut into the table's tensors' bytes, in order."""
-    from staleflow.transports.base import DTYPE_SIZES
+    from staleflow.transports.dtypes import DTYPE_SIZES
 
     views, at = [], 0
     for dtype, shape in table.values():
