@@ -209,6 +209,7 @@ class PushTable:
         except OSError as exc:
             raise ParamsError(ErrorCode.MEMORY_FULL, f"no room for version {version} ({len(header) + total} bytes) in "
                                              f"{self.store.config.shm_dir}: {exc}") from None
+        assert slot.fd is not None  # a reserved slot is open
         os.pwrite(slot.fd, header, 0)
         push = PendingPush(uuid.uuid4().hex, version, laid, total, slot, len(header), dict(metadata), parts)
         self.pending[version] = push

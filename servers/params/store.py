@@ -183,6 +183,7 @@ class ParamStore:
         """The disk work, off the critical path: persisting new versions, then deleting evicted ones."""
         while True:
             trash: Path | None = None
+            stored: StoredVersion | None = None
             with self.cond:
                 while not self._to_persist and not self._trash and not self._closed:
                     self.cond.wait()
@@ -200,6 +201,7 @@ class ParamStore:
             if trash is not None:
                 self._delete(trash)
                 continue
+            assert stored is not None  # taken to persist when there was no trash
             try:
                 self._persist(stored)
             except OSError as exc:
