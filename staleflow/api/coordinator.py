@@ -22,7 +22,7 @@ class InstanceView(BaseModel):
     model_config = ConfigDict(extra="forbid")
     instance_id: str
     url: str
-    params_url: str | None = Field(None, description="where the instance pulls weights")
+    params_url: str | None = Field(default=None, description="where the instance pulls weights")
     status: str = Field(description="joining, live, syncing or failed")
     validated: bool
     snapshot: dict[str, Any] | None

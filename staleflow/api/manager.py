@@ -63,7 +63,7 @@ class AdmissionOut(BaseModel):
     train_version: int
     eta: int
     admissible: dict[str, int] = Field(description="V_traj -> groups it can still admit")
-    what_if: WhatIfOut | None = Field(None, description="the answer to ?version=V&count=N")
+    what_if: WhatIfOut | None = Field(default=None, description="the answer to ?version=V&count=N")
 
     def by_version(self) -> dict[int, int]:
         """``admissible`` keyed by the version itself."""
