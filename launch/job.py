@@ -185,7 +185,7 @@ class RunningJob(Protocol):
     state: Path
     endpoints: dict[str, dict]
 
-    def coordinator_stats(self: RunningJob) -> dict | None: ...
+    def coordinator_stats(self) -> dict | None: ...
 
 
 class SummarizedJob(Protocol):
@@ -195,10 +195,10 @@ class SummarizedJob(Protocol):
     monitor: Monitor
 
     def steps(self) -> list[StepRecord]: ...
-    def engine_stats(self: RunningJob) -> dict[str, dict]: ...
-    def command_times(self: RunningJob) -> dict[str, float]: ...
-    def failover(self: RunningJob) -> dict | None: ...
-    def length_skew(self: RunningJob, after_step: int = -1) -> dict | None: ...
+    def engine_stats(self) -> dict[str, dict]: ...
+    def command_times(self) -> dict[str, float]: ...
+    def failover(self) -> dict | None: ...
+    def length_skew(self, after_step: int = -1) -> dict | None: ...
 
 
 class StateDirInUse(RuntimeError):
@@ -524,7 +524,7 @@ class Job(Supervised):
 
     # -- what happened ---------------------------------------------------------------------
 
-    def engine_stats(self) -> dict[str, dict]:
+    def engine_stats(self: RunningJob) -> dict[str, dict]:
         stats = {}
         for name in instance_ids(self.config):
             try:
@@ -534,7 +534,7 @@ class Job(Supervised):
                 log.debug("no stats from %s: %s", name, exc)
         return stats
 
-    def failover(self) -> dict | None:
+    def failover(self: RunningJob) -> dict | None:
         """Progress checkpoints and the trajectories handed back from failed instances, as the
         trajectory server counted them since it (last) started; None while it does not answer."""
         try:
@@ -547,7 +547,7 @@ class Job(Supervised):
         return {**counts, "progress_tokens": self.config.instance.progress_tokens,
                 "regenerated_tokens_per_trajectory": counts.get("regenerated_tokens", 0) / regenerated if regenerated else None}
 
-    def length_skew(self, after_step: int = -1) -> dict | None:
+    def length_skew(self: RunningJob, after_step: int = -1) -> dict | None:
         """What the staleness bound did to the response lengths, as the trajectory server counted
         it since it (last) started (``staleflow.length_skew``), with the steps after ``after_step``;
         None while it does not answer."""
@@ -558,7 +558,7 @@ class Job(Supervised):
             log.debug("no length skew from the trajectory server: %s", exc)
             return None
 
-    def coordinator_stats(self) -> dict | None:
+    def coordinator_stats(self: RunningJob) -> dict | None:
         """The coordinator's counters, or None while it does not answer."""
         try:
             with CoordinatorClient(self.endpoints["coordinator"]["url"], timeout=5) as c:
@@ -567,7 +567,7 @@ class Job(Supervised):
             log.debug("no coordinator stats: %s", exc)
             return None
 
-    def command_times(self) -> dict[str, float]:
+    def command_times(self: RunningJob) -> dict[str, float]:
         """Seconds spent in commands by kind (issued to answered, every command of the run), their
         counts (``{kind}_count``) and the mean planning time of a cycle."""
         stats = self.coordinator_stats()

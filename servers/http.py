@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -321,7 +321,13 @@ class _ResponseWatch:
         return None
 
 
-class _Guarded:
+if TYPE_CHECKING:  # mixed in before one of uvicorn's two protocols, both with this interface
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornProtocol
+else:
+    _UvicornProtocol = object
+
+
+class _Guarded(_UvicornProtocol):
     """The limits ``guarded_protocol`` adds to uvicorn's protocol (mixed in before it)."""
 
     limits: ConnectionLimits
