@@ -406,7 +406,7 @@ class Coordinator:
             settled = record.settled
             fresh = (settled is not None and record.status is InstanceStatus.LIVE and record.in_flight == 0
                      and settled[0] == record.commands_issued)
-            held[record.instance_id] = settled[1] if fresh else None
+            held[record.instance_id] = settled[1] if settled is not None and fresh else None
         outcome = reconcile(time.monotonic(), self.reconcile_after,
                             {t.traj_id: t.instance_id for t in routed if t.instance_id}, held,
                             self._suspects)

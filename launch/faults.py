@@ -464,9 +464,10 @@ def _one_cycle_tokens(run: FaultRunResult) -> float | None:
     them a token per decode step of its instance): how far the trajectory server's regenerated
     count, from the coordinator's last snapshot, may lie from the harness's."""
     hit = [f for f in run.faults if f.regenerated_tokens]
-    if run.cycle_s is None or any(f.decode_steps_per_s is None for f in hit):
+    rates = [f.decode_steps_per_s for f in hit if f.decode_steps_per_s is not None]
+    if run.cycle_s is None or len(rates) < len(hit):
         return None
-    return sum(len(f.regenerated_tokens) * f.decode_steps_per_s for f in hit) * run.cycle_s
+    return sum(len(f.regenerated_tokens) * rate for f, rate in zip(hit, rates, strict=True)) * run.cycle_s
 
 
 def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:

@@ -188,6 +188,12 @@ class RunningJob(Protocol):
     def coordinator_stats(self) -> dict | None: ...
 
 
+class TrackedJob(RunningJob, Protocol):
+    """What ``JobTracking`` reads of a launcher's job, local or on Ray."""
+
+    def length_skew(self, after_step: int = -1) -> dict | None: ...
+
+
 class SummarizedJob(Protocol):
     """What ``job_summary`` reads of a launcher's job, local or on Ray."""
 
@@ -611,7 +617,7 @@ class JobTracking:
     (``staleflow.tracking``): the step record, the instances' load at the time, and the
     coordinator's planning and command times since the previous step."""
 
-    def __init__(self, job: Job, console: Callable[[str], None]):
+    def __init__(self, job: TrackedJob, console: Callable[[str], None]):
         from staleflow.tracking import Tracker
 
         settings = job.config.logger

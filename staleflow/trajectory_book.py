@@ -192,7 +192,7 @@ def segment_violation(segments: tuple[Span, ...], end: int, v_traj: int | None,
     return None
 
 
-def oldest_version(t: TrajRecord, v_traj: int | None) -> int | None:
+def oldest_version(t: TrajRecord, v_traj: int) -> int:
     """The oldest model version that generated any of the trajectory's tokens (its V_traj if it
     holds none): what its staleness is measured from."""
     return min((version for version, _, _ in t.segments), default=v_traj)
@@ -398,7 +398,8 @@ class TrajectoryBook:
         (``refuse_invalid``) refuses the request."""
         partials = list(partials)
         self.refuse_invalid(partials, limits)
-        outcome, changed = {}, []
+        outcome: dict[str, str] = {}
+        changed: list[TrajRecord] = []
         for p in partials:
             t = self.trajs.get(p.traj_id)
             if t is None:
@@ -430,7 +431,8 @@ class TrajectoryBook:
         partials; an instance's checkpoint that breaks it is ignored, not refused). Returns the
         response length now held of each trajectory whose checkpoint counted (or whose progress
         the book already held), and the appended parts."""
-        held, appended = {}, []
+        held: dict[str, int] = {}
+        appended: list[Checkpoint] = []
         for c in checkpoints:
             t = self.trajs.get(c.traj_id)
             if t is None or t.state is not TrajState.ROUTED or t.instance_id != c.instance_id:

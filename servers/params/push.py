@@ -82,7 +82,7 @@ class ChunkWriter:
         (the data plane's ``recv_into``); it calls ``landed`` after each piece, in order, a
         piece never crossing from one of these views into the next."""
         assert self.targets is not None
-        return [memoryview(self._current()), *(memoryview(t) for t in self.targets[self._span + 1:])]
+        return [self._current().data, *(t.data for t in self.targets[self._span + 1:])]
 
     def landed(self, n: int) -> None:
         """``n`` more bytes are in place: checksum them while they are in cache."""

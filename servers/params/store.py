@@ -64,7 +64,9 @@ class ParamStore:
         self.active_streams = 0
         self._closed = False
         self.cond = threading.Condition()
-        self.pushes = PushTable(self)
+        # pyright reads this file at its checkout path and, imported by name, at .ci/installed-layout's:
+        # to it, ParamStore here and in push.py are two classes
+        self.pushes = PushTable(self)  # pyright: ignore[reportArgumentType]
         self.memory = ShmSlots(config.shm_dir, shm_prefix(config.state_dir))  # the memory tier, shm pulls or not
         self.nixl = None
         if "nixl" in config.transports:

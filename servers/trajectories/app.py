@@ -191,7 +191,7 @@ def create_app(config: TrajectoryServerConfig, reward: RewardFn | None = None) -
             held_on_instance = store.book.held_on_instance(traj_id)
         if t is None:  # done for good: read back from the archive
             t, g = store.archived_trajectory(traj_id) or (None, None)
-        if t is None:
+        if t is None or g is None:
             raise StaleFlowError(ErrorCode.UNKNOWN_TRAJECTORY, f"trajectory {traj_id!r} is unknown")
         return {**summary(t, g), **traj_payload(t, g, server.config.sampling), "reward": t.reward,
                 "reward_reason": t.reward_reason, "finish_reason": t.finish_reason, "prompt_text": g.prompt_text,

@@ -120,7 +120,7 @@ def _build(directory: Path, spec: DemoSpec, report: Callable[[str, int, int], No
     config = transformers.Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=512, tie_word_embeddings=True, torch_dtype="float32",
+        max_position_embeddings=512, tie_word_embeddings=True, dtype="float32",
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = transformers.Qwen2ForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)

@@ -82,7 +82,7 @@ class FsdpBackend(TrainerBackend):
     def _sharded(self, model_dir: Path, trainable: bool, load: bool) -> PreTrainedModel:
         """The model built on the meta device, each decoder layer and then the root wrapped with
         ``fully_shard``, and only this rank's shards allocated and read from ``model_dir``."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if self.settings.mixed_precision else MixedPrecisionPolicy())
@@ -97,7 +97,7 @@ class FsdpBackend(TrainerBackend):
             fully_shard(layer, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mp_policy=mp, offload_policy=offload)
         for before, after in zip(layers, layers[1:], strict=False):  # gather the next layer while this one computes
-            if hasattr(before, "set_modules_to_forward_prefetch"):
+            if isinstance(before, FSDPModule) and isinstance(after, FSDPModule):
                 before.set_modules_to_forward_prefetch([after])
                 after.set_modules_to_backward_prefetch([before])
         materialize(model, self.device, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else None)
@@ -147,7 +147,9 @@ class FsdpBackend(TrainerBackend):
                 v = v.detach().double()
                 totals[k] = torch.maximum(totals[k], v) if k.endswith("_max") and k in totals else totals.get(k, 0) + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         lr = learning_rate(self.algo, version, self.final_version)
         for group in self.optimizer.param_groups:
@@ -309,7 +311,7 @@ class FsdpBackend(TrainerBackend):
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _token_logp(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], head: HeadInputs) -> torch.Tensor:
+    def _token_logp(self, model: PreTrainedModel, inputs: Mapping[str, torch.Tensor], head: HeadInputs) -> torch.Tensor:
         """Each position's log-prob of the next token, [rows, width - 1], through the chunked (or
         fused) output head, which sees the response positions only (0 elsewhere: masked out)."""
         with head_returns_logprobs(model, head.targets, self.chunk_tokens, self.settings.fused_logprobs,

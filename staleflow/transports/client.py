@@ -502,7 +502,7 @@ def _flat_target(into: Any, total_bytes: int) -> np.ndarray:
 
 def _byte_view_of(data: Any) -> memoryview:
     if type(data) is np.ndarray and data.dtype == np.uint8 and data.ndim == 1 and data.flags.c_contiguous:
-        return memoryview(data)  # a shard held as bytes (a rank's pieces of a staging buffer): once per piece per push
+        return data.data  # its memoryview: a shard held as bytes (a rank's pieces of a staging buffer): once per piece per push
     if type(data).__module__.startswith("torch"):
         data = _torch_bytes(data)[2]
     if isinstance(data, np.ndarray):
