@@ -353,7 +353,7 @@ class _Guarded(_UvicornProtocol):
             self._timer = self.loop.call_later(self.limits.header_timeout_s, transport.close)
             return
         self._metered = _MeteredTransport(transport)
-        super().connection_made(self._metered)
+        super().connection_made(self._metered)  # pyright: ignore[reportArgumentType]  (a proxy: what it does not count, it forwards)
         self._head_since = self._last_read = self._last_check = self.loop.time()
         self._head_bytes = 0
         self._body_waited_s, self._body_bytes = 0.0, 0
