@@ -57,8 +57,8 @@ class CoordinatorSettings(StrictModel):
                                    "being routed there is aborted on it")
     cost: CostCoefficients = Field(default_factory=CostCoefficients,
                                    description="cost-model coefficients of every instance (default: paper Table 4)")
-    calibration: CalibrationRef | None = Field(default=
-        None, description="take cost from this `staleflow calibrate` entry (instead of giving cost); read when "
+    calibration: CalibrationRef | None = Field(
+        default=None, description="take cost from this `staleflow calibrate` entry (instead of giving cost); read when "
                           "the coordinator starts")
     sim_weights_bytes: int | None = Field(default=None, ge=0, description="Pull size for sim instances without a PS")
 

@@ -67,6 +67,8 @@ class InstanceSettings(StrictModel):
     callback_batch: int = Field(default=64, ge=1, description="completions per callback batch")
     outbox_limit: int = Field(default=100_000, ge=1, description="unacknowledged completions kept before the oldest drop")
     idempotency_window: int = Field(default=10_000, ge=1, description="command ids remembered for retries")
+    idempotency_bytes: int = Field(default=8 << 20, ge=1, description="bytes of recorded responses (compact JSON) kept for "
+                                   "retries; the oldest go first beyond this or idempotency_window commands")
     progress_tokens: int = Field(default=256, ge=0, description="checkpoint a running trajectory to the trajectory server "
                                  "once it generated this many tokens since its last checkpoint; 0: no checkpoints")
     progress_seconds: float = Field(default=10.0, gt=0, description="checkpoint whatever a running trajectory generated "

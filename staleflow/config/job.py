@@ -35,18 +35,18 @@ class AlgorithmConfig(StrictModel):
     lr: float = Field(default=1e-6, gt=0, description="AdamW peak learning rate (1e-6 suits pretrained LLMs; the demo "
                                               "policy trains at 3e-4: DEMO_ALGORITHM, docs/training.md)")
     lr_warmup_steps: int = Field(default=0, ge=0, description="steps of linear warm-up from lr / (warm-up + 1) to lr")
-    lr_decay: Literal["constant", "cosine", "linear"] = Field(default=
-        "constant", description="after the warm-up: keep lr, or decay it to lr_min_ratio * lr at the job's last step")
+    lr_decay: Literal["constant", "cosine", "linear"] = Field(
+        default="constant", description="after the warm-up: keep lr, or decay it to lr_min_ratio * lr at the job's last step")
     lr_min_ratio: float = Field(default=0.0, ge=0, le=1, description="the decayed learning rate's floor, as a fraction of lr")
     weight_decay: float = Field(default=0.0, ge=0)
     clip_low: float = Field(default=0.2, ge=0, le=1, description="PPO ratio clip below: 1 - clip_low")
     clip_high: float = Field(default=0.28, ge=0, description="DAPO clip-higher: the ratio is clipped above at 1 + clip_high")
-    loss_aggregation: Literal["token", "sequence"] = Field(default=
-        "token", description="token: DAPO token-level mean over the batch; sequence: GRPO mean of per-sequence means")
+    loss_aggregation: Literal["token", "sequence"] = Field(
+        default="token", description="token: DAPO token-level mean over the batch; sequence: GRPO mean of per-sequence means")
     normalize_std: bool = Field(default=True, description="divide group-centred rewards by the group's std (GRPO)")
     kl_coef: float = Field(default=0.0, ge=0, description="k3 KL penalty to the initial policy (0: none, DAPO)")
-    correction: Literal["tis", "decoupled", "none"] = Field(default=
-        "tis", description="staleness correction: truncated importance sampling, decoupled PPO, or none")
+    correction: Literal["tis", "decoupled", "none"] = Field(
+        default="tis", description="staleness correction: truncated importance sampling, decoupled PPO, or none")
     tis_cap: float = Field(default=2.0, ge=1, description="truncation of the behaviour importance weight")
     max_grad_norm: float = Field(default=1.0, gt=0)
     micro_batch: int = Field(default=32, ge=1, description="trajectories per forward/backward on each rank")
@@ -60,40 +60,47 @@ class TrainerConfig(StrictModel):
     push_bytes: int = Field(default=1 << 20, ge=1, description="sim: bytes of the parameter blob pushed to the PS each step")
     world_size: int = Field(default=2, ge=1, le=64, description="FSDP2 ranks (processes; gloo on CPU, NCCL on GPU)")
     checkpoint_every: int = Field(default=5, ge=1, description="steps between checkpoints (model, optimizer, version)")
-    remote_push: Literal["http", "nixl"] = Field(default=
-        "http", description="how a rank off the parameter server's host pushes its weights: http, or nixl (RDMA; "
+    remote_push: Literal["http", "nixl"] = Field(
+        default="http", description="how a rank off the parameter server's host pushes its weights: http, or nixl (RDMA; "
                             "params.transports must offer it); ranks on the PS's host push over shm")
-    mixed_precision: bool | Literal["auto"] = Field(default=
-        "auto", description="bf16 parameters and activations in forward/backward, fp32 master weights and gradient "
+    mixed_precision: bool | Literal["auto"] = Field(
+        default="auto", description="bf16 parameters and activations in forward/backward, fp32 master weights and gradient "
                             "reductions; auto: on with CUDA, off (fp32) on CPU")
-    activation_checkpointing: bool | Literal["auto"] = Field(default=
-        "auto", description="recompute each decoder layer's activations in backward instead of keeping them; "
-                            "auto: on with CUDA, off on CPU")
-    max_tokens_per_micro_batch: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(default=
-        "auto", description="micro-batches by token budget: each rank packs trajectories (prompt + response) into "
+    activation_checkpointing: bool | Literal["auto", "selective"] = Field(
+        default="auto", description="what backward recomputes of each decoder layer: true (full) recomputes the whole layer "
+                            "and keeps only its input; selective keeps the matmul and attention outputs and "
+                            "recomputes the pointwise ops; false keeps everything; auto: selective with CUDA, off on "
+                            "CPU")
+    max_tokens_per_micro_batch: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        default="auto", description="micro-batches by token budget: each rank packs trajectories (prompt + response) into "
                             "micro-batches of at most this many tokens (a longer one trains alone); none: "
                             "algorithm.micro_batch trajectories each; auto: on CUDA, the budget a memory model of "
                             "the model's shape and the checkpointing policy fits in token_budget_memory_gib, on CPU "
                             "none")
-    token_budget_memory_gib: float = Field(default=
-        40.0, gt=0, description="the device memory per rank (GiB) that max_tokens_per_micro_batch: auto plans for, at "
+    token_budget_memory_gib: float = Field(
+        default=40.0, gt=0, description="the device memory per rank (GiB) that max_tokens_per_micro_batch: auto plans for, at "
                                 "most 95 % of the GPU's; beyond about 10k tokens per micro-batch more memory buys "
                                 "little speed")
-    packing: bool | Literal["auto"] = Field(default=
-        "auto", description="padding-free micro-batches: sequences concatenated with position ids restarting at 0; "
-                            "auto: with flash attention (varlen), else right-padded rows; true also packs for "
-                            "transformers 5's sdpa/eager masks (attention over the whole packed row)")
-    logprob_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(default=
-        "auto", description="tokens per chunk of the output head when computing log-probs (the [tokens, vocab] logits "
+    packing: bool | Literal["auto"] = Field(
+        default="auto", description="padding-free micro-batches: sequences concatenated into one row, attention kept within "
+                            "each (varlen attention over their boundaries); auto: with CUDA and torch's varlen "
+                            "attention, or with flash attention; true also on CPU (an exact per-sequence fallback)")
+    logprob_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        default="auto", description="tokens per chunk of the output head when computing log-probs (the [tokens, vocab] logits "
                             "never exist whole); auto: about 1 GB of fp32 logits per chunk on CUDA (at least 1,024 "
                             "tokens), 32 MB on CPU")
-    fused_logprobs: bool | Literal["auto"] = Field(default=
-        "auto", description="Liger's fused linear cross-entropy for the log-probs on CUDA (the liger extra); auto: "
+    fused_logprobs: bool | Literal["auto"] = Field(
+        default="auto", description="Liger's fused linear cross-entropy for the log-probs on CUDA (the liger extra); auto: "
                             "when liger_kernel is importable, else the chunked head")
+    fused_kernels: bool | Literal["auto"] = Field(
+        default="auto", description="Liger's fused RMSNorm, RoPE and SwiGLU kernels in the decoder layers (CUDA, the liger "
+                            "extra); auto: with CUDA and liger_kernel importable, unless the layers are compiled")
+    compile: bool = Field(default=False, description="torch.compile each decoder layer (its checkpointing inside the compiled "
+                                             "region, FSDP2 outside; dynamic shapes: one graph for all lengths)")
     optimizer_offload: bool = Field(default=False, description="keep sharded parameters, gradients and optimizer state in "
                                                        "host memory (FSDP2 CPUOffloadPolicy): fits larger models, slower")
-    export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(default=
-        "auto", description="dtype of the weights the trainer publishes; in a job, auto is the rollout engine's "
+    export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="dtype of the weights the trainer publishes; in a job, auto is the rollout engine's "
                             "(vllm_args.dtype); elsewhere auto keeps the trained parameters' own")
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
@@ -207,11 +214,11 @@ class JobConfig(ComponentConfigs, StrictModel):
     vllm_args: dict[str, Any] = Field(
         default_factory=lambda: {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1, "max_num_seqs": 128},
         description="vllm: settings of each instance's engine (staleflow.config.VllmConfig)")
-    db_url: str | None = Field(default=
-        None, description="database of the ledger and the trajectory store (one for both), e.g. "
+    db_url: str | None = Field(
+        default=None, description="database of the ledger and the trajectory store (one for both), e.g. "
                           "postgresql+psycopg://staleflow@db:5432/staleflow; default: SQLite files in state_dir")
-    db_url_file: Path | None = Field(default=
-        None, description="a file holding db_url (e.g. a mounted Kubernetes Secret): its password stays out of "
+    db_url_file: Path | None = Field(
+        default=None, description="a file holding db_url (e.g. a mounted Kubernetes Secret): its password stays out of "
                           "the job file and the environment")
     # one section per component: what the job sets of it (where it listens and what it talks to
     # come from the job's endpoints)
@@ -266,6 +273,12 @@ class JobConfig(ComponentConfigs, StrictModel):
             self._fits("kv_budget", self.kv_budget, "the sim KV budget (kv_budget, tokens)", prompt)
         elif isinstance(limit := self.vllm_args.get("max_model_len"), int):
             self._fits("vllm_args.max_model_len", limit, "vllm_args.max_model_len", 1)  # the model's tokens: >= 1
+        migration = self.coordinator.strategy.migration
+        if (self.engine == "vllm" and migration.repacks
+                and (self.vllm_args.get("engine_args") or {}).get("disable_log_stats")):
+            raise ValueError(f"migration {migration.value} repacks by each instance's KV utilisation, which vLLM "
+                             "reports only with its stats on: drop vllm_args.engine_args.disable_log_stats, or "
+                             "choose migration: starved (or throughput, none)")
         return self
 
     _db_url_supported = field_validator("db_url")(check_database_url)

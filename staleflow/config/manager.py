@@ -69,11 +69,11 @@ class LedgerConfig(StrictModel):
 class ManagerSettings(StrictModel):
     """What a job sets of the manager (its ``manager:`` section)."""
 
-    synchronous: Literal["FULL", "NORMAL"] = Field(default=
-        "FULL", description="SQLite sync level: FULL survives power loss, NORMAL only process crashes"
+    synchronous: Literal["FULL", "NORMAL"] = Field(
+        default="FULL", description="SQLite sync level: FULL survives power loss, NORMAL only process crashes"
     )
-    event_retention: int = Field(default=
-        10_000, ge=0, description="ledger events kept besides those of live groups and consume events: older events "
+    event_retention: int = Field(
+        default=10_000, ge=0, description="ledger events kept besides those of live groups and consume events: older events "
                                   "of retired groups are compacted away (counted) at each consume (0: keep every event)")
 
 

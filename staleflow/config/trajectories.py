@@ -37,8 +37,8 @@ class TrajectorySettings(StrictModel):
     sim_success_rate: float = Field(default=0.5, ge=0, le=1, description="mean reward of the 'sim' reward")
     filter_zero_variance: bool = Field(default=False, description="DAPO: abort groups whose rewards are all equal")
     follow_interval: float = Field(default=0.2, gt=0, description="seconds between polls of the ledger's event log")
-    retention: Literal["archive", "drop"] = Field(default=
-        "archive", description="where a finished group (freed or aborted, every member done) goes when it leaves the "
+    retention: Literal["archive", "drop"] = Field(
+        default="archive", description="where a finished group (freed or aborted, every member done) goes when it leaves the "
                                "live store: 'archive' (append-only archive tables) or 'drop' (deleted)")
 
 
@@ -53,11 +53,11 @@ class TrajectoryServerConfig(TrajectorySettings, ServiceConfig):
                                                      "default: UTF-8 bytes, for simulated engines")
     task: TaskConfig = TaskConfig(digits=3, ops="+-*")
     seed: int = 0
-    reward: Literal["math", "sim"] | str = Field(default=
-        "math", description="'math' (built-in verifier), 'sim' (seeded random, for the sim engine) or a reward server URL"
+    reward: Literal["math", "sim"] | str = Field(
+        default="math", description="'math' (built-in verifier), 'sim' (seeded random, for the sim engine) or a reward server URL"
     )
-    vocab_size: int | None = Field(default=
-        None, ge=1, description="the model's vocabulary: a trajectory with a token id at or above it is refused (422 "
+    vocab_size: int | None = Field(
+        default=None, ge=1, description="the model's vocabulary: a trajectory with a token id at or above it is refused (422 "
                                 "invalid_token); none: ids are bounded by their storage type (int32) only. A job sets "
                                 "it from its model's config.json or its sim workload")
 
