@@ -114,7 +114,7 @@ def _repack(plan: CyclePlan, states: dict[str, InstanceState], idle: list[Instan
     trajectory server instead of queueing it on an instance, so an instance below C_max with work
     it may still take is not winding down, it is being fed."""
     plan.repacks = plan_repack(idle, previous, config)
-    routes = []
+    routes: list[RouteDecision] = []
     for move in plan.repacks:
         source, dest = states[move.source], states[move.destination]
         plan.interrupts.setdefault(move.source, []).extend(move.trajectories)
