@@ -1,5 +1,5 @@
 """A rollout instance's settings: ``InstanceConfig`` with its sim and vLLM engine sections (the
-engine they describe is built by ``staleflow.servers.instance.state.create_engine``)."""
+engine they describe is built by ``staleflow.engines.factory.create_engine``)."""
 
 from __future__ import annotations
 
