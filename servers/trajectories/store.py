@@ -23,7 +23,7 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 from sqlalchemy import Engine, bindparam, delete, func, insert, select, update
@@ -198,8 +198,8 @@ class TrajectoryStore:
 
     # ------------------------------------------------------------------ persistence
 
-    def _persist(self, new_groups: list[GroupRecord] = (), groups: Iterable[GroupRecord] = (),
-                 new_trajs: list[TrajRecord] = (), trajs: Iterable[TrajRecord] = (), meta: dict[str, str] | None = None) -> None:
+    def _persist(self, new_groups: Sequence[GroupRecord] = (), groups: Iterable[GroupRecord] = (),
+                 new_trajs: Sequence[TrajRecord] = (), trajs: Iterable[TrajRecord] = (), meta: dict[str, str] | None = None) -> None:
         groups, trajs = list(groups), list(trajs)
         finished = self.book.finished([g.group_id for g in groups] + [t.group_id for t in trajs])
         try:
@@ -215,7 +215,7 @@ class TrajectoryStore:
         self.book.forget(finished)
         self.meta.update(meta or {})
 
-    def _write(self, new_groups: list[GroupRecord], groups: Iterable[GroupRecord], new_trajs: list[TrajRecord],
+    def _write(self, new_groups: Sequence[GroupRecord], groups: Iterable[GroupRecord], new_trajs: Sequence[TrajRecord],
                trajs: Iterable[TrajRecord], meta: dict[str, str] | None, finished: list[GroupRecord]) -> None:
         now = time.time()
         traj_rows = []
@@ -295,6 +295,37 @@ class TrajectoryStore:
     def routed(self, instance_id: str | None = None) -> list[tuple[TrajRecord, GroupRecord]]:
         with self.lock:
             return self.book.routed(instance_id)
+
+    def reservations_needed(self, assignments: Iterable[tuple[str, int]]) -> dict[str, int]:
+        """The groups to reserve in the ledger before ``assignments`` are checked out
+        (``TrajectoryBook.reservations_needed``)."""
+        return self.book.reservations_needed(assignments)
+
+    def grant(self, assignments: Iterable[tuple[str, int]], not_reserved: dict[str, str]
+              ) -> tuple[list[str], list[tuple[str, str]]]:
+        """Which assignments may be checked out (``TrajectoryBook.grant``)."""
+        return self.book.grant(assignments, not_reserved)
+
+    @property
+    def regenerated(self) -> tuple[int, int]:
+        """Trajectories regenerated after a failover, and their response tokens lost."""
+        trajectories, tokens = self.book.regenerated
+        return trajectories, tokens
+
+    def listed(self, state: TrajState | None = None) -> list[tuple[TrajRecord, GroupRecord]]:
+        """The live trajectories (in ``state``, or all) with their groups."""
+        with self.lock:
+            return [(t, self.groups[t.group_id]) for t in self.trajs.values() if state is None or t.state is state]
+
+    def trajectory(self, traj_id: str) -> tuple[TrajRecord, GroupRecord, int | None] | None:
+        """A trajectory, its group and the response tokens its instance last said it holds; one
+        done for good is read back from the archive (held nowhere). None: unknown."""
+        with self.lock:
+            t = self.trajs.get(traj_id)
+            if t is not None:
+                return t, self.groups[t.group_id], self.book.held_on_instance(traj_id)
+        archived = self.archived_trajectory(traj_id)
+        return None if archived is None else (*archived, None)
 
     def set_group_version(self, group_id: str, v_traj: int) -> None:
         with self.lock:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from staleflow.cli.main import app
 from staleflow.cli.soak import MEMORY_GROWTH_LIMIT, SOAK_DEFAULTS
-from staleflow.servers.instance.state import ENGINE_FACTORY_ENV
+from staleflow.engines.factory import ENGINE_FACTORY_ENV
 
 PROCESSES = {"manager", "params", "reward", "ts", "inst-0", "inst-1", "coordinator", "trainer"}
 

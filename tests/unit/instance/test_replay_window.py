@@ -8,7 +8,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from staleflow.servers.instance.state import ReplayWindow
+from staleflow.servers.instance.service import ReplayWindow
 
 
 def partial_body(i: int, tokens: int) -> dict:

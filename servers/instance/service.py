@@ -1,16 +1,14 @@
-"""The instance server's state: the completed-trajectory outbox, ``create_engine`` (the engine an
-``InstanceConfig`` describes) and ``InstanceServer``, which applies commands to the engine one at a
-time, records them for idempotent replay and feeds the outbox."""
+"""The instance server's service: the completed-trajectory outbox and ``InstanceServer``, which
+applies commands to the engine one at a time, records them for idempotent replay and feeds the
+outbox."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hashlib
-import importlib
 import json
 import logging
-import os
 import random
 import time
 import uuid
@@ -23,6 +21,7 @@ import httpx
 
 from staleflow.api.base import TRANSIENT_STATUS, async_http_client
 from staleflow.api.instance import AbortCommand, AdvanceIn, AnyCommand, InterruptCommand, RouteCommand
+from staleflow.config import InstanceConfig
 from staleflow.config.engines import Clock
 from staleflow.engines.base import (
     CompletedTrajectory,
@@ -30,9 +29,9 @@ from staleflow.engines.base import (
     EngineSnapshot,
     RolloutEngine,
 )
+from staleflow.engines.factory import create_engine
 from staleflow.engines.sim import SimEngine
 from staleflow.errors import ErrorCode
-from staleflow.servers.instance.config import InstanceConfig
 from staleflow.servers.instance.wire import engine_request, trajectory_json, weights_ref
 
 log = logging.getLogger(__name__)
@@ -154,27 +153,6 @@ class Outbox:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-ENGINE_FACTORY_ENV = "STALEFLOW_TEST_ENGINE_FACTORY"
-"""Test-only: ``module:function`` that builds the engine from the ``InstanceConfig`` instead, so a
-test can run a whole job whose instances use an engine of its own (the memory soak's planted leak)."""
-
-
-def create_engine(config: InstanceConfig) -> RolloutEngine:
-    if factory := os.environ.get(ENGINE_FACTORY_ENV):
-        module, _, name = factory.partition(":")
-        log.warning("%s=%s: a test's engine, not the configured one", ENGINE_FACTORY_ENV, factory)
-        return getattr(importlib.import_module(module), name)(config)
-    if config.engine == "sim":
-        sim = config.sim
-        return SimEngine(sim.params(), instance_id=config.instance_id, clock=sim.clock, speed=sim.speed)
-    from staleflow.config.engines import VllmEngineParams
-    from staleflow.engines.vllm_engine import VllmEngine
-
-    assert config.vllm is not None
-    params = VllmEngineParams(**config.vllm.model_dump())
-    return VllmEngine(params)
 
 
 @dataclass
