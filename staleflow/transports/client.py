@@ -5,6 +5,7 @@ over shared memory the slot's generation stamp)."""
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -121,6 +122,7 @@ class ParamsClient(Client):
         self._health: ParamsHealth | None = None
         self._tables_sent: set[str] = set()  # digests of the tensor tables this client sent the PS
         self._last_table: tuple[dict, list, str, dict[str, TensorSpec]] | None = None
+        self._last_source: tuple[dict[str, TensorSpec], tuple[ShardPiece, ...], ByteRegions, list] | None = None
 
     def close(self) -> None:
         for transport in self._transports.values():
@@ -186,24 +188,11 @@ class ParamsClient(Client):
         ``visible`` says whether the version is visible (after waiting up to ``wait_s`` for the
         other parts)."""
         table, digest, laid = self._laid(tensors)
-        spans = []
-        for piece in pieces:
-            spec = laid.get(piece.name)
-            if spec is None:
-                raise FormatError(f"piece of {piece.name!r}: no such tensor in the table")
-            view = _byte_view_of(piece.data)
-            if piece.start < 0 or piece.start + len(view) > spec.nbytes:
-                raise FormatError(f"piece of {piece.name!r} covers bytes {piece.start}..{piece.start + len(view)}, "
-                                  f"outside the tensor's {spec.nbytes}")
-            if len(view):
-                spans.append((spec.offset + piece.start, view))
-        spans.sort(key=lambda span: span[0])
-        source = ByteRegions(spans, sum(t.nbytes for t in laid.values()))
+        source, ranges = self._push_source(laid, pieces)
         via = transport
         if via == "auto":  # on the PS's host shm is fastest; elsewhere only the caller knows whether RDMA is there
             via = "shm" if self._shm_here() else self.remote_push
         mover = self.transport(via)  # before joining: a transport this host lacks fails here, leaving no push behind
-        ranges = merge_ranges((offset, len(view)) for offset, view in spans)  # one for a one-rank table
         join = {"metadata": dict(metadata or {}), "parts": parts, "ranges": ranges, "via": via, "gather": True,
                 "table": digest}
 
@@ -227,6 +216,37 @@ class ParamsClient(Client):
         delivered = time.monotonic()  # the bytes are in; the PS is told next
         reply = self.finish_part(version, part, session.push_id, checksums=checksums, wait_s=wait_s)
         return {**reply, "via": via, "delivered_at_monotonic": delivered}
+
+    def _push_source(self, laid: dict[str, TensorSpec], pieces: Iterable[ShardPiece]) -> tuple[ByteRegions, list]:
+        """(the data section as ``pieces``' buffers, the byte ranges they cover) for a table laid
+        out as ``laid``. The last one is kept: a pusher that hands the same pieces again (the
+        same objects, holding numpy arrays, whose memory cannot move while viewed) gets it back
+        with one identity check per piece, and with it the cut of its chunks into copy windows
+        (``ByteRegions.windows``), instead of a view, a check and a window slot per tensor."""
+        pieces = tuple(pieces)
+        cached = self._last_source
+        if (cached is not None and cached[0] is laid and len(cached[1]) == len(pieces)
+                and all(map(operator.is_, pieces, cached[1]))):
+            return cached[2], cached[3]
+        spans = []
+        for piece in pieces:
+            spec = laid.get(piece.name)
+            if spec is None:
+                raise FormatError(f"piece of {piece.name!r}: no such tensor in the table")
+            view = _byte_view_of(piece.data)
+            if piece.start < 0 or piece.start + len(view) > spec.nbytes:
+                raise FormatError(f"piece of {piece.name!r} covers bytes {piece.start}..{piece.start + len(view)}, "
+                                  f"outside the tensor's {spec.nbytes}")
+            if len(view):
+                spans.append((spec.offset + piece.start, view))
+        spans.sort(key=lambda span: span[0])
+        source = ByteRegions(spans, sum(t.nbytes for t in laid.values()))
+        ranges = merge_ranges((offset, len(view)) for offset, view in spans)  # one for a one-rank table
+        # only buffers viewed in place: a piece copied on the way (a non-contiguous array, a torch
+        # tensor off the CPU) would hand its bytes of this push to the next
+        reusable = all(type(p.data) is np.ndarray and p.data.flags.c_contiguous for p in pieces)
+        self._last_source = (laid, pieces, source, ranges) if reusable else None
+        return source, ranges
 
     def _laid(self, tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[list, str, dict[str, TensorSpec]]:
         """(the table as the join sends it, its digest, name -> its layout) for ``tensors``; the

@@ -44,7 +44,7 @@ from staleflow.transports.base import PullLease, PushSession, Transport
 from staleflow.transports.checksums import ChunkHasher, SegmentHasher, checksum_bytes, chunk_hasher, verify_mode
 from staleflow.transports.errors import ChecksumMismatch, SlotReused, TransportUnavailable
 from staleflow.transports.layout import ChunkSpec
-from staleflow.transports.regions import ByteRegions, pieces_of
+from staleflow.transports.regions import ByteRegions, address_of, cut_windows, pieces_of
 from staleflow.transports.selection import ChunkStep, SelectionPlan, copy_blocks
 
 T = TypeVar("T")
@@ -318,7 +318,7 @@ def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview
         return _copy_and_hash_one(targets[0], origins[0], hasher, window)
     if len(targets) == 1:
         target = targets[0]
-        for start, pieces in _windows(origins, window):
+        for start, pieces in cut_windows(origins, window):
             window_view = target[start:start + sum(len(p) for p in pieces)]
             np.concatenate(pieces, out=window_view)
             if hasher is not None:
@@ -326,7 +326,7 @@ def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview
         return hasher.hexdigest() if hasher is not None else None
     if len(origins) == 1:
         origin = origins[0]
-        for start, pieces in _windows(targets, window):
+        for start, pieces in cut_windows(targets, window):
             window_view = origin[start:start + sum(len(p) for p in pieces)]
             position = 0
             for piece in pieces:
@@ -345,10 +345,10 @@ def copy_window_bytes(destination: Sequence[np.ndarray], source: Sequence[np.nda
     address per piece of the other side."""
     if len(source) == 1 or len(destination) == 1:
         whole, pieces = (source[0], destination) if len(source) == 1 else (destination[0], source)
-        base = _address(whole)
+        base = address_of(whole)
         position = 0
         for piece in pieces:
-            if len(piece) and (_address(piece) - base - position) % COPY_ALIGNMENT:
+            if len(piece) and (address_of(piece) - base - position) % COPY_ALIGNMENT:
                 return PIECE_BYTES
             position += len(piece)
         return ALIGNED_PIECE_BYTES
@@ -356,7 +356,7 @@ def copy_window_bytes(destination: Sequence[np.ndarray], source: Sequence[np.nda
     d_at = s_at = 0  # offset into that piece
     while d < len(destination) and s < len(source):
         if len(destination[d]) and len(source[s]):
-            gap = _address(destination[d]) + d_at - _address(source[s]) - s_at
+            gap = address_of(destination[d]) + d_at - address_of(source[s]) - s_at
             if gap % COPY_ALIGNMENT:
                 return PIECE_BYTES
         n = min(len(destination[d]) - d_at, len(source[s]) - s_at)
@@ -368,28 +368,26 @@ def copy_window_bytes(destination: Sequence[np.ndarray], source: Sequence[np.nda
     return ALIGNED_PIECE_BYTES
 
 
-def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
-
-
-def _windows(pieces: Sequence[np.ndarray], window: int) -> Iterator[tuple[int, list[np.ndarray]]]:
-    """(offset in the concatenated pieces, the pieces' parts covering it) per window of about
-    ``window`` bytes: small pieces grouped, large ones cut."""
-    parts: list[np.ndarray] = []
-    filled = start = position = 0
-    for array in pieces:
-        taken = 0
-        while taken < len(array):
-            n = min(window - filled, len(array) - taken)
-            parts.append(array[taken:taken + n])
-            taken += n
-            filled += n
-            if filled == window:
-                yield start, parts
-                position += filled
-                parts, filled, start = [], 0, position
-    if parts:
-        yield start, parts
+def gather_and_hash(target: np.ndarray, source: ByteRegions, offset: int, algorithm: str) -> str:
+    """Copy data-section bytes [offset, offset + len(target)) of ``source`` into ``target`` (a
+    push into the slot) window by window, and return their checksum: each window's pieces are
+    gathered with one ``np.concatenate`` and the window is hashed once, while it is in cache.
+    Windows of ``ALIGNED_PIECE_BYTES`` where every source byte and its destination are mutually
+    aligned, else ``PIECE_BYTES`` (see ``copy_window_bytes``). The cut into windows is
+    ``source``'s, kept across pushes of the same buffers: a table of thousands of small tensors
+    costs a call per window, not per tensor."""
+    phase = source.phase(COPY_ALIGNMENT)
+    aligned = phase is not None and (address_of(target) - offset) % COPY_ALIGNMENT == phase
+    window = ALIGNED_PIECE_BYTES if aligned else PIECE_BYTES
+    hasher = ChunkHasher(algorithm)
+    for start, parts in source.windows(offset, len(target), window):
+        step = target[start:start + window]
+        if len(parts) == 1:
+            np.copyto(step, parts[0])
+        else:
+            np.concatenate(parts, out=step)
+        hasher.update(step)
+    return hasher.hexdigest()
 
 
 def _copy_and_hash_one(target: np.ndarray, origin: np.ndarray, hasher: ChunkHasher | SegmentHasher | None,
@@ -558,6 +556,7 @@ class ShmTransport(Transport):
             raise FileNotFoundError(f"push {session.push_id}: its shared-memory slot is gone (the push was "
                                     f"dropped or the parameter server restarted)") from exc
         base = int(session.details["data_offset"])
+        slot = np.frombuffer(target, np.uint8)
 
         def batch(chunks: Sequence[ChunkSpec]) -> list[tuple[int, str | list[str]]]:
             sums: list[tuple[int, str | list[str]]] = []
@@ -566,10 +565,8 @@ class ShmTransport(Transport):
                     sums.append((chunk.index, copy_ranges(target, base, chunk.ranges, source, session.checksum_algorithm)))
                     continue
                 start = base + chunk.offset
-                checksum = copy_and_hash([target[start:start + chunk.length]], source.views(chunk.offset, chunk.length),
-                                         session.checksum_algorithm)
-                assert checksum is not None
-                sums.append((chunk.index, checksum))
+                sums.append((chunk.index, gather_and_hash(slot[start:start + chunk.length], source, chunk.offset,
+                                                          session.checksum_algorithm)))
             return sums
 
         return {index: checksum for sums in _in_order(self._executor(), batch, batches_of(session.chunks), self.workers * 2)

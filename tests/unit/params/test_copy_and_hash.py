@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from staleflow.transports.checksums import checksum_of
 from staleflow.transports.layout import ChunkSpec
+from staleflow.transports.regions import ByteRegions
 from staleflow.transports.shm import (
     ALIGNED_PIECE_BYTES,
     COPY_ALIGNMENT,
@@ -18,6 +19,7 @@ from staleflow.transports.shm import (
     batches_of,
     copy_and_hash,
     copy_window_bytes,
+    gather_and_hash,
 )
 
 
@@ -65,6 +67,35 @@ def test_every_byte_lands_whether_or_not_the_sides_are_aligned_to_each_other(
             checksum = copy_and_hash(split(target, target_cuts_used), split(source, source_cuts_used), "xxh3_64")
             assert np.array_equal(target, source)
             assert checksum == checksum_of("xxh3_64", [memoryview(source)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 3 * PIECE_BYTES + 17), source_cuts=cut_lists, start=st.integers(0, 3 * PIECE_BYTES),
+       source_shift=st.integers(0, COPY_ALIGNMENT - 1), target_shift=st.integers(0, COPY_ALIGNMENT - 1),
+       algorithm=st.sampled_from(["xxh3_64", "crc32"]), seed=st.integers(0, 2**32 - 1))
+def test_a_push_gathers_every_byte_of_its_range_and_hashes_them_again_after_the_buffers_change(
+        size: int, source_cuts: list[int], start: int, source_shift: int, target_shift: int, algorithm: str,
+        seed: int) -> None:
+    """The pieces' cut into windows is kept across pushes: the next push copies and hashes the
+    buffers' new bytes, not the first push's."""
+    rng = np.random.default_rng(seed)
+    source = aligned(size, source_shift)
+    regions = ByteRegions([(7 + offset, view) for offset, view in _at_offsets(split(source, source_cuts))], 7 + size)
+    start = min(start, size - 1)
+    for _ in range(2):
+        source[:] = rng.integers(0, 256, size, dtype=np.uint8)
+        target = aligned(size - start, target_shift)
+        checksum = gather_and_hash(target, regions, 7 + start, algorithm)
+        assert np.array_equal(target, source[start:])
+        assert checksum == checksum_of(algorithm, [memoryview(source[start:])])
+
+
+def _at_offsets(views: list[memoryview]) -> list[tuple[int, memoryview]]:
+    out, offset = [], 0
+    for view in views:
+        out.append((offset, view))
+        offset += len(view)
+    return out
 
 
 def test_the_short_copy_step_only_where_every_byte_keeps_its_alignment() -> None:
