@@ -123,6 +123,7 @@ class ParamsClient(Client):
         self._tables_sent: set[str] = set()  # digests of the tensor tables this client sent the PS
         self._last_table: tuple[dict, list, str, dict[str, TensorSpec]] | None = None
         self._last_source: tuple[dict[str, TensorSpec], tuple[ShardPiece, ...], ByteRegions, list] | None = None
+        self._last_pull_regions: tuple[tuple[TensorSpec, ...], list[Any], ByteRegions] | None = None
 
     def close(self) -> None:
         for transport in self._transports.values():
@@ -381,8 +382,7 @@ class ParamsClient(Client):
             return
         manifest = lease.manifest
         if out is not None:
-            arrays = {t.name: _writable_array(out, t) for t in manifest.tensors}
-            regions = ByteRegions.per_tensor(manifest.tensors, arrays)
+            regions = self._pull_regions(manifest.tensors, out)
         else:
             flat = np.empty(manifest.total_bytes, np.uint8) if into is None else _flat_target(into, manifest.total_bytes)
             arrays = {t.name: _view_of(flat, t) for t in manifest.tensors}
@@ -397,6 +397,26 @@ class ParamsClient(Client):
                     yield spec.name, out[spec.name]
                 else:
                     yield spec.name, _as_torch(arrays[spec.name], spec) if as_torch else arrays[spec.name]
+
+    def _pull_regions(self, tensors: tuple[TensorSpec, ...], out: Mapping[str, Any]) -> ByteRegions:
+        """``out``'s buffers as the data section of a version of ``tensors``. The last one is
+        kept: an instance pulling every version into the same numpy arrays gets it back (and with
+        it the cut of its chunks into copy windows) with one lookup and identity check per tensor."""
+        cached = self._last_pull_regions
+        if cached is not None and cached[0] == tensors:
+            try:
+                held = [out[t.name] for t in tensors]
+            except KeyError:
+                held = None
+            if held is not None and all(map(operator.is_, held, cached[1])):
+                return cached[2]
+        arrays = {t.name: _writable_array(out, t) for t in tensors}
+        regions = ByteRegions.per_tensor(tensors, arrays)
+        held = [out[t.name] for t in tensors]
+        # numpy arrays only: a torch tensor's storage can be swapped under the view kept here
+        reusable = all(type(a) is np.ndarray for a in held)
+        self._last_pull_regions = (tensors, held, regions) if reusable else None
+        return regions
 
     def _receive_selected(self, lease: PullLease, select: Selection, out: Mapping[str, Any] | None, as_torch: bool,
                           verify: str) -> Iterator[tuple[str, Any]]:

@@ -376,9 +376,7 @@ def gather_and_hash(target: np.ndarray, source: ByteRegions, offset: int, algori
     aligned, else ``PIECE_BYTES`` (see ``copy_window_bytes``). The cut into windows is
     ``source``'s, kept across pushes of the same buffers: a table of thousands of small tensors
     costs a call per window, not per tensor."""
-    phase = source.phase(COPY_ALIGNMENT)
-    aligned = phase is not None and (address_of(target) - offset) % COPY_ALIGNMENT == phase
-    window = ALIGNED_PIECE_BYTES if aligned else PIECE_BYTES
+    window = _window_for(target, source, offset)
     hasher = ChunkHasher(algorithm)
     for start, parts in source.windows(offset, len(target), window):
         step = target[start:start + window]
@@ -388,6 +386,35 @@ def gather_and_hash(target: np.ndarray, source: ByteRegions, offset: int, algori
             np.concatenate(parts, out=step)
         hasher.update(step)
     return hasher.hexdigest()
+
+
+def scatter_and_hash(source: np.ndarray, into: ByteRegions, offset: int,
+                     hasher: ChunkHasher | SegmentHasher | None) -> str | None:
+    """Copy ``source`` (a chunk in the slot, immutable while the lease is open) into data-section
+    bytes [offset, offset + len(source)) of ``into``, window by window, hashing each window of the
+    source once right after its copy when ``hasher`` is given; the reverse of ``gather_and_hash``,
+    with ``into``'s cut into windows kept across pulls into the same buffers."""
+    window = _window_for(source, into, offset)
+    for start, parts in into.windows(offset, len(source), window):
+        step = source[start:start + window]
+        if len(parts) == 1:
+            np.copyto(parts[0], step)
+        else:
+            position = 0
+            for part in parts:
+                np.copyto(part, step[position:position + len(part)])
+                position += len(part)
+        if hasher is not None:
+            hasher.update(step)
+    return hasher.hexdigest() if hasher is not None else None
+
+
+def _window_for(whole: np.ndarray, regions: ByteRegions, offset: int) -> int:
+    """The copy step between ``whole`` (data-section bytes from ``offset``) and ``regions``:
+    ``ALIGNED_PIECE_BYTES`` where every byte keeps its alignment, else ``PIECE_BYTES``."""
+    phase = regions.phase(COPY_ALIGNMENT)
+    aligned = phase is not None and (address_of(whole) - offset) % COPY_ALIGNMENT == phase
+    return ALIGNED_PIECE_BYTES if aligned else PIECE_BYTES
 
 
 def _copy_and_hash_one(target: np.ndarray, origin: np.ndarray, hasher: ChunkHasher | SegmentHasher | None,
@@ -503,11 +530,13 @@ class ShmTransport(Transport):
         source = self._slot(lease, stamp).view
         base = lease.manifest.data_offset
 
+        slot = np.frombuffer(source, np.uint8)
+
         def batch(chunks: Sequence[ChunkSpec]) -> int:
             for chunk in chunks:
                 hasher = chunk_hasher(chunk) if hashing and chunk.checksum else None
                 start = base + chunk.offset
-                actual = copy_and_hash(into.views(chunk.offset, chunk.length), [source[start:start + chunk.length]], hasher)
+                actual = scatter_and_hash(slot[start:start + chunk.length], into, chunk.offset, hasher)
                 if hasher is not None and actual != chunk.checksum:
                     raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual or "")
             return chunks[-1].offset + chunks[-1].length

@@ -294,3 +294,21 @@ def test_pieces_pushed_again_carry_the_bytes_they_hold_now(url: str, transport: 
             for name, buffer in buffers.items():
                 assert np.array_equal(pulled[name], buffer), (version, name)
             assert np.array_equal(pulled["m"], matrix), version
+
+
+def test_pulls_into_the_same_buffers_land_each_version_and_a_replaced_buffer_is_used(url: str) -> None:
+    """An instance pulling every version into the same arrays gets the first pull's views back;
+    each pull still lands its version's bytes, and a buffer replaced in ``out`` receives them."""
+    tensors = {f"t{i}": ("U8", (2000 + i,)) for i in range(30)}
+    out = {n: np.zeros(s[0], np.uint8) for n, (_, s) in tensors.items()}
+    with ParamsClient(url) as client:
+        for version in (1, 2, 3):
+            data = {n: np.full(s[0], (version * 17 + i) % 251, np.uint8) for i, (n, (_, s)) in enumerate(tensors.items())}
+            assert client.push_part(version, 0, 1, tensors, [ShardPiece(n, 0, d) for n, d in data.items()],
+                                    transport="shm")["visible"]
+            if version == 3:
+                out["t4"] = np.zeros(2004, np.uint8)
+            for transport in ("shm", "http"):
+                pulled = client.pull(version, transport, out=out, verify="checksum")
+                for name in tensors:
+                    assert pulled[name] is out[name] and np.array_equal(out[name], data[name]), (version, transport, name)

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleflow.transports.checksums import checksum_of
+from staleflow.transports.checksums import ChunkHasher, checksum_of
 from staleflow.transports.layout import ChunkSpec
 from staleflow.transports.regions import ByteRegions
 from staleflow.transports.shm import (
@@ -20,6 +20,7 @@ from staleflow.transports.shm import (
     copy_and_hash,
     copy_window_bytes,
     gather_and_hash,
+    scatter_and_hash,
 )
 
 
@@ -88,6 +89,27 @@ def test_a_push_gathers_every_byte_of_its_range_and_hashes_them_again_after_the_
         checksum = gather_and_hash(target, regions, 7 + start, algorithm)
         assert np.array_equal(target, source[start:])
         assert checksum == checksum_of(algorithm, [memoryview(source[start:])])
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 3 * PIECE_BYTES + 17), target_cuts=cut_lists, start=st.integers(0, 3 * PIECE_BYTES),
+       source_shift=st.integers(0, COPY_ALIGNMENT - 1), target_shift=st.integers(0, COPY_ALIGNMENT - 1),
+       seed=st.integers(0, 2**32 - 1))
+def test_a_pull_scatters_every_byte_of_its_range_into_the_same_buffers_again(
+        size: int, target_cuts: list[int], start: int, source_shift: int, target_shift: int, seed: int) -> None:
+    """The buffers' cut into windows is kept across pulls: each pull lands its own bytes in them,
+    and the hash is the one of the bytes pulled."""
+    rng = np.random.default_rng(seed)
+    target = aligned(size, target_shift)
+    regions = ByteRegions([(7 + offset, view) for offset, view in _at_offsets(split(target, target_cuts))], 7 + size)
+    start = min(start, size - 1)
+    for _ in range(2):
+        source = aligned(size - start, source_shift)
+        source[:] = rng.integers(0, 256, size - start, dtype=np.uint8)
+        checksum = scatter_and_hash(source, regions, 7 + start, ChunkHasher("xxh3_64"))
+        assert np.array_equal(target[start:], source)
+        assert checksum == checksum_of("xxh3_64", [memoryview(source)])
+        assert scatter_and_hash(source, regions, 7 + start, None) is None
 
 
 def _at_offsets(views: list[memoryview]) -> list[tuple[int, memoryview]]:
