@@ -44,7 +44,7 @@ from staleflow.transports.base import PullLease, PushSession, Transport
 from staleflow.transports.checksums import ChunkHasher, SegmentHasher, checksum_bytes, chunk_hasher, verify_mode
 from staleflow.transports.errors import ChecksumMismatch, SlotReused, TransportUnavailable
 from staleflow.transports.layout import ChunkSpec
-from staleflow.transports.regions import ByteRegions, address_of, cut_windows, pieces_of
+from staleflow.transports.regions import ByteRegions, address_of, pieces_of
 from staleflow.transports.selection import ChunkStep, SelectionPlan, copy_blocks
 
 T = TypeVar("T")
@@ -298,76 +298,6 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview],
-                  hashing: str | ChunkHasher | SegmentHasher | None) -> str | None:
-    """Copy ``source`` pieces into ``destination`` pieces (the same total length) in windows of
-    ``ALIGNED_PIECE_BYTES`` where both sides are mutually aligned, else ``PIECE_BYTES``, hashing
-    each window right after it is written, while it is in cache (``hashing``: an algorithm, or
-    the hasher of the chunk's checksum, ``chunk_hasher``). numpy's copy and xxhash both run
-    without the GIL, so several threads overlap.
-
-    Many small pieces (a table of small tensors) cost no call per piece where one side is one
-    buffer: the pieces of a window are gathered into it with one ``np.concatenate`` (a push into
-    the slot), and a window is hashed once, where it is contiguous (the destination of a push, the
-    source of a pull -- the PS's slot, immutable while a lease is open)."""
-    hasher = ChunkHasher(hashing) if isinstance(hashing, str) else hashing
-    targets = [np.frombuffer(view, np.uint8) for view in destination]
-    origins = [np.frombuffer(view, np.uint8) for view in source]
-    window = copy_window_bytes(targets, origins)
-    if len(targets) == 1 and len(origins) == 1:
-        return _copy_and_hash_one(targets[0], origins[0], hasher, window)
-    if len(targets) == 1:
-        target = targets[0]
-        for start, pieces in cut_windows(origins, window):
-            window_view = target[start:start + sum(len(p) for p in pieces)]
-            np.concatenate(pieces, out=window_view)
-            if hasher is not None:
-                hasher.update(window_view)
-        return hasher.hexdigest() if hasher is not None else None
-    if len(origins) == 1:
-        origin = origins[0]
-        for start, pieces in cut_windows(targets, window):
-            window_view = origin[start:start + sum(len(p) for p in pieces)]
-            position = 0
-            for piece in pieces:
-                np.copyto(piece, window_view[position:position + len(piece)])
-                position += len(piece)
-            if hasher is not None:
-                hasher.update(window_view)
-        return hasher.hexdigest() if hasher is not None else None
-    return _copy_and_hash_pieces(targets, origins, hasher, window)
-
-
-def copy_window_bytes(destination: Sequence[np.ndarray], source: Sequence[np.ndarray]) -> int:
-    """``ALIGNED_PIECE_BYTES`` when every byte of ``source`` lands at an address that agrees with
-    its own modulo ``COPY_ALIGNMENT`` (checked where either side's pieces change), else
-    ``PIECE_BYTES``. One side in one piece (the slot, a flat buffer: the usual case) costs one
-    address per piece of the other side."""
-    if len(source) == 1 or len(destination) == 1:
-        whole, pieces = (source[0], destination) if len(source) == 1 else (destination[0], source)
-        base = address_of(whole)
-        position = 0
-        for piece in pieces:
-            if len(piece) and (address_of(piece) - base - position) % COPY_ALIGNMENT:
-                return PIECE_BYTES
-            position += len(piece)
-        return ALIGNED_PIECE_BYTES
-    d = s = 0  # piece index on each side
-    d_at = s_at = 0  # offset into that piece
-    while d < len(destination) and s < len(source):
-        if len(destination[d]) and len(source[s]):
-            gap = address_of(destination[d]) + d_at - address_of(source[s]) - s_at
-            if gap % COPY_ALIGNMENT:
-                return PIECE_BYTES
-        n = min(len(destination[d]) - d_at, len(source[s]) - s_at)
-        d_at, s_at = d_at + n, s_at + n
-        if d_at == len(destination[d]):
-            d, d_at = d + 1, 0
-        if s_at == len(source[s]):
-            s, s_at = s + 1, 0
-    return ALIGNED_PIECE_BYTES
-
-
 def gather_and_hash(target: np.ndarray, source: ByteRegions, offset: int, algorithm: str) -> str:
     """Copy data-section bytes [offset, offset + len(target)) of ``source`` into ``target`` (a
     push into the slot) window by window, and return their checksum: each window's pieces are
@@ -376,7 +306,7 @@ def gather_and_hash(target: np.ndarray, source: ByteRegions, offset: int, algori
     aligned, else ``PIECE_BYTES`` (see ``copy_window_bytes``). The cut into windows is
     ``source``'s, kept across pushes of the same buffers: a table of thousands of small tensors
     costs a call per window, not per tensor."""
-    window = _window_for(target, source, offset)
+    window = copy_window_bytes(target, source, offset)
     hasher = ChunkHasher(algorithm)
     for start, parts in source.windows(offset, len(target), window):
         step = target[start:start + window]
@@ -394,7 +324,7 @@ def scatter_and_hash(source: np.ndarray, into: ByteRegions, offset: int,
     bytes [offset, offset + len(source)) of ``into``, window by window, hashing each window of the
     source once right after its copy when ``hasher`` is given; the reverse of ``gather_and_hash``,
     with ``into``'s cut into windows kept across pulls into the same buffers."""
-    window = _window_for(source, into, offset)
+    window = copy_window_bytes(source, into, offset)
     for start, parts in into.windows(offset, len(source), window):
         step = source[start:start + window]
         if len(parts) == 1:
@@ -409,41 +339,12 @@ def scatter_and_hash(source: np.ndarray, into: ByteRegions, offset: int,
     return hasher.hexdigest() if hasher is not None else None
 
 
-def _window_for(whole: np.ndarray, regions: ByteRegions, offset: int) -> int:
+def copy_window_bytes(whole: np.ndarray, regions: ByteRegions, offset: int) -> int:
     """The copy step between ``whole`` (data-section bytes from ``offset``) and ``regions``:
     ``ALIGNED_PIECE_BYTES`` where every byte keeps its alignment, else ``PIECE_BYTES``."""
     phase = regions.phase(COPY_ALIGNMENT)
     aligned = phase is not None and (address_of(whole) - offset) % COPY_ALIGNMENT == phase
     return ALIGNED_PIECE_BYTES if aligned else PIECE_BYTES
-
-
-def _copy_and_hash_one(target: np.ndarray, origin: np.ndarray, hasher: ChunkHasher | SegmentHasher | None,
-                       window: int) -> str | None:
-    for start in range(0, len(target), window):
-        step = target[start:start + window]
-        np.copyto(step, origin[start:start + window])
-        if hasher is not None:
-            hasher.update(step)
-    return hasher.hexdigest() if hasher is not None else None
-
-
-def _copy_and_hash_pieces(dst: Sequence[np.ndarray], src: Sequence[np.ndarray], hasher: ChunkHasher | SegmentHasher | None,
-                          window: int) -> str | None:
-    """Both sides in several pieces: copy step by step, hashing each step of the destination."""
-    si = so = 0
-    for d in dst:
-        filled = 0
-        while filled < len(d):
-            n = min(window, len(d) - filled, len(src[si]) - so)
-            target = d[filled:filled + n]
-            np.copyto(target, src[si][so:so + n])
-            if hasher is not None:
-                hasher.update(target)
-            filled += n
-            so += n
-            if so == len(src[si]):
-                si, so = si + 1, 0
-    return hasher.hexdigest() if hasher is not None else None
 
 
 class ShmTransport(Transport):
