@@ -15,7 +15,7 @@ from rich.table import Table
 
 from staleflow.cli.common import console, emit_results, fail
 from staleflow.servers.manager.bench import LEDGER_BENCH_PARTS, run_ledger_bench
-from staleflow.simulation.decision_bench import decision_bench_cells, run_decision_bench
+from staleflow.simulation.decision_bench import DECISION_STRATEGIES, decision_bench_cells, run_decision_bench
 
 
 def _print(results: dict) -> None:
@@ -79,14 +79,15 @@ def _print_decisions(results: dict) -> None:
     for scenario in ("initial fill", "steady"):
         rows = [r for r in results["rows"] if r["scenario"] == scenario]
         counts = sorted({r["trajectories"] for r in rows})
-        table = Table(title=f"decision pass (sync + migration + routing), ms, {scenario}, "
+        table = Table(title=f"decision pass (sync + migration + routing), ms (min CPU ms, peak MiB), {scenario}, "
                             f"{results['strategy']} strategy")
         table.add_column("instances \\ trajectories")
         for c in counts:
             table.add_column(str(c), justify="right")
         for n in sorted({r["instances"] for r in rows}):
             cells = {r["trajectories"]: r for r in rows if r["instances"] == n}
-            table.add_row(str(n), *(f"{cells[c]['median_ms']:.1f} ({cells[c]['routed']} routed)" for c in counts))
+            table.add_row(str(n), *(f"{cells[c]['median_ms']:.1f} (CPU {cells[c]['cpu_min_ms']:.1f}, "
+                                    f"{cells[c]['peak_mib']:.1f} MiB, {cells[c]['routed']} routed)" for c in counts))
         console.print(table)
 
 
@@ -96,14 +97,15 @@ def register_decision_bench(bench_app: typer.Typer) -> None:
         instances: Annotated[str, typer.Option(help="comma-separated instance counts")] = "16,32,64,128",
         trajectories: Annotated[str, typer.Option(help="comma-separated waiting-trajectory counts")] = "256,512,1024,2048",
         repeats: Annotated[int, typer.Option(help="passes per cell (median reported)")] = 5,
-        strategy: Annotated[str, typer.Option(help="default (the coordinator's StrategyConfig()) or staleflow "
-                                              "(load-aware sync, starved migration, as bench systems runs it)")
+        strategy: Annotated[str, typer.Option(help="default (the coordinator's StrategyConfig()), staleflow "
+                                              "(load-aware sync, starved migration, as bench systems runs it) or "
+                                              "repack (staleflow with repack, every pass a repack check)")
                             ] = "default",
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     ) -> None:
         """Time of one coordinator decision pass as instances and waiting trajectories grow."""
-        if strategy not in ("default", "staleflow"):
-            raise fail(f"--strategy must be default or staleflow, got {strategy!r}")
+        if strategy not in DECISION_STRATEGIES:
+            raise fail(f"--strategy must be one of {', '.join(DECISION_STRATEGIES)}, got {strategy!r}")
         instance_counts = [int(x) for x in instances.split(",")]
         trajectory_counts = [int(x) for x in trajectories.split(",")]
         with Progress(console=console, transient=True) as progress:

@@ -98,8 +98,10 @@ def run_with_progress(spec: ExperimentSpec, jobs: int):
         task = progress.add_task(f"simulating {spec.scenario.name}", total=total)
 
         def on_run(job: SimulatedJob, run: RunResult) -> None:
-            progress.update(task, advance=1, description=f"{job.system.name} {job.point.label} x{job.instances}: "
-                                                         f"{run.throughput:,.0f} tok/s")
+            total = max(progress.tasks[0].completed + 1, progress.tasks[0].total or 0)  # matched runs are unplanned
+            progress.update(task, advance=1, total=total,
+                            description=f"{job.system.name} {job.point.label} x{job.instances}: "
+                                        f"{run.throughput:,.0f} tok/s")
 
         if jobs <= 1:
             return run_experiment(spec, None, on_run)

@@ -35,6 +35,7 @@ from staleflow.calibration import (
     Thresholds,
     write_calibration,
 )
+from staleflow.calibration.engine_setup import EngineSetupError
 from staleflow.calibration.plot import plot_calibration
 from staleflow.calibration.profile import Probe
 from staleflow.calibration.run import (
@@ -84,16 +85,24 @@ def _sim_probe(cost: dict[str, float], noise: float, seed: int, prefill: float, 
         raise fail(f"invalid sim engine settings: {exc}", "coefficients and --noise must be >= 0") from None
 
 
-def _vllm_probe(model: Path | None, dtype: str, max_model_len: int, kv_cache_gib: int | None,
-                max_num_seqs: int | None, enforce_eager: bool, cpu_threads: int | None = None) -> Probe:
+def _vllm_probe(model: Path | None, dtype: str, max_model_len: int | None, kv_cache_gib: int | None,
+                max_num_seqs: int | None, enforce_eager: bool, cpu_threads: int | None, largest_n: int) -> Probe:
     if model is None:
-        raise fail("--engine vllm needs --model DIR (a local model directory)")
+        raise fail("--engine vllm needs --model DIR (a local model directory)",
+                   "pass a Hugging Face model directory; `staleflow init-demo` builds a small one and prints where")
     if not model.is_dir():
         raise fail(f"model directory {str(model)!r} does not exist",
                    "pass a local directory with config.json and weights")
     if cpu_threads is not None and cpu_threads < 1:
         raise fail(f"--cpu-threads must be >= 1, got {cpu_threads}")
-    return vllm_probe(model, dtype, max_model_len, kv_cache_gib, max_num_seqs, enforce_eager, cpu_threads)
+    try:
+        probe, settings = vllm_probe(model, dtype, max_model_len, kv_cache_gib, max_num_seqs, enforce_eager,
+                                     cpu_threads, largest_n)
+    except EngineSetupError as exc:
+        raise fail(str(exc), exc.fix) from None
+    if settings.notes:
+        err_console.print(f"calibrate: derived {'; '.join(settings.notes)}", highlight=False, soft_wrap=True)
+    return probe
 
 
 async def _profile_and_fit(
@@ -160,10 +169,30 @@ def _print_summary(entry: CalibrationEntry, doc: dict[str, Any]) -> None:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
 
 
+SHORT_STEP_S = 5e-3  # decode steps shorter than this are mostly the engine's per-step overhead
+
+
+def short_step_reason(entry: CalibrationEntry) -> str | None:
+    """Why a real-time fit of a model this small misses the limit, and what model size fits: None
+    where its decode steps are long enough for that not to be the reason."""
+    cost = entry.cost
+    step = cost.k4 + max(cost.k2, cost.k3)
+    if entry.engine == "sim" or step >= SHORT_STEP_S:
+        return None
+    return (f"why: a decode step of this model takes {step * 1e3:.1f} ms with one trajectory running, "
+            f"{cost.k4 * 1e3:.1f} ms of it the engine's fixed per-step overhead (k4); steps that short vary from "
+            "interval to interval by more than the limit while other processes share the CPU. A model whose step "
+            f"takes {SHORT_STEP_S * 1e3:.0f} ms or more (on this kind of CPU about 20M parameters, e.g. 6 layers of "
+            "width 512: 6.2 % measured in docs/calibrate.md) fits within it, as does this one on a quiet machine")
+
+
 def _announce_poor_fit(entry: CalibrationEntry, refused: bool) -> None:
     head = "[bold red]POOR FIT, REFUSED:[/]" if refused else "[bold red]WARNING: POOR FIT[/]"
     for problem in entry.problems:
         err_console.print(f"{head} {escape(problem)}")
+    reason = short_step_reason(entry)
+    if reason:
+        err_console.print(escape(reason))
     if refused:
         err_console.print("[bold]fix:[/] profile a wider grid, longer intervals (--steps-per-sample, "
                           "--samples-per-point) on a quiet machine, or relax --max-mape / --min-r2; "
@@ -196,8 +225,10 @@ def register(app: typer.Typer) -> None:
         max_running: Annotated[int, typer.Option(help="sim: max running trajectories")] = SimParams.max_running,
         # vllm engine
         dtype: Annotated[str, typer.Option(help="vllm: dtype")] = "bfloat16",
-        max_model_len: Annotated[int, typer.Option(help="vllm: max_model_len")] = 4096,
-        kv_cache_gib: Annotated[int | None, typer.Option(help="vllm (CPU): KV cache GiB")] = None,
+        max_model_len: Annotated[int | None, typer.Option(
+            help="vllm: max_model_len (default: the model's positions, at most 4096)")] = None,
+        kv_cache_gib: Annotated[int | None, typer.Option(
+            help="vllm (CPU): KV cache GiB (default: what the grid fills, at most half the free memory)")] = None,
         max_num_seqs: Annotated[int | None, typer.Option(help="vllm: max_num_seqs")] = None,
         enforce_eager: Annotated[bool, typer.Option(help="vllm: eager mode (no torch.compile)")] = True,
         cpu_threads: Annotated[int | None, typer.Option(
@@ -244,7 +275,6 @@ def register(app: typer.Typer) -> None:
                                       prefill_seconds_per_token, max_running)
             base, name = SIM_GRID, model_name or "sim"
         else:
-            probe = _vllm_probe(model, dtype, max_model_len, kv_cache_gib, max_num_seqs, enforce_eager, cpu_threads)
             base, name = VLLM_GRID, model_name or os.path.basename(os.path.normpath(str(model)))
         config = _config(
             base, n_values=_ints(n_values, "--n-values"), contexts=_ints(contexts, "--contexts"),
@@ -253,10 +283,15 @@ def register(app: typer.Typer) -> None:
             weight_loads=weight_loads, passes=passes, max_foreign_load=max_foreign_load, seed=seed,
             subtract_wait=subtract_wait,
         )
+        if engine == "vllm":
+            probe = _vllm_probe(model, dtype, max_model_len, kv_cache_gib, max_num_seqs, enforce_eager, cpu_threads,
+                                max(config.n_values))
         fit = dict(model=name, parallelism=parallelism, engine=engine, thresholds=thresholds, folds=folds,
                    truth=truth, bootstrap=bootstrap)
         try:
             entry, report = asyncio.run(_profile_and_fit(probe, config, **fit))
+        except EngineSetupError as exc:
+            raise fail(str(exc), exc.fix) from None
         except (CalibrationError, EngineError) as exc:
             raise fail(f"calibration failed: {getattr(exc, 'message', exc)}") from None
         refused = not entry.ok and on_poor_fit == "refuse"

@@ -11,10 +11,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from staleflow.api.coordinator import BufferExplanationOut, CoordinatorClient
+from staleflow.api.coordinator import BufferExplanationOut, CoordinatorClient, GroupWaitOut
 from staleflow.api.manager import ManagerClient
 from staleflow.cli.common import DEFAULT_MANAGER_URL, DEFAULT_STATE_DIR, ask, console, fail, resolve_url
 from staleflow.cli.ray_launcher import Launcher, Namespace, RayAddress, job_endpoints
+from staleflow.cli.tables import fitted_table
 
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8340"
 
@@ -28,21 +29,36 @@ def _urls(state_dir: Path, launcher: str, namespace: str | None, ray_address: st
                                        DEFAULT_COORDINATOR_URL)}
 
 
+REREADS = 5  # a buffer consumed while we asked: ask again about the one the trainer waits for now, this often
+
+
 def why(version: int | None, manager_url: str | None, coordinator_url: str | None, state_dir: Path, as_json: bool,
-        launcher: str, namespace: str | None, ray_address: str | None) -> None:
-    """``staleflow buffers --why [V]``: the coordinator's explanation of buffer V (default: the next to train)."""
+        launcher: str, namespace: str | None, ray_address: str | None, verbose: bool = False) -> None:
+    """``staleflow buffers --why [V]``: the coordinator's explanation of buffer V (default: the one the
+    trainer waits for next; if the trainer consumes it while we ask, the next one)."""
     urls = _urls(state_dir, launcher, namespace, ray_address)
     coordinator_url = coordinator_url or urls["coordinator"]
-    if version is None:
-        version = ask(ManagerClient, manager_url or urls["manager"], "staleness manager", state_dir,
-                      lambda m: m.health()).train_version
-    answer = ask(CoordinatorClient, coordinator_url, "coordinator", state_dir, lambda c: c.explain_buffer(version))
+
+    def explain(v: int) -> BufferExplanationOut:
+        return ask(CoordinatorClient, coordinator_url, "coordinator", state_dir, lambda c: c.explain_buffer(v))
+
+    if version is not None:
+        answer = explain(version)
+    else:
+        answer = explain(ask(ManagerClient, manager_url or urls["manager"], "staleness manager", state_dir,
+                             lambda m: m.health()).train_version)
+        for _ in range(REREADS):
+            if answer.state != "consumed":
+                break
+            answer = explain(answer.train_version)  # a consumed buffer's answer says where the trainer is now
     if as_json:
         typer.echo(answer.model_dump_json())
         return
     console.print(explanation_text(answer))
     if answer.groups:
         console.print(_groups_table(answer))
+        if verbose:
+            console.print(_trajectories_table(answer))
 
 
 def explanation_text(answer: BufferExplanationOut) -> str:
@@ -53,22 +69,39 @@ def explanation_text(answer: BufferExplanationOut) -> str:
     return f"{summary}\n[bold]estimate:[/] {escape(answer.estimate)}"
 
 
+def _open_members(group: GroupWaitOut) -> str:
+    """Where a group's unfinished members are, in words: how many where, and the furthest along."""
+    where: dict[str, list[int]] = {}
+    for t in group.trajectories:
+        if t.ready_in_s == 0:
+            continue  # done
+        place = t.where.split(":")[0] if t.state == "pending" else t.where
+        where.setdefault(place, []).append(t.generated)
+    if not where:
+        return escape(group.note)
+    budget = f"/{group.trajectories[0].max_tokens}" if group.trajectories[0].max_tokens else ""
+    return "; ".join(f"{len(tokens)} {escape(place)} (up to {max(tokens)}{budget} tokens)" if max(tokens) else
+                     f"{len(tokens)} {escape(place)}" for place, tokens in where.items())
+
+
 def _groups_table(answer: BufferExplanationOut) -> Table:
-    table = Table(title=f"what buffer {answer.version} waits for")
-    for col in ("group", "in buffer", "must occupy", "members done", "group ready in", "trajectory", "where",
-                "tokens", "ready in"):
-        table.add_column(col)
+    table = fitted_table(f"what buffer {answer.version} waits for (--verbose: each trajectory)", "group", "buffer",
+                         "required", "done", "ready in", "open members", wrap=("open members",))
     for g in answer.groups:
-        first = True
-        for t in g.trajectories or [None]:
-            group_cells = (escape(g.group_id), str(g.buffer), "yes" if g.required else "",
-                           f"{g.completed}/{g.needed}", _seconds(g.ready_in_s)) if first else ("",) * 5
-            first = False
-            if t is None:
-                table.add_row(*group_cells, "-", escape(g.note), "", "")
-                continue
+        table.add_row(escape(g.group_id), str(g.buffer), "yes" if g.required else "", f"{g.completed}/{g.needed}",
+                      _seconds(g.ready_in_s), _open_members(g))
+    return table
+
+
+def _trajectories_table(answer: BufferExplanationOut) -> Table:
+    table = fitted_table("each trajectory of those groups", "trajectory", "group", "where", "tokens", "ready in",
+                         wrap=("where", "ready in"))
+    for g in answer.groups:
+        if not g.trajectories:
+            table.add_row("-", escape(g.group_id), escape(g.note), "", "")
+        for t in g.trajectories:
             tokens = f"{t.generated}/{t.max_tokens}" if t.max_tokens else str(t.generated)
-            table.add_row(*group_cells, escape(t.traj_id), escape(t.where), tokens, _seconds(t.ready_in_s))
+            table.add_row(escape(t.traj_id), escape(g.group_id), escape(t.where), tokens, _seconds(t.ready_in_s))
     return table
 
 

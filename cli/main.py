@@ -29,6 +29,7 @@ from staleflow.cli.common import (
     validation_failure,
 )
 from staleflow.cli.ray_launcher import Launcher, Namespace, RayAddress, job_endpoints
+from staleflow.cli.tables import WIDE, fitted_table, headline
 from staleflow.config import LedgerConfig, ManagerConfig, default_of
 
 app = typer.Typer(help="StaleFlow: staleness-aware rollout coordination for asynchronous RL.", no_args_is_help=True)
@@ -122,9 +123,9 @@ def db_upgrade(
 
 
 def _buffer_table(data: BuffersOut) -> Table:
-    table = Table(title=f"train version {data.train_version}  eta={data.eta}  batch={data.batch_size}")
-    for col in ("buffer", "state", "occupied", "reserved", "empty", "v_traj of entries"):
-        table.add_column(col)
+    table = fitted_table(f"train version {data.train_version}  eta={data.eta}  batch={data.batch_size}",
+                         "buffer", "state", "occupied", "reserved", "empty", "v_traj of entries",
+                         wrap=("v_traj of entries",))
     colors = {"ready": "green", "stuck": "red", "waiting": "yellow"}
     for b in data.buffers:
         occupied = sum(e.status == "occupied" for e in b.entries)
@@ -146,12 +147,13 @@ def buffers(version: Annotated[int | None, typer.Argument(
             coordinator_url: Annotated[str | None, typer.Option(
                 "--coordinator-url", help="with --why: coordinator URL (default: the running job's)")] = None,
             url: ManagerUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False,
-            launcher: Launcher = "local", namespace: Namespace = None, ray_address: RayAddress = None) -> None:
+            verbose: Annotated[bool, typer.Option("--verbose", "-v", help="with --why: each trajectory it waits for")]
+            = False, launcher: Launcher = "local", namespace: Namespace = None, ray_address: RayAddress = None) -> None:
     """Show the staleness buffers of a running manager; --why explains one."""
     if why:
         from staleflow.cli.explain import why as explain_why
 
-        explain_why(version, url, coordinator_url, state_dir, as_json, launcher, namespace, ray_address)
+        explain_why(version, url, coordinator_url, state_dir, as_json, launcher, namespace, ray_address, verbose)
         return
     on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
     url = url or (on_ray["manager"]["url"] if on_ray else
@@ -180,9 +182,14 @@ def buffers(version: Annotated[int | None, typer.Argument(
 CoordinatorUrl = Annotated[str | None, typer.Option("--url", help="coordinator URL (default: the running job's)")]
 
 
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="every column and detail (wide terminals get more "
+                                                                  "by default)")]
+
+
 @app.command()
 def instances(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False,
-              launcher: Launcher = "local", namespace: Namespace = None, ray_address: RayAddress = None) -> None:
+              verbose: Verbose = False, launcher: Launcher = "local", namespace: Namespace = None,
+              ray_address: RayAddress = None) -> None:
     """Rollout instances as the coordinator sees them: snapshot, speculative state, status."""
     on_ray = job_endpoints(launcher, namespace, ray_address, state_dir)
     url = url or (on_ray["coordinator"]["url"] if on_ray else
@@ -191,17 +198,23 @@ def instances(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DI
     if as_json:
         typer.echo(data.model_dump_json())
         return
-    table = Table(title=f"instances (parameter server at version {data.ps_version})")
-    for col in ("instance", "status", "version", "running", "waiting", "completed", "kv cache", "est. tokens/s", "P"):
-        table.add_column(col)
+    wide = console.width >= WIDE  # room for the speculative state in the table
+    headers = ["instance", "status", "version", "running", "waiting", "done", "KV tokens", "tokens/s"]
+    table = fitted_table(f"instances (parameter server at version {data.ps_version})",
+                         *headers, *(["speculative P"] if wide else []), wrap=("KV tokens",))
+    speculative = {i.instance_id: f"v{(i.speculative or {}).get('inst_version', '-')}/"
+                                  f"{(i.speculative or {}).get('accum_traj_num', '-')}" for i in data.instances}
     for i in data.instances:
         s = i.snapshot or {}
-        p = i.speculative or {}
-        table.add_row(escape(i.instance_id), i.status, str(s.get("inst_version", "-")), str(len(s.get("run_trajs") or [])),
-                      str(len(s.get("wait_trajs") or [])), str(len(s.get("complete_trajs") or [])),
-                      str(s.get("kv_cache", "-")), f"{i.estimated_throughput:.0f}",
-                      f"v{p.get('inst_version', '-')}/{p.get('accum_traj_num', '-')}")
+        kv = s.get("kv_cache")
+        table.add_row(escape(i.instance_id), i.status, str(s.get("inst_version", "-")),
+                      str(len(s.get("run_trajs") or [])), str(len(s.get("wait_trajs") or [])),
+                      str(len(s.get("complete_trajs") or [])), "-" if kv is None else f"{kv:,.0f}",
+                      f"{i.estimated_throughput:,.0f}", *([speculative[i.instance_id]] if wide else []))
     console.print(table)
+    if verbose and not wide:  # no room for another column: below the table, in words that wrap
+        console.print("speculative P (version/trajectories routed since its last pull): "
+                      + ", ".join(f"{escape(i)} {p}" for i, p in speculative.items()))
 
 
 @app.command()
@@ -213,9 +226,7 @@ def commands(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR
     if as_json:
         typer.echo(data.model_dump_json())
         return
-    table = Table(title="recent commands")
-    for col in ("command", "instance", "kind", "size", "ms", "outcome"):
-        table.add_column(col)
+    table = fitted_table("recent commands", "command", "instance", "kind", "size", "ms", "outcome", wrap=("outcome",))
     for c in data.commands:
         ms = f"{1e3 * (c.completed_at - c.issued_at):.1f}" if c.completed_at else "-"
         table.add_row(escape(c.command_id), escape(c.instance_id), c.kind, str(c.size), ms, escape(c.outcome))
@@ -223,8 +234,8 @@ def commands(url: CoordinatorUrl = None, state_dir: StateDir = DEFAULT_STATE_DIR
 
 
 def _health_detail(health: dict) -> str:
-    """A component's health in one cell, in words the table wraps between (never cut); the TS's
-    skipped prompts first, as they need acting on."""
+    """A component's whole health in one cell, in words the table wraps between (never cut); the
+    TS's skipped prompts first, as they need acting on."""
     rest = "; ".join(f"{key}: {readable(value)}" for key, value in health.items()
                      if key not in ("status", "skipped_prompts"))
     skipped = health.get("skipped_prompts")
@@ -235,9 +246,10 @@ def _health_detail(health: dict) -> str:
 
 
 @app.command()
-def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False, launcher: Launcher = "local",
-           namespace: Namespace = None, ray_address: RayAddress = None) -> None:
-    """Every component of the running job in --state-dir (or Ray namespace): up or not, and its headline numbers."""
+def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False, verbose: Verbose = False,
+           launcher: Launcher = "local", namespace: Namespace = None, ray_address: RayAddress = None) -> None:
+    """Every component of the running job in --state-dir (or Ray namespace): up or not, and its headline
+    numbers (--verbose: every detail of its health)."""
     known = job_endpoints(launcher, namespace, ray_address, state_dir) or endpoints(state_dir)
     if not known:
         raise fail(f"no job in {state_dir} (no endpoints.json)", "start one with `staleflow up`, or pass --state-dir")
@@ -253,13 +265,15 @@ def status(state_dir: StateDir = DEFAULT_STATE_DIR, as_json: AsJson = False, lau
     if as_json:
         typer.echo(json.dumps(rows))
         return
-    table = Table(title=f"job in Ray namespace {namespace or endpoints(state_dir).get('namespace')}"
-                  if launcher == "ray" else f"job in {state_dir}")
-    for col in ("component", "url", "state", "detail"):
-        table.add_column(col)
+    title = (f"job in Ray namespace {namespace or endpoints(state_dir).get('namespace')}"
+             if launcher == "ray" else f"job in {state_dir}")
+    with_url = verbose or console.width >= WIDE
+    table = fitted_table(title, "component", "state", *(["url"] if with_url else []),
+                         "details" if verbose else "headline", wrap=("details", "headline"))
     for name, row in rows.items():
-        detail = _health_detail(row["health"] or {})
-        table.add_row(escape(name), row["url"], "[green]up[/]" if row["up"] else "[red]down[/]", escape(detail))
+        detail = _health_detail(row["health"] or {}) if verbose else headline(row["health"])
+        state = "[green]up[/]" if row["up"] else "[red]down[/]"
+        table.add_row(escape(name), state, *([escape(row["url"])] if with_url else []), escape(detail))
     console.print(table)
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from staleflow.cli.common import console, fail
 from staleflow.cli.up import job_config
+
+if TYPE_CHECKING:
+    from staleflow.launch.soak import SoakResult
 
 SOAK_DEFAULTS = {"engine": "sim", "workload": "ci-tiny", "instances": 2, "speed": 200.0, "max_tokens": 16,
                  "batch_size": 1, "group_size": 2, "eta": 2, "cycle_period": 0.1,
@@ -23,6 +26,14 @@ without an fsync each (a crash of the process still loses nothing; a soak does n
 
 GROWTH_LIMIT = 1.5
 """End over start allowed for the per-cycle cost and the restart time."""
+
+MEMORY_GROWTH_LIMIT = 0.10
+"""Growth allowed of any process's resident memory, from the first to the last quarter of the run."""
+
+SHAPES = ("small", "default")
+"""``small``: ``SOAK_DEFAULTS`` (one group a batch: history piles up fast). ``default``: the job
+``staleflow up --engine sim`` runs (128 trajectories a step on four instances), where what an
+instance or the trainer keeps per trajectory shows."""
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +47,8 @@ def register(app: typer.Typer) -> None:
         instances: Annotated[int | None, typer.Option(help="rollout instances")] = None,
         speed: Annotated[float | None, typer.Option(help="sim clock speed-up")] = None,
         batch_size: Annotated[int | None, typer.Option(help="prompt groups per batch")] = None,
+        shape: Annotated[str, typer.Option(help="small: one group a batch (history piles up fast); default: the "
+                                                "job `staleflow up --engine sim` runs, 128 trajectories a step")] = "small",
         warmup: Annotated[int, typer.Option(help="measure the start after this many steps")] = 20,
         end_margin: Annotated[int, typer.Option(help="measure the end this many steps before the last")] = 20,
         sample_every: Annotated[int, typer.Option(help="sample the store sizes every this many steps")] = 50,
@@ -51,13 +64,19 @@ def register(app: typer.Typer) -> None:
         """Run a job for many steps and measure, near its start and near its end, the coordinator's
         cost per cycle, the time of its polls of the trajectory server, the live and archived store
         and the trajectory server's restart time (a SIGKILL each time). Fails (exit 1) if the job does
-        not finish (or reach its time box), or a cost at the end exceeds 1.5x the start."""
+        not finish (or reach its time box), a cost at the end exceeds 1.5x the start, or the resident
+        memory of any process (component or trainer) grows by more than 10 % from the first to the
+        last quarter of the run."""
         from staleflow.launch.soak import Soak, write_report
         from staleflow.launch.soak import plot as draw
 
+        if shape not in SHAPES:
+            raise fail(f"--shape {shape!r} is not a job shape", "use --shape small or --shape default")
         flags = {"steps": steps, "instances": instances, "speed": speed, "batch_size": batch_size}
-        if config is None:
+        if config is None and shape == "small":
             flags = {**SOAK_DEFAULTS, **{k: v for k, v in flags.items() if v is not None}}
+        elif config is None:
+            flags = {"engine": "sim", **flags}
         cfg = job_config(config, **flags, processes=True, state_dir=state_dir)
         logging.basicConfig(level=logging.ERROR)
         say = (lambda m: None) if as_json else (lambda m: console.print(f"  {m}"))
@@ -67,7 +86,7 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             raise fail(str(exc), "see `staleflow soak --help`") from None
         report = result.to_json()
-        report["command"] = f"staleflow soak --steps {cfg.steps}"
+        report["command"] = f"staleflow soak --shape {shape} --steps {cfg.steps}"
         if output:
             write_report(output, report)
         if plot:
@@ -98,13 +117,33 @@ def register(app: typer.Typer) -> None:
                               f"ledger {last.ledger_db_bytes / 1e6:.1f} MB")
             if result.stopped_early:
                 console.print(f"stopped by the time box (--stop-after) at step {result.end.step}")
+            _print_memory(result)
         ratios = result.ratios()
         # the cost of a cycle is judged by CPU time where it was measured (Linux): wall time on a
         # shared machine grows with the machine's load as much as with the job's own work
         costs = ("coordinator_cpu_ms", "job_cpu_ms_per_step") if ratios.get("coordinator_cpu_ms") else ("cycle_ms",)
         grown = [k for k in (*costs, "ts_restart_s") if (ratios.get(k) or 0) > GROWTH_LIMIT]
-        if result.failure or grown or result.start is None or result.end is None:
+        leaking = [g for g in result.memory_growth().values() if g.growth > MEMORY_GROWTH_LIMIT]
+        if result.failure or grown or leaking or result.start is None or result.end is None:
             if not as_json:
                 console.print(f"[red]soak failed[/]: {result.failure or ''} "
                               f"{'grew: ' + ', '.join(grown) if grown else ''}".strip())
+                for g in leaking:
+                    console.print(f"[red]memory grew[/]: {g.component} {g.growth:+.0%} from the first to the last "
+                                  f"quarter ({g.first_bytes / 2**20:.0f} -> {g.last_bytes / 2**20:.0f} MiB), more "
+                                  f"than {MEMORY_GROWTH_LIMIT:.0%}: it keeps something per trajectory or per step; "
+                                  f"see docs/faults.md (memory soak) for how to find what")
             raise typer.Exit(1)
+
+
+def _print_memory(result: SoakResult) -> None:
+    growth = result.memory_growth()
+    if not growth:
+        console.print("memory: too few samples between the two checkpoints to compare quarters")
+        return
+    table = Table(title=f"resident memory, first vs last quarter ({len(result.memory)} samples)")
+    for col in ("process", "first MiB", "last MiB", "growth"):
+        table.add_column(col, justify="right" if col != "process" else "left")
+    for name, g in growth.items():
+        table.add_row(name, f"{g.first_bytes / 2**20:.0f}", f"{g.last_bytes / 2**20:.0f}", f"{g.growth:+.1%}")
+    console.print(table)

@@ -105,8 +105,7 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launche
 
 def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str,
             namespace: str | None, ray_address: str | None) -> int:
-    from staleflow.launch.job import Job, JobTracking, StateDirInUse, job_summary, trainer_label, write_job_report
-    from staleflow.report import length_skew_line
+    from staleflow.launch.job import Job, JobTracking, StateDirInUse, job_summary, trainer_label
     from staleflow.tracking import missing_backends
 
     missing = missing_backends(config.logger.backends)
@@ -202,8 +201,20 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
     failure = job.failure
     summary = job_summary(job, config, restarts, failure)
     trainer_error = job.trainer_error
-    job.shutdown()
-    completed = (trainer_error is None and failure is None and signals["received"] is None
+    job.shutdown(release_state_dir=False)  # the report is written while this `up` still owns the directory
+    try:
+        return _conclude(job, config, summary, restarts, failure, trainer_error, signals["received"], emit)
+    finally:
+        job.state_lock.release()
+
+
+def _conclude(job: Any, config: JobConfig, summary: dict, restarts: list[dict], failure: str | None,
+              trainer_error: str | None, received: int | None, emit: Any) -> int:
+    """The end of a run: the report, the last words, the exit status."""
+    from staleflow.launch.job import write_job_report
+    from staleflow.report import length_skew_line
+
+    completed = (trainer_error is None and failure is None and received is None
                  and len(job.steps()) >= config.steps)
     written = write_job_report(config, summary, job.monitor.samples, completed)
     if emit:
@@ -231,7 +242,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
         if not emit:
             console.print("resume with: staleflow up --resume" + (f" --state-dir {config.state_dir}"
                                                                    if str(config.state_dir) != ".staleflow" else ""))
-        return 128 + (signals["received"] or 0)
+        return 128 + (received or 0)
     return 0
 
 
@@ -282,7 +293,8 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         instances: Annotated[int | None, typer.Option(help="rollout instances")] = None,
         routing: Annotated[str | None, typer.Option(help="throughput or vanilla")] = None,
         sync: Annotated[str | None, typer.Option(help="selective, greedy or global")] = None,
-        migration: Annotated[str | None, typer.Option(help="throughput or none")] = None,
+        migration: Annotated[str | None, typer.Option(help="starved, throughput, repack, both (throughput and "
+                                                            "repack), starved+repack or none")] = None,
         workload: Annotated[str | None, typer.Option(help="sim workload preset")] = None,
         model: Annotated[Path | None, typer.Option(help="vllm: local model directory (default: the demo model)")] = None,
         trainer_ranks: Annotated[int | None, typer.Option("--trainer-ranks", help="vllm: FSDP2 ranks")] = None,

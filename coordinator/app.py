@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Path, Query, Request
 
 from staleflow import metrics as m
-from staleflow.api.coordinator import (
-    BufferExplanationOut,
-    CommandsOut,
-    CoordinatorHealth,
-    CoordinatorStatsOut,
-    InstancesOut,
-    InstanceView,
-    Removed,
-)
+from staleflow.api.coordinator import CoordinatorRoutes, InstanceView
 from staleflow.api.instance import SnapshotOut
 from staleflow.calibration.files import resolved_cost
 from staleflow.config.coordinator import INSTANCE_ID, CoordinatorConfig, InstanceEndpoint
 from staleflow.coordinator.explain import explain, explanation_json
 from staleflow.coordinator.service import Coordinator, InstanceRecord, InstanceStatus
+from staleflow.cost_model import CostModel
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.servers.http import service_app
+from staleflow.servers.http import Owned, background, handles, service_app
 
 __all__ = ["INSTANCE_ID", "CoordinatorConfig", "InstanceEndpoint", "create_app"]
 
@@ -64,8 +54,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
     starts (``CalibrationError`` naming the problem if it cannot be used)."""
     cost = resolved_cost(config.cost, config.calibration).cost_model()
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def open_coordinator() -> Coordinator:
         coordinator = Coordinator(
             config.manager_url, config.ts_url, config.strategy, params_url=config.params_url,
             cycle_period=config.cycle_period, command_timeout=config.command_timeout,
@@ -75,73 +64,32 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         )
         for endpoint in config.instances:
             coordinator.add_instance(endpoint.instance_id, endpoint.url, cost, endpoint.params_url)
-        app.state.coordinator = coordinator
-        loop = asyncio.create_task(coordinator.run())
-        try:
-            yield
-        finally:
-            loop.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
-            await coordinator.close()
+        return coordinator
 
-    app = service_app("StaleFlow coordinator", lifespan)
+    async def close_coordinator(coordinator: Coordinator) -> None:
+        await coordinator.close()
+
+    app = service_app("StaleFlow coordinator", Owned("coordinator", open_coordinator, close_coordinator,
+                                                     running=lambda _, coordinator: background(coordinator.run())))
     m.mount_metrics(app, "coordinator",
                     lambda: coordinator_metrics(app.state.coordinator) if hasattr(app.state, "coordinator") else [])
 
-    @app.get("/v1/health", response_model=CoordinatorHealth)
+    @handles(app, CoordinatorRoutes.health)
     async def health(c: CoordinatorDep) -> dict:
         return {"status": "ok", "cycles": c.stats.cycles}
 
-    @app.get("/v1/instances", response_model=InstancesOut)
-    async def instances(c: CoordinatorDep) -> dict:
-        return {"ps_version": c.ps_version, "instances": [c.describe(r) for r in c.instances.values()]}
-
-    @app.post("/v1/instances", status_code=201, response_model=InstanceView)
-    async def register(c: CoordinatorDep, body: InstanceEndpoint) -> InstanceView:
-        return c.describe(c.add_instance(body.instance_id, body.url, cost, body.params_url))
-
-    @app.put("/v1/instances/{instance_id}", response_model=InstanceView)
-    async def upsert(c: CoordinatorDep, instance_id: str, body: InstanceEndpoint) -> InstanceView:
-        """Register the instance or re-point it at a new URL (it moved to another machine)."""
-        if body.instance_id != instance_id:
-            raise StaleFlowError(ErrorCode.INVALID_REQUEST,
-                                 f"the body names {body.instance_id!r}, the path {instance_id!r}")
-        return c.describe(await c.upsert_instance(instance_id, body.url, cost, body.params_url))
-
-    def _record(c: Coordinator, instance_id: str) -> InstanceRecord:
-        record = c.instances.get(instance_id)
-        if record is None:
-            raise StaleFlowError(ErrorCode.UNKNOWN_INSTANCE, f"instance {instance_id!r} is not registered")
-        return record
-
-    @app.get("/v1/instances/{instance_id}", response_model=InstanceView)
-    async def instance(c: CoordinatorDep, instance_id: str) -> InstanceView:
-        return c.describe(_record(c, instance_id))
-
-    @app.delete("/v1/instances/{instance_id}", response_model=Removed)
-    async def remove(c: CoordinatorDep, instance_id: str) -> dict:
-        """Take the instance out of the pool; what was routed to it goes back to pending."""
-        return {"instance_id": instance_id, "released": await c.remove_instance(instance_id)}
-
-    @app.get("/v1/instances/{instance_id}/snapshot", response_model=SnapshotOut)
-    async def instance_snapshot(c: CoordinatorDep, instance_id: str) -> SnapshotOut:
-        record = _record(c, instance_id)
-        if record.snapshot is None:
-            raise StaleFlowError(ErrorCode.NO_SNAPSHOT, f"no snapshot of {instance_id!r} yet")
-        return record.snapshot
-
-    @app.get("/v1/commands", response_model=CommandsOut)
+    @handles(app, CoordinatorRoutes.commands)
     async def commands(c: CoordinatorDep, limit: Annotated[int, Query(ge=1, le=2000)] = 50) -> dict:
         recent = list(c.commands)[-limit:]
         return {"commands": [dataclasses.asdict(command) for command in reversed(recent)]}
 
-    @app.get("/v1/buffers/{version}/explain", response_model=BufferExplanationOut)
+    @handles(app, CoordinatorRoutes.explain_buffer)
     async def explain_buffer(c: CoordinatorDep, version: Annotated[int, Path(ge=0, le=2**63 - 1)]) -> dict:
         """Why the buffer is not consumable yet: the groups it waits for, where their trajectories are
         and how far they got, and when the cost model expects it ready."""
         return explanation_json(await explain(c, version))
 
-    @app.get("/v1/coordinator", response_model=CoordinatorStatsOut)
+    @handles(app, CoordinatorRoutes.stats)
     async def coordinator_stats(c: CoordinatorDep) -> dict:
         s = c.stats
         return {
@@ -157,4 +105,47 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "strategy": {k: str(v) for k, v in vars(c.strategy).items()},
         }
 
+    _add_instance_routes(app, cost)
     return app
+
+
+def _add_instance_routes(app: FastAPI, cost: CostModel) -> None:
+    """The instance pool: listing, registering, re-pointing and removing instances."""
+
+    @handles(app, CoordinatorRoutes.instances)
+    async def instances(c: CoordinatorDep) -> dict:
+        return {"ps_version": c.ps_version, "instances": [c.describe(r) for r in c.instances.values()]}
+
+    @handles(app, CoordinatorRoutes.register, status_code=201)
+    async def register(c: CoordinatorDep, body: InstanceEndpoint) -> InstanceView:
+        return c.describe(c.add_instance(body.instance_id, body.url, cost, body.params_url))
+
+    @handles(app, CoordinatorRoutes.upsert)
+    async def upsert(c: CoordinatorDep, instance_id: str, body: InstanceEndpoint) -> InstanceView:
+        """Register the instance or re-point it at a new URL (it moved to another machine)."""
+        if body.instance_id != instance_id:
+            raise StaleFlowError(ErrorCode.INVALID_REQUEST,
+                                 f"the body names {body.instance_id!r}, the path {instance_id!r}")
+        return c.describe(await c.upsert_instance(instance_id, body.url, cost, body.params_url))
+
+    def _record(c: Coordinator, instance_id: str) -> InstanceRecord:
+        record = c.instances.get(instance_id)
+        if record is None:
+            raise StaleFlowError(ErrorCode.UNKNOWN_INSTANCE, f"instance {instance_id!r} is not registered")
+        return record
+
+    @handles(app, CoordinatorRoutes.instance)
+    async def instance(c: CoordinatorDep, instance_id: str) -> InstanceView:
+        return c.describe(_record(c, instance_id))
+
+    @handles(app, CoordinatorRoutes.remove)
+    async def remove(c: CoordinatorDep, instance_id: str) -> dict:
+        """Take the instance out of the pool; what was routed to it goes back to pending."""
+        return {"instance_id": instance_id, "released": await c.remove_instance(instance_id)}
+
+    @handles(app, CoordinatorRoutes.instance_snapshot)
+    async def instance_snapshot(c: CoordinatorDep, instance_id: str) -> SnapshotOut:
+        record = _record(c, instance_id)
+        if record.snapshot is None:
+            raise StaleFlowError(ErrorCode.NO_SNAPSHOT, f"no snapshot of {instance_id!r} yet")
+        return record.snapshot

@@ -48,7 +48,14 @@ from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, M
 from staleflow.coordinator.reconcile import Suspicion, reconcile
 from staleflow.cost_model import CostModel
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.strategies import DecodeSpeeds, InstanceState, PendingTrajectory, SpeculativeState, plan_cycle
+from staleflow.strategies import (
+    DecodeSpeeds,
+    InstanceState,
+    KvReadings,
+    PendingTrajectory,
+    SpeculativeState,
+    plan_cycle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +151,9 @@ class Coordinator:
         self.instances: dict[str, InstanceRecord] = {}
         self.p = SpeculativeState()
         self.speeds = DecodeSpeeds()  # each instance's decode speed against the cost model, from its snapshots
+        self.kv_readings = KvReadings()  # repack: each instance's KV utilisation at the last repack check
+        self._repack_due = 0.0 if strategy.migration.repacks else float("inf")  # monotonic time of the next check
+        self.refused: dict[str, str] = {}  # instances kept out, and why (repack without KV utilisation)
         self.stats = CoordinatorStats()
         self.commands: deque[CommandRecord] = deque(maxlen=2000)
         self._ids = itertools.count(1)
@@ -317,7 +327,10 @@ class Coordinator:
                 admission = {}
         with timed("ps_version"):
             try:
-                self.ps_version = await self._ps_version()
+                version = await self._ps_version()
+                if version > self.ps_version and self.strategy.migration.repacks:
+                    self._repack_due = 0.0  # a repack check follows every new version
+                self.ps_version = version
             except httpx.TransportError:  # the PS is restarting: its newest version is the one last seen
                 pass
         pending = [self._pending(t) for t in pending_reply.trajectories]
@@ -326,8 +339,10 @@ class Coordinator:
         if self.strategy.sync is SyncMode.GLOBAL and any(
                 r.status is not InstanceStatus.FAILED and not (r.validated and r in ready) for r in self.instances.values()):
             states = [s for s in states if s.version >= self.ps_version]  # a global sync waits for everyone
+        repack_previous = self._repack_check(states)
         started = time.perf_counter()
-        plan = plan_cycle(states, pending, self.ps_version, admission, self.strategy, on_instances)
+        plan = plan_cycle(states, pending, self.ps_version, admission, self.strategy, on_instances,
+                          repack_previous=repack_previous)
         elapsed = (time.perf_counter() - started) * 1e3
         self.stats.last_decision_ms = elapsed
         self.stats.decision_ms_total += elapsed
@@ -335,6 +350,17 @@ class Coordinator:
         if not plan.empty:
             with timed("issue"):
                 await self._issue(plan)
+
+    def _repack_check(self, states: list[InstanceState]) -> dict[str, float] | None:
+        """On a repack check (every ``repack_period_s``, and in the cycle after a new version):
+        the readings of the last one, and this one's recorded; otherwise None."""
+        now = time.monotonic()
+        if now < self._repack_due:
+            return None
+        previous = self.kv_readings.previous()
+        self.kv_readings.record(states)
+        self._repack_due = now + self.strategy.repack_period_s
+        return previous
 
     @staticmethod
     def _pending(t: TrajectorySummary) -> PendingTrajectory:
@@ -349,7 +375,7 @@ class Coordinator:
         speed = self.speeds.observe(record.instance_id, s.decode_steps, s.decode_seconds, float(s.kv_cache),
                                     len(s.run_trajs), record.cost) if observe else self.speeds.speed(record.instance_id)
         return InstanceState(record.instance_id, s.inst_version, float(s.kv_cache), list(s.run_trajs),
-                             list(s.wait_trajs), record.cost, speed)
+                             list(s.wait_trajs), record.cost, speed, s.kv_usage)
 
     async def _ps_version(self) -> int:
         if self.params is None:  # no parameter server: a version exists once its buffer is consumed
@@ -389,11 +415,28 @@ class Coordinator:
                 if not await self._rejoin(record, snapshot, "restarted (a new process at the same address)"):
                     continue
             record.last_seen = now
+            if record.status is InstanceStatus.JOINING and self._refuses(record, snapshot):
+                continue
             if record.status is InstanceStatus.JOINING and not await self._return_orphans(record, snapshot):
                 continue  # the trajectory server is unreachable: join on a later cycle
             if record.check_orphans and record.in_flight == 0 and await self._return_orphans(record, snapshot):
                 record.check_orphans = False
             await self._carry_out(record, *self._observe(record, snapshot, now))
+
+    def _refuses(self, record: InstanceRecord, snap: SnapshotOut) -> bool:
+        """Repack tells an instance's ramp-down by the KV utilisation its engine reports: with repack
+        configured, an instance that reports none is not let in (else repack would silently never
+        move its work), and why is logged once and kept in ``refused``."""
+        if not self.strategy.migration.repacks or snap.kv_usage is not None:
+            self.refused.pop(record.instance_id, None)
+            return False
+        if record.instance_id not in self.refused:
+            why = (f"migration {self.strategy.migration.value} repacks by KV utilisation, which instance "
+                   f"{record.instance_id} does not report (an engine with its stats off, or an older instance "
+                   "server): turn the engine's stats on, or choose migration: starved")
+            self.refused[record.instance_id] = why
+            log.error("instance %s not admitted: %s", record.instance_id, why)
+        return True
 
     async def _reconcile(self, routed: list[TrajectorySummary]) -> bool:
         """Make the trajectory server's view of what runs where and the instances' agree again
@@ -480,13 +523,21 @@ class Coordinator:
 
     async def _issue(self, plan) -> None:
         commands = commands_of(plan)
-        # 1. interrupts (syncs' and migrations'): partials go back to the trajectory server first
+        repacked = {m.source for m in plan.repacks}
+        # 1. interrupts (syncs', migrations' and repacks'): partials go back to the trajectory server
+        # first. A repack whose source does not answer moves nothing: its Routes are dropped (the
+        # trajectories stay where they are, or go back to pending if the source is declared failed,
+        # and are routed by a later cycle like any other).
         interrupted = await asyncio.gather(*(
-            self._command(self.instances[i], "interrupt", {"traj_ids": trajs}, len(trajs))
+            self._command(self.instances[i], "interrupt", {"traj_ids": trajs}, len(trajs),
+                          shown="repack" if i in repacked else None)
             for i, trajs in commands.interrupts.items()))
+        unmoved: set[str] = set()
         for instance_id, reply in zip(commands.interrupts, interrupted, strict=True):
             if reply and reply.partials:
                 await self.ts.give_back(instance_id=instance_id, partials=reply.partials)
+            elif reply is None and instance_id in repacked:
+                unmoved.update(commands.interrupts[instance_id])
         # 2. pulls: queued on their instance; routes to it wait behind them
         for instance_id in commands.pulls:
             record = self.instances[instance_id]
@@ -498,7 +549,8 @@ class Coordinator:
             self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record), **keep}, 1)
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
         for instance_id, assignments in commands.routes.items():
-            if self.instances[instance_id].status is InstanceStatus.FAILED:  # silent to its interrupt
+            assignments = [(t, v) for t, v in assignments if t not in unmoved]
+            if not assignments or self.instances[instance_id].status is InstanceStatus.FAILED:  # silent to its interrupt
                 continue
             try:
                 trajectories = (await self.ts.checkout(instance_id=instance_id,
@@ -548,13 +600,14 @@ class Coordinator:
                     self.membership.sync_ended(record)
 
     async def _command(self, record: InstanceRecord, kind: str, body: dict, size: int,
-                       queued: bool = False) -> CommandApplied | None:
-        """Send one command; returns its reply, or None when it was refused or its effect is unknown."""
+                       queued: bool = False, shown: str | None = None) -> CommandApplied | None:
+        """Send one command; returns its reply, or None when it was refused or its effect is unknown.
+        ``shown``: the kind it is listed and counted as (a repack's Interrupt: ``repack``)."""
         if not queued:
             record.in_flight += 1
             record.commands_issued += 1
         command_id = f"{self._run_id}-{next(self._ids)}"
-        entry = CommandRecord(command_id, record.instance_id, kind, size, time.time())
+        entry = CommandRecord(command_id, record.instance_id, shown or kind, size, time.time())
         self.commands.append(entry)
         if kind in ("interrupt", "abort"):
             self.p.removed(record.instance_id, size)
@@ -577,9 +630,9 @@ class Coordinator:
             return None
         finally:
             entry.completed_at = time.time()
-            self.stats.command_count[kind] = self.stats.command_count.get(kind, 0) + 1
-            self.stats.command_seconds[kind] = (self.stats.command_seconds.get(kind, 0.0)
-                                                + entry.completed_at - entry.issued_at)
+            self.stats.command_count[entry.kind] = self.stats.command_count.get(entry.kind, 0) + 1
+            self.stats.command_seconds[entry.kind] = (self.stats.command_seconds.get(entry.kind, 0.0)
+                                                      + entry.completed_at - entry.issued_at)
             if not queued:
                 record.in_flight -= 1
         if refused is not None:
@@ -612,10 +665,11 @@ class Coordinator:
             params_url=record.params_url or self.params_url,
             status=record.status.value,
             validated=record.validated,
-            snapshot=s.model_dump(include={"kv_cache", "run_trajs", "wait_trajs", "complete_trajs", "inst_version",
-                                           "seq", "timestamp"}) if s else None,
+            snapshot=s.model_dump(include={"kv_cache", "kv_usage", "run_trajs", "wait_trajs", "complete_trajs",
+                                           "inst_version", "seq", "timestamp"}) if s else None,
             speculative={"inst_version": expected.inst_version, "accum_traj_num": expected.accum_traj_num}
             if expected else None,
             estimated_throughput=self._state(record).throughput() if s else 0.0,
             commands_in_flight=record.in_flight,
+            refused=self.refused.get(record.instance_id),
         )

@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from staleflow.api.manager import ManagerClient
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig
 from staleflow.launch.launcher import ComponentStuck, Supervised, exit_cause
+from staleflow.launch.state_lock import StateDirInUse, StateDirLock, clear_state_dir
 from staleflow.servers.auth import TOKEN_ENV, run_token
 from staleflow.servers.http import RunningServer, free_port, serve_in_thread
 from staleflow.training.role import StepLog, StepRecord, run_trainer_role
@@ -176,10 +176,6 @@ class Monitor:
 # ---------------------------------------------------------------------------- the job
 
 
-class StateDirInUse(RuntimeError):
-    pass
-
-
 class Job(Supervised):
     """A job on this machine: each component a thread of this process (embedded) or a process of
     its own (``--processes``; always a vLLM instance and the FSDP trainer). It implements
@@ -206,6 +202,16 @@ class Job(Supervised):
         self.keeps_standby = config.processes  # a standby serves a role as a process
 
     def _prepare_state_dir(self, resume: bool, fresh: bool) -> None:
+        """Take the state directory's lock first (a live job's directory is refused, untouched),
+        then apply the rules of a fresh, resumed or new run; the lock is released if they refuse."""
+        self.state_lock = StateDirLock(self.state)
+        try:
+            Job._apply_state_rules(self, resume, fresh)  # also for the Ray launcher, which shares these rules
+        except BaseException:
+            self.state_lock.release()
+            raise
+
+    def _apply_state_rules(self, resume: bool, fresh: bool) -> None:
         previous = self.state / "job.json"
         replaced = previous.exists() and not resume  # a finished run, or an unfinished one with --fresh
         if previous.exists() and not resume:
@@ -213,7 +219,7 @@ class Job(Supervised):
             if not (fresh or finished):
                 raise StateDirInUse(
                     f"{self.state} holds an unfinished run; continue it with --resume, or start over with --fresh")
-            shutil.rmtree(self.state)
+            clear_state_dir(self.state)
         if (url := self.config.database_url()) is not None:  # a database that outlives the state directory
             from staleflow.servers.db import prepare_for_run
 
@@ -464,13 +470,17 @@ class Job(Supervised):
     def steps(self) -> list[StepRecord]:
         return self.step_log.read()
 
-    def shutdown(self) -> None:
+    def shutdown(self, release_state_dir: bool = True) -> None:
+        """Stop every component; ``release_state_dir``: give up the state directory's lock too
+        (`up` keeps it until its report is written)."""
         self.stop.set()
         if self.supervisor is not None:
             self.supervisor.stop()  # first: nothing stopped below is restarted
         try:
             self._stop_components()
         finally:
+            if release_state_dir:
+                self.state_lock.release()
             if getattr(self, "token", None) is not None:
                 if self._previous_token is None:
                     os.environ.pop(TOKEN_ENV, None)

@@ -547,7 +547,7 @@ class RayClusterJob(Supervised):
         self.state = config.state_dir
         self.namespace = namespace or namespace_of(config)
         self.address = address or config.cluster.address or os.environ.get("RAY_ADDRESS") or "auto"
-        Job._prepare_state_dir(self, resume, fresh)  # the same state-directory rules as a local run
+        Job._prepare_state_dir(self, resume, fresh)  # the same lock and state-directory rules as a local run
         self.stop = threading.Event()
         self.started = time.monotonic()
         self.endpoints: dict[str, dict] = {}
@@ -1136,7 +1136,7 @@ class RayClusterJob(Supervised):
     def write_planned_endpoints(self) -> None:
         """Endpoints are planned on the nodes at start (``start``); nothing to write before."""
 
-    def shutdown(self) -> None:
+    def shutdown(self, release_state_dir: bool = True) -> None:
         self.stop.set()
         if self.supervisor is not None:
             self.supervisor.stop()  # first: nothing stopped below is restarted
@@ -1146,6 +1146,8 @@ class RayClusterJob(Supervised):
             self._steps = self.ray.get(self.ranks[0].steps.remote(), timeout=30) if self.ranks else self._steps
         if self.ray.is_initialized() and self._owner:
             remove_job(self.ray, self.namespace)
+        if release_state_dir:
+            self.state_lock.release()
 
     def _remove_groups(self) -> None:
         for pg in self.pgs.values():

@@ -11,7 +11,9 @@ steps before its last, measures the same things side by side:
 * the trajectory server's restart time: it is SIGKILLed, and the time from the kill to the
   supervisor's restart (which waits for its health probe: the store is reloaded by then) is taken.
 
-Along the run it samples the live and archived sizes and the ledger's event log every few steps.
+Along the run it samples the live and archived sizes and the ledger's event log every few steps,
+and every second, between the two checkpoints, the resident memory (``VmRSS``) of each component's
+process and the trainer's: ``memory_growth`` compares the first quarter of that span with the last.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from staleflow.api.coordinator import CoordinatorClient
 from staleflow.api.manager import ManagerClient
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig
-from staleflow.launch.job import Job, component_names
+from staleflow.host import status_kib
+from staleflow.launch.job import TRAINER, Job, component_names
 from staleflow.servers import db
 from staleflow.servers.schema import ledger_events, ts_trajectories, ts_trajectories_archive
 
@@ -72,6 +75,48 @@ class StoreSample:
 
 
 @dataclass
+class MemorySample:
+    step: int
+    t: float
+    rss: dict[str, int]  # resident bytes of each component's process, by component
+    pids: dict[str, int]
+
+
+@dataclass
+class MemoryGrowth:
+    """One process's resident memory: the median of its samples in the first and in the last
+    quarter of the measured span (medians: a collection or a burst of one sample does not decide)."""
+
+    component: str
+    first_bytes: int
+    last_bytes: int
+    samples: int
+
+    @property
+    def growth(self) -> float:
+        return self.last_bytes / self.first_bytes - 1 if self.first_bytes else 0.0
+
+
+def memory_growth(samples: list[MemorySample]) -> dict[str, MemoryGrowth]:
+    """Per component, from the samples of its newest process (one restarted within the span is
+    judged from its restart on; one with no sample of its newest process in the first quarter is
+    left out). Quarters are of the span's steps, so a pause does not weigh in."""
+    if len(samples) < 2:
+        return {}
+    first_step, last_step = samples[0].step, samples[-1].step
+    quarter = (last_step - first_step) / 4
+    out = {}
+    for name in samples[-1].pids:
+        pid = samples[-1].pids[name]
+        own = [s for s in samples if s.pids.get(name) == pid and name in s.rss]
+        early = [s.rss[name] for s in own if s.step <= first_step + quarter]
+        late = [s.rss[name] for s in own if s.step >= last_step - quarter]
+        if early and late and quarter > 0:
+            out[name] = MemoryGrowth(name, int(statistics.median(early)), int(statistics.median(late)), len(own))
+    return out
+
+
+@dataclass
 class SoakResult:
     steps_planned: int
     steps_done: int
@@ -82,6 +127,10 @@ class SoakResult:
     samples: list[StoreSample] = field(default_factory=list)
     failure: str | None = None
     stopped_early: bool = False  # the time box ran out: the end was measured there
+    memory: list[MemorySample] = field(default_factory=list)
+
+    def memory_growth(self) -> dict[str, MemoryGrowth]:
+        return memory_growth(self.memory)
 
     def ratios(self) -> dict[str, float | None]:
         """End over start, for each cost that must not grow with the run."""
@@ -106,7 +155,9 @@ class SoakResult:
                 "start": asdict(self.start) if self.start else None, "end": asdict(self.end) if self.end else None,
                 "ratios": self.ratios(), "live_trajectories_max": max(live, default=0),
                 "archived_trajectories_last": self.samples[-1].archived_trajectories if self.samples else 0,
-                "samples": [asdict(s) for s in self.samples]}
+                "samples": [asdict(s) for s in self.samples],
+                "memory_growth": {name: {**asdict(g), "growth": g.growth} for name, g in self.memory_growth().items()},
+                "memory": [asdict(s) for s in self.memory]}
 
 
 class Soak:
@@ -168,6 +219,8 @@ class Soak:
                     next_sample = step + self.sample_every_steps
                     say(f"step {step}: {result.samples[-1].live_trajectories} live, "
                         f"{result.samples[-1].archived_trajectories} archived trajectories")
+                if result.start is not None and result.end is None:
+                    result.memory.append(self._memory(job, step, started))
                 if result.start is None and step >= self.warmup_steps:
                     result.start = self._checkpoint(job, step, urls["ts"], manager, coordinator, ts_db, ledger_db)
                     say(f"start: {result.start}")
@@ -265,6 +318,16 @@ class Soak:
                           sample.archived_trajectories, sample.ledger_events,
                           statistics.median(measured) if measured else None, restarts, phase_ms,
                           coordinator_cpu_ms, cpu_ms_per_step)
+
+    @staticmethod
+    def _memory(job: Job, step: int, started: float) -> MemorySample:
+        """The resident memory of each component's process and the trainer's (those that are
+        threads of this process, or gone, are left out)."""
+        pids = {name: job.pid(name) for name in component_names(job.config)}
+        if job.trainer_process is not None:
+            pids[TRAINER] = job.trainer_process.pid
+        rss = {name: kib * 1024 for name, pid in pids.items() if pid and (kib := status_kib("VmRSS", pid)) is not None}
+        return MemorySample(step, time.monotonic() - started, rss, {name: pids[name] for name in rss})
 
     @staticmethod
     def _cpu_seconds(job: Job) -> dict[str, float]:

@@ -10,7 +10,9 @@ this does. Detection is role-aware:
   a component that is a thread of the job's own process, its server thread stopped (the embedded
   trainer: it raised);
 * services (manager, trajectory server, parameter server, reward, coordinator, Ray's relays): its
-  health probe failed ``probe_failures`` times in a row (hung);
+  health probe failed ``probe_failures`` times in a row (hung). A service whose probe answers
+  ``degraded`` is up and waits for a dependency (the trajectory server for its database): it is
+  not hung, and is not restarted (``degraded`` lists them; the job pauses behind it);
 * rollout instances: the coordinator declared the instance failed. The coordinator tells a slow
   instance (long generations: its snapshots still show progress) from a hung one (no answer to a
   snapshot or to a command the coordinator's cycle waits on for ``failure_timeout``, or no progress
@@ -90,6 +92,7 @@ class Supervisor:
         self._seen: dict[str, float] = {}  # last time each component was seen alive
         self._answered: dict[str, float] = {}  # last time each service answered its health probe
         self._misses: dict[str, int] = {}
+        self.degraded: dict[str, str] = {}  # services up but waiting for a dependency, and which one
         self._back_at: dict[str, float] = {}  # when each component last came back from a restart
         self._in_a_row: dict[str, int] = {}  # failures in a row, each within the window of its restart
         self._stop = threading.Event()
@@ -225,9 +228,11 @@ class Supervisor:
             client = self._client(clients, name)
             if client is None:
                 continue
-            if self._healthy(client):
+            answer = self._probe(client)
+            if answer is not None:
                 self._answered[name] = time.monotonic()
                 self._misses[name] = 0
+                self._note_dependencies(name, answer)
                 continue
             self._misses[name] = self._misses.get(name, 0) + 1
             if self._misses[name] >= self.settings.probe_failures:
@@ -241,12 +246,28 @@ class Supervisor:
         return failed
 
     @staticmethod
-    def _healthy(client: ServiceClient | CoordinatorClient) -> bool:
+    def _probe(client: ServiceClient | CoordinatorClient) -> dict | None:
+        """The health answer (None: no answer, or an error)."""
         try:
-            client.health()
+            answer = client.health()
         except (httpx.HTTPError, ServiceError, ValueError):
-            return False
-        return True
+            return None
+        return answer if isinstance(answer, dict) else answer.model_dump()
+
+    def _note_dependencies(self, name: str, answer: dict) -> None:
+        """A service that answers "degraded" is up and waits for a dependency (its database): the job
+        pauses behind it, and restarting it would not help, so it is not a failure. Logged when it
+        starts and when it ends."""
+        if answer.get("status") == "degraded":
+            why = "; ".join(f"{k} {v}" for k, v in (answer.get("dependencies") or {}).items()) or "degraded"
+            if name not in self.degraded:
+                log.warning("supervisor: %s is up but a dependency is down (%s): not restarted; the job waits for it",
+                            name, why)
+                self.events.append({"name": name, "event": "degraded", "why": why, "t": time.monotonic()})
+            self.degraded[name] = why
+        elif self.degraded.pop(name, None) is not None:
+            log.warning("supervisor: %s has its dependencies back", name)
+            self.events.append({"name": name, "event": "recovered", "t": time.monotonic()})
 
     def _declared_failed(self, coordinator: ServiceClient | CoordinatorClient) -> list[tuple[str, float]]:
         """Instances the coordinator declared failed, with how long ago each was last heard of."""

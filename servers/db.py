@@ -12,13 +12,17 @@ What differs between the two, and where it is handled:
   same PostgreSQL database, so ``upgrade`` holds a transaction-scoped advisory lock (SQLite files
   are per store and its write lock serializes upgrades anyway);
 * dropped connections: PostgreSQL connections are checked before use (``pool_pre_ping``); the
-  ledger's writer reconnects after a lost connection (``manager.store``);
+  ledger's writer reconnects after a lost connection (``manager.store``); a store that starts
+  while its server is down waits for it (``wait_until_reachable``) instead of failing;
 * types: BLOB/BYTEA (``LargeBinary``), TEXT for JSON, FLOAT is double precision on both, and
   ``VARCHAR(n)`` is enforced by PostgreSQL only, so the REST models bound every stored id.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
@@ -30,10 +34,16 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 import staleflow.migrations
+from staleflow.backoff import Backoff
 from staleflow.database_url import DatabaseUrlError, masked, normalize_url
 
 __all__ = ["DatabaseError", "DatabaseInUse", "DatabaseUnreachable", "DatabaseUrlError", "OwnerLockHeld", "downgrade",
-           "make_engine", "masked", "normalize_url", "owner_session", "upgrade"]
+           "make_engine", "masked", "normalize_url", "owner_session", "upgrade", "wait_until_reachable"]
+
+log = logging.getLogger(__name__)
+
+STARTUP_WAIT_S = 900.0
+"""How long a store that starts while its database server is down waits for it before giving up."""
 
 # an arbitrary constant: the advisory lock that serializes StaleFlow's schema upgrades on a server
 _UPGRADE_LOCK = 0x5354414C  # "STAL"
@@ -195,3 +205,30 @@ class DatabaseInUse(DatabaseError):
 
 class DatabaseUnreachable(DatabaseError):
     """The database server did not accept a connection."""
+
+
+def wait_until_reachable(engine: Engine, what: str, give_up_s: float = STARTUP_WAIT_S,
+                         sleep: Callable[[float], object] = time.sleep) -> None:
+    """Return once the database accepts a connection; while it does not (a server restarting, an
+    outage), retry with capped, jittered backoff, logging the wait about every 30 s. Raises
+    ``DatabaseUnreachable`` after ``give_up_s`` seconds. SQLite files always answer."""
+    backoff, began, told = Backoff(0.5, 10.0), time.monotonic(), None
+    where = masked(engine.url.render_as_string(hide_password=False))
+    while True:
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        except OperationalError as exc:
+            waited = time.monotonic() - began
+            if waited >= give_up_s:
+                raise DatabaseUnreachable(f"{what}: the database {where} did not answer in {give_up_s:.0f} s: "
+                                          f"{str(exc.orig or exc).strip()}") from None
+            if told is None or time.monotonic() - told >= 30:
+                told = time.monotonic()
+                log.warning("%s: the database %s does not answer (%s); waiting for it (%.0f s so far, giving up "
+                            "after %.0f s)", what, where, str(exc.orig or exc).strip().splitlines()[0], waited, give_up_s)
+            sleep(backoff.failed())  # retry pacing while the database server is down
+            continue
+        if told is not None:
+            log.warning("%s: the database %s answers again after %.0f s", what, where, time.monotonic() - began)
+        return

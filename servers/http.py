@@ -16,10 +16,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, Generic, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from staleflow.api.base import Route
 from staleflow.errors import HTTP_STATUS, ErrorCode, StaleFlowError, error_body
 from staleflow.ports import EPHEMERAL_PORTS, LOWEST_PLANNED_PORT, free_port, free_port_between  # noqa: F401  (re-exported)
 from staleflow.servers.auth import protect
@@ -96,19 +97,77 @@ async def _crashed(request: Request, exc: Exception) -> JSONResponse:
 
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+T = TypeVar("T")
+Handler = TypeVar("Handler", bound=Callable[..., Any])
 
 
-def service_app(title: str, lifespan: Lifespan | None = None, **kwargs: Any) -> FastAPI:
+@dataclass(frozen=True)
+class Owned(Generic[T]):
+    """What an app holds in ``app.state.<attribute>`` while it serves: ``given``, or what
+    ``open`` makes at startup. ``running`` (optional) is entered next and left first: what runs
+    alongside the handlers (background loops, a second listener), whoever owns the resource.
+    ``ready`` then sees it (to log what the service serves with). At shutdown ``close`` runs on
+    it when the app made it, or when ``owns`` says the app owns the given one too."""
+
+    attribute: str
+    open: Callable[[], Awaitable[T]]
+    close: Callable[[T], Awaitable[None]]
+    _: KW_ONLY
+    given: T | None = None
+    owns: bool | None = None
+    running: Callable[[FastAPI, T], AbstractAsyncContextManager[None]] | None = None
+    ready: Callable[[T], None] | None = None
+
+    def lifespan(self) -> Lifespan:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            owned = self.given is None if self.owns is None else self.owns
+            resource = self.given if self.given is not None else await self.open()
+            setattr(app.state, self.attribute, resource)
+            try:
+                async with self.running(app, resource) if self.running is not None else nullcontext():
+                    if self.ready is not None:
+                        self.ready(resource)
+                    yield
+            finally:
+                if owned:
+                    await self.close(resource)
+
+        return lifespan
+
+
+@asynccontextmanager
+async def background(*loops: Coroutine[Any, Any, Any]) -> AsyncIterator[None]:
+    """Runs ``loops`` as tasks while the block runs; cancels them and waits for them on leaving."""
+    tasks = [asyncio.create_task(loop) for loop in loops]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def service_app(title: str, owned: Owned | None = None, **kwargs: Any) -> FastAPI:
     """A FastAPI app with the one error contract: any ``StaleFlowError``, invalid request, unknown
     route or crash answers ``{"detail", "code", ...}`` (``ErrorBody``, documented as every
-    operation's default response) with the status ``HTTP_STATUS`` gives the code."""
-    app = FastAPI(title=title, version="1", lifespan=lifespan,
+    operation's default response) with the status ``HTTP_STATUS`` gives the code. Its lifespan
+    holds ``owned`` (the service object its handlers call)."""
+    app = FastAPI(title=title, version="1", lifespan=owned.lifespan() if owned is not None else None,
                   responses={"default": {"model": ErrorBody, "description": "refused: the code says why"}}, **kwargs)
     app.add_exception_handler(StaleFlowError, _refused)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _routing)
     app.add_exception_handler(Exception, _crashed)
     return app
+
+
+def handles(app: FastAPI, route: Route, **options: Any) -> Callable[[Handler], Handler]:
+    """Registers the decorated function as the handler of ``route``, a service's declaration in
+    ``staleflow.api``: its method, its path and its reply type (the response model) come from
+    there, so a route is declared once. ``options`` are FastAPI's (``status_code``, ...)."""
+    options.setdefault("response_model", route.reply)
+    return app.api_route(route.path, methods=[route.method], **options)
 
 
 def max_body_bytes(limit: int | None = None) -> int:

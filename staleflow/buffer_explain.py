@@ -122,8 +122,9 @@ def explain_consumed(version: int, train_version: int, batch_size: int, groups: 
     return BufferExplanation(
         version, train_version, "consumed", False, batch_size, batch_size, len(consumed), 0, 0, 0, 0, (), (), 0.0,
         "already consumed",
-        f"buffer {version} was already consumed (the trainer is at version {train_version}): "
-        f"its {len(consumed)} groups were trained on")
+        f"buffer {version} was already consumed: the trainer trained on its {len(consumed)} "
+        f"group{'' if len(consumed) == 1 else 's'} and is now at version {train_version}, waiting for buffer "
+        f"{train_version}")
 
 
 def explain_buffer(

@@ -41,7 +41,7 @@ def summarize(config: Any, steps: Sequence[Any], samples: Sequence[Any], engine_
     }
 
 
-COMMAND_KINDS = ("route", "interrupt", "abort", "pull")
+COMMAND_KINDS = ("route", "interrupt", "abort", "pull", "repack")  # repack: the Interrupts of repack moves
 
 
 def time_breakdown(engine_stats: dict[str, dict], command_seconds: dict[str, float], scale: float = 1.0,

@@ -27,6 +27,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def postgres_server() -> Iterator[object]:
     """A throwaway PostgreSQL server for the whole session, started on first use and stopped at the
     end (``throwaway_postgres``); skipped, saying why, only where no server binary or driver exists."""
+    yield from _throwaway_postgres()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[object]:
+    """A throwaway PostgreSQL server of one test's own, which it may stop (``halt``, an outage)
+    and start again (``resume``); skipped like ``postgres_server`` where none can run."""
+    yield from _throwaway_postgres()
+
+
+def _throwaway_postgres() -> Iterator[object]:
     if importlib.util.find_spec("psycopg") is None:
         pytest.skip("the psycopg driver is not installed (pip install 'staleflow[postgres]')")
     from support.throwaway_postgres import ThrowawayPostgres, find_binaries

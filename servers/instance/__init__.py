@@ -24,15 +24,16 @@ Endpoints (all JSON; errors are ``{"detail", "code", ...}`` with a 4xx status, a
 * ``POST /v1/sim/advance`` -- sim engine on the virtual clock only: ``{"to": t}``, ``{"by": dt}``
   or ``{"until_idle": true}``; returns after the finished trajectories reached the feed.
 
-``config`` holds the settings, ``staleflow.api.instance`` the wire models and the client, ``wire``
-the conversions between them and the engine's types, ``state`` the outbox, the engine
-factory and the command-applying server, ``app`` the endpoints.
+``staleflow.config.instance`` holds the settings, ``staleflow.api.instance`` the wire models and the
+client, ``wire`` the conversions between them and the engine's types, ``service`` the outbox and
+the command-applying server, ``app`` the endpoints; ``staleflow.engines.factory`` builds the engine.
 """
 
 from staleflow.api.instance import AbortCommand, InterruptCommand, PullCommand, RouteCommand, TrajectoryIn
+from staleflow.config import InstanceConfig, SimConfig, VllmConfig
+from staleflow.engines.factory import create_engine
 from staleflow.servers.instance.app import create_app
-from staleflow.servers.instance.config import InstanceConfig, SimConfig, VllmConfig
-from staleflow.servers.instance.state import InstanceServer, create_engine
+from staleflow.servers.instance.service import InstanceServer
 from staleflow.servers.instance.wire import trajectory_json
 
 __all__ = [

@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 
 from staleflow import metrics as m
-from staleflow.api.instance import (
-    AckIn,
-    AckOut,
-    Advanced,
-    AdvanceIn,
-    AnyCommand,
-    CommandApplied,
-    CompletedFeed,
-    EngineStats,
-    HeldProgress,
-    InstanceHealth,
-    SnapshotOut,
-)
+from staleflow.api.instance import AckIn, AdvanceIn, AnyCommand, InstanceRoutes
+from staleflow.config import InstanceConfig
 from staleflow.engines.base import RolloutEngine
-from staleflow.servers.http import service_app
-from staleflow.servers.instance.config import InstanceConfig
-from staleflow.servers.instance.state import InstanceServer
+from staleflow.servers.http import Owned, handles, service_app
+from staleflow.servers.instance.service import InstanceServer
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +54,14 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
 
     server = InstanceServer(config, engine)  # built now so a bad engine config fails here, not at startup
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def started() -> InstanceServer:
         await server.start()
-        try:
-            yield
-        finally:
-            await server.stop()
+        return server
 
-    app = service_app(f"StaleFlow rollout instance {config.instance_id}", lifespan)
+    async def stopped(_: InstanceServer) -> None:
+        await server.stop()
+
+    app = service_app(f"StaleFlow rollout instance {config.instance_id}", Owned("instance", started, stopped))
     app.state.instance = server
     scraped: dict[str, Any] = {}
 
@@ -87,7 +72,7 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
     m.mount_metrics(app, "instance", lambda: instance_metrics(server, scraped.get("snapshot"), scraped.get("stats")),
                     refresh=read_engine)
 
-    @app.post("/v1/commands", response_model=CommandApplied)
+    @handles(app, InstanceRoutes.command)
     async def commands(command: Annotated[AnyCommand, Body(discriminator="kind")], response: Response) -> Any:
         status, body, replayed = await server.apply(command)
         headers = {"Idempotent-Replay": "true"} if replayed else None
@@ -96,11 +81,40 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
         response.headers.update(headers or {})
         return body
 
-    @app.get("/v1/snapshot", response_model=SnapshotOut)
+    @handles(app, InstanceRoutes.snapshot)
     async def snapshot() -> dict[str, Any]:
         return await server.snapshot()
 
-    @app.get("/v1/completed", response_model=CompletedFeed)
+    @handles(app, InstanceRoutes.health)
+    async def health() -> dict[str, Any]:
+        return server.health()
+
+    @handles(app, InstanceRoutes.stats)
+    async def stats() -> dict[str, Any]:
+        """Where the engine's time went (paper Table 3), as the engine accounts for it: parts in
+        ``breakdown_seconds`` that add up to ``rollout_seconds``, labelled by ``source``."""
+        accounted = await server.engine.stats()
+        if accounted is None:
+            return {"instance_id": server.instance_id, "engine": config.engine, "available": False}
+        return {"instance_id": server.instance_id, "engine": config.engine, **accounted}
+
+    @handles(app, InstanceRoutes.progress)
+    async def progress() -> dict[str, Any]:
+        """What each trajectory on the engine holds now, against its last progress checkpoint."""
+        return await server.held_progress()
+
+    @handles(app, InstanceRoutes.advance)
+    async def advance(body: AdvanceIn) -> dict[str, Any]:
+        return await server.advance(body)
+
+    _add_feed_routes(app, server)
+    return app
+
+
+def _add_feed_routes(app: FastAPI, server: InstanceServer) -> None:
+    """The completed-trajectory feed: reading it, and acknowledging what was read."""
+
+    @handles(app, InstanceRoutes.completed)
     async def completed(
         after: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 256,
@@ -120,32 +134,8 @@ def create_app(config: InstanceConfig, engine: RolloutEngine | None = None) -> F
             "dropped": outbox.dropped,
         }
 
-    @app.post("/v1/completed/ack", response_model=AckOut)
+    @handles(app, InstanceRoutes.ack)
     async def acknowledge(body: AckIn) -> dict[str, Any]:
         """The consumer holds these items: they leave the outbox. Only items it was handed count."""
         acknowledged, ignored = server.outbox.ack(body.seqs)
         return {"acknowledged": acknowledged, "ignored": ignored}
-
-    @app.get("/v1/health", response_model=InstanceHealth)
-    async def health() -> dict[str, Any]:
-        return server.health()
-
-    @app.get("/v1/stats", response_model=EngineStats)
-    async def stats() -> dict[str, Any]:
-        """Where the engine's time went (paper Table 3), as the engine accounts for it: parts in
-        ``breakdown_seconds`` that add up to ``rollout_seconds``, labelled by ``source``."""
-        accounted = await server.engine.stats()
-        if accounted is None:
-            return {"instance_id": server.instance_id, "engine": config.engine, "available": False}
-        return {"instance_id": server.instance_id, "engine": config.engine, **accounted}
-
-    @app.get("/v1/progress", response_model=HeldProgress)
-    async def progress() -> dict[str, Any]:
-        """What each trajectory on the engine holds now, against its last progress checkpoint."""
-        return await server.held_progress()
-
-    @app.post("/v1/sim/advance", response_model=Advanced)
-    async def advance(body: AdvanceIn) -> dict[str, Any]:
-        return await server.advance(body)
-
-    return app

@@ -91,6 +91,7 @@ class DurableLedger:
         self.engine = engine
         self.event_retention = event_retention
         self._lock = threading.Lock()
+        db.wait_until_reachable(engine, "the staleness manager's ledger")
         db.upgrade(engine)
         self.params = params
         self._conn: Connection | None = self._connect(wait=owner_wait)  # the writer's session

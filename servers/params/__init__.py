@@ -27,8 +27,8 @@ cutting, coverage), ``files`` a version's folder on disk, ``push`` the pushes in
 """
 
 from staleflow.api.base import ServiceError
+from staleflow.config import ParamsConfig
 from staleflow.servers.params.app import create_app
-from staleflow.servers.params.config import ParamsConfig
 from staleflow.servers.params.rules import ParamsError
 from staleflow.servers.params.store import ParamStore
 from staleflow.transports.client import ParamsClient, RawTensor

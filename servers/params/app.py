@@ -15,29 +15,10 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from staleflow import metrics as m
-from staleflow.api.params import (
-    ChunkReceived,
-    ManifestOut,
-    ParamsHealth,
-    PartDone,
-    PartFinished,
-    PartJoin,
-    PartJoined,
-    Persisted,
-    PullBegin,
-    PullEnded,
-    PullStarted,
-    PushAborted,
-    PushBegin,
-    PushStarted,
-    StoreDescription,
-    VersionDeleted,
-    VersionSpec,
-    VersionSummary,
-)
+from staleflow.api.params import ParamsRoutes, PartDone, PartJoin, PullBegin, PushBegin, VersionSpec
+from staleflow.config import ParamsConfig
 from staleflow.errors import ErrorCode
-from staleflow.servers.http import ConnectionLimits, service_app
-from staleflow.servers.params.config import ParamsConfig
+from staleflow.servers.http import ConnectionLimits, Owned, background, handles, service_app
 from staleflow.servers.params.dataplane import ChunkDataPlane
 from staleflow.servers.params.rules import ParamsError, StoredVersion
 from staleflow.servers.params.store import ParamStore
@@ -68,36 +49,34 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     after ``serve_forever`` may never run). ``limits``: the data plane's (the API port's are
     uvicorn's, given where the app is served)."""
 
+    async def open_store() -> ParamStore:
+        return await asyncio.to_thread(ParamStore, config)
+
+    async def close_store(opened: ParamStore) -> None:
+        opened.close()
+
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        owned = store is None if owns_store is None else owns_store
-        app.state.store = store or await asyncio.to_thread(ParamStore, config)
-        sweeper = asyncio.create_task(_sweep_forever(app.state.store, min(config.lease_ttl_s, config.push_ttl_s) / 4))
-        try:
+    async def running(app: FastAPI, serving: ParamStore) -> AsyncIterator[None]:
+        async with background(_sweep_forever(serving, min(config.lease_ttl_s, config.push_ttl_s) / 4)):
             app.state.data_plane = (None if config.data_port is None else
-                                    ChunkDataPlane(app.state.store, config.host, config.data_port, getattr(app.state, "token", None),
+                                    ChunkDataPlane(serving, config.host, config.data_port, getattr(app.state, "token", None),
                                                    limits))
-        except BaseException:
-            sweeper.cancel()
-            if owned:
-                app.state.store.close()
-            raise
+            try:
+                yield
+            finally:
+                if app.state.data_plane is not None:
+                    app.state.data_plane.close()
+
+    def ready(_: ParamStore) -> None:
         log.info("parameter server ready: state=%s keep=%d transports=%s", config.state_dir, config.keep,
                  ",".join(config.transports))
-        try:
-            yield
-        finally:
-            sweeper.cancel()
-            if app.state.data_plane is not None:
-                app.state.data_plane.close()
-            if owned:
-                app.state.store.close()
 
-    app = service_app("StaleFlow parameter server", lifespan)
+    app = service_app("StaleFlow parameter server",
+                      Owned("store", open_store, close_store, given=store, owns=owns_store, running=running, ready=ready))
     m.mount_metrics(app, "params", lambda: app.state.store.metrics() if hasattr(app.state, "store") else [])
     app.state.body_limit_exempt = r"^/v1/params/[^/]+/(?:parts/[^/]+/)?chunks/"  # bounded per chunk (chunk_bytes) instead
 
-    @app.get("/v1/health", response_model=ParamsHealth)
+    @handles(app, ParamsRoutes.health)
     def health(store: StoreDep) -> dict:
         plane: ChunkDataPlane | None = app.state.data_plane
         if plane is not None and not plane.accepting:
@@ -118,15 +97,15 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
 def _add_version_routes(app: FastAPI) -> None:
     """Listing, resolving and withdrawing versions."""
 
-    @app.get("/v1/params", response_model=StoreDescription)
+    @handles(app, ParamsRoutes.versions)
     def list_versions(store: StoreDep) -> dict:
         return store.describe()
 
-    @app.get("/v1/params/latest", response_model=VersionSummary)
+    @handles(app, ParamsRoutes.latest)
     def latest(store: StoreDep) -> dict:
         return store.resolve_stored("latest").manifest.summary()
 
-    @app.delete("/v1/params/{version}", response_model=VersionDeleted)
+    @handles(app, ParamsRoutes.delete_version)
     def delete_version(store: StoreDep, version: int) -> dict:
         """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end."""
         stored = store.delete_version(version)
@@ -136,7 +115,7 @@ def _add_version_routes(app: FastAPI) -> None:
 def _add_push_routes(app: FastAPI, config: ParamsConfig) -> None:
     """Pushes: one pusher's (begin, chunks, commit) and in parts (join, chunks, done), and aborts."""
 
-    @app.post("/v1/params/{version}", status_code=201, response_model=PushStarted)
+    @handles(app, ParamsRoutes.begin_push, status_code=201)
     def begin_push(store: StoreDep, version: Annotated[int, "version number"], body: PushBegin) -> dict:
         if version < 0:
             raise ParamsError(ErrorCode.INVALID_VERSION, "version must be >= 0")
@@ -147,7 +126,7 @@ def _add_push_routes(app: FastAPI, config: ParamsConfig) -> None:
                 "chunks": [{"index": c.index, "offset": c.offset, "length": c.length} for c in chunks],
                 "checksum_algorithms": checksum_algorithms()}
 
-    @app.post("/v1/params/{version}/parts/{part}", status_code=201, response_model=PartJoined)
+    @handles(app, ParamsRoutes.join_part, status_code=201)
     def join_push(store: StoreDep, version: int, part: int, body: PartJoin) -> dict:
         if version < 0:
             raise ParamsError(ErrorCode.INVALID_VERSION, "version must be >= 0")
@@ -168,27 +147,27 @@ def _add_push_routes(app: FastAPI, config: ParamsConfig) -> None:
                            for c in entry.chunks],
                 "checksum_algorithms": checksum_algorithms()}
 
-    @app.put("/v1/params/{version}/parts/{part}/chunks/{index}", response_model=ChunkReceived)
+    @handles(app, ParamsRoutes.put_part_chunk)
     async def put_part_chunk(request: Request, store: StoreDep, version: int, part: int, index: int,
                              push_id: Annotated[str, Query()]) -> dict:
         return await _receive_chunk(request, store, version, index, push_id, part)
 
-    @app.post("/v1/params/{version}/parts/{part}/done", response_model=PartFinished)
+    @handles(app, ParamsRoutes.finish_part)
     def finish_part(store: StoreDep, version: int, part: int, push_id: Annotated[str, Query()],
                     body: PartDone | None = None) -> dict:
         body = body or PartDone()
         return store.pushes.finish_part(version, push_id, part, body.checksums, body.wait_s)
 
-    @app.put("/v1/params/{version}/chunks/{index}", response_model=ChunkReceived)
+    @handles(app, ParamsRoutes.put_chunk)
     async def put_chunk(request: Request, store: StoreDep, version: int, index: int,
                         push_id: Annotated[str, Query()]) -> dict:
         return await _receive_chunk(request, store, version, index, push_id, 0)
 
-    @app.post("/v1/params/{version}/commit", response_model=VersionSummary)
+    @handles(app, ParamsRoutes.commit)
     def commit(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
         return store.pushes.commit(version, push_id).summary()
 
-    @app.delete("/v1/params/{version}/push", response_model=PushAborted)
+    @handles(app, ParamsRoutes.abort_push)
     def abort_push(store: StoreDep, version: int, push_id: Annotated[str, Query()]) -> dict:
         store.pushes.abort_push(version, push_id)
         return {"version": version, "aborted": True}
@@ -197,16 +176,16 @@ def _add_push_routes(app: FastAPI, config: ParamsConfig) -> None:
 def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
     """Pulls: leases, chunks and whole files, and whether a version is on disk yet."""
 
-    @app.get("/v1/params/{version}/persisted", response_model=Persisted)
+    @handles(app, ParamsRoutes.persisted)
     def persisted(store: StoreDep, version: int, wait_s: Annotated[float, Query(ge=0, le=3600)] = 0.0) -> dict:
         """Whether ``version`` is on disk yet (waits up to ``wait_s`` for it)."""
         return {"version": version, "persisted": store.wait_persisted(version, wait_s)}
 
-    @app.get("/v1/params/{version}/manifest", response_model=ManifestOut)
+    @handles(app, ParamsRoutes.manifest)
     def manifest(store: StoreDep, version: VersionSpec) -> dict:
         return store.resolve_stored(version).manifest.to_json()
 
-    @app.post("/v1/params/{version}/pulls", status_code=201, response_model=PullStarted)
+    @handles(app, ParamsRoutes.open_pull, status_code=201)
     def begin_pull(s: StoreDep, version: VersionSpec, body: PullBegin | None = None) -> dict:
         body = body or PullBegin()
         if body.transport not in config.transports:
@@ -221,14 +200,14 @@ def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
         return {"lease_id": lease.lease_id, "version": lease.version, "transport": body.transport,
                 "ttl_s": config.lease_ttl_s, "details": details, "manifest": stored.manifest.to_json()}
 
-    @app.delete("/v1/pulls/{lease_id}", response_model=PullEnded)
+    @handles(app, ParamsRoutes.close_pull)
     def end_pull(store: StoreDep, lease_id: str) -> dict:
         if not store.release(lease_id):
             raise ParamsError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown or lapsed")
         return {"lease_id": lease_id, "released": True}
 
-    @app.get("/v1/params/{version}/chunks/{index}", response_class=StreamingResponse,
-             responses=binary_body(f"the chunk's bytes; header {CHECKSUM_HEADER}: their checksum"))
+    @handles(app, ParamsRoutes.chunk, response_class=StreamingResponse,
+              responses=binary_body(f"the chunk's bytes; header {CHECKSUM_HEADER}: their checksum"))
     def get_chunk(s: StoreDep, version: int, index: int, lease: str | None = None) -> StreamingResponse:
         fd, stored = s.open_range(version, lease)
         chunks = stored.manifest.chunks
@@ -240,8 +219,8 @@ def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
         return _stream(s, stored, fd, stored.manifest.data_offset + chunk.offset, chunk.length,
                        {CHECKSUM_HEADER: chunk.checksum or ""})
 
-    @app.get("/v1/params/{version}/file", response_class=StreamingResponse,
-             responses=binary_body("the version as one safetensors file"))
+    @handles(app, ParamsRoutes.file, response_class=StreamingResponse,
+              responses=binary_body("the version as one safetensors file"))
     def get_file(s: StoreDep, version: VersionSpec) -> StreamingResponse:
         """The whole version as one safetensors file (curl, engines that load a path)."""
         fd, stored = s.open_range(s.resolve_stored(version).manifest.version, None)

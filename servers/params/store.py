@@ -21,8 +21,8 @@ import time
 import uuid
 from pathlib import Path
 
+from staleflow.config import ParamsConfig
 from staleflow.errors import ErrorCode
-from staleflow.servers.params.config import ParamsConfig
 from staleflow.servers.params.files import DATA_FILE, MANIFEST_FILE, VERSION_DIR, fsync_dir, load_version, write_atomically
 from staleflow.servers.params.push import PushTable, hash_chunks
 from staleflow.servers.params.rules import (

@@ -15,20 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 
 from staleflow import metrics as m
-from staleflow.api.reward import RewardHealth, RewardItem, RewardOut, VerifiersOut
+from staleflow.api.reward import RewardItem, RewardRoutes
+from staleflow.config import RewardConfig
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.rewards import RewardRequest, RewardScorer
 from staleflow.rewards.pool import TIMEOUT
 from staleflow.rewards.registry import BUILTIN_VERIFIERS, Verdict
-from staleflow.servers.http import service_app
-from staleflow.servers.reward.config import RewardConfig
+from staleflow.servers.http import Owned, handles, service_app
 
 log = logging.getLogger(__name__)
 
@@ -70,32 +68,32 @@ def create_app(config: RewardConfig, scorer: RewardScorer | None = None, owns_sc
     """The reward server. Closes the scorer (and its worker processes) at shutdown if it made it,
     or if ``owns_scorer``."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        owned = scorer is None if owns_scorer is None else owns_scorer
-        app.state.scorer = scorer or await asyncio.to_thread(
-            RewardScorer, config.verifiers, config.default_verifier, config.workers, config.timeout_s)
-        log.info("reward server ready: verifiers %s, default %s", ", ".join(app.state.scorer.names()), config.default_verifier)
-        try:
-            yield
-        finally:
-            if owned:
-                app.state.scorer.close()
 
-    app = service_app("StaleFlow reward server", lifespan)
+    async def open_scorer() -> RewardScorer:
+        return await asyncio.to_thread(RewardScorer, config.verifiers, config.default_verifier, config.workers,
+                                       config.timeout_s)
+
+    async def close_scorer(opened: RewardScorer) -> None:
+        opened.close()
+
+    def ready(opened: RewardScorer) -> None:
+        log.info("reward server ready: verifiers %s, default %s", ", ".join(opened.names()), config.default_verifier)
+
+    app = service_app("StaleFlow reward server",
+                      Owned("scorer", open_scorer, close_scorer, given=scorer, owns=owns_scorer, ready=ready))
     tally = RewardTally()
     m.mount_metrics(app, "reward", tally.metrics)
 
-    @app.get("/v1/health", response_model=RewardHealth)
+    @handles(app, RewardRoutes.health)
     def health(scorer: ScorerDep) -> dict:
         return {"status": "ok", "workers": scorer.pool.workers, "replaced_workers": scorer.pool.replaced,
                 "timeouts": dict(tally.timeouts)}
 
-    @app.get("/v1/verifiers", response_model=VerifiersOut)
+    @handles(app, RewardRoutes.verifiers)
     def verifiers() -> dict:
         return {"default": config.default_verifier, "builtin": sorted(BUILTIN_VERIFIERS), "user": config.verifiers}
 
-    @app.post("/v1/rewards", response_model=list[RewardOut], response_model_exclude_none=True)
+    @handles(app, RewardRoutes.score, response_model_exclude_none=True)
     async def rewards(scorer: ScorerDep, items: list[RewardItem]) -> list[dict]:
         if len(items) > config.max_batch:
             raise StaleFlowError(ErrorCode.BATCH_TOO_LARGE, f"{len(items)} items; at most {config.max_batch} per request")

@@ -8,7 +8,7 @@ import hashlib
 from collections.abc import Awaitable, Callable
 
 from staleflow.api.reward import AsyncRewardClient
-from staleflow.servers.trajectories.config import TrajectoryServerConfig
+from staleflow.config import TrajectoryServerConfig
 
 RewardFn = Callable[[list[tuple[str, str, str]]], Awaitable[list[tuple[float, str]]]]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 
 import httpx
 
@@ -19,18 +20,20 @@ from staleflow.api.trajectories import (
     ProgressRequest,
     ReturnRequest,
 )
+from staleflow.config import TrajectoryServerConfig
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.length_skew import Fate
-from staleflow.servers.trajectories.config import TrajectoryServerConfig
+from staleflow.servers.http import background
 from staleflow.servers.trajectories.rewards import RewardFn
 from staleflow.servers.trajectories.store import (
     GroupRecord,
     GroupState,
     StoreConflict,
     TrajectoryStore,
+    TrajState,
     checkpoint,
 )
-from staleflow.servers.trajectories.wire import traj_payload
+from staleflow.servers.trajectories.wire import summary, traj_payload
 from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
 from staleflow.trajectory_book import SegmentLimits
 
@@ -65,6 +68,29 @@ class TrajectoryServer:
         # the ledger's train version as last heard: no model newer than it can have been published
         self.train_version = 0
 
+    @classmethod
+    def open(cls, config: TrajectoryServerConfig, reward: RewardFn) -> TrajectoryServer:
+        """The server over the configured database, its prompt pool topped up."""
+        store = TrajectoryStore.open(config.database_url(), retention=config.retention)
+        server = cls(config, store, AsyncManagerClient(config.manager_url), reward)
+        server.refill()
+        return server
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The reward loop and the ledger follower run while the block does; anything completed
+        before a restart is rewarded first."""
+        async with background(self.reward_loop(), self.follow_ledger()):
+            self._work.set()
+            try:
+                yield
+            finally:
+                self._stopping = True
+
+    async def aclose(self) -> None:
+        await self.manager.aclose()
+        self.store.close()
+
     async def segment_limits(self, trajectories: Iterable[PartialIn | ProgressIn]) -> SegmentLimits:
         """The limits every generated token must keep (``staleflow.trajectory_book.segment_violation``).
         The newest version is the staleness manager's train version: the trainer publishes version
@@ -89,6 +115,21 @@ class TrajectoryServer:
                                      f"trajectory {t.traj_id}: token id {top} is outside the model's vocabulary of "
                                      f"{vocab} (ids 0..{vocab - 1}); the rollout engine must serve the job's model",
                                      traj_id=t.traj_id, vocab_size=vocab)
+
+    def health(self) -> dict:
+        """Answers from memory, never from the database: while the database is down it says so
+        (``degraded``, naming the dependency) instead of failing, so the server is not taken for hung."""
+        skipped = getattr(self.prompts, "skipped", SkippedRows())
+        regenerated = self.store.regenerated
+        down = self.store.unavailable
+        return {"status": "degraded" if down else "ok", "counts": self.store.counts_in_memory(),
+                "dependencies": {"database": f"unavailable: {down}"} if down else {},
+                "skipped_prompts": {"count": skipped.count + self.too_long.count,
+                                    "reasons": {**skipped.reasons, **self.too_long.reasons}},
+                "progress": {"checkpointed_tokens": self.checkpointed_tokens,
+                             "failed_over": self.store.failed_over[0], "resumed_tokens": self.store.failed_over[1],
+                             "regenerated_trajectories": regenerated[0], "regenerated_tokens": regenerated[1]},
+                "staleness_violations": self.staleness_violations()}
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -117,14 +158,34 @@ class TrajectoryServer:
 
     # -- routing -------------------------------------------------------------------------
 
+    def pending(self) -> dict:
+        """Trajectories waiting to be routed (V_traj null: initial)."""
+        return {"trajectories": [summary(t, g) for t, g in self.store.pending()]}
+
+    def routed(self, instance_id: str | None = None) -> dict:
+        return {"trajectories": [summary(t, g) for t, g in self.store.routed(instance_id)]}
+
+    def release(self, instance_id: str, generated: dict[str, int]) -> dict:
+        """The instance was declared failed: its trajectories become routable again (see
+        ``TrajectoryStore.release_instance``)."""
+        return {"released": self.store.release_instance(instance_id, generated)}
+
+    def cancellations(self) -> dict:
+        return {"trajectories": [{"traj_id": t.traj_id, "instance_id": t.instance_id}
+                                 for t in self.store.cancellations()]}
+
+    def cancellations_done(self, traj_ids: list[str]) -> dict:
+        self.store.cancelled(traj_ids)
+        return {"acknowledged": len(traj_ids)}
+
     async def checkout(self, request: CheckoutRequest) -> dict:
         assignments = [(a.traj_id, a.v_traj) for a in request.assignments]
         not_reserved = {}
-        for group_id, v_traj in self.store.book.reservations_needed(assignments).items():
+        for group_id, v_traj in self.store.reservations_needed(assignments).items():
             reason = await self._reserve(self.store.groups[group_id], v_traj)
             if reason:
                 not_reserved[group_id] = reason
-        granted, refused = self.store.book.grant(assignments, not_reserved)
+        granted, refused = self.store.grant(assignments, not_reserved)
         routed = self.store.checkout(request.instance_id, granted) if granted else []
         return {"trajectories": [traj_payload(t, g, self.config.sampling) for t, g in routed],
                 "refused": [{"traj_id": traj_id, "reason": reason} for traj_id, reason in refused]}
@@ -160,7 +221,7 @@ class TrajectoryServer:
             m.TRAJECTORY_CHECKPOINTED_TOKENS.value(self.checkpointed_tokens),
             m.TRAJECTORIES_FAILED_OVER.value(self.store.failed_over[0]),
             m.TRAJECTORY_FAILURE_RESUMED_TOKENS.value(self.store.failed_over[1]),
-            m.TRAJECTORY_FAILURE_REGENERATED_TOKENS.value(self.store.book.regenerated[1]),
+            m.TRAJECTORY_FAILURE_REGENERATED_TOKENS.value(self.store.regenerated[1]),
             m.TRAJECTORY_STALENESS_VIOLATIONS.value(self.staleness_violations()),
             *m.length_skew_families(*self.store.length_skew_totals()),
         ]
@@ -284,3 +345,25 @@ class TrajectoryServer:
                 for t, g in items
             ],
         }
+
+    async def free_batch(self, version: int) -> dict:
+        buffer = await self.manager.buffer(version)
+        freed = self.store.free([e.group_id for e in buffer.entries], version)
+        self.refill()
+        return {"version": version, "freed_groups": freed}
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def trajectories(self, state: TrajState | None, limit: int, offset: int) -> dict:
+        rows = self.store.listed(state)
+        return {"counts": self.store.counts(), "total": len(rows),
+                "trajectories": [summary(t, g) for t, g in rows[offset: offset + limit]]}
+
+    def trajectory(self, traj_id: str) -> dict:
+        found = self.store.trajectory(traj_id)
+        if found is None:
+            raise StaleFlowError(ErrorCode.UNKNOWN_TRAJECTORY, f"trajectory {traj_id!r} is unknown")
+        t, g, held_on_instance = found
+        return {**summary(t, g), **traj_payload(t, g, self.config.sampling), "reward": t.reward,
+                "reward_reason": t.reward_reason, "finish_reason": t.finish_reason, "prompt_text": g.prompt_text,
+                "held_on_instance": held_on_instance}

@@ -84,6 +84,11 @@ class _FreshLock:
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
 
+    @property
+    def unchecked(self) -> threading.RLock:
+        """The lock alone, without the reload."""
+        return self._lock
+
 
 class TrajectoryStoreInUse(RuntimeError):
     """Another trajectory server holds this store's database."""
@@ -119,6 +124,7 @@ class TrajectoryStore:
             raise ValueError(f"retention must be 'archive' or 'drop', not {retention!r}")
         self.engine = engine
         self.retention = retention
+        db.wait_until_reachable(engine, "the trajectory store")
         db.upgrade(engine)
         try:
             self._owner = db.owner_session(engine, OWNER_LOCK, owner_wait)
@@ -127,6 +133,7 @@ class TrajectoryStore:
                                        "or point db_url at another database") from None
         self.lock = _FreshLock(self)
         self._stale = False
+        self.unavailable: str | None = None  # why the database failed last (a write, a reload); None once it answers
         self._checkpointed: set[str] = set()  # trajectories with rows in ts_progress
         self.failed_over = [0, 0]  # trajectories released from failed instances, the response tokens they kept
         self._use(TrajectoryBook())
@@ -169,8 +176,10 @@ class TrajectoryStore:
         except Exception as exc:
             self._use(book)
             self.meta = meta
+            self.unavailable = f"cannot be read: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
             raise StoreUnavailable(f"the trajectory store's database cannot be read: {exc}") from exc
         self._stale = False
+        self.unavailable = None
 
     def _load(self) -> None:
         with self.engine.connect() as conn:
@@ -197,6 +206,7 @@ class TrajectoryStore:
             self._write(new_groups, groups, new_trajs, trajs, meta, finished)
         except Exception as exc:
             self._stale = True  # memory already holds the change: reload it from the database
+            self.unavailable = f"refused a write: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
             try:
                 self._ensure_fresh()
             except StoreUnavailable:
@@ -285,6 +295,37 @@ class TrajectoryStore:
     def routed(self, instance_id: str | None = None) -> list[tuple[TrajRecord, GroupRecord]]:
         with self.lock:
             return self.book.routed(instance_id)
+
+    def reservations_needed(self, assignments: Iterable[tuple[str, int]]) -> dict[str, int]:
+        """The groups to reserve in the ledger before ``assignments`` are checked out
+        (``TrajectoryBook.reservations_needed``)."""
+        return self.book.reservations_needed(assignments)
+
+    def grant(self, assignments: Iterable[tuple[str, int]], not_reserved: dict[str, str]
+              ) -> tuple[list[str], list[tuple[str, str]]]:
+        """Which assignments may be checked out (``TrajectoryBook.grant``)."""
+        return self.book.grant(assignments, not_reserved)
+
+    @property
+    def regenerated(self) -> tuple[int, int]:
+        """Trajectories regenerated after a failover, and their response tokens lost."""
+        trajectories, tokens = self.book.regenerated
+        return trajectories, tokens
+
+    def listed(self, state: TrajState | None = None) -> list[tuple[TrajRecord, GroupRecord]]:
+        """The live trajectories (in ``state``, or all) with their groups."""
+        with self.lock:
+            return [(t, self.groups[t.group_id]) for t in self.trajs.values() if state is None or t.state is state]
+
+    def trajectory(self, traj_id: str) -> tuple[TrajRecord, GroupRecord, int | None] | None:
+        """A trajectory, its group and the response tokens its instance last said it holds; one
+        done for good is read back from the archive (held nowhere). None: unknown."""
+        with self.lock:
+            t = self.trajs.get(traj_id)
+            if t is not None:
+                return t, self.groups[t.group_id], self.book.held_on_instance(traj_id)
+        archived = self.archived_trajectory(traj_id)
+        return None if archived is None else (*archived, None)
 
     def set_group_version(self, group_id: str, v_traj: int) -> None:
         with self.lock:
@@ -457,13 +498,21 @@ class TrajectoryStore:
         with self.lock:
             return self.book.counts()
 
+    def counts_in_memory(self) -> dict[str, int]:
+        """``counts`` without reloading a stale memory first: touches no database (health), so it
+        answers while the database is down (memory may then hold a change the database refused)."""
+        with self.lock.unchecked:
+            return self.book.counts()
+
     def completed_ones(self) -> list[TrajRecord]:
         with self.lock:
             return self.book.completed_ones()
 
     def length_skew_totals(self) -> tuple[StepSkew, Counter[int]]:
-        """The length-skew accounting's totals and what is in flight, by bucket."""
-        with self.lock:
+        """The length-skew accounting's totals and what is in flight, by bucket. From memory
+        without a reload (the accounting is this server's own and survives one): health reads it,
+        and must answer while the database is down."""
+        with self.lock.unchecked:
             return self.book.skew.totals(), self.book.skew.in_flight()
 
     def length_skew(self, after_step: int = -1) -> dict:

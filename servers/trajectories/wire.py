@@ -3,7 +3,7 @@ for a trajectory, rendered from its store's records."""
 
 from __future__ import annotations
 
-from staleflow.servers.trajectories.config import SamplingConfig
+from staleflow.config import SamplingConfig
 from staleflow.servers.trajectories.store import GroupRecord, TrajRecord
 
 

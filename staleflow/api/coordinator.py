@@ -29,6 +29,8 @@ class InstanceView(BaseModel):
     speculative: dict[str, int] | None = Field(description="the speculative state P: inst_version, accum_traj_num")
     estimated_throughput: float
     commands_in_flight: int
+    refused: str | None = Field(None, description="why the coordinator does not let the instance join (null: it "
+                                                  "does)")
 
 
 class InstancesOut(BaseModel):

@@ -209,6 +209,8 @@ class SnapshotOut(_Answer):
     loading_weights: bool
     decode_steps: int | None = Field(None, description="decode steps since the engine started (null: not reported)")
     decode_seconds: float | None = Field(None, description="the seconds those steps took, prefill excluded")
+    kv_usage: float | None = Field(None, ge=0, description="the share of the engine's KV memory in use (vLLM: "
+                                   "the scheduler's block usage; null: not reported)")
     generated: dict[str, int] | None = Field(None, description="traj_id -> response tokens each running or waiting "
                                                                "trajectory holds now (null: not reported)")
 

@@ -215,8 +215,9 @@ class ProgressCounts(BaseModel):
 
 
 class TrajectoryServerHealth(BaseModel):
-    status: str
+    status: str = Field(description="ok, or degraded: up, but a dependency it needs is not (see dependencies)")
     counts: dict[str, int]
+    dependencies: dict[str, str] = Field(default_factory=dict, description="each dependency that is down, and why")
     skipped_prompts: SkippedPrompts
     progress: ProgressCounts = Field(description="since this trajectory server started")
     staleness_violations: int = Field(0, description="trajectories trained with a token more than eta versions "

@@ -88,6 +88,7 @@ class Probe(abc.ABC):
     engine: RolloutEngine
     realtime: bool
     vocab_size: int
+    engine_name: str = "rollout"
     max_context: int | None = None  # prompt + response tokens one trajectory may hold
     max_running: int | None = None
     distinct_prompts: bool = True  # defeat prefix caching, which would shrink the KV
@@ -153,6 +154,7 @@ class SimProbe(Probe):
     """A ``SimEngine`` on its virtual clock: profiling costs events, not simulated seconds."""
 
     realtime = False
+    engine_name = "sim"
     distinct_prompts = False  # no prefix cache to defeat; one shared prompt tuple saves memory
     _first_poll = 1e-4
     _max_poll = 1.0
@@ -227,6 +229,7 @@ class VllmProbe(Probe):
     """A ``VllmEngine``, measured in wall time."""
 
     realtime = True
+    engine_name = "vllm"
     _first_poll = 0.002
     _max_poll = 0.005
 
@@ -234,9 +237,9 @@ class VllmProbe(Probe):
         self.engine = self._counter = engine
         self.model_dir = str(model_dir)
         self.max_context = engine.params.max_model_len
-        config = _read_model_config(self.model_dir)
+        config = read_model_config(self.model_dir)
         self.vocab_size = int(config.get("vocab_size", 0))
-        self.kv_bytes_per_token = _kv_bytes_per_token(config, engine.params.dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token_of(config, engine.params.dtype)
         self.meter = CpuMeter.create()
         self._finished: dict[str, float] = {}
         self._arrived = asyncio.Event()
@@ -291,7 +294,7 @@ class VllmProbe(Probe):
         return WeightsPath(version, self.model_dir)
 
 
-def _read_model_config(model_dir: str) -> dict[str, Any]:
+def read_model_config(model_dir: str) -> dict[str, Any]:
     try:
         return json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -301,7 +304,7 @@ def _read_model_config(model_dir: str) -> dict[str, Any]:
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
-def _kv_bytes_per_token(config: dict[str, Any], dtype: str) -> float | None:
+def kv_bytes_per_token_of(config: dict[str, Any], dtype: str) -> float | None:
     """2 (K and V) x layers x KV heads x head dim x bytes per element, from a HF config."""
     try:
         heads = config["num_attention_heads"]
@@ -484,14 +487,21 @@ async def measure_weight_load(probe: Probe, version: int) -> float:
     return await probe.now() - start
 
 
+def machine_stays_busy(foreign_load: list[float], limit: float | None) -> bool:
+    """Whether other processes kept using more than ``limit`` cores through most of the intervals so
+    far (at least 10): retrying a disturbed point then waits for a quiet that does not come."""
+    return limit is not None and len(foreign_load) >= 10 and statistics.median(foreign_load) > limit
+
+
 async def _measure_point(probe: Probe, config: ProfileConfig, prompts: _Prompts, point: int, n: int, context: int,
-                         max_tokens: int, run: int) -> ProbePoint:
+                         max_tokens: int, run: int, retry: bool = True) -> ProbePoint:
     """One grid point: repeated where the KV budget shortens its responses below ``decode_tokens``,
-    and retried (after a pause) while other processes competing for the CPU spoil its intervals."""
+    and retried (after a pause, if ``retry``) while other processes competing for the CPU spoil its
+    intervals."""
     repeats = min(config.max_repeats, math.ceil(config.decode_tokens / max_tokens))
     wanted = max(2, config.samples_per_point // 2) if repeats == 1 else 1
     result = ProbePoint()
-    for attempt in range(repeats + config.retries):
+    for attempt in range(repeats + (config.retries if retry else 0)):
         if attempt >= repeats:
             if len(result.samples) >= wanted:
                 break
@@ -535,7 +545,8 @@ async def profile(probe: Probe, config: ProfileConfig, progress: ProgressFn | No
         order = list(enumerate(plan)) if p % 2 == 0 else list(reversed(list(enumerate(plan))))
         for point, (n, context, max_tokens) in order:
             report(done, total, f"decode n={n} context={context}" + (f" (pass {p + 1})" if config.passes > 1 else ""))
-            result = await _measure_point(probe, config, prompts, point, n, context, max_tokens, p)
+            busy = machine_stays_busy(data.foreign_load, config.max_foreign_load)
+            result = await _measure_point(probe, config, prompts, point, n, context, max_tokens, p, retry=not busy)
             data.kv_pairs += result.pairs
             data.intervals += len(result.samples) + len(result.disturbed)
             data.disturbed += len(result.disturbed)
@@ -560,6 +571,9 @@ async def profile(probe: Probe, config: ProfileConfig, progress: ProgressFn | No
     if spread and (disagree := sum(r > 1.2 for r in spread)):
         data.notes.append(f"passes disagreed by more than 20% at {disagree} of {len(spread)} grid points "
                           f"(worst x{max(spread):.2f}): timings are disturbed; the faster pass was kept")
+    if machine_stays_busy(data.foreign_load, config.max_foreign_load):
+        data.notes.append("other processes kept the machine busy through most intervals: disturbed points were kept "
+                          "without waiting for a quiet moment; calibrate on a quiet machine for the best fit")
     if data.disturbed:
         data.notes.append(f"{data.disturbed} of {data.intervals} intervals had other processes using more than "
                           f"{config.max_foreign_load} cores and were dropped (median over all intervals: "

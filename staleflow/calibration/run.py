@@ -8,12 +8,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from staleflow.calibration.fit import DecodeReport
-from staleflow.calibration.profile import Probe, SimProbe, VllmProbe, entry_from_profile, profile
+from staleflow.calibration.engine_setup import EngineSetupError, VllmSettings, vllm_settings
+from staleflow.calibration.fit import CalibrationError, DecodeReport
+from staleflow.calibration.profile import (
+    Probe,
+    SimProbe,
+    VllmProbe,
+    entry_from_profile,
+    kv_bytes_per_token_of,
+    profile,
+    read_model_config,
+)
 from staleflow.calibration.schema import CalibrationEntry
 from staleflow.config.calibration import ProfileConfig
 from staleflow.config.engines import SimParams
 from staleflow.cost_model import CostModel
+from staleflow.engines.base import EngineError
+from staleflow.host import has_cuda, meminfo_bytes
 
 COEFFICIENTS = ("k1", "k2", "k3", "k4", "k5", "kv_budget")
 
@@ -53,19 +64,28 @@ def sim_probe(cost: dict[str, float], noise: float, seed: int, prefill: float, m
     return SimProbe.create(params), truth
 
 
-def vllm_probe(model: Path, dtype: str, max_model_len: int, kv_cache_gib: int | None,
-               max_num_seqs: int | None, enforce_eager: bool, cpu_threads: int | None = None) -> Probe:
-    """vLLM on a local model directory; its logs go to stderr. ``cpu_threads``: CPU builds only,
-    the engine core's OpenMP threads, unpinned (see docs/calibrate.md)."""
+def vllm_probe(model: Path, dtype: str, max_model_len: int | None, kv_cache_gib: int | None,
+               max_num_seqs: int | None, enforce_eager: bool, cpu_threads: int | None = None,
+               largest_n: int = max(VLLM_GRID.n_values)) -> tuple[Probe, VllmSettings]:
+    """vLLM on a local model directory, with ``max_model_len`` and (CPU builds) the KV cache derived
+    from the model and the free memory where not given (``engine_setup``); its logs go to stderr.
+    ``cpu_threads``: CPU builds only, the engine core's OpenMP threads, unpinned (see
+    docs/calibrate.md). Raises ``EngineSetupError`` for settings vLLM would refuse."""
     from staleflow.config.engines import VllmEngineParams
 
+    config = read_model_config(str(model))
+    settings = vllm_settings(config, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                             kv_bytes_per_token=kv_bytes_per_token_of(config, dtype), largest_n=largest_n,
+                             cpu=not has_cuda(), kv_space_set="VLLM_CPU_KVCACHE_SPACE" in os.environ,
+                             free_bytes=meminfo_bytes("MemAvailable"))
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the report / --json
     if cpu_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(cpu_threads)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    params = VllmEngineParams(model=str(model), dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                              max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
-    return VllmProbe.create(params)
+    params = VllmEngineParams(model=str(model), dtype=dtype, max_model_len=settings.max_model_len,
+                              kv_cache_gib=settings.kv_cache_gib, max_num_seqs=max_num_seqs,
+                              enforce_eager=enforce_eager)
+    return VllmProbe.create(params), settings
 
 
 async def profile_and_fit(
@@ -74,13 +94,36 @@ async def profile_and_fit(
 ) -> tuple[CalibrationEntry, DecodeReport]:
     """Start the engine, profile it over ``config``'s grid (``progress(done, total, what)`` after
     each step), stop it (``stopping()`` first) and fit (``fit``: ``entry_from_profile``'s keywords)."""
-    await probe.start()
+    try:
+        await probe.start()
+    except (CalibrationError, EngineError):
+        raise
+    except Exception as exc:  # vLLM raises what it likes at start-up; say it once, with what to check
+        raise EngineSetupError(f"the {probe.engine_name} engine did not start: {_first_line(exc)}",
+                               START_FIX.get(probe.engine_name, "see the engine's log above")) from exc
     try:
         data = await profile(probe, config, progress)
     finally:
         stopping()
         await probe.close()
     return entry_from_profile(data, config, **fit)
+
+
+START_FIX = {"vllm": "vLLM's log above says why; check --model (a Hugging Face model directory), --dtype, "
+                     "--max-model-len (at most the model's positions) and --kv-cache-gib (CPU: at most the free "
+                     "memory), or leave them out to derive them"}
+
+
+def _first_line(exc: BaseException) -> str:
+    """What an exception says, in one line (a pydantic error: each field and its message)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in errors())
+        except (TypeError, KeyError):
+            pass
+    text = str(exc).strip().splitlines()
+    return text[0] if text else exc.__class__.__name__
 
 
 def calibration_document(entry: CalibrationEntry, report: DecodeReport, out: Path, written: bool) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """A rollout instance's settings: ``InstanceConfig`` with its sim and vLLM engine sections (the
-engine they describe is built by ``staleflow.servers.instance.state.create_engine``)."""
+engine they describe is built by ``staleflow.engines.factory.create_engine``)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ class InstanceSettings(StrictModel):
     callback_batch: int = Field(64, ge=1, description="completions per callback batch")
     outbox_limit: int = Field(100_000, ge=1, description="unacknowledged completions kept before the oldest drop")
     idempotency_window: int = Field(10_000, ge=1, description="command ids remembered for retries")
+    idempotency_bytes: int = Field(8 << 20, ge=1, description="bytes of recorded responses (compact JSON) kept for "
+                                   "retries; the oldest go first beyond this or idempotency_window commands")
     progress_tokens: int = Field(256, ge=0, description="checkpoint a running trajectory to the trajectory server "
                                  "once it generated this many tokens since its last checkpoint; 0: no checkpoints")
     progress_seconds: float = Field(10.0, gt=0, description="checkpoint whatever a running trajectory generated "

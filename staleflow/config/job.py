@@ -66,9 +66,11 @@ class TrainerConfig(StrictModel):
     mixed_precision: bool | Literal["auto"] = Field(
         "auto", description="bf16 parameters and activations in forward/backward, fp32 master weights and gradient "
                             "reductions; auto: on with CUDA, off (fp32) on CPU")
-    activation_checkpointing: bool | Literal["auto"] = Field(
-        "auto", description="recompute each decoder layer's activations in backward instead of keeping them; "
-                            "auto: on with CUDA, off on CPU")
+    activation_checkpointing: bool | Literal["auto", "selective"] = Field(
+        "auto", description="what backward recomputes of each decoder layer: true (full) recomputes the whole layer "
+                            "and keeps only its input; selective keeps the matmul and attention outputs and "
+                            "recomputes the pointwise ops; false keeps everything; auto: selective with CUDA, off on "
+                            "CPU")
     max_tokens_per_micro_batch: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
         "auto", description="micro-batches by token budget: each rank packs trajectories (prompt + response) into "
                             "micro-batches of at most this many tokens (a longer one trains alone); none: "
@@ -80,9 +82,9 @@ class TrainerConfig(StrictModel):
                                 "most 95 % of the GPU's; beyond about 10k tokens per micro-batch more memory buys "
                                 "little speed")
     packing: bool | Literal["auto"] = Field(
-        "auto", description="padding-free micro-batches: sequences concatenated with position ids restarting at 0; "
-                            "auto: with flash attention (varlen), else right-padded rows; true also packs for "
-                            "transformers 5's sdpa/eager masks (attention over the whole packed row)")
+        "auto", description="padding-free micro-batches: sequences concatenated into one row, attention kept within "
+                            "each (varlen attention over their boundaries); auto: with CUDA and torch's varlen "
+                            "attention, or with flash attention; true also on CPU (an exact per-sequence fallback)")
     logprob_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="tokens per chunk of the output head when computing log-probs (the [tokens, vocab] logits "
                             "never exist whole); auto: about 1 GB of fp32 logits per chunk on CUDA (at least 1,024 "
@@ -90,6 +92,11 @@ class TrainerConfig(StrictModel):
     fused_logprobs: bool | Literal["auto"] = Field(
         "auto", description="Liger's fused linear cross-entropy for the log-probs on CUDA (the liger extra); auto: "
                             "when liger_kernel is importable, else the chunked head")
+    fused_kernels: bool | Literal["auto"] = Field(
+        "auto", description="Liger's fused RMSNorm, RoPE and SwiGLU kernels in the decoder layers (CUDA, the liger "
+                            "extra); auto: with CUDA and liger_kernel importable, unless the layers are compiled")
+    compile: bool = Field(False, description="torch.compile each decoder layer (its checkpointing inside the compiled "
+                                             "region, FSDP2 outside; dynamic shapes: one graph for all lengths)")
     optimizer_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in "
                                                        "host memory (FSDP2 CPUOffloadPolicy): fits larger models, slower")
     export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -266,6 +273,12 @@ class JobConfig(ComponentConfigs, StrictModel):
             self._fits("kv_budget", self.kv_budget, "the sim KV budget (kv_budget, tokens)", prompt)
         elif isinstance(limit := self.vllm_args.get("max_model_len"), int):
             self._fits("vllm_args.max_model_len", limit, "vllm_args.max_model_len", 1)  # the model's tokens: >= 1
+        migration = self.coordinator.strategy.migration
+        if (self.engine == "vllm" and migration.repacks
+                and (self.vllm_args.get("engine_args") or {}).get("disable_log_stats")):
+            raise ValueError(f"migration {migration.value} repacks by each instance's KV utilisation, which vLLM "
+                             "reports only with its stats on: drop vllm_args.engine_args.disable_log_stats, or "
+                             "choose migration: starved (or throughput, none)")
         return self
 
     _db_url_supported = field_validator("db_url")(check_database_url)

@@ -34,9 +34,25 @@ class PullMode(StrEnum):
 
 
 class MigrationMode(StrEnum):
+    """Which rules move trajectories between instances: a load balance (starved-instance migration
+    or Algorithm 5), Laminar's KV-driven repack (``staleflow.strategies.repack``), or both."""
+
     STARVED = "starved"  # the authors' code: feed a starved instance from the busiest one, down to a floor
     THROUGHPUT = "throughput"  # paper Algorithm 5 as printed
+    REPACK = "repack"  # Laminar's repack alone: consolidate ramping-down instances of a version group
+    BOTH = "both"  # Algorithm 5 and repack
+    STARVED_REPACK = "starved+repack"  # starved-instance migration and repack
     NONE = "none"  # trajectories move only when a sync interrupts them (§6.5 ablation)
+
+    @property
+    def balance(self) -> MigrationMode:
+        """The load-balancing rule it runs: ``STARVED``, ``THROUGHPUT`` or ``NONE``."""
+        return {MigrationMode.BOTH: MigrationMode.THROUGHPUT, MigrationMode.STARVED_REPACK: MigrationMode.STARVED,
+                MigrationMode.REPACK: MigrationMode.NONE}.get(self, self)
+
+    @property
+    def repacks(self) -> bool:
+        return self in (MigrationMode.REPACK, MigrationMode.BOTH, MigrationMode.STARVED_REPACK)
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,16 @@ class StrategyConfig:
     # groups the next buffer waits for is at most this many times a typical trajectory's length,
     # all of them from twice that on, a proportional share in between.
     tail_threshold: float = 2.5
+    # Repack (``migration`` repack, both or starved+repack): C_max, the KV utilisation a
+    # destination may reach, as a share of the engine's KV budget (Laminar: 99 %).
+    repack_kv_share: float = 0.99
+    # Repack's B: the most trajectories a destination may run. None: the roofline batch of the
+    # cost model, the largest batch whose decode step (KV aside) takes at most ``repack_step_growth``
+    # more than a one-trajectory step (``repack.roofline_batch``).
+    repack_batch: int | None = None
+    repack_step_growth: float = 0.1
+    # Seconds between repack checks (Laminar: about 5 s); one also follows every new version.
+    repack_period_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.mu <= 1:
@@ -104,5 +130,14 @@ class StrategyConfig:
             raise ValueError(f"keep_share must be within [0, 1], got {self.keep_share}")
         if self.tail_threshold <= 0:
             raise ValueError(f"tail_threshold must be > 0, got {self.tail_threshold}")
+        if not 0 < self.repack_kv_share <= 1:
+            raise ValueError(f"repack_kv_share must be within (0, 1], got {self.repack_kv_share}")
+        if self.repack_batch is not None and self.repack_batch < 2:
+            raise ValueError(f"repack_batch must be >= 2 (a destination holds its own and a source's), "
+                             f"got {self.repack_batch}")
+        if self.repack_step_growth < 0:
+            raise ValueError(f"repack_step_growth must be >= 0, got {self.repack_step_growth}")
+        if self.repack_period_s <= 0:
+            raise ValueError(f"repack_period_s must be > 0, got {self.repack_period_s}")
         if self.migration_min_trajectories < 1:
             raise ValueError(f"migration_min_trajectories must be >= 1, got {self.migration_min_trajectories}")

@@ -45,6 +45,10 @@ class StepTotals:
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     prefix_cached_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "reprefill": 0})
     mixed_steps: int = 0  # steps holding more than one phase (apportioned by tokens)
+    # steps that only decoded and their seconds: the engine's real decode step latency, which the
+    # snapshot reports (``EngineSnapshot.decode_steps`` / ``decode_seconds``) against the cost model's
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
     preempted_recomputes: int = 0  # requests vLLM preempted and recomputed
     longest_step_seconds: float = 0.0
     first_step_started: float | None = None  # time.monotonic() in the engine-core process
@@ -147,6 +151,9 @@ class StepAccountant:
         t.step_seconds += elapsed
         t.longest_step_seconds = max(t.longest_step_seconds, elapsed)
         t.mixed_steps += sum(1 for n in tokens.values() if n) > 1
+        if tokens["decode"] == total:
+            t.decode_steps += 1
+            t.decode_step_seconds += elapsed
         for phase, n in tokens.items():
             t.tokens[phase] += n
             t.seconds[phase] += elapsed * n / total

@@ -246,6 +246,9 @@ class EngineSnapshot:
     # reported): how fast the instance really decodes, against what the cost model predicts
     decode_steps: int | None = None
     decode_seconds: float | None = None
+    # the share of the engine's KV memory in use (vLLM: the scheduler's block usage); None: not
+    # reported. Repack reads it to tell an instance's ramp-down from its plateau.
+    kv_usage: float | None = None
     # response tokens each running or waiting trajectory holds now, resumed ones included (None: not
     # reported): what a failure of the instance makes them generate again beyond their checkpoints
     generated: Mapping[str, int] | None = None

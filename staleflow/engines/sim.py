@@ -144,6 +144,7 @@ class SimStats:
     interrupted: int = 0
     aborted: int = 0
     pulls: int = 0
+    kv_seconds: float = 0.0  # KV units held x seconds generating: the mean KV use while busy is this over the seconds
 
 
 class SimCore:
@@ -203,6 +204,7 @@ class SimCore:
             time=self.now,
             decode_steps=self.stats.decode_steps,
             decode_seconds=self.stats.decode_seconds,
+            kv_usage=self.kv_units / self.cost.kv_budget,
             generated={traj_id: self._generated_now(live) for traj_id, live in self._live.items()},
         )
 
@@ -365,6 +367,7 @@ class SimCore:
 
     def _complete_steps(self, steps: int, seconds: float, prefill_seconds: float = 0.0) -> None:
         n = len(self._running)
+        self.stats.kv_seconds += seconds * self.cost.kv_units(self._kv_tokens + (steps - 1) * n / 2)
         self._clock += seconds
         self._steps += steps
         self._kv_tokens += steps * n

@@ -28,7 +28,9 @@ vLLM is imported only when the engine starts, so StaleFlow installs and runs wit
   instance held work, pulled weights or sat idle. The parts add up to the instance's rollout time
   (``staleflow.engines.accounting``).
 * Snapshot: counts and KV usage from vLLM's per-step ``SchedulerStats`` (KV tokens = usage x
-  num_gpu_blocks x block_size). vLLM reports counts, not ids: the oldest-routed trajectories in flight
+  num_gpu_blocks x block_size), and the worker's steps that only decoded with their seconds
+  (``decode_steps`` / ``decode_seconds``: the coordinator's decode speeds, hence ``pull: auto``
+  and routing by speed, read them). vLLM reports counts, not ids: the oldest-routed trajectories in flight
   are reported as running and the rest as waiting, which matches vLLM's FIFO admission and LIFO
   preemption but can be off for a step after a change.
 
@@ -76,6 +78,7 @@ from staleflow.engines.base import (
     progress_start,
     with_response,
 )
+from staleflow.host import has_cuda
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +91,6 @@ ENGINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 
 CPU_SHARED_HOST_ENVIRONMENT = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 EAGER_CPU_ENVIRONMENT = ("TORCHDYNAMO_DISABLE", "1")  # torch.compile'd helpers run eagerly
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 def vllm_available() -> bool:
@@ -129,7 +123,7 @@ class _Stint:
 class _SchedulerCounts:
     running: int = 0
     waiting: int = 0
-    kv_usage: float = 0.0
+    kv_usage: float | None = None  # None until the scheduler's first stats (never, with vLLM's stats off)
 
 
 class VllmEngine(RolloutEngine):
@@ -165,7 +159,7 @@ class VllmEngine(RolloutEngine):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.params.kv_cache_gib)
         for name, value in ENGINE_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
-        if not _has_cuda():
+        if not has_cuda():
             # vLLM-CPU pins one OpenMP thread per core by default; beside a trainer and other
             # instances every step then waits at barriers for pinned threads that are not running
             # (60-200 ms per step measured at load 8-12, vs ~2 ms unpinned with one thread)
@@ -193,6 +187,7 @@ class VllmEngine(RolloutEngine):
         if self.params.max_num_seqs is not None:
             args["max_num_seqs"] = self.params.max_num_seqs
         args.update(self.params.engine_args)
+        self._counts.kv_usage = None if args.get("disable_log_stats") else 0.0  # no stats: no KV utilisation to report
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_stats_tap(self._counts)])
         cache = self._llm.vllm_config.cache_config
         self._kv_tokens_per_unit = float((cache.num_gpu_blocks or 0) * cache.block_size)
@@ -314,15 +309,21 @@ class VllmEngine(RolloutEngine):
             return partials
 
     async def snapshot(self) -> EngineSnapshot:
+        if self._timeline.state != EngineTimeline.PULL:  # during a Pull the totals read before it stand
+            await self._read_step_totals()
         live = sorted(self._live.values(), key=lambda s: s.order)
         running = min(self._counts.running, len(live))
+        steps = self._steps
         return EngineSnapshot(
-            kv_cache=round(self._counts.kv_usage * self._kv_tokens_per_unit),
+            kv_cache=round((self._counts.kv_usage or 0.0) * self._kv_tokens_per_unit),
             run_trajs=tuple(s.request.traj_id for s in live[:running]),
             wait_trajs=tuple(s.request.traj_id for s in live[running:]),
             complete_trajs=tuple(self._complete_ids),
             inst_version=self.version,
             time=time.monotonic() - self._started_at,
+            decode_steps=steps.decode_steps,
+            decode_seconds=steps.decode_step_seconds,
+            kv_usage=self._counts.kv_usage,
             generated={s.request.traj_id: self.generated(s.request.traj_id) for s in live},
         )
 

@@ -82,6 +82,7 @@ class BoundedJob:
     prompt_tokens: tuple[int, ...] = ()  # per group (prefilled once, held in the KV, trained); () = none
     prefill_s_per_token: float = 0.0
     prefill_attention_s: float = 0.0  # per (query, key) pair of causal prefill attention
+    moves: bool = False  # a started trajectory that does not run may move to another instance (re-prefilled there)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.steps < 1 or self.eta < 0 or not self.slowdowns or self.max_running < 1:
@@ -143,6 +144,7 @@ class BoundedSchedule:
     starts: tuple[float, ...] = ()  # the heuristic's: when each trajectory (by index) started
     published: tuple[float, ...] = ()  # the heuristic's: when each version was published (0: at 0)
     eta: int | None = None  # the heuristic's: the bound it scheduled under (the job's or tighter)
+    moves: bool = False  # the heuristic's: whether its schedule moved trajectories between instances
 
     @property
     def throughput(self) -> float:
@@ -229,16 +231,17 @@ class Router:
 
 class _Held:
     """A trajectory started on an instance; ``done``: its response tokens so far. When it does not
-    run it holds no KV (resuming is free: nothing is prefilled twice)."""
+    run it holds no KV (resuming on the same instance is free: nothing is prefilled twice); moved
+    to another instance it is prefilled there again, its prompt and what it generated."""
 
-    __slots__ = ("traj", "done", "running")
+    __slots__ = ("traj", "done", "running", "prefilled")
 
     def __init__(self, traj: Trajectory):
-        self.traj, self.done, self.running = traj, 0, False
+        self.traj, self.done, self.running, self.prefilled = traj, 0, False, False
 
     def copy(self) -> _Held:
         other = _Held(self.traj)
-        other.done, other.running = self.done, self.running
+        other.done, other.running, other.prefilled = self.done, self.running, self.prefilled
         return other
 
     @property
@@ -260,7 +263,9 @@ class _Instance:
         return other
 
 
-Choice = tuple[frozenset[int], tuple[Trajectory, ...]]  # indexes of the trajectories to run, new ones to start
+# indexes of the trajectories to run, new ones to start, and those moved here from other instances
+# (started there, not running: they run here at once, prefilled again)
+Choice = tuple[frozenset[int], tuple[Trajectory, ...], tuple[int, ...]]
 Policy = Callable[["_StepModel", int, list[Trajectory], bool], list[Choice]]
 
 
@@ -286,8 +291,8 @@ class _StepModel:
     def key(self, k: int) -> tuple:
         """Everything the rest of the schedule depends on, at instance ``k``'s boundary (identical
         trajectories are interchangeable)."""
-        instances = tuple((i.next_s, i.prev_s, tuple(sorted((h.traj.kind, h.done, h.running) for h in i.held)))
-                          for i in self.instances)
+        instances = tuple((i.next_s, i.prev_s, tuple(sorted((h.traj.kind, h.done, h.running, h.prefilled)
+                                                             for h in i.held))) for i in self.instances)
         t = self.trainer
         return (k, instances, tuple(x.kind for x in self.pending), t.known, t.end, tuple(t.left),
                 tuple(t.done_at), tuple(t.published))
@@ -323,21 +328,33 @@ class _StepModel:
     def start(self, k: int, t: float, choice: Choice) -> bool:
         """From instance ``k``'s boundary ``t``, start ``choice``'s new trajectories there and run
         its chosen ones for a step; False when that does not fit (KV or ``max_running``), runs
-        what is not there, or leaves an instance idle that holds trajectories."""
+        what is not there, or (without moves) leaves an instance idle that holds trajectories."""
         inst, job = self.instances[k], self.job
-        run, new = choice
+        run, new, moved = choice
         for x in new:
             self.pending.remove(x)
             inst.held.append(_Held(x))
+        for index in moved:
+            source = next(i for i in self.instances if i is not inst and any(h.traj.index == index for h in i.held))
+            h = next(h for h in source.held if h.traj.index == index)
+            if h.running or index not in run:
+                return False
+            source.held.remove(h)
+            h.prefilled = False
+            inst.held.append(h)
         running = [h for h in inst.held if h.traj.index in run]
         for h in inst.held:
             h.running = h in running
         n, kv = len(running), sum(h.context for h in running)
-        if n != len(run) or n > job.max_running or kv + n > self.budget or (inst.held and not running):
+        # holding trajectories without running any only helps when another instance may take them
+        if n != len(run) or n > job.max_running or kv + n > self.budget or (inst.held and not running
+                                                                            and not job.moves):
             return False
         inst.prev_s = t
         if running:
-            prefill = sum(job.prefill_seconds(h.traj.prompt) for h in running if h.done == 0)
+            prefill = sum(job.prefill_seconds(h.context) for h in running if not h.prefilled)
+            for h in running:
+                h.prefilled = True
             inst.next_s = t + job.slowdowns[k] * (job.cost.step_latency(job.cost.kv_units(kv), n) + prefill)
         else:  # idle: wake at the next known publication, if any
             later = [p for p in self.trainer.published[1:self.trainer.known + 1] if p > t]
@@ -396,7 +413,11 @@ def _every_choice(model: _StepModel, k: int, startable: list[Trajectory], event:
     for same in by_kind.values():
         news = [new + tuple(same[:count]) for new in news for count in range(len(same) + 1)]
     runs = [frozenset(c) for size in range(len(held) + 1) for c in itertools.combinations(held, size)]
-    return [(run | {x.index for x in new}, new) for run in runs for new in news]
+    movable = [h.traj.index for i in model.instances if i is not model.instances[k] for h in i.held
+               if not h.running] if model.job.moves else []
+    moves = [c for size in range(len(movable) + 1) for c in itertools.combinations(movable, size)]
+    return [(run | {x.index for x in new} | set(moved), new, moved) for run in runs for new in news
+            for moved in moves]
 
 
 def exact(job: BoundedJob, upper: float = math.inf) -> BoundedSchedule:
@@ -456,7 +477,19 @@ def greedy_policy(job: BoundedJob, caps: Sequence[int]) -> Policy:
                     break
                 run.append(index)
                 kv += context + 1
-        return [(frozenset(run), new)]
+            if job.moves and len(run) == len(running) + len(waiting):  # all its own run: take others'
+                others = sorted((h.traj.index, h.context) for i in model.instances if i is not model.instances[k]
+                                for h in i.held if not h.running)
+                moved = []
+                for index, context in others:
+                    if len(run) >= caps[k] or kv + context + 1 > model.budget:
+                        break
+                    run.append(index)
+                    moved.append(index)
+                    route[index] = k
+                    kv += context + 1
+                return [(frozenset(run), new, tuple(moved))]
+        return [(frozenset(run), new, ())]
 
     return choose
 
@@ -568,12 +601,37 @@ def _run_greedy(job: BoundedJob, caps: Sequence[int]) -> tuple[float, list[float
                 if done == 0:
                     inst.prefill += job.prefill_seconds(traj.prompt)
                 kv += traj.prompt + done + 1
+            if job.moves and not inst.waiting:
+                _take_from_others(job, fleet, k, caps[k], kv, budget, outstanding, router)
         inst.token += 1
         if inst.running:
             steps, event = inst.next_boundary(budget)
             heapq.heappush(events, (inst.time_after(cost, steps), k, 0 if event else 1, inst.steps + steps,
                                     inst.token))
     return math.inf, starts, trainer.published
+
+
+def _take_from_others(job: BoundedJob, fleet: list[_Paced], k: int, cap: int, kv: float, budget: float,
+                      outstanding: list[float], router: Router) -> None:
+    """Instance ``k`` has run all its own and has room: it takes the highest-priority trajectories
+    started on other instances that do not run there, while they fit and it runs fewer than
+    ``cap``, each prefilled again (its prompt and what it generated)."""
+    inst = fleet[k]
+    while len(inst.running) < cap:
+        source = min((j for j, other in enumerate(fleet) if j != k and other.waiting),
+                      key=lambda j: fleet[j].waiting[0][0], default=None)
+        if source is None:
+            return
+        _, traj, done = fleet[source].waiting[0]
+        if kv + traj.prompt + done + 1 > budget:
+            return
+        fleet[source].waiting.pop(0)
+        inst.run(traj, done)
+        inst.prefill += job.prefill_seconds(traj.prompt + done)
+        kv += traj.prompt + done + 1
+        outstanding[source] -= traj.length + traj.prompt
+        outstanding[k] += traj.length + traj.prompt
+        router.route[traj.index] = k
 
 
 def heuristic_caps(job: BoundedJob) -> list[tuple[int, ...]]:
@@ -593,12 +651,13 @@ def heuristic_caps(job: BoundedJob) -> list[tuple[int, ...]]:
 def heuristic(job: BoundedJob) -> BoundedSchedule:
     """The best greedy schedule (``greedy_policy``) over ``heuristic_caps``, under the job's bound
     and under the next tighter one (whose schedules respect the job's too: the greedy schedule is
-    not always shorter under a looser bound)."""
-    runs = {(eta, caps): _run_greedy(replace(job, eta=eta) if eta != job.eta else job, caps)
-            for eta in {max(0, job.eta - 1), job.eta} for caps in heuristic_caps(job)}
-    eta, caps = min(runs, key=lambda key: (runs[key][0], -key[0], key[1]))
-    makespan, starts, published = runs[eta, caps]
-    return BoundedSchedule(makespan, job.tokens, caps, tuple(starts), tuple(published), eta)
+    not always shorter under a looser bound), with and without moves when the job allows them."""
+    variants = {(eta, moves) for eta in {max(0, job.eta - 1), job.eta} for moves in {False, job.moves}}
+    runs = {(eta, moves, caps): _run_greedy(replace(job, eta=eta, moves=moves), caps)
+            for eta, moves in variants for caps in heuristic_caps(job)}
+    eta, moves, caps = min(runs, key=lambda key: (runs[key][0], -key[0], key[1], key[2]))
+    makespan, starts, published = runs[eta, moves, caps]
+    return BoundedSchedule(makespan, job.tokens, caps, tuple(starts), tuple(published), eta, moves)
 
 
 def scenario_job(scenario: Scenario, eta: int, steps: int, instances: int) -> BoundedJob:
@@ -614,4 +673,4 @@ def scenario_job(scenario: Scenario, eta: int, steps: int, instances: int) -> Bo
                       ORACLE_SPEC.max_num_seqs or sim.max_running, trainer.step_overhead_s,
                       trainer.gpu_seconds_per_token / scenario.train_gpus(instances), trainer.push_s,
                       tuple(w.prompt_length(g) for g in ids), sim.prefill_seconds_per_token,
-                      sim.prefill_attention_seconds)
+                      sim.prefill_attention_seconds, moves=True)

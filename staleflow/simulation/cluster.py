@@ -51,7 +51,15 @@ from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, Sim
 from staleflow.simulation.settings import SimulatedCluster
 from staleflow.simulation.systems import CHECKPOINT_STALL_S, Pipeline, WeightSync
 from staleflow.simulation.trajectory_pool import SimTrajectory, TrajectoryPool
-from staleflow.strategies import AdmissionBudget, CyclePlan, DecodeSpeeds, InstanceState, plan_cycle, plan_migrations
+from staleflow.strategies import (
+    AdmissionBudget,
+    CyclePlan,
+    DecodeSpeeds,
+    InstanceState,
+    KvReadings,
+    plan_cycle,
+    plan_migrations,
+)
 from staleflow.trajectory_book import GroupRecord, TrajState
 from staleflow.workload import stable_normal
 
@@ -133,6 +141,8 @@ class ClusterSimulation:
         slowdowns = straggler_slowdowns(config.rollout_instances, config.straggler_sigma, sim.seed)
         self.nominal_cost = sim.cost  # what the coordinator's cost model says (it does not know the speeds)
         self._speeds = DecodeSpeeds()  # what the snapshots show of them
+        self._kv_readings = KvReadings()  # repack: each instance's KV utilisation at the last check
+        self._repack_due = 0.0 if self.strategy.migration.repacks else math.inf
         if self.system.checkpoint_tokens:  # each round's stall, spread over the steps between rounds
             per_step = CHECKPOINT_STALL_S / self.system.checkpoint_tokens
             sim = replace(sim, cost=replace(sim.cost, k4=sim.cost.k4 + per_step))
@@ -370,7 +380,7 @@ class ClusterSimulation:
             staleness = buffer - group.v_traj
             hist[staleness] += 1
             oldest = traj.oldest_version
-            if self.completion_order and staleness > self.eta:  # the system's own rule allows it
+            if not self.system.keeps_bound and staleness > self.eta:  # the system's own rule allows it
                 self._exceedances += 1
                 self._max_exceedance = max(self._max_exceedance, staleness - self.eta)
             elif not 0 <= staleness <= self.eta or oldest is None or oldest < group.v_traj:
@@ -400,6 +410,7 @@ class ClusterSimulation:
 
     def _on_publish(self, version: int) -> None:
         self.ps_version = max(self.ps_version, version)
+        self._repack_due = min(self._repack_due, self.now)  # a repack check follows every new version
         self._refill()
         self._mark_dirty()
 
@@ -442,7 +453,8 @@ class ClusterSimulation:
             speed = self._speeds.observe(self.cores[i].instance_id, snap.decode_steps, snap.decode_seconds,
                                          snap.kv_cache, len(snap.run_trajs), self.nominal_cost)
             states.append(InstanceState(self.cores[i].instance_id, snap.inst_version, float(snap.kv_cache),
-                                        list(snap.run_trajs), list(snap.wait_trajs), self.nominal_cost, speed))
+                                        list(snap.run_trajs), list(snap.wait_trajs), self.nominal_cost, speed,
+                                        snap.kv_usage))
         version = self._visible_version()
         if self.strategy.sync is SyncMode.GLOBAL and len(states) < len(self.cores):
             states = [s for s in states if s.version >= version]  # a global sync waits for everyone
@@ -453,7 +465,14 @@ class ClusterSimulation:
             states = self._sync_in_place(states, version, t)
         pending = self.pool.pending()
         admission = self.ledger.admission()
-        if not self._may_act(states, pending, version, admission):
+        if self.system.new_work_on_newest:  # new groups start only on the newest weights
+            admission = {v: n for v, n in admission.items() if v >= version}
+        repack_previous = None
+        if t >= self._repack_due:  # a repack check: against the readings of the last one
+            repack_previous = self._kv_readings.previous()
+            self._kv_readings.record(states)
+            self._repack_due = t + self.strategy.repack_period_s
+        elif not self._may_act(states, pending, version, admission):
             self._skipped += 1
             return None
         started = time.perf_counter()  # predicting lengths is part of the coordinator's decision
@@ -463,7 +482,8 @@ class ClusterSimulation:
             if self.strategy.adaptive_redundancy:
                 admission = self.lengths.spare_admission(admission, self.strategy, self.eta,
                                                          self.ledger.capacity - self.workload.batch_size)
-        plan = plan_cycle(states, pending, version, admission, self.strategy, self._on_instances)
+        plan = plan_cycle(states, pending, version, admission, self.strategy, self._on_instances,
+                          repack_previous=repack_previous)
         self._decision_ms.append((time.perf_counter() - started) * 1e3)
         return plan
 
@@ -507,13 +527,16 @@ class ClusterSimulation:
         commands = commands_of(plan)
         back_at: dict[str, float] = {}  # interrupted trajectory -> when its partial is in the TS
         kept = commands.kept
-        syncs = set(commands.pulls) - kept  # Pulls that interrupt everything on their instance
+        syncs = set(commands.pulls) - kept
+        repacked = {m.source for m in plan.repacks}  # Pulls that interrupt everything on their instance
         self._counters["syncs"] += len(commands.pulls)
+        self._counters["repacks"] += len(plan.repacks)
+        self._counters["repacked"] += sum(len(m.trajectories) for m in plan.repacks)
         for instance_id, traj_ids in commands.interrupts.items():
             i = self._index[instance_id]
             latency = costs.interrupt(len(traj_ids))
             self._times[i].interrupt_s += latency
-            if instance_id not in syncs:
+            if instance_id not in syncs and instance_id not in repacked:
                 self._counters["migrated"] += len(traj_ids)
             for traj_id in traj_ids:
                 back_at[traj_id] = t + latency
@@ -689,8 +712,8 @@ class ClusterSimulation:
         counters["generated_tokens"] = sum(s.tokens_generated for s in stats)
         counters["surplus_groups"] = self.pool.surplus_groups
         counters["wasted_tokens"] = counters.get("wasted_tokens", 0) + self.pool.wasted_tokens
-        for key in ("completed", "routed", "interrupted", "migrated", "syncs", "aborted", "surplus_groups",
-                    "wasted_tokens", "refused_reservations"):
+        for key in ("completed", "routed", "interrupted", "migrated", "repacks", "repacked", "syncs", "aborted",
+                    "surplus_groups", "wasted_tokens", "refused_reservations"):
             counters.setdefault(key, 0)
         return RunResult(
             system=self.system.name, label=self.system.label, family=self.system.family.value, eta=self.eta,
@@ -703,7 +726,16 @@ class ClusterSimulation:
             decisions=DecisionStats.of(self._cycles, self._skipped, self._decision_ms),
             counters=dict(sorted(counters.items())), wall_s=wall_s, timeline=self._timeline,
             length_skew=self.skew.to_json(),
+            busy_kv_utilisation=_busy_kv_utilisation(self.cores),
         )
+
+
+def _busy_kv_utilisation(cores: list[SimCore]) -> float:
+    """The KV cache held while generating, as a share of the budget: the time-weighted mean over
+    every instance's seconds of decode and prefill (Laminar's Table 1 "average KV cache util.")."""
+    busy = sum(c.stats.decode_seconds + c.stats.prefill_seconds for c in cores)
+    held = sum(c.stats.kv_seconds / c.cost.kv_budget for c in cores)
+    return held / busy if busy > 0 else 0.0
 
 
 def simulate(config: SimulatedCluster, steps: int) -> RunResult:

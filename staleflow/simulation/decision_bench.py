@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import tracemalloc
 from collections.abc import Callable
 
 
@@ -42,22 +43,33 @@ def _decision_scenario(n_instances: int, n_trajectories: int, steady: bool, seed
     return instances, pending, (4 if steady else 0), admission
 
 
+DECISION_STRATEGIES = {"default": None, "staleflow": "sf-rsm", "repack": "sf-rsm+repack"}
+
+
 def decision_strategy(name: str):
     """``default``: the coordinator's ``StrategyConfig()``; ``staleflow``: the strategies the
-    simulated StaleFlow runs (load-aware sync, starved migration)."""
+    simulated StaleFlow runs (load-aware sync, starved migration); ``repack``: those and repack,
+    every pass a repack check on which every instance's KV utilisation has fallen."""
     from staleflow.config.strategy import StrategyConfig
 
-    if name == "default":
+    if name not in DECISION_STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(DECISION_STRATEGIES)}, got {name!r}")
+    system = DECISION_STRATEGIES[name]
+    if system is None:
         return StrategyConfig()
     from staleflow.simulation.systems import resolve
 
-    return resolve("sf-rsm")[0].strategy
+    return resolve(system)[0].strategy
 
 
 def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int], repeats: int,
                        strategy: str = "default", advance: Callable[[], None] = lambda: None) -> dict:
-    """``advance`` is called after each of the ``decision_bench_cells`` cells."""
+    """``advance`` is called after each of the ``decision_bench_cells`` cells. Each row has the
+    median wall time of a pass, the minimum and median CPU time of the process (what a loaded
+    machine does not inflate as much) and the peak of the memory a pass allocates (tracemalloc,
+    one more pass)."""
     from staleflow.strategies import plan_cycle
+    from staleflow.strategies.repack import kv_utilisation
 
     config = decision_strategy(strategy)
     rows = []
@@ -65,15 +77,24 @@ def run_decision_bench(instance_counts: list[int], trajectory_counts: list[int],
         for n_inst in instance_counts:
             for n_traj in trajectory_counts:
                 instances, pending, ps_version, admission = _decision_scenario(n_inst, n_traj, steady)
-                times, routed = [], 0
+                previous = {i.instance_id: kv_utilisation(i) + 0.01 for i in instances} \
+                    if config.migration.repacks else None
+                times, cpu = [], []
                 for _ in range(repeats):
-                    start = time.perf_counter()
-                    plan = plan_cycle(instances, pending, ps_version, admission, config)
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    plan = plan_cycle(instances, pending, ps_version, admission, config, repack_previous=previous)
+                    cpu.append(1e3 * (time.process_time() - start_cpu))
                     times.append(1e3 * (time.perf_counter() - start))
-                    routed = len(plan.routes)
+                tracemalloc.start()
+                plan_cycle(instances, pending, ps_version, admission, config, repack_previous=previous)
+                peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
                 rows.append({"scenario": "steady" if steady else "initial fill", "instances": n_inst,
-                             "trajectories": n_traj, "median_ms": statistics.median(times), "routed": routed,
-                             "syncs": len(plan.syncs), "interrupted": sum(map(len, plan.interrupts.values()))})
+                             "trajectories": n_traj, "median_ms": statistics.median(times),
+                             "cpu_min_ms": min(cpu), "cpu_median_ms": statistics.median(cpu),
+                             "peak_mib": peak / 2**20, "routed": len(plan.routes),
+                             "syncs": len(plan.syncs), "interrupted": sum(map(len, plan.interrupts.values())),
+                             "repacks": len(plan.repacks)})
                 advance()
     return {"repeats": repeats, "strategy": strategy, "rows": rows}
 

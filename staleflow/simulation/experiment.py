@@ -21,10 +21,11 @@ from dataclasses import dataclass, field, replace
 from staleflow.cost_model import CostModel
 from staleflow.simulation.bounded_oracle import heuristic, scenario_job
 from staleflow.simulation.cluster import simulate
+from staleflow.simulation.matched import MatchedRow, matched_row, matched_targets
 from staleflow.simulation.result import RunResult
 from staleflow.simulation.scenarios import Scenario
 from staleflow.simulation.settings import SimulatedCluster
-from staleflow.simulation.systems import IN_FLIGHT_ON_PS, Family, SystemSpec
+from staleflow.simulation.systems import IN_FLIGHT_ON_PS, Family, SystemSpec, resolve
 
 PAPER_TARGETS = {  # §6.2: StaleFlow's gain over each baseline family, (max, mean)
     Family.SYNCHRONOUS.value: (2.68, 2.01),
@@ -261,6 +262,7 @@ class ExperimentResult:
     spec: ExperimentSpec
     points: list[PointResult]
     wall_s: float = 0.0
+    matched: list[MatchedRow] = field(default_factory=list)  # StaleFlow at each bound-breaking peer's realised staleness
 
     def summary(self, system: str = REFERENCE) -> dict:
         """Mean and max gain of ``system`` over each baseline family, against the paper's numbers,
@@ -283,6 +285,7 @@ class ExperimentResult:
         out["all_vanilla_vs_in_flight"] = {"mean": statistics.fmean(vanilla), "max_deviation": max(
             abs(v - 1) for v in vanilla)} if vanilla else None
         runs = [r for p in self.points for r in (*p.runs.values(), *p.checks.values())]
+        runs += [m.staleflow for m in self.matched]
         out["violations"] = sum(r.violations for r in runs)
         out["runs"] = len(runs)
         out["exceedances"] = {}
@@ -302,6 +305,10 @@ class ExperimentResult:
             if shares:
                 out["oracle_eta_share"][name] = {"mean": statistics.fmean(shares), "min": min(shares),
                                                  "max": max(shares)}
+        out["realised_staleness"] = {name: [r.realised_staleness() for p in self.points if (r := p.runs.get(name))]
+                                     for name in self._systems()}
+        out["matched"] = {"n": len(self.matched), "min_ratio": min(m.ratio for m in self.matched),
+                          "mean_ratio": statistics.fmean(m.ratio for m in self.matched)} if self.matched else None
         recovered = [v for p in self.points if (v := p.gap_recovered(system)) is not None]
         out["gap_recovered"] = {"mean": statistics.fmean(recovered), "min": min(recovered),
                                 "n": len(recovered)} if recovered else None
@@ -341,6 +348,7 @@ class ExperimentResult:
                 }
                 for p in self.points
             ],
+            "matched": [m.to_dict() for m in self.matched],
             "summary": self.summary(),
             "wall_s": self.wall_s,
         }
@@ -413,7 +421,7 @@ def run_experiment(
         if best is None or run.throughput > best.throughput:
             pr.runs[job.system.name] = run
 
-    def execute(batch: list[SimulatedJob]) -> None:
+    def run_all(batch: list[SimulatedJob]) -> None:
         unique: dict[tuple, SimulatedJob] = {}
         for job in batch:
             if job.key() not in results:
@@ -431,6 +439,9 @@ def run_experiment(
                 results[job.key()] = run = future.result()
                 if on_run:
                     on_run(job, run)
+
+    def execute(batch: list[SimulatedJob]) -> None:
+        run_all(batch)
         for job in batch:
             record(job, results[job.key()])
 
@@ -457,4 +468,21 @@ def run_experiment(
     for pr in by_point.values():
         pr.runs = dict(sorted(pr.runs.items(), key=lambda kv: order[kv[0]]))
         pr.oracle_eta = oracle_eta_throughput(spec, pr.point)
-    return ExperimentResult(spec, [by_point[p.index] for p in points], time.perf_counter() - started)
+    ordered = [by_point[p.index] for p in points]
+    targets = matched_targets(ordered, [s for s in spec.systems if s.bound_breaking_peer], _staleflow_splits(spec, ordered))
+    staleflow = next((s for s in spec.systems if s.name == REFERENCE), None) or resolve(REFERENCE)[0]
+    jobs = [SimulatedJob(t.staleflow_point, staleflow, t.instances, spec.steps) for t in targets]
+    run_all(jobs)
+    matched = [matched_row(t, results[job.key()]) for t, job in zip(targets, jobs, strict=True)]
+    return ExperimentResult(spec, ordered, time.perf_counter() - started, matched)
+
+
+def _staleflow_splits(spec: ExperimentSpec, points: list[PointResult]) -> dict[float | None, int]:
+    """StaleFlow's rollout instance count per sweep value (its split at the tuning eta), for the
+    runs at a peer's realised staleness."""
+    splits: dict[float | None, int] = {}
+    for pr in points:
+        run = pr.runs.get(REFERENCE)
+        if run is not None and (pr.point.eta == spec.tune_eta or pr.point.sweep_value not in splits):
+            splits[pr.point.sweep_value] = run.instances
+    return splits

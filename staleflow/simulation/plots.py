@@ -13,9 +13,10 @@ from staleflow.simulation.result import RunResult
 from staleflow.simulation.systems import HEADLINE
 
 _SHORT = {"synchronous": "vs sync", "one-step": "vs 1-step", "in-flight-limited": "vs in-flight",
-          "completion-order": "vs in-flight-fifo"}
+          "completion-order": "vs in-flight-fifo", "laminar": "vs laminar"}
 _COLORS = {"verl": "#9e9e9e", "one-step": "#f2a541", "in-flight": "#4c78a8", "in-flight-fifo": "#72b7b2",
-           "sf-rsm": "#d62728", "oracle": "#2ca02c"}
+           "laminar": "#8c564b", "sf-rsm": "#d62728", "oracle": "#2ca02c"}
+REPACK_SYSTEMS = {"sf-rsm": "#d62728", "sf-rsm+repack": "#ff9896", "sf-repack": "#e377c2", "laminar": "#8c564b"}
 
 
 def _headline(result: ExperimentResult) -> list[str]:
@@ -164,10 +165,70 @@ def staleness_histograms(result: ExperimentResult) -> Figure | None:
     return fig
 
 
+def staleness_tradeoff(result: ExperimentResult) -> Figure | None:
+    """Throughput against the realised p99 staleness, one curve per headline or bound-breaking
+    system (StaleFlow's runs at the peers' realised staleness included), one panel per sweep
+    value: the trade-off a user picks a point on."""
+    values = list(dict.fromkeys(p.point.sweep_value for p in result.points))
+    runs: dict[tuple[float | None, str], list[RunResult]] = {}
+    for p in result.points:
+        for name, run in p.runs.items():
+            runs.setdefault((p.point.sweep_value, name), []).append(run)
+    for m in result.matched:
+        runs.setdefault((m.sweep_value, REFERENCE), []).append(m.staleflow)
+    if not runs:
+        return None
+    fig = Figure(figsize=(5.0 * len(values), 4.0), layout="constrained")
+    for k, value in enumerate(values):
+        ax = fig.add_subplot(1, len(values), k + 1)
+        for system in result.spec.systems:
+            mine = runs.get((value, system.name))
+            if not mine or (system.name not in HEADLINE and system.keeps_bound):
+                continue
+            curve = sorted({(r.realised_staleness()["p99"], r.throughput / 1e3) for r in mine})
+            ax.plot([x for x, _ in curve], [y for _, y in curve], marker="o", label=system.name,
+                    color=_COLORS.get(system.name), linestyle="-" if system.keeps_bound else "--")
+        ax.set_xlabel("realised p99 staleness (V_buf - V_traj)")
+        ax.set_ylabel("throughput (K tokens/s)")
+        ax.set_title(result.spec.scenario.name if value is None else f"{result.spec.sweep_key} = {value:g}",
+                     fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle("Throughput against realised staleness (dashed: bound not kept)", fontsize=10)
+    return fig
+
+
+def repack_bars(result: ExperimentResult) -> Figure | None:
+    """Repack side by side: throughput (left) and the mean KV utilisation of busy instances
+    (right) of StaleFlow with and without Laminar's repack, and Laminar, per point."""
+    present = {name for p in result.points for name in p.runs}
+    series = [(name, color) for name, color in REPACK_SYSTEMS.items() if name in present]
+    if not any(name in present for name in ("sf-rsm+repack", "sf-repack")):
+        return None
+    points = result.points
+    fig = Figure(figsize=(max(8.0, 1.2 * len(points) * len(series)), 4.0), layout="constrained")
+    width = 0.8 / len(series)
+    for panel, (value, label) in enumerate(((lambda r: r.throughput / 1e3, "throughput (K tokens/s)"),
+                                             (lambda r: 100 * r.busy_kv_utilisation, "KV utilisation of busy "
+                                                                                     "instances (%)"))):
+        ax = fig.add_subplot(1, 2, panel + 1)
+        for k, (name, color) in enumerate(series):
+            offset = (k - (len(series) - 1) / 2) * width
+            xs = [i + offset for i, p in enumerate(points) if name in p.runs]
+            ax.bar(xs, [value(p.runs[name]) for p in points if name in p.runs], width, label=name, color=color)
+        ax.set_xticks(range(len(points)), [p.point.label for p in points], fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{result.spec.scenario.name}: Laminar's repack beside StaleFlow's migration", fontsize=10)
+    return fig
+
+
 FIGURES = {
     "fig13_throughput": throughput_bars,
     "fig15_scaling": scaling_lines,
     "fig16_ablation": ablation_bars,
     "fig17_instance_load": instance_load,
     "fig18_staleness": staleness_histograms,
+    "staleness_tradeoff": staleness_tradeoff,
+    "repack": repack_bars,
 }

@@ -97,6 +97,7 @@ class RunResult:
     exceedances: int = 0  # completion-order systems: trained trajectories older than eta allows (their rule)
     max_exceedance: int = 0  # by how many versions the worst of them exceeded eta
     length_skew: dict | None = None  # trained against generated lengths (``staleflow.length_skew.LengthSkew.to_json``)
+    busy_kv_utilisation: float = 0.0  # KV cache held while generating over the budget, time-weighted mean
 
     @property
     def step_time_s(self) -> float:
@@ -122,8 +123,25 @@ class RunResult:
                 total[s] = total.get(s, 0) + n
         return dict(sorted(total.items()))
 
+    def realised_staleness(self) -> dict[str, float]:
+        """The staleness the run really trained with: ``p99`` and ``max`` of ``V_buf - V_traj`` over
+        every trained trajectory and the share of them above the run's eta."""
+        total = self.staleness_total()
+        count = sum(total.values())
+        if not count:
+            return {"p99": 0, "max": 0, "over_eta_share": 0.0}
+        seen, p99 = 0, 0
+        for s, n in total.items():  # ascending
+            seen += n
+            if seen >= 0.99 * count:
+                p99 = s
+                break
+        over = sum(n for s, n in total.items() if s > self.eta)
+        return {"p99": p99, "max": max(total), "over_eta_share": over / count}
+
     def to_dict(self, timeline: bool = True) -> dict:
         data = asdict(self)
+        data["realised_staleness"] = self.realised_staleness()
         data["step_time_s"] = self.step_time_s
         data["steady_throughput"] = self.steady_throughput
         data["breakdown_fractions"] = self.breakdown.fractions()

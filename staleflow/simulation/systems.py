@@ -47,6 +47,13 @@ must match: the checked property that StaleFlow's machinery costs nothing by its
   trajectories re-prefill), routing by the cost model alone: the paper's StaleFlow.
 * ``sf-rsm@keep`` - StaleFlow whose Pulls all keep the running trajectories and their KV cache,
   routing by the cost model alone (StaleFlow before Pulls were chosen per instance).
+* ``sf-rsm+repack`` / ``sf-repack`` - StaleFlow with Laminar's repack (``strategies.repack``) beside
+  starved migration, or instead of it.
+* ``laminar`` - Laminar-like trajectory-level asynchrony: new groups start only on instances at
+  the newest version, an instance Pulls (from a relay, trainer unblocked) once it has finished
+  everything it holds, repack consolidates the tails of a version group, and the trainer takes
+  groups in completion order with no staleness bound (eta sizes the pool, as for in-flight-fifo;
+  its staleness over eta is reported as exceedances).
 * ``sf-rsm+len`` / ``sf-rsm+adaptive`` / ``sf-rsm+len+adaptive`` - StaleFlow with length-aware
   routing (longest predicted remainder first), with batch redundancy sized by the predicted tail,
   or both (``StrategyConfig.length_aware`` / ``adaptive_redundancy``, fed by
@@ -74,6 +81,7 @@ class Family(StrEnum):
     ONE_STEP = "one-step"
     IN_FLIGHT = "in-flight-limited"
     COMPLETION_ORDER = "completion-order"
+    LAMINAR = "laminar"
     STALEFLOW = "staleflow"
     ORACLE = "oracle"
 
@@ -91,7 +99,7 @@ and sending what 256 running trajectories generated in 256 steps (about 2 MB of 
 instance sends it from its server process while the engine core goes on generating, so the stall
 is an upper bound."""
 
-BASELINES = (Family.SYNCHRONOUS, Family.ONE_STEP, Family.IN_FLIGHT, Family.COMPLETION_ORDER)
+BASELINES = (Family.SYNCHRONOUS, Family.ONE_STEP, Family.IN_FLIGHT, Family.COMPLETION_ORDER, Family.LAMINAR)
 REDUNDANCY_RATIO = 1 / 16  # Appendix C
 BASELINE_MAX_NUM_SEQS = 1024  # the authors' vanilla scripts (examples/paper_exp/e2e/moe_greedy.sh)
 
@@ -116,6 +124,20 @@ class SystemSpec:
     weight_sync: WeightSync = WeightSync.PARAMETER_SERVER
     reprefill: bool = True  # False: no trajectory is prefilled twice (the upper bound)
     checkpoint_tokens: int = 0  # progress checkpoints of running trajectories every this many tokens (0: none)
+    bound_kept: bool | None = None  # whether every trained trajectory is within eta (None: unless completion order)
+
+    @property
+    def keeps_bound(self) -> bool:
+        """Whether the system promises ``V_buf - V_traj <= eta`` for every trained trajectory: a
+        break is a violation. One that does not (its rule lets long groups be trained late) has
+        exceedances instead and is compared with StaleFlow at the staleness it really reaches."""
+        return (not self.completion_order) if self.bound_kept is None else self.bound_kept
+
+    @property
+    def bound_breaking_peer(self) -> bool:
+        """A peer system (not the upper bound) that trains beyond its nominal eta."""
+        return not self.keeps_bound and self.family is not Family.ORACLE
+    new_work_on_newest: bool = False  # new groups start only on instances at the newest version (Laminar)
 
     def eta_for(self, eta: int) -> int:
         return eta if self.fixed_eta is None else self.fixed_eta
@@ -132,7 +154,7 @@ class SystemSpec:
                 self.checkpoint_tokens:
             return None
         s = self.strategy
-        if s.length_aware or s.adaptive_redundancy:
+        if s.length_aware or s.adaptive_redundancy or s.migration.repacks:
             return None
         flags = (s.routing is RoutingMode.THROUGHPUT, s.sync not in (SyncMode.GREEDY, SyncMode.GLOBAL),
                  s.migration is not MigrationMode.NONE)
@@ -208,6 +230,10 @@ def catalog(redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:
                 strategy=replace(full.strategy, pull=PullMode.INTERRUPT, route_by_speed=False), tuned=False),
         replace(full, name="sf-rsm@keep", label="StaleFlow with Pulls that keep the trajectories and their KV",
                 strategy=replace(full.strategy, pull=PullMode.KEEP, route_by_speed=False), tuned=False),
+        replace(full, name="sf-rsm+repack", label="StaleFlow with Laminar's repack beside starved migration",
+                strategy=replace(full.strategy, migration=MigrationMode.STARVED_REPACK), tuned=False),
+        replace(full, name="sf-repack", label="StaleFlow with Laminar's repack instead of starved migration",
+                strategy=replace(full.strategy, migration=MigrationMode.REPACK), tuned=False),
         replace(full, name="sf-rsm+len", label="StaleFlow with length-aware routing (longest predicted first)",
                 strategy=replace(full.strategy, length_aware=True), tuned=False),
         replace(full, name="sf-rsm+adaptive", label=f"StaleFlow + batch redundancy {redundancy:g} sized by the "
@@ -216,6 +242,7 @@ def catalog(redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:
         replace(full, name="sf-rsm+len+adaptive", label="StaleFlow with length-aware routing and adaptive redundancy",
                 batch_redundancy=redundancy, strategy=replace(full.strategy, length_aware=True,
                                                               adaptive_redundancy=True), tuned=False),
+        LAMINAR_SPEC,
         ORACLE_SPEC,
     ]
     return systems
@@ -228,6 +255,16 @@ IN_FLIGHT_SPEC = SystemSpec(
 # all-vanilla StaleFlow's twin: in-flight on StaleFlow's engine settings and parameter-server sync
 IN_FLIGHT_ON_PS = replace(IN_FLIGHT_SPEC, name="in-flight@ps", label="In-flight-limited on StaleFlow's PS and engine",
                           max_num_seqs=None, weight_sync=WeightSync.PARAMETER_SERVER, tuned=False)
+# Laminar (trajectory-level asynchrony): a rollout takes new work only on the newest weights and
+# Pulls them from a relay (the trainer unblocked, the publish cost the other peers pay) once it has
+# finished everything it holds; repack consolidates the tails of a version group so the freed
+# rollouts Pull early; the trainer takes groups as they complete, with no staleness bound (eta
+# sizes the pool of groups in flight, as for in-flight-fifo).
+LAMINAR_SPEC = SystemSpec(
+    "laminar", "Laminar-like: trajectory-level asynchrony, relays, repack, no bound", Family.LAMINAR, Pipeline.STREAM,
+    StrategyConfig(routing=RoutingMode.VANILLA, sync=SyncMode.LOAD_AWARE, sync_kv_threshold=0.0,
+                   migration=MigrationMode.REPACK),
+    completion_order=True, bounded=False, max_num_seqs=BASELINE_MAX_NUM_SEQS, new_work_on_newest=True)
 ORACLE_SPEC = SystemSpec(
     "oracle", "Upper bound (no re-prefill, no idle, no sync cost)", Family.ORACLE, Pipeline.STREAM,
     StrategyConfig(routing=RoutingMode.VANILLA, sync=SyncMode.NEVER, migration=MigrationMode.NONE),
@@ -237,7 +274,7 @@ ORACLE_SPEC = SystemSpec(
 
 ALIASES = {"staleflow": "sf-rsm", "synchronous": "verl", "one-step-off-policy": "one-step", "inflight": "in-flight",
            "fifo": "in-flight-fifo", "upper-bound": "oracle"}
-HEADLINE = ("verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "oracle")  # Figure 13 and the bound
+HEADLINE = ("verl", "one-step", "in-flight", "in-flight-fifo", "laminar", "sf-rsm", "oracle")  # Figure 13 and the bound
 
 
 def resolve(names: str | list[str], redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:

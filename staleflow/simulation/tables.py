@@ -120,10 +120,12 @@ def detail_table(result: ExperimentResult, point: PointResult | None = None) -> 
             _n(run.mean_response),
             f"{run.max_response:,}", " ".join(f"{s}:{n}" for s, n in run.staleness_total().items()),
             str(run.violations), _exceeded(run), f"{run.decisions.mean_ms:.1f}/{run.decisions.p99_ms:.0f}",
-            f"{c.get('interrupted', 0):,}/{c.get('migrated', 0):,}/{c.get('pulls', 0):,}", f"{run.wall_s:.1f}",
+            f"{c.get('interrupted', 0):,}/{c.get('migrated', 0):,}/{c.get('repacked', 0):,}/{c.get('pulls', 0):,}",
+            f"{run.wall_s:.1f}",
         ])
     header = ["system", "inst/train GPUs", "step s", "2nd-half tok/s", "mean len", "max len", "staleness V_buf-V_traj: n",
-              "violations", "over eta: n (max)", "plan ms mean/p99", "interrupted/migrated/pulls", "wall s"]
+              "violations", "over eta: n (max)", "plan ms mean/p99", "interrupted/migrated/repacked/pulls",
+              "wall s"]
     return Table(f"Details at {p.point.label}", header, rows)
 
 
@@ -141,8 +143,10 @@ def breakdown_table(result: ExperimentResult, point: PointResult | None = None) 
     rows = []
     for name, run in p.runs.items():
         b, f = run.breakdown, run.breakdown.fractions()
-        rows.append([name, *(f"{getattr(b, k):.1f} ({100 * f[k]:.1f}%)" for k in keys)])
-    header = ["system", "decode s", "prefill s", "pull s", "route s", "interrupt s", "train s", "idle s"]
+        rows.append([name, *(f"{getattr(b, k):.1f} ({100 * f[k]:.1f}%)" for k in keys),
+                     _pct(run.busy_kv_utilisation)])
+    header = ["system", "decode s", "prefill s", "pull s", "route s", "interrupt s", "train s", "idle s",
+              "KV use while busy"]
     return Table(f"Per-step time of a rollout instance at {p.point.label} (cf. Table 3)", header, rows)
 
 
@@ -178,9 +182,26 @@ def length_skew_cells(skew: dict | None) -> list[str]:
             f"{admission['waited']} ({admission['mean_wait_s']:.2f})"]
 
 
+def matched_table(result: ExperimentResult) -> Table | None:
+    """StaleFlow run with eta = each bound-breaking peer's realised p99 and max staleness, against
+    the peer at its nominal eta."""
+    if not result.matched:
+        return None
+    rows = []
+    for m in result.matched:
+        point = f"eta={m.peer_eta}" if m.sweep_value is None else f"{m.sweep_value:g}, eta={m.peer_eta}"
+        rows.append([m.peer, point, f"{m.realised_p99} / {m.realised_max} ({100 * m.over_eta_share:.0f}%)",
+                     str(m.staleflow_eta), _n(m.peer_throughput), _n(m.staleflow.throughput), _x(m.ratio),
+                     str(m.staleflow.violations)])
+    header = ["peer", "peer's point", "peer's realised p99 / max (share over eta)", "StaleFlow eta", "peer tok/s",
+              "StaleFlow tok/s", "StaleFlow / peer", "StaleFlow violations"]
+    return Table("Matched staleness: StaleFlow bounded at each bound-breaking peer's realised staleness", header, rows)
+
+
 def tables(result: ExperimentResult) -> list[Table]:
-    return [throughput_table(result), gains_table(result), detail_table(result), breakdown_table(result),
-            skew_table(result)]
+    out = [throughput_table(result), gains_table(result), matched_table(result), detail_table(result),
+           breakdown_table(result), skew_table(result)]
+    return [t for t in out if t is not None]
 
 
 def markdown(result: ExperimentResult, command: str | None = None) -> str:

@@ -3,6 +3,7 @@
 
 from staleflow.strategies.migration import plan_migrations
 from staleflow.strategies.plan import CyclePlan, plan_cycle
+from staleflow.strategies.repack import KvReadings, RepackMove, plan_repack
 from staleflow.strategies.routing import RouteDecision, route
 from staleflow.strategies.speculative import SpeculativeState
 from staleflow.strategies.speed import DecodeSpeeds
@@ -10,6 +11,6 @@ from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTr
 from staleflow.strategies.sync import plan_syncs
 
 __all__ = [
-    "AdmissionBudget", "CyclePlan", "DecodeSpeeds", "InstanceState", "PendingTrajectory", "RouteDecision", "SpeculativeState",
-    "plan_cycle", "plan_migrations", "plan_syncs", "route",
+    "AdmissionBudget", "CyclePlan", "DecodeSpeeds", "InstanceState", "KvReadings", "PendingTrajectory", "RepackMove",
+    "RouteDecision", "SpeculativeState", "plan_cycle", "plan_migrations", "plan_repack", "plan_syncs", "route",
 ]

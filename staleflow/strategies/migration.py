@@ -32,14 +32,15 @@ def plan_migrations(instances: Sequence[InstanceState], config: StrategyConfig,
     the ledger admits) decide whether an instance is starved; without them every instance with an
     empty waiting queue counts as starved.
     """
-    if config.migration is MigrationMode.NONE or not instances:
+    mode = config.migration.balance
+    if mode is MigrationMode.NONE or not instances:
         return {}
     migrations: dict[str, list[str]] = {}
     for inst in instances:
         excess = len(inst.waiting) - config.phi_wait
         if excess > 0:
             migrations[inst.instance_id] = inst.waiting[-excess:]
-    if config.migration is MigrationMode.STARVED:
+    if mode is MigrationMode.STARVED:
         source = _feed_starved(instances, config, pending, budget or AdmissionBudget({}), group_versions or {})
     else:
         source = _busiest_over_slowest(instances, config)

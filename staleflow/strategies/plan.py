@@ -1,5 +1,6 @@
 """One decision pass of the snapshot-command cycle (paper Algorithm 1): synchronization, then
-migration, then routing, each seeing the effects of the ones before it."""
+migration, then repack (on a repack check), then routing, each seeing the effects of the ones
+before it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import numpy as np
 
 from staleflow.config.strategy import PullMode, StrategyConfig
 from staleflow.strategies.migration import plan_migrations
+from staleflow.strategies.repack import RepackMove, plan_repack
 from staleflow.strategies.routing import RouteDecision, reachable, route
 from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
-from staleflow.strategies.sync import plan_syncs
+from staleflow.strategies.sync import Routable, plan_syncs
 
 
 @dataclass
@@ -21,6 +23,7 @@ class CyclePlan:
     kept: list[str] = field(default_factory=list)  # the syncs whose Pull keeps the trajectories and their KV
     interrupts: dict[str, list[str]] = field(default_factory=dict)  # by instance, syncs' included
     routes: list[RouteDecision] = field(default_factory=list)
+    repacks: list[RepackMove] = field(default_factory=list)  # their Interrupts and Routes are in the above
 
     @property
     def empty(self) -> bool:
@@ -35,6 +38,7 @@ def plan_cycle(
     config: StrategyConfig,
     on_instances: Mapping[str, PendingTrajectory] | None = None,
     group_versions: Mapping[str, int] | None = None,
+    repack_previous: Mapping[str, float] | None = None,
 ) -> CyclePlan:
     """Decide the commands of one cycle from validated snapshots. Inputs are not modified.
 
@@ -83,15 +87,50 @@ def plan_cycle(
             hand_back(inst, inst.trajectories)
         inst.version = ps_version
         inst.kv_cache = 0.0
+        inst.kv_usage = None if inst.kv_usage is None else 0.0
     migrated: dict[str, str] = {}  # trajectory -> the instance a migration takes it from
     for instance_id, traj_ids in plan_migrations(list(states.values()), config, waiting, budget,
                                                  group_versions).items():
         hand_back(states[instance_id], traj_ids)
         migrated.update(dict.fromkeys(traj_ids, instance_id))
+    if repack_previous is not None and config.migration.repacks:
+        routable = Routable(waiting, group_versions)
+        idle = [s for s in states.values() if s.instance_id not in plan.syncs and not routable.on(s, budget)]
+        pinned += _repack(plan, states, idle, repack_previous, on_instances, ps_version, config)
     plan.routes = pinned + route(states.values(), waiting, budget, config, group_versions)
     if migrated:
         _keep_in_place(plan, migrated, kept)
     return plan
+
+
+def _repack(plan: CyclePlan, states: dict[str, InstanceState], idle: list[InstanceState], previous: Mapping[str, float],
+            on_instances: Mapping[str, PendingTrajectory], ps_version: int, config: StrategyConfig) -> list[RouteDecision]:
+    """Repack's moves among ``idle`` instances: an Interrupt of everything on each source and a
+    Route of each trajectory to its destination. A freed source that lags the newest version Pulls
+    it at once (Laminar's point: freed instances take new work on new weights).
+
+    ``idle``: those not syncing in this pass that nothing waiting may run on. Laminar's ramp-down
+    is a rollout whose batch has nothing left to admit; StaleFlow's router holds work back in the
+    trajectory server instead of queueing it on an instance, so an instance below C_max with work
+    it may still take is not winding down, it is being fed."""
+    plan.repacks = plan_repack(idle, previous, config)
+    routes = []
+    for move in plan.repacks:
+        source, dest = states[move.source], states[move.destination]
+        plan.interrupts.setdefault(move.source, []).extend(move.trajectories)
+        routes += [RouteDecision(move.destination, t, known.group_id, known.v_traj, False)
+                   for t in move.trajectories if (known := on_instances.get(t)) is not None
+                   and known.v_traj is not None]
+        dest.running += source.running
+        dest.waiting += source.waiting
+        dest.kv_cache += source.kv_cache
+        if dest.kv_usage is not None:
+            dest.kv_usage += source.kv_usage or 0.0
+        source.discard(set(move.trajectories))
+        if source.version < ps_version:
+            plan.syncs.append(move.source)
+            source.version = ps_version
+    return routes
 
 
 def keeps_running(syncs: Sequence[str], instances: Sequence[InstanceState], config: StrategyConfig) -> list[str]:

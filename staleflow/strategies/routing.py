@@ -104,68 +104,113 @@ class _Fleet:
     Routing evaluates the gain of every candidate for every trajectory; vectorising it over the
     whole fleet at once (one evaluation serves every version group), keeping the parts that do
     not depend on the length per instance, and recomputing only the instance that just received
-    work keeps a full pass over 2048 trajectories and 128 instances in milliseconds.
+    work keeps a full pass over 2048 trajectories and 128 instances in milliseconds. The pass
+    works on these arrays alone: the instances' snapshots are read once and never copied. When
+    every instance has the same cost model (the usual fleet) its coefficients are scalars, which
+    gives the same numbers with fewer array operations.
     """
 
     def __init__(self, insts: list[InstanceState], by_speed: bool = False):
-        self.insts = insts
+        self.ids = [inst.instance_id for inst in insts]
+        self.costs = [inst.cost for inst in insts]
         # gains scaled by each instance's observed decode speed: a straggler's tokens come slower
         # (within SPEED_TOLERANCE of the model, measurement error: as modelled)
         self.speed = np.array([inst.speed if abs(inst.speed - 1.0) > SPEED_TOLERANCE else 1.0
                                for inst in insts]) if by_speed else None
-        c = [inst.cost for inst in insts]
-        self.k1 = np.array([m.k1 for m in c])
-        self.k2 = np.array([m.k2 for m in c])
-        self.k3 = np.array([m.k3 for m in c])
-        self.k4 = np.array([m.k4 for m in c])
-        self.k5 = np.array([m.k5 for m in c])
-        self.budget = np.array([m.kv_budget for m in c])
-        # the gain of an idle instance's first trajectory's denominator, without the KV term (Eq. 4)
-        self.ideal_base = np.maximum(self.k2, self.k3 * 1)
-        self.kv = np.array([inst.kv_cache for inst in insts], dtype=float)
-        self.n = np.array([len(inst.running) for inst in insts], dtype=float)
-        self.w = np.array([len(inst.waiting) for inst in insts], dtype=float)
-        self.count = self.n + self.w
+        c = self.costs
+        uniform = len(set(c)) <= 1
+        k1, k2, k3, k4, k5, budget = (np.array([getattr(m, name) for m in c], dtype=float)
+                                      for name in ("k1", "k2", "k3", "k4", "k5", "kv_budget"))
+        self.uniform = uniform and bool(c)
+        if self.uniform:
+            self.k1, self.k4, self.k5 = c[0].k1, c[0].k4, c[0].k5
+        else:
+            self.k1, self.k4, self.k5 = k1, k4, k5
+        self.kv_list = [float(inst.kv_cache) for inst in insts]
+        self.n_list = [len(inst.running) for inst in insts]
+        self.w_list = [len(inst.waiting) for inst in insts]
+        self.kv = np.array(self.kv_list, dtype=float)
+        n = np.array(self.n_list, dtype=float)
+        self.count = n + np.array(self.w_list, dtype=float)
         # the parts of Eq. 3 that do not depend on the routed length
-        self.before = np.where(self.n > 0, self.n / (self.k1 * self.kv + np.maximum(self.k2, self.k3 * self.n)
-                                                     + self.k4), 0.0)
-        self.after_n = self.n + 1
-        self.after_base = np.maximum(self.k2, self.k3 * self.after_n)
-        self.free = self.w == 0
-        self._length: int | None = None
+        self.before = np.where(n > 0, n / (k1 * self.kv + np.maximum(k2, k3 * n) + k4), 0.0)
+        self.after_n = n + 1
+        self.after_base = np.maximum(k2, k3 * self.after_n)
+        # the KV budget where a trajectory would run at once (nothing waits there), else -inf
+        self.budget = budget
+        self.room = np.where(np.array(self.w_list) == 0, budget, -np.inf)
+        # the ideal gain's (Eq. 4) denominator without the KV term, per instance
+        self.ideal_base = np.maximum(k2, k3 * 1)
+        self.k1_all, self.k4_all, self.k5_all = k1, k4, k5
+        self._ideal: dict[int, float] = {}
+        self.length: int | None = None  # the length ``gains`` holds the gains of
         self.gains = np.zeros(len(insts))
 
     def gains_for(self, lengths: np.ndarray | int) -> np.ndarray:
         """Eq. 3 for every instance (one row per length when ``lengths`` is a column)."""
         grown = self.kv + self.k5 * lengths
-        after = self.after_n / (self.k1 * grown + self.after_base + self.k4)
-        gains = after - self.before if self.speed is None else (after - self.before) * self.speed
-        return np.where(self.free & (grown <= self.budget), gains, 0.0)
+        denominator = self.k1 * grown
+        denominator += self.after_base
+        denominator += self.k4
+        gains = np.divide(self.after_n, denominator, out=denominator)
+        gains -= self.before
+        if self.speed is not None:
+            gains *= self.speed
+        gains[~(grown <= self.room)] = 0.0
+        return gains
+
+    def gains_at(self, index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """``gains_for`` of the instances at ``index`` only (a uniform fleet: scalar coefficients)."""
+        grown = self.kv[index] + self.k5 * lengths
+        denominator = self.k1 * grown
+        denominator += self.after_base[index]
+        denominator += self.k4
+        gains = np.divide(self.after_n[index], denominator, out=denominator)
+        gains -= self.before[index]
+        if self.speed is not None:
+            gains *= self.speed[index]
+        gains[~(grown <= self.room[index])] = 0.0
+        return gains
+
+    def ideal(self, lengths: np.ndarray) -> np.ndarray:
+        """Eq. 4 of a uniform fleet for many lengths, the arithmetic of ``CostModel.ideal_gain``."""
+        return 1.0 / (self.k1 * (self.k5 * lengths) + self.ideal_base[0] + self.k4)
+
+    def ideal_gain(self, length: int) -> float:
+        """Eq. 4 of a uniform fleet for one length."""
+        ideal = self._ideal.get(length)
+        if ideal is None:
+            ideal = self._ideal[length] = self.costs[0].ideal_gain(length)
+        return ideal
 
     def at_length(self, length: int) -> np.ndarray:
-        if length != self._length:
+        if length != self.length:
             self.gains = self.gains_for(length)
-            self._length = length
+            self.length = length
         return self.gains
 
-    def add(self, i: int, traj_id: str, length: int) -> None:
-        inst = self.insts[i]
-        inst.add(traj_id, length)
-        n, w = len(inst.running), len(inst.waiting)
-        cost, kv = inst.cost, inst.kv_cache
-        self.kv[i] = kv
-        self.n[i] = n
-        self.w[i] = w
-        self.count[i] = n + w
+    def add(self, i: int, length: int) -> None:
+        """``InstanceState.add`` on the arrays: it runs if it fits and nothing waits, else it waits."""
+        cost = self.costs[i]
+        kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
+        self.count[i] = n + w + 1
+        if w == 0 and kv + cost.k5 * length <= cost.kv_budget:
+            kv += cost.k5 * length
+            n += 1
+            self.kv_list[i] = kv
+            self.n_list[i] = n
+            self.kv[i] = kv
+        else:
+            self.w_list[i] = w = w + 1
+            self.room[i] = -np.inf
         # the same arithmetic as CostModel.marginal_gain, sharing the throughput before
-        before = cost.throughput(kv, n)
+        before = n / (cost.k1 * kv + max(cost.k2, cost.k3 * n) + cost.k4) if n > 0 else 0.0
         after_base = max(cost.k2, cost.k3 * (n + 1))
         self.before[i] = before
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
-        self.free[i] = w == 0
-        if self._length is not None:
-            grown = kv + cost.k5 * self._length
+        if self.length is not None:
+            grown = kv + cost.k5 * self.length
             fits = w == 0 and grown <= cost.kv_budget
             gain = (n + 1) / (cost.k1 * grown + after_base + cost.k4) - before if fits else 0.0
             self.gains[i] = gain if self.speed is None else gain * self.speed[i]
@@ -178,9 +223,10 @@ class _VersionGroup:
         self.version = version
         self.fleet = fleet
         self.lo, self.hi = lo, hi
-        self.insts = fleet.insts[lo:hi]
+        self.ids = fleet.ids[lo:hi]
+        self.costs = fleet.costs[lo:hi]
         self.count = fleet.count[lo:hi]  # a view: follows the fleet's updates
-        self._whole = lo == 0 and hi == len(fleet.insts)
+        self._whole = lo == 0 and hi == len(fleet.ids)
         self._ideal: dict[tuple[int, int], float] = {}
 
     def best(self, length: int) -> tuple[int, float]:
@@ -191,7 +237,7 @@ class _VersionGroup:
         return i, float(gains[i])
 
     def ideal_gain(self, i: int, length: int) -> float:
-        cost = self.insts[i].cost
+        cost = self.costs[i]
         key = (id(cost), length)
         ideal = self._ideal.get(key)
         if ideal is None:
@@ -204,11 +250,8 @@ class _VersionGroup:
         element for element the same arithmetic."""
         f = self.fleet
         best = gains[:, self.lo:self.hi].argmax(axis=1) + self.lo
-        ideal = 1.0 / (f.k1[best] * (f.k5[best] * lengths) + f.ideal_base[best] + f.k4[best])
+        ideal = 1.0 / (f.k1_all[best] * (f.k5_all[best] * lengths) + f.ideal_base[best] + f.k4_all[best])
         return ~(gains[np.arange(len(lengths)), best] >= mu * ideal)
-
-    def add(self, i: int, traj_id: str, length: int) -> None:
-        self.fleet.add(self.lo + i, traj_id, length)
 
 
 def reachable(pending: Iterable[PendingTrajectory], budget: AdmissionBudget,
@@ -258,7 +301,7 @@ def route(
     """
     by_version: dict[int, list[InstanceState]] = {}
     for inst in instances:
-        by_version.setdefault(inst.version, []).append(inst.copy())
+        by_version.setdefault(inst.version, []).append(inst)  # read, never changed: the fleet's arrays change
     fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed)
     groups, lo = [], 0
     for v, insts in sorted(by_version.items()):
@@ -322,9 +365,9 @@ def route(
             budget.take(v)
             group_versions[traj.group_id] = v
             queue.promote_group(traj.group_id, v)
-        group.add(i, traj.traj_id, traj.length)
+        fleet.add(group.lo + i, traj.length)
         in_flight += 1
-        instance_id = group.insts[i].instance_id
+        instance_id = group.ids[i]
         decisions.append(RouteDecision(instance_id, traj.traj_id, traj.group_id, v, reserves))
         if instance_id == stop_at_instance:
             break
@@ -338,11 +381,30 @@ def _withheld_run(level: deque[PendingTrajectory], candidates: list[_VersionGrou
     """How many trajectories at the front of ``level`` (at most ``window``) ``_best_gain`` would
     withhold one after the other: none of them changes an instance, so one evaluation decides all."""
     lengths = np.fromiter((t.length for t in itertools.islice(level, window)), dtype=float)
-    gains = candidates[0].fleet.gains_for(lengths[:, None])
+    fleet = candidates[0].fleet
+    if fleet.uniform and mu > 0:
+        return _withheld_run_uniform(fleet, candidates, lengths, mu)
+    gains = fleet.gains_for(lengths[:, None])
     withheld = np.ones(len(lengths), dtype=bool)
     for group in candidates:
         withheld &= group.withheld_rows(gains, lengths, mu)
     routable = np.flatnonzero(~withheld)
+    return int(routable[0]) if len(routable) else len(lengths)
+
+
+def _withheld_run_uniform(fleet: _Fleet, candidates: list[_VersionGroup], lengths: np.ndarray, mu: float) -> int:
+    """``_withheld_run`` on a fleet of one cost model. The threshold is then the same for every
+    instance, so a trajectory is withheld exactly when no candidate clears it, and a gain only
+    falls as the length grows: an instance whose gain at the shortest length misses the threshold
+    of the longest clears no row, and only the others are evaluated for every length."""
+    lo, hi = candidates[0].lo, candidates[-1].hi  # the versions >= V_traj: a suffix of the fleet
+    threshold = mu * fleet.ideal(lengths)
+    first = fleet.gains_for(lengths.min())[lo:hi]
+    index = np.flatnonzero(first >= threshold.min()) + lo
+    if not len(index):
+        return len(lengths)
+    clears = (fleet.gains_at(index, lengths[:, None]) >= threshold[:, None]).any(axis=1)
+    routable = np.flatnonzero(clears)
     return int(routable[0]) if len(routable) else len(lengths)
 
 
@@ -358,6 +420,15 @@ def _waterfall(candidates: list[_VersionGroup], length: int, mu: float) -> tuple
 def _best_gain(candidates: list[_VersionGroup], length: int, mu: float) -> tuple[_VersionGroup, int] | None:
     """A trajectory that already has its version: the largest gain (Eq. 3) over every admissible
     instance, if it clears the threshold; its staleness is the same wherever it runs."""
+    fleet = candidates[0].fleet
+    if fleet.uniform and mu > 0:  # one threshold: the first largest gain of the candidates' slice
+        lo, hi = candidates[0].lo, candidates[-1].hi
+        gains = fleet.gains if length == fleet.length else fleet.at_length(length)
+        i = int(gains.argmax()) if lo == 0 and hi == len(gains) else lo + int(gains[lo:hi].argmax())
+        if not gains.item(i) >= mu * fleet.ideal_gain(length):
+            return None
+        group = candidates[0] if len(candidates) == 1 else next(g for g in candidates if i < g.hi)
+        return group, i - group.lo
     best: tuple[_VersionGroup, int] | None = None
     top = -1.0
     for group in candidates:

@@ -21,6 +21,7 @@ class InstanceState:
     waiting: list[str] = field(default_factory=list)
     cost: CostModel = field(default_factory=CostModel)
     speed: float = 1.0  # observed decode speed over the cost model's (``DecodeSpeeds``): below 1, a straggler
+    kv_usage: float | None = None  # the engine's KV utilisation (share of its KV memory), None: not reported
 
     @property
     def trajectories(self) -> list[str]:
@@ -37,6 +38,8 @@ class InstanceState:
         if self.cost.runs_immediately(self.kv_cache, len(self.waiting), length):
             self.running.append(traj_id)
             self.kv_cache += self.cost.kv_units(length)
+            if self.kv_usage is not None:
+                self.kv_usage += self.cost.kv_units(length) / self.cost.kv_budget
         else:
             self.waiting.append(traj_id)
 
@@ -45,13 +48,16 @@ class InstanceState:
         running ones is estimated as their share of the instance's KV cache."""
         still_running = [t for t in self.running if t not in traj_ids]
         if self.running:
-            self.kv_cache *= len(still_running) / len(self.running)
+            share = len(still_running) / len(self.running)
+            self.kv_cache *= share
+            if self.kv_usage is not None:
+                self.kv_usage *= share
         self.running = still_running
         self.waiting = [t for t in self.waiting if t not in traj_ids]
 
     def copy(self) -> InstanceState:
         return InstanceState(self.instance_id, self.version, self.kv_cache, list(self.running), list(self.waiting), self.cost,
-                             self.speed)
+                             self.speed, self.kv_usage)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.config import TrainerConfig
+from staleflow.host import meminfo_bytes
 from staleflow.ports import free_port
 from staleflow.training.metering import SectionTimer, StepMeter, model_flops_utilization, trained_tokens
 
@@ -217,11 +218,10 @@ def check_host_memory(parameters: int, cfg: TrainerConfig, on_cuda: bool, availa
 
 
 def _meminfo_bytes(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/meminfo has no {key}")
+    found = meminfo_bytes(key)
+    if found is None:
+        raise RuntimeError(f"/proc/meminfo has no {key}")
+    return found
 
 
 def prepare_model(path: Path, scratch: Path, cfg: TrainerConfig) -> ModelSource:
@@ -230,12 +230,19 @@ def prepare_model(path: Path, scratch: Path, cfg: TrainerConfig) -> ModelSource:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from staleflow.training.attention import packing_for
+
     config, architecture, parameters, has_weights = inspect_model(path)
     check_host_memory(parameters, cfg, torch.cuda.is_available())
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:  # packing: true on attention that cannot take packed rows, refused before any rank starts
+        with torch.device("meta"):
+            packing_for(AutoModelForCausalLM.from_config(config), cfg.packing, device)
+    except ValueError as exc:
+        raise BenchInputError(str(exc), "change --set packing") from None
     quiet_transformers()
     if has_weights:
         return ModelSource(path, architecture, parameters, int(config.vocab_size), random_init=False)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config)
@@ -315,6 +322,12 @@ def check_spec(spec: BenchSpec) -> TrainerConfig:
                               f"raise max_tokens_per_micro_batch to at least {spec.prompt_tokens}, or lower --prompt-tokens")
     import torch
 
+    from staleflow.training.fsdp import resolve_settings
+
+    try:  # the settings this machine cannot honour (fused_kernels: true without CUDA and Liger, ...)
+        resolve_settings(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    except ValueError as exc:
+        raise BenchInputError(str(exc), "change that --set value") from None
     if torch.cuda.is_available():
         check_ranks_fit(spec.world_size, torch.cuda.device_count())
     return cfg

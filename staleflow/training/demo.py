@@ -86,6 +86,17 @@ def demo_ready(directory: Path, spec: DemoSpec) -> bool:
         return False
 
 
+def demo_config(spec: DemoSpec, tokenizer):  # -> transformers.Qwen2Config
+    """The demo model's architecture (what a step costs depends on it alone, not on the weights)."""
+    import transformers
+
+    return transformers.Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=512, tie_word_embeddings=True, torch_dtype="float32",
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
 def build_demo_model(directory: Path, spec: DemoSpec = DemoSpec(),
                      progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Writes the demo model into ``directory``; returns what it measured (SFT loss, accuracy)."""
@@ -117,12 +128,7 @@ def _build(directory: Path, spec: DemoSpec, report: Callable[[str, int, int], No
     tokenizer.save_pretrained(directory)
     report("tokenizer", 1, 1)
 
-    config = transformers.Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=512, tie_word_embeddings=True, torch_dtype="float32",
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = transformers.Qwen2ForCausalLM(config)
+    model = transformers.Qwen2ForCausalLM(demo_config(spec, tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, spec.sft_steps) / spec.sft_steps)))

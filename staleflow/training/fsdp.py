@@ -34,12 +34,14 @@ import torch
 import torch.distributed as dist
 
 from staleflow.config import TrainerConfig, TrainerRoleConfig
+from staleflow.training.attention import packed_inputs, packing_for
 from staleflow.training.base import BackgroundSharePushes, ShardedWeights, TrainerBackend
 from staleflow.training.export import ShareStaging, export_dtype, local_shards
 from staleflow.training.grpo import group_advantages, policy_loss
+from staleflow.training.layers import apply_liger_layers, checkpointing_for, fused_kernels_for, prepare_layers
 from staleflow.training.loading import decoder_layers, empty_causal_lm, load_sharded, materialize
 from staleflow.training.logprobs import HeadTimer, chunk_tokens_for, head_returns_logprobs, liger_available
-from staleflow.training.memory_model import ModelShape, policy_of, resolve_token_budget
+from staleflow.training.memory_model import CheckpointingPolicy, ModelShape, policy_of, resolve_token_budget
 from staleflow.training.schedule import learning_rate
 
 log = logging.getLogger(__name__)
@@ -60,10 +62,10 @@ class FsdpBackend(TrainerBackend):
         self.settings = resolve_settings(cfg, self.device)
         torch.manual_seed(0)
         resuming = (checkpoint_dir / "latest.json").exists()
+        self.packing = False  # decided from the model's attention as it is built (``_sharded``)
         self.model = self._sharded(model_dir, trainable=True, load=not resuming)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.pad_id = self.model.config.pad_token_id or 0
-        self.packing = packing_for(self.model, cfg.packing)
         self.chunk_tokens = chunk_tokens_for(self.model.config.vocab_size, self.settings.logprob_chunk_tokens,
                                              self.device)
         self.token_budget = resolve_token_budget(
@@ -87,10 +89,13 @@ class FsdpBackend(TrainerBackend):
         offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cfg.optimizer_offload and trainable
                    else OffloadPolicy())
         model = empty_causal_lm(model_dir)
-        model.config.use_cache = False
-        if trainable and self.settings.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False  # a cache would also hide packed rows from transformers' mask detection
+        self.packing = packing_for(model, self.cfg.packing, self.device)
+        if fused_kernels_for(self.cfg.fused_kernels, self.device, model.config.model_type, self.settings.compile):
+            apply_liger_layers(model)
         layers = decoder_layers(model)
+        if trainable:
+            prepare_layers(model, layers, self.settings.activation_checkpointing, self.settings.compile)
         for layer in layers:
             fully_shard(layer, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mp_policy=mp, offload_policy=offload)
@@ -288,9 +293,10 @@ class FsdpBackend(TrainerBackend):
                 slots += range(i * (width - 1) + p - 1, i * (width - 1) + p - 1 + t)
         if not positions:  # an empty share still runs the head (masked out) so the collectives line up
             positions, targets, slots = [starts[0]], [sequences[0][1]], [0]
+        inputs: dict[str, Any]
         if self.packing:
             inputs = {"input_ids": torch.tensor([x for seq in sequences for x in seq])[None],
-                      "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+                      "position_ids": torch.cat([torch.arange(n) for n in lengths])[None], **packed_inputs(lengths)}
         else:
             ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
             for i, seq in enumerate(sequences):
@@ -298,7 +304,7 @@ class FsdpBackend(TrainerBackend):
             inputs = {"input_ids": ids}
         to = self._to_device
         head = HeadInputs(to(torch.tensor(positions)), to(torch.tensor(targets)), to(torch.tensor(slots)), mask.shape)
-        return {k: to(v) for k, v in inputs.items()}, head, to(mask), to(behaviour)
+        return {k: to(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, head, to(mask), to(behaviour)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor to the device without waiting for the device's queued work (pinned)."""
@@ -333,9 +339,10 @@ class ResolvedSettings:
     """The trainer's ``auto`` settings resolved for the device it runs on."""
 
     mixed_precision: bool
-    activation_checkpointing: bool
+    activation_checkpointing: CheckpointingPolicy
     fused_logprobs: bool
     logprob_chunk_tokens: int | str
+    compile: bool
 
 
 def resolve_settings(cfg: TrainerConfig, device: torch.device) -> ResolvedSettings:
@@ -348,28 +355,12 @@ def resolve_settings(cfg: TrainerConfig, device: torch.device) -> ResolvedSettin
     if fused and not liger_available(device):
         raise ValueError("trainer.fused_logprobs needs CUDA and liger_kernel (pip install 'staleflow[liger]'); "
                          "set it to auto or false for the chunked head")
+    fused_kernels_for(cfg.fused_kernels, device, None, cfg.compile)  # refused here, before a model is built
     return ResolvedSettings(mixed_precision=pick(cfg.mixed_precision, cuda),
-                            activation_checkpointing=pick(cfg.activation_checkpointing, cuda),
+                            activation_checkpointing=checkpointing_for(cfg.activation_checkpointing, device),
                             fused_logprobs=fused,
-                            logprob_chunk_tokens=cfg.logprob_chunk_tokens)
-
-
-def packing_for(model: torch.nn.Module, setting: bool | str) -> bool:
-    """Whether micro-batches are packed into one row with restarting position ids. auto: only
-    with flash attention, whose varlen kernels attend within each sequence; transformers' sdpa
-    and eager attention keep packed sequences apart with a [tokens, tokens] mask, which costs
-    attention over the whole packed row, so they pack only when asked (``packing: true``) and
-    where the masks detect packing (transformers 5)."""
-    varlen = getattr(model.config, "_attn_implementation", None) in ("flash_attention_2", "flash_attention_3")
-    if setting == "auto":
-        return varlen
-    if setting and not varlen:
-        try:
-            from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
-        except ImportError:
-            raise ValueError("trainer.packing: true needs flash attention or a transformers whose attention masks "
-                             "detect packed sequences (5.x); set packing to auto or false") from None
-    return bool(setting)
+                            logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+                            compile=cfg.compile)
 
 
 def row_count_batches(lengths: Mapping[int, int], size: int) -> list[list[int]]:

@@ -25,6 +25,7 @@ chunked path is the fallback everywhere else and the reference the tests hold bo
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -124,11 +125,12 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     return _ChunkedTokenLogProbs.apply(hidden, weight, targets, chunk, fp32_gemm)
 
 
-def liger_available(device: torch.device) -> bool:
+def liger_available(device: torch.device, module: str = "liger_kernel.ops.fused_linear_cross_entropy") -> bool:
+    """Whether Liger's ``module`` can run here: importable, and on CUDA (Triton has no CPU driver)."""
     if device.type != "cuda":
         return False
     try:
-        import liger_kernel.ops.fused_linear_cross_entropy  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True

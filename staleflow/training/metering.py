@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from staleflow.host import status_kib
 from staleflow.training.base import ShardedWeights, TrainerBackend
 
 PEAK_BF16_TFLOPS = (  # dense bf16 tensor-core peaks, per GPU; first match of the device's name wins
@@ -79,11 +80,10 @@ class Memory:
 
 
 def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
+    kib = status_kib(key)
+    if kib is None:
+        raise RuntimeError(f"/proc/self/status has no {key}")
+    return kib
 
 
 class StepMeter:

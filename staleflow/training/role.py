@@ -146,7 +146,6 @@ class TrainerLoop:
         self.started = time.monotonic() if started is None else started
         self.outage_s = outage_s
         self.on_step = on_step
-        self.push_seconds: list[float] = []
         self._last_pushed: tuple[int, Mapping[str, Any]] | None = None  # a whole state dict, held until the next push
         self._share_pusher: SharePusher | None = None  # a sharded trainer's: keeps this rank's last share
 
@@ -256,12 +255,10 @@ class TrainerLoop:
         return self._retry(f"fetch batch {version}", fetch)
 
     def _push(self, version: int, tensors: Mapping[str, Any] | ShardedWeights) -> None:
-        started = time.perf_counter()
         if isinstance(tensors, ShardedWeights):
             self._push_share(version, tensors)
         else:
             self._push_whole(version, tensors)
-        self.push_seconds.append(time.perf_counter() - started)
 
     def _push_share(self, version: int, share: ShardedWeights) -> None:
         """This rank's share of a sharded version (the other ranks push theirs at once), seen
@@ -345,13 +342,22 @@ def run_fsdp_trainer(role: TrainerRoleConfig, urls: Mapping[str, str], step_log:
                      started: float | None = None) -> None:
     """The trainer role on the FSDP2 backend: this process is rank 0; ranks 1..world-1 are spawned
     (with the role's section, not the whole job) and die with it."""
+    import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from staleflow.training.fsdp import FsdpBackend, RankDriver, check_gpus_for_ranks, init_process_group, run_follower
+    from staleflow.training.fsdp import (
+        FsdpBackend,
+        RankDriver,
+        check_gpus_for_ranks,
+        init_process_group,
+        resolve_settings,
+        run_follower,
+    )
 
     world = role.trainer.world_size
     check_gpus_for_ranks(world)  # all ranks on this node: refused before any starts
+    resolve_settings(role.trainer, torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # likewise
     model_dir = _model_dir(role)
     port = free_port()
     role.checkpoint_dir.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from staleflow.host import meminfo_bytes, status_kib
 from staleflow.transports.tables import table_bytes
 
 TENSOR_BYTES = 64 << 20  # a large layer of a multi-GB model
@@ -110,10 +111,7 @@ def engine_buffers(table: dict[str, tuple[str, tuple[int, ...]]], pooled: bool =
 
 def rss_anon() -> int:
     """This process's private resident memory (shared-memory mappings excluded)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return (status_kib("RssAnon") or 0) * 1024
 
 
 class PeakMemory:
@@ -619,13 +617,8 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
 
 
 def _meminfo(key: str) -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
+    found = meminfo_bytes(key)
+    return 1 << 62 if found is None else found
 
 
 def available_memory() -> int:

@@ -51,7 +51,7 @@ def test_smoke_run_completes_within_the_bound_with_every_system(smoke: tuple[dic
         for name, run in point["runs"].items():
             assert run["violations"] == 0, name
             staleness = {int(s) for hist in run["staleness"].values() for s in hist}
-            if name in ("in-flight-fifo", "oracle"):  # completion order: over-eta trajectories are counted
+            if name in ("in-flight-fifo", "laminar", "oracle"):  # completion order: over-eta ones are counted
                 assert (run["exceedances"] > 0) == (max(staleness) > run["eta"]), name
             else:
                 assert staleness and max(staleness) <= run["eta"] and run["exceedances"] == 0, name
@@ -62,6 +62,13 @@ def test_smoke_run_completes_within_the_bound_with_every_system(smoke: tuple[dic
     assert set(summary["oracle_eta_share"]) == set(ALL)
     assert all(p["oracle_eta"] > 0 and set(p["oracle_eta_share"]) == set(ALL) for p in data["points"])
     assert {"vs", "steady_vs", "violations", "gap_recovered", "all_vanilla_vs_in_flight"} <= set(summary)
+    assert set(summary["realised_staleness"]) == set(ALL)
+    matched = data["matched"]  # StaleFlow at the completion-order peer's realised p99 and max, at every eta
+    assert {m["peer"] for m in matched} == {"in-flight-fifo", "laminar"}
+    assert {m["peer_eta"] for m in matched} == {1, 2, 3, 4}
+    for m in matched:
+        assert m["staleflow_eta"] in (m["realised_p99"], m["realised_max"]) and m["staleflow_violations"] == 0
+        assert m["ratio"] == m["staleflow_throughput"] / m["peer_throughput"]
 
 
 def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
@@ -78,10 +85,11 @@ def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
             assert abs(sum(run["breakdown_fractions"].values()) - 1) < 1e-9
             assert {"mean_ms", "p99_ms", "planned", "cycles"} <= set(run["decisions"])
             assert run["decisions"]["planned"] >= 1
-        assert set(point["ratios"]["sf-rsm"]) == {"synchronous", "one-step", "in-flight-limited", "completion-order"}
+        assert set(point["ratios"]["sf-rsm"]) == {"synchronous", "one-step", "in-flight-limited", "completion-order",
+                                                  "laminar"}
         assert all(isinstance(v, float) and v > 0 for v in point["ratios"]["sf-rsm"].values())
     vs = data["summary"]["vs"]
-    assert set(vs) == {"synchronous", "one-step", "in-flight-limited", "completion-order"}
+    assert set(vs) == {"synchronous", "one-step", "in-flight-limited", "completion-order", "laminar"}
     assert set(data["summary"]["steady_vs"]) == set(vs)
     assert vs["synchronous"]["paper_max"] == 2.68
     assert data["summary"]["all_vanilla_vs_in_flight"]["max_deviation"] >= 0
@@ -90,7 +98,8 @@ def test_smoke_json_is_well_formed(smoke: tuple[dict, Path, str]) -> None:
 def test_smoke_writes_figures_and_markdown(smoke: tuple[dict, Path, str]) -> None:
     _, out, output = smoke
     figures = out / "figures"
-    for name in ("fig13_throughput", "fig16_ablation", "fig17_instance_load", "fig18_staleness"):
+    for name in ("fig13_throughput", "fig16_ablation", "fig17_instance_load", "fig18_staleness", "repack",
+                 "staleness_tradeoff"):
         assert (figures / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
     md = (figures / "results.md").read_text()
     assert "| sf-rsm |" in md and "Gains" in md and "cf. Table 3" in md
@@ -138,19 +147,21 @@ def test_bad_options_say_what_to_fix(args: tuple[str, ...], message: str) -> Non
 def test_report_tables_have_a_row_per_system() -> None:
     spec = ExperimentSpec(scenario("ci"), tuple(resolve("headline")), (2,), steps=3, detail_eta=2)
     result = run_experiment(spec)
-    throughput, gains, detail, breakdown, skew = tables(result)
-    assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "oracle",
-                                                   "oracle-eta"]
+    throughput, gains, matched, detail, breakdown, skew = tables(result)
+    assert [row[0] for row in matched.rows] == [m.peer for m in result.matched]
+    assert {m.peer for m in result.matched} == {"in-flight-fifo", "laminar"}, "every peer that does not keep the bound"
+    assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "laminar",
+                                                   "oracle", "oracle-eta"]
     labels = [r[0] for r in gains.rows]
-    assert sum(label.startswith("StaleFlow / ") for label in labels) == 8  # four baselines, all steps and second half
-    assert sum("/ oracle (" in label for label in labels) == 5, "every system's share of the upper bound"
-    assert sum("/ oracle-eta (" in label for label in labels) == 6, "every system's share of the bounded one"
+    assert sum(label.startswith("StaleFlow / ") for label in labels) == 10  # five peers, all steps and second half
+    assert sum("/ oracle (" in label for label in labels) == 6, "every system's share of the upper bound"
+    assert sum("/ oracle-eta (" in label for label in labels) == 7, "every system's share of the bounded one"
     assert any("gap to the oracle" in label for label in labels)
     assert all(len(r) == len(gains.header) for r in gains.rows)
     assert [row[0] for row in detail.rows] == [row[0] for row in breakdown.rows] == [row[0] for row in skew.rows]
     assert all(len(r) == len(skew.header) and r[1] != "-" for r in skew.rows), "every system's length skew"
     md = markdown(result, "staleflow bench systems --preset ci")
-    assert sum(line.startswith("|---") for line in md.splitlines()) == 5, "five tables"
+    assert sum(line.startswith("|---") for line in md.splitlines()) == 6, "six tables"
     assert "staleflow bench systems --preset ci" in md
 
 

@@ -75,6 +75,7 @@ def _events(proc: subprocess.Popen):
             yield json.loads(line)
 
 
+@pytest.mark.timeout(300)
 def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
     state = tmp_path / "run"
     steps = 40
@@ -108,6 +109,20 @@ def test_inspect_mid_run_then_sigterm_then_resume(tmp_path: Path) -> None:
     what_if = runner.invoke(app, ["admission", "--version", "0", "--count", "2", "--state-dir", str(state), "--json"])
     assert what_if.exit_code == 0, what_if.output
     assert "too stale" in json.loads(what_if.output)["what_if"]["reason"], "version 0 is outside eta=1 by now"
+    # one owner per state directory: a second `up` of any kind is refused at once, naming the live
+    # one, and nothing of the live job's state is deleted or rewritten
+    kept = {name: (state / name).read_bytes() for name in ("job.json", "endpoints.json", "token")}
+    listing = sorted(p.name for p in state.iterdir())
+    for second in (["--fresh"], ["--resume"], []):
+        refused = runner.invoke(app, ["up", "--steps", "2", "--state-dir", str(state), *SMALL, *second])
+        assert refused.exit_code == 2, (second, refused.output)
+        assert f"pid {proc.pid}" in refused.output and "--state-dir" in refused.output, refused.output
+        assert {name: (state / name).read_bytes() for name in kept} == kept
+        assert set(listing) <= {p.name for p in state.iterdir()}
+    version_then = json.loads(runner.invoke(app, ["buffers", "--state-dir", str(state), "--json"]).output)
+    for event in _events(proc):  # the live job goes on
+        if event["event"] == "sample" and event["train_version"] > version_then["train_version"]:
+            break
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 128 + signal.SIGTERM
     for name in ("manager", "ts", "coordinator"):

@@ -46,6 +46,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors
 pytestmark = [pytest.mark.vllm, pytest.mark.torch]
 
 from staleflow.config.engines import VllmEngineParams  # noqa: E402
+from staleflow.cost_model import CostModel  # noqa: E402
 from staleflow.engines.base import (  # noqa: E402
     FinishReason,
     SamplingParams,
@@ -56,6 +57,7 @@ from staleflow.engines.base import (  # noqa: E402
     WeightsPath,
 )
 from staleflow.engines.vllm_engine import VllmEngine  # noqa: E402
+from staleflow.strategies import DecodeSpeeds  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -179,6 +181,31 @@ def test_generates_with_logprobs_and_one_segment(harness: Harness) -> None:
     snap = harness.run(harness.engine.snapshot())
     assert done.traj_id in snap.complete_trajs
     assert snap.run_trajs == () and snap.wait_trajs == ()
+
+
+def test_snapshots_report_decode_steps_that_the_coordinator_turns_into_a_speed(harness: Harness) -> None:
+    engine, speeds, cost = harness.engine, DecodeSpeeds(min_steps=8), CostModel()
+    request = harness.start_running(900, 2)
+
+    def running_snapshot():
+        snap = harness.run(engine.snapshot())
+        assert request.traj_id in snap.run_trajs, "still decoding"
+        return snap
+
+    first = running_snapshot()
+    assert first.decode_steps is not None and first.decode_seconds is not None
+    assert speeds.observe("i", first.decode_steps, first.decode_seconds, first.kv_cache, 1, cost) == 1.0, "a first mark"
+    harness.wait_until(lambda: harness.run(engine.snapshot()).decode_steps >= first.decode_steps + 16)
+    second = running_snapshot()
+    assert second.decode_seconds > first.decode_seconds
+    # what the coordinator's _state does with each snapshot: the speed weighs routing and pull: auto
+    speed = speeds.observe("i", second.decode_steps, second.decode_seconds, second.kv_cache, 1, cost)
+    steps = second.decode_steps - first.decode_steps
+    modelled = (cost.step_latency(first.kv_cache, 1) + cost.step_latency(second.kv_cache, 1)) / 2
+    assert speed == pytest.approx(steps * modelled / (second.decode_seconds - first.decode_seconds))
+    assert speeds.speed("i") == speed
+    harness.run(engine.abort([request.traj_id]))
+    assert harness.next_completed().finish_reason is FinishReason.ABORT
 
 
 def test_interrupt_keeps_partial_and_resume_equals_one_shot(harness: Harness) -> None:

@@ -1,5 +1,6 @@
 """The FSDP2 trainer on CUDA (NCCL beside gloo): two steps train with the defaults (bf16,
-activation checkpointing, chunked or fused log-probs), log-probs in bf16 match the plain formula,
+selective activation checkpointing, chunked or fused log-probs, Liger's layer kernels and packed
+rows where available), log-probs in bf16 match the plain formula,
 the sharded load reads the saved weights without the whole model on the GPU, a checkpoint
 round-trips, and each rank gets its own GPU."""
 
@@ -63,7 +64,7 @@ def test_two_steps_train_on_cuda_with_the_defaults(gpu_model_dir: Path, tmp_path
     backend = FsdpBackend(_config(max_tokens_per_micro_batch=4 * (PROMPT + RESPONSE)), gpu_model_dir,
                           tmp_path / "ckpt", 0, 1, final_version=2)
     assert backend.device.type == "cuda" and backend.settings.mixed_precision
-    assert backend.settings.activation_checkpointing
+    assert backend.settings.activation_checkpointing == "selective"
     vocab = backend.model.config.vocab_size
     torch.cuda.reset_peak_memory_stats()
     first = backend.train(0, _batch(vocab))
@@ -73,7 +74,8 @@ def test_two_steps_train_on_cuda_with_the_defaults(gpu_model_dir: Path, tmp_path
         assert m["grad_norm"] > 0 and m["negative_logp"] > 0
     print(f"\ntwo steps: {first['train_seconds']:.2f} s, {second['train_seconds']:.2f} s; micro-batches "
           f"{second['micro_batches']:.0f}; peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; "
-          f"fused log-probs {backend.settings.fused_logprobs}; packing {backend.packing}")
+          f"fused log-probs {backend.settings.fused_logprobs}; packing {backend.packing}; attention "
+          f"{backend.model.config._attn_implementation}")
 
 
 @pytest.mark.parametrize("tokens", [1, 300, 4096])

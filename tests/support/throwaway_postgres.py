@@ -62,12 +62,24 @@ class ThrowawayPostgres:
     def start(self) -> ThrowawayPostgres:
         self._run("initdb", "-D", str(self.data), "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync",
                   "--no-instructions")
+        self._serve()
+        return self
+
+    def _serve(self) -> None:
         # loopback TCP only; fsync off: the tests kill StaleFlow processes, never this server
         options = f"-h 127.0.0.1 -p {self.port} -c unix_socket_directories='' -c fsync=off -c max_connections=200"
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "server.log"), "-w", "-t", "60",
                   "-o", options, "start")
         self.running = True
-        return self
+
+    def halt(self) -> None:
+        """An outage: the server stops (its sessions are cut, connections are refused), its data stays."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+        self.running = False
+
+    def resume(self) -> None:
+        """The outage ends: the same server, data and port again."""
+        self._serve()
 
     def stop(self) -> None:
         try:

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-from support import manager_and_trajectory_server
+from support import manager_and_trajectory_server, manager_config
 from typer.testing import CliRunner
 
 from staleflow.api.base import http_client
@@ -23,6 +23,7 @@ from staleflow.coordinator.app import create_app as coordinator_app
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
+from staleflow.servers.manager import create_app as manager_app
 
 ETA, BATCH, GROUP, MAX_TOKENS = 1, 2, 2, 4096
 
@@ -141,6 +142,21 @@ def test_a_live_job_says_which_groups_a_buffer_waits_for_and_where_they_run(tmp_
         consumed = manager.post("/v1/consume", params={"version": 0}).json()
         after = co.get("/v1/buffers/0/explain").json()
         assert after["state"] == "consumed" and not after["consumable"] and after["occupied"] == len(consumed["group_ids"])
+        assert after["summary"] == (f"buffer 0 was already consumed: the trainer trained on its {BATCH} groups and is "
+                                    "now at version 1, waiting for buffer 1"), "a whole sentence"
+
+        # without a version the command explains the buffer the trainer waits for, even when the one it read
+        # was consumed meanwhile (here: a manager still at version 0 answers the read, as a read just before
+        # the consume would have)
+        stale = stack.enter_context(serve_in_thread(manager_app(manager_config(tmp_path / "stale", eta=ETA,
+                                                                               batch_size=BATCH, group_size=GROUP))))
+        next_one = runner.invoke(app, ["buffers", "--why", "--url", stale.url, "--coordinator-url", coordinator.url,
+                                       "--state-dir", str(tmp_path)], env={"COLUMNS": "80"})
+        assert next_one.exit_code == 0, next_one.output
+        assert next_one.output.startswith("buffer 1 is ") and "consumed" not in next_one.output
+        as_json = runner.invoke(app, ["buffers", "--why", "--json", "--url", stale.url, "--coordinator-url",
+                                      coordinator.url, "--state-dir", str(tmp_path)])
+        assert json.loads(as_json.output)["version"] == 1
 
         # a buffer that is not live: the one error shape, with its code
         unknown = co.get("/v1/buffers/7/explain")

@@ -23,7 +23,7 @@ from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, create_app
-from staleflow.servers.instance.state import CALLBACK_ERROR_ATTEMPTS
+from staleflow.servers.instance.service import CALLBACK_ERROR_ATTEMPTS
 from staleflow.workload import preset
 
 

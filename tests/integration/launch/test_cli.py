@@ -139,7 +139,7 @@ def test_status_prints_readable_details_that_fit_the_terminal(tmp_path: Path, mo
     monkeypatch.setenv("COLUMNS", "80")
     with serve_in_thread(create_app(manager_config(tmp_path))) as server:
         (tmp_path / "endpoints.json").write_text(json.dumps({"manager": {"url": server.url}}))
-        result = runner.invoke(app, ["status", "--state-dir", str(tmp_path)])
+        result = runner.invoke(app, ["status", "--verbose", "--state-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert max(len(line) for line in result.output.splitlines()) <= 80
     assert "train_version: 0" in result.output and "{" not in result.output

@@ -104,6 +104,6 @@ def test_ledger_invariants_hold_after_fuzzing(services: dict) -> None:
     # the same state, reloaded from disk by the pure ledger, agrees with what the server shows
     from staleflow.servers.manager.store import DurableLedger
 
-    ledger: Ledger = services["manager"].server.config.app.state.ledger.ledger
+    ledger: Ledger = services["manager"].server.config.app.state.manager.ledger.ledger
     assert [b.version for b in ledger.buffers()] == [b["version"] for b in state["buffers"]]
-    assert isinstance(services["manager"].server.config.app.state.ledger, DurableLedger)
+    assert isinstance(services["manager"].server.config.app.state.manager.ledger, DurableLedger)

@@ -1,4 +1,5 @@
-"""Every operation of every service declares what its success answers: a JSON schema that names
+"""Every route a service serves is declared once in ``staleflow.api``, and served. Every operation
+of every service declares what its success answers: a JSON schema that names
 its fields, or a binary body (``application/octet-stream``). The OpenAPI schema is then the
 contract the fuzz test (test_api_fuzz.py) checks the answers against."""
 
@@ -10,8 +11,16 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
+from fastapi.routing import APIRoute
 from support import manager_config
 
+from staleflow.api.base import Route
+from staleflow.api.coordinator import CoordinatorRoutes
+from staleflow.api.instance import InstanceRoutes
+from staleflow.api.manager import ManagerRoutes
+from staleflow.api.params import ParamsRoutes
+from staleflow.api.reward import RewardRoutes
+from staleflow.api.trajectories import TrajectoryRoutes
 from staleflow.config import LedgerConfig
 from staleflow.coordinator.app import CoordinatorConfig
 from staleflow.coordinator.app import create_app as coordinator_app
@@ -103,3 +112,28 @@ def test_the_check_finds_a_bare_dict_and_an_undeclared_binary_body() -> None:
     found = untyped_operations(app)
     assert any(f.startswith("GET /bare 200: an object of anything") for f in found), found
     assert any(f.startswith("GET /bytes 200") for f in found), found
+
+
+ROUTES: dict[str, type] = {"manager": ManagerRoutes, "trajectories": TrajectoryRoutes, "instance": InstanceRoutes,
+                           "coordinator": CoordinatorRoutes, "params": ParamsRoutes, "reward": RewardRoutes}
+UNDECLARED = {"/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}  # FastAPI's and Prometheus'
+
+
+def declared_routes(routes: type) -> dict[tuple[str, str], Any]:
+    """(method, path) of each route a routes class declares -> its reply type."""
+    return {(r.method, r.path): r.reply for cls in routes.__mro__ for r in vars(cls).values() if isinstance(r, Route)}
+
+
+def served_routes(app: FastAPI) -> dict[tuple[str, str], Any]:
+    """(method, path) of each route ``app`` serves -> its response model."""
+    return {(method, route.path): route.response_model for route in app.routes
+            if isinstance(route, APIRoute) and route.path not in UNDECLARED for method in route.methods}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTES))
+def test_every_declared_route_is_served_with_its_reply_type_and_every_served_route_declared(
+        tmp_path: Path, name: str) -> None:
+    served, declared = served_routes(services(tmp_path)[name]), declared_routes(ROUTES[name])
+    assert set(served) - set(declared) == set(), "served without a declaration in staleflow.api"
+    assert set(declared) - set(served) == set(), "declared in staleflow.api, never served"
+    assert {where: served[where] for where in declared} == declared

@@ -135,6 +135,22 @@ def test_bad_trainer_settings_name_the_setting(tiny_config: Path) -> None:
         assert "Traceback" not in result.output
 
 
+def test_settings_this_machine_cannot_honour_are_refused_before_anything_starts(tiny_config: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("Liger's kernels may run here: the refusal is for a machine without CUDA")
+    result = CliRunner().invoke(app, ["bench", "trainer", "--model", str(tiny_config), "--set", "fused_kernels=true"])
+    assert result.exit_code == 2 and "fused_kernels: true needs CUDA and liger_kernel" in result.output
+    assert "fix:" in result.output and "Traceback" not in result.output
+
+
+def test_packing_on_attention_that_cannot_take_packed_rows_is_refused_before_anything_starts(
+        tiny_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transformers.Qwen2ForCausalLM, "_supports_attention_backend", False)
+    result = CliRunner().invoke(app, ["bench", "trainer", "--model", str(tiny_config), "--set", "packing=true"])
+    assert result.exit_code == 2 and "cannot take packed rows" in result.output
+    assert "fix:" in result.output and "Traceback" not in result.output
+
+
 def test_a_token_budget_below_the_prompt_is_refused(tiny_config: Path) -> None:
     if "max_tokens_per_micro_batch" not in TrainerConfig.model_fields:
         pytest.skip("this trainer has no token budget per micro-batch")

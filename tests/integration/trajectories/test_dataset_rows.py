@@ -62,7 +62,10 @@ def test_bad_rows_are_skipped_counted_and_reported(tmp_path: Path) -> None:
         (state / "endpoints.json").write_text(json.dumps({"ts": {"url": ts.url}, "manager": {"url": manager.url}}))
         shown = CliRunner().invoke(app, ["status", "--state-dir", str(state)], env={"COLUMNS": "250"})
         assert shown.exit_code == 0, shown.output
-        assert "skipped prompts: 9" in shown.output and "2 missing answer" in " ".join(shown.output.split())
+        assert "9 prompts skipped" in shown.output
+        verbose = CliRunner().invoke(app, ["status", "--state-dir", str(state), "--verbose"], env={"COLUMNS": "250"})
+        assert verbose.exit_code == 0, verbose.output
+        assert "skipped prompts: 9" in verbose.output and "2 missing answer" in " ".join(verbose.output.split())
         as_json = CliRunner().invoke(app, ["status", "--state-dir", str(state), "--json"])
         assert json.loads(as_json.output)["ts"]["health"]["skipped_prompts"]["count"] == 9
 

@@ -1,10 +1,11 @@
-"""Outside the services' contracts (``staleflow.api``) no code builds a service's paths: every
-caller goes through the typed clients, so a route is changed in one place per side. A scan of the
-source for string literals that are (or contain, after an interpolation) a ``/v1/`` path enforces it.
+"""Outside the services' contracts (``staleflow.api``) no code spells a service's paths: every
+caller goes through the typed clients, and every service registers its handlers from the same
+declarations (``@handles(app, ManagerRoutes.reserve)``), so a route is declared once. A scan of the
+source for string literals that are (or contain, after an interpolation) a ``/v1/`` path enforces it;
+a service's own ``@app.get("/v1/...")`` counts as one.
 
-Allowed: the route declarations of the services themselves (``@app.get("/v1/...")``), prose
-(docstrings, descriptions that mention a path mid-sentence), and the tests of a service's own HTTP
-API (they test the server, so they post raw paths)."""
+Allowed: prose (docstrings, descriptions that mention a path mid-sentence), and the tests of a
+service's own HTTP API (they test the server, so they post raw paths)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ ROOT = Path(__file__).resolve().parents[3]
 SCANNED = ["coordinator", "cli", "launch", "servers", "staleflow"]  # and the tests' shared helpers (below):
 # support modules and conftest files; standalone scripts that drive one service (e2e probes) test its API
 CONTRACTS = ROOT / "staleflow" / "api"
-HTTP_METHODS = {"get", "post", "put", "delete", "patch", "head", "options", "api_route"}
 ALLOWED = {
     # the config composes the instances' callback addresses from the trajectory server's URL; the
     # config sits below the contracts (they import it), so it cannot call Route.url
@@ -23,28 +23,13 @@ ALLOWED = {
 }
 
 
-def _route_declarations(tree: ast.AST) -> set[int]:
-    """ids of the path arguments of ``@<app>.<method>(path, ...)`` decorators."""
-    declared = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            for decorator in node.decorator_list:
-                if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
-                        and decorator.func.attr in HTTP_METHODS and decorator.args):
-                    declared.add(id(decorator.args[0]))
-    return declared
-
-
 def raw_paths(source: str) -> list[tuple[int, str]]:
-    """(line, literal) of each string in ``source`` that builds a ``/v1/`` path outside a route
-    declaration: a literal starting with it, or an f-string with a literal part starting with it."""
+    """(line, literal) of each string in ``source`` that spells a ``/v1/`` path: a literal starting
+    with it, or an f-string with a literal part starting with it."""
     tree = ast.parse(source)
-    declared = _route_declarations(tree)
     found = []
     in_fstrings = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
     for node in ast.walk(tree):
-        if id(node) in declared:
-            continue
         if isinstance(node, ast.JoinedStr):
             parts = [p.value for p in node.values if isinstance(p, ast.Constant) and isinstance(p.value, str)]
             if any(part.startswith("/v1/") for part in parts):
@@ -68,11 +53,11 @@ def test_no_code_outside_the_contracts_builds_a_service_path() -> None:
         found = raw_paths(path.read_text())
         if len(found) != ALLOWED.get(name, 0):
             offenders += [f"{name}:{line}: {text}" for line, text in found]
-    assert not offenders, ("call the service's typed client (staleflow.api.<service>) instead of building its "
-                           "paths:\n" + "\n".join(offenders))
+    assert not offenders, ("call the service's typed client (staleflow.api.<service>), or serve its declaration "
+                           "(servers.http.handles), instead of spelling its paths:\n" + "\n".join(offenders))
 
 
-def test_the_scan_finds_raw_path_calls_and_leaves_declarations_and_prose() -> None:
+def test_the_scan_finds_raw_paths_in_calls_and_route_decorators_and_leaves_prose() -> None:
     source = '''
 """Reads ``/v1/health`` and GET /v1/buffers, in prose."""
 @app.get("/v1/buffers/{version}", response_model=BufferOut)
@@ -86,7 +71,7 @@ def caller(client, ts, version, url):
     callback = f"{url}/v1/completed"
     described = Field(description="the trajectory server's /v1/progress")
 '''
-    assert [line for line, _ in raw_paths(source)] == [9, 10, 11]
+    assert [line for line, _ in raw_paths(source)] == [3, 9, 10, 11]
 
 
 def test_the_scan_covers_every_caller_folder() -> None:

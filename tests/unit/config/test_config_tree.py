@@ -173,3 +173,11 @@ def test_cli_defaults_come_from_the_models() -> None:
     reward = _options("serve", "reward")
     assert (reward["default"], reward["workers"], reward["timeout_s"], reward["port"]) == tuple(
         default_of(RewardConfig, n) for n in ("default_verifier", "workers", "timeout_s", "port"))
+
+
+def test_repack_on_vllm_with_its_stats_off_is_refused_with_the_fix() -> None:
+    off = {"dtype": "float32", "engine_args": {"disable_log_stats": True}}
+    with pytest.raises(ValueError, match="drop vllm_args.engine_args.disable_log_stats"):
+        JobConfig(engine="vllm", vllm_args=off, coordinator={"migration": "repack"})
+    assert JobConfig(engine="vllm", vllm_args=off, coordinator={"migration": "starved"})
+    assert JobConfig(engine="vllm", coordinator={"migration": "starved+repack"}).coordinator.strategy.migration.repacks

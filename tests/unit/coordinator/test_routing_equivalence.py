@@ -102,9 +102,10 @@ def straightforward_route(instances, pending, budget, config, group_versions) ->
 @st.composite
 def routing_states(draw):
     n_instances = draw(st.integers(1, 10))
+    one_cost = draw(st.sampled_from([None, *COSTS]))  # a fleet of one cost model routes on scalar coefficients
     instances = []
     for i in range(n_instances):
-        cost = draw(st.sampled_from(COSTS))
+        cost = one_cost or draw(st.sampled_from(COSTS))
         running = draw(st.integers(0, 40))
         kv = draw(st.floats(0, cost.kv_budget * 1.1)) if running else 0.0
         instances.append(InstanceState(f"i{i}", draw(st.integers(0, 3)), kv, [f"i{i}-r{k}" for k in range(running)],

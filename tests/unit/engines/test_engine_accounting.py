@@ -65,6 +65,15 @@ def test_a_mixed_step_is_split_by_its_tokens() -> None:
     assert t.seconds["reprefill"] == pytest.approx(0.1)
     assert t.seconds["decode"] == pytest.approx(0.2)
     assert t.steps == 1 and t.mixed_steps == 1 and t.step_seconds == pytest.approx(0.6)
+    assert t.decode_steps == 0 and t.decode_step_seconds == 0, "a mixed step is no decode step"
+    # then a step of the 21 running ones decoding only: one decode step, all its time
+    steps.begin(SchedulerOutput(scheduled_cached_reqs=CachedRequests([f"c{i}" for i in range(20)] + ["a#1-0f3c"],
+                                                                     [4] * 20 + [1]),
+                                num_scheduled_tokens={**{f"c{i}": 1 for i in range(20)}, "a#1-0f3c": 1}))
+    clock.now += 0.25
+    steps.end()
+    assert t.decode_steps == 1 and t.decode_step_seconds == pytest.approx(0.25)
+    assert t.tokens["decode"] == 41 and t.steps == 2
     assert t.prefix_cached_tokens == {"prefill": 0, "reprefill": 4}
     assert t.first_step_started == 100.0
 

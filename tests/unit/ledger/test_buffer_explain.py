@@ -213,7 +213,10 @@ def test_an_unknown_buffer_is_refused_with_its_code_and_a_consumed_one_says_so()
         explain(led, 2, [], [])
     assert refused.value.code is ErrorCode.UNKNOWN_BUFFER and refused.value.status == 404
     consumed = explain_consumed(0, 3, 2, ["a", "b"])
-    assert consumed.state == "consumed" and not consumed.consumable and "already consumed" in consumed.summary
+    assert consumed.state == "consumed" and not consumed.consumable and consumed.summary == (
+        "buffer 0 was already consumed: the trainer trained on its 2 groups and is now at version 3, waiting for "
+        "buffer 3")
+    assert "its 1 group and" in explain_consumed(0, 1, 1, ["a"]).summary
 
 
 def _consumes_through(led: Ledger, required: list[str], others: list[str], count: int, version: int) -> bool:

@@ -34,8 +34,8 @@ def test_engine_parts_sum_to_rollout_time_and_commands_stay_apart() -> None:
     assert engine["seconds"]["decode"] == 18.0 and "route" not in engine["seconds"]
     assert engine["per_version"] == {"0": {"decode": 12.0, "pull": 1.5}, "1": {"decode": 6.0, "pull": 1.5}}
     assert view["commands"]["source"].startswith("coordinator command latency")
-    assert view["commands"]["seconds"] == {"route": 3.0, "interrupt": 0.5, "abort": 0.0, "pull": 4.0}
-    assert view["commands"]["count"] == {"route": 12, "interrupt": 2, "abort": 0, "pull": 3}
+    assert view["commands"]["seconds"] == {"route": 3.0, "interrupt": 0.5, "abort": 0.0, "pull": 4.0, "repack": 0.0}
+    assert view["commands"]["count"] == {"route": 12, "interrupt": 2, "abort": 0, "pull": 3, "repack": 0}
 
 
 def test_a_sim_run_scales_command_latency_to_the_simulated_clock() -> None:

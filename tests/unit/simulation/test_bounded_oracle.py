@@ -92,15 +92,16 @@ def test_bad_jobs_are_refused_with_what_to_fix() -> None:
 
 
 jobs = st.builds(
-    lambda b, g, steps, eta, instances, lengths, prompts, push, cost, slow, max_running: BoundedJob(
+    lambda b, g, steps, eta, instances, lengths, prompts, push, cost, slow, max_running, moves: BoundedJob(
         tuple(tuple(lengths[i * g:(i + 1) * g]) for i in range(steps * b)), b, steps, eta,
-        tuple(slow[:instances]), cost, max_running, 1.0, 0.01, push, tuple(prompts[:steps * b]), 0.05),
+        tuple(slow[:instances]), cost, max_running, 1.0, 0.01, push, tuple(prompts[:steps * b]), 0.05,
+        moves=moves),
     st.integers(1, 2), st.integers(1, 2), st.integers(1, 3), st.integers(0, 2), st.integers(1, 2),
     st.lists(st.integers(1, 4), min_size=12, max_size=12), st.lists(st.integers(0, 3), min_size=6, max_size=6),
     st.sampled_from([0.0, 0.5]),
     st.builds(lambda k1, k3, budget: CostModel(k1=k1, k2=0.2, k3=k3, k4=0.3, kv_budget=budget),
               st.sampled_from([0.0, 0.05]), st.sampled_from([0.1, 0.3]), st.integers(8, 16)),
-    st.lists(st.sampled_from([1.0, 1.0, 1.7]), min_size=2, max_size=2), st.integers(1, 3),
+    st.lists(st.sampled_from([1.0, 1.0, 1.7]), min_size=2, max_size=2), st.integers(1, 3), st.booleans(),
 ).filter(lambda j: sum(map(len, j.groups[:j.steps * j.batch_size])) <= 4)
 
 
@@ -128,7 +129,7 @@ def test_the_heuristic_is_a_schedule_of_the_model_never_shorter_than_the_exact_o
     assert fast.tokens == j.tokens and math.isfinite(fast.makespan_s)
     # the heuristic's jumps from event to event give the greedy policy's schedule, step by step
     assert fast.eta is not None and fast.eta <= j.eta and fast.caps
-    scheduled = replace(j, eta=fast.eta)
+    scheduled = replace(j, eta=fast.eta, moves=fast.moves)
     assert replay(scheduled, greedy_policy(scheduled, fast.caps)) == pytest.approx(fast.makespan_s, rel=1e-9)
     best = exact(j, fast.makespan_s * (1 + 1e-9))
     assert best.makespan_s <= fast.makespan_s * (1 + 1e-9)
@@ -142,15 +143,33 @@ def test_a_looser_bound_never_lengthens_the_best_schedule(j: BoundedJob) -> None
     assert exact(replace(j, eta=j.eta + 1), strict * (1 + 1e-9)).makespan_s <= strict * (1 + 1e-9)
 
 
+def test_a_paused_trajectory_moves_to_a_free_instance_and_is_prefilled_there_again() -> None:
+    # two trajectories of 4 tokens, prompt 1, one at a time per instance; instance 1 three times slower
+    j = BoundedJob(((4, 4),), 1, 1, 0, (1.0, 3.0), ONE_SECOND_STEPS, 1, 1.0, prefill_s_per_token=0.25,
+                   prompt_tokens=(1,))
+    # without moves the second waits for the fast instance: 2 x (prefill 0.25 + 4 steps), then 1 s of training
+    assert exact(j).makespan_s == pytest.approx(2 * 4.25 + 1)
+    # with them it generates a token on the slow one (3 x 1.25 s), pauses, and the fast one takes it when
+    # free at 4.25: prefill of its prompt and token (2 x 0.25), then its 3 last steps
+    assert exact(replace(j, moves=True)).makespan_s == pytest.approx(4.25 + 0.5 + 3 + 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(looser_sized_jobs)
+def test_moves_never_lengthen_the_best_schedule(j: BoundedJob) -> None:
+    fixed = exact(replace(j, moves=False), heuristic(replace(j, moves=False)).makespan_s * (1 + 1e-9)).makespan_s
+    assert exact(replace(j, moves=True), fixed * (1 + 1e-9)).makespan_s <= fixed * (1 + 1e-9)
+
+
 def test_a_simulated_cluster_becomes_a_bounded_job_and_its_schedule_keeps_the_bound() -> None:
     ci = replace(scenario("ci"), straggler_sigma=0.25)
     j = scenario_job(ci, eta=1, steps=ci.steps, instances=2)
     assert len(j.groups) == ci.steps * ci.workload.batch_size
     assert all(1 <= n <= ci.workload.max_response_tokens for g in j.groups for n in g)
-    assert len(j.slowdowns) == 2 and j.slowdowns[0] != j.slowdowns[1]
+    assert len(j.slowdowns) == 2 and j.slowdowns[0] != j.slowdowns[1] and j.moves
     schedule = heuristic(j)
     assert schedule.throughput > 0 and _bound_holds(j, schedule)
-    scheduled = replace(j, eta=schedule.eta)
+    scheduled = replace(j, eta=schedule.eta, moves=schedule.moves)
     assert replay(scheduled, greedy_policy(scheduled, schedule.caps)) == pytest.approx(schedule.makespan_s, rel=1e-9)
     # a looser bound lets the next steps generate sooner
     assert heuristic(replace(j, eta=3)).makespan_s < schedule.makespan_s

@@ -35,9 +35,20 @@ def test_a_small_decision_bench_routes_every_initial_trajectory() -> None:
     assert data["strategy"] == "staleflow"
     initial = next(r for r in data["rows"] if r["scenario"] == "initial fill")
     assert initial["routed"] == 32 and initial["median_ms"] > 0
+    assert all(r["cpu_min_ms"] > 0 and r["peak_mib"] > 0 for r in data["rows"])
 
 
 def test_an_unknown_strategy_says_which_ones_exist() -> None:
     result = runner.invoke(_app(), ["bench", "coordinator", "--strategy", "greedy"])
     assert result.exit_code != 0
-    assert "default or staleflow" in result.output
+    assert "default, staleflow, repack" in result.output
+
+
+def test_the_repack_strategy_checks_repack_on_every_pass() -> None:
+    config = decision_strategy("repack")
+    assert config.migration is MigrationMode.STARVED_REPACK
+    result = runner.invoke(_app(), ["bench", "coordinator", "--instances", "8", "--trajectories", "64",
+                                    "--repeats", "1", "--strategy", "repack", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)["rows"]
+    assert {r["scenario"] for r in rows} == {"initial fill", "steady"} and all("repacks" in r for r in rows)

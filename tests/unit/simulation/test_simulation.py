@@ -342,4 +342,56 @@ def test_unknown_systems_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="sf-rsm"):
         resolve("sf-zzz")
     assert [s.name for s in resolve("staleflow,verl")] == ["verl", "sf-rsm"]
-    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 21
+    assert len(resolve("ablation")) == 8 and len(resolve("all")) == 24
+
+
+def test_repack_runs_in_the_simulation_and_laminar_trains_beyond_eta_without_violations() -> None:
+    laminar = run("laminar", eta=1, steps=8)
+    assert laminar.counters["repacks"] >= 1 and laminar.counters["repacked"] >= laminar.counters["repacks"]
+    assert laminar.violations == 0 and laminar.exceedances > 0, "no bound: staleness over eta is reported"
+    assert 0 < laminar.busy_kv_utilisation <= 1
+    staleflow = run("sf-rsm+repack", eta=1, steps=8)
+    assert staleflow.violations == 0 and staleflow.exceedances == 0
+    assert max(staleflow.staleness_total()) <= 1
+
+
+
+
+def test_realised_staleness_is_read_from_the_trained_histogram() -> None:
+    r = run("in-flight-fifo", eta=1, steps=6)
+    total = r.staleness_total()
+    ordered = [s for s, n in total.items() for _ in range(n)]
+    realised = r.realised_staleness()
+    assert realised["max"] == ordered[-1]
+    # the smallest staleness that covers 99 % of the trained trajectories
+    assert sum(1 for s in ordered if s <= realised["p99"]) >= 0.99 * len(ordered)
+    assert sum(1 for s in ordered if s < realised["p99"]) < 0.99 * len(ordered)
+    assert realised["p99"] > 1, "completion order trains beyond eta here"
+    assert realised["over_eta_share"] == sum(1 for s in ordered if s > 1) / len(ordered)
+    assert r.to_dict()["realised_staleness"] == realised
+    strict = run("sf-rsm", eta=1, steps=6).realised_staleness()
+    assert strict["max"] <= 1 and strict["over_eta_share"] == 0
+
+
+def test_matched_runs_bound_staleflow_at_each_loose_peers_realised_staleness() -> None:
+    loose_strict = replace(SYSTEMS["in-flight"], name="in-flight-loose", bound_kept=False)  # any system can declare it
+    assert SYSTEMS["in-flight-fifo"].bound_breaking_peer and not SYSTEMS["oracle"].bound_breaking_peer
+    assert not SYSTEMS["sf-rsm"].bound_breaking_peer and loose_strict.bound_breaking_peer
+    spec = ExperimentSpec(CI, (SYSTEMS["in-flight-fifo"], loose_strict, SYSTEMS["oracle"]), (1, 2), steps=4,
+                          instances=2)
+    result = run_experiment(spec)
+    assert {m.peer for m in result.matched} == {"in-flight-fifo", "in-flight-loose"}, "StaleFlow joins unselected"
+    for p in result.points:
+        for peer in ("in-flight-fifo", "in-flight-loose"):
+            rows = [m for m in result.matched if m.peer == peer and m.peer_eta == p.point.eta]
+            realised = p.runs[peer].realised_staleness()
+            assert [m.staleflow_eta for m in rows] == sorted({realised["p99"], realised["max"]})
+            for m in rows:
+                assert m.staleflow.eta == m.staleflow_eta and m.staleflow.violations == 0
+                assert m.staleflow.system == "sf-rsm" and m.staleflow.instances == 2
+                assert m.ratio == m.staleflow.throughput / p.runs[peer].throughput
+    fifo = [m for m in result.matched if m.peer == "in-flight-fifo"]
+    assert any(m.staleflow_eta > m.peer_eta for m in fifo), "completion order trains beyond its nominal eta"
+    data = result.to_dict()["matched"]
+    assert {"peer", "sweep_value", "peer_eta", "realised_p99", "realised_max", "staleflow_eta", "ratio"} <= set(data[0])
+    assert result.summary()["violations"] == 0

@@ -1,12 +1,13 @@
-"""The instance server's state: the completed-trajectory outbox, ``create_engine`` (the engine an
-``InstanceConfig`` describes) and ``InstanceServer``, which applies commands to the engine one at a
-time, records them for idempotent replay and feeds the outbox."""
+"""The instance server's service: the completed-trajectory outbox and ``InstanceServer``, which
+applies commands to the engine one at a time, records them for idempotent replay and feeds the
+outbox."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import random
 import time
@@ -20,6 +21,7 @@ import httpx
 
 from staleflow.api.base import TRANSIENT_STATUS, async_http_client
 from staleflow.api.instance import AbortCommand, AdvanceIn, AnyCommand, InterruptCommand, RouteCommand
+from staleflow.config import InstanceConfig
 from staleflow.config.engines import Clock
 from staleflow.engines.base import (
     CompletedTrajectory,
@@ -27,9 +29,9 @@ from staleflow.engines.base import (
     EngineSnapshot,
     RolloutEngine,
 )
+from staleflow.engines.factory import create_engine
 from staleflow.engines.sim import SimEngine
 from staleflow.errors import ErrorCode
-from staleflow.servers.instance.config import InstanceConfig
 from staleflow.servers.instance.wire import engine_request, trajectory_json, weights_ref
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,34 @@ HELD_EVERY_S = 1.0  # between checkpoints, how often the trajectory server hears
 class _Recorded:
     fingerprint: str
     status: int
-    body: dict[str, Any]
+    body: bytes  # the response, as compact JSON: a partial's tokens take a few bytes each, not objects
+
+
+class ReplayWindow:
+    """The responses of the last commands, by ``command_id``, for a retry to get the same answer.
+    Bounded by count and by bytes: a Pull or an Interrupt answers with partials (every token and
+    log-prob of each), so a count alone would let the window hold gigabytes on a long run."""
+
+    def __init__(self, max_commands: int, max_bytes: int):
+        self.max_commands = max_commands
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._recorded: OrderedDict[str, _Recorded] = OrderedDict()
+
+    def get(self, command_id: str) -> _Recorded | None:
+        return self._recorded.get(command_id)
+
+    def record(self, command_id: str, fingerprint: str, status: int, body: dict[str, Any]) -> None:
+        recorded = _Recorded(fingerprint, status, json.dumps(body, separators=(",", ":")).encode())
+        self._recorded[command_id] = recorded
+        self.bytes += len(recorded.body)
+        # the newest is kept even when it alone exceeds the byte bound: its retry is the likely one
+        while len(self._recorded) > 1 and (len(self._recorded) > self.max_commands or self.bytes > self.max_bytes):
+            _, dropped = self._recorded.popitem(last=False)
+            self.bytes -= len(dropped.body)
+
+    def __len__(self) -> int:
+        return len(self._recorded)
 
 
 class Outbox:
@@ -126,18 +155,6 @@ class Outbox:
         return len(self._items)
 
 
-def create_engine(config: InstanceConfig) -> RolloutEngine:
-    if config.engine == "sim":
-        sim = config.sim
-        return SimEngine(sim.params(), instance_id=config.instance_id, clock=sim.clock, speed=sim.speed)
-    from staleflow.config.engines import VllmEngineParams
-    from staleflow.engines.vllm_engine import VllmEngine
-
-    assert config.vllm is not None
-    params = VllmEngineParams(**config.vllm.model_dump())
-    return VllmEngine(params)
-
-
 @dataclass
 class ProgressTally:
     """Progress checkpoints sent by this instance: the response position of each trajectory's
@@ -176,7 +193,7 @@ class InstanceServer:
         self.boot_id = uuid.uuid4().hex  # a restarted instance is a new one: the coordinator tells them apart
         self._lock = asyncio.Lock()
         self._pulling = False
-        self._recorded: OrderedDict[str, _Recorded] = OrderedDict()
+        self._replay = ReplayWindow(config.idempotency_window, config.idempotency_bytes)
         self._tasks: list[asyncio.Task[None]] = []
         self.progress = ProgressTally()
 
@@ -320,12 +337,12 @@ class InstanceServer:
         (and replayed) like a result; reusing a ``command_id`` for another command raises."""
         fingerprint = hashlib.sha256(command.model_dump_json().encode()).hexdigest()
         async with self._lock:
-            recorded = self._recorded.get(command.command_id)
+            recorded = self._replay.get(command.command_id)
             if recorded is not None:
                 if recorded.fingerprint != fingerprint:
                     raise EngineError(ErrorCode.COMMAND_ID_REUSED,
                                       f"command_id {command.command_id} was already used for a different command")
-                return recorded.status, recorded.body, True
+                return recorded.status, json.loads(recorded.body), True
             try:
                 result = await self._execute(command)
             except EngineError as exc:
@@ -334,9 +351,7 @@ class InstanceServer:
                 self.seq += 1
                 self.commands_applied[command.kind] = self.commands_applied.get(command.kind, 0) + 1
                 status, body = 200, {"command_id": command.command_id, "kind": command.kind, "seq": self.seq, **result}
-            self._recorded[command.command_id] = _Recorded(fingerprint, status, body)
-            while len(self._recorded) > self.config.idempotency_window:
-                self._recorded.popitem(last=False)
+            self._replay.record(command.command_id, fingerprint, status, body)
             return status, body, False
 
     async def _execute(self, command: AnyCommand) -> dict[str, Any]:
@@ -386,6 +401,7 @@ class InstanceServer:
             "loading_weights": snap.loading_weights,
             "decode_steps": snap.decode_steps,
             "decode_seconds": snap.decode_seconds,
+            "kv_usage": snap.kv_usage,
             "generated": dict(snap.generated) if snap.generated is not None else None,
         }
 
