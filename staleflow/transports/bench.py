@@ -329,10 +329,12 @@ def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, p
                              "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said: list[str] = []
-    for line in proc.stderr:
+    stderr = proc.stderr
+    assert stderr is not None  # stderr=PIPE
+    for line in stderr:
         if "listening on" in line:
             url = line.strip().rsplit(" ", 1)[-1]
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            threading.Thread(target=stderr.read, daemon=True).start()
             return proc, url
         said = [*said[-19:], line]
     raise RuntimeError(f"the parameter server exited with {proc.wait()} before listening; it said:\n{''.join(said)}")
@@ -576,7 +578,7 @@ def _split(flat: np.ndarray, table: dict) -> list[np.ndarray]:
 
 
 def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[int], instance_counts: list[int],
-                     repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: list[tuple[str, dict]] = (),
+                     repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: Sequence[tuple[str, dict]] = (),
                      synthetic_twins: bool = True, device: str = "host", planned: Callable[[int], None] = _ignore,
                      advance: Callable[[int], None] = _ignore, verify_modes: Sequence[str] = ("auto",),
                      side_by_side: bool = False, persist: bool = True) -> dict:

@@ -9,7 +9,7 @@ import operator
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -167,7 +167,8 @@ class ParamsClient(Client):
         once it is visible, with its summary. The bytes go from the caller's buffers straight into
         the PS's memory (``shm``; ``auto`` picks it on the PS's host) or chunk by chunk over HTTP;
         never copied whole."""
-        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        # a Mapping is also an Iterable: say which one the signature means
+        items = list(cast(Mapping[str, Any], tensors).items()) if isinstance(tensors, Mapping) else list(tensors)
         converted = [(name, *_as_bytes(value)) for name, value in items]
         table = {n: (d, tuple(s)) for n, d, s, _ in converted}
         pieces = [ShardPiece(n, 0, buf) for n, _, _, buf in converted]
@@ -541,7 +542,7 @@ def _flat_target(into: Any, total_bytes: int) -> np.ndarray:
 
 def _byte_view_of(data: Any) -> memoryview:
     if type(data) is np.ndarray and data.dtype == np.uint8 and data.ndim == 1 and data.flags.c_contiguous:
-        return memoryview(data)  # a shard held as bytes (a rank's pieces of a staging buffer): once per piece per push
+        return data.data  # its memoryview: a shard held as bytes (a rank's pieces of a staging buffer): once per piece per push
     if type(data).__module__.startswith("torch"):
         data = _torch_bytes(data)[2]
     if isinstance(data, np.ndarray):

@@ -90,7 +90,7 @@ def _byte_view(buffer: Any) -> memoryview:
     if isinstance(buffer, np.ndarray):
         if not buffer.flags.c_contiguous:
             raise FormatError("arrays must be C-contiguous; call np.ascontiguousarray first")
-        return memoryview(buffer.reshape(-1).view(np.uint8))
+        return buffer.reshape(-1).view(np.uint8).data
     view = memoryview(buffer)
     if not view.contiguous:
         raise FormatError("buffers must be contiguous")

@@ -266,11 +266,11 @@ class _Mapping:
         finally:
             os.close(fd)
         self.array = np.frombuffer(self.map, np.uint8) if self.map is not None else np.empty(0, np.uint8)
-        self.view = memoryview(self.array)
+        self.view = self.array.data
 
     def close(self) -> None:
         self.view.release()
-        self.array = None
+        self.array = np.empty(0, np.uint8)  # lets go of the mapped bytes
         if self.map is not None:
             with contextlib.suppress(BufferError):  # a view still exported: it unmaps when collected
                 self.map.close()
@@ -563,7 +563,7 @@ def _checked(ends: Generator[int, None, None], stamp: _SlotStamp | None) -> Iter
         ends.close()  # on an error: cancel the copies still queued, and wait for those running
 
 
-def _in_order(pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any], window: int) -> Iterator[T]:
+def _in_order(pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any], window: int) -> Generator[T, None, None]:
     """``fn`` over ``items`` on the pool, at most ``window`` in flight, results in order. On an
     error the rest is cancelled (and waited for: they write into the caller's buffers)."""
     pending: deque[Future] = deque()
