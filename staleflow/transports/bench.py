@@ -177,14 +177,15 @@ def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, p
                 started = time.monotonic()
                 if staging is not None:
                     staging.to_host()
-                staged = time.monotonic()
+                staged, cpu = time.monotonic(), time.process_time()
                 reply = client.push_part(version, rank, ranks, table, share.pieces, transport=transport, wait_s=0)
                 delivered = reply["delivered_at_monotonic"]  # its bytes are in (the finish call follows)
+                cpu = time.process_time() - cpu  # the copy threads' too
                 if not reply["visible"]:  # wait for the other ranks' parts
                     client.close_pull(client.open_pull(version, "http", wait_s=wait_s))
                     reply = {"visible": True}
                 returned = time.monotonic()
-            conn.send({"started": started, "staged": staged, "delivered": delivered, "returned": returned,
+            conn.send({"started": started, "staged": staged, "delivered": delivered, "returned": returned, "push_cpu_s": cpu,
                        "visible": reply["visible"], "extra_bytes": memory.extra, "shard_bytes": share.nbytes})
 
 
@@ -398,6 +399,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
             "visible_s": visible,
             "pull_s": [x["loaded"] - x["leased"] for x in loaded],
             "pull_cpu_s": [x["pull_cpu_s"] for x in loaded],
+            "push_cpu_s": max(p["push_cpu_s"] for p in pushed),
             "end_to_end_s": max(x["loaded"] for x in loaded) - t0,
             "lease_after_visible_s": max(x["leased"] for x in loaded) - (t0 + visible),
             "rank_extra_bytes": max(p["extra_bytes"] for p in pushed),
@@ -412,6 +414,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
         "visible_s": _median([r["visible_s"] for r in rows]),
         "pull_s": _median([s for r in rows for s in r["pull_s"]]),
         "pull_cpu_s": _median([s for r in rows for s in r["pull_cpu_s"]]),
+        "push_cpu_s": _median([r["push_cpu_s"] for r in rows]),
         "end_to_end_s": _median([r["end_to_end_s"] for r in rows]),
         "lease_after_visible_s": _median([r["lease_after_visible_s"] for r in rows]),
         "rank_extra_bytes": max(r["rank_extra_bytes"] for r in rows),
@@ -426,6 +429,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
     cell["pull_gb_per_s"] = total_bytes / cell["pull_s"] / 1e9
     cell["pull_vs_memcpy"] = memcpy_s / cell["pull_s"]
     cell["pull_cpu_vs_memcpy"] = memcpy["cpu_s"] / cell["pull_cpu_s"] if cell["pull_cpu_s"] else float("nan")
+    cell["push_cpu_vs_memcpy"] = memcpy["cpu_s"] / cell["push_cpu_s"] if cell["push_cpu_s"] else float("nan")
     return cell
 
 
