@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,17 +56,20 @@ _KINDS = {"int": "a whole number", "float": "a number", "bool": "true or false",
 def _fields_at(model: type[BaseModel] | None, loc: tuple) -> dict[str, Any]:
     """The settings of the (nested) model or dataclass that ``loc`` points into (with the flat
     settings a model also takes, ``flat_settings``)."""
+    settings: type | None = model
     for part in loc:
-        field = model.model_fields.get(str(part)) if model else None
+        field = settings.model_fields.get(str(part)) if settings and issubclass(settings, BaseModel) else None
         annotation = field.annotation if field else None
-        settings = isinstance(annotation, type) and (issubclass(annotation, BaseModel) or is_dataclass(annotation))
-        model = annotation if settings else None
-    if model is not None and is_dataclass(model):
-        return {f.name: f for f in fields(model)}
-    return {**model.model_fields, **getattr(model, "flat_settings", {})} if model else {}
+        nested = isinstance(annotation, type) and (issubclass(annotation, BaseModel) or is_dataclass(annotation))
+        settings = annotation if nested and isinstance(annotation, type) else None
+    if settings is not None and is_dataclass(settings):
+        return {f.name: f for f in fields(settings)}
+    if settings is not None and issubclass(settings, BaseModel):
+        return {**settings.model_fields, **getattr(settings, "flat_settings", {})}
+    return {}
 
 
-def explain(error: dict, flag_names: dict[str, str], model: type[BaseModel] | None = None,
+def explain(error: Mapping[str, Any], flag_names: dict[str, str], model: type[BaseModel] | None = None,
             complete_flags: bool = False) -> tuple[str, str]:
     """One pydantic error as (what is wrong, how to fix it), naming the field and its flag."""
     loc = tuple(error["loc"])
@@ -175,4 +178,4 @@ def ask(client_class: type[C], url: str, what: str, state_dir: Path, call: Calla
         raise fail(f"no {what} answers at {url} ({exc.__class__.__name__}): no job running at {state_dir}?",
                    "start a job with `staleflow up`, or pass --url / --state-dir") from None
     except ServiceError as exc:
-        raise fail(f"the {what} at {url} refused: {exc}", FIXES.get(exc.body.get("code"))) from None
+        raise fail(f"the {what} at {url} refused: {exc}", FIXES.get(str(exc.body.get("code")))) from None

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from staleflow.cli.common import console, fail
 
@@ -24,7 +24,7 @@ def build_with_progress(digits: int, ops: str, force: bool = False, quiet: bool 
         (demo_dir(spec) / MARKER).unlink(missing_ok=True)
     progress = Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, disable=quiet, transient=True)
-    tasks: dict[str, int] = {}
+    tasks: dict[str, TaskID] = {}
 
     def report(what: str, done: int, total: int) -> None:
         if what not in tasks:

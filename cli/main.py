@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import typer
@@ -56,7 +56,7 @@ ManagerUrl = Annotated[str | None, typer.Option("--url", help="staleness manager
 AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 
 
-def _manager_config(**fields: object) -> ManagerConfig:
+def _manager_config(**fields: Any) -> ManagerConfig:
     ledger_fields = {k: fields.pop(k) for k in list(fields) if k in LedgerConfig.model_fields}
     try:
         return ManagerConfig(ledger=LedgerConfig(**ledger_fields), **fields)

@@ -37,12 +37,12 @@ def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | Non
 def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, host: str, port: int,
                   shm_dir: Path, fsync: bool, lease_ttl_s: float, persist: bool = True, data_port: int = 0) -> ParamsConfig:
     try:
-        return ParamsConfig(
+        return ParamsConfig.model_validate(dict(  # the transports' names are validated there
             state_dir=state_dir, keep=keep, chunk_bytes=int(chunk_mb * (1 << 20)),
             transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
             host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s, persist=persist,
             data_port=None if data_port == NO_DATA_PLANE else data_port,
-        )
+        ))
     except ValidationError as exc:
         names = {**flag_names(OPTIONS), "chunk_bytes": "--chunk-mb", "lease_ttl_s": "--lease-ttl"}
         raise validation_failure(exc, names) from None

@@ -115,7 +115,7 @@ def register(app: typer.Typer) -> None:
                 last = result.samples[-1]
                 console.print(f"database files at step {last.step}: trajectories {last.trajectories_db_bytes / 1e6:.1f} MB, "
                               f"ledger {last.ledger_db_bytes / 1e6:.1f} MB")
-            if result.stopped_early:
+            if result.stopped_early and result.end is not None:
                 console.print(f"stopped by the time box (--stop-after) at step {result.end.step}")
             _print_memory(result)
         ratios = result.ratios()

@@ -129,7 +129,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
             job = Job(config, resume=resume, fresh=fresh)
     except (StateDirInUse, DatabaseError, DatabaseUrlError) as exc:
         raise fail(str(exc)) from None
-    signals = {"received": None}
+    signals: dict[str, int | None] = {"received": None}
 
     def on_signal(signum: int, _frame: Any) -> None:
         signals["received"] = signum

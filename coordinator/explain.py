@@ -75,8 +75,12 @@ async def _upstream(what: str, call: Any) -> Any:
 
 
 def _buffer_view(b: BufferOut) -> BufferView:
-    entries = tuple(BufferEntry(e.group_id, e.v_traj, EntryStatus(e.status)) for e in b.entries)
-    return BufferView(b.version, BufferState(b.state), b.capacity, entries)
+    entries: list[BufferEntry] = []
+    for e in b.entries:
+        if e.v_traj is None:  # the buffer listing gives every live entry's V_traj
+            raise StaleFlowError(ErrorCode.UPSTREAM_ERROR, f"the staleness manager listed group {e.group_id} without its v_traj")
+        entries.append(BufferEntry(e.group_id, e.v_traj, EntryStatus(e.status)))
+    return BufferView(b.version, BufferState(b.state), b.capacity, tuple(entries))
 
 
 async def _live_trajectories(ts: AsyncTrajectoryClient) -> list[TrajectorySeen]:

@@ -449,7 +449,7 @@ class Coordinator:
             settled = record.settled
             fresh = (settled is not None and record.status is InstanceStatus.LIVE and record.in_flight == 0
                      and settled[0] == record.commands_issued)
-            held[record.instance_id] = settled[1] if fresh else None
+            held[record.instance_id] = settled[1] if settled is not None and fresh else None
         outcome = reconcile(time.monotonic(), self.reconcile_after,
                             {t.traj_id: t.instance_id for t in routed if t.instance_id}, held,
                             self._suspects)
@@ -464,7 +464,7 @@ class Coordinator:
                         instance_id, len(traj_ids))
             record = self.instances.get(instance_id)
             reply = record and await self._command(record, "abort", {"traj_ids": traj_ids}, len(traj_ids))
-            if reply:
+            if isinstance(reply, AbortApplied):
                 self.stats.strays_aborted += len(reply.aborted)
         return not outcome.empty
 
@@ -534,7 +534,7 @@ class Coordinator:
             for i, trajs in commands.interrupts.items()))
         unmoved: set[str] = set()
         for instance_id, reply in zip(commands.interrupts, interrupted, strict=True):
-            if reply and reply.partials:
+            if isinstance(reply, InterruptApplied) and reply.partials:
                 await self.ts.give_back(instance_id=instance_id, partials=reply.partials)
             elif reply is None and instance_id in repacked:
                 unmoved.update(commands.interrupts[instance_id])

@@ -13,6 +13,7 @@ going backwards, the parameter server serving a complete newest version.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -439,12 +440,12 @@ class FaultRun:
             for t in routed:
                 inst = t.instance_id
                 if inst not in held:
-                    try:
-                        with InstanceClient(urls[inst], timeout=5) as c:
-                            s = c.snapshot()
-                        held[inst] = set(s.run_trajs) | set(s.wait_trajs) | set(s.complete_trajs)
-                    except (httpx.HTTPError, ServiceError, KeyError, ValueError):
-                        held[inst] = set()
+                    held[inst] = set()
+                    if inst in urls:
+                        with contextlib.suppress(httpx.HTTPError, ServiceError, ValueError):
+                            with InstanceClient(urls[inst], timeout=5) as c:
+                                s = c.snapshot()
+                            held[inst] = set(s.run_trajs) | set(s.wait_trajs) | set(s.complete_trajs)
                 if t.traj_id not in held[inst]:
                     now.add(t.traj_id)
             suspects = now if suspects is None else suspects & now
@@ -463,9 +464,10 @@ def _one_cycle_tokens(run: FaultRunResult) -> float | None:
     them a token per decode step of its instance): how far the trajectory server's regenerated
     count, from the coordinator's last snapshot, may lie from the harness's."""
     hit = [f for f in run.faults if f.regenerated_tokens]
-    if run.cycle_s is None or any(f.decode_steps_per_s is None for f in hit):
+    rates = [f.decode_steps_per_s for f in hit if f.decode_steps_per_s is not None]
+    if run.cycle_s is None or len(rates) < len(hit):
         return None
-    return sum(len(f.regenerated_tokens) * f.decode_steps_per_s for f in hit) * run.cycle_s
+    return sum(len(f.regenerated_tokens) * rate for f, rate in zip(hit, rates, strict=True)) * run.cycle_s
 
 
 def summarize(baseline: FaultRunResult | None, faulty: FaultRunResult) -> dict:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 from fastapi import FastAPI
@@ -176,10 +177,43 @@ class Monitor:
 # ---------------------------------------------------------------------------- the job
 
 
+class RunningJob(Protocol):
+    """What the job's read views (``Job.engine_stats`` and the others below) use of a launcher's job:
+    the Ray launcher runs the same views over its own endpoints."""
+
+    config: JobConfig
+    state: Path
+    state_lock: StateDirLock
+    endpoints: dict[str, dict]
+
+    def coordinator_stats(self) -> dict | None: ...
+
+
+class TrackedJob(RunningJob, Protocol):
+    """What ``JobTracking`` reads of a launcher's job, local or on Ray."""
+
+    def length_skew(self, after_step: int = -1) -> dict | None: ...
+
+
+class SummarizedJob(Protocol):
+    """What ``job_summary`` reads of a launcher's job, local or on Ray."""
+
+    started: float
+    monitor: Monitor
+
+    def steps(self) -> list[StepRecord]: ...
+    def engine_stats(self) -> dict[str, dict]: ...
+    def command_times(self) -> dict[str, float]: ...
+    def failover(self) -> dict | None: ...
+    def length_skew(self, after_step: int = -1) -> dict | None: ...
+
+
 class Job(Supervised):
     """A job on this machine: each component a thread of this process (embedded) or a process of
     its own (``--processes``; always a vLLM instance and the FSDP trainer). It implements
     ``staleflow.launch.launcher.Launcher``, for the supervisor."""
+
+    state_lock: StateDirLock  # taken by _prepare_state_dir
 
     check_interval_s = 0.1  # process exits and stopped threads are looked for this often
     parallel_restarts = False  # one at a time: a restart takes the warm standby
@@ -201,7 +235,7 @@ class Job(Supervised):
         self.trainer_raised: BaseException | None = None  # what the embedded trainer thread last raised
         self.keeps_standby = config.processes  # a standby serves a role as a process
 
-    def _prepare_state_dir(self, resume: bool, fresh: bool) -> None:
+    def _prepare_state_dir(self: RunningJob, resume: bool, fresh: bool) -> None:
         """Take the state directory's lock first (a live job's directory is refused, untouched),
         then apply the rules of a fresh, resumed or new run; the lock is released if they refuse."""
         self.state_lock = StateDirLock(self.state)
@@ -211,7 +245,7 @@ class Job(Supervised):
             self.state_lock.release()
             raise
 
-    def _apply_state_rules(self, resume: bool, fresh: bool) -> None:
+    def _apply_state_rules(self: RunningJob, resume: bool, fresh: bool) -> None:
         previous = self.state / "job.json"
         replaced = previous.exists() and not resume  # a finished run, or an unfinished one with --fresh
         if previous.exists() and not resume:
@@ -509,7 +543,7 @@ class Job(Supervised):
 
     # -- what happened ---------------------------------------------------------------------
 
-    def engine_stats(self) -> dict[str, dict]:
+    def engine_stats(self: RunningJob) -> dict[str, dict]:
         stats = {}
         for name in instance_ids(self.config):
             try:
@@ -519,7 +553,7 @@ class Job(Supervised):
                 log.debug("no stats from %s: %s", name, exc)
         return stats
 
-    def failover(self) -> dict | None:
+    def failover(self: RunningJob) -> dict | None:
         """Progress checkpoints and the trajectories handed back from failed instances, as the
         trajectory server counted them since it (last) started; None while it does not answer."""
         try:
@@ -532,7 +566,7 @@ class Job(Supervised):
         return {**counts, "progress_tokens": self.config.instance.progress_tokens,
                 "regenerated_tokens_per_trajectory": counts.get("regenerated_tokens", 0) / regenerated if regenerated else None}
 
-    def length_skew(self, after_step: int = -1) -> dict | None:
+    def length_skew(self: RunningJob, after_step: int = -1) -> dict | None:
         """What the staleness bound did to the response lengths, as the trajectory server counted
         it since it (last) started (``staleflow.length_skew``), with the steps after ``after_step``;
         None while it does not answer."""
@@ -543,7 +577,7 @@ class Job(Supervised):
             log.debug("no length skew from the trajectory server: %s", exc)
             return None
 
-    def coordinator_stats(self) -> dict | None:
+    def coordinator_stats(self: RunningJob) -> dict | None:
         """The coordinator's counters, or None while it does not answer."""
         try:
             with CoordinatorClient(self.endpoints["coordinator"]["url"], timeout=5) as c:
@@ -552,7 +586,7 @@ class Job(Supervised):
             log.debug("no coordinator stats: %s", exc)
             return None
 
-    def command_times(self) -> dict[str, float]:
+    def command_times(self: RunningJob) -> dict[str, float]:
         """Seconds spent in commands by kind (issued to answered, every command of the run), their
         counts (``{kind}_count``) and the mean planning time of a cycle."""
         stats = self.coordinator_stats()
@@ -564,7 +598,7 @@ class Job(Supervised):
         return totals
 
 
-def job_summary(job: Supervised, config: JobConfig, restarts: list[dict], failure: str | None) -> dict:
+def job_summary(job: SummarizedJob, config: JobConfig, restarts: list[dict], failure: str | None) -> dict:
     """A finished or stopped job's ``summary.json``: the steps, samples, engine and command
     timings (``staleflow.report.summarize``), its restarts, failover, length skew and failure."""
     from staleflow.report import summarize
@@ -596,7 +630,7 @@ class JobTracking:
     (``staleflow.tracking``): the step record, the instances' load at the time, and the
     coordinator's planning and command times since the previous step."""
 
-    def __init__(self, job: Job, console: Callable[[str], None]):
+    def __init__(self, job: TrackedJob, console: Callable[[str], None]):
         from staleflow.tracking import Tracker
 
         settings = job.config.logger

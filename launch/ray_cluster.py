@@ -53,6 +53,7 @@ import httpx
 
 from staleflow.config import JobConfig, NodeSelector
 from staleflow.launch.launcher import BeyondRepair, Supervised
+from staleflow.launch.state_lock import StateDirLock
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,22 @@ class LauncherError(RuntimeError):
 
 def import_ray():
     try:
-        import ray
+        import ray.exceptions  # binds ray too; the job catches the exceptions' classes
     except ImportError:
         raise LauncherError(RAY_MISSING) from None
     return ray
+
+
+def actor_result(ray: Any, refs: Any, timeout: float | None = None) -> Any:
+    """``ray.get`` of what an actor call returns. Ray's stubs read an actor handle's methods as
+    ``Never``, so the call's result would match ``ray.get``'s list overload; this says Any."""
+    return ray.get(refs, timeout=timeout)
+
+
+def named_actors(ray: Any) -> list[dict[str, str]]:
+    """Every named actor of the cluster, as ``{name, namespace}`` (Ray's stub says a list of names,
+    which it returns for one namespace only)."""
+    return ray.util.list_named_actors(all_namespaces=True)
 
 
 def namespace_of(config: JobConfig) -> str:
@@ -230,7 +243,7 @@ class Component:
         config = JobConfig.model_validate_json(config_json)
         _log_to_state(config, name)
         registry = ray.get_actor(REGISTRY, namespace=namespace)
-        endpoints = ray.get(registry.get.remote())
+        endpoints = actor_result(ray, registry.get.remote())
         planned, here = endpoints[name], node_ip()
         node_id = ray.get_runtime_context().get_node_id()
         moved = planned.get("node_id", node_id) != node_id or planned["host"] != here
@@ -292,7 +305,7 @@ class Component:
             time.sleep(0.5)  # watchdog pacing
             instance = getattr(self.app.state, "instance", None)
             engine_dead = bool(getattr(getattr(instance, "engine", None), "dead", False))
-            if engine_dead or not self.server.thread.is_alive():
+            if engine_dead or self.server is None or not self.server.thread.is_alive():
                 log.error("%s: %s; exiting so Ray restarts it", self.name,
                           "its engine died" if engine_dead else "its server stopped")
                 os._exit(1)
@@ -324,7 +337,7 @@ class TrainerRank:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", self.config.cluster.network_interface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", self.config.cluster.network_interface)
         _log_to_state(self.config, trainer_rank_name(rank))
-        self.endpoints = ray.get(ray.get_actor(REGISTRY, namespace=namespace).get.remote())
+        self.endpoints = actor_result(ray, ray.get_actor(REGISTRY, namespace=namespace).get.remote())
         self.stop_event = threading.Event()
         self.done = False
         self.error: str | None = None
@@ -498,7 +511,7 @@ def preflight(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
             problems.append(f"no alive node of the Ray cluster is one of the {what}")
             continue
         if role == "control":  # all on one node
-            total = {k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}
+            total: dict[str, float] = {k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}
             host = next((node for node in candidates if _fits(total, capacity[node])), None)
             if host is None:
                 problems.append(f"no single one of the {what} has room for the control services "
@@ -532,6 +545,8 @@ def preflight(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
 class RayClusterJob(Supervised):
     """A job whose components are Ray actors; the surface of ``Job`` that ``staleflow up`` uses,
     and a ``staleflow.launch.launcher.Launcher`` for the job's supervisor."""
+
+    state_lock: StateDirLock  # taken by Job._prepare_state_dir
 
     check_interval_s = 0.5  # one look at Ray's actor table per round
     keeps_standby = False  # Ray starts each actor's process itself: no warm standby takes a role
@@ -594,7 +609,7 @@ class RayClusterJob(Supervised):
 
         ray = self.ray
         self.connect()
-        if REGISTRY in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        if REGISTRY in {a["name"] for a in named_actors(ray)
                         if a["namespace"] == self.namespace}:
             if not self.resume:
                 raise LauncherError(f"a job is already running in Ray namespace {self.namespace!r}: take it over with "
@@ -1021,12 +1036,12 @@ class RayClusterJob(Supervised):
         with contextlib.suppress(Exception):  # a component restarting now: the file is informative only
             self._write_placement()
         with contextlib.suppress(Exception):
-            return self.ray.get(self.ranks[0].state.remote(), timeout=30)["pid"]
+            return actor_result(self.ray, self.ranks[0].state.remote(), timeout=30)["pid"]
         return None
 
     def _pid_of(self, name: str) -> int | None:
         with contextlib.suppress(Exception):
-            return self.ray.get(self.actors[name].info.remote(), timeout=30)["pid"]
+            return actor_result(self.ray, self.actors[name].info.remote(), timeout=30)["pid"]
         return None
 
     def _start_timeout(self) -> float:
@@ -1075,7 +1090,7 @@ class RayClusterJob(Supervised):
             self._steps = ray.get(ranks[0].steps.remote(), timeout=30)
 
     def _refresh_endpoints(self) -> None:
-        current = self.ray.get(self.registry.get.remote(), timeout=10)
+        current = actor_result(self.ray, self.registry.get.remote(), timeout=10)
         changed = {n for n, e in current.items() if self.endpoints.get(n) != e}
         if not changed:
             return
@@ -1183,8 +1198,8 @@ class RayClusterJob(Supervised):
     def info(self, name: str) -> dict:
         """Where a component runs now (pid, node, GPUs), from the actor itself."""
         if name.startswith("trainer-"):
-            return self.ray.get(self.ranks[int(name.split("-")[1])].state.remote(), timeout=60)
-        return self.ray.get(self.actors[name].info.remote(), timeout=60)
+            return actor_result(self.ray, self.ranks[int(name.split("-")[1])].state.remote(), timeout=60)
+        return actor_result(self.ray, self.actors[name].info.remote(), timeout=60)
 
 
 def _incarnation(view: dict) -> tuple:
@@ -1207,7 +1222,7 @@ def remove_job(ray: Any, namespace: str) -> dict[str, list[str]]:
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     killed = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
+    for entry in named_actors(ray):
         if entry["namespace"] != namespace:
             continue
         with contextlib.suppress(Exception):

@@ -326,8 +326,9 @@ class Soak:
         pids = {name: job.pid(name) for name in component_names(job.config)}
         if job.trainer_process is not None:
             pids[TRAINER] = job.trainer_process.pid
-        rss = {name: kib * 1024 for name, pid in pids.items() if pid and (kib := status_kib("VmRSS", pid)) is not None}
-        return MemorySample(step, time.monotonic() - started, rss, {name: pids[name] for name in rss})
+        live = {name: pid for name, pid in pids.items() if pid}
+        rss = {name: kib * 1024 for name, pid in live.items() if (kib := status_kib("VmRSS", pid)) is not None}
+        return MemorySample(step, time.monotonic() - started, rss, {name: live[name] for name in rss})
 
     @staticmethod
     def _cpu_seconds(job: Job) -> dict[str, float]:

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -380,7 +380,13 @@ class _ResponseWatch:
         return None
 
 
-class _Guarded:
+if TYPE_CHECKING:  # mixed in before one of uvicorn's two protocols, both with this interface
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornProtocol
+else:
+    _UvicornProtocol = object
+
+
+class _Guarded(_UvicornProtocol):
     """The limits ``guarded_protocol`` adds to uvicorn's protocol (mixed in before it)."""
 
     limits: ConnectionLimits
@@ -406,7 +412,7 @@ class _Guarded:
             self._timer = self.loop.call_later(self.limits.header_timeout_s, transport.close)
             return
         self._metered = _MeteredTransport(transport)
-        super().connection_made(self._metered)
+        super().connection_made(self._metered)  # pyright: ignore[reportArgumentType]  (a proxy: what it does not count, it forwards)
         self._head_since = self._last_read = self._last_check = self.loop.time()
         self._head_bytes = 0
         self._body_waited_s, self._body_bytes = 0.0, 0
@@ -498,7 +504,9 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
 def _uvicorn_config(app: FastAPI, log_level: str, limits: ConnectionLimits | None) -> uvicorn.Config:
     limits = limits or ConnectionLimits()
     return uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-                          http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_s)
+                          http=guarded_protocol(limits),
+                          # uvicorn annotates int, but takes seconds as a float (it hands them to loop.call_later)
+                          timeout_keep_alive=limits.keep_alive_s)  # pyright: ignore[reportArgumentType]
 
 
 @dataclass

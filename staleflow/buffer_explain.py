@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from staleflow.config.manager import LedgerParams
 from staleflow.cost_model import CostModel
@@ -154,7 +155,7 @@ def explain_buffer(
     empty = max(0, view.capacity - len(view.entries))
     head = version == train_version
     consumable = head and view.state == "ready"
-    base = dict(version=version, train_version=train_version, state=view.state.value, consumable=consumable,
+    base: dict[str, Any] = dict(version=version, train_version=train_version, state=view.state.value, consumable=consumable,
                 batch_size=B, capacity=view.capacity, occupied=view.occupied, reserved=reserved, empty=empty,
                 needed=needed, consume_first=consume_first)
     if needed == 0:
@@ -331,7 +332,8 @@ def _finish_times(members: dict[str, list[TrajectorySeen]], instances: Mapping[s
                 out[t.traj_id] = (running_times(inst)[t.traj_id], f"running on {inst.instance_id}{_pause(inst)}", done)
             elif t.traj_id in inst.waiting:
                 times = running_times(inst)
-                start = min(times.values(), default=0.0) if None not in times.values() else None
+                known = [s for s in times.values() if s is not None]
+                start = min(known, default=0.0) if len(known) == len(times) else None
                 left = None if max_tokens is None else max(0, max_tokens - done)
                 seconds = None if start is None or left is None else (
                     start + inst.cost.decode_time(inst.kv_cache, len(inst.running), left))

@@ -110,9 +110,9 @@ class Transition:
     group_id: str | None = None
     buffer: int | None = None
     consumed: list[str] | None = None
-    cancelled: list[str] = field(default_factory=list)  # aborted as a side effect
+    cancelled: list[str] = field(default_factory=list[str])  # aborted as a side effect
     completed_members: list[str] | None = None
-    changes: list[Change] = field(default_factory=list)
+    changes: list[Change] = field(default_factory=list[Change])
 
 
 @dataclass(frozen=True)
@@ -271,7 +271,7 @@ class Ledger:
         table = self._admission_counts()
         if versions is None:
             return table
-        result = {}
+        result: dict[int, int] = {}
         for v in versions:
             if v < 0:
                 raise LedgerError(ErrorCode.INVALID_VERSION, f"v_traj must be >= 0, got {v}")
@@ -282,9 +282,10 @@ class Ledger:
         """Could ``count`` more groups with V_traj ``version`` be reserved now? If not: which
         buffers are full, and which must be consumed before that many groups fit (at ``version``
         or, when it can never get that room, the oldest version that can). Pure: no state changes."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        # the types are checked again: callers pass values decoded from JSON
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:  # pyright: ignore[reportUnnecessaryIsInstance]
             raise LedgerError(ErrorCode.INVALID_VERSION, f"version must be an integer >= 0, got {version!r}")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
             raise LedgerError(ErrorCode.INVALID_REQUEST, f"count must be an integer >= 1, got {count!r}")
         t, eta, C = self.train_version, self.params.eta, self.capacity
         ask = f"{count} group{'s' if count != 1 else ''} with v_traj {version}"
@@ -370,7 +371,8 @@ class Ledger:
 
     def _prefix_slack(self, counts: tuple[list[int], list[int]] | None = None) -> list[int]:
         reserved, occupied = counts or self._class_counts()
-        slack, cap_sum, used = [], 0, 0
+        slack: list[int] = []
+        cap_sum = used = 0
         for cap, r, o in zip(self._capacities(), reserved, occupied, strict=True):
             cap_sum += cap
             used += r + o
@@ -431,7 +433,7 @@ class Ledger:
                     placed[b].append(self._view_entry(g))
         if self._sealed:
             placed[0] = [self._view_entry(g) for g in self._sealed]
-        views = []
+        views: list[BufferView] = []
         caps = self._capacities()
         for b in range(eta + 1):
             entries = sorted(placed[b], key=lambda e: (e.status != EntryStatus.OCCUPIED, self._entries[e.group_id].seq))
@@ -621,7 +623,7 @@ class Ledger:
             self._discard(self._occupied, self._entries[g].deadline, g)
         self._sealed = batch
         self._changes.append(SetSealed(tuple(batch)))
-        cancelled = []
+        cancelled: list[str] = []
         t = self.train_version
         for g, e in list(self._entries.items()):
             if e.deadline == t and g not in batch:  # its only buffer is now full
@@ -644,10 +646,9 @@ class Ledger:
         for pool in (self._reserved, self._occupied):
             candidates = [g for d, gs in pool.items() if d <= max_deadline for g in gs]
             if candidates:
-                key = (lambda g: self._entries[g].seq) if pool is self._reserved else (
-                    lambda g: self._entries[g].occupied_seq or 0
-                )
-                return max(candidates, key=key)
+                if pool is self._reserved:
+                    return max(candidates, key=lambda g: self._entries[g].seq)
+                return max(candidates, key=lambda g: self._entries[g].occupied_seq or 0)
         raise AssertionError("ledger over capacity with nothing to abort")
 
     def _occupy(self, entry: Entry) -> None:
@@ -708,7 +709,7 @@ class Ledger:
         if fate is not None:
             raise LedgerError(ErrorCode.DUPLICATE_GROUP, f"group {group_id!r} was already {fate.value}; ids are single-use")
 
-    def _check_version(self, v_traj: int) -> None:
+    def _check_version(self, v_traj: object) -> None:
         if isinstance(v_traj, bool) or not isinstance(v_traj, int):
             raise LedgerError(ErrorCode.INVALID_VERSION, f"v_traj must be an integer, got {v_traj!r}")
         if v_traj < 0:

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import accumulate
+from typing import Any
 
 
 class Fate(StrEnum):
@@ -100,12 +101,12 @@ class StepSkew:
     """One training step's window: what ended generation in it, what it trained, what was cut."""
 
     step: int
-    generated: Counter[int] = field(default_factory=Counter)  # bucket -> trajectories
+    generated: Counter[int] = field(default_factory=Counter[int])  # bucket -> trajectories
     fates: dict[Fate, Counter[int]] = field(default_factory=lambda: {f: Counter() for f in Fate})
-    staleness: dict[int, Counter[int]] = field(default_factory=dict)  # bucket -> {staleness: trained}
-    regenerated: Counter[int] = field(default_factory=Counter)  # bucket -> trajectories resumed after a failure
-    regenerated_tokens: Counter[int] = field(default_factory=Counter)  # bucket -> tokens generated again
-    admission_waits: list[float] = field(default_factory=list)  # seconds each admitted group waited
+    staleness: dict[int, Counter[int]] = field(default_factory=dict[int, Counter[int]])  # bucket -> {staleness: trained}
+    regenerated: Counter[int] = field(default_factory=Counter[int])  # bucket -> trajectories resumed after a failure
+    regenerated_tokens: Counter[int] = field(default_factory=Counter[int])  # bucket -> tokens generated again
+    admission_waits: list[float] = field(default_factory=list[float])  # seconds each admitted group waited
     generated_tokens: int = 0
     trained_tokens: int = 0
 
@@ -126,7 +127,7 @@ class StepSkew:
         """Trained trajectories whose staleness lies outside ``[0, eta]`` (must be none)."""
         return sum(n for hist in self.staleness.values() for k, n in hist.items() if not 0 <= k <= eta)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"step": self.step, **_counts_json(self.generated, self.fates, self.staleness, self.regenerated,
                                                   self.regenerated_tokens),
                 "generated_tokens": self.generated_tokens, "trained_tokens": self.trained_tokens,
@@ -135,7 +136,7 @@ class StepSkew:
                 "admission": admission_json(self.admission_waits)}
 
 
-def admission_json(waits: list[float]) -> dict:
+def admission_json(waits: list[float]) -> dict[str, Any]:
     """How many admitted groups waited (a wait of 0: admitted as it was sampled), and for how long."""
     waited = [w for w in waits if w > 0]
     return {"admitted": len(waits), "waited": len(waited),
@@ -147,7 +148,7 @@ def _labelled(counts: Mapping[int, float]) -> dict[str, float]:
 
 
 def _counts_json(generated: Counter[int], fates: Mapping[Fate, Counter[int]], staleness: Mapping[int, Counter[int]],
-                 regenerated: Counter[int], regenerated_tokens: Counter[int]) -> dict:
+                 regenerated: Counter[int], regenerated_tokens: Counter[int]) -> dict[str, Any]:
     return {"generated": _labelled(generated), **{f.value: _labelled(fates[f]) for f in Fate},
             "staleness_mean": {bucket_label(b): sum(k * n for k, n in hist.items()) / sum(hist.values())
                                for b, hist in sorted(staleness.items()) if sum(hist.values())},
@@ -287,7 +288,7 @@ class LengthSkew:
         """The lengths of the generated trajectories whose fate is known (trained or cut)."""
         return self.generated_lengths - Counter(self._open.values())
 
-    def to_json(self, after_step: int = -1) -> dict:
+    def to_json(self, after_step: int = -1) -> dict[str, Any]:
         """The run's totals, the distances between the trained lengths and those of every generated
         trajectory whose fate is known (so what is still in flight at the end, typically the
         long ones, does not count as skew), and each step after ``after_step``."""

@@ -4,7 +4,7 @@ lengths trained against those generated) and the length-skew table (``length_ske
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -287,7 +287,7 @@ def plot(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
     return written
 
 
-def plot_rewards(path: Path, runs: dict[str, Sequence[dict]]) -> Path:
+def plot_rewards(path: Path, runs: Mapping[str, Sequence[dict]]) -> Path:
     """Mean reward per training step (and its moving average over 5 steps), one line per run."""
     import matplotlib
 

@@ -104,7 +104,7 @@ class DatasetPrompts:
             raise FileNotFoundError(f"dataset {self.path} does not exist")
         if self.path.suffix == ".parquet":
             try:
-                import pyarrow.parquet as pq
+                import pyarrow.parquet as pq  # pyright: ignore[reportMissingImports]  (optional: parquet task files)
             except ImportError as exc:
                 raise RuntimeError("reading Parquet needs pyarrow: pip install pyarrow") from exc
             yield from pq.read_table(self.path).to_pylist()

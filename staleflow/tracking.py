@@ -198,8 +198,9 @@ class TensorBoardSink:
         self._writer = EventFileWriter(str(directory))
 
     def log(self, step: int, scalars: Scalars, histograms: Histograms) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+        # protobuf-generated modules: their classes are made at import, so a static reader cannot see them
+        from tensorboard.compat.proto.event_pb2 import Event  # pyright: ignore[reportAttributeAccessIssue]
+        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary  # pyright: ignore[reportAttributeAccessIssue]
 
         values = [Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
         for name, counts in histograms.items():

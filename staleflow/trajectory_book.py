@@ -102,7 +102,7 @@ class GroupRecord:
     state: GroupState
     seq: int
     created_at: float
-    member_ids: list[str] = field(default_factory=list)
+    member_ids: list[str] = field(default_factory=list[str])
 
 
 @dataclass
@@ -192,7 +192,7 @@ def segment_violation(segments: tuple[Span, ...], end: int, v_traj: int | None,
     return None
 
 
-def oldest_version(t: TrajRecord, v_traj: int | None) -> int | None:
+def oldest_version(t: TrajRecord, v_traj: int) -> int:
     """The oldest model version that generated any of the trajectory's tokens (its V_traj if it
     holds none): what its staleness is measured from."""
     return min((version for version, _, _ in t.segments), default=v_traj)
@@ -283,7 +283,8 @@ class TrajectoryBook:
         """New groups of ``members`` pending trajectories each, from (index, text, answer, ids);
         not in the book until ``add``ed (after they are stored). ``naming(index)`` gives the
         group's id and the prefix of its members' ids (then the member's number)."""
-        groups, trajs = [], []
+        groups: list[GroupRecord] = []
+        trajs: list[TrajRecord] = []
         for index, text, answer, ids in prompts:
             group_id, member_prefix = naming(index)
             g = GroupRecord(group_id, index, text, answer, tuple(ids), members, needed, None,
@@ -344,7 +345,8 @@ class TrajectoryBook:
         """Which assignments may be checked out, once the groups ``reservations_needed`` named
         were reserved (``set_group_version``) or refused by the ledger (``not_reserved``: group
         -> why). Returns the granted trajectory ids and the refused ``(traj_id, reason)``."""
-        granted, refused = [], []
+        granted: list[str] = []
+        refused: list[tuple[str, str]] = []
         for traj_id, v_traj in assignments:
             t = self.trajs.get(traj_id)
             if t is None or t.state is not TrajState.PENDING:
@@ -369,7 +371,7 @@ class TrajectoryBook:
                 raise StoreConflict(f"trajectory {traj_id} is not pending")
             if self.groups[t.group_id].v_traj is None:
                 raise StoreConflict(f"trajectory {traj_id}: its group has no v_traj yet")
-        out = []
+        out: list[TrajRecord] = []
         for traj_id in traj_ids:
             t = self.trajs[traj_id]
             self._move(t, TrajState.ROUTED)
@@ -396,7 +398,8 @@ class TrajectoryBook:
         (``refuse_invalid``) refuses the request."""
         partials = list(partials)
         self.refuse_invalid(partials, limits)
-        outcome, changed = {}, []
+        outcome: dict[str, str] = {}
+        changed: list[TrajRecord] = []
         for p in partials:
             t = self.trajs.get(p.traj_id)
             if t is None:
@@ -428,7 +431,8 @@ class TrajectoryBook:
         partials; an instance's checkpoint that breaks it is ignored, not refused). Returns the
         response length now held of each trajectory whose checkpoint counted (or whose progress
         the book already held), and the appended parts."""
-        held, appended = {}, []
+        held: dict[str, int] = {}
+        appended: list[Checkpoint] = []
         for c in checkpoints:
             t = self.trajs.get(c.traj_id)
             if t is None or t.state is not TrajState.ROUTED or t.instance_id != c.instance_id:
@@ -482,7 +486,7 @@ class TrajectoryBook:
         it counts as regenerated: the most of what the instance last said (``holding``) and of
         ``generated``, the response tokens each held at the coordinator's last snapshot of it."""
         generated = generated or {}
-        changed = []
+        changed: list[TrajRecord] = []
         for t in self._by_seq(TrajState.ROUTED, TrajState.CANCELLING):
             if t.instance_id != instance_id:
                 continue
@@ -509,7 +513,7 @@ class TrajectoryBook:
         request."""
         items = list(items)
         self.refuse_invalid(items, limits)
-        changed = []
+        changed: list[TrajRecord] = []
         for p in items:
             t = self.trajs.get(p.traj_id)
             if t is None or t.state not in (TrajState.ROUTED, TrajState.CANCELLING, TrajState.PENDING):
@@ -532,7 +536,7 @@ class TrajectoryBook:
 
     def rewarded(self, rewards: dict[str, tuple[float, str]]) -> tuple[list[TrajRecord], list[GroupRecord]]:
         """Record rewards: the changed records and the groups that now have enough rewarded members."""
-        changed = []
+        changed: list[TrajRecord] = []
         for traj_id, (reward, reason) in rewards.items():
             t = self.trajs[traj_id]
             if t.state is not TrajState.COMPLETED:
@@ -565,11 +569,12 @@ class TrajectoryBook:
         if fate is None:
             fate = Fate.DROPPED if state is GroupState.OCCUPIED else Fate.ABORTED
         self.skew.forget_group(group_id)
-        keep = set()
+        keep: set[str] = set()
         if state is GroupState.OCCUPIED:
             keep = {t.traj_id for t in sorted(self.group_rewarded(g), key=lambda t: t.updated_at)[: g.needed]}
         self._set_group_state(g, state)
-        changed, on_instances = [], []
+        changed: list[TrajRecord] = []
+        on_instances: list[TrajRecord] = []
         for m in g.member_ids:
             t = self.trajs[m]
             if m in keep or t.state in (TrajState.ABORTED, TrajState.CONSUMED):
@@ -589,7 +594,7 @@ class TrajectoryBook:
 
     def cancelled(self, traj_ids: Iterable[str]) -> list[TrajRecord]:
         """Aborts acknowledged by their instances."""
-        changed = []
+        changed: list[TrajRecord] = []
         for traj_id in traj_ids:
             t = self.trajs.get(traj_id)
             if t is not None and t.state is TrajState.CANCELLING:
@@ -602,7 +607,7 @@ class TrajectoryBook:
     # -- the trainer's side
 
     def batch(self, group_ids: Iterable[str]) -> list[tuple[TrajRecord, GroupRecord]]:
-        out = []
+        out: list[tuple[TrajRecord, GroupRecord]] = []
         for gid in group_ids:
             g = self.groups.get(gid)
             if g is None:
@@ -620,7 +625,7 @@ class TrajectoryBook:
         frees the batch."""
         group_ids = list(group_ids)
         self._trained(group_ids, buffer)
-        groups = []
+        groups: list[GroupRecord] = []
         for gid in group_ids:
             g = self.groups.get(gid)
             if g is not None and g.state in LIVE_GROUP_STATES:
@@ -633,7 +638,7 @@ class TrajectoryBook:
         whichever of the ledger's event and the trainer's free comes first)."""
         if buffer is None:
             return
-        trained = []
+        trained: list[tuple[str, int]] = []
         for gid in group_ids:
             g = self.groups.get(gid)
             if g is not None and g.v_traj is not None:
@@ -669,7 +674,8 @@ class TrajectoryBook:
         dropped (the groups are consumed)."""
         group_ids = list(group_ids)
         self._trained(group_ids, buffer)
-        groups, changed = [], []
+        groups: list[GroupRecord] = []
+        changed: list[TrajRecord] = []
         for gid in group_ids:
             g = self.groups.get(gid)
             if g is None:
@@ -690,7 +696,7 @@ class TrajectoryBook:
     def finished(self, group_ids: Iterable[str]) -> list[GroupRecord]:
         """Of these groups, those done for good: consumed (freed) or aborted, with every member
         consumed or aborted. Nothing will read or change them again; they can leave the book."""
-        out = []
+        out: list[GroupRecord] = []
         for gid in dict.fromkeys(group_ids):
             g = self.groups.get(gid)
             if g is not None and g.state in (GroupState.CONSUMED, GroupState.ABORTED) and all(

@@ -28,7 +28,7 @@ def engine_request(t: TrajectoryIn) -> TrajectoryRequest:
     return TrajectoryRequest(
         **t.model_dump(exclude={"sampling", "segments"}),
         sampling=SamplingParams(**t.sampling.model_dump()),
-        segments=[Segment(**s.model_dump()) for s in t.segments],
+        segments=tuple(Segment(**s.model_dump()) for s in t.segments),
     )
 
 

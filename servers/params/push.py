@@ -82,7 +82,7 @@ class ChunkWriter:
         (the data plane's ``recv_into``); it calls ``landed`` after each piece, in order, a
         piece never crossing from one of these views into the next."""
         assert self.targets is not None
-        return [memoryview(self._current()), *(memoryview(t) for t in self.targets[self._span + 1:])]
+        return [self._current().data, *(t.data for t in self.targets[self._span + 1:])]
 
     def landed(self, n: int) -> None:
         """``n`` more bytes are in place: checksum them while they are in cache."""
@@ -209,6 +209,7 @@ class PushTable:
         except OSError as exc:
             raise ParamsError(ErrorCode.MEMORY_FULL, f"no room for version {version} ({len(header) + total} bytes) in "
                                              f"{self.store.config.shm_dir}: {exc}") from None
+        assert slot.fd is not None  # a reserved slot is open
         os.pwrite(slot.fd, header, 0)
         push = PendingPush(uuid.uuid4().hex, version, laid, total, slot, len(header), dict(metadata), parts)
         self.pending[version] = push

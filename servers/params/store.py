@@ -64,7 +64,9 @@ class ParamStore:
         self.active_streams = 0
         self._closed = False
         self.cond = threading.Condition()
-        self.pushes = PushTable(self)
+        # pyright reads this file at its checkout path and, imported by name, at .ci/installed-layout's:
+        # to it, ParamStore here and in push.py are two classes
+        self.pushes = PushTable(self)  # pyright: ignore[reportArgumentType]
         self.memory = ShmSlots(config.shm_dir, shm_prefix(config.state_dir))  # the memory tier, shm pulls or not
         self.nixl = None
         if "nixl" in config.transports:
@@ -183,6 +185,7 @@ class ParamStore:
         """The disk work, off the critical path: persisting new versions, then deleting evicted ones."""
         while True:
             trash: Path | None = None
+            stored: StoredVersion | None = None
             with self.cond:
                 while not self._to_persist and not self._trash and not self._closed:
                     self.cond.wait()
@@ -200,6 +203,7 @@ class ParamStore:
             if trash is not None:
                 self._delete(trash)
                 continue
+            assert stored is not None  # taken to persist when there was no trash
             try:
                 self._persist(stored)
             except OSError as exc:

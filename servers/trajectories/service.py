@@ -216,8 +216,8 @@ class TrajectoryServer:
         return [
             m.TRAJECTORIES.family([([state], n) for state, n in sorted(self.store.counts().items())]),
             m.TRAJECTORIES_COMPLETED.value(self.accepted),
-            m.TRAJECTORY_REWARD.summary([((), *self.reward_tally)]),
-            m.TRAJECTORY_RESPONSE_TOKENS.summary([((), *self.length_tally)]),
+            m.TRAJECTORY_REWARD.summary([((), int(self.reward_tally[0]), self.reward_tally[1])]),
+            m.TRAJECTORY_RESPONSE_TOKENS.summary([((), self.length_tally[0], self.length_tally[1])]),
             m.TRAJECTORY_CHECKPOINTED_TOKENS.value(self.checkpointed_tokens),
             m.TRAJECTORIES_FAILED_OVER.value(self.store.failed_over[0]),
             m.TRAJECTORY_FAILURE_RESUMED_TOKENS.value(self.store.failed_over[1]),

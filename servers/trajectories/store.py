@@ -23,7 +23,7 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 from sqlalchemy import Engine, bindparam, delete, func, insert, select, update
@@ -198,8 +198,8 @@ class TrajectoryStore:
 
     # ------------------------------------------------------------------ persistence
 
-    def _persist(self, new_groups: list[GroupRecord] = (), groups: Iterable[GroupRecord] = (),
-                 new_trajs: list[TrajRecord] = (), trajs: Iterable[TrajRecord] = (), meta: dict[str, str] | None = None) -> None:
+    def _persist(self, new_groups: Sequence[GroupRecord] = (), groups: Iterable[GroupRecord] = (),
+                 new_trajs: Sequence[TrajRecord] = (), trajs: Iterable[TrajRecord] = (), meta: dict[str, str] | None = None) -> None:
         groups, trajs = list(groups), list(trajs)
         finished = self.book.finished([g.group_id for g in groups] + [t.group_id for t in trajs])
         try:
@@ -215,7 +215,7 @@ class TrajectoryStore:
         self.book.forget(finished)
         self.meta.update(meta or {})
 
-    def _write(self, new_groups: list[GroupRecord], groups: Iterable[GroupRecord], new_trajs: list[TrajRecord],
+    def _write(self, new_groups: Sequence[GroupRecord], groups: Iterable[GroupRecord], new_trajs: Sequence[TrajRecord],
                trajs: Iterable[TrajRecord], meta: dict[str, str] | None, finished: list[GroupRecord]) -> None:
         now = time.time()
         traj_rows = []

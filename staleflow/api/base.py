@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Self, TypeVar, overload
+from typing import Any, Generic, Self, TypeVar, cast, overload
 from urllib.parse import quote, urlencode
 
 import httpx
@@ -98,7 +98,7 @@ class ServiceError(RuntimeError):
     """A non-2xx reply: its status, its ``detail``, its ``code`` (None when the body names none
     this client knows) and the whole error body ``{"detail", "code", ...}``."""
 
-    def __init__(self, status: int, detail: str, body: dict | None = None):
+    def __init__(self, status: int, detail: str, body: dict[str, Any] | None = None):
         super().__init__(f"HTTP {status}: {detail}")
         self.status = status
         self.detail = detail
@@ -156,11 +156,12 @@ def check_reply(response: httpx.Response) -> httpx.Response:
     if response.is_success:
         return response
     try:
-        body = response.json()
-        detail = body.get("detail", response.text) if isinstance(body, dict) else response.text
+        body: object = response.json()
     except ValueError:
-        body, detail = None, response.text
-    raise ServiceError(response.status_code, str(detail), body if isinstance(body, dict) else None)
+        body = None
+    error = cast("dict[str, Any]", body) if isinstance(body, dict) else None
+    detail = error.get("detail", response.text) if error is not None else response.text
+    raise ServiceError(response.status_code, str(detail), error)
 
 
 _PATH_PARAM = re.compile(r"{(\w+)}")
@@ -281,7 +282,7 @@ class Client:
     def send(self, route: Route[R], request: Request) -> R:
         return route.parse(self.http.request(request.method, request.path, **_send_kwargs(request)))
 
-    def json(self, route: Route, *args: Any, **kwargs: Any) -> Any:
+    def json(self, route: Route[Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``route`` and return its reply's JSON as is (for clients that hand out plain data)."""
         request = route.request(*args, **kwargs)
         return check_reply(self.http.request(request.method, request.path, **_send_kwargs(request))).json()

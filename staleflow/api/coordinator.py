@@ -22,14 +22,14 @@ class InstanceView(BaseModel):
     model_config = ConfigDict(extra="forbid")
     instance_id: str
     url: str
-    params_url: str | None = Field(None, description="where the instance pulls weights")
+    params_url: str | None = Field(default=None, description="where the instance pulls weights")
     status: str = Field(description="joining, live, syncing or failed")
     validated: bool
     snapshot: dict[str, Any] | None
     speculative: dict[str, int] | None = Field(description="the speculative state P: inst_version, accum_traj_num")
     estimated_throughput: float
     commands_in_flight: int
-    refused: str | None = Field(None, description="why the coordinator does not let the instance join (null: it "
+    refused: str | None = Field(default=None, description="why the coordinator does not let the instance join (null: it "
                                                   "does)")
 
 

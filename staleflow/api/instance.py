@@ -22,11 +22,11 @@ LogProb = Annotated[float, Field(ge=MIN_LOGPROB, le=0.0, allow_inf_nan=False,
 
 class SamplingIn(StrictModel):
     max_tokens: int = Field(ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = -1
     seed: int | None = None
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list[TokenId])
     ignore_eos: bool = False
 
     @field_validator("top_k")
@@ -51,14 +51,14 @@ class TrajectoryIn(StrictModel):
     prompt_ids: list[TokenId] = Field(min_length=1)
     v_traj: int = Field(ge=0, description="assigned by the coordinator before routing; never null")
     sampling: SamplingIn
-    tokens: list[TokenId] = Field(default_factory=list)
-    logprobs: list[LogProb] = Field(default_factory=list)
-    segments: list[RoutedSegmentIn] = Field(default_factory=list)
+    tokens: list[TokenId] = Field(default_factory=list[TokenId])
+    logprobs: list[LogProb] = Field(default_factory=list[LogProb])
+    segments: list[RoutedSegmentIn] = Field(default_factory=list[RoutedSegmentIn])
 
 
 class SimWeightsIn(StrictModel):
     source: Literal["sim"] = "sim"
-    size_bytes: int | None = Field(None, ge=0)
+    size_bytes: int | None = Field(default=None, ge=0)
 
 
 class PathWeightsIn(StrictModel):
@@ -102,8 +102,8 @@ class AbortCommand(_CommandBase):
 class PullCommand(_CommandBase):
     kind: Literal["pull"]
     version: int = Field(ge=0)
-    weights: WeightsIn | None = Field(None, description="default for the sim engine: the configured model size")
-    keep_running: bool = Field(False, description="an in-flight weight update: the trajectories on the instance are "
+    weights: WeightsIn | None = Field(default=None, description="default for the sim engine: the configured model size")
+    keep_running: bool = Field(default=False, description="an in-flight weight update: the trajectories on the instance are "
                                                   "not interrupted, they keep their KV cache and continue on the new "
                                                   "weights (else every one is interrupted and handed back)")
 
@@ -116,8 +116,8 @@ MAX_SIM_SECONDS = 1e9  # ~31 simulated years: beyond this, float time steps lose
 
 
 class AdvanceIn(StrictModel):
-    to: float | None = Field(None, ge=0, le=MAX_SIM_SECONDS)
-    by: float | None = Field(None, ge=0, le=MAX_SIM_SECONDS)
+    to: float | None = Field(default=None, ge=0, le=MAX_SIM_SECONDS)
+    by: float | None = Field(default=None, ge=0, le=MAX_SIM_SECONDS)
     until_idle: bool = False
 
     @model_validator(mode="after")
@@ -207,11 +207,11 @@ class SnapshotOut(_Answer):
     complete_trajs: list[str]
     inst_version: int
     loading_weights: bool
-    decode_steps: int | None = Field(None, description="decode steps since the engine started (null: not reported)")
-    decode_seconds: float | None = Field(None, description="the seconds those steps took, prefill excluded")
-    kv_usage: float | None = Field(None, ge=0, description="the share of the engine's KV memory in use (vLLM: "
+    decode_steps: int | None = Field(default=None, description="decode steps since the engine started (null: not reported)")
+    decode_seconds: float | None = Field(default=None, description="the seconds those steps took, prefill excluded")
+    kv_usage: float | None = Field(default=None, ge=0, description="the share of the engine's KV memory in use (vLLM: "
                                    "the scheduler's block usage; null: not reported)")
-    generated: dict[str, int] | None = Field(None, description="traj_id -> response tokens each running or waiting "
+    generated: dict[str, int] | None = Field(default=None, description="traj_id -> response tokens each running or waiting "
                                                                "trajectory holds now (null: not reported)")
 
 
@@ -278,7 +278,8 @@ class Advanced(_Answer):
 class InstanceRoutes:
     """The rollout instance's REST API."""
 
-    command = Route("POST", "/v1/commands", CommandApplied, body="command")
+    command: Route[RouteApplied | InterruptApplied | AbortApplied | PullApplied] = Route(
+        "POST", "/v1/commands", CommandApplied, body="command")
     snapshot = Route("GET", "/v1/snapshot", SnapshotOut)
     completed = Route("GET", "/v1/completed", CompletedFeed, query=("after", "limit", "wait_s"))
     ack = Route("POST", "/v1/completed/ack", AckOut, body=AckIn)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from staleflow.api.base import AsyncClient, Client, Route
@@ -61,7 +63,7 @@ class AdmissionOut(BaseModel):
     train_version: int
     eta: int
     admissible: dict[str, int] = Field(description="V_traj -> groups it can still admit")
-    what_if: WhatIfOut | None = Field(None, description="the answer to ?version=V&count=N")
+    what_if: WhatIfOut | None = Field(default=None, description="the answer to ?version=V&count=N")
 
     def by_version(self) -> dict[int, int]:
         """``admissible`` keyed by the version itself."""
@@ -92,7 +94,7 @@ class ConsumedOut(BaseModel):
 
 class EventsOut(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    events: list[dict]
+    events: list[dict[str, Any]]
     next: int
 
 

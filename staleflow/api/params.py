@@ -24,29 +24,29 @@ class PushBegin(BaseModel):
 
 
 class PartJoin(BaseModel):
-    tensors: list[TensorIn] | None = Field(None, min_length=1, description="the whole version's tensor table, the same for "
+    tensors: list[TensorIn] | None = Field(default=None, min_length=1, description="the whole version's tensor table, the same for "
                                                                          "every part (may be left out once ``table`` names it)")
-    table: str | None = Field(None, pattern=r"^[0-9a-f]{32}$", description="the table's digest (``table`` of a join's answer): "
+    table: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$", description="the table's digest (``table`` of a join's answer): "
                                                                           "names a table this PS was sent before")
     metadata: dict[str, str] = Field(default_factory=dict)
     parts: int = Field(ge=1, le=65536, description="how many parts the version is pushed in")
-    ranges: list[tuple[int, int]] | None = Field(None, description="(offset, length) byte ranges of the data section "
+    ranges: list[tuple[int, int]] | None = Field(default=None, description="(offset, length) byte ranges of the data section "
                                                                      "this part delivers; absent: all of it")
     via: Literal["http", "shm", "nixl"] = "http"
-    gather: bool = Field(False, description="the pusher takes chunks that gather several of its small ranges "
+    gather: bool = Field(default=False, description="the pusher takes chunks that gather several of its small ranges "
                                             "(each such chunk lists its ranges)")
 
 
 class PartDone(BaseModel):
-    checksums: dict[int, str | list[str]] | None = Field(None, description="chunk index -> checksum, for a part written over "
+    checksums: dict[int, str | list[str]] | None = Field(default=None, description="chunk index -> checksum, for a part written over "
                                                                           "shm or nixl (a gathered chunk: its checksum, or "
                                                                           "the list of its ranges' checksums)")
-    wait_s: float = Field(0.0, ge=0, le=3600, description="wait this long for the other parts to finish")
+    wait_s: float = Field(default=0.0, ge=0, le=3600, description="wait this long for the other parts to finish")
 
 
 class PullBegin(BaseModel):
     transport: TransportName = "http"
-    wait_s: float = Field(0.0, ge=0, le=600, description="wait this long for a version that is not complete yet")
+    wait_s: float = Field(default=0.0, ge=0, le=600, description="wait this long for a version that is not complete yet")
 
 
 VersionSpec = Annotated[str, "a version number, 'latest' or 'latest-N'"]
@@ -64,7 +64,7 @@ class ParamsHealth(_Answer):
     host_id: str
     data_port: int | None = Field(description="the data plane's port (chunk bodies), on this server's host; "
                                               "null: chunks go through this port")
-    data_plane_accept_failures: int = Field(0, description="times the data plane ran out of descriptors or memory "
+    data_plane_accept_failures: int = Field(default=0, description="times the data plane ran out of descriptors or memory "
                                                            "accepting a connection, and retried")
 
 
@@ -119,12 +119,12 @@ class ChunkOut(_Answer):
     offset: int
     length: int
     checksum: str | None = None
-    segments: list[int] | None = Field(None, description="lengths of the runs the chunk's checksum is made of: each run "
+    segments: list[int] | None = Field(default=None, description="lengths of the runs the chunk's checksum is made of: each run "
                                                          "hashed alone, the checksum the hash of theirs (absent: one run)")
 
 
 class PushChunkOut(ChunkOut):
-    ranges: list[tuple[int, int]] | None = Field(None, description="a gathered chunk's (offset, length) ranges of the "
+    ranges: list[tuple[int, int]] | None = Field(default=None, description="a gathered chunk's (offset, length) ranges of the "
                                                                    "data section, in order: its bytes, one after the other")
 
 
@@ -231,8 +231,8 @@ class ParamsRoutes:
     manifest = Route("GET", "/v1/params/{version}/manifest", ManifestOut)
     begin_push = Route("POST", "/v1/params/{version}", PushStarted, body=PushBegin)
     join_part = Route("POST", "/v1/params/{version}/parts/{part}", PartJoined, body=PartJoin)
-    finish_part = Route("POST", "/v1/params/{version}/parts/{part}/done", PartFinished, body=PartDone,
-                        query=("push_id",))
+    finish_part: Route[PartVisible | PartPending] = Route("POST", "/v1/params/{version}/parts/{part}/done", PartFinished,
+                                                          body=PartDone, query=("push_id",))
     commit = Route("POST", "/v1/params/{version}/commit", VersionSummary, query=("push_id",))
     delete_version = Route("DELETE", "/v1/params/{version}", VersionDeleted)
     abort_push = Route("DELETE", "/v1/params/{version}/push", PushAborted, query=("push_id",))
@@ -242,8 +242,8 @@ class ParamsRoutes:
     put_chunk = Route("PUT", "/v1/params/{version}/chunks/{index}", ChunkReceived, query=("push_id",))
     put_part_chunk = Route("PUT", "/v1/params/{version}/parts/{part}/chunks/{index}", ChunkReceived,
                            query=("push_id",))
-    chunk = Route("GET", "/v1/params/{version}/chunks/{index}", None, query=("lease",))
-    file = Route("GET", "/v1/params/{version}/file", None)
+    chunk: Route[None] = Route("GET", "/v1/params/{version}/chunks/{index}", None, query=("lease",))
+    file: Route[None] = Route("GET", "/v1/params/{version}/file", None)
 
 
 class AsyncParamsClient(ParamsRoutes, AsyncClient):

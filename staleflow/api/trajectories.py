@@ -42,7 +42,7 @@ class PartialIn(BaseModel):
 
 
 class ReturnRequest(BaseModel):
-    instance_id: str | None = Field(None, min_length=1, max_length=200)
+    instance_id: str | None = Field(default=None, min_length=1, max_length=200)
     partials: list[PartialIn] = Field(max_length=100_000)
 
 
@@ -54,7 +54,7 @@ class CompletedIn(BaseModel):
     """A completed trajectory as the instances deliver it (``staleflow.api.instance.CompletedItem``)."""
 
     seq: int | None = None
-    instance_id: str | None = Field(None, min_length=1, max_length=200)
+    instance_id: str | None = Field(default=None, min_length=1, max_length=200)
     trajectory: CompletedTrajectoryIn
 
 
@@ -189,7 +189,7 @@ class TrajectoryDetail(TrajectorySummary, RoutePayload):
     reward_reason: str | None
     finish_reason: str | None
     prompt_text: str
-    held_on_instance: int | None = Field(None, description="response tokens its instance last said it holds "
+    held_on_instance: int | None = Field(default=None, description="response tokens its instance last said it holds "
                                                            "(routed trajectories): a failure now regenerates those "
                                                            "beyond what is stored")
 
@@ -220,7 +220,7 @@ class TrajectoryServerHealth(BaseModel):
     dependencies: dict[str, str] = Field(default_factory=dict, description="each dependency that is down, and why")
     skipped_prompts: SkippedPrompts
     progress: ProgressCounts = Field(description="since this trajectory server started")
-    staleness_violations: int = Field(0, description="trajectories trained with a token more than eta versions "
+    staleness_violations: int = Field(default=0, description="trajectories trained with a token more than eta versions "
                                                      "older than their buffer (staleness from the oldest segment "
                                                      "version), since this trajectory server started: must be 0")
 

@@ -269,7 +269,7 @@ def fit_step_latency(samples: Sequence[DecodeSample]) -> DecodeFit:
     return DecodeFit(k1, k2, k3, k4, k2 / k3, "both", tuple(warnings))
 
 
-def metrics(samples: Sequence[DecodeSample], predicted: Sequence[float]) -> FitMetrics:
+def metrics(samples: Sequence[DecodeSample], predicted: Sequence[float] | np.ndarray) -> FitMetrics:
     """Latency r², throughput MAPE and relative residuals of ``predicted`` latencies of ``samples``."""
     if not samples:
         raise CalibrationError("cannot score a fit on no samples")

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -82,10 +82,13 @@ class ProfileData:
     waited: list[float] = field(default_factory=list)  # run-queue wait subtracted, fraction of each interval
 
 
-class Probe(abc.ABC):
+EngineT = TypeVar("EngineT", bound=RolloutEngine)
+
+
+class Probe(abc.ABC, Generic[EngineT]):
     """What profiling needs beyond ``RolloutEngine``: a clock, token counts, the KV capacity."""
 
-    engine: RolloutEngine
+    engine: EngineT
     realtime: bool
     vocab_size: int
     engine_name: str = "rollout"
@@ -132,7 +135,7 @@ class Probe(abc.ABC):
     async def close(self) -> None:
         await self.engine.stop()
 
-    async def settle(self) -> None:  # noqa: B027  (an optional hook: most probes have nothing in flight)
+    async def settle(self) -> None:  # an optional hook: most probes have nothing in flight
         """Let work in flight (a step, a Pull) end when nothing is running any more."""
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
@@ -150,7 +153,7 @@ class Probe(abc.ABC):
     _max_poll = 0.002
 
 
-class SimProbe(Probe):
+class SimProbe(Probe[SimEngine]):
     """A ``SimEngine`` on its virtual clock: profiling costs events, not simulated seconds."""
 
     realtime = False
@@ -225,7 +228,7 @@ class SimProbe(Probe):
         return SimWeights(version)
 
 
-class VllmProbe(Probe):
+class VllmProbe(Probe[Any]):  # a VllmEngine, imported only where vLLM is
     """A ``VllmEngine``, measured in wall time."""
 
     realtime = True

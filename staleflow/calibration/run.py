@@ -119,7 +119,8 @@ def _first_line(exc: BaseException) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
         try:
-            return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in errors())
+            details: Any = errors()
+            return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in details)
         except (TypeError, KeyError):
             pass
     text = str(exc).strip().splitlines()

@@ -20,25 +20,25 @@ SPREAD_WARNING = 0.05  # warn about a coefficient whose bootstrap relative std e
 class FitQuality(StrictModel):
     samples: int = Field(ge=0)
     grid_points: int = Field(ge=0)
-    folds: int = Field(0, ge=0, description="cross-validation folds over grid points (0: none)")
+    folds: int = Field(default=0, ge=0, description="cross-validation folds over grid points (0: none)")
     holdout_points: int = Field(ge=0, description="grid points predicted by a fit that did not see them")
     holdout_samples: int = Field(ge=0)
     r2: float = Field(description="step-latency r² of the shipped fit over all samples")
     mape: float = Field(description="throughput MAPE of the shipped fit over all samples (fraction)")
     max_ape: float
     holdout_r2: float | None = None
-    holdout_mape: float | None = Field(None, description="cross-validated throughput MAPE (fraction)")
+    holdout_mape: float | None = Field(default=None, description="cross-validated throughput MAPE (fraction)")
     holdout_max_ape: float | None = None
     residual_mean: float
     residual_std: float
     residual_max_abs: float
-    kv_r2: float | None = Field(None, description="r² of the k5 fit")
-    spread: dict[str, float] | None = Field(None, description="bootstrap relative std of k1..k4")
+    kv_r2: float | None = Field(default=None, description="r² of the k5 fit")
+    spread: dict[str, float] | None = Field(default=None, description="bootstrap relative std of k1..k4")
 
 
 class Thresholds(StrictModel):
-    max_mape: float = Field(0.15, gt=0, description="refuse above this held-out (else in-sample) throughput MAPE")
-    min_r2: float = Field(0.90, le=1, description="refuse below this step-latency r²")
+    max_mape: float = Field(default=0.15, gt=0, description="refuse above this held-out (else in-sample) throughput MAPE")
+    min_r2: float = Field(default=0.90, le=1, description="refuse below this step-latency r²")
 
 
 class ProfileGridInfo(StrictModel):
@@ -55,7 +55,7 @@ class CalibrationEntry(StrictModel):
     cost: CostCoefficients
     crossover_n: float | None = Field(description="k2 / k3: memory-bound below, compute-bound above")
     regime: Regime
-    kv_unit: str = Field("token", description="the unit of the engine's snapshot kv_cache divided by k5")
+    kv_unit: str = Field(default="token", description="the unit of the engine's snapshot kv_cache divided by k5")
     kv_bytes_per_token: float | None = None
     prefill_seconds_per_token: float | None = None
     weight_load_seconds: float | None = None
@@ -66,7 +66,7 @@ class CalibrationEntry(StrictModel):
     warnings: list[str] = []
     grid: ProfileGridInfo | None = None
     wall_seconds: float | None = None
-    truth: dict[str, float] | None = Field(None, description="sim only: the ground-truth coefficients")
+    truth: dict[str, float] | None = Field(default=None, description="sim only: the ground-truth coefficients")
 
 
 class CalibrationFile(StrictModel):

@@ -20,9 +20,9 @@ class CalibrationRef(StrictModel):
     missing file, an unknown model or a poor fit stops ``staleflow up`` before anything runs."""
 
     file: Path = Field(description="calibration file written by `staleflow calibrate`")
-    model: str | None = Field(None, description="model key; may be left out when the file has one model")
-    parallelism: str | None = Field(None, description="parallelism key; may be left out when the model has one")
-    allow_poor: bool = Field(False, description="use an entry marked ok=false (a poor fit)")
+    model: str | None = Field(default=None, description="model key; may be left out when the file has one model")
+    parallelism: str | None = Field(default=None, description="parallelism key; may be left out when the model has one")
+    allow_poor: bool = Field(default=False, description="use an entry marked ok=false (a poor fit)")
 
     @field_validator("file")
     @classmethod

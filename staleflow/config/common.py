@@ -59,8 +59,8 @@ STATE_DIR = Path(".staleflow")
 
 
 class ServiceConfig(StrictModel):
-    host: str = Field("127.0.0.1", description="address to bind; loopback by default")
-    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    host: str = Field(default="127.0.0.1", description="address to bind; loopback by default")
+    port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
 
 
 def default_of(model: type[StrictModel], name: str):

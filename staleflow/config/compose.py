@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from staleflow.config.coordinator import CoordinatorConfig, CoordinatorSettings, InstanceEndpoint
+from staleflow.config.engines import Clock
 from staleflow.config.instance import InstanceConfig, InstanceSettings, SimConfig, VllmConfig
 from staleflow.config.manager import LedgerConfig, ManagerConfig, ManagerSettings
 from staleflow.config.params import ParamsConfig, ParamsSettings
@@ -93,7 +94,7 @@ class ComponentConfigs:
             engine = {"vllm": VllmConfig(**{"seed": self.seed + index, **self.vllm_args, "model": str(model)})}
         else:  # on the real clock, each instance its own seed, all of them the job's workload
             engine = {"sim": SimConfig(workload=self.workload, workload_seed=self.seed, seed=self.seed + index,
-                                       clock="real", speed=self.speed, kv_budget=self.kv_budget)}
+                                       clock=Clock.REAL, speed=self.speed, kv_budget=self.kv_budget)}
         return InstanceConfig(**dict(self.instance), instance_id=name, engine=self.engine,
                               completion_callback_url=f"{urls['ts']}/v1/completed",
                               progress_url=f"{urls['ts']}/v1/progress", **engine)

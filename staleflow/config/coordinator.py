@@ -38,7 +38,7 @@ def strategy_inline(data: Any) -> Any:
 class InstanceEndpoint(StrictModel):
     instance_id: str = Field(pattern=INSTANCE_ID)
     url: HttpUrl
-    params_url: HttpUrl | None = Field(None, description="where this instance pulls weights (a parameter-server "
+    params_url: HttpUrl | None = Field(default=None, description="where this instance pulls weights (a parameter-server "
                                                          "relay on its machine); default: the job's parameter server")
 
 
@@ -47,20 +47,20 @@ class CoordinatorSettings(StrictModel):
 
     strategy: StrategyConfig = Field(default_factory=StrategyConfig,
                                      description="routing, sync, migration and their thresholds")
-    cycle_period: float = Field(0.05, gt=0, description="seconds between cycles")
-    command_timeout: float = Field(30.0, gt=0, description="seconds a queued command (a pull, a route) to an instance "
+    cycle_period: float = Field(default=0.05, gt=0, description="seconds between cycles")
+    command_timeout: float = Field(default=30.0, gt=0, description="seconds a queued command (a pull, a route) to an instance "
                                    "may take; the cycle waits for an interrupt or abort at most failure_timeout")
-    failure_timeout: float = Field(10.0, gt=0, description="an instance silent this long is declared failed")
-    stall_timeout: float = Field(60.0, ge=0, description="running work with no progress this long: failed (0: never)")
-    reconcile_after: float = Field(5.0, gt=0, description="grace period: a trajectory routed to an instance but not "
+    failure_timeout: float = Field(default=10.0, gt=0, description="an instance silent this long is declared failed")
+    stall_timeout: float = Field(default=60.0, ge=0, description="running work with no progress this long: failed (0: never)")
+    reconcile_after: float = Field(default=5.0, gt=0, description="grace period: a trajectory routed to an instance but not "
                                    "held there this long goes back to pending, and one an instance holds without "
                                    "being routed there is aborted on it")
     cost: CostCoefficients = Field(default_factory=CostCoefficients,
                                    description="cost-model coefficients of every instance (default: paper Table 4)")
     calibration: CalibrationRef | None = Field(
-        None, description="take cost from this `staleflow calibrate` entry (instead of giving cost); read when "
+        default=None, description="take cost from this `staleflow calibrate` entry (instead of giving cost); read when "
                           "the coordinator starts")
-    sim_weights_bytes: int | None = Field(None, ge=0, description="Pull size for sim instances without a PS")
+    sim_weights_bytes: int | None = Field(default=None, ge=0, description="Pull size for sim instances without a PS")
 
     @model_validator(mode="before")
     @classmethod

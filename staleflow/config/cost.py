@@ -15,12 +15,12 @@ class CostCoefficients(StrictModel):
     ``cost`` section and the sim engine's coefficients. The one declaration of k1..k5 and the KV
     budget as settings (``staleflow.config.CostConfig`` is this model)."""
 
-    k1: float = Field(CostModel.k1, ge=0, description="s per KV unit read by attention in one decode step")
-    k2: float = Field(CostModel.k2, ge=0, description="s, memory-bound floor of the GEMMs")
-    k3: float = Field(CostModel.k3, ge=0, description="s per running trajectory once compute-bound")
-    k4: float = Field(CostModel.k4, ge=0, description="s, constant per-step overhead")
-    k5: float = Field(CostModel.k5, gt=0, description="KV units per token")
-    kv_budget: float = Field(CostModel.kv_budget, gt=0, description="M, KV budget in KV units")
+    k1: float = Field(default=CostModel.k1, ge=0, description="s per KV unit read by attention in one decode step")
+    k2: float = Field(default=CostModel.k2, ge=0, description="s, memory-bound floor of the GEMMs")
+    k3: float = Field(default=CostModel.k3, ge=0, description="s per running trajectory once compute-bound")
+    k4: float = Field(default=CostModel.k4, ge=0, description="s, constant per-step overhead")
+    k5: float = Field(default=CostModel.k5, gt=0, description="KV units per token")
+    kv_budget: float = Field(default=CostModel.kv_budget, gt=0, description="M, KV budget in KV units")
 
     def cost_model(self) -> CostModel:
         return CostModel(**self.model_dump(include=set(CostCoefficients.model_fields)))

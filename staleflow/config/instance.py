@@ -21,17 +21,17 @@ class SimConfig(CostCoefficients):
     coefficients (inherited, flat: k1..k5, kv_budget) and the rest below."""
     workload: str = "paper-20k"
     workload_seed: int = 0
-    prefill_seconds_per_token: float = Field(SimParams.prefill_seconds_per_token, ge=0)
-    pull_bandwidth_bytes_per_s: float = Field(SimParams.pull_bandwidth_bytes_per_s, gt=0)
-    pull_latency_s: float = Field(SimParams.pull_latency_s, ge=0)
-    model_bytes: int = Field(SimParams.model_bytes, ge=0)
-    max_running: int = Field(SimParams.max_running, ge=1)
-    noise: float = Field(0.0, ge=0)
-    noise_block_steps: int = Field(SimParams.noise_block_steps, ge=1)
+    prefill_seconds_per_token: float = Field(default=SimParams.prefill_seconds_per_token, ge=0)
+    pull_bandwidth_bytes_per_s: float = Field(default=SimParams.pull_bandwidth_bytes_per_s, gt=0)
+    pull_latency_s: float = Field(default=SimParams.pull_latency_s, ge=0)
+    model_bytes: int = Field(default=SimParams.model_bytes, ge=0)
+    max_running: int = Field(default=SimParams.max_running, ge=1)
+    noise: float = Field(default=0.0, ge=0)
+    noise_block_steps: int = Field(default=SimParams.noise_block_steps, ge=1)
     seed: int = 0
-    initial_version: int = Field(0, ge=0)
+    initial_version: int = Field(default=0, ge=0)
     clock: Clock = Clock.VIRTUAL
-    speed: float = Field(1.0, gt=0)
+    speed: float = Field(default=1.0, gt=0)
 
     @field_validator("workload")
     @classmethod
@@ -52,26 +52,26 @@ class VllmConfig(StrictModel):
 
     model: str = Field(min_length=1, description="local model directory (config, safetensors, tokenizer)")
     dtype: str = "bfloat16"
-    max_model_len: int = Field(4096, ge=1)
+    max_model_len: int = Field(default=4096, ge=1)
     seed: int = 0
     enforce_eager: bool = True
-    kv_cache_gib: int | None = Field(None, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU builds")
-    max_num_seqs: int | None = Field(None, ge=1)
-    initial_version: int = Field(0, ge=0)
+    kv_cache_gib: int | None = Field(default=None, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU builds")
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    initial_version: int = Field(default=0, ge=0)
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra AsyncEngineArgs")
 
 
 class InstanceSettings(StrictModel):
     """What a job sets of every rollout instance (its ``instance:`` section)."""
 
-    callback_batch: int = Field(64, ge=1, description="completions per callback batch")
-    outbox_limit: int = Field(100_000, ge=1, description="unacknowledged completions kept before the oldest drop")
-    idempotency_window: int = Field(10_000, ge=1, description="command ids remembered for retries")
-    idempotency_bytes: int = Field(8 << 20, ge=1, description="bytes of recorded responses (compact JSON) kept for "
+    callback_batch: int = Field(default=64, ge=1, description="completions per callback batch")
+    outbox_limit: int = Field(default=100_000, ge=1, description="unacknowledged completions kept before the oldest drop")
+    idempotency_window: int = Field(default=10_000, ge=1, description="command ids remembered for retries")
+    idempotency_bytes: int = Field(default=8 << 20, ge=1, description="bytes of recorded responses (compact JSON) kept for "
                                    "retries; the oldest go first beyond this or idempotency_window commands")
-    progress_tokens: int = Field(256, ge=0, description="checkpoint a running trajectory to the trajectory server "
+    progress_tokens: int = Field(default=256, ge=0, description="checkpoint a running trajectory to the trajectory server "
                                  "once it generated this many tokens since its last checkpoint; 0: no checkpoints")
-    progress_seconds: float = Field(10.0, gt=0, description="checkpoint whatever a running trajectory generated "
+    progress_seconds: float = Field(default=10.0, gt=0, description="checkpoint whatever a running trajectory generated "
                                     "since its last checkpoint at least this often")
 
 
@@ -82,8 +82,8 @@ class InstanceConfig(InstanceSettings, ServiceConfig):
     engine: Literal["sim", "vllm"] = "sim"
     sim: SimConfig = Field(default_factory=SimConfig)
     vllm: VllmConfig | None = None
-    completion_callback_url: str | None = Field(None, pattern=r"^https?://")
-    progress_url: str | None = Field(None, pattern=r"^https?://",
+    completion_callback_url: str | None = Field(default=None, pattern=r"^https?://")
+    progress_url: str | None = Field(default=None, pattern=r"^https?://",
                                      description="POST progress checkpoints here (the trajectory server's /v1/progress)")
 
     @model_validator(mode="after")

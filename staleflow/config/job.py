@@ -32,75 +32,75 @@ from staleflow.strict import StrictModel
 class AlgorithmConfig(StrictModel):
     """The GRPO/DAPO update and its staleness correction (docs/training.md)."""
 
-    lr: float = Field(1e-6, gt=0, description="AdamW peak learning rate (1e-6 suits pretrained LLMs; the demo "
+    lr: float = Field(default=1e-6, gt=0, description="AdamW peak learning rate (1e-6 suits pretrained LLMs; the demo "
                                               "policy trains at 3e-4: DEMO_ALGORITHM, docs/training.md)")
-    lr_warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from lr / (warm-up + 1) to lr")
+    lr_warmup_steps: int = Field(default=0, ge=0, description="steps of linear warm-up from lr / (warm-up + 1) to lr")
     lr_decay: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="after the warm-up: keep lr, or decay it to lr_min_ratio * lr at the job's last step")
-    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="the decayed learning rate's floor, as a fraction of lr")
-    weight_decay: float = Field(0.0, ge=0)
-    clip_low: float = Field(0.2, ge=0, le=1, description="PPO ratio clip below: 1 - clip_low")
-    clip_high: float = Field(0.28, ge=0, description="DAPO clip-higher: the ratio is clipped above at 1 + clip_high")
+        default="constant", description="after the warm-up: keep lr, or decay it to lr_min_ratio * lr at the job's last step")
+    lr_min_ratio: float = Field(default=0.0, ge=0, le=1, description="the decayed learning rate's floor, as a fraction of lr")
+    weight_decay: float = Field(default=0.0, ge=0)
+    clip_low: float = Field(default=0.2, ge=0, le=1, description="PPO ratio clip below: 1 - clip_low")
+    clip_high: float = Field(default=0.28, ge=0, description="DAPO clip-higher: the ratio is clipped above at 1 + clip_high")
     loss_aggregation: Literal["token", "sequence"] = Field(
-        "token", description="token: DAPO token-level mean over the batch; sequence: GRPO mean of per-sequence means")
-    normalize_std: bool = Field(True, description="divide group-centred rewards by the group's std (GRPO)")
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the initial policy (0: none, DAPO)")
+        default="token", description="token: DAPO token-level mean over the batch; sequence: GRPO mean of per-sequence means")
+    normalize_std: bool = Field(default=True, description="divide group-centred rewards by the group's std (GRPO)")
+    kl_coef: float = Field(default=0.0, ge=0, description="k3 KL penalty to the initial policy (0: none, DAPO)")
     correction: Literal["tis", "decoupled", "none"] = Field(
-        "tis", description="staleness correction: truncated importance sampling, decoupled PPO, or none")
-    tis_cap: float = Field(2.0, ge=1, description="truncation of the behaviour importance weight")
-    max_grad_norm: float = Field(1.0, gt=0)
-    micro_batch: int = Field(32, ge=1, description="trajectories per forward/backward on each rank")
+        default="tis", description="staleness correction: truncated importance sampling, decoupled PPO, or none")
+    tis_cap: float = Field(default=2.0, ge=1, description="truncation of the behaviour importance weight")
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    micro_batch: int = Field(default=32, ge=1, description="trajectories per forward/backward on each rank")
 
 
 class TrainerConfig(StrictModel):
     """The trainer: the simulated step-time model (sim engine) or the FSDP2 trainer (vllm engine)."""
 
-    seconds_per_token: float = Field(2e-6, ge=0, description="sim: simulated training seconds per trained token")
-    seconds_per_step: float = Field(0.5, ge=0, description="sim: simulated fixed cost per training step")
-    push_bytes: int = Field(1 << 20, ge=1, description="sim: bytes of the parameter blob pushed to the PS each step")
-    world_size: int = Field(2, ge=1, le=64, description="FSDP2 ranks (processes; gloo on CPU, NCCL on GPU)")
-    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints (model, optimizer, version)")
+    seconds_per_token: float = Field(default=2e-6, ge=0, description="sim: simulated training seconds per trained token")
+    seconds_per_step: float = Field(default=0.5, ge=0, description="sim: simulated fixed cost per training step")
+    push_bytes: int = Field(default=1 << 20, ge=1, description="sim: bytes of the parameter blob pushed to the PS each step")
+    world_size: int = Field(default=2, ge=1, le=64, description="FSDP2 ranks (processes; gloo on CPU, NCCL on GPU)")
+    checkpoint_every: int = Field(default=5, ge=1, description="steps between checkpoints (model, optimizer, version)")
     remote_push: Literal["http", "nixl"] = Field(
-        "http", description="how a rank off the parameter server's host pushes its weights: http, or nixl (RDMA; "
+        default="http", description="how a rank off the parameter server's host pushes its weights: http, or nixl (RDMA; "
                             "params.transports must offer it); ranks on the PS's host push over shm")
     mixed_precision: bool | Literal["auto"] = Field(
-        "auto", description="bf16 parameters and activations in forward/backward, fp32 master weights and gradient "
+        default="auto", description="bf16 parameters and activations in forward/backward, fp32 master weights and gradient "
                             "reductions; auto: on with CUDA, off (fp32) on CPU")
     activation_checkpointing: bool | Literal["auto", "selective"] = Field(
-        "auto", description="what backward recomputes of each decoder layer: true (full) recomputes the whole layer "
+        default="auto", description="what backward recomputes of each decoder layer: true (full) recomputes the whole layer "
                             "and keeps only its input; selective keeps the matmul and attention outputs and "
                             "recomputes the pointwise ops; false keeps everything; auto: selective with CUDA, off on "
                             "CPU")
     max_tokens_per_micro_batch: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
-        "auto", description="micro-batches by token budget: each rank packs trajectories (prompt + response) into "
+        default="auto", description="micro-batches by token budget: each rank packs trajectories (prompt + response) into "
                             "micro-batches of at most this many tokens (a longer one trains alone); none: "
                             "algorithm.micro_batch trajectories each; auto: on CUDA, the budget a memory model of "
                             "the model's shape and the checkpointing policy fits in token_budget_memory_gib, on CPU "
                             "none")
     token_budget_memory_gib: float = Field(
-        40.0, gt=0, description="the device memory per rank (GiB) that max_tokens_per_micro_batch: auto plans for, at "
+        default=40.0, gt=0, description="the device memory per rank (GiB) that max_tokens_per_micro_batch: auto plans for, at "
                                 "most 95 % of the GPU's; beyond about 10k tokens per micro-batch more memory buys "
                                 "little speed")
     packing: bool | Literal["auto"] = Field(
-        "auto", description="padding-free micro-batches: sequences concatenated into one row, attention kept within "
+        default="auto", description="padding-free micro-batches: sequences concatenated into one row, attention kept within "
                             "each (varlen attention over their boundaries); auto: with CUDA and torch's varlen "
                             "attention, or with flash attention; true also on CPU (an exact per-sequence fallback)")
     logprob_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        "auto", description="tokens per chunk of the output head when computing log-probs (the [tokens, vocab] logits "
+        default="auto", description="tokens per chunk of the output head when computing log-probs (the [tokens, vocab] logits "
                             "never exist whole); auto: about 1 GB of fp32 logits per chunk on CUDA (at least 1,024 "
                             "tokens), 32 MB on CPU")
     fused_logprobs: bool | Literal["auto"] = Field(
-        "auto", description="Liger's fused linear cross-entropy for the log-probs on CUDA (the liger extra); auto: "
+        default="auto", description="Liger's fused linear cross-entropy for the log-probs on CUDA (the liger extra); auto: "
                             "when liger_kernel is importable, else the chunked head")
     fused_kernels: bool | Literal["auto"] = Field(
-        "auto", description="Liger's fused RMSNorm, RoPE and SwiGLU kernels in the decoder layers (CUDA, the liger "
+        default="auto", description="Liger's fused RMSNorm, RoPE and SwiGLU kernels in the decoder layers (CUDA, the liger "
                             "extra); auto: with CUDA and liger_kernel importable, unless the layers are compiled")
-    compile: bool = Field(False, description="torch.compile each decoder layer (its checkpointing inside the compiled "
+    compile: bool = Field(default=False, description="torch.compile each decoder layer (its checkpointing inside the compiled "
                                              "region, FSDP2 outside; dynamic shapes: one graph for all lengths)")
-    optimizer_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in "
+    optimizer_offload: bool = Field(default=False, description="keep sharded parameters, gradients and optimizer state in "
                                                        "host memory (FSDP2 CPUOffloadPolicy): fits larger models, slower")
     export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="dtype of the weights the trainer publishes; in a job, auto is the rollout engine's "
+        default="auto", description="dtype of the weights the trainer publishes; in a job, auto is the rollout engine's "
                             "(vllm_args.dtype); elsewhere auto keeps the trained parameters' own")
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
@@ -114,8 +114,8 @@ class TrainerRoleConfig(StrictModel):
     steps: int = Field(ge=1, description="training steps (buffers consumed) to run")
     eta: int = Field(ge=0, description="the staleness bound: how far behind the trainer the ledger's buffers reach")
     state_dir: Path = Field(description="the role's own directory: its step log and checkpoints")
-    model_dir: Path | None = Field(None, description="fsdp: the model to train (a local Hugging Face directory)")
-    speed: float = Field(1.0, gt=0, description="simulated: simulated seconds per real second")
+    model_dir: Path | None = Field(default=None, description="fsdp: the model to train (a local Hugging Face directory)")
+    speed: float = Field(default=1.0, gt=0, description="simulated: simulated seconds per real second")
 
     @property
     def step_log_path(self) -> Path:
@@ -130,15 +130,15 @@ class SupervisionConfig(StrictModel):
     """How a job keeps its components running: a component that crashes or stops answering is
     restarted in place; one that keeps crashing stops the job (docs/faults.md)."""
 
-    enabled: bool = Field(True, description="restart a component that crashes or stops answering")
-    probe_interval_s: float = Field(0.5, gt=0, description="seconds between health probes of each service")
-    probe_timeout_s: float = Field(2.0, gt=0, description="a health probe not answered in this time failed")
-    probe_failures: int = Field(3, ge=1, description="failed health probes in a row that make a service hung")
-    max_restarts: int = Field(3, ge=0, description="restarts of one component in a row, each failing again within "
+    enabled: bool = Field(default=True, description="restart a component that crashes or stops answering")
+    probe_interval_s: float = Field(default=0.5, gt=0, description="seconds between health probes of each service")
+    probe_timeout_s: float = Field(default=2.0, gt=0, description="a health probe not answered in this time failed")
+    probe_failures: int = Field(default=3, ge=1, description="failed health probes in a row that make a service hung")
+    max_restarts: int = Field(default=3, ge=0, description="restarts of one component in a row, each failing again within "
                                                    "restart_window_s, before the job stops as a crash loop")
-    restart_window_s: float = Field(60.0, gt=0, description="a restarted component that stays up this long is "
+    restart_window_s: float = Field(default=60.0, gt=0, description="a restarted component that stays up this long is "
                                                             "healthy again: its crash-loop count starts over")
-    warm_standby: bool = Field(True, description="--processes: keep one process with every role's code imported, "
+    warm_standby: bool = Field(default=True, description="--processes: keep one process with every role's code imported, "
                                                  "so a failed role restarts without a cold start")
 
 
@@ -189,36 +189,36 @@ class JobConfig(ComponentConfigs, StrictModel):
     """Everything `staleflow up` runs. The same file drives embedded and multi-process runs.
     Fields left out take their engine's preset (``ENGINE_PRESETS``), then the defaults below."""
 
-    engine: Literal["sim", "vllm"] = Field("vllm", description="vllm: a real job (vLLM rollouts, FSDP2 trainer); "
+    engine: Literal["sim", "vllm"] = Field(default="vllm", description="vllm: a real job (vLLM rollouts, FSDP2 trainer); "
                                                              "sim: a simulated cluster")
-    steps: int = Field(10, ge=1, description="training steps (buffers consumed) to run")
+    steps: int = Field(default=10, ge=1, description="training steps (buffers consumed) to run")
     state_dir: Path = STATE_DIR
     ledger: LedgerConfig = LedgerConfig(**JOB_LEDGER)
-    instances: int = Field(4, ge=1, le=1024, description="rollout instances")
-    workload: str = Field("demo", description="sim workload preset: demo, ci-tiny, paper-20k, paper-40k")
-    kv_budget: int = Field(int(CostModel.kv_budget), ge=1, description="sim: KV cache budget of each instance, in tokens")
+    instances: int = Field(default=4, ge=1, le=1024, description="rollout instances")
+    workload: str = Field(default="demo", description="sim workload preset: demo, ci-tiny, paper-20k, paper-40k")
+    kv_budget: int = Field(default=int(CostModel.kv_budget), ge=1, description="sim: KV cache budget of each instance, in tokens")
     seed: int = 0
-    speed: float = Field(40.0, gt=0, description="sim clock: simulated seconds per real second")
-    reward: str = Field("auto", description="auto (sim: 'sim', vllm: the reward server), sim, math or a URL")
+    speed: float = Field(default=40.0, gt=0, description="sim clock: simulated seconds per real second")
+    reward: str = Field(default="auto", description="auto (sim: 'sim', vllm: the reward server), sim, math or a URL")
     trainer: TrainerConfig = TrainerConfig()
     supervision: SupervisionConfig = SupervisionConfig()
-    base_port: int = Field(0, ge=0, le=65000, description="first port of the components; 0 picks free ports")
+    base_port: int = Field(default=0, ge=0, le=65000, description="first port of the components; 0 picks free ports")
     host: str = "127.0.0.1"
-    processes: bool = Field(False, description="run every component as its own process instead of embedded")
-    model: Path | None = Field(None, description="vllm: a local Hugging Face model directory; default: the demo "
+    processes: bool = Field(default=False, description="run every component as its own process instead of embedded")
+    model: Path | None = Field(default=None, description="vllm: a local Hugging Face model directory; default: the demo "
                                                  "model (a tiny Qwen2 built and warmed up here on first use)")
     task: TaskConfig = TaskConfig()
-    logger: LoggerConfig = Field(LoggerConfig(), description="per-step metrics: console, tensorboard, wandb, mlflow")
-    dataset: Path | None = Field(None, description="JSONL/Parquet prompts with answers instead of the built-in task")
+    logger: LoggerConfig = Field(default=LoggerConfig(), description="per-step metrics: console, tensorboard, wandb, mlflow")
+    dataset: Path | None = Field(default=None, description="JSONL/Parquet prompts with answers instead of the built-in task")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="--launcher ray: placement on a Ray cluster")
     vllm_args: dict[str, Any] = Field(
         default_factory=lambda: {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1, "max_num_seqs": 128},
         description="vllm: settings of each instance's engine (staleflow.config.VllmConfig)")
     db_url: str | None = Field(
-        None, description="database of the ledger and the trajectory store (one for both), e.g. "
+        default=None, description="database of the ledger and the trajectory store (one for both), e.g. "
                           "postgresql+psycopg://staleflow@db:5432/staleflow; default: SQLite files in state_dir")
     db_url_file: Path | None = Field(
-        None, description="a file holding db_url (e.g. a mounted Kubernetes Secret): its password stays out of "
+        default=None, description="a file holding db_url (e.g. a mounted Kubernetes Secret): its password stays out of "
                           "the job file and the environment")
     # one section per component: what the job sets of it (where it listens and what it talks to
     # come from the job's endpoints)

@@ -17,12 +17,12 @@ class LoggerConfig(StrictModel):
     comma-separated string of backends: ``logger: [console, tensorboard]``."""
 
     backends: tuple[LoggerBackend, ...] = Field(
-        ("console",), description="console, plus any of tensorboard, wandb (offline), mlflow (local file store)")
-    directory: Path | None = Field(None, description="where backends write; default <state_dir>/tracking")
-    project: str = Field("staleflow", min_length=1, description="W&B project / MLflow experiment")
-    run_name: str | None = Field(None, description="default: the state directory's name")
+        default=("console",), description="console, plus any of tensorboard, wandb (offline), mlflow (local file store)")
+    directory: Path | None = Field(default=None, description="where backends write; default <state_dir>/tracking")
+    project: str = Field(default="staleflow", min_length=1, description="W&B project / MLflow experiment")
+    run_name: str | None = Field(default=None, description="default: the state directory's name")
     mlflow_tracking_uri: str | None = Field(
-        None, description="default: a file store in <directory>/mlruns; or sqlite:///..., http://...")
+        default=None, description="default: a file store in <directory>/mlruns; or sqlite:///..., http://...")
 
     @model_validator(mode="before")
     @classmethod

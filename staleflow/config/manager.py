@@ -50,11 +50,11 @@ class LedgerParams:
 
 
 class LedgerConfig(StrictModel):
-    eta: int = Field(3, ge=0, description="staleness bound: V_traj + eta >= V_buf for every trajectory")
-    batch_size: int = Field(128, ge=1, description="prompt groups per training batch (B)")
-    group_size: int = Field(16, ge=1, description="trajectories per prompt group (G)")
-    batch_redundancy: float = Field(0.0, ge=0.0, le=4.0, description="extra groups per batch, as a fraction of B")
-    group_redundancy: float = Field(0.0, ge=0.0, le=4.0, description="extra trajectories per group, as a fraction of G")
+    eta: int = Field(default=3, ge=0, description="staleness bound: V_traj + eta >= V_buf for every trajectory")
+    batch_size: int = Field(default=128, ge=1, description="prompt groups per training batch (B)")
+    group_size: int = Field(default=16, ge=1, description="trajectories per prompt group (G)")
+    batch_redundancy: float = Field(default=0.0, ge=0.0, le=4.0, description="extra groups per batch, as a fraction of B")
+    group_redundancy: float = Field(default=0.0, ge=0.0, le=4.0, description="extra trajectories per group, as a fraction of G")
 
     def params(self) -> LedgerParams:
         return LedgerParams(
@@ -70,18 +70,18 @@ class ManagerSettings(StrictModel):
     """What a job sets of the manager (its ``manager:`` section)."""
 
     synchronous: Literal["FULL", "NORMAL"] = Field(
-        "FULL", description="SQLite sync level: FULL survives power loss, NORMAL only process crashes"
+        default="FULL", description="SQLite sync level: FULL survives power loss, NORMAL only process crashes"
     )
     event_retention: int = Field(
-        10_000, ge=0, description="ledger events kept besides those of live groups and consume events: older events "
+        default=10_000, ge=0, description="ledger events kept besides those of live groups and consume events: older events "
                                   "of retired groups are compacted away (counted) at each consume (0: keep every event)")
 
 
 class ManagerConfig(ManagerSettings, ServiceConfig):
     ledger: LedgerConfig = LedgerConfig()
     state_dir: Path = STATE_DIR
-    db_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite file in the state directory")
-    port: int = Field(MANAGER_PORT, ge=0, le=65535)
+    db_url: str | None = Field(default=None, description="SQLAlchemy URL; default: SQLite file in the state directory")
+    port: int = Field(default=MANAGER_PORT, ge=0, le=65535)
 
     _db_url_supported = field_validator("db_url")(check_database_url)
 

@@ -16,21 +16,21 @@ TransportName = Literal["http", "shm", "nixl"]
 class ParamsSettings(StrictModel):
     """What a job sets of the parameter server (its ``params:`` section)."""
 
-    keep: int = Field(2, ge=1, le=10_000, description="complete versions kept: the newest K")
-    chunk_bytes: int = Field(64 << 20, ge=4096, le=1 << 30, description="bytes per chunk (the per-request payload limit)")
-    transports: tuple[TransportName, ...] = Field(("http", "shm"), description="transports offered for pulls, and for "
+    keep: int = Field(default=2, ge=1, le=10_000, description="complete versions kept: the newest K")
+    chunk_bytes: int = Field(default=64 << 20, ge=4096, le=1 << 30, description="bytes per chunk (the per-request payload limit)")
+    transports: tuple[TransportName, ...] = Field(default=("http", "shm"), description="transports offered for pulls, and for "
                                                                                  "pushes besides http; http is always on")
-    shm_dir: Path = Field(Path("/dev/shm"), description="where shared-memory segments live")
-    lease_ttl_s: float = Field(120.0, gt=0, description="a pull lease lapses after this long without use")
-    push_ttl_s: float = Field(900.0, gt=0, description="an idle unfinished push is dropped after this long")
-    fsync: bool = Field(True, description="fsync each version when it is persisted "
+    shm_dir: Path = Field(default=Path("/dev/shm"), description="where shared-memory segments live")
+    lease_ttl_s: float = Field(default=120.0, gt=0, description="a pull lease lapses after this long without use")
+    push_ttl_s: float = Field(default=900.0, gt=0, description="an idle unfinished push is dropped after this long")
+    fsync: bool = Field(default=True, description="fsync each version when it is persisted "
                                           "(off: faster, survives process crashes but not power loss)")
-    persist: bool = Field(True, description="persist each new version to state_dir in the background, for "
+    persist: bool = Field(default=True, description="persist each new version to state_dir in the background, for "
                                             "crash recovery (off: versions live in host memory only)")
-    persist_yield_s: float = Field(10.0, ge=0, le=3600,
+    persist_yield_s: float = Field(default=10.0, ge=0, le=3600,
                                    description="a persist pauses while pushes or pulls are in flight (they share memory "
                                                "bandwidth), for at most this long per version; 0: never pauses")
-    max_tensors: int = Field(200_000, ge=1)
+    max_tensors: int = Field(default=200_000, ge=1)
 
     @model_validator(mode="after")
     def _http_always(self) -> ParamsSettings:
@@ -44,8 +44,8 @@ class ParamsSettings(StrictModel):
 class ParamsConfig(ParamsSettings, ServiceConfig):
     """The parameter server: its settings, where it listens and where it stores versions."""
 
-    port: int = Field(8331, ge=0, le=65535)
-    data_port: int | None = Field(0, ge=0, le=65535, description="port of the chunk data plane (chunk bodies of pushes "
+    port: int = Field(default=8331, ge=0, le=65535)
+    data_port: int | None = Field(default=0, ge=0, le=65535, description="port of the chunk data plane (chunk bodies of pushes "
                                                                   "and pulls, a thread per connection); 0: any free "
                                                                   "port; null: none, chunks go through the API port")
-    state_dir: Path = Field(Path(".staleflow/params"), description="where complete versions are stored")
+    state_dir: Path = Field(default=Path(".staleflow/params"), description="where complete versions are stored")

@@ -17,13 +17,13 @@ IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(?
 class RewardSettings(StrictModel):
     """What a job sets of the reward server (its ``reward_server:`` section)."""
 
-    default_verifier: str = Field("math", description="used when a request names none")
+    default_verifier: str = Field(default="math", description="used when a request names none")
     verifiers: dict[str, str] = Field(default_factory=dict, description="user verifiers: name -> 'module.path:function'")
-    workers: int = Field(2, ge=1, le=256, description="processes running the verifiers (built-in and user)")
-    timeout_s: float = Field(5.0, gt=0, le=3600, description="deadline per item, for every verifier: an item "
+    workers: int = Field(default=2, ge=1, le=256, description="processes running the verifiers (built-in and user)")
+    timeout_s: float = Field(default=5.0, gt=0, le=3600, description="deadline per item, for every verifier: an item "
                              "that overruns it scores 0 with reason 'timeout' and its worker is replaced")
-    max_batch: int = Field(4096, ge=1, description="items per request")
-    max_chars: int = Field(200_000, ge=1, description="characters per response_text or answer")
+    max_batch: int = Field(default=4096, ge=1, description="items per request")
+    max_chars: int = Field(default=200_000, ge=1, description="characters per response_text or answer")
 
     @field_validator("verifiers")
     @classmethod
@@ -37,4 +37,4 @@ class RewardSettings(StrictModel):
 
 
 class RewardConfig(RewardSettings, ServiceConfig):
-    port: int = Field(8332, ge=0, le=65535)
+    port: int = Field(default=8332, ge=0, le=65535)

@@ -167,7 +167,7 @@ class StepAccountant:
         self.totals.weight_load_seconds += seconds
 
     def classify(self, scheduler_output: Any) -> dict[str, int]:
-        tokens = dict.fromkeys(PHASES, 0)
+        tokens: dict[str, int] = dict.fromkeys(PHASES, 0)
         scheduled: Mapping[str, int] = scheduler_output.num_scheduled_tokens
         fresh = set()
         for new in scheduler_output.scheduled_new_reqs:

@@ -170,12 +170,12 @@ def presliced_loading(model: Any, presliced: frozenset[str] | set[str]) -> Itera
             for param in _parameters_and_their_reload_metadata(model, parameter):
                 attr, value = (("tp_rank", 0) if isinstance(param, BasevLLMParameter)
                                else ("is_sharded_weight", True))
-                saved.append((param, attr, param.__dict__.get(attr, missing)))
-                param.__dict__[attr] = value
+                saved.append((param, attr, vars(param).get(attr, missing)))
+                vars(param)[attr] = value
         yield
     finally:
         for param, attr, value in reversed(saved):
             if value is missing:
-                param.__dict__.pop(attr, None)
+                vars(param).pop(attr, None)
             else:
-                param.__dict__[attr] = value
+                vars(param)[attr] = value

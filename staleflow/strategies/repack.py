@@ -101,7 +101,7 @@ def _best_fit(candidates: Sequence[InstanceState], config: StrategyConfig) -> li
     limits = {inst.instance_id: repack_limits(inst, config) for inst in order}
     emptied: set[str] = set()
     receiving: set[str] = set()
-    moves = []
+    moves: list[RepackMove] = []
     for source in order:
         s = source.instance_id
         if s in emptied or s in receiving:

@@ -303,7 +303,8 @@ def route(
     for inst in instances:
         by_version.setdefault(inst.version, []).append(inst)  # read, never changed: the fleet's arrays change
     fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed)
-    groups, lo = [], 0
+    groups: list[_VersionGroup] = []
+    lo = 0
     for v, insts in sorted(by_version.items()):
         groups.append(_VersionGroup(v, fleet, lo, lo + len(insts)))
         lo += len(insts)
@@ -360,7 +361,7 @@ def route(
         group, i = chosen
         queue.pop(traj, v)
         reserves = v is None
-        if reserves:
+        if v is None:
             v = group.version
             budget.take(v)
             group_versions[traj.group_id] = v

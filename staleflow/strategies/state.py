@@ -17,8 +17,8 @@ class InstanceState:
     instance_id: str
     version: int
     kv_cache: float
-    running: list[str] = field(default_factory=list)
-    waiting: list[str] = field(default_factory=list)
+    running: list[str] = field(default_factory=list[str])
+    waiting: list[str] = field(default_factory=list[str])
     cost: CostModel = field(default_factory=CostModel)
     speed: float = 1.0  # observed decode speed over the cost model's (``DecodeSpeeds``): below 1, a straggler
     kv_usage: float | None = None  # the engine's KV utilisation (share of its KV memory), None: not reported

@@ -58,7 +58,7 @@ def plan_syncs(
     group_versions = group_versions or {}
     if config.sync is SyncMode.LOAD_AWARE:
         return _load_aware(lagging, pending, config, group_versions)
-    syncs = []
+    syncs: list[str] = []
     routable = Routable(pending, group_versions)
     for inst in lagging:
         # step 1: only an instance that cannot take any waiting trajectory at its version
@@ -83,7 +83,7 @@ def _load_aware(lagging: list[InstanceState], pending: Sequence[PendingTrajector
     if not lagging:
         return []
     oldest = Routable(pending, group_versions).oldest  # a versioned trajectory may run on any instance this new
-    syncs = []
+    syncs: list[str] = []
     for inst in lagging:
         if inst.waiting or inst.kv_cache > config.sync_kv_threshold * inst.cost.kv_budget:
             continue

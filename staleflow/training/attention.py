@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PACKED_ATTENTION = "staleflow_varlen"
 FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
-def torch_varlen_attn() -> Callable[..., torch.Tensor] | None:
+def torch_varlen_attn() -> Callable[..., Any] | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -115,7 +118,7 @@ def packed_inputs(lengths: list[int]) -> dict[str, Any]:
     return {"cu_seq_lens_q": cumulative, "cu_seq_lens_k": cumulative, "max_length_q": longest, "max_length_k": longest}
 
 
-def packing_for(model: torch.nn.Module, setting: bool | str, device: torch.device) -> bool:
+def packing_for(model: PreTrainedModel, setting: bool | str, device: torch.device) -> bool:
     """Whether micro-batches are packed, switching the model's attention to the packed one where
     needed (before sharding). auto: with flash attention configured, or with CUDA and torch's
     varlen attention; true: anywhere (the CPU runs the exact per-sequence fallback), refused for

@@ -211,7 +211,8 @@ class SharePusher:
                     # left by a killed trainer of another shape: it can never complete
                     client.abort_push(version, pending.push_id)
                     pending = None
-                if pending is not None and pending.push_id == push_id and self.part in pending.parts_done:
+                if pending is not None and push_id is not None and pending.push_id == push_id \
+                        and self.part in pending.parts_done:
                     reply = client.finish_part(version, self.part, push_id, wait_s=self.wait_s)
                 else:
                     handed_in = True

@@ -90,11 +90,14 @@ def demo_config(spec: DemoSpec, tokenizer):  # -> transformers.Qwen2Config
     """The demo model's architecture (what a step costs depends on it alone, not on the weights)."""
     import transformers
 
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if not isinstance(eos_id, int) or not isinstance(pad_id, int):
+        raise ValueError(f"the demo tokenizer has no single eos and pad token (eos {eos_id!r}, pad {pad_id!r})")
     return transformers.Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=512, tie_word_embeddings=True, torch_dtype="float32",
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        max_position_embeddings=512, tie_word_embeddings=True, dtype="float32",
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
 
 
 def build_demo_model(directory: Path, spec: DemoSpec = DemoSpec(),
@@ -127,6 +130,9 @@ def _build(directory: Path, spec: DemoSpec, report: Callable[[str, int, int], No
     tokenizer = train_tokenizer(task, spec.vocab_size)
     tokenizer.save_pretrained(directory)
     report("tokenizer", 1, 1)
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if not isinstance(eos_id, int) or not isinstance(pad_id, int):
+        raise ValueError(f"the demo tokenizer has no single eos and pad token (eos {eos_id!r}, pad {pad_id!r})")
 
     model = transformers.Qwen2ForCausalLM(demo_config(spec, tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)

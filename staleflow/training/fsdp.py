@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from staleflow.training.loading import decoder_layers, empty_causal_lm, load_sha
 from staleflow.training.logprobs import HeadTimer, chunk_tokens_for, head_returns_logprobs, liger_available
 from staleflow.training.memory_model import CheckpointingPolicy, ModelShape, policy_of, resolve_token_budget
 from staleflow.training.schedule import learning_rate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +77,14 @@ class FsdpBackend(TrainerBackend):
         self.head_timer: HeadTimer | None = None  # the bench's: time spent in the log-prob head
         self.reference = self._sharded(model_dir, trainable=False, load=True) if self.algo.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay,
-                                           **({"fused": True} if self.device.type == "cuda" and not cfg.optimizer_offload
-                                              else {}))
+                                           fused=True if self.device.type == "cuda" and not cfg.optimizer_offload else None)
         self.version = self._load_checkpoint()
         self._pushes: BackgroundSharePushes | None = None  # ranks > 0: their shares, one version at a time
 
-    def _sharded(self, model_dir: Path, trainable: bool, load: bool) -> torch.nn.Module:
+    def _sharded(self, model_dir: Path, trainable: bool, load: bool) -> PreTrainedModel:
         """The model built on the meta device, each decoder layer and then the root wrapped with
         ``fully_shard``, and only this rank's shards allocated and read from ``model_dir``."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if self.settings.mixed_precision else MixedPrecisionPolicy())
@@ -100,7 +102,7 @@ class FsdpBackend(TrainerBackend):
             fully_shard(layer, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mp_policy=mp, offload_policy=offload)
         for before, after in zip(layers, layers[1:], strict=False):  # gather the next layer while this one computes
-            if hasattr(before, "set_modules_to_forward_prefetch"):
+            if isinstance(before, FSDPModule) and isinstance(after, FSDPModule):
                 before.set_modules_to_forward_prefetch([after])
                 after.set_modules_to_backward_prefetch([before])
         materialize(model, self.device, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else None)
@@ -150,7 +152,9 @@ class FsdpBackend(TrainerBackend):
                 v = v.detach().double()
                 totals[k] = torch.maximum(totals[k], v) if k.endswith("_max") and k in totals else totals.get(k, 0) + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         lr = learning_rate(self.algo, version, self.final_version)
         for group in self.optimizer.param_groups:
@@ -223,7 +227,8 @@ class FsdpBackend(TrainerBackend):
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         target = self.checkpoint_dir / f"step-{version:06d}"
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))
+        # save and load are torch.distributed.checkpoint's API, re-exported without an __all__ entry
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))  # pyright: ignore[reportPrivateImportUsage]
         dist.barrier()
         if self.rank == 0:
             latest = self.checkpoint_dir / "latest.json"
@@ -248,7 +253,7 @@ class FsdpBackend(TrainerBackend):
         info = json.loads(latest.read_text())
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(self.checkpoint_dir / info["path"]))
+        dcp.load(state, checkpoint_id=str(self.checkpoint_dir / info["path"]))  # pyright: ignore[reportPrivateImportUsage]
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         log.info("rank %d resumed from checkpoint %s (version %d)", self.rank, info["path"], info["version"])
         return int(info["version"])
@@ -312,7 +317,7 @@ class FsdpBackend(TrainerBackend):
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _token_logp(self, model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], head: HeadInputs) -> torch.Tensor:
+    def _token_logp(self, model: PreTrainedModel, inputs: Mapping[str, torch.Tensor], head: HeadInputs) -> torch.Tensor:
         """Each position's log-prob of the next token, [rows, width - 1], through the chunked (or
         fused) output head, which sees the response positions only (0 elsewhere: masked out)."""
         with head_returns_logprobs(model, head.targets, self.chunk_tokens, self.settings.fused_logprobs,

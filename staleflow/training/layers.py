@@ -19,13 +19,16 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from staleflow.training.attention import torch_varlen_attn
 from staleflow.training.logprobs import liger_available
 from staleflow.training.memory_model import CheckpointingPolicy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def liger_layers_available(device: torch.device) -> bool:
@@ -34,7 +37,7 @@ def liger_layers_available(device: torch.device) -> bool:
 
 def liger_patch_for(model_type: str) -> Callable[..., Any] | None:
     """``apply_liger_kernel_to_<model_type>``, or None where Liger has none for the type."""
-    import liger_kernel.transformers as liger
+    import liger_kernel.transformers as liger  # pyright: ignore[reportMissingImports]  (the liger extra)
 
     return getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
 
@@ -109,7 +112,7 @@ def checkpoint_kwargs(policy: CheckpointingPolicy) -> dict[str, Any]:
     return kwargs
 
 
-def prepare_layers(model: torch.nn.Module, layers: list[torch.nn.Module], policy: CheckpointingPolicy,
+def prepare_layers(model: PreTrainedModel, layers: list[torch.nn.Module], policy: CheckpointingPolicy,
                    compiled: bool) -> None:
     """Checkpointing and compile for a trainable model's decoder layers, before ``fully_shard``.
     Eager: transformers' own gradient checkpointing with the policy's kwargs. Compiled: each

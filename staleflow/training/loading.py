@@ -15,9 +15,12 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class ModelLoadError(ValueError):
@@ -43,7 +46,7 @@ def parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def empty_causal_lm(model_dir: Path) -> torch.nn.Module:
+def empty_causal_lm(model_dir: Path) -> PreTrainedModel:
     """The model's structure from its ``config.json``: fp32 parameters on meta, real buffers."""
     import transformers
 

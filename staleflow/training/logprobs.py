@@ -28,9 +28,12 @@ import contextlib
 import importlib
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CUDA_CHUNK_LOGIT_BYTES = 1 << 30
 """On CUDA, one chunk's fp32 logits: about 1 GB (1,766 tokens at a 152k vocabulary). Large enough
@@ -140,7 +143,9 @@ def liger_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """The same per-token log-probs through Liger's fused linear cross-entropy (CUDA, Triton):
     its per-token loss with no reduction is -logp. The weight's gradient accumulates in fp32
     (``accum_dtype``, where the installed Liger has it)."""
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    from liger_kernel.transformers.functional import (  # pyright: ignore[reportMissingImports]  (the liger extra)
+        liger_fused_linear_cross_entropy,
+    )
 
     options: dict[str, Any] = {"reduction": "none"}
     if "accum_dtype" in inspect.signature(liger_fused_linear_cross_entropy).parameters:
@@ -184,7 +189,7 @@ class HeadTimer(Protocol):
 
 
 @contextlib.contextmanager
-def head_returns_logprobs(model: torch.nn.Module, targets: torch.Tensor, chunk: int, use_liger: bool = False,
+def head_returns_logprobs(model: PreTrainedModel, targets: torch.Tensor, chunk: int, use_liger: bool = False,
                           positions: torch.Tensor | None = None, timer: HeadTimer | None = None) -> Iterator[None]:
     """While inside, the model's output head returns log-probs of ``targets`` instead of logits.
 

@@ -133,11 +133,13 @@ def auto_token_budget(shape: ModelShape, policy: CheckpointingPolicy, device_mem
     model leaves less than ``MIN_AUTO_TOKENS`` within the plan, the plan grows to the whole usable
     device; when not even that holds them, ``MIN_AUTO_TOKENS`` (with a warning)."""
     usable = int(device_memory * DEVICE_MEMORY_USABLE)
-    options = dict(world=world, chunk_logit_bytes=chunk_logit_bytes, element_bytes=element_bytes, offload=offload,
-                   reference=reference)
-    budget = token_budget(shape, policy, min(planned_memory, usable), **options)
+    def budget_within(memory: int) -> int:
+        return token_budget(shape, policy, memory, world=world, chunk_logit_bytes=chunk_logit_bytes,
+                            element_bytes=element_bytes, offload=offload, reference=reference)
+
+    budget = budget_within(min(planned_memory, usable))
     if budget < MIN_AUTO_TOKENS:
-        budget = token_budget(shape, policy, usable, **options)
+        budget = budget_within(usable)
     if budget < MIN_AUTO_TOKENS:
         log.warning("the memory model leaves room for %d tokens per micro-batch on this GPU (%.1f GiB); using %d: "
                     "the step may run out of memory (more ranks, optimizer_offload or activation checkpointing "

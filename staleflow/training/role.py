@@ -41,6 +41,7 @@ from staleflow.api.params import StoreDescription
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import TrainerRoleConfig
 from staleflow.errors import ErrorCode
+from staleflow.host import release_freed_heap
 from staleflow.ports import free_port
 from staleflow.training.base import (
     PushStopped,
@@ -203,6 +204,10 @@ class TrainerLoop:
                 if self.backend.checkpoint(version + 1) and own_checkpoints:
                     freed_below = self._free(freed_below, version + 1)
                 version += 1
+                # the batch (its reply's bytes, text and parsed objects) is transient and its size
+                # varies: without this the process keeps its largest steps' worth of free heap
+                del batch
+                release_freed_heap()
             if pushing is not None:
                 pushing.result()
                 if not own_checkpoints:

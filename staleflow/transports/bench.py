@@ -177,14 +177,15 @@ def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, p
                 started = time.monotonic()
                 if staging is not None:
                     staging.to_host()
-                staged = time.monotonic()
+                staged, cpu = time.monotonic(), time.process_time()
                 reply = client.push_part(version, rank, ranks, table, share.pieces, transport=transport, wait_s=0)
                 delivered = reply["delivered_at_monotonic"]  # its bytes are in (the finish call follows)
+                cpu = time.process_time() - cpu  # the copy threads' too
                 if not reply["visible"]:  # wait for the other ranks' parts
                     client.close_pull(client.open_pull(version, "http", wait_s=wait_s))
                     reply = {"visible": True}
                 returned = time.monotonic()
-            conn.send({"started": started, "staged": staged, "delivered": delivered, "returned": returned,
+            conn.send({"started": started, "staged": staged, "delivered": delivered, "returned": returned, "push_cpu_s": cpu,
                        "visible": reply["visible"], "extra_bytes": memory.extra, "shard_bytes": share.nbytes})
 
 
@@ -328,10 +329,12 @@ def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, p
                              "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said: list[str] = []
-    for line in proc.stderr:
+    stderr = proc.stderr
+    assert stderr is not None  # stderr=PIPE
+    for line in stderr:
         if "listening on" in line:
             url = line.strip().rsplit(" ", 1)[-1]
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            threading.Thread(target=stderr.read, daemon=True).start()
             return proc, url
         said = [*said[-19:], line]
     raise RuntimeError(f"the parameter server exited with {proc.wait()} before listening; it said:\n{''.join(said)}")
@@ -396,6 +399,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
             "visible_s": visible,
             "pull_s": [x["loaded"] - x["leased"] for x in loaded],
             "pull_cpu_s": [x["pull_cpu_s"] for x in loaded],
+            "push_cpu_s": max(p["push_cpu_s"] for p in pushed),
             "end_to_end_s": max(x["loaded"] for x in loaded) - t0,
             "lease_after_visible_s": max(x["leased"] for x in loaded) - (t0 + visible),
             "rank_extra_bytes": max(p["extra_bytes"] for p in pushed),
@@ -410,6 +414,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
         "visible_s": _median([r["visible_s"] for r in rows]),
         "pull_s": _median([s for r in rows for s in r["pull_s"]]),
         "pull_cpu_s": _median([s for r in rows for s in r["pull_cpu_s"]]),
+        "push_cpu_s": _median([r["push_cpu_s"] for r in rows]),
         "end_to_end_s": _median([r["end_to_end_s"] for r in rows]),
         "lease_after_visible_s": _median([r["lease_after_visible_s"] for r in rows]),
         "rank_extra_bytes": max(r["rank_extra_bytes"] for r in rows),
@@ -424,6 +429,7 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
     cell["pull_gb_per_s"] = total_bytes / cell["pull_s"] / 1e9
     cell["pull_vs_memcpy"] = memcpy_s / cell["pull_s"]
     cell["pull_cpu_vs_memcpy"] = memcpy["cpu_s"] / cell["pull_cpu_s"] if cell["pull_cpu_s"] else float("nan")
+    cell["push_cpu_vs_memcpy"] = memcpy["cpu_s"] / cell["push_cpu_s"] if cell["push_cpu_s"] else float("nan")
     return cell
 
 
@@ -572,7 +578,7 @@ def _split(flat: np.ndarray, table: dict) -> list[np.ndarray]:
 
 
 def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[int], instance_counts: list[int],
-                     repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: list[tuple[str, dict]] = (),
+                     repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: Sequence[tuple[str, dict]] = (),
                      synthetic_twins: bool = True, device: str = "host", planned: Callable[[int], None] = _ignore,
                      advance: Callable[[int], None] = _ignore, verify_modes: Sequence[str] = ("auto",),
                      side_by_side: bool = False, persist: bool = True) -> dict:

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+import numpy as np
+
 from staleflow.transports.errors import FormatError
 from staleflow.transports.layout import ChunkSpec
 from staleflow.transports.regions import ByteRegions
@@ -40,7 +42,9 @@ class ChunkHasher:
         else:
             raise FormatError(f"unknown checksum algorithm {algorithm!r}; known: xxh3_64, crc32")
 
-    def update(self, data: bytes | memoryview) -> None:
+    def update(self, data: bytes | memoryview | np.ndarray) -> None:
+        if isinstance(data, np.ndarray):
+            data = data.data
         if self.algorithm == "crc32":
             self._crc = zlib.crc32(data, self._crc)
         else:

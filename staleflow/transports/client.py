@@ -5,10 +5,11 @@ over shared memory the slot's generation stamp)."""
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -121,6 +122,8 @@ class ParamsClient(Client):
         self._health: ParamsHealth | None = None
         self._tables_sent: set[str] = set()  # digests of the tensor tables this client sent the PS
         self._last_table: tuple[dict, list, str, dict[str, TensorSpec]] | None = None
+        self._last_source: tuple[dict[str, TensorSpec], tuple[ShardPiece, ...], ByteRegions, list] | None = None
+        self._last_pull_regions: tuple[tuple[TensorSpec, ...], list[Any], ByteRegions] | None = None
 
     def close(self) -> None:
         for transport in self._transports.values():
@@ -164,7 +167,8 @@ class ParamsClient(Client):
         once it is visible, with its summary. The bytes go from the caller's buffers straight into
         the PS's memory (``shm``; ``auto`` picks it on the PS's host) or chunk by chunk over HTTP;
         never copied whole."""
-        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        # a Mapping is also an Iterable: say which one the signature means
+        items = list(cast(Mapping[str, Any], tensors).items()) if isinstance(tensors, Mapping) else list(tensors)
         converted = [(name, *_as_bytes(value)) for name, value in items]
         table = {n: (d, tuple(s)) for n, d, s, _ in converted}
         pieces = [ShardPiece(n, 0, buf) for n, _, _, buf in converted]
@@ -186,24 +190,11 @@ class ParamsClient(Client):
         ``visible`` says whether the version is visible (after waiting up to ``wait_s`` for the
         other parts)."""
         table, digest, laid = self._laid(tensors)
-        spans = []
-        for piece in pieces:
-            spec = laid.get(piece.name)
-            if spec is None:
-                raise FormatError(f"piece of {piece.name!r}: no such tensor in the table")
-            view = _byte_view_of(piece.data)
-            if piece.start < 0 or piece.start + len(view) > spec.nbytes:
-                raise FormatError(f"piece of {piece.name!r} covers bytes {piece.start}..{piece.start + len(view)}, "
-                                  f"outside the tensor's {spec.nbytes}")
-            if len(view):
-                spans.append((spec.offset + piece.start, view))
-        spans.sort(key=lambda span: span[0])
-        source = ByteRegions(spans, sum(t.nbytes for t in laid.values()))
+        source, ranges = self._push_source(laid, pieces)
         via = transport
         if via == "auto":  # on the PS's host shm is fastest; elsewhere only the caller knows whether RDMA is there
             via = "shm" if self._shm_here() else self.remote_push
         mover = self.transport(via)  # before joining: a transport this host lacks fails here, leaving no push behind
-        ranges = merge_ranges((offset, len(view)) for offset, view in spans)  # one for a one-rank table
         join = {"metadata": dict(metadata or {}), "parts": parts, "ranges": ranges, "via": via, "gather": True,
                 "table": digest}
 
@@ -227,6 +218,37 @@ class ParamsClient(Client):
         delivered = time.monotonic()  # the bytes are in; the PS is told next
         reply = self.finish_part(version, part, session.push_id, checksums=checksums, wait_s=wait_s)
         return {**reply, "via": via, "delivered_at_monotonic": delivered}
+
+    def _push_source(self, laid: dict[str, TensorSpec], pieces: Iterable[ShardPiece]) -> tuple[ByteRegions, list]:
+        """(the data section as ``pieces``' buffers, the byte ranges they cover) for a table laid
+        out as ``laid``. The last one is kept: a pusher that hands the same pieces again (the
+        same objects, holding numpy arrays, whose memory cannot move while viewed) gets it back
+        with one identity check per piece, and with it the cut of its chunks into copy windows
+        (``ByteRegions.windows``), instead of a view, a check and a window slot per tensor."""
+        pieces = tuple(pieces)
+        cached = self._last_source
+        if (cached is not None and cached[0] is laid and len(cached[1]) == len(pieces)
+                and all(map(operator.is_, pieces, cached[1]))):
+            return cached[2], cached[3]
+        spans = []
+        for piece in pieces:
+            spec = laid.get(piece.name)
+            if spec is None:
+                raise FormatError(f"piece of {piece.name!r}: no such tensor in the table")
+            view = _byte_view_of(piece.data)
+            if piece.start < 0 or piece.start + len(view) > spec.nbytes:
+                raise FormatError(f"piece of {piece.name!r} covers bytes {piece.start}..{piece.start + len(view)}, "
+                                  f"outside the tensor's {spec.nbytes}")
+            if len(view):
+                spans.append((spec.offset + piece.start, view))
+        spans.sort(key=lambda span: span[0])
+        source = ByteRegions(spans, sum(t.nbytes for t in laid.values()))
+        ranges = merge_ranges((offset, len(view)) for offset, view in spans)  # one for a one-rank table
+        # only buffers viewed in place: a piece copied on the way (a non-contiguous array, a torch
+        # tensor off the CPU) would hand its bytes of this push to the next
+        reusable = all(type(p.data) is np.ndarray and p.data.flags.c_contiguous for p in pieces)
+        self._last_source = (laid, pieces, source, ranges) if reusable else None
+        return source, ranges
 
     def _laid(self, tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[list, str, dict[str, TensorSpec]]:
         """(the table as the join sends it, its digest, name -> its layout) for ``tensors``; the
@@ -361,8 +383,7 @@ class ParamsClient(Client):
             return
         manifest = lease.manifest
         if out is not None:
-            arrays = {t.name: _writable_array(out, t) for t in manifest.tensors}
-            regions = ByteRegions.per_tensor(manifest.tensors, arrays)
+            regions = self._pull_regions(manifest.tensors, out)
         else:
             flat = np.empty(manifest.total_bytes, np.uint8) if into is None else _flat_target(into, manifest.total_bytes)
             arrays = {t.name: _view_of(flat, t) for t in manifest.tensors}
@@ -377,6 +398,26 @@ class ParamsClient(Client):
                     yield spec.name, out[spec.name]
                 else:
                     yield spec.name, _as_torch(arrays[spec.name], spec) if as_torch else arrays[spec.name]
+
+    def _pull_regions(self, tensors: tuple[TensorSpec, ...], out: Mapping[str, Any]) -> ByteRegions:
+        """``out``'s buffers as the data section of a version of ``tensors``. The last one is
+        kept: an instance pulling every version into the same numpy arrays gets it back (and with
+        it the cut of its chunks into copy windows) with one lookup and identity check per tensor."""
+        cached = self._last_pull_regions
+        if cached is not None and cached[0] == tensors:
+            try:
+                held = [out[t.name] for t in tensors]
+            except KeyError:
+                held = None
+            if held is not None and all(map(operator.is_, held, cached[1])):
+                return cached[2]
+        arrays = {t.name: _writable_array(out, t) for t in tensors}
+        regions = ByteRegions.per_tensor(tensors, arrays)
+        held = [out[t.name] for t in tensors]
+        # numpy arrays only: a torch tensor's storage can be swapped under the view kept here
+        reusable = all(type(a) is np.ndarray for a in held)
+        self._last_pull_regions = (tensors, held, regions) if reusable else None
+        return regions
 
     def _receive_selected(self, lease: PullLease, select: Selection, out: Mapping[str, Any] | None, as_torch: bool,
                           verify: str) -> Iterator[tuple[str, Any]]:
@@ -501,7 +542,7 @@ def _flat_target(into: Any, total_bytes: int) -> np.ndarray:
 
 def _byte_view_of(data: Any) -> memoryview:
     if type(data) is np.ndarray and data.dtype == np.uint8 and data.ndim == 1 and data.flags.c_contiguous:
-        return memoryview(data)  # a shard held as bytes (a rank's pieces of a staging buffer): once per piece per push
+        return data.data  # its memoryview: a shard held as bytes (a rank's pieces of a staging buffer): once per piece per push
     if type(data).__module__.startswith("torch"):
         data = _torch_bytes(data)[2]
     if isinstance(data, np.ndarray):

@@ -29,7 +29,7 @@ _SAME_WIDTH_UINT = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16)}
 
 def _ml_dtype(name: str) -> np.dtype | None:
     try:
-        import ml_dtypes
+        import ml_dtypes  # pyright: ignore[reportMissingImports]  (optional: installed with some model stacks)
     except ImportError:
         return None
     return np.dtype(getattr(ml_dtypes, name))

@@ -22,6 +22,8 @@ class ByteRegions:
         self._starts = [start for start, _ in spans]
         self._views = [view for _, view in spans]
         self.total_bytes = total_bytes
+        self._windows: dict[tuple[int, int, int], list[tuple[int, list[np.ndarray]]]] = {}
+        self._phases: dict[int, int | None] = {}
 
     @classmethod
     def flat(cls, buffer: memoryview | bytearray | np.ndarray) -> ByteRegions:
@@ -57,6 +59,28 @@ class ByteRegions:
             i += 1
         return out
 
+    def windows(self, offset: int, length: int, window: int) -> list[tuple[int, list[np.ndarray]]]:
+        """Data-section bytes [offset, offset + length) cut into windows of ``window`` bytes (the
+        last one shorter): (start relative to ``offset``, the buffers' bytes covering it, as byte
+        arrays). Kept per (offset, length, window): a pusher that holds the same buffers version
+        after version (and so the same ``ByteRegions``) cuts its chunks once, not once per push."""
+        key = (offset, length, window)
+        cut = self._windows.get(key)
+        if cut is None:
+            cut = self._windows[key] = list(cut_windows([np.frombuffer(v, np.uint8) for v in self.views(offset, length)],
+                                                        window))
+        return cut
+
+    def phase(self, alignment: int) -> int | None:
+        """(a buffer's address - its data-section offset) modulo ``alignment``, when every buffer
+        agrees (0 for none), else None: a target at a data-section offset is then mutually aligned
+        with every byte of the regions where its own address - offset has the same phase."""
+        if alignment not in self._phases:
+            phases = {(address_of(np.frombuffer(view, np.uint8)) - start) % alignment
+                      for start, view in zip(self._starts, self._views, strict=True) if len(view)}
+            self._phases[alignment] = phases.pop() if len(phases) == 1 else (0 if not phases else None)
+        return self._phases[alignment]
+
     def gather(self, spans: Iterable[tuple[int, int]]) -> list[memoryview]:
         """The pieces of buffers covering each (offset, length) span in turn."""
         return [view for offset, length in spans for view in self.views(offset, length)]
@@ -66,11 +90,36 @@ def _byte_view(buffer: Any) -> memoryview:
     if isinstance(buffer, np.ndarray):
         if not buffer.flags.c_contiguous:
             raise FormatError("arrays must be C-contiguous; call np.ascontiguousarray first")
-        return memoryview(buffer.reshape(-1).view(np.uint8))
+        return buffer.reshape(-1).view(np.uint8).data
     view = memoryview(buffer)
     if not view.contiguous:
         raise FormatError("buffers must be contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def address_of(array: np.ndarray) -> int:
+    """The address of an array's first byte."""
+    return array.__array_interface__["data"][0]
+
+
+def cut_windows(pieces: Sequence[np.ndarray], window: int) -> Iterator[tuple[int, list[np.ndarray]]]:
+    """(offset in the concatenated pieces, the pieces' parts covering it) per window of ``window``
+    bytes (the last one shorter): small pieces grouped, large ones cut."""
+    parts: list[np.ndarray] = []
+    filled = start = position = 0
+    for array in pieces:
+        taken = 0
+        while taken < len(array):
+            n = min(window - filled, len(array) - taken)
+            parts.append(array[taken:taken + n] if n < len(array) else array)
+            taken += n
+            filled += n
+            if filled == window:
+                yield start, parts
+                position += filled
+                parts, filled, start = [], 0, position
+    if parts:
+        yield start, parts
 
 
 def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

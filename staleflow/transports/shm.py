@@ -44,7 +44,7 @@ from staleflow.transports.base import PullLease, PushSession, Transport
 from staleflow.transports.checksums import ChunkHasher, SegmentHasher, checksum_bytes, chunk_hasher, verify_mode
 from staleflow.transports.errors import ChecksumMismatch, SlotReused, TransportUnavailable
 from staleflow.transports.layout import ChunkSpec
-from staleflow.transports.regions import ByteRegions, pieces_of
+from staleflow.transports.regions import ByteRegions, address_of, pieces_of
 from staleflow.transports.selection import ChunkStep, SelectionPlan, copy_blocks
 
 T = TypeVar("T")
@@ -266,11 +266,11 @@ class _Mapping:
         finally:
             os.close(fd)
         self.array = np.frombuffer(self.map, np.uint8) if self.map is not None else np.empty(0, np.uint8)
-        self.view = memoryview(self.array)
+        self.view = self.array.data
 
     def close(self) -> None:
         self.view.release()
-        self.array = None
+        self.array = np.empty(0, np.uint8)  # lets go of the mapped bytes
         if self.map is not None:
             with contextlib.suppress(BufferError):  # a view still exported: it unmaps when collected
                 self.map.close()
@@ -298,127 +298,53 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def copy_and_hash(destination: Sequence[memoryview], source: Sequence[memoryview],
-                  hashing: str | ChunkHasher | SegmentHasher | None) -> str | None:
-    """Copy ``source`` pieces into ``destination`` pieces (the same total length) in windows of
-    ``ALIGNED_PIECE_BYTES`` where both sides are mutually aligned, else ``PIECE_BYTES``, hashing
-    each window right after it is written, while it is in cache (``hashing``: an algorithm, or
-    the hasher of the chunk's checksum, ``chunk_hasher``). numpy's copy and xxhash both run
-    without the GIL, so several threads overlap.
-
-    Many small pieces (a table of small tensors) cost no call per piece where one side is one
-    buffer: the pieces of a window are gathered into it with one ``np.concatenate`` (a push into
-    the slot), and a window is hashed once, where it is contiguous (the destination of a push, the
-    source of a pull -- the PS's slot, immutable while a lease is open)."""
-    hasher = ChunkHasher(hashing) if isinstance(hashing, str) else hashing
-    targets = [np.frombuffer(view, np.uint8) for view in destination]
-    origins = [np.frombuffer(view, np.uint8) for view in source]
-    window = copy_window_bytes(targets, origins)
-    if len(targets) == 1 and len(origins) == 1:
-        return _copy_and_hash_one(targets[0], origins[0], hasher, window)
-    if len(targets) == 1:
-        target = targets[0]
-        for start, pieces in _windows(origins, window):
-            window_view = target[start:start + sum(len(p) for p in pieces)]
-            np.concatenate(pieces, out=window_view)
-            if hasher is not None:
-                hasher.update(window_view)
-        return hasher.hexdigest() if hasher is not None else None
-    if len(origins) == 1:
-        origin = origins[0]
-        for start, pieces in _windows(targets, window):
-            window_view = origin[start:start + sum(len(p) for p in pieces)]
-            position = 0
-            for piece in pieces:
-                np.copyto(piece, window_view[position:position + len(piece)])
-                position += len(piece)
-            if hasher is not None:
-                hasher.update(window_view)
-        return hasher.hexdigest() if hasher is not None else None
-    return _copy_and_hash_pieces(targets, origins, hasher, window)
-
-
-def copy_window_bytes(destination: Sequence[np.ndarray], source: Sequence[np.ndarray]) -> int:
-    """``ALIGNED_PIECE_BYTES`` when every byte of ``source`` lands at an address that agrees with
-    its own modulo ``COPY_ALIGNMENT`` (checked where either side's pieces change), else
-    ``PIECE_BYTES``. One side in one piece (the slot, a flat buffer: the usual case) costs one
-    address per piece of the other side."""
-    if len(source) == 1 or len(destination) == 1:
-        whole, pieces = (source[0], destination) if len(source) == 1 else (destination[0], source)
-        base = _address(whole)
-        position = 0
-        for piece in pieces:
-            if len(piece) and (_address(piece) - base - position) % COPY_ALIGNMENT:
-                return PIECE_BYTES
-            position += len(piece)
-        return ALIGNED_PIECE_BYTES
-    d = s = 0  # piece index on each side
-    d_at = s_at = 0  # offset into that piece
-    while d < len(destination) and s < len(source):
-        if len(destination[d]) and len(source[s]):
-            gap = _address(destination[d]) + d_at - _address(source[s]) - s_at
-            if gap % COPY_ALIGNMENT:
-                return PIECE_BYTES
-        n = min(len(destination[d]) - d_at, len(source[s]) - s_at)
-        d_at, s_at = d_at + n, s_at + n
-        if d_at == len(destination[d]):
-            d, d_at = d + 1, 0
-        if s_at == len(source[s]):
-            s, s_at = s + 1, 0
-    return ALIGNED_PIECE_BYTES
-
-
-def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
-
-
-def _windows(pieces: Sequence[np.ndarray], window: int) -> Iterator[tuple[int, list[np.ndarray]]]:
-    """(offset in the concatenated pieces, the pieces' parts covering it) per window of about
-    ``window`` bytes: small pieces grouped, large ones cut."""
-    parts: list[np.ndarray] = []
-    filled = start = position = 0
-    for array in pieces:
-        taken = 0
-        while taken < len(array):
-            n = min(window - filled, len(array) - taken)
-            parts.append(array[taken:taken + n])
-            taken += n
-            filled += n
-            if filled == window:
-                yield start, parts
-                position += filled
-                parts, filled, start = [], 0, position
-    if parts:
-        yield start, parts
-
-
-def _copy_and_hash_one(target: np.ndarray, origin: np.ndarray, hasher: ChunkHasher | SegmentHasher | None,
-                       window: int) -> str | None:
-    for start in range(0, len(target), window):
+def gather_and_hash(target: np.ndarray, source: ByteRegions, offset: int, algorithm: str) -> str:
+    """Copy data-section bytes [offset, offset + len(target)) of ``source`` into ``target`` (a
+    push into the slot) window by window, and return their checksum: each window's pieces are
+    gathered with one ``np.concatenate`` and the window is hashed once, while it is in cache.
+    Windows of ``ALIGNED_PIECE_BYTES`` where every source byte and its destination are mutually
+    aligned, else ``PIECE_BYTES`` (see ``copy_window_bytes``). The cut into windows is
+    ``source``'s, kept across pushes of the same buffers: a table of thousands of small tensors
+    costs a call per window, not per tensor."""
+    window = copy_window_bytes(target, source, offset)
+    hasher = ChunkHasher(algorithm)
+    for start, parts in source.windows(offset, len(target), window):
         step = target[start:start + window]
-        np.copyto(step, origin[start:start + window])
+        if len(parts) == 1:
+            np.copyto(step, parts[0])
+        else:
+            np.concatenate(parts, out=step)
+        hasher.update(step)
+    return hasher.hexdigest()
+
+
+def scatter_and_hash(source: np.ndarray, into: ByteRegions, offset: int,
+                     hasher: ChunkHasher | SegmentHasher | None) -> str | None:
+    """Copy ``source`` (a chunk in the slot, immutable while the lease is open) into data-section
+    bytes [offset, offset + len(source)) of ``into``, window by window, hashing each window of the
+    source once right after its copy when ``hasher`` is given; the reverse of ``gather_and_hash``,
+    with ``into``'s cut into windows kept across pulls into the same buffers."""
+    window = copy_window_bytes(source, into, offset)
+    for start, parts in into.windows(offset, len(source), window):
+        step = source[start:start + window]
+        if len(parts) == 1:
+            np.copyto(parts[0], step)
+        else:
+            position = 0
+            for part in parts:
+                np.copyto(part, step[position:position + len(part)])
+                position += len(part)
         if hasher is not None:
             hasher.update(step)
     return hasher.hexdigest() if hasher is not None else None
 
 
-def _copy_and_hash_pieces(dst: Sequence[np.ndarray], src: Sequence[np.ndarray], hasher: ChunkHasher | SegmentHasher | None,
-                          window: int) -> str | None:
-    """Both sides in several pieces: copy step by step, hashing each step of the destination."""
-    si = so = 0
-    for d in dst:
-        filled = 0
-        while filled < len(d):
-            n = min(window, len(d) - filled, len(src[si]) - so)
-            target = d[filled:filled + n]
-            np.copyto(target, src[si][so:so + n])
-            if hasher is not None:
-                hasher.update(target)
-            filled += n
-            so += n
-            if so == len(src[si]):
-                si, so = si + 1, 0
-    return hasher.hexdigest() if hasher is not None else None
+def copy_window_bytes(whole: np.ndarray, regions: ByteRegions, offset: int) -> int:
+    """The copy step between ``whole`` (data-section bytes from ``offset``) and ``regions``:
+    ``ALIGNED_PIECE_BYTES`` where every byte keeps its alignment, else ``PIECE_BYTES``."""
+    phase = regions.phase(COPY_ALIGNMENT)
+    aligned = phase is not None and (address_of(whole) - offset) % COPY_ALIGNMENT == phase
+    return ALIGNED_PIECE_BYTES if aligned else PIECE_BYTES
 
 
 class ShmTransport(Transport):
@@ -505,11 +431,13 @@ class ShmTransport(Transport):
         source = self._slot(lease, stamp).view
         base = lease.manifest.data_offset
 
+        slot = np.frombuffer(source, np.uint8)
+
         def batch(chunks: Sequence[ChunkSpec]) -> int:
             for chunk in chunks:
                 hasher = chunk_hasher(chunk) if hashing and chunk.checksum else None
                 start = base + chunk.offset
-                actual = copy_and_hash(into.views(chunk.offset, chunk.length), [source[start:start + chunk.length]], hasher)
+                actual = scatter_and_hash(slot[start:start + chunk.length], into, chunk.offset, hasher)
                 if hasher is not None and actual != chunk.checksum:
                     raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual or "")
             return chunks[-1].offset + chunks[-1].length
@@ -558,6 +486,7 @@ class ShmTransport(Transport):
             raise FileNotFoundError(f"push {session.push_id}: its shared-memory slot is gone (the push was "
                                     f"dropped or the parameter server restarted)") from exc
         base = int(session.details["data_offset"])
+        slot = np.frombuffer(target, np.uint8)
 
         def batch(chunks: Sequence[ChunkSpec]) -> list[tuple[int, str | list[str]]]:
             sums: list[tuple[int, str | list[str]]] = []
@@ -566,10 +495,8 @@ class ShmTransport(Transport):
                     sums.append((chunk.index, copy_ranges(target, base, chunk.ranges, source, session.checksum_algorithm)))
                     continue
                 start = base + chunk.offset
-                checksum = copy_and_hash([target[start:start + chunk.length]], source.views(chunk.offset, chunk.length),
-                                         session.checksum_algorithm)
-                assert checksum is not None
-                sums.append((chunk.index, checksum))
+                sums.append((chunk.index, gather_and_hash(slot[start:start + chunk.length], source, chunk.offset,
+                                                          session.checksum_algorithm)))
             return sums
 
         return {index: checksum for sums in _in_order(self._executor(), batch, batches_of(session.chunks), self.workers * 2)
@@ -636,7 +563,7 @@ def _checked(ends: Generator[int, None, None], stamp: _SlotStamp | None) -> Iter
         ends.close()  # on an error: cancel the copies still queued, and wait for those running
 
 
-def _in_order(pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any], window: int) -> Iterator[T]:
+def _in_order(pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Sequence[Any], window: int) -> Generator[T, None, None]:
     """``fn`` over ``items`` on the pool, at most ``window`` in flight, results in order. On an
     error the rest is cancelled (and waited for: they write into the caller's buffers)."""
     pending: deque[Future] = deque()

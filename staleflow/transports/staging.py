@@ -80,7 +80,7 @@ class FlatStaging:
         import torch
 
         self._device_flat.copy_(self.host, non_blocking=self.device.type == "cuda")
-        torch._foreach_copy_(self._views, self._device_parts)
+        torch._foreach_copy_(self._views, self._device_parts)  # pyright: ignore[reportPrivateImportUsage]  (not in torch.__all__)
         self._synchronize()
 
     def _synchronize(self) -> None:

@@ -51,6 +51,7 @@ def test_bench_params_measures_each_verify_mode_in_one_run(tmp_path: Path) -> No
     assert [c["verify"] for c in size["cells"]] == ["auto", "checksum"]
     for cell in size["cells"]:
         assert cell["pull_cpu_s"] > 0 and cell["pull_cpu_vs_memcpy"] > 0 and cell["pull_vs_memcpy"] > 0
+        assert cell["push_cpu_s"] > 0 and cell["push_cpu_vs_memcpy"] > 0
 
 
 def test_bench_params_side_by_side_interleaves_memcpy_and_each_pull_mode(tmp_path: Path) -> None:

@@ -267,3 +267,48 @@ def test_a_table_changed_in_place_between_pushes_is_laid_out_anew(url: str) -> N
         pulled = client.pull(2)
         assert pulled["a"].shape == (2, 4) and pulled["a"].tobytes() == bytes(range(8))
         assert pulled["b"].tobytes() == b"\x07" * 8
+
+
+@pytest.mark.parametrize("transport", ["shm", "http"])
+@pytest.mark.parametrize("with_copied_piece", [False, True])
+def test_pieces_pushed_again_carry_the_bytes_they_hold_now(url: str, transport: str, with_copied_piece: bool) -> None:
+    """A pusher that hands the same pieces every version gets its first push's views and copy
+    windows back: every later push still carries (and checksums) the bytes the buffers hold at
+    that push, and a piece that was copied on the way (a non-contiguous array) or replaced is
+    viewed anew."""
+    tensors = {f"t{i}": ("U8", (3000 + i,)) for i in range(40)} | {"m": ("U8", (6, 4))}
+    buffers = {n: np.zeros(s[0], np.uint8) for n, (_, s) in tensors.items() if n != "m"}
+    matrix = np.zeros((4, 6), np.uint8).T if with_copied_piece else np.zeros((6, 4), np.uint8)
+    pieces = [ShardPiece(n, 0, b) for n, b in buffers.items()] + [ShardPiece("m", 0, matrix)]
+    with ParamsClient(url) as client:
+        for version in (1, 2, 3):
+            for i, buffer in enumerate(buffers.values()):
+                buffer[:] = (version * 31 + i) % 251
+            matrix[:] = np.arange(24, dtype=np.uint8).reshape(6, 4) + version
+            if version == 3:
+                buffers["t5"] = np.full(3005, 200, np.uint8)
+                pieces[5] = ShardPiece("t5", 0, buffers["t5"])
+            assert client.push_part(version, 0, 1, tensors, pieces, transport=transport)["visible"]
+            assert (client._last_source is None) == with_copied_piece  # kept for the next push unless copied
+            pulled = client.pull(version, "http", verify="checksum")
+            for name, buffer in buffers.items():
+                assert np.array_equal(pulled[name], buffer), (version, name)
+            assert np.array_equal(pulled["m"], matrix), version
+
+
+def test_pulls_into_the_same_buffers_land_each_version_and_a_replaced_buffer_is_used(url: str) -> None:
+    """An instance pulling every version into the same arrays gets the first pull's views back;
+    each pull still lands its version's bytes, and a buffer replaced in ``out`` receives them."""
+    tensors = {f"t{i}": ("U8", (2000 + i,)) for i in range(30)}
+    out = {n: np.zeros(s[0], np.uint8) for n, (_, s) in tensors.items()}
+    with ParamsClient(url) as client:
+        for version in (1, 2, 3):
+            data = {n: np.full(s[0], (version * 17 + i) % 251, np.uint8) for i, (n, (_, s)) in enumerate(tensors.items())}
+            assert client.push_part(version, 0, 1, tensors, [ShardPiece(n, 0, d) for n, d in data.items()],
+                                    transport="shm")["visible"]
+            if version == 3:
+                out["t4"] = np.zeros(2004, np.uint8)
+            for transport in ("shm", "http"):
+                pulled = client.pull(version, transport, out=out, verify="checksum")
+                for name in tensors:
+                    assert pulled[name] is out[name] and np.array_equal(out[name], data[name]), (version, transport, name)

@@ -1,0 +1,1 @@
+../../../staleflow/__init__.py
