@@ -33,7 +33,7 @@ from staleflow.strategies.state import InstanceState, PendingTrajectory
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.torch, pytest.mark.timeout(600)]
 
 LONG = 480  # response tokens of each instance's long trajectory: it outlives the short ones by far
-SHORT = 48
+SHORT = 96
 LONG_PROMPTS = {"a": PROMPT, "b": tuple(reversed(PROMPT))}
 REPACK = StrategyConfig(migration=MigrationMode.REPACK, repack_batch=8)
 
@@ -114,12 +114,12 @@ def test_repack_consolidates_two_long_tails_onto_one_instance_and_the_freed_one_
     fresh_on_v1 = reference_greedy(models[1], PROMPT, 16)
 
     # each instance: a long trajectory and three short ones; its KV use peaks while all four run
+    # (one instance after the other: the peak is read before its short ones can finish)
     longs = {name: f"{name}-long/0" for name in instances.engines}
+    readings = KvReadings()
     for k, (name, engine) in enumerate(instances.engines.items()):
         shorts = [_request(f"{name}-short{j}/0", _short_prompt(4 * k + j), SHORT) for j in range(3)]
         instances.run(engine.route([_request(longs[name], LONG_PROMPTS[name], LONG), *shorts]))
-    readings = KvReadings()
-    for name, engine in instances.engines.items():
         instances.wait_until(lambda e=engine: len(instances.run(e.snapshot()).run_trajs) == 4
                              and all(e.generated(t) >= 1 for t in instances.run(e.snapshot()).run_trajs),
                              f"{name} runs all four")
