@@ -12,8 +12,9 @@ steps before its last, measures the same things side by side:
   supervisor's restart (which waits for its health probe: the store is reloaded by then) is taken.
 
 Along the run it samples the live and archived sizes and the ledger's event log every few steps,
-and every second, between the two checkpoints, the resident memory (``VmRSS``) of each component's
-process and the trainer's: ``memory_growth`` compares the first quarter of that span with the last.
+and, on a thread of its own, at each step and at least every second between the two checkpoints,
+the resident memory (``VmRSS``) of each component's process and the trainer's: ``memory_growth``
+compares the first quarter of that span with the last.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import os
 import signal
 import statistics
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -160,6 +162,48 @@ class SoakResult:
                 "memory": [asdict(s) for s in self.memory]}
 
 
+class MemorySampler:
+    """The resident memory of each component's process and the trainer's (those that are threads of
+    the soak's process, or gone, are left out), sampled on a thread of its own from the start
+    checkpoint to the end one: at each step the job reaches, and at least once a second. The soak's
+    own loop cannot do it: a checkpoint restarts the trajectory server and measures for seconds
+    while the job goes on, so a fast job would pass most of the span unsampled."""
+
+    POLL_S = 0.1
+    EVERY_S = 1.0
+
+    def __init__(self, job: Job, manager_url: str, started: float):
+        self.job, self.started = job, started
+        self.samples: list[MemorySample] = []
+        self._manager = ManagerClient(manager_url, timeout=5.0)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-memory", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[MemorySample]:
+        self._done.set()
+        self._thread.join()
+        self._manager.close()
+        return self.samples
+
+    def _run(self) -> None:
+        last_step, last_at = None, 0.0
+        while not self._done.wait(self.POLL_S):
+            step = Soak._train_version(self._manager)
+            now = time.monotonic()
+            if step is not None and (step != last_step or now - last_at >= self.EVERY_S):
+                self.samples.append(self._sample(step, now))
+                last_step, last_at = step, now
+
+    def _sample(self, step: int, now: float) -> MemorySample:
+        pids = {name: self.job.pid(name) for name in component_names(self.job.config)}
+        if self.job.trainer_process is not None:
+            pids[TRAINER] = self.job.trainer_process.pid
+        live = {name: pid for name, pid in pids.items() if pid}
+        rss = {name: kib * 1024 for name, pid in live.items() if (kib := status_kib("VmRSS", pid)) is not None}
+        return MemorySample(step, now - self.started, rss, {name: live[name] for name in rss})
+
+
 class Soak:
     def __init__(self, config: JobConfig, warmup_steps: int = 20, end_margin_steps: int = 20,
                  sample_every_steps: int = 50, window_s: float = 10.0, deadline_s: float = 86_400.0,
@@ -200,6 +244,7 @@ class Soak:
         deadline = started + self.deadline_s
         next_sample = 0
         recent: deque[tuple[float, int]] = deque()  # (time, step) over the last minute: the run's pace
+        sampler: MemorySampler | None = None
         try:
             while time.monotonic() < deadline and not job.finished():
                 if job.failure:
@@ -219,12 +264,13 @@ class Soak:
                     next_sample = step + self.sample_every_steps
                     say(f"step {step}: {result.samples[-1].live_trajectories} live, "
                         f"{result.samples[-1].archived_trajectories} archived trajectories")
-                if result.start is not None and result.end is None:
-                    result.memory.append(self._memory(job, step, started))
                 if result.start is None and step >= self.warmup_steps:
                     result.start = self._checkpoint(job, step, urls["ts"], manager, coordinator, ts_db, ledger_db)
                     say(f"start: {result.start}")
+                    sampler = MemorySampler(job, urls["manager"], started)
                 elif result.start is not None and result.end is None and (step >= end_at or self._time_up(started)):
+                    if sampler is not None:
+                        result.memory = sampler.stop()
                     result.end = self._checkpoint(job, step, urls["ts"], manager, coordinator, ts_db, ledger_db)
                     say(f"end: {result.end}")
                     if step < end_at:
@@ -238,6 +284,8 @@ class Soak:
                 result.failure = f"the job did not finish in {self.deadline_s:.0f}s ({result.steps_done} steps)"
             return result
         finally:
+            if sampler is not None:
+                sampler.stop()
             manager.close()
             coordinator.close()
             ts_db.dispose()
@@ -318,17 +366,6 @@ class Soak:
                           sample.archived_trajectories, sample.ledger_events,
                           statistics.median(measured) if measured else None, restarts, phase_ms,
                           coordinator_cpu_ms, cpu_ms_per_step)
-
-    @staticmethod
-    def _memory(job: Job, step: int, started: float) -> MemorySample:
-        """The resident memory of each component's process and the trainer's (those that are
-        threads of this process, or gone, are left out)."""
-        pids = {name: job.pid(name) for name in component_names(job.config)}
-        if job.trainer_process is not None:
-            pids[TRAINER] = job.trainer_process.pid
-        live = {name: pid for name, pid in pids.items() if pid}
-        rss = {name: kib * 1024 for name, pid in live.items() if (kib := status_kib("VmRSS", pid)) is not None}
-        return MemorySample(step, time.monotonic() - started, rss, {name: live[name] for name in rss})
 
     @staticmethod
     def _cpu_seconds(job: Job) -> dict[str, float]:

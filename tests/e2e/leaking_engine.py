@@ -4,9 +4,9 @@ completes. Named by ``STALEFLOW_TEST_ENGINE_FACTORY=leaking_engine:build`` (with
 
 from __future__ import annotations
 
+from staleflow.config import InstanceConfig
 from staleflow.engines.base import CompletedTrajectory
 from staleflow.engines.sim import SimEngine
-from staleflow.servers.instance.config import InstanceConfig
 
 LEAK_BYTES = 1 << 20
 
