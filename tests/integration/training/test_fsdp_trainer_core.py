@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import free_port, save_tiny_qwen2
 
 torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install 'staleflow[train]')")
 transformers = pytest.importorskip("transformers", reason="the trainer needs transformers")
@@ -29,7 +27,6 @@ from staleflow.training import fsdp, logprobs  # noqa: E402
 from staleflow.training.fsdp import (  # noqa: E402
     FsdpBackend,
     check_gpus_for_ranks,
-    init_process_group,
     row_count_batches,
     token_budget_batches,
 )
@@ -38,20 +35,6 @@ from staleflow.training.loading import ModelLoadError, empty_causal_lm  # noqa: 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
 
 STAFLEFLOW_CODE = str(Path(fsdp.__file__).parents[1])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), tied=False)
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    init_process_group(0, 1, free_port())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _batch(n: int = 6, seed: int = 0) -> dict[str, Any]:

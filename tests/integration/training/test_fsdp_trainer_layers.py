@@ -10,13 +10,11 @@ import gc
 import sys
 import types
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import free_port, save_tiny_qwen2
 from test_fsdp_trainer_core import _backend, _batch
 
 torch = pytest.importorskip("torch", reason="the trainer needs torch (pip install 'staleflow[train]')")
@@ -26,24 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from staleflow.training import fsdp  # noqa: E402
 from staleflow.training.attention import PACKED_ATTENTION  # noqa: E402
-from staleflow.training.fsdp import FsdpBackend, init_process_group  # noqa: E402
+from staleflow.training.fsdp import FsdpBackend  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
 
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), tied=False)
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    init_process_group(0, 1, free_port())
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
