@@ -1,0 +1,148 @@
+"""The ``ros`` transport: a version pulled chunk by chunk from the holders that hold it
+(reference-oriented storage), each chunk from the source the reference server names, verified
+against the version's checksums before it counts; a source that fails or sends a corrupt chunk is
+excluded and the chunk is fetched again from the next one (never a corrupt byte handed out).
+
+The sources come from ``ask(version, chunk, exclude, held) -> [ChunkSource]``: for a client, the reference
+server's ``chunk_sources`` route (``reference_sources``); for the parameter server taking a copy
+back, a fixed list of holders. A holder pulling a version reports the chunks it holds so far in
+each ask (``held``), and serves them meanwhile: a burst of pullers forms a chain.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from staleflow.api.base import Client, ServiceError
+from staleflow.api.params import ChunkSource
+from staleflow.api.params import ParamsRoutes as API
+from staleflow.errors import ErrorCode
+from staleflow.transports.base import PullLease, Transport
+from staleflow.transports.checksums import chunk_hasher
+from staleflow.transports.errors import ChecksumMismatch
+from staleflow.transports.http import RawHttpConnection, raise_for_status
+from staleflow.transports.layout import ChunkSpec
+from staleflow.transports.regions import ByteRegions
+
+log = logging.getLogger(__name__)
+
+Ask = Callable[[int, ChunkSpec, Sequence[str], Sequence[int] | None], Sequence[ChunkSource]]
+SOURCE_RETRY_S = 30.0
+"""How long a chunk is retried (asking for sources again) once every source named failed."""
+
+
+def reference_sources(api: Client, puller: str, host_id: str, zone: str) -> Ask:
+    """Sources from the reference server at ``api`` (its ``chunk_sources`` route)."""
+
+    def ask(version: int, chunk: ChunkSpec, exclude: Sequence[str], held: Sequence[int] | None) -> list[ChunkSource]:
+        reply = api.send(API.chunk_sources, API.chunk_sources.request(
+            version, puller=puller, chunk=chunk.index, host_id=host_id, zone=zone, exclude=list(exclude),
+            held=None if held is None else list(held)))
+        return reply.sources
+
+    return ask
+
+
+class PeerTransport(Transport):
+    """Pulls a lease's chunks from the sources ``ask`` names. ``ps_url``: where the parameter
+    server's own copy is fetched (a source with no url). ``on_chunk(index)``: a chunk landed
+    verified (a holder serves it from then on). ``report``: send the chunks held so far with each
+    ask (a registered holder). Counts what it fetched from where (``fetched``) and what failed."""
+
+    name = "ros"
+
+    def __init__(self, ask: Ask, ps_url: Callable[[], str] | None, timeout: float = 60.0,
+                 headers: Mapping[str, str] | None = None, on_chunk: Callable[[int], None] | None = None,
+                 report: bool = False, retry_s: float = SOURCE_RETRY_S):
+        self.ask, self.ps_url, self.timeout = ask, ps_url, timeout
+        self.headers = dict(headers or {})
+        self.on_chunk, self.report, self.retry_s = on_chunk, report, retry_s
+        self._connections: dict[str, RawHttpConnection] = {}
+        self.fetched: dict[str, int] = {}  # source -> chunks fetched from it
+        self.failures: list[tuple[int, str, str]] = []  # (chunk, source, why)
+
+    def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]:
+        """Each chunk as one range, once verified (``pull_verified`` is the checked path)."""
+        for chunk in lease.manifest.chunks:
+            self._fetch(lease.manifest.version, chunk, into, [])
+            yield chunk.offset, chunk.length
+
+    def pull_verified(self, lease: PullLease, into: ByteRegions, held: list[int] | None = None) -> Iterator[int]:
+        """Fetches and verifies every chunk of the lease in order; yields the end of the data
+        section verified so far. ``held``: chunks already held (reported to the reference)."""
+        held = list(held or [])
+        for chunk in lease.manifest.chunks:
+            self._fetch(lease.manifest.version, chunk, into, held)
+            held.append(chunk.index)
+            if self.on_chunk is not None:
+                self.on_chunk(chunk.index)
+            yield chunk.offset + chunk.length
+
+    def _fetch(self, version: int, chunk: ChunkSpec, into: ByteRegions, held: Sequence[int]) -> None:
+        exclude: list[str] = []
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                sources = self.ask(version, chunk, exclude, held if self.report else None)
+            except ServiceError as exc:
+                if exc.code is not ErrorCode.VERSION_UNAVAILABLE or not exclude or time.monotonic() > deadline:
+                    raise
+                exclude = []  # every source named failed: ask afresh (a holder may have come back)
+                continue
+            for source in sources:
+                try:
+                    self._read(source, version, chunk, into)
+                except (OSError, ConnectionError, ServiceError, ChecksumMismatch) as exc:
+                    log.info("chunk %d of version %d from %s failed (%s); trying the next source",
+                             chunk.index, version, source.holder_id, exc)
+                    self.failures.append((chunk.index, source.holder_id, str(exc)))
+                    exclude.append(source.holder_id)
+                    continue
+                self.fetched[source.holder_id] = self.fetched.get(source.holder_id, 0) + 1
+                return
+
+    def _read(self, source: ChunkSource, version: int, chunk: ChunkSpec, into: ByteRegions) -> None:
+        url = source.url or (self.ps_url() if self.ps_url is not None else None)
+        if url is None:
+            raise ConnectionError("no URL for the parameter server's copy")
+        conn = self._connections.get(url)
+        if conn is None:
+            conn = self._connections[url] = RawHttpConnection(url, self.timeout, self.headers)
+        try:
+            conn.send("GET", API.chunk.target(version, chunk.index))
+            status, headers = conn.read_head()
+            length = int(headers["content-length"])
+            if status != 200:
+                raise_for_status(status, conn.read_body(length))
+            if length != chunk.length:
+                raise ConnectionError(f"{length} bytes announced, the manifest says {chunk.length}")
+            hasher = chunk_hasher(chunk)
+            views = into.views(chunk.offset, chunk.length)
+            for _ in conn.read_into(views):
+                pass
+            for view in views:
+                hasher.update(view)
+            actual = hasher.hexdigest()
+            if actual != chunk.checksum:
+                conn.close()
+                raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual)
+        except BaseException:
+            self._connections.pop(url, None)
+            conn.close()
+            raise
+
+    def close(self) -> None:
+        for conn in self._connections.values():
+            conn.close()
+        self._connections.clear()
+
+
+def ros_lease(manifest_json: Mapping[str, Any], puller: str) -> PullLease:
+    """A lease-like handle on a version pulled from its holders: the reference server keeps no
+    lease (versions are immutable; a holder's own lease covers each read)."""
+    from staleflow.transports.layout import Manifest
+
+    return PullLease(f"ros-{puller}", Manifest.from_json(manifest_json), "ros", {}, 0.0)
