@@ -55,6 +55,7 @@ class HolderRecord:
     holdings: dict[int, frozenset[int] | None] = field(default_factory=dict)
     joined: dict[int, int] = field(default_factory=dict)
     withdrawing: set[int] = field(default_factory=set)  # unpublished, waiting for retention to be safe
+    suspect: bool = False  # a puller reported a failed transfer from it: no source, not counted, until its next heartbeat
 
     def holds_whole(self, version: int) -> bool:
         return version in self.holdings and self.holdings[version] is None
@@ -135,6 +136,7 @@ class ReferenceTable:
         if record is None:
             record = self.holders[holder_id] = HolderRecord(holder_id, url, host_id)
         record.url, record.host_id, record.zone, record.spot, record.last_seen = url, host_id, zone, spot, now
+        record.suspect = False  # it is alive
         previous = record.holdings
         # an unpublish in progress keeps what it withdraws: the PS may still copy it back from there
         record.holdings = {v: previous[v] for v in record.withdrawing if v in previous}
@@ -173,8 +175,16 @@ class ReferenceTable:
         return now - record.last_seen <= self.holder_ttl_s
 
     def trusted(self, record: HolderRecord, now: float) -> bool:
-        """Counts for retention: non-spot and heard from within half its ttl."""
-        return not record.spot and now - record.last_seen <= self.holder_ttl_s / 2
+        """Counts for retention: non-spot, not suspect and heard from within half its ttl."""
+        return not record.spot and not record.suspect and now - record.last_seen <= self.holder_ttl_s / 2
+
+    def report_failed(self, holder_ids: Iterable[str]) -> None:
+        """Pullers saw transfers from these holders fail: no puller is sent to them, and they do not
+        count for retention, until their next heartbeat says they are alive."""
+        for holder_id in holder_ids:
+            record = self.holders.get(holder_id)
+            if record is not None:
+                record.suspect = True
 
     def expire(self, now: float) -> list[str]:
         """Forget holders whose heartbeats lapsed (declared failed); their ids."""
@@ -208,7 +218,7 @@ class ReferenceTable:
         for record in self.holders.values():
             if record.holder_id == puller or record.holder_id in exclude or version in record.withdrawing:
                 continue
-            if version not in record.holdings or not self.fresh(record, now):
+            if version not in record.holdings or not self.fresh(record, now) or record.suspect:
                 continue
             has = record.has_chunk(version, chunk)
             if not has and (order is None or record.joined.get(version, order) >= order):
@@ -272,7 +282,7 @@ class ReferenceTable:
                     plan.drop.append(version)
             elif len(counted) < self.replicas:
                 # copy from any holder of the whole version, withdrawing ones included (they wait for it)
-                donors = [r for r in self.holders.values() if r.holds_whole(version) and self.fresh(r, now)]
+                donors = [r for r in self.holders.values() if r.holds_whole(version) and self.fresh(r, now) and not r.suspect]
                 donors.sort(key=lambda r: (version in r.withdrawing, r.spot, -r.last_seen))
                 if donors:
                     plan.copy_back[version] = [r.holder_id for r in donors]
@@ -287,7 +297,7 @@ class ReferenceTable:
         """Someone can serve every chunk of ``version``: the PS or a fresh holder of it whole."""
         if version in self.ps_copies:
             return True
-        return any(r.holds_whole(version) and self.fresh(r, now) and version not in r.withdrawing
+        return any(r.holds_whole(version) and self.fresh(r, now) and version not in r.withdrawing and not r.suspect
                    for r in self.holders.values())
 
     def describe(self, now: float) -> dict:

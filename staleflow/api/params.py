@@ -242,7 +242,9 @@ class SourcesAsk(BaseModel):
     chunk: int = Field(ge=0, description="the chunk index the puller fetches next")
     host_id: str = Field(default="", max_length=256)
     zone: str = Field(default="", max_length=256)
-    exclude: list[str] = Field(default_factory=list, max_length=4096, description="sources that failed this chunk")
+    exclude: list[str] = Field(default_factory=list, max_length=4096, description="sources not to name (they failed this pull)")
+    failed: list[str] = Field(default_factory=list, max_length=4096, description="holders a transfer from failed since the "
+                                                                                 "last ask: suspect until their next heartbeat")
     held: list[int] | None = Field(default=None, description="a registered puller's chunks verified so far: it serves them "
                                                              "(pipeline replication)")
 

@@ -3,7 +3,7 @@
 against the version's checksums before it counts; a source that fails or sends a corrupt chunk is
 excluded and the chunk is fetched again from the next one (never a corrupt byte handed out).
 
-The sources come from ``ask(version, chunk, exclude, held) -> [ChunkSource]``: for a client, the reference
+The sources come from ``ask(version, chunk, exclude, failed, held) -> [ChunkSource]``: for a client, the reference
 server's ``chunk_sources`` route (``reference_sources``); for the parameter server taking a copy
 back, a fixed list of holders. A holder pulling a version reports the chunks it holds so far in
 each ask (``held``), and serves them meanwhile: a burst of pullers forms a chain.
@@ -29,7 +29,7 @@ from staleflow.transports.regions import ByteRegions
 
 log = logging.getLogger(__name__)
 
-Ask = Callable[[int, ChunkSpec, Sequence[str], Sequence[int] | None], Sequence[ChunkSource]]
+Ask = Callable[[int, ChunkSpec, Sequence[str], Sequence[str], Sequence[int] | None], Sequence[ChunkSource]]
 SOURCE_RETRY_S = 30.0
 """How long a chunk is retried (asking for sources again) once every source named failed."""
 
@@ -37,10 +37,11 @@ SOURCE_RETRY_S = 30.0
 def reference_sources(api: Client, puller: str, host_id: str, zone: str) -> Ask:
     """Sources from the reference server at ``api`` (its ``chunk_sources`` route)."""
 
-    def ask(version: int, chunk: ChunkSpec, exclude: Sequence[str], held: Sequence[int] | None) -> list[ChunkSource]:
+    def ask(version: int, chunk: ChunkSpec, exclude: Sequence[str], failed: Sequence[str],
+            held: Sequence[int] | None) -> list[ChunkSource]:
         reply = api.send(API.chunk_sources, API.chunk_sources.request(
             version, puller=puller, chunk=chunk.index, host_id=host_id, zone=zone, exclude=list(exclude),
-            held=None if held is None else list(held)))
+            failed=list(failed), held=None if held is None else list(held)))
         return reply.sources
 
     return ask
@@ -63,6 +64,8 @@ class PeerTransport(Transport):
         self._connections: dict[str, RawHttpConnection] = {}
         self.fetched: dict[str, int] = {}  # source -> chunks fetched from it
         self.failures: list[tuple[int, str, str]] = []  # (chunk, source, why)
+        self.excluded: set[str] = set()  # sources that failed in this pull
+        self._unreported: list[str] = []
 
     def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]:
         """Each chunk as one range, once verified (``pull_verified`` is the checked path)."""
@@ -74,6 +77,7 @@ class PeerTransport(Transport):
         """Fetches and verifies every chunk of the lease in order; yields the end of the data
         section verified so far. ``held``: chunks already held (reported to the reference)."""
         held = list(held or [])
+        self.excluded.clear()
         for chunk in lease.manifest.chunks:
             self._fetch(lease.manifest.version, chunk, into, held)
             held.append(chunk.index)
@@ -82,15 +86,19 @@ class PeerTransport(Transport):
             yield chunk.offset + chunk.length
 
     def _fetch(self, version: int, chunk: ChunkSpec, into: ByteRegions, held: Sequence[int]) -> None:
-        exclude: list[str] = []
+        """One chunk, verified, from the first source that delivers it. A source that failed is
+        not asked again in this pull, and is reported once (the reference server stops naming it
+        until its next heartbeat)."""
+        exclude = self.excluded
         deadline = time.monotonic() + self.retry_s
         while True:
+            failed, self._unreported = self._unreported, []
             try:
-                sources = self.ask(version, chunk, exclude, held if self.report else None)
+                sources = self.ask(version, chunk, sorted(exclude), failed, held if self.report else None)
             except ServiceError as exc:
                 if exc.code is not ErrorCode.VERSION_UNAVAILABLE or not exclude or time.monotonic() > deadline:
                     raise
-                exclude = []  # every source named failed: ask afresh (a holder may have come back)
+                exclude.clear()  # every source named failed: ask afresh (a holder may have come back)
                 continue
             for source in sources:
                 try:
@@ -99,7 +107,9 @@ class PeerTransport(Transport):
                     log.info("chunk %d of version %d from %s failed (%s); trying the next source",
                              chunk.index, version, source.holder_id, exc)
                     self.failures.append((chunk.index, source.holder_id, str(exc)))
-                    exclude.append(source.holder_id)
+                    exclude.add(source.holder_id)
+                    if source.url is not None:
+                        self._unreported.append(source.holder_id)
                     continue
                 self.fetched[source.holder_id] = self.fetched.get(source.holder_id, 0) + 1
                 return

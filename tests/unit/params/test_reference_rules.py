@@ -267,3 +267,14 @@ def test_pipeline_waits_form_a_dag(publish_order: list[int]) -> None:
             seen.add(node)
             frontier.extend(n for n in edges.get(node, ()) if t.holders.get(n) is None or
                             not t.holders[n].has_chunk(0, 0))
+
+
+def test_a_holder_a_puller_reports_failed_is_no_source_until_its_next_heartbeat() -> None:
+    t = table(retain=1, replicas=1)
+    t.known(1, 1, ps_copy=True)
+    holder(t, "a", holdings={1: None})
+    t.report_failed(["a", "gone"])
+    assert [s.holder_id for s in t.sources(1, 0, "p", "h0", "", 0.0)] == [PS]
+    assert t.counted_holders(1, 0.0) == [], "a suspect holder does not count for retention"
+    holder(t, "a", now=1.0, holdings={1: None})
+    assert [s.holder_id for s in t.sources(1, 0, "p", "h0", "", 1.0)] == ["a", PS]
