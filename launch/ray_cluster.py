@@ -144,10 +144,12 @@ def relay_on(endpoints: dict[str, dict], node_id: str) -> str | None:
                  if is_relay(n) and isinstance(e, dict) and e.get("node_id") == node_id), None)
 
 
-def relay_app(config: JobConfig, namespace: str, name: str, token: str):
+def relay_app(config: JobConfig, namespace: str, name: str, token: str, upstream: str):
     """A relay's parameter server, its versions in node-local storage (shared memory serves them),
     in a directory of this run's own (named after its token's hash): a later job in the same
-    namespace must never find this one's versions there."""
+    namespace must never find this one's versions there. With ``params.sources: ros`` the relay is
+    a holder of the job's parameter server (``upstream``): it pulls each version from its holders
+    and serves what it holds to the other nodes' relays, on its node's address."""
     import hashlib
     import tempfile
 
@@ -155,7 +157,9 @@ def relay_app(config: JobConfig, namespace: str, name: str, token: str):
 
     run = hashlib.sha256(token.encode()).hexdigest()[:12]
     where = Path(tempfile.gettempdir()) / f"staleflow-relay-{namespace}-{name}-{run}"
-    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False))
+    holder = ({"holder_of": upstream, "holder_id": f"{namespace}-{name}", "host": node_ip(),
+               "holder_ttl_s": config.params.holder_ttl_s} if config.params.sources == "ros" else {})
+    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False, **holder))
 
 
 def _join(host: str, port: int) -> str:
@@ -249,7 +253,7 @@ class Component:
         moved = planned.get("node_id", node_id) != node_id or planned["host"] != here
         self.namespace = namespace
         self.params_url = relay_on(endpoints, node_id) if name.startswith("inst-") else None
-        make_app = (lambda: relay_app(config, namespace, name, token)) if is_relay(name) else \
+        make_app = (lambda: relay_app(config, namespace, name, token, endpoints["params"]["url"])) if is_relay(name) else \
             (lambda: build_app(name, config, endpoints))
         app = make_app()
         timeout = config.cluster.start_timeout_s or (60.0 if config.engine == "sim" else 900.0)
@@ -271,7 +275,7 @@ class Component:
         self.url = endpoints[name]["url"]
         if name.startswith("inst-"):  # every start: a no-op in place, the new address after a move
             threading.Thread(target=self._reregister, args=(endpoints,), daemon=True).start()
-        if is_relay(name):
+        if is_relay(name) and config.params.sources != "ros":  # a holder pulls new versions itself
             from staleflow.servers.params.relay import Mirror
 
             self.stop_mirror = threading.Event()

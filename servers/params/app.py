@@ -276,6 +276,10 @@ def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
         if body.transport not in config.transports:
             raise ParamsError(ErrorCode.TRANSPORT_DISABLED,
                               f"transport {body.transport!r} is not enabled here (enabled: {', '.join(config.transports)})")
+        holder: HolderAgent | None = app.state.holder
+        if holder is not None and version.isdigit() and int(version) in holder.unavailable and int(version) not in s.versions:
+            raise ParamsError(ErrorCode.VERSION_UNAVAILABLE, f"version {version} cannot be pulled here: nobody holds it any "
+                                                             "more (the reference server said so); pull a version that exists")
         lease, stored = s.acquire(version, body.transport, body.wait_s)
         try:
             details = _transport_details(s, stored, body.transport)

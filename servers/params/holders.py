@@ -239,6 +239,7 @@ class HolderAgent:
         self.token, self.follow = token, follow
         self.fetched: dict[str, int] = {}  # source -> chunks, over every pull
         self.failures: list[tuple[int, str, str]] = []
+        self.unavailable: set[int] = set()  # versions the reference server said nobody can serve
         self._pulling = threading.Lock()  # one pull at a time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat_forever, name="params-holder", daemon=True)
@@ -305,6 +306,10 @@ class HolderAgent:
                                       report=True)
             try:
                 copy_into(self.store, manifest, transport)
+            except ServiceError as exc:
+                if exc.code is ErrorCode.VERSION_UNAVAILABLE:
+                    self.unavailable.add(number)  # pulls of it here are refused at once with that code
+                raise
             finally:
                 transport.close()
                 for source, n in transport.fetched.items():

@@ -94,12 +94,6 @@ def retained_versions(versions: Iterable[int], retain: int) -> list[int]:
     return sorted(set(versions))[-retain:] if retain > 0 else []
 
 
-def default_retain(eta: int) -> int:
-    """Versions a job may still route to under staleness bound ``eta``: the newest and the ``eta``
-    before it (a trajectory started on version v - eta is still admissible)."""
-    return eta + 1
-
-
 class ReferenceTable:
     """The reference server's soft state and rules. Not thread-safe: the caller locks."""
 

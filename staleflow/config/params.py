@@ -13,6 +13,12 @@ from staleflow.strict import StrictModel
 TransportName = Literal["http", "shm", "nixl"]
 
 
+def default_retain(eta: int) -> int:
+    """Versions a job may still route to under staleness bound ``eta``: the newest and the ``eta``
+    before it (a trajectory started on version v - eta is still admissible)."""
+    return eta + 1
+
+
 class ParamsSettings(StrictModel):
     """What a job sets of the parameter server (its ``params:`` section)."""
 

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staleflow.config.params import default_retain
 from staleflow.errors import ErrorCode
-from staleflow.servers.params.reference import PS, ReferenceError, ReferenceTable, default_retain, retained_versions
+from staleflow.servers.params.reference import PS, ReferenceError, ReferenceTable, retained_versions
 
 
 def table(retain: int = 2, replicas: int = 2, ttl: float = 10.0) -> ReferenceTable:
