@@ -105,7 +105,10 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launche
 
 def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str,
             namespace: str | None, ray_address: str | None) -> int:
-    from staleflow.launch.job import Job, JobTracking, StateDirInUse, job_summary, trainer_label
+    from staleflow.launch.local import LocalJob
+    from staleflow.launch.plan import trainer_label
+    from staleflow.launch.state_lock import StateDirInUse
+    from staleflow.launch.views import JobTracking, job_summary
     from staleflow.tracking import missing_backends
 
     missing = missing_backends(config.logger.backends)
@@ -119,14 +122,15 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
 
     try:
         if launcher == "ray":  # imported only here: a local run never loads Ray
-            from staleflow.launch.ray_cluster import LauncherError, RayClusterJob
+            from staleflow.launch.ray.common import LauncherError
+            from staleflow.launch.ray.job import RayClusterJob
 
             try:
                 job = RayClusterJob(config, resume=resume, fresh=fresh, address=ray_address, namespace=namespace)
             except LauncherError as exc:
                 raise fail(str(exc)) from None
         else:
-            job = Job(config, resume=resume, fresh=fresh)
+            job = LocalJob(config, resume=resume, fresh=fresh)
     except (StateDirInUse, DatabaseError, DatabaseUrlError) as exc:
         raise fail(str(exc)) from None
     signals: dict[str, int | None] = {"received": None}
@@ -211,7 +215,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
 def _conclude(job: Any, config: JobConfig, summary: dict, restarts: list[dict], failure: str | None,
               trainer_error: str | None, received: int | None, emit: Any) -> int:
     """The end of a run: the report, the last words, the exit status."""
-    from staleflow.launch.job import write_job_report
+    from staleflow.launch.views import write_job_report
     from staleflow.report import length_skew_line
 
     completed = (trainer_error is None and failure is None and received is None
@@ -268,7 +272,7 @@ def _serve_trainer(config: JobConfig, endpoints: dict) -> int:
     import os
     import threading
 
-    from staleflow.launch.job import STARTED_ENV, run_trainer
+    from staleflow.launch.plan import STARTED_ENV, run_trainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -338,7 +342,7 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         endpoints: Annotated[Path, typer.Option("--endpoints", help="the planned endpoints file")],
     ) -> None:
         """One component of a `staleflow up` job, in its own process (used by `up --processes`)."""
-        from staleflow.launch.job import TRAINER, build_app
+        from staleflow.launch.plan import TRAINER, build_app
         from staleflow.servers.http import serve_forever
 
         try:
