@@ -15,7 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from staleflow.config import JobConfig
-from staleflow.servers.http import free_port
+from staleflow.ports import free_port
 from staleflow.training.role import StepLog, run_trainer_role
 
 STATIC_COMPONENTS = ("manager", "params", "reward", "ts")

@@ -25,6 +25,7 @@ from staleflow.launch.ray.common import (
     relay_on,
     trainer_rank_name,
 )
+from staleflow.ports import free_port_between
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,9 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def free_port(host: str, low: int, high: int, taken: set[int] | frozenset = frozenset()) -> int:
+def port_in_range(host: str, low: int, high: int, taken: set[int] | frozenset = frozenset()) -> int:
     """A port free on ``host`` now, from [low, high], not in ``taken``; tried from a random start
     so that launchers on one node rarely race for the same port."""
-    from staleflow.servers.http import free_port_between
-
     port = free_port_between(host, low, high, taken)
     if port is None:
         raise LauncherError(f"no free port on {host} in {low}-{high}; widen cluster.port_range")
@@ -51,7 +50,7 @@ def probe(low: int, high: int, taken: list[int]) -> dict:
     import ray
 
     host = node_ip()
-    return {"host": host, "port": free_port(host, low, high, set(taken)),
+    return {"host": host, "port": port_in_range(host, low, high, set(taken)),
             "node_id": ray.get_runtime_context().get_node_id()}
 
 
@@ -167,7 +166,7 @@ class Component:
                 moved = True
                 app = make_app()
         if moved:
-            port = free_port(here, *config.cluster.port_range)
+            port = port_in_range(here, *config.cluster.port_range)
             endpoints[name] = {"url": join_url(here, port), "host": here, "port": port, "node_id": node_id}
             if self.params_url:
                 endpoints[name]["params_url"] = self.params_url
