@@ -427,7 +427,7 @@ def plot_time_per_version(path: Path, per_version: dict[str, dict[str, float]], 
 
 def plot_staleness_convergence(path: Path, runs: Sequence[dict]) -> Path:
     """The paper's Figure 14: mean reward of the batch against the training step (left) and
-    against wall-clock time (right), one line per run (``staleflow.experiments.run_numbers``
+    against wall-clock time (right), one line per run (``staleflow.staleness_experiment.run_numbers``
     documents), its tokens/s in the legend; the run without a bound is dashed."""
     import matplotlib
 
