@@ -192,7 +192,10 @@ def _add_version_routes(app: FastAPI) -> None:
 
     @handles(app, ParamsRoutes.delete_version)
     def delete_version(store: StoreDep, version: int) -> dict:
-        """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end."""
+        """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end.
+        One only holders hold is withdrawn from the reference server (holders drop it as they pull on)."""
+        if app.state.references is not None and app.state.references.withdraw(version):
+            return {"version": version, "deleted": True, "readers": 0}
         stored = store.delete_version(version)
         return {"version": version, "deleted": stored.leases == 0, "readers": stored.leases}
 

@@ -78,6 +78,7 @@ class ReferenceServer:
         self.cond = store.cond
         self.table = ReferenceTable(config.retained_versions(), config.retain_replicas, config.holder_ttl_s)
         self.copies_back: list[int] = []  # versions copied back from holders (in order)
+        self.withdrawn: set[int] = set()  # versions deleted while only holders held them
         with self.cond:
             for version, stored in store.versions.items():
                 if stored.retained:
@@ -106,7 +107,8 @@ class ReferenceServer:
         with self.cond:
             self.table.heartbeat(holder_id, url, host, zone, spot, holdings, self.clock())
             self.cond.notify_all()
-            missing = sorted(v for v, c in holdings.items() if c is None and v not in self.table.chunk_counts)
+            missing = sorted(v for v, c in holdings.items()
+                             if c is None and v not in self.table.chunk_counts and v not in self.withdrawn)
         self._wake.set()
         return {"holder_id": holder_id, "ttl_s": self.config.holder_ttl_s, "missing": missing}
 
@@ -160,6 +162,18 @@ class ReferenceServer:
                 self.cond.wait(min(left, 0.5))
             self.table.finish_unpublish(holder_id, version)
         return {"holder_id": holder_id, "version": version, "unpublished": True}
+
+    def withdraw(self, version: int) -> bool:
+        """Withdraw a version whose copy this server dropped (only holders hold it): nobody is sent
+        to a holder for it any more, and heartbeats do not bring it back. False: not such a version."""
+        with self.cond:
+            stored = self.store.versions.get(version)
+            if version not in self.store.referenced or (stored is not None and stored.retained):
+                return False
+            del self.store.referenced[version]
+            self.table.forget(version)
+            self.withdrawn.add(version)
+            return True
 
     def describe(self) -> dict:
         with self.cond:

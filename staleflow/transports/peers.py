@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from staleflow.api.base import Client, ServiceError
@@ -75,31 +76,52 @@ class PeerTransport(Transport):
 
     def pull_verified(self, lease: PullLease, into: ByteRegions, held: list[int] | None = None) -> Iterator[int]:
         """Fetches and verifies every chunk of the lease in order; yields the end of the data
-        section verified so far. ``held``: chunks already held (reported to the reference)."""
+        section verified so far. ``held``: chunks already held (reported to the reference). The
+        sources of the next chunk are asked for while this one is on the wire (the ask's round
+        trip is then off the critical path)."""
         held = list(held or [])
         self.excluded.clear()
-        for chunk in lease.manifest.chunks:
-            self._fetch(lease.manifest.version, chunk, into, held)
-            held.append(chunk.index)
-            if self.on_chunk is not None:
-                self.on_chunk(chunk.index)
-            yield chunk.offset + chunk.length
+        version, chunks = lease.manifest.version, lease.manifest.chunks
+        with ThreadPoolExecutor(1, thread_name_prefix="ros-ask") as asker:
+            upcoming: Future | None = asker.submit(self._ask, version, chunks[0], held) if chunks else None
+            for position, chunk in enumerate(chunks):
+                assert upcoming is not None
+                named = upcoming
+                upcoming = (asker.submit(self._ask, version, chunks[position + 1], list(held))
+                            if position + 1 < len(chunks) else None)
+                try:
+                    prefetched = named.result()
+                except ServiceError:
+                    prefetched = None  # asked again below, where a refusal is handled
+                self._fetch(version, chunk, into, held, prefetched)
+                held.append(chunk.index)
+                if self.on_chunk is not None:
+                    self.on_chunk(chunk.index)
+                yield chunk.offset + chunk.length
 
-    def _fetch(self, version: int, chunk: ChunkSpec, into: ByteRegions, held: Sequence[int]) -> None:
-        """One chunk, verified, from the first source that delivers it. A source that failed is
-        not asked again in this pull, and is reported once (the reference server stops naming it
-        until its next heartbeat)."""
+    def _ask(self, version: int, chunk: ChunkSpec, held: Sequence[int]) -> Sequence[ChunkSource]:
+        failed, self._unreported = self._unreported, []  # reported with the next ask, whichever thread sends it
+        return self.ask(version, chunk, sorted(self.excluded), failed, held if self.report else None)
+
+    def _fetch(self, version: int, chunk: ChunkSpec, into: ByteRegions, held: Sequence[int],
+               prefetched: Sequence[ChunkSource] | None = None) -> None:
+        """One chunk, verified, from the first source that delivers it (``prefetched``: the
+        sources named for it already). A source that failed is not asked again in this pull, and
+        is reported once (the reference server stops naming it until its next heartbeat)."""
         exclude = self.excluded
         deadline = time.monotonic() + self.retry_s
         while True:
-            failed, self._unreported = self._unreported, []
-            try:
-                sources = self.ask(version, chunk, sorted(exclude), failed, held if self.report else None)
-            except ServiceError as exc:
-                if exc.code is not ErrorCode.VERSION_UNAVAILABLE or not exclude or time.monotonic() > deadline:
-                    raise
-                exclude.clear()  # every source named failed: ask afresh (a holder may have come back)
-                continue
+            if prefetched is not None:
+                sources, prefetched = [s for s in prefetched if s.holder_id not in exclude], None
+            else:
+                failed, self._unreported = self._unreported, []
+                try:
+                    sources = self.ask(version, chunk, sorted(exclude), failed, held if self.report else None)
+                except ServiceError as exc:
+                    if exc.code is not ErrorCode.VERSION_UNAVAILABLE or not exclude or time.monotonic() > deadline:
+                        raise
+                    exclude.clear()  # every source named failed: ask afresh (a holder may have come back)
+                    continue
             for source in sources:
                 try:
                     self._read(source, version, chunk, into)

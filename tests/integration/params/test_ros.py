@@ -99,6 +99,11 @@ def test_a_burst_of_holders_forms_a_chain_serves_http_and_shm_and_the_ps_drops_i
         with pytest.raises(ServiceError) as refused:
             client.pull(1)
         assert refused.value.code is ErrorCode.VERSION_HELD_BY_PEERS
+        # withdrawn while only its holders hold it: nobody is sent to them for it any more
+        assert client.delete_version(1).deleted
+        with pytest.raises(ServiceError) as withdrawn:
+            client.pull(1, sources="ros")
+        assert withdrawn.value.code is ErrorCode.UNKNOWN_VERSION
 
 
 def test_the_ps_takes_a_copy_back_before_the_last_holder_unpublishes(tmp_path: Path) -> None:
