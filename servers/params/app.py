@@ -151,7 +151,7 @@ def _add_reference_routes(app: FastAPI) -> None:
     @handles(app, ParamsRoutes.chunk_sources)
     def chunk_sources(version: int, body: SourcesAsk) -> dict:
         return _references(app).sources(version, body.puller, body.chunk, body.host_id, body.zone, body.exclude,
-                                          body.failed, body.held)
+                                          body.failed, body.held, body.count)
 
     @handles(app, ParamsRoutes.release_puller)
     def release_puller(puller: str) -> dict:

@@ -128,7 +128,7 @@ class ReferenceServer:
         return {"holder_id": holder_id, "ttl_s": self.config.holder_ttl_s}
 
     def sources(self, version: int, puller: str, chunk: int, host: str, zone: str, exclude: list[str],
-                failed: list[str], held: list[int] | None) -> dict:
+                failed: list[str], held: list[int] | None, count: int = 1) -> dict:
         with self.cond:
             now = self.clock()
             if failed:
@@ -136,7 +136,7 @@ class ReferenceServer:
                 self._wake.set()  # fewer trusted holders: a copy back may be due
             if held is not None and puller in self.table.holders:
                 self.table.publish(puller, version, held, now)
-            found = self.table.sources(version, chunk, puller, host, zone, now, exclude)
+            found = self.table.sources(version, chunk, puller, host, zone, now, exclude, count)
         return {"version": version, "chunk": chunk,
                 "sources": [{"holder_id": s.holder_id, "url": s.url, "has_chunk": s.has_chunk, "tier": s.tier} for s in found]}
 
@@ -217,7 +217,7 @@ class ReferenceServer:
         if manifest is None:
             return
 
-        def ask(v: int, chunk: object, exclude: object, failed: object, held: object) -> list[ChunkSource]:
+        def ask(v: int, chunk: object, count: int, exclude: object, failed: object, held: object) -> list[ChunkSource]:
             return [ChunkSource(holder_id=h, url=url, has_chunk=True, tier="other") for h, url in donors
                     if h not in exclude]  # type: ignore[operator]
 

@@ -196,15 +196,15 @@ class ReferenceTable:
         return sum(1 for assigned, _ in self.assigned.values() if assigned == source)
 
     def sources(self, version: int, chunk: int, puller: str, host_id: str, zone: str, now: float,
-                exclude: Sequence[str] = ()) -> list[Source]:
-        """Where ``puller`` may fetch ``chunk`` of ``version``, best first; the first one is
-        assigned to it (its load), replacing its previous assignment. Raises
-        ``version_unavailable`` when no holder and no copy of the PS can serve it."""
-        count = self.chunk_counts.get(version)
-        if count is None:
+                exclude: Sequence[str] = (), count: int = 1) -> list[Source]:
+        """Where ``puller`` may fetch ``chunk`` of ``version`` (and the ``count - 1`` chunks after
+        it), best first; the first one is assigned to it (its load), replacing its previous
+        assignment. Raises ``version_unavailable`` when no holder and no copy of the PS can serve it."""
+        total = self.chunk_counts.get(version)
+        if total is None:
             raise ReferenceError(ErrorCode.VERSION_UNAVAILABLE, f"version {version} is not known here (retained: {self.retained()})")
-        if not 0 <= chunk < count:
-            raise ReferenceError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{count - 1}, not {chunk}")
+        if not 0 <= chunk < total:
+            raise ReferenceError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{total - 1}, not {chunk}")
         own = self.holders.get(puller)
         order = own.joined.get(version) if own is not None else None
         self.assigned.pop(puller, None)
@@ -214,7 +214,7 @@ class ReferenceTable:
                 continue
             if version not in record.holdings or not self.fresh(record, now) or record.suspect:
                 continue
-            has = record.has_chunk(version, chunk)
+            has = all(record.has_chunk(version, c) for c in range(chunk, min(chunk + count, total)))
             if not has and (order is None or record.joined.get(version, order) >= order):
                 continue  # a pipeline source must have joined before the puller: no cycles
             tier = "host" if record.host_id == host_id else "zone" if zone and record.zone == zone else "other"

@@ -240,6 +240,7 @@ class HolderPublish(BaseModel):
 class SourcesAsk(BaseModel):
     puller: str = Field(min_length=1, max_length=256, description="the puller's id (a holder's id when it serves what it pulls)")
     chunk: int = Field(ge=0, description="the chunk index the puller fetches next")
+    count: int = Field(default=1, ge=1, le=4096, description="the sources are for this many chunks from ``chunk`` on")
     host_id: str = Field(default="", max_length=256)
     zone: str = Field(default="", max_length=256)
     exclude: list[str] = Field(default_factory=list, max_length=4096, description="sources not to name (they failed this pull)")

@@ -3,7 +3,8 @@
 against the version's checksums before it counts; a source that fails or sends a corrupt chunk is
 excluded and the chunk is fetched again from the next one (never a corrupt byte handed out).
 
-The sources come from ``ask(version, chunk, exclude, failed, held) -> [ChunkSource]``: for a client, the reference
+The sources come from ``ask(version, chunk, count, exclude, failed, held) -> [ChunkSource]`` (for
+``count`` chunks from ``chunk`` on): for a client, the reference
 server's ``chunk_sources`` route (``reference_sources``); for the parameter server taking a copy
 back, a fixed list of holders. A holder pulling a version reports the chunks it holds so far in
 each ask (``held``), and serves them meanwhile: a burst of pullers forms a chain.
@@ -30,7 +31,11 @@ from staleflow.transports.regions import ByteRegions
 
 log = logging.getLogger(__name__)
 
-Ask = Callable[[int, ChunkSpec, Sequence[str], Sequence[str], Sequence[int] | None], Sequence[ChunkSource]]
+Ask = Callable[[int, ChunkSpec, int, Sequence[str], Sequence[str], Sequence[int] | None], Sequence[ChunkSource]]
+ASK_CHUNKS = 8
+"""Chunks one ask names sources for: the asks' rate at the reference server (one Python service
+for every puller) is this many times smaller than the chunks' (measured: at 4 MiB chunks and 1
+Gbit/s, eight pullers asking for every chunk kept the reference server's two cores busy)."""
 SOURCE_RETRY_S = 30.0
 """How long a chunk is retried (asking for sources again) once every source named failed."""
 
@@ -38,10 +43,10 @@ SOURCE_RETRY_S = 30.0
 def reference_sources(api: Client, puller: str, host_id: str, zone: str) -> Ask:
     """Sources from the reference server at ``api`` (its ``chunk_sources`` route)."""
 
-    def ask(version: int, chunk: ChunkSpec, exclude: Sequence[str], failed: Sequence[str],
+    def ask(version: int, chunk: ChunkSpec, count: int, exclude: Sequence[str], failed: Sequence[str],
             held: Sequence[int] | None) -> list[ChunkSource]:
         reply = api.send(API.chunk_sources, API.chunk_sources.request(
-            version, puller=puller, chunk=chunk.index, host_id=host_id, zone=zone, exclude=list(exclude),
+            version, puller=puller, chunk=chunk.index, count=count, host_id=host_id, zone=zone, exclude=list(exclude),
             failed=list(failed), held=None if held is None else list(held)))
         return reply.sources
 
@@ -66,6 +71,7 @@ class PeerTransport(Transport):
         self.fetched: dict[str, int] = {}  # source -> chunks fetched from it
         self.failures: list[tuple[int, str, str]] = []  # (chunk, source, why)
         self.excluded: set[str] = set()  # sources that failed in this pull
+        self.ask_chunks = ASK_CHUNKS
         self._unreported: list[str] = []
 
     def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]:
@@ -82,26 +88,30 @@ class PeerTransport(Transport):
         held = list(held or [])
         self.excluded.clear()
         version, chunks = lease.manifest.version, lease.manifest.chunks
+        # consecutive chunks of the lease (a selected pull's lease lists some only), a run per ask
+        runs = [chunks[i:i + self.ask_chunks] for i in range(0, len(chunks), self.ask_chunks)]
         with ThreadPoolExecutor(1, thread_name_prefix="ros-ask") as asker:
-            upcoming: Future | None = asker.submit(self._ask, version, chunks[0], held) if chunks else None
-            for position, chunk in enumerate(chunks):
+            upcoming: Future | None = asker.submit(self._ask, version, runs[0], held) if runs else None
+            for position, run in enumerate(runs):
                 assert upcoming is not None
                 named = upcoming
-                upcoming = (asker.submit(self._ask, version, chunks[position + 1], list(held))
-                            if position + 1 < len(chunks) else None)
+                upcoming = (asker.submit(self._ask, version, runs[position + 1], list(held))
+                            if position + 1 < len(runs) else None)
                 try:
                     prefetched = named.result()
                 except ServiceError:
                     prefetched = None  # asked again below, where a refusal is handled
-                self._fetch(version, chunk, into, held, prefetched)
-                held.append(chunk.index)
-                if self.on_chunk is not None:
-                    self.on_chunk(chunk.index)
-                yield chunk.offset + chunk.length
+                for chunk in run:
+                    self._fetch(version, chunk, into, held, prefetched)
+                    held.append(chunk.index)
+                    if self.on_chunk is not None:
+                        self.on_chunk(chunk.index)
+                    yield chunk.offset + chunk.length
 
-    def _ask(self, version: int, chunk: ChunkSpec, held: Sequence[int]) -> Sequence[ChunkSource]:
+    def _ask(self, version: int, run: Sequence[ChunkSpec], held: Sequence[int]) -> Sequence[ChunkSource]:
         failed, self._unreported = self._unreported, []  # reported with the next ask, whichever thread sends it
-        return self.ask(version, chunk, sorted(self.excluded), failed, held if self.report else None)
+        count = run[-1].index - run[0].index + 1
+        return self.ask(version, run[0], count, sorted(self.excluded), failed, held if self.report else None)
 
     def _fetch(self, version: int, chunk: ChunkSpec, into: ByteRegions, held: Sequence[int],
                prefetched: Sequence[ChunkSource] | None = None) -> None:
@@ -116,7 +126,7 @@ class PeerTransport(Transport):
             else:
                 failed, self._unreported = self._unreported, []
                 try:
-                    sources = self.ask(version, chunk, sorted(exclude), failed, held if self.report else None)
+                    sources = self.ask(version, chunk, 1, sorted(exclude), failed, held if self.report else None)
                 except ServiceError as exc:
                     if exc.code is not ErrorCode.VERSION_UNAVAILABLE or not exclude or time.monotonic() > deadline:
                         raise

@@ -279,3 +279,17 @@ def test_a_holder_a_puller_reports_failed_is_no_source_until_its_next_heartbeat(
     assert t.counted_holders(1, 0.0) == [], "a suspect holder does not count for retention"
     holder(t, "a", now=1.0, holdings={1: None})
     assert [s.holder_id for s in t.sources(1, 0, "p", "h0", "", 1.0)] == ["a", PS]
+
+
+def test_sources_for_a_run_of_chunks_name_a_holder_only_if_it_has_them_all_or_joined_before() -> None:
+    t = table()
+    t.known(1, 6, ps_copy=True)
+    holder(t, "early")
+    holder(t, "p")
+    t.publish("early", 1, [0, 1, 2], 0.0)
+    t.publish("p", 1, [], 0.0)
+    found = t.sources(1, 0, "p", "h0", "", 0.0, count=6)
+    assert [(s.holder_id, s.has_chunk) for s in found] == [("early", False), (PS, True)]
+    assert [(s.holder_id, s.has_chunk) for s in t.sources(1, 0, "p", "h0", "", 0.0, count=3)][0] == ("early", True)
+    assert [s.holder_id for s in t.sources(1, 2, "outsider", "h0", "", 0.0, count=2)] == [PS], \
+        "a puller that is no holder only gets sources that have the whole run"
