@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -148,6 +148,12 @@ def _device_tensors(sizes: list[int], device: str, fill: int) -> list:
     return [torch.full((n,), fill, dtype=torch.uint8, device=device) for n in sizes]
 
 
+def commands(conn: Connection) -> Iterator[Any]:
+    """What a worker process is told over its pipe, until it is told None (stop)."""
+    while (message := conn.recv()) is not None:
+        yield message
+
+
 def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, pooled: bool, device: str) -> None:
     """A trainer rank: holds its shards (host arrays, or tensors on ``device``); on ("push",
     version, transport, t0) pushes them (from ``device``: copied into one pinned host buffer first)."""
@@ -168,11 +174,7 @@ def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, p
                                                     for (name, start, n), offset in zip(ranges, staging.offsets, strict=True)])
     with ParamsClient(url, timeout=600) as client:
         conn.send({"ready": True, "shard_bytes": share.nbytes})
-        while True:
-            message = conn.recv()
-            if message is None:
-                return
-            _, version, transport, wait_s = message
+        for _, version, transport, wait_s in commands(conn):
             with PeakMemory() as memory:
                 started = time.monotonic()
                 if staging is not None:
@@ -207,11 +209,7 @@ def _instance_main(conn: Connection, url: str, table: dict, pooled: bool, device
         staging = FlatStaging(_device_tensors(sizes, device, 1))
     with ParamsClient(url, timeout=600) as client:
         conn.send({"ready": True})
-        while True:
-            message = conn.recv()
-            if message is None:
-                return
-            _, version, transport, wait_s, verify = message
+        for _, version, transport, wait_s, verify in commands(conn):
             lease = client.open_pull(version, transport, wait_s=wait_s)
             leased, cpu = time.monotonic(), time.process_time()
             try:

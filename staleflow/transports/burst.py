@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from staleflow.transports.bench import Workers, aligned_array, start_params_server, tensor_table
+from staleflow.transports.bench import Workers, aligned_array, commands, start_params_server, tensor_table
 from staleflow.transports.checksums import checksum_algorithms, checksum_bytes
 from staleflow.transports.egress import bytes_per_s_of_gbps
 from staleflow.transports.tables import table_bytes
@@ -139,11 +139,7 @@ def _burst_instance_main(conn: Connection, url: str, total_bytes: int) -> None:
     algorithm = checksum_algorithms()[0]
     with ParamsClient(url, timeout=600) as client:
         conn.send({"ready": True})
-        while True:
-            message = conn.recv()
-            if message is None:
-                return
-            _, version = message
+        for _, version in commands(conn):
             asked = time.monotonic()
             client.pull(version, "http", into=buffer, verify="auto", wait_s=60)
             held = time.monotonic()
