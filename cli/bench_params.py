@@ -166,12 +166,13 @@ def _print_bursts(results: dict) -> None:
     table = Table(title=f"Bursts: instances pulling one {results['bytes'] / 1e6:.0f} MB version at once over http "
                         f"({results['chunk_mb']} MiB chunks, {link}); median of {results['repeats']}; load average "
                         f"{results['load_average_before']:.1f} -> {results['load_average_after']:.1f}")
-    for column in ("source", "case", "instances", "burst s", "vs one pull", "mean pull s", "delivered GB/s",
-                   "links' worth", "join s"):
+    for column in ("source", "case", "instances", "burst s", "vs one pull", "vs one version's wire time", "mean pull s",
+                   "delivered GB/s", "links' worth", "join s"):
         table.add_column(column, justify="left" if column in ("source", "case") else "right")
     for c in results["cells"]:
         table.add_row(c["source"], c["kind"].replace("_", " "), str(c["instances"]), f"{c['burst_seconds']:.3f}",
-                      f"{c['vs_single']:.2f}", f"{c['pull_seconds_mean']:.3f}", f"{c['delivered_gb_per_s']:.3f}",
+                      f"{c['vs_single']:.2f}", f"{c['vs_wire_time']:.2f}" if "vs_wire_time" in c else "-",
+                      f"{c['pull_seconds_mean']:.3f}", f"{c['delivered_gb_per_s']:.3f}",
                       f"{c['links_worth']:.2f}" if "links_worth" in c else "-",
                       f"{c['join_seconds']:.3f}" if "join_seconds" in c else "-")
     console.print(table)

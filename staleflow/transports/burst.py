@@ -17,7 +17,9 @@ Sources are a registry (``BURST_SOURCES``, ``register_burst_source``): a ``Burst
 what it measures, which cases it runs (``CASES``) and how to open a runner on a ``BurstSetup``
 (the PS's URL, the table, the link, the number of instance processes to hold). ``ps`` is today's
 fan-out: every instance pulls from the parameter server. A source that is planned but not built
-into this checkout is listed in ``PLANNED_SOURCES``, so asking for it is a clear error.
+into this checkout is listed in ``PLANNED_SOURCES``, so asking for it is a clear error. A source
+defined in another module registers itself there, and that module is imported at the end of this
+one, so every caller of the bench (the CLI) sees it.
 """
 
 from __future__ import annotations
@@ -231,6 +233,7 @@ def _cell(source: str, case: BurstCase, outcomes: list[BurstOutcome], total_byte
     cell["delivered_gb_per_s"] = moved / cell["burst_seconds"] / 1e9
     if link_bytes_per_s:
         cell["links_worth"] = moved / cell["burst_seconds"] / link_bytes_per_s  # 1.0: one link's worth delivered
+        cell["vs_wire_time"] = cell["burst_seconds"] / (total_bytes / link_bytes_per_s)  # against one version on one link
     if case.join_after_s is not None:
         cell["join_after_s"] = case.join_after_s
         cell["join_seconds"] = statistics.median([o.held[-1] - o.joined_at for o in outcomes if o.joined_at is not None])
