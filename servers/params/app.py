@@ -88,7 +88,8 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         return {"status": "ok", "latest": s["latest"], "versions": len(s["versions"]),
                 "transports": list(config.transports), "host_id": host_id(),
                 "data_port": plane.port if plane is not None else None,
-                "data_plane_accept_failures": plane.accept_failures if plane is not None else 0}
+                "data_plane_accept_failures": plane.accept_failures if plane is not None else 0,
+                "egress_gbps": config.egress_gbps}
 
     _add_version_routes(app)
     _add_push_routes(app, config)

@@ -316,6 +316,7 @@ def run_burst_bench(sources: Sequence[str], instance_counts: Sequence[int], tota
         publisher = None
         try:
             publisher = _Publisher(url, table)
+            results["ps_egress_gbps"] = publisher.client.health().egress_gbps  # what the PS says it applies
             setup = BurstSetup(url, table, link_gbps, chunk_mb, max(instance_counts) + 1, Path(tmp))
             for name in sources:
                 cells, skipped = _source_cells(BURST_SOURCES[name], setup, publisher, instance_counts, repeats,

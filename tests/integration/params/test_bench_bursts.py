@@ -32,6 +32,7 @@ def test_a_burst_run_reports_each_count_an_elastic_join_and_a_killed_holder_or_w
     assert result.exit_code == 0, result.output
     data = json.loads(output.read_text())
     assert data["mode"] == "burst" and data["link_gbps"] == 2 and data["sources"] == [source]
+    assert data["ps_egress_gbps"] == 2, "the PS process applies the link"
     cells = {(c["kind"], c["instances"]): c for c in data["cells"]}
     runs_kill = HOLDER_KILLED in BURST_SOURCES[source].cases
     assert set(cells) == {(BURST, 1), (BURST, 2), (ELASTIC_JOIN, 2)} | ({(HOLDER_KILLED, 2)} if runs_kill else set())

@@ -27,6 +27,7 @@ def test_every_chunk_body_a_pull_takes_goes_through_the_endpoints_limiter(tmp_pa
         assert app.state.egress.bucket.granted == data_bytes
         assert_same(client.pull(3, "http"), pushed)
         assert app.state.egress.bucket.granted == 2 * data_bytes
+        assert client.health().egress_gbps == 100.0
 
 
 def test_without_a_limit_the_server_has_no_limiter(tmp_path: Path) -> None:
@@ -34,7 +35,7 @@ def test_without_a_limit_the_server_has_no_limiter(tmp_path: Path) -> None:
     with serve_in_thread(app) as server, ParamsClient(server.url) as client:
         client.push(1, state_dict(1), transport="http")
         assert_same(client.pull(1, "http"), state_dict(1))
-        assert app.state.egress is None
+        assert app.state.egress is None and client.health().egress_gbps is None
 
 
 def test_a_limit_must_be_positive(tmp_path: Path) -> None:
