@@ -57,7 +57,8 @@ def probe(low: int, high: int, taken: list[int]) -> dict:
 def relay_app(config: JobConfig, namespace: str, name: str, token: str, upstream: str):
     """A relay's parameter server, its versions in node-local storage (shared memory serves them),
     in a directory of this run's own (named after its token's hash): a later job in the same
-    namespace must never find this one's versions there. With ``params.sources: ros`` the relay is
+    namespace must never find this one's versions there. Its egress limit is the job's
+    (``params.egress_gbps``), as the parameter server's. With ``params.sources: ros`` the relay is
     a holder of the job's parameter server (``upstream``): it pulls each version from its holders
     and serves what it holds to the other nodes' relays, on its node's address."""
     import hashlib
@@ -69,7 +70,8 @@ def relay_app(config: JobConfig, namespace: str, name: str, token: str, upstream
     where = Path(tempfile.gettempdir()) / f"staleflow-relay-{namespace}-{name}-{run}"
     holder = ({"holder_of": upstream, "holder_id": f"{namespace}-{name}", "host": node_ip(),
                "holder_ttl_s": config.params.holder_ttl_s} if config.params.sources == "ros" else {})
-    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False, **holder))
+    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False, egress_gbps=config.params.egress_gbps,
+                                   **holder))
 
 
 def _log_to_state(config: JobConfig, name: str) -> None:
