@@ -11,8 +11,9 @@ and a restarted reference server rebuilds every record from the next heartbeats.
   the PS's own copy. A holder still pulling the version (pipeline replication) is a candidate for
   a chunk it does not have yet only for pullers that joined after it (so the waits form a DAG,
   never a cycle); it serves the chunk once it lands. Load is the number of pullers a source is
-  assigned to: a burst of pullers then forms a chain (each one reading from the previous), not
-  an N-way fan-out from the PS. Nobody to serve a chunk: ``version_unavailable``.
+  assigned to; among equals the one that joined last. A burst of pullers then forms a chain
+  (each one reading from the one that joined just before it, whatever order their asks come in),
+  not an N-way fan-out from the PS. Nobody to serve a chunk: ``version_unavailable``.
 * **Retention.** The newest ``retain`` versions must stay available. The PS drops its host copy
   of a retained version once ``replicas`` non-spot holders hold it whole; it takes a copy back
   (from a holder) as soon as fewer than ``replicas`` fresh non-spot holders hold it, which is
@@ -218,8 +219,10 @@ class ReferenceTable:
             if not has and (order is None or record.joined.get(version, order) >= order):
                 continue  # a pipeline source must have joined before the puller: no cycles
             tier = "host" if record.host_id == host_id else "zone" if zone and record.zone == zone else "other"
+            # among equals the latest joiner: each puller's closest predecessor, which no one else
+            # picks first, whatever order the asks arrive in (a chain, not a tree of shared links)
             key = ({"host": 0, "zone": 1, "other": 2}[tier], self.load(record.holder_id), not has,
-                   record.joined.get(version, 0))
+                   -record.joined.get(version, 0))
             ranked.append((key, Source(record.holder_id, record.url, has, tier)))
         ranked.sort(key=lambda pair: pair[0])
         found = [source for _, source in ranked]

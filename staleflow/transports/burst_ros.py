@@ -89,7 +89,7 @@ class _HolderRunner:
         detail = {"from_ps": sum(r.get("fetched", {}).get("ps", 0) for r in replies.values()),
                   "retried": sum(r.get("failures", 0) for r in replies.values()),
                   "ps_copies_at_end": len(self.reference.json(API.references)["ps_copies"]),
-                  "ps_copies_after": self._settled_copies(version)}
+                  "ps_copies_after": self._settled_copies(version, len(survivors))}
         if killed is not None:
             detail["killed"] = killed.name
             self.holders[self.holders.index(killed)] = self._start(self.holders.index(killed))
@@ -115,12 +115,14 @@ class _HolderRunner:
     def _held_names(self) -> set[str]:
         return {h["holder_id"] for h in self.reference.json(API.references)["holders"]}
 
-    def _settled_copies(self, version: int) -> int:
-        """The PS's copies of ``version`` once its retention acted (or ``SETTLE_S`` passed)."""
+    def _settled_copies(self, version: int, holders: int) -> int:
+        """The PS's copies once its retention acted on ``version`` (it drops its copy once
+        ``replicas`` holders hold it; ``SETTLE_S`` at most)."""
         deadline = time.monotonic() + SETTLE_S
         while True:
-            copies = self.reference.json(API.references)["ps_copies"]
-            if version not in copies or time.monotonic() > deadline:
+            described = self.reference.json(API.references)
+            copies = described["ps_copies"]
+            if version not in copies or holders < described["replicas"] or time.monotonic() > deadline:
                 return len(copies)
             time.sleep(0.1)  # polling pace: heartbeats come every quarter of the holders' ttl
 

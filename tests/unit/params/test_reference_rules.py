@@ -293,3 +293,16 @@ def test_sources_for_a_run_of_chunks_name_a_holder_only_if_it_has_them_all_or_jo
     assert [(s.holder_id, s.has_chunk) for s in t.sources(1, 0, "p", "h0", "", 0.0, count=3)][0] == ("early", True)
     assert [s.holder_id for s in t.sources(1, 2, "outsider", "h0", "", 0.0, count=2)] == [PS], \
         "a puller that is no holder only gets sources that have the whole run"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.permutations(range(8)))
+def test_a_burst_is_a_chain_whatever_order_the_asks_come_in(ask_order: list[int]) -> None:
+    """Eight pullers join in order and then ask in any order: every source serves one puller."""
+    t = table()
+    t.known(3, 8, ps_copy=True)
+    for i in range(8):
+        holder(t, f"p{i}")
+        t.publish(f"p{i}", 3, [], 0.0)
+    upstream = {i: t.sources(3, 0, f"p{i}", "h0", "", 0.0)[0].holder_id for i in ask_order}
+    assert sorted(upstream.values()) == sorted([PS, *(f"p{i}" for i in range(7))]), upstream
