@@ -3,7 +3,8 @@
 * Response lengths: the trajectory server's feed of finished lengths (``GET /v1/finished-lengths``,
   each completion once, by an id cursor) trains a ``LengthPredictor`` per group and per prompt, as
   the simulator's coordinator learns from its completions (``staleflow.simulation.length_views``).
-  Length-aware routing then orders waiting work by each trajectory's predicted remainder. The
+  Length-aware routing then orders waiting work by each trajectory's predicted remainder, and
+  adaptive redundancy withholds the ledger's extra groups while the predicted tail is short. The
   cursor lives here, in memory: a restarted coordinator starts with an empty predictor and reads
   the feed from the start of what the server kept, so nothing is counted twice; a restarted
   trajectory server keeps its ids (they are in its database), and one started on another database
@@ -19,8 +20,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from staleflow.api.trajectories import FinishedLengthsOut
+from staleflow.config.strategy import StrategyConfig
 from staleflow.length_prediction import LengthPredictor
 from staleflow.strategies import PendingTrajectory
+from staleflow.strategies.over_reservation import extra_groups, predicted_tail, spare_admission
 
 
 class LearnedLengths:
@@ -31,6 +34,8 @@ class LearnedLengths:
         self.epoch: str | None = None
         self.cursor = 0  # the id of the last finished length learned
         self.skipped = 0  # lengths the feed had pruned before they were read
+        self.tail: float | None = None  # adaptive redundancy: the last predicted tail, over a typical length
+        self.withheld = 0  # adaptive redundancy: groups withheld from the last admission table
         self._groups: set[str] = set()  # groups the predictor holds evidence of
 
     def take(self, page: FinishedLengthsOut) -> int:
@@ -66,6 +71,23 @@ class LearnedLengths:
             remaining.update({t.traj_id: p - g for t, p, g in zip(group, predicted, done, strict=True)})
         return [replace(t, remaining=remaining[t.traj_id]) for t in trajectories]
 
+    def spare_admission(self, admission: Mapping[int, int], predicted: Sequence[PendingTrajectory],
+                        config: StrategyConfig, eta: int, surplus_per_buffer: int) -> dict[int, int]:
+        """The admission table with the extra groups the predicted tail does not call for withheld
+        (``staleflow.strategies.over_reservation``). The tail: the longest predicted remainder of
+        the unfinished members of the groups with the oldest V_traj (those the next buffer waits
+        for), over a typical length. ``predicted``: every unfinished trajectory, with remainders."""
+        versioned = [t for t in predicted if t.v_traj is not None]
+        if not any(admission.values()) or not versioned:
+            return dict(admission)
+        oldest = min(t.v_traj for t in versioned if t.v_traj is not None)
+        self.tail = predicted_tail((t.remaining for t in versioned if t.v_traj == oldest),
+                                   self.predictor.typical_length())
+        unused = surplus_per_buffer - extra_groups(self.tail, surplus_per_buffer, config.tail_threshold)
+        spared = spare_admission(admission, eta, unused)
+        self.withheld = sum(admission.values()) - sum(spared.values())
+        return spared
+
     def forget_except(self, live_groups: Iterable[str]) -> None:
         """Drop the evidence of groups with nothing left to predict (their prompts' history stays)."""
         live = set(live_groups)
@@ -77,6 +99,7 @@ class LearnedLengths:
         m, tau2, s2 = self.predictor.prior()
         return {"epoch": self.epoch, "cursor": self.cursor, "observed": self.predictor.observed,
                 "skipped": self.skipped, "typical_length": self.predictor.typical_length(),
+                "tail": self.tail, "withheld": self.withheld,
                 "log_mean": m, "group_variance": tau2, "member_variance": s2}
 
 

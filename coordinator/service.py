@@ -153,8 +153,11 @@ class Coordinator:
         self.p = SpeculativeState()
         self.speeds = DecodeSpeeds()  # each instance's decode speed against the cost model, from its snapshots
         self.kv_readings = KvReadings()  # repack: each instance's KV utilisation at the last repack check
-        # length-aware routing: the lengths of finished trajectories, followed from the trajectory server
-        self.lengths = LearnedLengths() if strategy.length_aware else None
+        # length-aware routing and adaptive redundancy: the lengths of finished trajectories, followed
+        # from the trajectory server
+        self.lengths = LearnedLengths() if strategy.length_aware or strategy.adaptive_redundancy else None
+        self._surplus: int | None = None  # the ledger's extra groups per buffer (capacity - B), asked once
+        self._eta = 0
         self.pull_decisions: deque[PullDecision] = deque(maxlen=200)  # pull: auto, with what each was decided from
         self._repack_due = 0.0 if strategy.migration.repacks else float("inf")  # monotonic time of the next check
         self.refused: dict[str, str] = {}  # instances kept out, and why (repack without KV utilisation)
@@ -342,6 +345,8 @@ class Coordinator:
         if self.lengths is not None:
             with timed("lengths"):
                 pending, on_instances = await self._predict_lengths(pending_reply.trajectories, routed)
+                if self.strategy.adaptive_redundancy:
+                    admission = await self._spare(admission, [*pending, *on_instances.values()])
         states = [self._state(r, observe=True) for r in ready]
         if self.strategy.sync is SyncMode.GLOBAL and any(
                 r.status is not InstanceStatus.FAILED and not (r.validated and r in ready) for r in self.instances.values()):
@@ -392,6 +397,17 @@ class Coordinator:
         predicted = self.lengths.with_remainders([self._pending(t) for t in summaries], generated, prompts)
         self.lengths.forget_except(prompts)
         return predicted[:len(waiting)], {t.traj_id: t for t in predicted[len(waiting):]}
+
+    async def _spare(self, admission: dict[int, int], predicted: list[PendingTrajectory]) -> dict[int, int]:
+        """Adaptive redundancy: the admission table less the extra groups the predicted tail does
+        not call for (``LearnedLengths.spare_admission``)."""
+        assert self.lengths is not None
+        if self._surplus is None:
+            buffers = await self.manager.buffers()
+            if not buffers.buffers:
+                return admission
+            self._surplus, self._eta = buffers.buffers[0].capacity - buffers.batch_size, buffers.eta
+        return self.lengths.spare_admission(admission, predicted, self.strategy, self._eta, self._surplus)
 
     def _record_pulls(self, syncs: list[str], kept: set[str], states: list[InstanceState]) -> None:
         """Keep each ``pull: auto`` choice with the inputs it was made from."""

@@ -95,6 +95,9 @@ class LearnedLengthsOut(BaseModel):
     observed: int = Field(description="finished lengths learned")
     skipped: int = Field(description="finished lengths the feed had pruned before they were read")
     typical_length: float = Field(description="the median final length of a new prompt's trajectory under the prior")
+    tail: float | None = Field(default=None, description="adaptive redundancy: the last predicted tail (the longest "
+                                                         "remainder the next buffer waits for, over a typical length)")
+    withheld: int = Field(default=0, description="adaptive redundancy: admissions withheld from the last table")
     log_mean: float
     group_variance: float
     member_variance: float

@@ -1,5 +1,6 @@
 """The live coordinator learns as a job runs: a real manager, trajectory server, coordinator and
-sim instances on loopback, routing length-aware with ``pull: auto``.
+sim instances on loopback, routing length-aware with ``pull: auto`` and adaptive redundancy (a
+ledger with an extra group per buffer).
 
 Every finished length reaches the coordinator's predictor exactly once, across a restart of the
 trajectory server and of the coordinator itself; each ``pull: auto`` choice is kept with the decode
@@ -30,7 +31,8 @@ from staleflow.servers.trajectories import SamplingConfig, TrajectoryServerConfi
 from staleflow.servers.trajectories import create_app as ts_app
 
 ETA, BATCH, GROUP, STEPS = 1, 2, 2, 2
-LEARNING = StrategyConfig(sync=SyncMode.GREEDY, migration=MigrationMode.NONE, pull=PullMode.AUTO, length_aware=True)
+LEARNING = StrategyConfig(sync=SyncMode.GREEDY, migration=MigrationMode.NONE, pull=PullMode.AUTO, length_aware=True,
+                          adaptive_redundancy=True)
 
 
 def wait_for(predicate: Callable[[], bool], what: Callable[[], object], timeout: float = 60.0) -> None:
@@ -60,7 +62,7 @@ class Restartable:
 
 def test_finished_lengths_and_decode_counters_reach_the_coordinator_once_across_restarts(tmp_path: Path) -> None:
     with ExitStack() as stack:
-        ledger = {"eta": ETA, "batch_size": BATCH, "group_size": GROUP}
+        ledger = {"eta": ETA, "batch_size": BATCH, "group_size": GROUP, "batch_redundancy": 0.5}
         manager_url = stack.enter_context(serve_in_thread(manager_app(manager_config(tmp_path, **ledger)))).url
         ts_server = Restartable(stack, lambda: ts_app(TrajectoryServerConfig(
             ledger=LedgerConfig(**ledger), manager_url=manager_url, state_dir=tmp_path, reward="sim",
@@ -109,6 +111,7 @@ def test_finished_lengths_and_decode_counters_reach_the_coordinator_once_across_
         assert before.lengths is not None and feed.skipped == 0
         assert before.lengths.observed == len(feed.lengths) >= STEPS * BATCH * GROUP, "each finished length once"
         assert before.lengths.epoch == feed.epoch and before.lengths.typical_length != 1024.0, "learned, not the prior"
+        assert before.lengths.tail is not None, "adaptive redundancy predicted the tail"
         decisions = before.pull_decisions
         assert decisions, "greedy syncs under pull: auto"
         for d in decisions:

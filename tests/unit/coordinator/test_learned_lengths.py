@@ -74,3 +74,26 @@ def test_predictions_follow_the_learned_lengths_per_group_and_per_prompt() -> No
     forgotten = {t.traj_id: t.remaining for t in learned.with_remainders(waiting, {}, prompts)}
     assert forgotten["short/9"] == remaining["short/9"], "a live group keeps its evidence"
     assert forgotten["long/9"] == forgotten["again/0"], "a finished group's goes; its prompt's history stays"
+
+
+def test_adaptive_redundancy_withholds_the_extra_groups_while_the_predicted_tail_is_short() -> None:
+    from staleflow.config.strategy import StrategyConfig
+
+    learned = LearnedLengths()
+    rows = [FinishedLength(id=k + 1, traj_id=f"g{k}/0", group_id=f"g{k}", prompt_key=f"p{k}", length=100 + k)
+            for k in range(20)]
+    learned.take(FinishedLengthsOut(epoch="e", lengths=rows, next=20, skipped=0))
+    config = StrategyConfig(adaptive_redundancy=True, tail_threshold=2.5)
+    admission = {3: 4, 4: 6}  # trainer at version 4, eta 1: version 3 may still use buffer 4, version 4 buffers 4..5
+    short = [PendingTrajectory("a/0", "a", 3, 10), PendingTrajectory("b/0", "b", 4, 10)]
+    predicted = learned.with_remainders(short, {}, {})
+    assert learned.spare_admission(admission, predicted, config, eta=1, surplus_per_buffer=2) == {3: 2, 4: 2}, \
+        "a typical tail: both extra groups of every buffer withheld"
+    assert learned.withheld == 6 and learned.tail is not None and learned.tail < 2.5
+    long_members = [FinishedLength(id=21 + k, traj_id=f"a/{k + 1}", group_id="a", prompt_key="pa", length=2000)
+                    for k in range(2)]
+    learned.take(FinishedLengthsOut(epoch="e", lengths=long_members, next=22, skipped=0))
+    long_running = learned.with_remainders(short, {}, {"a": "pa"})  # its group's members ran long: a long tail ahead
+    assert learned.spare_admission(admission, long_running, config, eta=1, surplus_per_buffer=2) == admission
+    assert learned.spare_admission({3: 0, 4: 0}, predicted, config, 1, 2) == {3: 0, 4: 0}
+    assert learned.spare_admission(admission, [], config, 1, 2) == admission, "nothing started: no tail to predict"
