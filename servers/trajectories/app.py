@@ -75,7 +75,7 @@ def _add_instance_routes(app: FastAPI) -> None:
         return server.pending()
 
     @handles(app, TrajectoryRoutes.finished_lengths)
-    async def finished_lengths(server: ServerDep, after: Annotated[int, Query(ge=0)] = 0,
+    async def finished_lengths(server: ServerDep, after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
                                limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> dict:
         """The lengths of completed trajectories after id ``after``, oldest first, for the
         coordinator's length predictor: each completion once, in the transaction that accepted it;
