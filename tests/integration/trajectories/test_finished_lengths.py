@@ -1,7 +1,7 @@
 """The finished-lengths feed (``GET /v1/finished-lengths``) of a real trajectory server over HTTP:
 each completion once, in order, by a cursor that survives a restart of the server; a redelivered
 completion adds nothing; only the newest ``finished_lengths_kept`` are kept, and a follower that
-fell behind is told how many it missed."""
+fell behind is told how many it missed. On SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ def _follow(ts: TrajectoryClient, after: int, limit: int = 1000) -> FinishedLeng
 class Servers:
     """A manager and a trajectory server on one state directory; the TS can be restarted."""
 
-    def __init__(self, stack: ExitStack, tmp_path: Path, kept: int):
+    def __init__(self, stack: ExitStack, tmp_path: Path, kept: int, db_url: str | None = None):
         self.stack = stack
-        manager = serve_in_thread(manager_app(manager_config(tmp_path, eta=1, batch_size=8, group_size=GROUP)))
+        manager = serve_in_thread(manager_app(manager_config(tmp_path, db_url, eta=1, batch_size=8, group_size=GROUP)))
         self.manager_url = stack.enter_context(manager).url
         self.config = TrajectoryServerConfig(ledger=LedgerConfig(eta=1, batch_size=8, group_size=GROUP),
-                                             manager_url=self.manager_url, state_dir=tmp_path, reward="sim",
+                                             manager_url=self.manager_url, state_dir=tmp_path, db_url=db_url, reward="sim",
                                              sampling=SamplingConfig(max_tokens=64), finished_lengths_kept=kept)
         self.inner = ExitStack()
         stack.callback(self.inner.close)
@@ -57,9 +57,10 @@ class Servers:
         return self.ts
 
 
-def test_the_feed_gives_each_completion_once_across_a_restart_and_a_redelivery(tmp_path: Path) -> None:
+def test_the_feed_gives_each_completion_once_across_a_restart_and_a_redelivery(tmp_path: Path,
+                                                                               db_url: str | None) -> None:
     with ExitStack() as stack:
-        servers = Servers(stack, tmp_path, kept=100)
+        servers = Servers(stack, tmp_path, kept=100, db_url=db_url)
         ts = servers.ts
         pending = ts.pending().trajectories
         by_group: dict[str, list[str]] = {}
@@ -89,9 +90,10 @@ def test_the_feed_gives_each_completion_once_across_a_restart_and_a_redelivery(t
         assert [p.lengths[0].traj_id for p in paged] == [first[0], first[1]] and paged[1].next == paged[1].lengths[0].id
 
 
-def test_only_the_newest_lengths_are_kept_and_a_late_follower_learns_what_it_missed(tmp_path: Path) -> None:
+def test_only_the_newest_lengths_are_kept_and_a_late_follower_learns_what_it_missed(tmp_path: Path,
+                                                                                     db_url: str | None) -> None:
     with ExitStack() as stack:
-        servers = Servers(stack, tmp_path, kept=3)
+        servers = Servers(stack, tmp_path, kept=3, db_url=db_url)
         ts = servers.ts
         trajs = [p.traj_id for p in ts.pending().trajectories][:5]
         for k, traj_id in enumerate(trajs):
