@@ -156,6 +156,7 @@ class Coordinator:
         # length-aware routing and adaptive redundancy: the lengths of finished trajectories, followed
         # from the trajectory server
         self.lengths = LearnedLengths() if strategy.length_aware or strategy.adaptive_redundancy else None
+        self._lengths_refused = False  # the trajectory server refused its finished lengths last cycle
         self._surplus: int | None = None  # the ledger's extra groups per buffer (capacity - B), asked once
         self._eta = 0
         self.pull_decisions: deque[PullDecision] = deque(maxlen=200)  # pull: auto, with what each was decided from
@@ -384,9 +385,12 @@ class Coordinator:
         assert self.lengths is not None
         try:
             self.lengths.take(await self.ts.finished_lengths(after=self.lengths.cursor, limit=10_000))
+            self._lengths_refused = False
         except ServiceError as exc:
-            log.warning("the trajectory server's finished lengths cannot be read (%s): predicting from what "
-                        "was learned", exc.detail)
+            if not self._lengths_refused:  # once until it answers again: not every cycle
+                log.warning("the trajectory server's finished lengths cannot be read (%s): predicting from what "
+                            "was learned", exc.detail)
+            self._lengths_refused = True
         generated = {t.traj_id: t.generated for t in waiting}
         for t in routed:  # an instance's snapshot is newer than the trajectory server's last checkpoint
             record = self.instances.get(t.instance_id or "")
