@@ -40,7 +40,7 @@ from staleflow.transports.client import ParamsClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.torch, pytest.mark.timeout(600)]
 
-ETA, BATCH, GROUP, STEPS, MAX_TOKENS = 1, 2, 2, 3, 48
+ETA, BATCH, GROUP, MAX_TOKENS = 1, 2, 2, 48
 LEARNING = StrategyConfig(sync=SyncMode.GREEDY, migration=MigrationMode.NONE, pull=PullMode.AUTO, length_aware=True)
 
 
@@ -53,9 +53,10 @@ def wait_for(predicate: Callable[[], bool], what: Callable[[], object], timeout:
 
 def _train(manager_url: str, ts_url: str, params_url: str, state: dict, trained: list[int],
            stop: threading.Event) -> None:
-    """Consume each buffer, free it, push the next version: what a trainer does, minus the step."""
+    """Consume each buffer, free it, push the next version (what a trainer does, minus the step),
+    until told to stop."""
     with ManagerClient(manager_url) as manager, TrajectoryClient(ts_url) as ts, ParamsClient(params_url) as params:
-        while len(trained) < STEPS and not stop.is_set():
+        while not stop.is_set():
             try:
                 step = manager.consume()
             except ServiceError:
@@ -109,7 +110,7 @@ def test_the_coordinator_learns_lengths_and_decides_pulls_from_vllms_decode_coun
         def decided() -> bool:
             return bool(weighed(learned()))
 
-        wait_for(lambda: len(trained) >= STEPS and decided(), lambda: (trained, learned(), co.stats()))
+        wait_for(decided, lambda: (trained, learned(), co.stats()))
         stop.set()
 
         def caught_up() -> bool:  # the trainer stopped: the bound lets nothing new start, what runs finishes
@@ -123,7 +124,7 @@ def test_the_coordinator_learns_lengths_and_decides_pulls_from_vllms_decode_coun
         learning = learned()
         lengths = learning.lengths
         assert lengths is not None and feed.skipped == 0
-        assert lengths.observed == len(feed.lengths) >= STEPS * BATCH * GROUP, "each finished length once"
+        assert lengths.observed == len(feed.lengths) >= len(trained) * BATCH * GROUP > 0, "each finished length once"
         assert 1 <= min(f.length for f in feed.lengths) and max(f.length for f in feed.lengths) <= MAX_TOKENS
         assert lengths.typical_length <= MAX_TOKENS, "the predictor learned the engines' lengths, not its prior"
 
