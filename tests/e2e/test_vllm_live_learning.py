@@ -3,7 +3,7 @@
 A real manager, trajectory server, parameter server and coordinator on loopback, two instance
 servers on vLLM with a tiny random Qwen2, and a trainer that consumes each buffer and pushes the
 next version (the same weights) to the parameter server. The coordinator routes length-aware
-with ``pull: auto`` and greedy syncs: every finished length reaches its predictor once, and the
+with ``pull: auto`` and global syncs: every finished length reaches its predictor once, and the
 ``pull: auto`` choices it records were made from the engines' own decode counters (a decode speed
 measured from them, not the as-modelled 1.0). Assertions read the coordinator's recorded inputs,
 never timings. Skipped where vLLM is not installed (setup: tests/e2e/test_vllm_engine.py)."""
@@ -41,7 +41,9 @@ from staleflow.transports.client import ParamsClient
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.torch, pytest.mark.timeout(600)]
 
 ETA, BATCH, GROUP, MAX_TOKENS = 1, 2, 2, 48
-LEARNING = StrategyConfig(sync=SyncMode.GREEDY, migration=MigrationMode.NONE, pull=PullMode.AUTO, length_aware=True)
+# a global sync Pulls once every instance is planned (none busy with a command), so each choice
+# weighs an instance against its peer: with one planned instance pull: auto keeps whatever runs
+LEARNING = StrategyConfig(sync=SyncMode.GLOBAL, migration=MigrationMode.NONE, pull=PullMode.AUTO, length_aware=True)
 
 
 def wait_for(predicate: Callable[[], bool], what: Callable[[], object], timeout: float = 240.0) -> None:
