@@ -55,7 +55,7 @@ def probe(low: int, high: int, taken: list[int]) -> dict:
             "node_id": ray.get_runtime_context().get_node_id()}
 
 
-def relay_app(config: JobConfig, namespace: str, name: str, token: str, upstream: str):
+def relay_app(config: JobConfig, namespace: str, name: str, token: str, upstream: str | None = None):
     """A relay's parameter server, its versions in node-local storage (shared memory serves them),
     in a directory of this run's own (named after its token's hash): a later job in the same
     namespace must never find this one's versions there. Its egress limit is the job's
@@ -70,7 +70,7 @@ def relay_app(config: JobConfig, namespace: str, name: str, token: str, upstream
     run = hashlib.sha256(token.encode()).hexdigest()[:12]
     where = Path(tempfile.gettempdir()) / f"staleflow-relay-{namespace}-{name}-{run}"
     holder = ({"holder_of": upstream, "holder_id": f"{namespace}-{name}", "host": node_ip(),
-               "holder_ttl_s": config.params.holder_ttl_s} if config.params.sources == "ros" else {})
+               "holder_ttl_s": config.params.holder_ttl_s} if config.params.sources == "ros" and upstream else {})
     return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False, egress_gbps=config.params.egress_gbps,
                                    **holder))
 
