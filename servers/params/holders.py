@@ -316,7 +316,8 @@ class HolderAgent:
                 self.heartbeat()
                 self.reference.json(API.publish, self.holder_id, number, chunks=[])
             transport = PeerTransport(reference_sources(self.reference, self.holder_id, host_id(), self.config.zone),
-                                      lambda: self.reference._data_url() or self.reference.url, 600, _bearer(self.token),
+                                      lambda refresh: self.reference._data_url(refresh) or self.reference.url, 600,
+                                      _bearer(self.token),
                                       report=True)
             try:
                 copy_into(self.store, manifest, transport)

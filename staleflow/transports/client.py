@@ -144,7 +144,8 @@ class ParamsClient(Client):
                 self._transports[name] = ShmTransport()
             elif name == "ros":
                 self._transports[name] = PeerTransport(reference_sources(self, self.puller_id, host_id(), self.zone),
-                                                       lambda: self._data_url() or self.url, self.timeout, self._auth())
+                                                       lambda refresh: self._data_url(refresh) or self.url, self.timeout,
+                                                       self._auth())
             elif name == "nixl":
                 from staleflow.transports.nixl import NixlTransport
 

@@ -55,13 +55,14 @@ def reference_sources(api: Client, puller: str, host_id: str, zone: str) -> Ask:
 
 class PeerTransport(Transport):
     """Pulls a lease's chunks from the sources ``ask`` names. ``ps_url``: where the parameter
-    server's own copy is fetched (a source with no url). ``on_chunk(index)``: a chunk landed
+    server's own copy is fetched (a source with no url); ``ps_url(True)`` asks it again (a restarted
+    parameter server serves its data plane on another port). ``on_chunk(index)``: a chunk landed
     verified (a holder serves it from then on). ``report``: send the chunks held so far with each
     ask (a registered holder). Counts what it fetched from where (``fetched``) and what failed."""
 
     name = "ros"
 
-    def __init__(self, ask: Ask, ps_url: Callable[[], str] | None, timeout: float = 60.0,
+    def __init__(self, ask: Ask, ps_url: Callable[[bool], str] | None, timeout: float = 60.0,
                  headers: Mapping[str, str] | None = None, on_chunk: Callable[[int], None] | None = None,
                  report: bool = False, retry_s: float = SOURCE_RETRY_S):
         self.ask, self.ps_url, self.timeout = ask, ps_url, timeout
@@ -73,6 +74,7 @@ class PeerTransport(Transport):
         self.excluded: set[str] = set()  # sources that failed in this pull
         self.ask_chunks = ASK_CHUNKS
         self._unreported: list[str] = []
+        self._ps_stale = False  # reading the PS's copy failed: look its data plane up again
 
     def pull(self, lease: PullLease, into: ByteRegions) -> Iterator[tuple[int, int]]:
         """Each chunk as one range, once verified (``pull_verified`` is the checked path)."""
@@ -140,6 +142,7 @@ class PeerTransport(Transport):
                              chunk.index, version, source.holder_id, exc)
                     self.failures.append((chunk.index, source.holder_id, str(exc)))
                     exclude.add(source.holder_id)
+                    self._ps_stale = self._ps_stale or source.url is None
                     if source.url is not None:
                         self._unreported.append(source.holder_id)
                     continue
@@ -147,7 +150,8 @@ class PeerTransport(Transport):
                 return
 
     def _read(self, source: ChunkSource, version: int, chunk: ChunkSpec, into: ByteRegions) -> None:
-        url = source.url or (self.ps_url() if self.ps_url is not None else None)
+        url = source.url or (self.ps_url(self._ps_stale) if self.ps_url is not None else None)
+        self._ps_stale = False
         if url is None:
             raise ConnectionError("no URL for the parameter server's copy")
         conn = self._connections.get(url)
