@@ -115,8 +115,9 @@ class _Fleet:
         self.costs = [inst.cost for inst in insts]
         # gains scaled by each instance's observed decode speed: a straggler's tokens come slower
         # (within SPEED_TOLERANCE of the model, measurement error: as modelled)
-        self.speed = np.array([inst.speed if abs(inst.speed - 1.0) > SPEED_TOLERANCE else 1.0
-                               for inst in insts]) if by_speed else None
+        speeds = [inst.speed if abs(inst.speed - 1.0) > SPEED_TOLERANCE else 1.0 for inst in insts] if by_speed else []
+        # every speed 1.0 scales nothing (x * 1.0 is x): no multiply per evaluation
+        self.speed = np.array(speeds) if any(s != 1.0 for s in speeds) else None
         c = self.costs
         uniform = len(set(c)) <= 1
         k1, k2, k3, k4, k5, budget = (np.array([getattr(m, name) for m in c], dtype=float)
@@ -124,6 +125,7 @@ class _Fleet:
         self.uniform = uniform and bool(c)
         if self.uniform:
             self.k1, self.k4, self.k5 = c[0].k1, c[0].k4, c[0].k5
+            self.k2, self.k3, self.kv_budget = c[0].k2, c[0].k3, c[0].kv_budget
         else:
             self.k1, self.k4, self.k5 = k1, k4, k5
         self.kv_list = [float(inst.kv_cache) for inst in insts]
@@ -145,18 +147,28 @@ class _Fleet:
         self._ideal: dict[int, float] = {}
         self.length: int | None = None  # the length ``gains`` holds the gains of
         self.gains = np.zeros(len(insts))
+        self._grown, self._denominator = np.empty(len(insts)), np.empty(len(insts))
+        self._unfit = np.empty(len(insts), dtype=bool)
 
     def gains_for(self, lengths: np.ndarray | int) -> np.ndarray:
-        """Eq. 3 for every instance (one row per length when ``lengths`` is a column)."""
-        grown = self.kv + self.k5 * lengths
-        denominator = self.k1 * grown
+        """Eq. 3 for every instance (one row per length when ``lengths`` is a column). One length
+        works in buffers kept for it; a boolean mask written with ``putmask`` costs a third of
+        indexing with it."""
+        if isinstance(lengths, np.ndarray):
+            grown = self.kv + self.k5 * lengths
+            denominator = self.k1 * grown
+            unfit = grown > self.room
+        else:
+            grown = np.add(self.kv, self.k5 * lengths, out=self._grown)
+            denominator = np.multiply(self.k1, grown, out=self._denominator)
+            unfit = np.greater(grown, self.room, out=self._unfit)
         denominator += self.after_base
         denominator += self.k4
-        gains = np.divide(self.after_n, denominator, out=denominator)
+        gains = np.divide(self.after_n, denominator)
         gains -= self.before
         if self.speed is not None:
             gains *= self.speed
-        gains[~(grown <= self.room)] = 0.0
+        np.putmask(gains, unfit, 0.0)  # grown > room: nothing is NaN, so exactly ~(grown <= room)
         return gains
 
     def gains_at(self, index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -169,7 +181,7 @@ class _Fleet:
         gains -= self.before[index]
         if self.speed is not None:
             gains *= self.speed[index]
-        gains[~(grown <= self.room[index])] = 0.0
+        np.putmask(gains, grown > self.room[index], 0.0)
         return gains
 
     def ideal(self, lengths: np.ndarray) -> np.ndarray:
@@ -191,6 +203,9 @@ class _Fleet:
 
     def add(self, i: int, length: int) -> None:
         """``InstanceState.add`` on the arrays: it runs if it fits and nothing waits, else it waits."""
+        if self.uniform:
+            self._add_uniform(i, length)
+            return
         cost = self.costs[i]
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
         self.count[i] = n + w + 1
@@ -213,6 +228,37 @@ class _Fleet:
             grown = kv + cost.k5 * self.length
             fits = w == 0 and grown <= cost.kv_budget
             gain = (n + 1) / (cost.k1 * grown + after_base + cost.k4) - before if fits else 0.0
+            self.gains[i] = gain if self.speed is None else gain * self.speed[i]
+
+
+    def _add_uniform(self, i: int, length: int) -> None:
+        """``add`` with the fleet's one cost model in locals: the arithmetic of ``add`` step for
+        step (a route is the initial fill's unit of work: 16,384 of them at 1,024 instances)."""
+        k1, k2, k3, k4, k5 = self.k1, self.k2, self.k3, self.k4, self.k5
+        kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
+        self.count[i] = n + w + 1
+        if w == 0 and kv + k5 * length <= self.kv_budget:
+            kv += k5 * length
+            n += 1
+            self.kv_list[i] = kv
+            self.n_list[i] = n
+            self.kv[i] = kv
+        else:
+            self.w_list[i] = w = w + 1
+            self.room[i] = -np.inf
+        if n > 0:
+            compute = k3 * n
+            before = n / (k1 * kv + (compute if compute > k2 else k2) + k4)
+        else:
+            before = 0.0
+        compute = k3 * (n + 1)
+        after_base = compute if compute > k2 else k2
+        self.before[i] = before
+        self.after_n[i] = n + 1
+        self.after_base[i] = after_base
+        if self.length is not None:
+            grown = kv + k5 * self.length
+            gain = (n + 1) / (k1 * grown + after_base + k4) - before if w == 0 and grown <= self.kv_budget else 0.0
             self.gains[i] = gain if self.speed is None else gain * self.speed[i]
 
 
@@ -347,7 +393,16 @@ def route(
             scanning, window = None, _LOOKAHEAD_MIN  # the head is not withheld: it routes below
             if skipped:
                 continue
-        if v is not None and by_gain:
+        if v is not None and by_gain and fleet.uniform and config.mu > 0:
+            limit = None if config.max_in_flight is None else config.max_in_flight - in_flight
+            routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions)
+            in_flight += routed
+            if stopped:
+                break
+            if routed:
+                continue
+            chosen = None
+        elif v is not None and by_gain:
             chosen = _best_gain(candidates, traj.length, config.mu)
         else:
             chosen = choose(candidates, traj.length, config.mu)
@@ -407,6 +462,39 @@ def _withheld_run_uniform(fleet: _Fleet, candidates: list[_VersionGroup], length
     clears = (fleet.gains_at(index, lengths[:, None]) >= threshold[:, None]).any(axis=1)
     routable = np.flatnonzero(clears)
     return int(routable[0]) if len(routable) else len(lengths)
+
+
+def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_VersionGroup], mu: float, limit: int | None,
+               stop_at_instance: str | None, decisions: list[RouteDecision]) -> tuple[int, bool]:
+    """``_best_gain`` on a fleet of one cost model for the trajectories at the front of ``level``
+    that share the head's length (a group's members bring the same prompt), routed one after the
+    other without leaving this loop: the gains of that length are evaluated once and each route
+    updates only its instance's. Stops before the first one no instance gains enough from (left to
+    the caller to withhold), after ``limit`` routes, or after a route to ``stop_at_instance``.
+    Returns the number routed and whether it stopped at ``stop_at_instance``."""
+    fleet = candidates[0].fleet
+    lo, hi = candidates[0].lo, candidates[-1].hi
+    length = level[0].length
+    gains = fleet.gains if length == fleet.length else fleet.at_length(length)
+    view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]  # ``add`` updates ``gains`` in place
+    threshold = mu * fleet.ideal_gain(length)
+    ids, add, append, popleft = fleet.ids, fleet.add, decisions.append, level.popleft
+    routed = 0
+    while level and (limit is None or routed < limit):
+        traj = level[0]
+        if traj.length != length:
+            break
+        i = int(view.argmax())
+        if not view.item(i) >= threshold:
+            break
+        popleft()
+        i += lo
+        add(i, length)
+        append(RouteDecision(ids[i], traj.traj_id, traj.group_id, v, False))
+        routed += 1
+        if ids[i] == stop_at_instance:
+            return routed, True
+    return routed, False
 
 
 def _waterfall(candidates: list[_VersionGroup], length: int, mu: float) -> tuple[_VersionGroup, int] | None:
