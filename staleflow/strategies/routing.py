@@ -40,6 +40,10 @@ class RouteDecision(NamedTuple):  # a tuple: a pass creates thousands, a frozen 
     reserves_group: bool  # first member of its group: reserve the group at v_traj before routing
 
 
+# RouteDecision(...) runs a Python-level __new__; tuple.__new__ builds the same tuple in a third of the time
+_new_tuple = tuple.__new__
+
+
 class _MultiLevelQueue:
     def __init__(self, pending: Iterable[PendingTrajectory], group_versions: dict[str, int],
                  longest_first: bool = False):
@@ -47,12 +51,20 @@ class _MultiLevelQueue:
         self.withheld = False  # a trajectory of the current level was passed over: the pass ends with it
         # by group, groups in arrival order (longest_first: by their first member's predicted remainder)
         self.initial: dict[str, deque[PendingTrajectory]] = {}
-        for t in sorted(pending, key=_SEQ):
-            v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
-            if v is None:
-                self.initial.setdefault(t.group_id, deque()).append(t)
+        ordered = sorted(pending, key=_SEQ)
+        initial = [t for t in ordered if t.v_traj is None and t.group_id not in group_versions]
+        if len(initial) < len(ordered):
+            for t in ordered:
+                v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
+                if v is not None:
+                    self.levels.setdefault(v, deque()).append(t)
+        # a group's members usually arrive together: one dict operation per run of them
+        for group_id, members in itertools.groupby(initial, key=_GROUP):
+            group = self.initial.get(group_id)
+            if group is None:
+                self.initial[group_id] = deque(members)
             else:
-                self.levels.setdefault(v, deque()).append(t)
+                group.extend(members)
         if longest_first:  # stable: arrival order among equal predictions
             for v, level in self.levels.items():
                 self.levels[v] = deque(sorted(level, key=_REMAINING, reverse=True))
@@ -110,7 +122,7 @@ class _Fleet:
     gives the same numbers with fewer array operations.
     """
 
-    def __init__(self, insts: list[InstanceState], by_speed: bool = False):
+    def __init__(self, insts: list[InstanceState], by_speed: bool = False, counts: bool = True):
         self.ids = [inst.instance_id for inst in insts]
         self.costs = [inst.cost for inst in insts]
         # gains scaled by each instance's observed decode speed: a straggler's tokens come slower
@@ -134,6 +146,7 @@ class _Fleet:
         self.kv = np.array(self.kv_list, dtype=float)
         n = np.array(self.n_list, dtype=float)
         self.count = n + np.array(self.w_list, dtype=float)
+        self.counts = counts  # keep ``count`` current (vanilla routing balances it; the gains never read it)
         # the parts of Eq. 3 that do not depend on the routed length
         self.before = np.where(n > 0, n / (k1 * self.kv + np.maximum(k2, k3 * n) + k4), 0.0)
         self.after_n = n + 1
@@ -204,11 +217,12 @@ class _Fleet:
     def add(self, i: int, length: int) -> None:
         """``InstanceState.add`` on the arrays: it runs if it fits and nothing waits, else it waits."""
         if self.uniform:
-            self._add_uniform(i, length)
+            self.add_uniform(i, length)
             return
         cost = self.costs[i]
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
-        self.count[i] = n + w + 1
+        if self.counts:
+            self.count[i] = n + w + 1
         if w == 0 and kv + cost.k5 * length <= cost.kv_budget:
             kv += cost.k5 * length
             n += 1
@@ -231,12 +245,13 @@ class _Fleet:
             self.gains[i] = gain if self.speed is None else gain * self.speed[i]
 
 
-    def _add_uniform(self, i: int, length: int) -> None:
+    def add_uniform(self, i: int, length: int) -> None:
         """``add`` with the fleet's one cost model in locals: the arithmetic of ``add`` step for
         step (a route is the initial fill's unit of work: 16,384 of them at 1,024 instances)."""
         k1, k2, k3, k4, k5 = self.k1, self.k2, self.k3, self.k4, self.k5
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
-        self.count[i] = n + w + 1
+        if self.counts:
+            self.count[i] = n + w + 1
         if w == 0 and kv + k5 * length <= self.kv_budget:
             kv += k5 * length
             n += 1
@@ -324,6 +339,7 @@ def reachable(pending: Iterable[PendingTrajectory], budget: AdmissionBudget,
 
 
 _SEQ = attrgetter("seq")
+_GROUP = attrgetter("group_id")
 _REMAINING = attrgetter("remaining")
 
 
@@ -348,7 +364,8 @@ def route(
     by_version: dict[int, list[InstanceState]] = {}
     for inst in instances:
         by_version.setdefault(inst.version, []).append(inst)  # read, never changed: the fleet's arrays change
-    fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed)
+    fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed,
+                   counts=config.routing is RoutingMode.VANILLA)
     groups: list[_VersionGroup] = []
     lo = 0
     for v, insts in sorted(by_version.items()):
@@ -478,19 +495,21 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     gains = fleet.gains if length == fleet.length else fleet.at_length(length)
     view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]  # ``add`` updates ``gains`` in place
     threshold = mu * fleet.ideal_gain(length)
-    ids, add, append, popleft = fleet.ids, fleet.add, decisions.append, level.popleft
+    ids, append, popleft = fleet.ids, decisions.append, level.popleft
+    add = fleet.add_uniform
+    argmax, item = view.argmax, view.item
     routed = 0
     while level and (limit is None or routed < limit):
         traj = level[0]
         if traj.length != length:
             break
-        i = int(view.argmax())
-        if not view.item(i) >= threshold:
+        i = argmax()
+        if not item(i) >= threshold:
             break
         popleft()
         i += lo
         add(i, length)
-        append(RouteDecision(ids[i], traj.traj_id, traj.group_id, v, False))
+        append(_new_tuple(RouteDecision, (ids[i], traj.traj_id, traj.group_id, v, False)))
         routed += 1
         if ids[i] == stop_at_instance:
             return routed, True
