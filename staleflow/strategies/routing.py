@@ -130,6 +130,7 @@ class _Fleet:
         speeds = [inst.speed if abs(inst.speed - 1.0) > SPEED_TOLERANCE else 1.0 for inst in insts] if by_speed else []
         # every speed 1.0 scales nothing (x * 1.0 is x): no multiply per evaluation
         self.speed = np.array(speeds) if any(s != 1.0 for s in speeds) else None
+        self.speeds_positive = all(s > 0 for s in speeds)  # -inf x 0 would be NaN
         c = self.costs
         uniform = len(set(c)) <= 1
         k1, k2, k3, k4, k5, budget = (np.array([getattr(m, name) for m in c], dtype=float)
@@ -153,7 +154,12 @@ class _Fleet:
         self.after_base = np.maximum(k2, k3 * self.after_n)
         # the KV budget where a trajectory would run at once (nothing waits there), else -inf
         self.budget = budget
-        self.room = np.where(np.array(self.w_list) == 0, budget, -np.inf)
+        waiting = np.array(self.w_list) > 0
+        self.room = np.where(waiting, -np.inf, budget)
+        # ``before`` where a trajectory would run at once, +inf where something waits (a fleet of
+        # one cost model keeps it in ``add_uniform``, with the largest KV among those: ``best_free``)
+        self.before_free = np.where(waiting, np.inf, self.before)
+        self.kv_free_max = float(self.kv[~waiting].max()) if not waiting.all() else -np.inf
         # the ideal gain's (Eq. 4) denominator without the KV term, per instance
         self.ideal_base = np.maximum(k2, k3 * 1)
         self.k1_all, self.k4_all, self.k5_all = k1, k4, k5
@@ -196,6 +202,27 @@ class _Fleet:
             gains *= self.speed[index]
         np.putmask(gains, grown > self.room[index], 0.0)
         return gains
+
+    def best_free(self, length: int, lo: int, hi: int) -> tuple[int, float] | None:
+        """The first largest gain (Eq. 3) of a uniform fleet's instances ``lo:hi`` and its index,
+        over those where a trajectory would run at once (the others' gain, 0, is below any
+        positive threshold), when every one of those has room for ``length``: the masked gains'
+        answer wherever it clears a positive threshold, with three array operations fewer and the
+        same arithmetic. None when some might lack the room (or a speed is not positive)."""
+        k5_length = self.k5 * length
+        if not (self.kv_free_max + k5_length <= self.kv_budget and self.speeds_positive):
+            return None
+        grown = np.add(self.kv, k5_length, out=self._grown)
+        denominator = np.multiply(self.k1, grown, out=self._denominator)
+        denominator += self.after_base
+        denominator += self.k4
+        gains = np.divide(self.after_n, denominator, out=denominator)
+        gains -= self.before_free
+        if self.speed is not None:
+            gains *= self.speed
+        view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]
+        i = int(view.argmax())
+        return lo + i, view.item(i)
 
     def ideal(self, lengths: np.ndarray) -> np.ndarray:
         """Eq. 4 of a uniform fleet for many lengths, the arithmetic of ``CostModel.ideal_gain``."""
@@ -258,9 +285,12 @@ class _Fleet:
             self.kv_list[i] = kv
             self.n_list[i] = n
             self.kv[i] = kv
+            if kv > self.kv_free_max:
+                self.kv_free_max = kv
         else:
             self.w_list[i] = w = w + 1
             self.room[i] = -np.inf
+            self.before_free[i] = np.inf
         if n > 0:
             compute = k3 * n
             before = n / (k1 * kv + (compute if compute > k2 else k2) + k4)
@@ -269,6 +299,8 @@ class _Fleet:
         compute = k3 * (n + 1)
         after_base = compute if compute > k2 else k2
         self.before[i] = before
+        if w == 0:
+            self.before_free[i] = before
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
         if self.length is not None:
@@ -381,6 +413,9 @@ def route(
     batch_withheld = lookahead and by_gain and config.scan_withheld
     window = _LOOKAHEAD_MIN
     scanning: int | None = None  # the level whose head was just withheld: test what follows in runs
+    # withheld trajectories in a row (of level ``withheld_level``); most runs of them are one or two
+    # long, and a run's test costs more than testing those one at a time
+    in_a_row, withheld_level = 0, None
     newer: dict[int, list[_VersionGroup]] = {}  # the candidates of a versioned trajectory, by its version
 
     while (head := queue.head()) is not None:
@@ -417,6 +452,7 @@ def route(
             if stopped:
                 break
             if routed:
+                withheld_level = None
                 continue
             chosen = None
         elif v is not None and by_gain:
@@ -427,7 +463,9 @@ def route(
             if v is None or not config.scan_withheld:
                 break  # new groups all bring about a prompt: the next one would be withheld too
             queue.withhold(v)  # a shorter trajectory of the same level may still fit
-            if batch_withheld:
+            in_a_row = in_a_row + 1 if v == withheld_level else 1
+            withheld_level = v
+            if batch_withheld and in_a_row >= _SCAN_AFTER:
                 scanning = v
             continue
         group, i = chosen
@@ -439,6 +477,7 @@ def route(
             group_versions[traj.group_id] = v
             queue.promote_group(traj.group_id, v)
         fleet.add(group.lo + i, traj.length)
+        withheld_level = None
         in_flight += 1
         instance_id = group.ids[i]
         decisions.append(RouteDecision(instance_id, traj.traj_id, traj.group_id, v, reserves))
@@ -448,6 +487,7 @@ def route(
 
 
 _LOOKAHEAD_MIN, _LOOKAHEAD_MAX = 8, 256  # trajectories tested at once; doubled while all are withheld
+_SCAN_AFTER = 8  # withheld in a row before the rest of the level is tested in runs
 
 
 def _withheld_run(level: deque[PendingTrajectory], candidates: list[_VersionGroup], mu: float, window: int) -> int:
@@ -492,9 +532,19 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     fleet = candidates[0].fleet
     lo, hi = candidates[0].lo, candidates[-1].hi
     length = level[0].length
+    threshold = mu * fleet.ideal_gain(length)
+    if length != fleet.length and (len(level) == 1 or level[1].length != length):  # a run of one
+        found = fleet.best_free(length, lo, hi)
+        if found is not None:
+            i, gain = found
+            if not gain >= threshold:
+                return 0, False
+            traj = level.popleft()
+            fleet.add_uniform(i, length)
+            decisions.append(_new_tuple(RouteDecision, (fleet.ids[i], traj.traj_id, traj.group_id, v, False)))
+            return 1, fleet.ids[i] == stop_at_instance
     gains = fleet.gains if length == fleet.length else fleet.at_length(length)
     view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]  # ``add`` updates ``gains`` in place
-    threshold = mu * fleet.ideal_gain(length)
     ids, append, popleft = fleet.ids, decisions.append, level.popleft
     add = fleet.add_uniform
     argmax, item = view.argmax, view.item
