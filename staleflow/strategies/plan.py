@@ -51,6 +51,7 @@ def plan_cycle(
     on_instances = on_instances or {}
     group_versions = dict(group_versions or {})
     waiting = reachable(pending, budget, group_versions)
+    routable = Routable(waiting, group_versions)  # kept current as trajectories are handed back
     plan = CyclePlan()
 
     def hand_back(inst: InstanceState, traj_ids: list[str]) -> None:
@@ -62,11 +63,12 @@ def plan_cycle(
             if known is None:
                 continue  # unknown here: it returns to the trajectory server and waits a cycle
             length = max(known.length, int(share)) if traj_id in running else known.length
-            waiting.append(PendingTrajectory(traj_id, known.group_id, known.v_traj, length, known.seq,
-                                             known.remaining))
+            waiting.append(back := PendingTrajectory(traj_id, known.group_id, known.v_traj, length, known.seq,
+                                                     known.remaining))
+            routable.include(back)
         inst.discard(set(traj_ids))
 
-    plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions)
+    plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions, routable)
     plan.kept = keeps_running(plan.syncs, instances, config)
     kept = set(plan.kept)
     pinned: list[RouteDecision] = []
@@ -90,11 +92,10 @@ def plan_cycle(
         inst.kv_usage = None if inst.kv_usage is None else 0.0
     migrated: dict[str, str] = {}  # trajectory -> the instance a migration takes it from
     for instance_id, traj_ids in plan_migrations(list(states.values()), config, waiting, budget,
-                                                 group_versions).items():
+                                                 group_versions, routable).items():
         hand_back(states[instance_id], traj_ids)
         migrated.update(dict.fromkeys(traj_ids, instance_id))
     if repack_previous is not None and config.migration.repacks:
-        routable = Routable(waiting, group_versions)
         idle = [s for s in states.values() if s.instance_id not in plan.syncs and not routable.on(s, budget)]
         pinned += _repack(plan, states, idle, repack_previous, on_instances, ps_version, config)
     plan.routes = pinned + route(states.values(), waiting, budget, config, group_versions)

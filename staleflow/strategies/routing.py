@@ -163,7 +163,6 @@ class _Fleet:
         # the ideal gain's (Eq. 4) denominator without the KV term, per instance
         self.ideal_base = np.maximum(k2, k3 * 1)
         self.k1_all, self.k4_all, self.k5_all = k1, k4, k5
-        self._ideal: dict[int, float] = {}
         self.length: int | None = None  # the length ``gains`` holds the gains of
         self.gains = np.zeros(len(insts))
         self._grown, self._denominator = np.empty(len(insts)), np.empty(len(insts))
@@ -229,11 +228,9 @@ class _Fleet:
         return 1.0 / (self.k1 * (self.k5 * lengths) + self.ideal_base[0] + self.k4)
 
     def ideal_gain(self, length: int) -> float:
-        """Eq. 4 of a uniform fleet for one length."""
-        ideal = self._ideal.get(length)
-        if ideal is None:
-            ideal = self._ideal[length] = self.costs[0].ideal_gain(length)
-        return ideal
+        """Eq. 4 of a uniform fleet for one length: ``CostModel.ideal_gain``'s arithmetic, 1 / L(k5 l, 1)."""
+        compute = self.k3 * 1
+        return 1.0 / (self.k1 * (self.k5 * length) + (compute if compute > self.k2 else self.k2) + self.k4)
 
     def at_length(self, length: int) -> np.ndarray:
         if length != self.length:
