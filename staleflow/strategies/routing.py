@@ -122,7 +122,7 @@ class _Fleet:
     gives the same numbers with fewer array operations.
     """
 
-    def __init__(self, insts: list[InstanceState], by_speed: bool = False, counts: bool = True):
+    def __init__(self, insts: list[InstanceState], by_speed: bool = False, counts: bool = True, mu: float = 0.0):
         self.ids = [inst.instance_id for inst in insts]
         self.costs = [inst.cost for inst in insts]
         # gains scaled by each instance's observed decode speed: a straggler's tokens come slower
@@ -130,7 +130,6 @@ class _Fleet:
         speeds = [inst.speed if abs(inst.speed - 1.0) > SPEED_TOLERANCE else 1.0 for inst in insts] if by_speed else []
         # every speed 1.0 scales nothing (x * 1.0 is x): no multiply per evaluation
         self.speed = np.array(speeds) if any(s != 1.0 for s in speeds) else None
-        self.speeds_positive = all(s > 0 for s in speeds)  # -inf x 0 would be NaN
         c = self.costs
         uniform = len(set(c)) <= 1
         k1, k2, k3, k4, k5, budget = (np.array([getattr(m, name) for m in c], dtype=float)
@@ -157,9 +156,13 @@ class _Fleet:
         waiting = np.array(self.w_list) > 0
         self.room = np.where(waiting, -np.inf, budget)
         # ``before`` where a trajectory would run at once, +inf where something waits (a fleet of
-        # one cost model keeps it in ``add_uniform``, with the largest KV among those: ``best_free``)
+        # one cost model keeps it in ``add_uniform``, with the largest KV among those: ``gains_free``)
         self.before_free = np.where(waiting, np.inf, self.before)
         self.kv_free_max = float(self.kv[~waiting].max()) if not waiting.all() else -np.inf
+        # ``at_length``'s gains may be -inf where something waits instead of 0: both are below a
+        # positive threshold (mu > 0, one cost model: every threshold is mu x the same ideal gain),
+        # so every decision is the same; a speed of 0 would make -inf x 0 NaN
+        self.free = self.uniform and mu > 0 and all(s > 0 for s in speeds)
         # the ideal gain's (Eq. 4) denominator without the KV term, per instance
         self.ideal_base = np.maximum(k2, k3 * 1)
         self.k1_all, self.k4_all, self.k5_all = k1, k4, k5
@@ -202,26 +205,22 @@ class _Fleet:
         np.putmask(gains, grown > self.room[index], 0.0)
         return gains
 
-    def best_free(self, length: int, lo: int, hi: int) -> tuple[int, float] | None:
-        """The first largest gain (Eq. 3) of a uniform fleet's instances ``lo:hi`` and its index,
-        over those where a trajectory would run at once (the others' gain, 0, is below any
-        positive threshold), when every one of those has room for ``length``: the masked gains'
-        answer wherever it clears a positive threshold, with three array operations fewer and the
-        same arithmetic. None when some might lack the room (or a speed is not positive)."""
+    def gains_free(self, length: int) -> np.ndarray | None:
+        """``gains_for`` one length on a fleet of ``free`` gains: where nothing waits and every
+        instance has room for ``length`` (None if one might not), the same numbers with three
+        array operations fewer, and -inf where something waits instead of 0."""
         k5_length = self.k5 * length
-        if not (self.kv_free_max + k5_length <= self.kv_budget and self.speeds_positive):
+        if not self.kv_free_max + k5_length <= self.kv_budget:
             return None
         grown = np.add(self.kv, k5_length, out=self._grown)
         denominator = np.multiply(self.k1, grown, out=self._denominator)
         denominator += self.after_base
         denominator += self.k4
-        gains = np.divide(self.after_n, denominator, out=denominator)
+        gains = np.divide(self.after_n, denominator)
         gains -= self.before_free
         if self.speed is not None:
             gains *= self.speed
-        view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]
-        i = int(view.argmax())
-        return lo + i, view.item(i)
+        return gains
 
     def ideal(self, lengths: np.ndarray) -> np.ndarray:
         """Eq. 4 of a uniform fleet for many lengths, the arithmetic of ``CostModel.ideal_gain``."""
@@ -234,7 +233,8 @@ class _Fleet:
 
     def at_length(self, length: int) -> np.ndarray:
         if length != self.length:
-            self.gains = self.gains_for(length)
+            gains = self.gains_free(length) if self.free else None
+            self.gains = self.gains_for(length) if gains is None else gains
             self.length = length
         return self.gains
 
@@ -394,7 +394,7 @@ def route(
     for inst in instances:
         by_version.setdefault(inst.version, []).append(inst)  # read, never changed: the fleet's arrays change
     fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed,
-                   counts=config.routing is RoutingMode.VANILLA)
+                   counts=config.routing is RoutingMode.VANILLA, mu=config.mu)
     groups: list[_VersionGroup] = []
     lo = 0
     for v, insts in sorted(by_version.items()):
@@ -530,16 +530,6 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     lo, hi = candidates[0].lo, candidates[-1].hi
     length = level[0].length
     threshold = mu * fleet.ideal_gain(length)
-    if length != fleet.length and (len(level) == 1 or level[1].length != length):  # a run of one
-        found = fleet.best_free(length, lo, hi)
-        if found is not None:
-            i, gain = found
-            if not gain >= threshold:
-                return 0, False
-            traj = level.popleft()
-            fleet.add_uniform(i, length)
-            decisions.append(_new_tuple(RouteDecision, (fleet.ids[i], traj.traj_id, traj.group_id, v, False)))
-            return 1, fleet.ids[i] == stop_at_instance
     gains = fleet.gains if length == fleet.length else fleet.at_length(length)
     view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]  # ``add`` updates ``gains`` in place
     ids, append, popleft = fleet.ids, decisions.append, level.popleft

@@ -29,8 +29,10 @@ class Routable:
         self.group_versions = group_versions
         self.initial = False
         self.oldest: int | None = None
-        for t in pending:
-            self.include(t)
+        versions = {t.v_traj if t.v_traj is not None else group_versions.get(t.group_id) for t in pending}
+        self.initial = None in versions
+        versions.discard(None)
+        self.oldest = min(versions, default=None)  # type: ignore[arg-type]  # None discarded
 
     def include(self, t: PendingTrajectory) -> None:
         """One more waiting trajectory (handed back in this cycle)."""
