@@ -69,11 +69,12 @@ def _busiest_over_slowest(instances: Sequence[InstanceState], config: StrategyCo
 
 def _feed_starved(instances: Sequence[InstanceState], config: StrategyConfig, routable: Routable,
                   budget: AdmissionBudget) -> InstanceState | None:
+    starving = [inst for inst in instances if not inst.waiting and not routable.on(inst, budget)]
+    if not starving:
+        return None
     throughputs = {inst.instance_id: inst.throughput() for inst in instances}
     best: tuple[float, float, InstanceState] | None = None
-    for starved in instances:
-        if starved.waiting or routable.on(starved, budget):
-            continue
+    for starved in starving:
         low = throughputs[starved.instance_id]
         for other in instances:
             if other is starved or other.version > starved.version or not other.trajectories:
