@@ -148,16 +148,16 @@ class _Fleet:
         self.count = n + np.array(self.w_list, dtype=float)
         self.counts = counts  # keep ``count`` current (vanilla routing balances it; the gains never read it)
         # the parts of Eq. 3 that do not depend on the routed length
-        self.before = np.where(n > 0, n / (k1 * self.kv + np.maximum(k2, k3 * n) + k4), 0.0)
+        before = np.where(n > 0, n / (k1 * self.kv + np.maximum(k2, k3 * n) + k4), 0.0)
         self.after_n = n + 1
         self.after_base = np.maximum(k2, k3 * self.after_n)
         # the KV budget where a trajectory would run at once (nothing waits there), else -inf
         self.budget = budget
         waiting = np.array(self.w_list) > 0
         self.room = np.where(waiting, -np.inf, budget)
-        # ``before`` where a trajectory would run at once, +inf where something waits (a fleet of
-        # one cost model keeps it in ``add_uniform``, with the largest KV among those: ``gains_free``)
-        self.before_free = np.where(waiting, np.inf, self.before)
+        # the throughput before, +inf where something waits: the gain there is -inf before the
+        # mask sets it to 0, and ``gains_free`` needs no mask for it
+        self.before = np.where(waiting, np.inf, before)
         self.kv_free_max = float(self.kv[~waiting].max()) if not waiting.all() else -np.inf
         # ``at_length``'s gains may be -inf where something waits instead of 0: both are below a
         # positive threshold (mu > 0, one cost model: every threshold is mu x the same ideal gain),
@@ -217,7 +217,7 @@ class _Fleet:
         denominator += self.after_base
         denominator += self.k4
         gains = np.divide(self.after_n, denominator)
-        gains -= self.before_free
+        gains -= self.before
         if self.speed is not None:
             gains *= self.speed
         return gains
@@ -259,7 +259,7 @@ class _Fleet:
         # the same arithmetic as CostModel.marginal_gain, sharing the throughput before
         before = n / (cost.k1 * kv + max(cost.k2, cost.k3 * n) + cost.k4) if n > 0 else 0.0
         after_base = max(cost.k2, cost.k3 * (n + 1))
-        self.before[i] = before
+        self.before[i] = before if w == 0 else np.inf
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
         if self.length is not None:
@@ -287,7 +287,6 @@ class _Fleet:
         else:
             self.w_list[i] = w = w + 1
             self.room[i] = -np.inf
-            self.before_free[i] = np.inf
         if n > 0:
             compute = k3 * n
             before = n / (k1 * kv + (compute if compute > k2 else k2) + k4)
@@ -295,9 +294,7 @@ class _Fleet:
             before = 0.0
         compute = k3 * (n + 1)
         after_base = compute if compute > k2 else k2
-        self.before[i] = before
-        if w == 0:
-            self.before_free[i] = before
+        self.before[i] = before if w == 0 else np.inf
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
         if self.length is not None:
@@ -327,6 +324,8 @@ class _VersionGroup:
         return i, float(gains[i])
 
     def ideal_gain(self, i: int, length: int) -> float:
+        if self.fleet.uniform:
+            return self.fleet.ideal_gain(length)
         cost = self.costs[i]
         key = (id(cost), length)
         ideal = self._ideal.get(key)
