@@ -130,6 +130,7 @@ class _Fleet:
         speeds = [inst.speed if abs(inst.speed - 1.0) > SPEED_TOLERANCE else 1.0 for inst in insts] if by_speed else []
         # every speed 1.0 scales nothing (x * 1.0 is x): no multiply per evaluation
         self.speed = np.array(speeds) if any(s != 1.0 for s in speeds) else None
+        self.speed_zero = 0.0 in speeds
         c = self.costs
         uniform = len(set(c)) <= 1
         k1, k2, k3, k4, k5, budget = (np.array([getattr(m, name) for m in c], dtype=float)
@@ -188,7 +189,7 @@ class _Fleet:
         gains = np.divide(self.after_n, denominator)
         gains -= self.before
         if self.speed is not None:
-            gains *= self.speed
+            self._scale(gains, self.speed)
         np.putmask(gains, unfit, 0.0)  # grown > room: nothing is NaN, so exactly ~(grown <= room)
         return gains
 
@@ -201,9 +202,18 @@ class _Fleet:
         gains = np.divide(self.after_n[index], denominator, out=denominator)
         gains -= self.before[index]
         if self.speed is not None:
-            gains *= self.speed[index]
+            self._scale(gains, self.speed[index])
         np.putmask(gains, grown > self.room[index], 0.0)
         return gains
+
+    def _scale(self, gains: np.ndarray, speed: np.ndarray) -> None:
+        """``gains *= speed``; a speed of 0 turns a waiting instance's -inf into NaN, which the
+        mask then sets to 0 like every gain there (without a warning)."""
+        if self.speed_zero:
+            with np.errstate(invalid="ignore"):
+                gains *= speed
+        else:
+            gains *= speed
 
     def gains_free(self, length: int) -> np.ndarray | None:
         """``gains_for`` one length on a fleet of ``free`` gains: where nothing waits and every
