@@ -544,22 +544,22 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     ids, append, popleft = fleet.ids, decisions.append, level.popleft
     add = fleet.add_uniform
     argmax, item = view.argmax, view.item
-    routed = 0
-    while level and (limit is None or routed < limit):
-        traj = level[0]
-        if traj.length != length:
+    run = 0
+    for traj in level:
+        if traj.length != length or run == limit:
             break
+        run += 1
+    for routed in range(run):
         i = argmax()
         if not item(i) >= threshold:
-            break
-        popleft()
+            return routed, False
+        traj = popleft()
         i += lo
         add(i, length)
         append(_new_tuple(RouteDecision, (ids[i], traj.traj_id, traj.group_id, v, False)))
-        routed += 1
         if ids[i] == stop_at_instance:
-            return routed, True
-    return routed, False
+            return routed + 1, True
+    return run, False
 
 
 def _waterfall(candidates: list[_VersionGroup], length: int, mu: float) -> tuple[_VersionGroup, int] | None:
