@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -41,7 +41,8 @@ class RouteDecision(NamedTuple):  # a tuple: a pass creates thousands, a frozen 
 
 
 # RouteDecision(...) runs a Python-level __new__; tuple.__new__ builds the same tuple in a third of the time
-_new_tuple = tuple.__new__
+_new_tuple = cast("Callable[[type[RouteDecision], tuple[str, str, str, int, bool]], RouteDecision]",
+                  tuple.__new__)  # pyright: ignore[reportUnknownMemberType]
 
 
 class _MultiLevelQueue:
@@ -136,9 +137,11 @@ class _Fleet:
         k1, k2, k3, k4, k5, budget = (np.array([getattr(m, name) for m in c], dtype=float)
                                       for name in ("k1", "k2", "k3", "k4", "k5", "kv_budget"))
         self.uniform = uniform and bool(c)
+        # a uniform fleet's coefficients as floats (``add_uniform``, ``ideal_gain``), and its KV budget
+        self.coefficients = (c[0].k1, c[0].k2, c[0].k3, c[0].k4, c[0].k5) if self.uniform else (0.0,) * 5
+        self.kv_budget = c[0].kv_budget if self.uniform else 0.0
         if self.uniform:
             self.k1, self.k4, self.k5 = c[0].k1, c[0].k4, c[0].k5
-            self.k2, self.k3, self.kv_budget = c[0].k2, c[0].k3, c[0].kv_budget
         else:
             self.k1, self.k4, self.k5 = k1, k4, k5
         self.kv_list = [float(inst.kv_cache) for inst in insts]
@@ -238,8 +241,9 @@ class _Fleet:
 
     def ideal_gain(self, length: int) -> float:
         """Eq. 4 of a uniform fleet for one length: ``CostModel.ideal_gain``'s arithmetic, 1 / L(k5 l, 1)."""
-        compute = self.k3 * 1
-        return 1.0 / (self.k1 * (self.k5 * length) + (compute if compute > self.k2 else self.k2) + self.k4)
+        k1, k2, k3, k4, k5 = self.coefficients
+        compute = k3 * 1
+        return 1.0 / (k1 * (k5 * length) + (compute if compute > k2 else k2) + k4)
 
     def at_length(self, length: int) -> np.ndarray:
         if length != self.length:
@@ -282,7 +286,7 @@ class _Fleet:
     def add_uniform(self, i: int, length: int) -> None:
         """``add`` with the fleet's one cost model in locals: the arithmetic of ``add`` step for
         step (a route is the initial fill's unit of work: 16,384 of them at 1,024 instances)."""
-        k1, k2, k3, k4, k5 = self.k1, self.k2, self.k3, self.k4, self.k5
+        k1, k2, k3, k4, k5 = self.coefficients
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
         if self.counts:
             self.count[i] = n + w + 1
@@ -550,7 +554,7 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
             break
         run += 1
     for routed in range(run):
-        i = argmax()
+        i = int(argmax())
         if not item(i) >= threshold:
             return routed, False
         traj = popleft()

@@ -89,7 +89,7 @@ def straightforward_route(instances, pending, budget, config, group_versions) ->
             continue
         gv, target = chosen
         reserves = v is None
-        if reserves:
+        if v is None:
             initial[traj.group_id].pop(0)
             v = gv
             budget.take(v)
