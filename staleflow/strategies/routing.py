@@ -285,35 +285,39 @@ class _Fleet:
 
     def add_uniform(self, i: int, length: int) -> None:
         """``add`` with the fleet's one cost model in locals: the arithmetic of ``add`` step for
-        step (a route is the initial fill's unit of work: 16,384 of them at 1,024 instances)."""
+        step (a route is the initial fill's unit of work: 16,384 of them at 1,024 instances). A
+        trajectory that waits changes neither the instance's KV nor its running count, so only
+        its queue, room and gain change."""
         k1, k2, k3, k4, k5 = self.coefficients
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
         if self.counts:
             self.count[i] = n + w + 1
-        if w == 0 and kv + k5 * length <= self.kv_budget:
-            kv += k5 * length
-            n += 1
-            self.kv_list[i] = kv
-            self.n_list[i] = n
-            self.kv[i] = kv
-            if kv > self.kv_free_max:
-                self.kv_free_max = kv
-        else:
-            self.w_list[i] = w = w + 1
+        grow = k5 * length
+        if not (w == 0 and kv + grow <= self.kv_budget):
+            self.w_list[i] = w + 1
             self.room[i] = -np.inf
-        if n > 0:
-            compute = k3 * n
-            before = n / (k1 * kv + (compute if compute > k2 else k2) + k4)
-        else:
-            before = 0.0
+            self.before[i] = np.inf
+            if self.length is not None:
+                self.gains[i] = 0.0
+            return
+        kv += grow
+        n += 1
+        self.kv_list[i] = kv
+        self.n_list[i] = n
+        self.kv[i] = kv
+        if kv > self.kv_free_max:
+            self.kv_free_max = kv
+        compute = k3 * n
+        before = n / (k1 * kv + (compute if compute > k2 else k2) + k4)
         compute = k3 * (n + 1)
         after_base = compute if compute > k2 else k2
-        self.before[i] = before if w == 0 else np.inf
+        self.before[i] = before
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
-        if self.length is not None:
-            grown = kv + k5 * self.length
-            gain = (n + 1) / (k1 * grown + after_base + k4) - before if w == 0 and grown <= self.kv_budget else 0.0
+        at = self.length
+        if at is not None:
+            grown = kv + (grow if at == length else k5 * at)
+            gain = (n + 1) / (k1 * grown + after_base + k4) - before if grown <= self.kv_budget else 0.0
             self.gains[i] = gain if self.speed is None else gain * self.speed[i]
 
 
@@ -490,7 +494,7 @@ def route(
         withheld_level = None
         in_flight += 1
         instance_id = group.ids[i]
-        decisions.append(RouteDecision(instance_id, traj.traj_id, traj.group_id, v, reserves))
+        decisions.append(_new_tuple(RouteDecision, (instance_id, traj.traj_id, traj.group_id, v, reserves)))
         if instance_id == stop_at_instance:
             break
     return decisions
