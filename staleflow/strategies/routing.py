@@ -407,16 +407,7 @@ def route(
     test a run of them at once against the unchanged instances (same decisions; False: one at a
     time, the reference the tests compare it with).
     """
-    by_version: dict[int, list[InstanceState]] = {}
-    for inst in instances:
-        by_version.setdefault(inst.version, []).append(inst)  # read, never changed: the fleet's arrays change
-    fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed,
-                   counts=config.routing is RoutingMode.VANILLA, mu=config.mu)
-    groups: list[_VersionGroup] = []
-    lo = 0
-    for v, insts in sorted(by_version.items()):
-        groups.append(_VersionGroup(v, fleet, lo, lo + len(insts)))
-        lo += len(insts)
+    fleet, groups = _fleet_of(instances, config)
     budget = budget.copy()
     group_versions = dict(group_versions or {})
     queue = _MultiLevelQueue(pending, group_versions, config.length_aware)
@@ -424,41 +415,18 @@ def route(
     choose = _waterfall if config.routing is RoutingMode.THROUGHPUT else _fewest_trajectories
     decisions: list[RouteDecision] = []
     by_gain = config.versioned_by_gain and config.routing is RoutingMode.THROUGHPUT
-    batch_withheld = lookahead and by_gain and config.scan_withheld
-    window = _LOOKAHEAD_MIN
-    scanning: int | None = None  # the level whose head was just withheld: test what follows in runs
-    # withheld trajectories in a row (of level ``withheld_level``); most runs of them are one or two
-    # long, and a run's test costs more than testing those one at a time
-    in_a_row, withheld_level = 0, None
+    scan = _WithheldScan(lookahead and by_gain and config.scan_withheld)
     newer: dict[int, list[_VersionGroup]] = {}  # the candidates of a versioned trajectory, by its version
 
     while (head := queue.head()) is not None:
         traj, v = head
         if config.max_in_flight is not None and in_flight >= config.max_in_flight:
             break
-        if v is None:  # Algorithm 2, initial: start at the instance's version if the ledger admits it
-            candidates = [g for g in groups if budget.allows(g.version)]
-            if config.order_by_reserve:  # the version with the fewest admissible groups left first
-                admissible = budget.as_dict()
-                candidates.sort(key=lambda g: (admissible.get(g.version, 0), g.version))
-        else:  # Algorithm 2, versioned: only instances at least as new as V_traj
-            candidates = newer.get(v)
-            if candidates is None:
-                candidates = newer[v] = [g for g in groups if g.version >= v]
+        candidates = _candidates(v, groups, budget, config.order_by_reserve, newer)
         if not candidates:
             break
-        if v is not None and v == scanning:
-            # Nothing changes while trajectories are withheld: find the first one of the level that
-            # is not, and withhold everything before it, with one evaluation for the run.
-            skipped = _withheld_run(queue.levels[v], candidates, config.mu, window)
-            for _ in range(skipped):
-                queue.withhold(v)
-            if skipped == window:
-                window = min(2 * window, _LOOKAHEAD_MAX)
-                continue
-            scanning, window = None, _LOOKAHEAD_MIN  # the head is not withheld: it routes below
-            if skipped:
-                continue
+        if v is not None and v == scan.level and scan.skip(queue, v, candidates, config.mu):
+            continue
         if v is not None and by_gain and fleet.uniform and config.mu > 0:
             limit = None if config.max_in_flight is None else config.max_in_flight - in_flight
             routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions)
@@ -466,7 +434,7 @@ def route(
             if stopped:
                 break
             if routed:
-                withheld_level = None
+                scan.routed()
                 continue
             chosen = None
         elif v is not None and by_gain:
@@ -477,10 +445,7 @@ def route(
             if v is None or not config.scan_withheld:
                 break  # new groups all bring about a prompt: the next one would be withheld too
             queue.withhold(v)  # a shorter trajectory of the same level may still fit
-            in_a_row = in_a_row + 1 if v == withheld_level else 1
-            withheld_level = v
-            if batch_withheld and in_a_row >= _SCAN_AFTER:
-                scanning = v
+            scan.withheld(v)
             continue
         group, i = chosen
         queue.pop(traj, v)
@@ -491,7 +456,7 @@ def route(
             group_versions[traj.group_id] = v
             queue.promote_group(traj.group_id, v)
         fleet.add(group.lo + i, traj.length)
-        withheld_level = None
+        scan.routed()
         in_flight += 1
         instance_id = group.ids[i]
         decisions.append(_new_tuple(RouteDecision, (instance_id, traj.traj_id, traj.group_id, v, reserves)))
@@ -502,6 +467,71 @@ def route(
 
 _LOOKAHEAD_MIN, _LOOKAHEAD_MAX = 8, 256  # trajectories tested at once; doubled while all are withheld
 _SCAN_AFTER = 8  # withheld in a row before the rest of the level is tested in runs
+
+
+def _candidates(v: int | None, groups: list[_VersionGroup], budget: AdmissionBudget, order_by_reserve: bool,
+                newer: dict[int, list[_VersionGroup]]) -> list[_VersionGroup]:
+    """Algorithm 2: the version groups a trajectory of version ``v`` (None: initial) may go to.
+    ``newer`` keeps a versioned trajectory's, which do not change during a pass."""
+    if v is None:  # initial: start at the instance's version if the ledger admits it
+        candidates = [g for g in groups if budget.allows(g.version)]
+        if order_by_reserve:  # the version with the fewest admissible groups left first
+            admissible = budget.as_dict()
+            candidates.sort(key=lambda g: (admissible.get(g.version, 0), g.version))
+        return candidates
+    candidates = newer.get(v)  # versioned: only instances at least as new as V_traj
+    if candidates is None:
+        candidates = newer[v] = [g for g in groups if g.version >= v]
+    return candidates
+
+
+def _fleet_of(instances: Iterable[InstanceState], config: StrategyConfig) -> tuple[_Fleet, list[_VersionGroup]]:
+    """The pass's fleet, ordered by version, and its version groups (slices of it, oldest first)."""
+    by_version: dict[int, list[InstanceState]] = {}
+    for inst in instances:
+        by_version.setdefault(inst.version, []).append(inst)  # read, never changed: the fleet's arrays change
+    fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed,
+                   counts=config.routing is RoutingMode.VANILLA, mu=config.mu)
+    groups: list[_VersionGroup] = []
+    lo = 0
+    for v, insts in sorted(by_version.items()):
+        groups.append(_VersionGroup(v, fleet, lo, lo + len(insts)))
+        lo += len(insts)
+    return fleet, groups
+
+
+class _WithheldScan:
+    """Withheld trajectories of a level: while nothing is routed nothing changes, so after
+    ``_SCAN_AFTER`` of them in a row the rest of the level is tested in runs, one evaluation for
+    a run (most runs are one or two long, and testing a run costs more than testing those one at
+    a time). ``enabled`` False: always one at a time, the reference the tests compare it with."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.level: int | None = None  # the level being tested in runs
+        self.window = _LOOKAHEAD_MIN
+        self.in_a_row, self.last = 0, None  # withheld in a row, of level ``last``
+
+    def withheld(self, v: int) -> None:
+        self.in_a_row = self.in_a_row + 1 if v == self.last else 1
+        self.last = v
+        if self.enabled and self.in_a_row >= _SCAN_AFTER:
+            self.level = v
+
+    def routed(self) -> None:
+        self.last = None
+
+    def skip(self, queue: _MultiLevelQueue, v: int, candidates: list[_VersionGroup], mu: float) -> bool:
+        """Withhold the run at the front of level ``v`` that no instance gains enough from; True
+        when the pass should look at the level's new head (False: the head routes now)."""
+        skipped = _withheld_run(queue.levels[v], candidates, mu, self.window)
+        for _ in range(skipped):
+            queue.withhold(v)
+        if skipped == self.window:
+            self.window = min(2 * self.window, _LOOKAHEAD_MAX)
+            return True
+        self.level, self.window = None, _LOOKAHEAD_MIN  # the head is not withheld: it routes below
+        return skipped > 0
 
 
 def _withheld_run(level: deque[PendingTrajectory], candidates: list[_VersionGroup], mu: float, window: int) -> int:
