@@ -19,7 +19,7 @@ from staleflow.strategies import plan_cycle
 STRATEGIES = sorted({spec.strategy for spec in catalog()} | {StrategyConfig()}, key=repr)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(snapshots(), st.sampled_from(STRATEGIES))
 def test_the_decision_pass_decides_like_the_plain_one(snapshot, config: StrategyConfig) -> None:
     instances, pending, ps_version, admission, on_instances, repack_previous = snapshot
