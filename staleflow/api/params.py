@@ -228,7 +228,7 @@ class HolderBeat(BaseModel):
     host_id: str = Field(min_length=1, max_length=256, description="the holder's host (``/proc/sys/kernel/random/boot_id``)")
     zone: str = Field(default="", max_length=256, description="a rack or zone label: pullers in it are served from it first")
     spot: bool = Field(default=False, description="a spot (preemptible) holder: serves, never counts for retention")
-    holdings: dict[int, list[int] | None] = Field(default_factory=dict, description="version -> the chunk indices held "
+    holdings: dict[int, list[int] | None] = Field(default_factory=dict[int, list[int] | None], description="version -> the chunk indices held "
                                                                                     "(null: all of them)")
 
 
@@ -268,7 +268,7 @@ class ChunkSources(_Answer):
 class HolderAck(_Answer):
     holder_id: str
     ttl_s: float = Field(description="the record lapses this long after the last heartbeat")
-    missing: list[int] = Field(default_factory=list, description="versions held whole that the reference server has no "
+    missing: list[int] = Field(default_factory=list[int], description="versions held whole that the reference server has no "
                                                                  "manifest of: publish them with their manifest")
 
 

@@ -86,7 +86,7 @@ class _HolderRunner:
             thread.join()
         survivors = [h for h in pulling if h is not killed]
         digests = [self._digest(h, version) for h in survivors]
-        detail = {"from_ps": sum(r.get("fetched", {}).get("ps", 0) for r in replies.values()),
+        detail: dict[str, int | str] = {"from_ps": sum(r.get("fetched", {}).get("ps", 0) for r in replies.values()),
                   "retried": sum(r.get("failures", 0) for r in replies.values()),
                   "ps_copies_at_end": len(self.reference.json(API.references)["ps_copies"]),
                   "ps_copies_after": self._settled_copies(version, len(survivors))}
