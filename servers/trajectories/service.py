@@ -22,7 +22,7 @@ from staleflow.api.trajectories import (
 )
 from staleflow.config import TrajectoryServerConfig
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.length_skew import Fate
+from staleflow.length_skew import TrajectoryFate
 from staleflow.servers.http import background
 from staleflow.servers.trajectories.rewards import RewardFn
 from staleflow.servers.trajectories.store import (
@@ -58,7 +58,7 @@ class TrajectoryServer:
         self.members, self.needed = params.group_members, params.group_size
         # a group the ledger cancels is surplus of batch redundancy where there is any, else it expired
         # under the staleness bound
-        self.cancelled_fate = Fate.DROPPED if params.capacity > params.batch_size else Fate.ABORTED
+        self.cancelled_fate = TrajectoryFate.DROPPED if params.capacity > params.batch_size else TrajectoryFate.ABORTED
         self._work = asyncio.Event()
         self._stopping = False
         self.accepted = 0  # completions accepted from instances since this server started
@@ -287,7 +287,7 @@ class TrajectoryServer:
         rewards = [t.reward for t in self.store.group_rewarded(g)][: g.needed]
         if self.config.filter_zero_variance and len(set(rewards)) == 1:
             await self._ledger_call(self.manager.abort, g.group_id, ok_codes={ErrorCode.UNKNOWN_GROUP, ErrorCode.RETIRED_GROUP})
-            self.store.close_group(g.group_id, GroupState.ABORTED, Fate.FILTERED)
+            self.store.close_group(g.group_id, GroupState.ABORTED, TrajectoryFate.FILTERED)
             return
         reply = await self._ledger_call(self.manager.occupy, g.group_id, ok_codes={ErrorCode.INVALID_STATUS})
         self.store.close_group(g.group_id, GroupState.OCCUPIED)

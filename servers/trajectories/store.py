@@ -29,7 +29,7 @@ import numpy as np
 from sqlalchemy import Engine, bindparam, delete, func, insert, select, update
 
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.length_skew import Fate, StepSkew
+from staleflow.length_skew import StepSkew, TrajectoryFate
 from staleflow.servers import db
 from staleflow.servers.schema import (
     ts_groups,
@@ -42,10 +42,10 @@ from staleflow.servers.schema import (
 from staleflow.trajectory_book import (
     LIVE_GROUP_STATES,
     UNLIMITED,
-    Checkpoint,
     Generated,
     GroupRecord,
     GroupState,
+    ProgressCheckpoint,
     SegmentLimits,
     StoreConflict,
     TrajectoryBook,
@@ -189,7 +189,7 @@ class TrajectoryStore:
             self._checkpointed = set()
             for r in conn.execute(select(ts_progress).order_by(ts_progress.c.id)).mappings():
                 self._checkpointed.add(r["traj_id"])
-                self.book.adopt(Checkpoint(r["traj_id"], r["instance_id"], r["start"], _unpack_ints(r["tokens"]),
+                self.book.adopt(ProgressCheckpoint(r["traj_id"], r["instance_id"], r["start"], _unpack_ints(r["tokens"]),
                                            _unpack_floats(r["logprobs"]),
                                            tuple(tuple(s) for s in json.loads(r["segments"]))))
             self.meta = {r.key: r.value for r in conn.execute(select(ts_meta))}
@@ -355,7 +355,7 @@ class TrajectoryStore:
         after = self.book.regenerated
         return {REGENERATED_META: f"{after[0]},{after[1]}"} if after != before else None
 
-    def checkpoint(self, checkpoints: list[Checkpoint], instance_id: str | None = None,
+    def checkpoint(self, checkpoints: list[ProgressCheckpoint], instance_id: str | None = None,
                    on_instance: dict[str, int] | None = None, limits: SegmentLimits = UNLIMITED) -> dict[str, int]:
         """Progress of running trajectories, appended durably as checkpoint rows (the trajectory's
         own row is not rewritten). Returns the response length held of each one that counted.
@@ -414,7 +414,7 @@ class TrajectoryStore:
     def group_rewarded(self, g: GroupRecord) -> list[TrajRecord]:
         return self.book.group_rewarded(g)
 
-    def close_group(self, group_id: str, state: GroupState, fate: Fate | None = None) -> list[TrajRecord]:
+    def close_group(self, group_id: str, state: GroupState, fate: TrajectoryFate | None = None) -> list[TrajRecord]:
         """Occupy or abort a group; returns its members still on an instance (to be aborted there)."""
         with self.lock:
             groups, changed, on_instances = self.book.close_group(group_id, state, fate)
@@ -471,7 +471,7 @@ class TrajectoryStore:
             return len(groups)
 
     def follow_ledger(self, op: str, group_id: str | None, consumed: Iterable[str], cancelled: Iterable[str],
-                      cancelled_fate: Fate, buffer: int | None = None) -> list[TrajRecord]:
+                      cancelled_fate: TrajectoryFate, buffer: int | None = None) -> list[TrajRecord]:
         """A ledger transition (see ``TrajectoryBook.follow_ledger``); returns the members still
         on an instance (to be aborted there)."""
         with self.lock:
@@ -533,9 +533,9 @@ def _traj_record(r) -> TrajRecord:
                       r["reward_reason"], r["updated_at"])
 
 
-def checkpoint(p: dict, instance_id: str) -> Checkpoint:
+def checkpoint(p: dict, instance_id: str) -> ProgressCheckpoint:
     """A trajectory's progress as the wire carries it."""
-    return Checkpoint(p["traj_id"], instance_id, p["start"], tuple(p["tokens"]), tuple(p["logprobs"]),
+    return ProgressCheckpoint(p["traj_id"], instance_id, p["start"], tuple(p["tokens"]), tuple(p["logprobs"]),
                       tuple((s["version"], s["start"], s["end"]) for s in p["segments"]))
 
 

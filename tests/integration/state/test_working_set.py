@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select, text
 
 from staleflow.errors import ErrorCode
-from staleflow.ledger import Fate, LedgerError, LedgerParams
+from staleflow.ledger import GroupFate, LedgerError, LedgerParams
 from staleflow.servers import db
 from staleflow.servers.manager.store import DurableLedger, consumption_record
 from staleflow.servers.schema import (
@@ -343,7 +343,7 @@ def test_every_in_memory_collection_of_the_ledger_stays_bounded_however_long_the
     ledger = DurableLedger.open(url, PARAMS)
     try:
         assert {k: n for k, n in collection_sizes(ledger.ledger).items() if n > early[k]} == {}
-        assert ledger.fate("g3-0") is Fate.CONSUMED and ledger.fate("s3") is Fate.ABORTED
+        assert ledger.fate("g3-0") is GroupFate.CONSUMED and ledger.fate("s3") is GroupFate.ABORTED
         with pytest.raises(LedgerError) as again:  # consumed once, for good
             ledger.reserve("g3-0", 80)
         assert again.value.code is ErrorCode.DUPLICATE_GROUP
