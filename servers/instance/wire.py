@@ -1,16 +1,20 @@
-"""The instance server's side of its contract (``staleflow.api.instance``): wire models into engine
-requests and weights references, engine trajectories into wire JSON."""
+"""The instance server's side of its contract (``staleflow.api.instance``): the vocabulary's
+trajectories (``staleflow.api.trajectory``) into engine requests, weights references into the
+engine's, and the engine's trajectories and progress back into the vocabulary. Fields pass by name,
+so a field both sides declare needs no edit here."""
 
 from __future__ import annotations
 
 import base64
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
-from staleflow.api.instance import ParamsWeightsIn, PathWeightsIn, PullCommand, SimWeightsIn, TrajectoryIn
+from staleflow.api.instance import ParamsWeightsIn, PathWeightsIn, PullCommand, SimWeightsIn
+from staleflow.api.trajectory import FinishedTrajectory, ProgressPart, WireSegment, WireTrajectory
 from staleflow.engines.base import (
     CompletedTrajectory,
     EngineError,
+    Progress,
     SamplingParams,
     Segment,
     SimWeights,
@@ -24,7 +28,7 @@ from staleflow.engines.base import (
 from staleflow.errors import ErrorCode
 
 
-def engine_request(t: TrajectoryIn) -> TrajectoryRequest:
+def engine_request(t: WireTrajectory) -> TrajectoryRequest:
     return TrajectoryRequest(
         **t.model_dump(exclude={"sampling", "segments"}),
         sampling=SamplingParams(**t.sampling.model_dump()),
@@ -46,17 +50,26 @@ def weights_ref(command: PullCommand) -> WeightsRef:
         raise EngineError(ErrorCode.INVALID_WEIGHTS, f"weights.data_b64 is not base64: {exc}") from None
 
 
-def trajectory_json(t: Trajectory) -> dict[str, Any]:
-    data: dict[str, Any] = {
-        "traj_id": t.traj_id,
-        "group_id": t.group_id,
-        "prompt_ids": list(t.prompt_ids),
-        "v_traj": t.v_traj,
-        "sampling": {**asdict(t.sampling), "stop_token_ids": list(t.sampling.stop_token_ids)},
-        "tokens": list(t.tokens),
-        "logprobs": list(t.logprobs),
-        "segments": [{"version": s.version, "start": s.start, "end": s.end} for s in t.segments],
-    }
+def wire_segments(segments: tuple[Segment, ...]) -> list[WireSegment]:
+    return [WireSegment(version=s.version, start=s.start, end=s.end) for s in segments]
+
+
+def _wire_fields(t: Trajectory | Progress) -> dict[str, Any]:
+    """The dataclass's fields, by name (not ``asdict``: that would copy every token one by one)."""
+    out = {f.name: getattr(t, f.name) for f in fields(t)}
+    out["segments"] = wire_segments(t.segments)
+    return out
+
+
+def wire_trajectory(t: Trajectory) -> WireTrajectory:
+    """An engine's trajectory as the vocabulary carries it: a finished one with its finish reason."""
+    out = _wire_fields(t)
+    out["sampling"] = asdict(t.sampling)
     if isinstance(t, CompletedTrajectory):
-        data["finish_reason"] = t.finish_reason.value
-    return data
+        out["finish_reason"] = t.finish_reason.value
+        return FinishedTrajectory.model_validate(out)
+    return WireTrajectory.model_validate(out)
+
+
+def progress_part(p: Progress) -> ProgressPart:
+    return ProgressPart.model_validate(_wire_fields(p))

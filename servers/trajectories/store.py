@@ -99,7 +99,7 @@ OWNER_LOCK = 0x54524A53  # "TRJS"
 
 
 __all__ = ["LIVE_GROUP_STATES", "GroupRecord", "GroupState", "StoreConflict", "StoreUnavailable", "TrajRecord", "TrajState",
-           "TrajectoryStore", "TrajectoryStoreInUse", "checkpoint", "generated"]
+           "TrajectoryStore", "TrajectoryStoreInUse"]
 
 
 def _pack_ints(values: Iterable[int]) -> bytes:
@@ -340,12 +340,12 @@ class TrajectoryStore:
             self._persist(trajs=routed)
             return [(t, self.groups[t.group_id]) for t in routed]
 
-    def returned(self, partials: list[dict], instance_id: str | None,
+    def returned(self, partials: list[Generated], instance_id: str | None,
                  limits: SegmentLimits = UNLIMITED) -> dict[str, str]:
         """Trajectories handed back (interrupt, failed route, dead instance). Returns outcome by id."""
         with self.lock:
             regenerated = list(self.book.regenerated)
-            outcome, changed = self.book.returned([generated(p) for p in partials], instance_id, limits)
+            outcome, changed = self.book.returned(partials, instance_id, limits)
             if changed:
                 self._persist(trajs=changed, meta=self._regenerated_meta(regenerated))
             return outcome
@@ -391,11 +391,10 @@ class TrajectoryStore:
             self.failed_over[1] += sum(len(t.tokens) for t in resumed)
             return len(changed)
 
-    def completed(self, items: list[dict], limits: SegmentLimits = UNLIMITED) -> list[TrajRecord]:
+    def completed(self, finished: list[Generated], limits: SegmentLimits = UNLIMITED) -> list[TrajRecord]:
         """Finished trajectories from instances; redeliveries are ignored. Returns the new ones."""
         with self.lock:
-            changed = self.book.completed([generated(item["trajectory"], item.get("instance_id")) for item in items],
-                                          limits)
+            changed = self.book.completed(finished, limits)
             if changed:
                 self._persist(trajs=changed)
             return [t for t in changed if t.state is TrajState.COMPLETED]
@@ -531,16 +530,3 @@ def _traj_record(r) -> TrajRecord:
                       _unpack_ints(r["tokens"]), _unpack_floats(r["logprobs"]),
                       tuple(tuple(s) for s in json.loads(r["segments"])), r["finish_reason"], r["reward"],
                       r["reward_reason"], r["updated_at"])
-
-
-def checkpoint(p: dict, instance_id: str) -> ProgressCheckpoint:
-    """A trajectory's progress as the wire carries it."""
-    return ProgressCheckpoint(p["traj_id"], instance_id, p["start"], tuple(p["tokens"]), tuple(p["logprobs"]),
-                      tuple((s["version"], s["start"], s["end"]) for s in p["segments"]))
-
-
-def generated(p: dict, instance_id: str | None = None) -> Generated:
-    """A trajectory's generated part as the wire carries it (a partial or a completion)."""
-    return Generated(p["traj_id"], tuple(p.get("tokens", ())), tuple(p.get("logprobs", ())),
-                     tuple((s["version"], s["start"], s["end"]) for s in p.get("segments", ())),
-                     p.get("finish_reason"), instance_id)
