@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.length_skew import LengthSkew, TrajectoryFate
@@ -119,6 +120,7 @@ class TrajRecord:
     reward: float | None = None
     reward_reason: str | None = None
     updated_at: float = 0.0
+    carried: Mapping[str, Any] | None = None  # see ``Generated.carried``
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,9 @@ class Generated:
     segments: tuple[Span, ...] = ()
     finish_reason: str | None = None
     instance_id: str | None = None  # the instance that finished it (completions)
+    # the response's other fields (``staleflow.api.trajectory.ResponseFields``), which the book
+    # keeps with the tokens without reading them; None: the sender says nothing of them
+    carried: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -412,7 +417,7 @@ class TrajectoryBook:
                 self.skew.cut(t.traj_id, max(len(p.tokens), len(t.tokens)))
             elif t.state is TrajState.ROUTED and (instance_id is None or t.instance_id == instance_id):
                 if len(p.tokens) >= len(t.tokens):  # never lose generated tokens
-                    t.tokens, t.logprobs, t.segments = p.tokens, p.logprobs, p.segments
+                    self._take_response(t, p)
                 self._lost(t, self._on_instance.get(t.traj_id, 0))  # handed back with less than it had
                 self._move(t, TrajState.PENDING)
                 t.instance_id = None
@@ -471,6 +476,12 @@ class TrajectoryBook:
         t.tokens, t.logprobs, t.segments = t.tokens + c.tokens[cut:], t.logprobs + c.logprobs[cut:], c.segments
         return True
 
+    @staticmethod
+    def _take_response(t: TrajRecord, p: Generated) -> None:
+        t.tokens, t.logprobs, t.segments = p.tokens, p.logprobs, p.segments
+        if p.carried is not None:
+            t.carried = dict(p.carried)
+
     def _lost(self, t: TrajRecord, reached: int) -> None:
         """A routed trajectory goes back to pending holding ``t.tokens`` after its instance said it
         held ``reached``: what lies between is generated again (counted as regenerated)."""
@@ -520,7 +531,7 @@ class TrajectoryBook:
                 continue
             if p.finish_reason == ABORTED_ON_INSTANCE and t.state is not TrajState.CANCELLING:
                 continue  # an abort ends only a cancellation; a stray copy aborted elsewhere changes nothing here
-            t.tokens, t.logprobs, t.segments = p.tokens, p.logprobs, p.segments
+            self._take_response(t, p)
             t.finish_reason = p.finish_reason
             t.instance_id = p.instance_id or t.instance_id
             if t.state is TrajState.CANCELLING:

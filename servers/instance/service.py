@@ -13,7 +13,7 @@ import random
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,7 +33,7 @@ from staleflow.api.instance import (
     RouteCommand,
 )
 from staleflow.api.trajectories import AsyncTrajectoryClient, TrajectoryRoutes
-from staleflow.api.trajectory import Completion, FinishedTrajectory
+from staleflow.api.trajectory import Completion, FinishedTrajectory, WireTrajectory
 from staleflow.config import InstanceConfig
 from staleflow.config.engines import Clock
 from staleflow.engines.base import (
@@ -41,11 +41,18 @@ from staleflow.engines.base import (
     EngineError,
     EngineSnapshot,
     RolloutEngine,
+    Trajectory,
 )
 from staleflow.engines.factory import create_engine
 from staleflow.engines.sim import SimEngine
 from staleflow.errors import ErrorCode
-from staleflow.servers.instance.wire import engine_request, progress_part, weights_ref, wire_trajectory
+from staleflow.servers.instance.wire import (
+    carried_by_instance,
+    engine_request,
+    progress_part,
+    weights_ref,
+    wire_trajectory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +111,10 @@ class Outbox:
         self._delivered: set[int] = set()  # seqs handed to a consumer at least once
         self._arrived = asyncio.Event()
 
-    def add(self, instance_id: str, trajectory: CompletedTrajectory) -> None:
+    def add(self, instance_id: str, trajectory: CompletedTrajectory, carried: Mapping[str, Any] | None = None) -> None:
         seq = self.next_seq
         self.next_seq += 1
-        finished = wire_trajectory(trajectory)
+        finished = wire_trajectory(trajectory, carried)
         assert isinstance(finished, FinishedTrajectory)
         self._items[seq] = Completion(seq=seq, instance_id=instance_id, finished_at=time.time(), trajectory=finished)
         if len(self._items) > self.limit:
@@ -210,6 +217,7 @@ class InstanceServer:
         self._replay = ReplayWindow(config.idempotency_window, config.idempotency_bytes)
         self._tasks: list[asyncio.Task[None]] = []
         self.progress = ProgressTally()
+        self._carried: dict[str, dict[str, Any]] = {}  # traj_id -> its fields the engine does not know
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -231,7 +239,7 @@ class InstanceServer:
 
     async def _collect_completions(self) -> None:
         async for trajectory in self.engine.completions():
-            self.outbox.add(self.instance_id, trajectory)
+            self.outbox.add(self.instance_id, trajectory, self._carried.pop(trajectory.traj_id, None))
 
     async def _push_completions(self) -> None:
         """Deliver the outbox to the callback in order. A batch is acknowledged (and leaves the
@@ -327,7 +335,7 @@ class InstanceServer:
             # "held": what an instance failure would make each trajectory generate again beyond its checkpoint
             try:
                 reply = await ts.call_at(url, TrajectoryRoutes.progress, instance_id=self.instance_id,
-                                         trajectories=[progress_part(p) for p in items],
+                                         trajectories=[progress_part(p, self._carried.get(p.traj_id)) for p in items],
                                          held={p.traj_id: p.end for p in grown})
             except ServiceError as exc:
                 log.warning("progress checkpoint refused by %s with %d: %s", url, exc.status, exc.detail[:500])
@@ -381,13 +389,18 @@ class InstanceServer:
             except ValueError as exc:  # cross-field checks of the trajectory dataclasses
                 raise EngineError(ErrorCode.INVALID_TRAJECTORY, str(exc)) from None
             await self.engine.route(requests)
+            for t in command.trajectories:
+                if carried := carried_by_instance(t):
+                    self._carried[t.traj_id] = carried
             return RouteApplied(**applied, kind="route", routed=[r.traj_id for r in requests])
         if isinstance(command, InterruptCommand):
             result = await self.engine.interrupt(command.traj_ids)
-            return InterruptApplied(**applied, kind="interrupt", partials=[wire_trajectory(p) for p in result.partials],
+            return InterruptApplied(**applied, kind="interrupt", partials=self._handed_back(result.partials),
                                     not_found=result.not_found)
         if isinstance(command, AbortCommand):
             abort = await self.engine.abort(command.traj_ids)
+            for traj_id in abort.aborted:
+                self._carried.pop(traj_id, None)
             return AbortApplied(**applied, kind="abort", aborted=abort.aborted, not_found=abort.not_found)
         return await self._pull(command, applied)
 
@@ -401,8 +414,12 @@ class InstanceServer:
                 kept = sorted({*held.run_trajs, *held.wait_trajs, *held.complete_trajs})
         finally:
             self._pulling = False
-        return PullApplied(**applied, kind="pull", version=command.version,
-                           partials=[wire_trajectory(p) for p in partials], kept=kept)
+        return PullApplied(**applied, kind="pull", version=command.version, partials=self._handed_back(partials),
+                           kept=kept)
+
+    def _handed_back(self, partials: Iterable[Trajectory]) -> list[WireTrajectory]:
+        """Interrupted trajectories as they leave the instance, with what it carried for them."""
+        return [wire_trajectory(p, self._carried.pop(p.traj_id, None)) for p in partials]
 
     async def snapshot(self) -> dict[str, Any]:
         if self._pulling:  # a weight load can take a while: answer without waiting for it

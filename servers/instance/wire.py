@@ -1,11 +1,13 @@
 """The instance server's side of its contract (``staleflow.api.instance``): the vocabulary's
 trajectories (``staleflow.api.trajectory``) into engine requests, weights references into the
-engine's, and the engine's trajectories and progress back into the vocabulary. Fields pass by name,
-so a field both sides declare needs no edit here."""
+engine's, and the engine's trajectories and progress back into the vocabulary. Fields pass by name:
+a field both sides declare needs no edit here, and one the engine does not know is carried by the
+instance (``carried_by_instance``) and handed back with the trajectory."""
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -27,13 +29,21 @@ from staleflow.engines.base import (
 )
 from staleflow.errors import ErrorCode
 
+ENGINE_FIELDS = frozenset(f.name for f in fields(TrajectoryRequest))
+
 
 def engine_request(t: WireTrajectory) -> TrajectoryRequest:
     return TrajectoryRequest(
-        **t.model_dump(exclude={"sampling", "segments"}),
+        **t.model_dump(include=ENGINE_FIELDS - {"sampling", "segments"}),
         sampling=SamplingParams(**t.sampling.model_dump()),
         segments=tuple(Segment(**s.model_dump()) for s in t.segments),
     )
+
+
+def carried_by_instance(t: WireTrajectory) -> dict[str, Any]:
+    """The trajectory's fields the engine does not know (usually none): the instance keeps them
+    while the trajectory runs and hands them back with its partial or its completion."""
+    return t.model_dump(exclude=ENGINE_FIELDS)
 
 
 def weights_ref(command: PullCommand) -> WeightsRef:
@@ -61,9 +71,10 @@ def _wire_fields(t: Trajectory | Progress) -> dict[str, Any]:
     return out
 
 
-def wire_trajectory(t: Trajectory) -> WireTrajectory:
-    """An engine's trajectory as the vocabulary carries it: a finished one with its finish reason."""
-    out = _wire_fields(t)
+def wire_trajectory(t: Trajectory, carried: Mapping[str, Any] | None = None) -> WireTrajectory:
+    """An engine's trajectory as the vocabulary carries it (a finished one with its finish reason),
+    with the fields the instance ``carried`` for it."""
+    out = {**(carried or {}), **_wire_fields(t)}
     out["sampling"] = asdict(t.sampling)
     if isinstance(t, CompletedTrajectory):
         out["finish_reason"] = t.finish_reason.value
@@ -71,5 +82,5 @@ def wire_trajectory(t: Trajectory) -> WireTrajectory:
     return WireTrajectory.model_validate(out)
 
 
-def progress_part(p: Progress) -> ProgressPart:
-    return ProgressPart.model_validate(_wire_fields(p))
+def progress_part(p: Progress, carried: Mapping[str, Any] | None = None) -> ProgressPart:
+    return ProgressPart.model_validate({**(carried or {}), **_wire_fields(p)})

@@ -143,7 +143,7 @@ class TrajectoryStore:
             update(ts_trajectories)
             .where(ts_trajectories.c.traj_id == bindparam("key"))
             .values({c: bindparam(c) for c in ("state", "instance_id", "tokens", "logprobs", "segments",
-                                               "finish_reason", "reward", "reward_reason", "updated_at")})
+                                               "finish_reason", "reward", "reward_reason", "updated_at", "carried")})
         )
         self._update_group = (
             update(ts_groups).where(ts_groups.c.group_id == bindparam("key"))
@@ -272,7 +272,7 @@ class TrajectoryStore:
         return {"state": t.state.value, "instance_id": t.instance_id, "tokens": _pack_ints(t.tokens),
                 "logprobs": _pack_floats(t.logprobs), "segments": json.dumps([list(s) for s in t.segments]),
                 "finish_reason": t.finish_reason, "reward": t.reward, "reward_reason": t.reward_reason,
-                "updated_at": t.updated_at}
+                "updated_at": t.updated_at, "carried": json.dumps(t.carried) if t.carried else None}
 
     # ------------------------------------------------------------------ the transitions, persisted
 
@@ -529,4 +529,4 @@ def _traj_record(r) -> TrajRecord:
     return TrajRecord(r["traj_id"], r["group_id"], TrajState(r["state"]), r["seq"], r["instance_id"],
                       _unpack_ints(r["tokens"]), _unpack_floats(r["logprobs"]),
                       tuple(tuple(s) for s in json.loads(r["segments"])), r["finish_reason"], r["reward"],
-                      r["reward_reason"], r["updated_at"])
+                      r["reward_reason"], r["updated_at"], json.loads(r["carried"]) if r["carried"] else None)

@@ -11,6 +11,7 @@ from staleflow.api.trajectory import (
     FinishedPart,
     GeneratedPart,
     ProgressPart,
+    ResponseFields,
     TrainingTrajectory,
     WireSampling,
     WireTrajectory,
@@ -24,11 +25,22 @@ def wire_sampling(sampling: SamplingConfig) -> WireSampling:
     return WireSampling(**sampling.model_dump())
 
 
+STORED_RESPONSE_FIELDS = frozenset({"traj_id", "tokens", "logprobs", "segments"})
+"""The response's fields the store keeps in columns of their own; it keeps the others as they come."""
+
+
+def carried_fields() -> set[str]:
+    """The response's fields the store keeps without reading them (``Generated.carried``)."""
+    return set(ResponseFields.model_fields) - STORED_RESPONSE_FIELDS
+
+
 def generated(part: GeneratedPart, instance_id: str | None = None) -> Generated:
     """What an instance generated (a returned partial, or a completion), as the book takes it."""
+    carried = carried_fields()
     return Generated(part.traj_id, tuple(part.tokens), tuple(part.logprobs),
                      tuple((s.version, s.start, s.end) for s in part.segments),
-                     part.finish_reason if isinstance(part, FinishedPart) else None, instance_id)
+                     part.finish_reason if isinstance(part, FinishedPart) else None, instance_id,
+                     part.model_dump(mode="json", include=carried) if carried else None)
 
 
 def progress_checkpoint(part: ProgressPart, instance_id: str) -> ProgressCheckpoint:
@@ -37,9 +49,10 @@ def progress_checkpoint(part: ProgressPart, instance_id: str) -> ProgressCheckpo
 
 
 def _trajectory_fields(t: TrajRecord, g: GroupRecord, sampling: WireSampling) -> dict[str, Any]:
+    carried = {k: v for k, v in t.carried.items() if k in carried_fields()} if t.carried else {}
     return {"traj_id": t.traj_id, "group_id": g.group_id, "prompt_ids": g.prompt_ids, "v_traj": g.v_traj,
             "sampling": sampling, "tokens": t.tokens, "logprobs": t.logprobs,
-            "segments": [{"version": v, "start": s, "end": e} for v, s, e in t.segments]}
+            "segments": [{"version": v, "start": s, "end": e} for v, s, e in t.segments], **carried}
 
 
 def wire_trajectory(t: TrajRecord, g: GroupRecord, sampling: WireSampling) -> WireTrajectory:
