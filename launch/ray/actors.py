@@ -57,7 +57,8 @@ def probe(low: int, high: int, taken: list[int]) -> dict:
 def relay_app(config: JobConfig, namespace: str, name: str, token: str):
     """A relay's parameter server, its versions in node-local storage (shared memory serves them),
     in a directory of this run's own (named after its token's hash): a later job in the same
-    namespace must never find this one's versions there."""
+    namespace must never find this one's versions there. Its egress limit is the job's
+    (``params.egress_gbps``), as the parameter server's."""
     import hashlib
     import tempfile
 
@@ -65,7 +66,7 @@ def relay_app(config: JobConfig, namespace: str, name: str, token: str):
 
     run = hashlib.sha256(token.encode()).hexdigest()[:12]
     where = Path(tempfile.gettempdir()) / f"staleflow-relay-{namespace}-{name}-{run}"
-    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False))
+    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False, egress_gbps=config.params.egress_gbps))
 
 
 def _log_to_state(config: JobConfig, name: str) -> None:
