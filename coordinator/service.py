@@ -585,7 +585,7 @@ class Coordinator:
                            keep_running=keep_running)
 
     def _weights(self, record: InstanceRecord) -> WeightsIn | None:
-        if self.params is None:
+        if self.params is None or self.params_url is None:
             return SimWeightsIn(size_bytes=self.sim_weights_bytes) if self.sim_weights_bytes else None
         return ParamsWeightsIn(url=record.params_url or self.params_url)
 

@@ -34,7 +34,7 @@ ENGINE_FIELDS = frozenset(f.name for f in fields(TrajectoryRequest))
 
 def engine_request(t: WireTrajectory) -> TrajectoryRequest:
     return TrajectoryRequest(
-        **t.model_dump(include=ENGINE_FIELDS - {"sampling", "segments"}),
+        **t.model_dump(include=set(ENGINE_FIELDS - {"sampling", "segments"})),
         sampling=SamplingParams(**t.sampling.model_dump()),
         segments=tuple(Segment(**s.model_dump()) for s in t.segments),
     )
@@ -43,7 +43,7 @@ def engine_request(t: WireTrajectory) -> TrajectoryRequest:
 def carried_by_instance(t: WireTrajectory) -> dict[str, Any]:
     """The trajectory's fields the engine does not know (usually none): the instance keeps them
     while the trajectory runs and hands them back with its partial or its completion."""
-    return t.model_dump(exclude=ENGINE_FIELDS)
+    return t.model_dump(exclude=set(ENGINE_FIELDS))
 
 
 def weights_ref(command: PullCommand) -> WeightsRef:

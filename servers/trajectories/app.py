@@ -12,11 +12,15 @@ from fastapi.responses import JSONResponse
 from staleflow.api.base import ServiceError
 from staleflow.api.trajectories import (
     AckRequest,
+    BatchOut,
+    CheckedOut,
     CheckoutRequest,
     CompletedRequest,
     ProgressRequest,
     ReleaseRequest,
     ReturnRequest,
+    TrajectoriesOut,
+    TrajectoryDetail,
     TrajectoryRoutes,
 )
 from staleflow.config import TrajectoryServerConfig
@@ -70,16 +74,16 @@ def _add_instance_routes(app: FastAPI) -> None:
     """What the coordinator and the instances call: routing, results, failover and cancellation."""
 
     @handles(app, TrajectoryRoutes.pending)
-    async def pending(server: ServerDep) -> dict:
+    async def pending(server: ServerDep) -> TrajectoriesOut:
         """Trajectories waiting to be routed, for the coordinator (V_traj null: initial)."""
         return server.pending()
 
     @handles(app, TrajectoryRoutes.routed)
-    async def routed(server: ServerDep, instance_id: str | None = None) -> dict:
+    async def routed(server: ServerDep, instance_id: str | None = None) -> TrajectoriesOut:
         return server.routed(instance_id)
 
     @handles(app, TrajectoryRoutes.checkout)
-    async def checkout(server: ServerDep, body: CheckoutRequest) -> dict:
+    async def checkout(server: ServerDep, body: CheckoutRequest) -> CheckedOut:
         return await server.checkout(body)
 
     @handles(app, TrajectoryRoutes.give_back)
@@ -130,7 +134,7 @@ def _add_trainer_routes(app: FastAPI) -> None:
         return server.store.length_skew(after_step)
 
     @handles(app, TrajectoryRoutes.batch)
-    async def batch(server: ServerDep, version: Annotated[int, Path(ge=0)]) -> dict:
+    async def batch(server: ServerDep, version: Annotated[int, Path(ge=0)]) -> BatchOut:
         return await server.batch(version)
 
     @handles(app, TrajectoryRoutes.free_batch)
@@ -147,5 +151,5 @@ def _add_trainer_routes(app: FastAPI) -> None:
         return server.trajectories(state, limit, offset)
 
     @handles(app, TrajectoryRoutes.trajectory)
-    async def trajectory(server: ServerDep, traj_id: str) -> dict:
+    async def trajectory(server: ServerDep, traj_id: str) -> TrajectoryDetail:
         return server.trajectory(traj_id)

@@ -127,7 +127,7 @@ class BatchOut(BaseModel):
 class TrajectoryDetail(TrajectorySummary, WireTrajectory):
     """A trajectory in any state (``v_traj`` null: pending, never routed)."""
 
-    v_traj: int | None
+    v_traj: int | None  # pyright: ignore[reportIncompatibleVariableOverride]  (pending: its group has none yet)
     reward: float | None
     reward_reason: str | None
     finish_reason: str | None
