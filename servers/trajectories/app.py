@@ -13,6 +13,7 @@ from staleflow.api.base import ServiceError
 from staleflow.api.trajectories import (
     AckRequest,
     BatchOut,
+    CancellationsOut,
     CheckedOut,
     CheckoutRequest,
     CompletedRequest,
@@ -21,6 +22,7 @@ from staleflow.api.trajectories import (
     ReturnRequest,
     TrajectoriesOut,
     TrajectoryDetail,
+    TrajectoryPage,
     TrajectoryRoutes,
 )
 from staleflow.config import TrajectoryServerConfig
@@ -111,7 +113,7 @@ def _add_instance_routes(app: FastAPI) -> None:
         return server.release(instance_id, body.generated if body else {})
 
     @handles(app, TrajectoryRoutes.cancellations)
-    async def cancellations(server: ServerDep) -> dict:
+    async def cancellations(server: ServerDep) -> CancellationsOut:
         return server.cancellations()
 
     @handles(app, TrajectoryRoutes.cancellations_ack)
@@ -147,7 +149,7 @@ def _add_trainer_routes(app: FastAPI) -> None:
         state: TrajState | None = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
         offset: Annotated[int, Query(ge=0)] = 0,
-    ) -> dict:
+    ) -> TrajectoryPage:
         return server.trajectories(state, limit, offset)
 
     @handles(app, TrajectoryRoutes.trajectory)

@@ -14,6 +14,8 @@ from staleflow.api.base import ServiceError
 from staleflow.api.manager import AsyncManagerClient
 from staleflow.api.trajectories import (
     BatchOut,
+    Cancellation,
+    CancellationsOut,
     CheckedOut,
     CheckoutRequest,
     CompletedRequest,
@@ -21,6 +23,7 @@ from staleflow.api.trajectories import (
     ReturnRequest,
     TrajectoriesOut,
     TrajectoryDetail,
+    TrajectoryPage,
 )
 from staleflow.api.trajectory import GeneratedPart
 from staleflow.config import TrajectoryServerConfig
@@ -175,9 +178,9 @@ class TrajectoryServer:
         ``TrajectoryStore.release_instance``)."""
         return {"released": self.store.release_instance(instance_id, generated)}
 
-    def cancellations(self) -> dict:
-        return {"trajectories": [{"traj_id": t.traj_id, "instance_id": t.instance_id}
-                                 for t in self.store.cancellations()]}
+    def cancellations(self) -> CancellationsOut:
+        return CancellationsOut(trajectories=[Cancellation(traj_id=t.traj_id, instance_id=t.instance_id)
+                                              for t in self.store.cancellations()])
 
     def cancellations_done(self, traj_ids: list[str]) -> dict:
         self.store.cancelled(traj_ids)
@@ -351,10 +354,10 @@ class TrajectoryServer:
 
     # -- inspection ----------------------------------------------------------------------
 
-    def trajectories(self, state: TrajState | None, limit: int, offset: int) -> dict:
+    def trajectories(self, state: TrajState | None, limit: int, offset: int) -> TrajectoryPage:
         rows = self.store.listed(state)
-        return {"counts": self.store.counts(), "total": len(rows),
-                "trajectories": [summary(t, g) for t, g in rows[offset: offset + limit]]}
+        return TrajectoryPage(counts=self.store.counts(), total=len(rows),
+                              trajectories=[summary(t, g) for t, g in rows[offset: offset + limit]])
 
     def trajectory(self, traj_id: str) -> TrajectoryDetail:
         found = self.store.trajectory(traj_id)
