@@ -23,6 +23,7 @@ from staleflow.launch.ray.common import (
     is_relay,
     join_url,
     relay_on,
+    start_timeout,
     trainer_rank_name,
 )
 from staleflow.ports import free_port_between
@@ -158,7 +159,7 @@ class Component:
         make_app = (lambda: relay_app(config, namespace, name, token)) if is_relay(name) else \
             (lambda: build_app(name, config, endpoints))
         app = make_app()
-        timeout = config.cluster.start_timeout_s or (60.0 if config.engine == "sim" else 900.0)
+        timeout = start_timeout(config)
         self.server = None
         if not moved:
             try:

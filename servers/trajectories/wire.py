@@ -17,6 +17,7 @@ from staleflow.api.trajectory import (
     WireTrajectory,
 )
 from staleflow.config import SamplingConfig
+from staleflow.servers.trajectories.store import prompt_key
 from staleflow.trajectory_book import Generated, GroupRecord, ProgressCheckpoint, TrajRecord
 
 
@@ -68,7 +69,7 @@ def training_trajectory(t: TrajRecord, g: GroupRecord, sampling: WireSampling) -
 def _summary_fields(t: TrajRecord, g: GroupRecord) -> dict[str, Any]:
     return {"traj_id": t.traj_id, "group_id": g.group_id, "state": t.state.value, "v_traj": g.v_traj,
             "length": len(g.prompt_ids) + len(t.tokens), "generated": len(t.tokens), "instance_id": t.instance_id,
-            "seq": t.seq}
+            "seq": t.seq, "prompt_key": prompt_key(g)}
 
 
 def summary(t: TrajRecord, g: GroupRecord) -> TrajectorySummary:

@@ -1,15 +1,15 @@
 """the response's other fields, carried with a trajectory
 
-Revision ID: 0005_carried
-Revises: 0004_progress
+Revision ID: 0006_carried
+Revises: 0005_finished_lengths
 Create Date: 2026-11-29
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005_carried"
-down_revision = "0004_progress"
+revision = "0006_carried"
+down_revision = "0005_finished_lengths"
 branch_labels = None
 depends_on = None
 
