@@ -33,15 +33,15 @@ from staleflow.api.instance import (
     RouteCommand,
 )
 from staleflow.api.trajectories import AsyncTrajectoryClient, TrajectoryRoutes
-from staleflow.api.trajectory import Completion, FinishedTrajectory, WireTrajectory
+from staleflow.api.trajectory import Completion, WireTrajectory
 from staleflow.config import InstanceConfig
 from staleflow.config.engines import Clock
 from staleflow.engines.base import (
     CompletedTrajectory,
     EngineError,
     EngineSnapshot,
+    PartialTrajectory,
     RolloutEngine,
-    Trajectory,
 )
 from staleflow.engines.factory import create_engine
 from staleflow.engines.sim import SimEngine
@@ -49,6 +49,7 @@ from staleflow.errors import ErrorCode
 from staleflow.servers.instance.wire import (
     carried_by_instance,
     engine_request,
+    finished_trajectory,
     progress_part,
     weights_ref,
     wire_trajectory,
@@ -114,9 +115,8 @@ class Outbox:
     def add(self, instance_id: str, trajectory: CompletedTrajectory, carried: Mapping[str, Any] | None = None) -> None:
         seq = self.next_seq
         self.next_seq += 1
-        finished = wire_trajectory(trajectory, carried)
-        assert isinstance(finished, FinishedTrajectory)
-        self._items[seq] = Completion(seq=seq, instance_id=instance_id, finished_at=time.time(), trajectory=finished)
+        self._items[seq] = Completion(seq=seq, instance_id=instance_id, finished_at=time.time(),
+                                      trajectory=finished_trajectory(trajectory, carried))
         if len(self._items) > self.limit:
             lost = next(iter(self._items))
             self._forget(lost)
@@ -417,7 +417,7 @@ class InstanceServer:
         return PullApplied(**applied, kind="pull", version=command.version, partials=self._handed_back(partials),
                            kept=kept)
 
-    def _handed_back(self, partials: Iterable[Trajectory]) -> list[WireTrajectory]:
+    def _handed_back(self, partials: Iterable[PartialTrajectory]) -> list[WireTrajectory]:
         """Interrupted trajectories as they leave the instance, with what it carried for them."""
         return [wire_trajectory(p, self._carried.pop(p.traj_id, None)) for p in partials]
 

@@ -16,6 +16,7 @@ from staleflow.api.trajectory import FinishedTrajectory, ProgressPart, WireSegme
 from staleflow.engines.base import (
     CompletedTrajectory,
     EngineError,
+    PartialTrajectory,
     Progress,
     SamplingParams,
     Segment,
@@ -71,15 +72,18 @@ def _wire_fields(t: Trajectory | Progress) -> dict[str, Any]:
     return out
 
 
-def wire_trajectory(t: Trajectory, carried: Mapping[str, Any] | None = None) -> WireTrajectory:
-    """An engine's trajectory as the vocabulary carries it (a finished one with its finish reason),
-    with the fields the instance ``carried`` for it."""
-    out = {**(carried or {}), **_wire_fields(t)}
-    out["sampling"] = asdict(t.sampling)
-    if isinstance(t, CompletedTrajectory):
-        out["finish_reason"] = t.finish_reason.value
-        return FinishedTrajectory.model_validate(out)
-    return WireTrajectory.model_validate(out)
+def _whole_fields(t: Trajectory, carried: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {**(carried or {}), **_wire_fields(t), "sampling": asdict(t.sampling)}
+
+
+def wire_trajectory(t: PartialTrajectory, carried: Mapping[str, Any] | None = None) -> WireTrajectory:
+    """An engine's partial as the vocabulary carries it, with the fields the instance ``carried`` for it."""
+    return WireTrajectory.model_validate(_whole_fields(t, carried))
+
+
+def finished_trajectory(t: CompletedTrajectory, carried: Mapping[str, Any] | None = None) -> FinishedTrajectory:
+    """An engine's finished trajectory as the vocabulary carries it, with what the instance ``carried``."""
+    return FinishedTrajectory.model_validate({**_whole_fields(t, carried), "finish_reason": t.finish_reason.value})
 
 
 def progress_part(p: Progress, carried: Mapping[str, Any] | None = None) -> ProgressPart:

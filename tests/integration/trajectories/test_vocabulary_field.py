@@ -8,7 +8,10 @@ first built without it: the trajectory id and the response length at that hop. T
 server builds it at a trajectory's first checkout, with no tokens yet, so every hop that carries
 the field (the coordinator's Route, the instance's partials and completions, the server's store
 and its batch) keeps ``<traj_id>@0``; a hop that rebuilt the trajectory instead of carrying it
-would show the tokens it held there.
+would show the tokens it held there. Before the job, one trajectory takes the partial's path on
+its own (checked out, routed to an instance on a virtual clock, interrupted holding tokens, handed
+back), the way the coordinator's Interrupt does, but without depending on timing; the job then
+routes it again from what the trajectory server stored.
 """
 
 from __future__ import annotations
@@ -45,6 +48,25 @@ def declare_field() -> None:
     staleflow.api.trajectory = module  # type: ignore[attr-defined]
 
 
+def hand_back_a_partial(ts_url: str, instance_url: str) -> dict:
+    """One trajectory checked out, routed, interrupted once it holds tokens, and handed back."""
+    from staleflow.api.instance import InstanceClient, InterruptCommand, RouteCommand
+    from staleflow.api.trajectories import Assignment, TrajectoryClient
+
+    with TrajectoryClient(ts_url) as ts, InstanceClient(instance_url) as instance:
+        traj_id = ts.pending().trajectories[0].traj_id
+        routed = ts.checkout(instance_id="probe", assignments=[Assignment(traj_id=traj_id, v_traj=0)]).trajectories
+        instance.command(RouteCommand(command_id="probe-route", trajectories=routed))
+        for _ in range(1000):  # virtual time, a little at a time, until the trajectory holds tokens
+            instance.advance(by=0.005)
+            if instance.progress().held.get(traj_id):
+                break
+        reply = instance.command(InterruptCommand(command_id="probe-interrupt", traj_ids=[traj_id]))
+        (partial,) = reply.partials  # type: ignore[union-attr]
+        ts.give_back(instance_id="probe", partials=reply.partials)  # type: ignore[union-attr]
+        return {"traj_id": traj_id, "tokens": len(partial.tokens), "lineage": partial.lineage}  # type: ignore[attr-defined]
+
+
 def run_job(state: Path) -> dict:
     """The whole job with the field declared; what the trainer trained on and what the store keeps."""
     declare_field()
@@ -52,7 +74,6 @@ def run_job(state: Path) -> dict:
     from contextlib import ExitStack
     from typing import Any
 
-    from staleflow.api.coordinator import CoordinatorClient
     from staleflow.api.trajectories import TrajectoryClient
     from staleflow.config import LedgerConfig
     from staleflow.config.strategy import StrategyConfig, SyncMode
@@ -89,10 +110,13 @@ def run_job(state: Path) -> dict:
         ts_url = stack.enter_context(serve_in_thread(ts_app(ts_config))).url
         params_url = stack.enter_context(serve_in_thread(params_app(ParamsConfig(
             state_dir=state / "params", port=0, fsync=False)))).url
+        with serve_in_thread(instance_app(InstanceConfig(instance_id="probe", sim=SimConfig(
+                workload="ci-tiny", clock="virtual")))) as probe:
+            handed_back = hand_back_a_partial(ts_url, probe.url)
         instances = {name: stack.enter_context(serve_in_thread(instance_app(InstanceConfig(
             instance_id=name, completion_callback_url=TrajectoryClient.completed.url(ts_url),
             sim=SimConfig(workload="ci-tiny", clock="real", speed=20.0))))).url for name in ("a", "b")}
-        coordinator = stack.enter_context(serve_in_thread(coordinator_app(CoordinatorConfig(
+        stack.enter_context(serve_in_thread(coordinator_app(CoordinatorConfig(
             manager_url=manager_url, ts_url=ts_url, cycle_period=0.02, params_url=params_url,
             strategy=StrategyConfig(sync=SyncMode.GREEDY),  # a new version interrupts what runs: partials go back
             instances=[InstanceEndpoint(instance_id=n, url=url) for n, url in instances.items()]))))
@@ -103,8 +127,6 @@ def run_job(state: Path) -> dict:
                     urls={"manager": manager_url, "ts": ts_url, "params": params_url},
                     step_log=StepLog(state / "steps.jsonl"), stop=stop).run()
         watchdog.cancel()
-        with CoordinatorClient(coordinator.url) as co:
-            stats = co.stats()
     store = TrajectoryStore.open(ts_config.database_url())  # read back from the database
     try:
         stored = {}
@@ -113,7 +135,7 @@ def run_job(state: Path) -> dict:
             stored[t["traj_id"]] = None if found is None else found[0].carried
     finally:
         store.close()
-    return {"batches": batches, "interrupted": stats.interrupted, "stored": stored}
+    return {"batches": batches, "handed_back": handed_back, "stored": stored}
 
 
 def test_a_field_declared_once_in_the_vocabulary_reaches_the_trainers_batch(tmp_path: Path) -> None:
@@ -126,7 +148,10 @@ def test_a_field_declared_once_in_the_vocabulary_reaches_the_trainers_batch(tmp_
         assert t["tokens"] > 0
         assert t["lineage"] == f"{t['traj_id']}@0", "carried from the first checkout by every hop"
         assert outcome["stored"][t["traj_id"]] == {"lineage": t["lineage"]}, "kept in the trajectory server's store"
-    assert outcome["interrupted"] > 0, "some trajectories went back and forth as partials"
+    probe = outcome["handed_back"]
+    assert probe["tokens"] > 0 and probe["lineage"] == f"{probe['traj_id']}@0", "the partial carried it back"
+    (again,) = [t for t in trained if t["traj_id"] == probe["traj_id"]]
+    assert again["tokens"] >= probe["tokens"], "routed again from what the trajectory server stored, then trained"
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ from pydantic import TypeAdapter
 
 from staleflow.api.instance import Command, PullCommand, RouteCommand
 from staleflow.api.trajectories import CheckedOut, CompletedRequest, ReturnRequest
-from staleflow.api.trajectory import FinishedTrajectory, ProgressPart, WireTrajectory
+from staleflow.api.trajectory import ProgressPart, WireTrajectory
 from staleflow.config import SamplingConfig
 from staleflow.engines.base import CompletedTrajectory, FinishReason, PartialTrajectory
-from staleflow.servers.instance.wire import engine_request, wire_trajectory
+from staleflow.servers.instance.wire import engine_request, finished_trajectory, wire_trajectory
 from staleflow.servers.trajectories.wire import generated, wire_sampling
 from staleflow.servers.trajectories.wire import wire_trajectory as rendered
 from staleflow.trajectory_book import GroupRecord, GroupState, TrajRecord, TrajState
@@ -56,8 +56,7 @@ def test_a_trajectory_crosses_the_instance_and_comes_back_as_it_went(wire: dict[
     request = engine_request(command.trajectories[0])
     partial = wire_trajectory(PartialTrajectory(**vars(request)))
     assert partial.model_dump(mode="json") == wire and set(wire) == TRAJECTORY_KEYS
-    finished = wire_trajectory(CompletedTrajectory(**vars(request), finish_reason=reason))
-    assert isinstance(finished, FinishedTrajectory)
+    finished = finished_trajectory(CompletedTrajectory(**vars(request), finish_reason=reason))
     assert finished.model_dump(mode="json") == {**wire, "finish_reason": reason.value}
     # what the trajectory server reads of it, as the instance posts it
     body = {"instance_id": "i0", "items": [{"seq": 1, "instance_id": "i0", "finished_at": 0.0,
