@@ -39,6 +39,10 @@ class ShardPiece:
     start: int
     data: Any  # numpy array, CPU torch tensor or any buffer
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes) if hasattr(self.data, "nbytes") else memoryview(self.data).nbytes
+
 
 @dataclass(frozen=True)
 class RawTensor:
