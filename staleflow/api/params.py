@@ -228,8 +228,8 @@ class HolderBeat(BaseModel):
     host_id: str = Field(min_length=1, max_length=256, description="the holder's host (``/proc/sys/kernel/random/boot_id``)")
     zone: str = Field(default="", max_length=256, description="a rack or zone label: pullers in it are served from it first")
     spot: bool = Field(default=False, description="a spot (preemptible) holder: serves, never counts for retention")
-    holdings: dict[int, list[int] | None] = Field(default_factory=dict[int, list[int] | None], description="version -> the chunk indices held "
-                                                                                    "(null: all of them)")
+    holdings: dict[int, list[int] | None] = Field(default_factory=dict[int, list[int] | None],
+                                                  description="version -> the chunk indices held (null: all of them)")
 
 
 class HolderPublish(BaseModel):
