@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -52,7 +53,14 @@ from staleflow.ledger import (
     Transition,
 )
 from staleflow.servers import db
-from staleflow.servers.schema import ledger_entries, ledger_event_counts, ledger_events, ledger_retired, ledger_settings
+from staleflow.servers.schema import (
+    ledger_entries,
+    ledger_event_counts,
+    ledger_events,
+    ledger_retired,
+    ledger_retired_counts,
+    ledger_settings,
+)
 
 
 class StoreError(StaleFlowError, RuntimeError):
@@ -214,7 +222,7 @@ class DurableLedger:
         with self.engine.connect() as conn:
             ops = Counter(dict(conn.execute(select(ledger_events.c.op, func.count()).group_by(ledger_events.c.op)).all()))
             ops.update(dict(conn.execute(select(ledger_event_counts.c.op, ledger_event_counts.c.count)).all()))
-            fates = dict(conn.execute(select(ledger_retired.c.fate, func.count()).group_by(ledger_retired.c.fate)).all())
+            fates = dict(conn.execute(select(ledger_retired_counts.c.fate, ledger_retired_counts.c.count)).all())
         return LedgerStats(
             admitted=ops.get("reserve", 0),
             occupied=ops.get("occupy", 0),
@@ -377,6 +385,7 @@ class DurableLedger:
             conn.execute(self._delete_entry, deletes)
         if retired:
             conn.execute(insert(ledger_retired), retired)
+            _add_counts(conn, ledger_retired_counts, ledger_retired_counts.c.fate, Counter(r["fate"] for r in retired))
         conn.execute(insert(ledger_events), events)
         if settings:
             conn.execute(update(ledger_settings).where(ledger_settings.c.id == 1).values(**settings))
@@ -392,13 +401,7 @@ class DurableLedger:
         counts = dict(conn.execute(select(ledger_events.c.op, func.count()).where(old).group_by(ledger_events.c.op)).all())
         if not counts:
             return
-        kept = dict(conn.execute(select(ledger_event_counts.c.op, ledger_event_counts.c.count)
-                                 .where(ledger_event_counts.c.op.in_(list(counts)))).all())
-        for op, n in counts.items():
-            if op in kept:
-                conn.execute(update(ledger_event_counts).where(ledger_event_counts.c.op == op).values(count=kept[op] + n))
-            else:
-                conn.execute(insert(ledger_event_counts).values(op=op, count=n))
+        _add_counts(conn, ledger_event_counts, ledger_event_counts.c.op, counts)
         conn.execute(delete(ledger_events).where(old))
 
     def _flush(self, conn: Connection, inserts: list[dict], updates: list[dict] | None = None) -> None:
@@ -467,6 +470,16 @@ class DurableLedger:
                 .order_by(ledger_retired.c.group_id)
             )
             return [r.group_id for r in rows]
+
+
+def _add_counts(conn: Connection, table, key, counts: Mapping[str, int]) -> None:
+    """Add ``counts`` to the (key, count) rows of ``table``."""
+    kept = dict(conn.execute(select(key, table.c.count).where(key.in_(list(counts)))).all())
+    for name, n in counts.items():
+        if name in kept:
+            conn.execute(update(table).where(key == name).values(count=kept[name] + n))
+        else:
+            conn.execute(insert(table).values({key.name: name, "count": n}))
 
 
 def consumption_record(url: str) -> tuple[list[str], list[tuple[str, int, int]]]:

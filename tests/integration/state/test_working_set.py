@@ -4,11 +4,12 @@ nothing that is still needed leaves with them."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text
 
 from staleflow.errors import ErrorCode
 from staleflow.ledger import Fate, LedgerError, LedgerParams
@@ -371,3 +372,31 @@ def test_every_in_memory_collection_of_the_trajectory_store_stays_bounded_howeve
         assert store.archived_count() == 60 * BATCH * MEMBERS
     finally:
         store.close()
+
+
+def test_opening_a_ledger_counts_its_statistics_without_scanning_its_history(tmp_path: Path) -> None:
+    """A restart reads the retired groups' counts by fate from their own table: no statement it
+    makes scans ``ledger_retired`` (every group of the run), so it costs the same at any age."""
+    url = db.sqlite_url(tmp_path / "ledger.db")
+    ledger = DurableLedger.open(url, PARAMS, event_retention=20)
+    try:
+        ledger_steps(ledger, 0, 30)
+        before = ledger.stats
+    finally:
+        ledger.close()
+    engine = db.make_engine(url)
+    statements: list[tuple[str, object]] = []
+    event.listen(engine, "before_cursor_execute",
+                 lambda conn, cursor, statement, parameters, context, many: statements.append((statement, parameters)))
+    ledger = DurableLedger(engine, PARAMS, event_retention=20)
+    try:
+        assert ledger.stats == before
+        assert (before.consumed_groups, before.aborted) == (60, 30)
+        reads = [(s, p) for s, p in statements if "ledger_retired" in s and s.lstrip().upper().startswith("SELECT")]
+        assert reads, "the recently retired groups are read back"
+        with engine.connect() as conn:
+            for statement, parameters in reads:
+                plan = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters).all()
+                assert not [row for row in plan if re.search(r"SCAN ledger_retired\b", row[-1])], (statement, plan)
+    finally:
+        ledger.close()
