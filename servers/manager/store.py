@@ -98,6 +98,9 @@ class DurableLedger:
     def __init__(self, engine: Engine, params: LedgerParams, owner_wait: float = 60.0, event_retention: int = 10_000):
         self.engine = engine
         self.event_retention = event_retention
+        # events up to this id were compacted (or are consume events, kept): the next compaction
+        # reads only what came after, not the run's every consume event again
+        self._compacted_through = 0
         self._lock = threading.Lock()
         db.wait_until_reachable(engine, "the staleness manager's ledger")
         db.upgrade(engine)
@@ -314,6 +317,7 @@ class DurableLedger:
                         self._write(conn, list(done.values()))
             except Exception as exc:
                 self._stale = True  # memory holds the batch; reload before the next write
+                self._compacted_through = 0  # a compaction in the failed transaction did not happen
                 try:
                     self.ledger = self._load(self.params)
                     self._stale = False
@@ -396,13 +400,20 @@ class DurableLedger:
         """Events of groups no longer live, older than the retention window, leave the log; their
         counts by op are kept. Consume events stay."""
         newest = conn.execute(select(func.max(ledger_events.c.id))).scalar_one() or 0
-        old = ((ledger_events.c.id <= newest - self.event_retention) & (ledger_events.c.op != "consume")
-               & ledger_events.c.group_id.not_in(select(ledger_entries.c.group_id)))
-        counts = dict(conn.execute(select(ledger_events.c.op, func.count()).where(old).group_by(ledger_events.c.op)).all())
-        if not counts:
+        through = newest - self.event_retention
+        if through <= self._compacted_through:
             return
-        _add_counts(conn, ledger_event_counts, ledger_event_counts.c.op, counts)
-        conn.execute(delete(ledger_events).where(old))
+        window = ((ledger_events.c.id > self._compacted_through) & (ledger_events.c.id <= through)
+                  & (ledger_events.c.op != "consume"))
+        old = window & ledger_events.c.group_id.not_in(select(ledger_entries.c.group_id))
+        counts = dict(conn.execute(select(ledger_events.c.op, func.count()).where(old).group_by(ledger_events.c.op)).all())
+        if counts:
+            _add_counts(conn, ledger_event_counts, ledger_event_counts.c.op, counts)
+            conn.execute(delete(ledger_events).where(old))
+        # the events of a group still live stay, and the next compaction starts at the first of them
+        held = conn.execute(select(func.min(ledger_events.c.id))
+                            .where(window & ledger_events.c.group_id.in_(select(ledger_entries.c.group_id)))).scalar()
+        self._compacted_through = through if held is None else held - 1
 
     def _flush(self, conn: Connection, inserts: list[dict], updates: list[dict] | None = None) -> None:
         if inserts:
