@@ -3,7 +3,8 @@
 Side by side in one process, so that the machine's load weighs on both alike: the trajectory
 store and the durable ledger over a young run's database (a small archive, few retired groups)
 and over an old run's (a large archive, written straight into the archive tables through SQLite),
-the same working set in each. Every training step goes through the calls a step makes (the store's:
+the same working set in each, and the trajectory server's length-skew accounting as many steps
+in (its totals, read by every health probe, and the step log's read). Every training step goes through the calls a step makes (the store's:
 pending, routed, cancellations, reserve's version, checkout, progress, completed, rewarded,
 occupy, consumed, batch, free, which archives; the ledger's: reserve, occupy, consume, the event
 poll), alternating between the two stores; then each store is reopened on its database (a
@@ -24,6 +25,7 @@ from pathlib import Path
 from sqlalchemy import insert
 
 from staleflow.config.manager import LedgerParams
+from staleflow.length_skew import LengthSkew
 from staleflow.servers.manager.bench import _fill_and_drain
 from staleflow.servers.manager.store import DurableLedger
 from staleflow.servers.schema import ledger_events, ledger_retired, ts_groups_archive, ts_trajectories_archive
@@ -101,6 +103,25 @@ def _ledger_step(ledger: DurableLedger, params: LedgerParams, step: int, cursor:
     return events[-1]["id"] if events else cursor
 
 
+def _skew(steps: int) -> LengthSkew:
+    """The trajectory server's length-skew accounting after ``steps`` steps of the default shape."""
+    skew = LengthSkew()
+    for step in range(steps):
+        ids = [f"{step}-{i}" for i in range(GROUPS * MEMBERS)]
+        for i, traj_id in enumerate(ids):
+            skew.sampled([traj_id], 0.0)
+            skew.admitted(traj_id, 0.5)
+            skew.generated(traj_id, 1 + (step * 7 + i * 13) % 2048)
+        skew.consumed(step, [(traj_id, 1) for traj_id in ids])
+    return skew
+
+
+def _skew_step(skew: LengthSkew, cpu: dict[str, list[float]]) -> None:
+    """What a step and a health probe read of it: the totals, and the step log's newest window."""
+    _timed(cpu, "length skew: totals (health)", skew.totals)
+    _timed(cpu, "length skew: step log read", skew.to_json, skew.step - 2)
+
+
 def _ratios(small: dict[str, list[float]], large: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {name: {"small_ms": 1e3 * statistics.median(small[name]), "large_ms": 1e3 * statistics.median(large[name]),
                    "ratio": statistics.median(large[name]) / max(statistics.median(small[name]), 1e-9)}
@@ -118,12 +139,14 @@ def run(steps: int, small_groups: int, large_groups: int, workdir: Path) -> dict
         _old_ledger(ledgers[name], groups, events=groups // GROUPS)
         cursors[name] = 0
     cpu: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in sizes}
+    skews = {name: _skew(groups // GROUPS) for name, groups in sizes.items()}
     for step in range(steps):  # interleaved: the load of any moment weighs on both
         for name in sizes:
             start = time.process_time()
             _store_step(stores[name], step, cpu[name])
             cursors[name] = _ledger_step(ledgers[name], params, step, cursors[name], cpu[name])
             cpu[name]["step (store + ledger)"].append(time.process_time() - start)
+            _skew_step(skews[name], cpu[name])
     archived = {name: stores[name].archived_count() for name in sizes}
     for _ in range(3):
         for name in sizes:
@@ -150,9 +173,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = run(args.steps, args.small_groups, args.large_groups, Path(tmp))
     print(json.dumps({k: v for k, v in result.items() if k != "cpu"}))
-    print(f"{'call':28} {'small ms':>9} {'large ms':>9} {'large/small':>11}")
+    print(f"{'call':30} {'small ms':>9} {'large ms':>9} {'large/small':>11}")
     for name, r in result["cpu"].items():
-        print(f"{name:28} {r['small_ms']:9.3f} {r['large_ms']:9.3f} {r['ratio']:10.2f}x")
+        print(f"{name:30} {r['small_ms']:9.3f} {r['large_ms']:9.3f} {r['ratio']:10.2f}x")
 
 
 if __name__ == "__main__":
