@@ -178,7 +178,7 @@ def _counts_json(generated: Counter[int], fates: Mapping[Fate, Counter[int]], st
 
 WINDOWS_KEPT = 1_000
 """The newest steps whose windows a ``LengthSkew`` keeps (some 5 KiB each): older ones leave memory,
-their counts stay in the totals (the step log has recorded each window as its step ended)."""
+their counts stay in the totals (each window went to the tracker's step metrics as its step ended)."""
 
 
 class LengthSkew:
