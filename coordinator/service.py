@@ -114,6 +114,7 @@ class CoordinatorStats:
     released: int = 0  # trajectories of failed instances handed back to the trajectory server
     reconciled: int = 0  # routed to an instance that did not hold them: handed back after the grace period
     strays_aborted: int = 0  # held by an instance the trajectory server had not routed them to: aborted there
+    rerouted_pulls: int = 0  # Pulls of a version nobody could serve any more, sent again for the newest that exists
     command_count: dict[str, int] = field(default_factory=dict)  # by kind, answered or not
     command_seconds: dict[str, float] = field(default_factory=dict)  # by kind: issued to answered
     phase_ms_total: dict[str, float] = field(default_factory=dict)  # wall time of each step of the cycle, summed
@@ -167,6 +168,9 @@ class Coordinator:
         self._ids = itertools.count(1)
         self._run_id = f"{int(time.time() * 1000):x}"
         self.ps_version = 0
+        # versions whose Pull came back version_unavailable (every holder gone, the PS's copy dropped)
+        # -> the newest version that exists, which Pulls name instead until a newer one appears
+        self.rerouted: dict[int, int] = {}
         self._stopping = False
         self._suspects: dict[Suspicion, float] = {}  # mismatches between the TS and the instances, since when
 
@@ -562,8 +566,8 @@ class Coordinator:
         if Action.ADOPT in joined:
             self.p.adopt(record.instance_id, snap.inst_version, len(run | wait | done))
         if Action.PULL in joined:  # a (re)joining instance starts from the newest weights
-            self.p.pulled(record.instance_id, self.ps_version)
-            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record)}, 1)
+            self.p.pulled(record.instance_id, self._pull_target())
+            self._enqueue(record, "pull", {"version": self._pull_target(), **self._weights(record)}, 1)
         if record.in_flight:
             record.validated = False
             return stalled
@@ -606,9 +610,9 @@ class Coordinator:
             if record.status is InstanceStatus.FAILED:  # silent to its interrupt
                 continue
             self.membership.sync_started(record)
-            self.p.pulled(instance_id, self.ps_version)
+            self.p.pulled(instance_id, self._pull_target())
             keep = {"keep_running": True} if instance_id in commands.kept else {}
-            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record), **keep}, 1)
+            self._enqueue(record, "pull", {"version": self._pull_target(), **self._weights(record), **keep}, 1)
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
         for instance_id, assignments in commands.routes.items():
             assignments = [(t, v) for t, v in assignments if t not in unmoved]
@@ -628,6 +632,34 @@ class Coordinator:
             if trajectories:
                 self.p.routed(instance_id, len(trajectories))
                 self._enqueue(self.instances[instance_id], "route", {"trajectories": trajectories}, len(trajectories))
+
+    def _pull_target(self) -> int:
+        """The version a Pull names: the newest, unless nobody can serve it any more (then the
+        newest version that exists, until a newer one is pushed)."""
+        return self.rerouted.get(self.ps_version, self.ps_version)
+
+    async def _reroute_pull(self, record: InstanceRecord, body: dict) -> None:
+        """A Pull came back ``version_unavailable``: pull the newest version the parameter server
+        (as reference server) says exists instead; the staleness bound admits it or the ledger
+        keeps its groups waiting, as for any instance behind."""
+        if self.params is None:
+            return
+        try:
+            available = (await self.params.references()).available
+        except (ServiceError, httpx.HTTPError) as exc:
+            log.warning("version %d is unavailable and the parameter server did not say which exist: %s", body["version"], exc)
+            return
+        target = max((v for v in available if v < body["version"]), default=None)
+        if target is None:
+            log.warning("version %d is unavailable and no older version exists; the next cycle pulls again", body["version"])
+            return
+        log.warning("version %d is unavailable (no holder, no copy): %s pulls version %d instead",
+                    body["version"], record.instance_id, target)
+        self.rerouted[body["version"]] = target
+        self.stats.rerouted_pulls += 1
+        if record.instance_id in self.p:  # adopted (its first snapshot): what it holds after the Pull
+            self.p.pulled(record.instance_id, target)
+        self._enqueue(record, "pull", {**body, "version": target}, 1)
 
     def _weights(self, record: InstanceRecord) -> dict:
         if self.params is None:
@@ -700,6 +732,8 @@ class Coordinator:
         if refused is not None:
             entry.outcome = f"refused: {refused.body.get('code')}: {refused.detail}"
             record.unvalidated_since = time.monotonic() - self.reconcile_after
+            if kind == "pull" and refused.code is ErrorCode.VERSION_UNAVAILABLE:
+                await self._reroute_pull(record, body)
             return None
         entry.outcome = "ok"
         if isinstance(reply, InterruptApplied | AbortApplied):
