@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from staleflow.config import ParamsConfig
 from staleflow.errors import ErrorCode
 from staleflow.servers.params.rules import (
     ParamsError,
@@ -37,12 +39,27 @@ from staleflow.transports.errors import FormatError
 from staleflow.transports.http import CHECKSUM_HEADER
 from staleflow.transports.layout import ChunkSpec, Manifest, TensorSpec, laid_table, safetensors_header
 from staleflow.transports.regions import ByteRegions
-from staleflow.transports.shm import ShmSlot, default_workers
+from staleflow.transports.shm import ShmSlot, ShmSlots, default_workers
 
 if TYPE_CHECKING:
-    from staleflow.servers.params.store import ParamStore
+    from staleflow.transports.nixl import NixlExporter
 
 log = logging.getLogger(__name__)
+
+
+class PushHost(Protocol):
+    """What the push table needs of the store that owns it (``ParamStore``): its settings, its lock,
+    its versions and memory tier, and where a version made visible goes."""
+
+    config: ParamsConfig
+    cond: threading.Condition
+    versions: dict[int, StoredVersion]
+    memory: ShmSlots
+    nixl: NixlExporter | None
+
+    def sweep_locked(self) -> None: ...
+
+    def publish(self, stored: StoredVersion) -> None: ...
 
 TABLES_KEPT = 8  # tensor tables a PS remembers by digest (a job pushes one)
 HEADER_ALIGN = 4096  # the data section starts page-aligned, and the header size does not change with the version number
@@ -119,7 +136,7 @@ class PushTable:
     """The pushes in progress, by version, and the tensor tables sent (by digest). Owned by the
     store, under its lock (``cond``); a version made visible is handed to ``store.publish``."""
 
-    def __init__(self, store: ParamStore):
+    def __init__(self, store: PushHost):
         self.store = store
         self._cond = store.cond
         self.pending: dict[int, PendingPush] = {}
