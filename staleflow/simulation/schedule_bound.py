@@ -108,13 +108,14 @@ def schedule_bound(job: BoundedJob) -> ScheduleBound:
         # steps k..m back to back after step k's generation; k's batch came from a run of batches j..k
         for k in range(1, m + 1):
             after = cheapest.train(m - k + 1)
+            # from step 1 on, steps back to back are the trainer's bound, whatever came before
             for j in range(1, k + 1):
                 fluid = released(j) + cheapest.rollout(k - j + 1)
                 if fluid + after > best:
-                    best, reason = fluid + after, "rollout"
+                    best, reason = fluid + after, "trainer" if k == 1 else "rollout"
             critical = released(k) + cheapest.critical[0] + after
             if critical > best:
-                best, reason = critical, "critical path"
+                best, reason = critical, "trainer" if k == 1 else "critical path"
         chain, chain_reason = _chain(cheapest, m, eta, push)
         if chain > best:
             best, reason = chain, chain_reason

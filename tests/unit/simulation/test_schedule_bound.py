@@ -47,7 +47,7 @@ def test_a_straggler_lowers_the_fluid_but_not_the_fastest_critical_path() -> Non
     assert schedule_bound(replace(j, slowdowns=(2.0, 3.0))).makespan_s == pytest.approx(20 + 1)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(exact_sized_jobs)
 def test_the_bound_is_never_above_the_exact_schedule_of_the_model_with_moves(j: BoundedJob) -> None:
     # with moves the model's best schedule is never longer than without (test_bounded_oracle)
