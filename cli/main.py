@@ -284,7 +284,7 @@ def _register_commands() -> None:
         bench_systems,
         calibrate,
         demo,
-        experiment,
+        experiment_staleness,
         explain,
         faults,
         ray_launcher,
@@ -300,7 +300,7 @@ def _register_commands() -> None:
     bench_systems.register(bench_app)
     calibrate.register(app)
     demo.register(app)
-    experiment.register(app)
+    experiment_staleness.register(app)
     explain.register(app)
     faults.register(app)
     ray_launcher.register(app)

@@ -29,7 +29,7 @@ def job_endpoints(launcher: str, namespace: str | None, address: str | None, sta
         return None
     if launcher != "ray":
         raise fail(f"--launcher {launcher!r} is not a launcher", "use --launcher local or --launcher ray")
-    from staleflow.launch.ray_cluster import LauncherError, registry_endpoints
+    from staleflow.launch.ray.common import LauncherError, registry_endpoints
 
     try:
         return registry_endpoints(address or endpoints(state_dir).get("ray_address"), _namespace(namespace, state_dir))
@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
              state_dir: Annotated[Path, typer.Option("--state-dir", help="the run's state directory")] = DEFAULT_STATE_DIR,
              ) -> None:
         """Stop a job on a Ray cluster: kill its actors and remove its placement groups."""
-        from staleflow.launch.ray_cluster import LauncherError, connect, remove_job
+        from staleflow.launch.ray.common import LauncherError, connect, remove_job
 
         ns = _namespace(namespace, state_dir)
         try:

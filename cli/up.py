@@ -105,7 +105,8 @@ def run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launche
 
 def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launcher: str,
             namespace: str | None, ray_address: str | None) -> int:
-    from staleflow.launch.job import Job, JobTracking, StateDirInUse, job_summary, trainer_label
+    from staleflow.launch.plan import trainer_label
+    from staleflow.launch.views import JobTracking, job_summary
     from staleflow.tracking import missing_backends
 
     missing = missing_backends(config.logger.backends)
@@ -114,21 +115,7 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         filename=str(config.state_dir / "job.log") if config.state_dir.exists() else None)
-    from staleflow.database_url import DatabaseUrlError
-    from staleflow.servers.db import DatabaseError
-
-    try:
-        if launcher == "ray":  # imported only here: a local run never loads Ray
-            from staleflow.launch.ray_cluster import LauncherError, RayClusterJob
-
-            try:
-                job = RayClusterJob(config, resume=resume, fresh=fresh, address=ray_address, namespace=namespace)
-            except LauncherError as exc:
-                raise fail(str(exc)) from None
-        else:
-            job = Job(config, resume=resume, fresh=fresh)
-    except (StateDirInUse, DatabaseError, DatabaseUrlError) as exc:
-        raise fail(str(exc)) from None
+    job = _open_job(config, resume, fresh, launcher, namespace, ray_address)
     signals: dict[str, int | None] = {"received": None}
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -159,6 +146,42 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
         raise fail(f"could not start the job: {exc}", f"see the logs in {config.state_dir / 'logs'}") from None
     if not emit:
         console.print(f"  endpoints   {config.state_dir / 'endpoints.json'}")
+    restarts = _follow(job, config, tracking, emit)
+    failure = job.failure
+    summary = job_summary(job, config, restarts, failure)
+    trainer_error = job.trainer_error
+    job.shutdown(release_state_dir=False)  # the report is written while this `up` still owns the directory
+    try:
+        return _conclude(job, config, summary, restarts, failure, trainer_error, signals["received"], emit)
+    finally:
+        job.state_lock.release()
+
+
+def _open_job(config: JobConfig, resume: bool, fresh: bool, launcher: str, namespace: str | None,
+              ray_address: str | None) -> Any:
+    """The launcher's job, its state directory taken; what refuses it is a clear failure."""
+    from staleflow.database_url import DatabaseUrlError
+    from staleflow.launch.local import LocalJob
+    from staleflow.launch.state_lock import StateDirInUse
+    from staleflow.servers.db import DatabaseError
+
+    try:
+        if launcher == "ray":  # imported only here: a local run never loads Ray
+            from staleflow.launch.ray.common import LauncherError
+            from staleflow.launch.ray.job import RayClusterJob
+
+            try:
+                return RayClusterJob(config, resume=resume, fresh=fresh, address=ray_address, namespace=namespace)
+            except LauncherError as exc:
+                raise fail(str(exc)) from None
+        return LocalJob(config, resume=resume, fresh=fresh)
+    except (StateDirInUse, DatabaseError, DatabaseUrlError) as exc:
+        raise fail(str(exc)) from None
+
+
+def _follow(job: Any, config: JobConfig, tracking: Any, emit: Any) -> list[dict]:
+    """Show the running job (a live view, plain lines, or JSON events) and track its steps until it
+    finishes or stops; returns every restart the supervisor recorded."""
     progress = Progress(TextColumn("training steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console)
     task = progress.add_task("steps", total=config.steps)
@@ -197,21 +220,13 @@ def _run_up(config: JobConfig, resume: bool, fresh: bool, json_log: bool, launch
         if live:
             live.stop()
         tracking.close()
-    restarts = show_restarts()
-    failure = job.failure
-    summary = job_summary(job, config, restarts, failure)
-    trainer_error = job.trainer_error
-    job.shutdown(release_state_dir=False)  # the report is written while this `up` still owns the directory
-    try:
-        return _conclude(job, config, summary, restarts, failure, trainer_error, signals["received"], emit)
-    finally:
-        job.state_lock.release()
+    return show_restarts()
 
 
 def _conclude(job: Any, config: JobConfig, summary: dict, restarts: list[dict], failure: str | None,
               trainer_error: str | None, received: int | None, emit: Any) -> int:
     """The end of a run: the report, the last words, the exit status."""
-    from staleflow.launch.job import write_job_report
+    from staleflow.launch.views import write_job_report
     from staleflow.report import length_skew_line
 
     completed = (trainer_error is None and failure is None and received is None
@@ -268,7 +283,7 @@ def _serve_trainer(config: JobConfig, endpoints: dict) -> int:
     import os
     import threading
 
-    from staleflow.launch.job import STARTED_ENV, run_trainer
+    from staleflow.launch.plan import STARTED_ENV, run_trainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -338,7 +353,7 @@ def register(app: typer.Typer, serve_app: typer.Typer) -> None:
         endpoints: Annotated[Path, typer.Option("--endpoints", help="the planned endpoints file")],
     ) -> None:
         """One component of a `staleflow up` job, in its own process (used by `up --processes`)."""
-        from staleflow.launch.job import TRAINER, build_app
+        from staleflow.launch.plan import TRAINER, build_app
         from staleflow.servers.http import serve_forever
 
         try:

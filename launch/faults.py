@@ -31,7 +31,8 @@ from staleflow.api.manager import ManagerClient
 from staleflow.api.params import ParamsApiClient
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig
-from staleflow.launch.job import Job, instance_ids
+from staleflow.launch.local import LocalJob
+from staleflow.launch.plan import instance_ids
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class TokenMeter:
     """Rollout tokens generated so far over all instances, sampled from their /v1/stats; a
     restarted instance's counter starts again at zero, so its previous total is carried."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: LocalJob):
         self.urls = {i: job.endpoints[i]["url"] for i in instance_ids(job.config)}
         self.last: dict[str, int] = {}
         self.carried: dict[str, int] = {}
@@ -135,8 +136,8 @@ class FaultRunResult:
     restarts: dict[str, int] = field(default_factory=dict)
     events: list[dict] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)  # when each step finished, s since the start
-    failover: dict | None = None  # the trajectory server's checkpoint and failover counts (``Job.failover``)
-    length_skew: dict | None = None  # what the bound did to the response lengths (``Job.length_skew``)
+    failover: dict | None = None  # the trajectory server's checkpoint and failover counts (``JobViews.failover``)
+    length_skew: dict | None = None  # what the bound did to the response lengths (``JobViews.length_skew``)
     cycle_s: float | None = None  # the coordinator's mean time from one cycle's start to the next
 
     @property
@@ -178,7 +179,7 @@ class FaultRun:
     # -- the run --------------------------------------------------------------------------
 
     def run(self, progress=None) -> FaultRunResult:
-        job = Job(self.config, fresh=True)
+        job = LocalJob(self.config, fresh=True)
         job.write_planned_endpoints()
         try:
             job.start()
@@ -186,7 +187,7 @@ class FaultRun:
         finally:
             job.shutdown()
 
-    def _drive(self, job: Job, progress) -> FaultRunResult:
+    def _drive(self, job: LocalJob, progress) -> FaultRunResult:
         meter = TokenMeter(job)
         supervisor = job.supervisor
         if supervisor is None:
@@ -252,11 +253,11 @@ class FaultRun:
                 c.close()
 
     @staticmethod
-    def _done(job: Job) -> bool:
+    def _done(job: LocalJob) -> bool:
         """The trainer process exited by itself, having trained every step (a killed one is not done)."""
         return job.finished() and job.trainer_process is not None and job.trainer_process.returncode == 0
 
-    def _inject(self, job: Job, role: str, tv: int, started: float) -> None:
+    def _inject(self, job: LocalJob, role: str, tv: int, started: float) -> None:
         how = "kill"
         if role == "instance":
             names = instance_ids(self.config)
@@ -293,7 +294,7 @@ class FaultRun:
             return None
         return max(self.config.cycle_period, stats.cycle_ms_total / 1e3 / stats.cycles if stats.cycles else 0.0)
 
-    def _decode_rate(self, job: Job, name: str) -> float | None:
+    def _decode_rate(self, job: LocalJob, name: str) -> float | None:
         """The instance's decode steps per wall second so far (a step gives each running trajectory
         one token), from its snapshot's counters on the engine's clock."""
         try:
@@ -307,7 +308,7 @@ class FaultRun:
         return snap.decode_steps / snap.decode_seconds * clock
 
     @staticmethod
-    def _held_progress(job: Job, name: str) -> dict:
+    def _held_progress(job: LocalJob, name: str) -> dict:
         """The instance's held progress, read just before the fault: the response tokens each
         trajectory there holds, and its checkpoint counters."""
         try:
@@ -317,7 +318,7 @@ class FaultRun:
             return {}
 
     @staticmethod
-    def _lost_progress(job: Job, held: dict[str, int]) -> list[int]:
+    def _lost_progress(job: LocalJob, held: dict[str, int]) -> list[int]:
         """Per trajectory held on the failed instance, what the trajectory server lacks of it:
         its response resumes from what the trajectory server holds (a finished one lost nothing)."""
         lost = []
@@ -345,7 +346,7 @@ class FaultRun:
         if fault is not None:
             fault.restarted_at = t - self._started
 
-    def _recovered(self, fault: Fault, job: Job, probe: Probes) -> bool:
+    def _recovered(self, fault: Fault, job: LocalJob, probe: Probes) -> bool:
         """The failed role is back in service (not merely restarted)."""
         if fault.restarted_at is None:
             return False
@@ -378,7 +379,7 @@ class FaultRun:
 
     # -- after the run ----------------------------------------------------------------------
 
-    def _verify(self, job: Job, versions: list[int], ps_versions: list[int], result: FaultRunResult) -> None:
+    def _verify(self, job: LocalJob, versions: list[int], ps_versions: list[int], result: FaultRunResult) -> None:
         cfg, eta, v = self.config, self.config.ledger.eta, result.violations
         if any(b < a for a, b in zip(versions, versions[1:], strict=False)):
             v.append("the ledger's train version went backwards")
@@ -427,7 +428,7 @@ class FaultRun:
                          "ps_latest": latest, "ps_complete": complete}
 
     @staticmethod
-    def _lost_trajectories(job: Job) -> list[str]:
+    def _lost_trajectories(job: LocalJob) -> list[str]:
         """Trajectories the TS believes routed to an instance that holds none of them, seen
         twice a second apart (a completion in flight is not lost)."""
         urls = {k: v["url"] for k, v in job.endpoints.items()}

@@ -3,10 +3,10 @@ keeps any job running, wherever its components run.
 
 Two launchers implement it:
 
-* ``staleflow.launch.job.Job``: this machine; each component a thread of the job's own process
+* ``staleflow.launch.local.LocalJob``: this machine; each component a thread of the job's own process
   (embedded) or a process of its own (``--processes``, and always a vLLM instance or the FSDP
   trainer), the two mixed within one job;
-* ``staleflow.launch.ray_cluster.RayClusterJob``: each component a Ray actor, the trainer a gang
+* ``staleflow.launch.ray.job.RayClusterJob``: each component a Ray actor, the trainer a gang
   of rank actors. Ray's own actor restart is how a dead process comes back there; the supervisor
   decides when a component has failed, waits for (or asks for) its restart and records it.
 
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from staleflow.config import JobConfig
-    from staleflow.launch.supervisor import Supervisor
 
 
 class BeyondRepair(RuntimeError):
@@ -92,26 +91,3 @@ class Launcher(Protocol):
         """Bring the failed component ``name`` back at its planned address; its new process id
         (None: a thread). Raises ``BeyondRepair`` if it cannot be brought back."""
         ...
-
-
-class Supervised:
-    """What a launcher's job reports of its supervision (``staleflow up``'s live view and summary)."""
-
-    supervisor: Supervisor | None = None
-
-    @property
-    def failure(self) -> str | None:
-        """Why supervision stopped the job (a component beyond repair), if it did."""
-        return self.supervisor.failure if self.supervisor is not None else None
-
-    @property
-    def restarts(self) -> list[dict]:
-        """Every failure the supervisor handled, in order (the report's ``restarts``)."""
-        return [r.to_json() for r in self.supervisor.restarts] if self.supervisor is not None else []
-
-    def supervise(self: Any) -> None:
-        """Start the job's supervisor, if the job config asks for one."""
-        if self.config.supervision.enabled:
-            from staleflow.launch.supervisor import Supervisor
-
-            self.supervisor = Supervisor(self, self.config.supervision).start()

@@ -39,7 +39,8 @@ from staleflow.api.manager import ManagerClient
 from staleflow.api.trajectories import TrajectoryClient
 from staleflow.config import JobConfig
 from staleflow.host import status_kib
-from staleflow.launch.job import TRAINER, Job, component_names
+from staleflow.launch.local import LocalJob
+from staleflow.launch.plan import TRAINER, component_names
 from staleflow.servers import db
 from staleflow.servers.schema import ledger_events, ts_trajectories, ts_trajectories_archive
 
@@ -172,7 +173,7 @@ class MemorySampler:
     POLL_S = 0.1
     EVERY_S = 1.0
 
-    def __init__(self, job: Job, manager_url: str, started: float):
+    def __init__(self, job: LocalJob, manager_url: str, started: float):
         self.job, self.started = job, started
         self.samples: list[MemorySample] = []
         self._manager = ManagerClient(manager_url, timeout=5.0)
@@ -224,7 +225,7 @@ class Soak:
 
     def run(self, progress=None) -> SoakResult:
         say = progress or (lambda msg: None)
-        job = Job(self.config, fresh=True)
+        job = LocalJob(self.config, fresh=True)
         job.write_planned_endpoints()
         try:
             job.start()
@@ -234,7 +235,7 @@ class Soak:
 
     # -- the run ---------------------------------------------------------------------------
 
-    def _drive(self, job: Job, say) -> SoakResult:
+    def _drive(self, job: LocalJob, say) -> SoakResult:
         urls = {k: v["url"] for k, v in job.endpoints.items()}
         ts_url, ledger_url = self._database_urls()
         ts_db, ledger_db = db.make_engine(ts_url), db.make_engine(ledger_url)
@@ -336,7 +337,7 @@ class Soak:
         except (httpx.HTTPError, ServiceError, ValueError):
             return None
 
-    def _checkpoint(self, job: Job, step: int, ts_url: str, manager: ManagerClient, coordinator: CoordinatorClient,
+    def _checkpoint(self, job: LocalJob, step: int, ts_url: str, manager: ManagerClient, coordinator: CoordinatorClient,
                     ts_db, ledger_db) -> Checkpoint:
         cpu_before, version_before = self._cpu_seconds(job), self._train_version(manager)
         before, t0 = coordinator.stats(), time.monotonic()
@@ -368,7 +369,7 @@ class Soak:
                           coordinator_cpu_ms, cpu_ms_per_step)
 
     @staticmethod
-    def _cpu_seconds(job: Job) -> dict[str, float]:
+    def _cpu_seconds(job: LocalJob) -> dict[str, float]:
         """User + system CPU seconds of each component's process so far (Linux ``/proc``; empty
         elsewhere, and a component that is a thread of this process is left out)."""
         tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -395,7 +396,7 @@ class Soak:
         return statistics.median(times)
 
     @staticmethod
-    def _restart_ts(job: Job, timeout_s: float = 300.0) -> float | None:
+    def _restart_ts(job: LocalJob, timeout_s: float = 300.0) -> float | None:
         """SIGKILL the trajectory server; seconds until the supervisor has it back (answering)."""
         supervisor = job.supervisor
         assert supervisor is not None

@@ -37,7 +37,7 @@ def main() -> int:
     import staleflow.servers.trajectories
     import staleflow.training.role  # noqa: F401
     from staleflow.config import JobConfig
-    from staleflow.launch.job import TRAINER, build_app, run_trainer
+    from staleflow.launch.plan import TRAINER, build_app, run_trainer
     from staleflow.servers.http import serve_forever
 
     if len(sys.argv) > 1:

@@ -1,7 +1,10 @@
 """One owner per state directory: the ``staleflow up`` (or soak) that runs a job holds an exclusive
 ``flock`` on ``<state dir>/up.lock``, which holds its pid, from before anything in the directory is
 deleted or started until the job has shut down. The kernel drops the lock when the process dies,
-however it dies, so a crashed run never leaves the directory locked."""
+however it dies, so a crashed run never leaves the directory locked.
+
+``take_state_dir`` is how every launcher opens its run's directory: the lock first, then the rules
+of a fresh, resumed or new run."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
+
+from staleflow.config import JobConfig
 
 LOCK_FILE = "up.lock"
 
@@ -62,3 +67,38 @@ def clear_state_dir(state: Path) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
+
+
+def take_state_dir(config: JobConfig, resume: bool, fresh: bool) -> StateDirLock:
+    """Take the state directory's lock first (a live job's directory is refused, untouched), then
+    apply the rules of a fresh, resumed or new run; the lock is released if they refuse."""
+    lock = StateDirLock(config.state_dir)
+    try:
+        _apply_state_rules(config, resume, fresh)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _apply_state_rules(config: JobConfig, resume: bool, fresh: bool) -> None:
+    state = config.state_dir
+    previous = state / "job.json"
+    replaced = previous.exists() and not resume  # a finished run, or an unfinished one with --fresh
+    if previous.exists() and not resume:
+        finished = (state / "report" / "summary.json").exists()
+        if not (fresh or finished):
+            raise StateDirInUse(
+                f"{state} holds an unfinished run; continue it with --resume, or start over with --fresh")
+        clear_state_dir(state)
+    if (url := config.database_url()) is not None:  # a database that outlives the state directory
+        from staleflow.servers.db import prepare_for_run
+
+        prepare_for_run(url, resume, discard=fresh or replaced)
+    if resume and previous.exists():
+        before = JobConfig.model_validate_json(previous.read_text())
+        if before.ledger != config.ledger:
+            raise StateDirInUse(f"{state} was created with {before.ledger}; resume needs the same ledger settings")
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "logs").mkdir(exist_ok=True)
+    (state / "job.json").write_text(config.model_dump_json(indent=2))

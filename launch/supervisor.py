@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import httpx
 
@@ -51,10 +52,10 @@ from staleflow.api.coordinator import CoordinatorClient
 from staleflow.config import SupervisionConfig
 from staleflow.launch import standby
 from staleflow.launch.launcher import BeyondRepair, Launcher
+from staleflow.launch.plan import TRAINER
 
 log = logging.getLogger(__name__)
 
-TRAINER = "trainer"
 COORDINATOR_GRACE_S = 10.0  # after an instance restart, the coordinator's old verdict about it is ignored this long
 
 
@@ -351,3 +352,24 @@ class Supervisor:
         log.error("supervisor: %s; stopping the job", message)
         self.failure = message
         self.job.stop.set()
+
+
+class Supervised:
+    """What a launcher's job reports of its supervision (``staleflow up``'s live view and summary)."""
+
+    supervisor: Supervisor | None = None
+
+    @property
+    def failure(self) -> str | None:
+        """Why supervision stopped the job (a component beyond repair), if it did."""
+        return self.supervisor.failure if self.supervisor is not None else None
+
+    @property
+    def restarts(self) -> list[dict]:
+        """Every failure the supervisor handled, in order (the report's ``restarts``)."""
+        return [r.to_json() for r in self.supervisor.restarts] if self.supervisor is not None else []
+
+    def supervise(self: Any) -> None:
+        """Start the job's supervisor, if the job config asks for one."""
+        if self.config.supervision.enabled:
+            self.supervisor = Supervisor(self, self.config.supervision).start()

@@ -20,6 +20,7 @@ What differs between the two, and where it is handled:
 
 from __future__ import annotations
 
+import importlib.resources
 import logging
 import time
 from collections.abc import Callable
@@ -33,7 +34,6 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-import staleflow.migrations
 from staleflow.backoff import Backoff
 from staleflow.database_url import DatabaseUrlError, masked, normalize_url
 
@@ -83,7 +83,8 @@ def make_engine(url: str, synchronous: str = "FULL") -> Engine:
 
 def _alembic_config() -> AlembicConfig:
     cfg = AlembicConfig()
-    cfg.set_main_option("script_location", str(Path(staleflow.migrations.__file__).parent))
+    # the revisions are read as files: the migrations import the schema, never the other way round
+    cfg.set_main_option("script_location", str(importlib.resources.files("staleflow.migrations")))
     return cfg
 
 

@@ -99,7 +99,7 @@ def write_report(directory: Path, summary: dict, samples: Sequence[Any]) -> list
     if summary.get("length_skew"):
         written.append(directory / "length_skew.md")
         written[-1].write_text(length_skew_markdown(summary["length_skew"]))
-    return [*written, *plot(directory, summary, samples)]
+    return [*written, *plot_job(directory, summary, samples)]
 
 
 FATE_COLUMNS = ("aborted", "filtered", "dropped")
@@ -203,73 +203,14 @@ def plot_length_skew(path: Path, skew: dict) -> Path | None:
     return path
 
 
-def plot(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    # Figure 17: per-instance running / waiting trajectories over time, with sync marks
-    ids = sorted({i for s in samples for i in s.instances})
-    if ids:
-        fig, axes = plt.subplots(len(ids), 1, figsize=(10, 1.6 * len(ids) + 1), sharex=True, squeeze=False)
-        for ax, inst in zip(axes[:, 0], ids, strict=True):
-            ts = [s.t for s in samples if inst in s.instances]
-            run = [s.instances[inst]["running"] for s in samples if inst in s.instances]
-            wait = [s.instances[inst]["waiting"] for s in samples if inst in s.instances]
-            versions = [s.instances[inst]["version"] for s in samples if inst in s.instances]
-            ax.plot(ts, run, label="running", color="tab:blue")
-            ax.plot(ts, wait, label="waiting", color="tab:orange")
-            for k in range(1, len(versions)):
-                if versions[k] is not None and versions[k - 1] is not None and versions[k] != versions[k - 1]:
-                    ax.axvline(ts[k], color="tab:green", linewidth=1)
-                    ax.annotate(f"V{versions[k]}", (ts[k], ax.get_ylim()[1] * 0.85), fontsize=7, color="tab:green")
-            ax.set_ylabel(inst, rotation=0, ha="right", fontsize=8)
-        axes[0, 0].legend(loc="upper right", fontsize=8)
-        axes[-1, 0].set_xlabel("wall seconds")
-        fig.suptitle("Per-instance load over time (green: model synchronizations)")
-        fig.tight_layout()
-        written.append(directory / "instance_load.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    # Figure 18: staleness distribution per buffer
-    per_buffer = summary["staleness_per_buffer"]
-    if per_buffer:
-        versions = sorted(per_buffer, key=int)
-        levels = sorted({int(k) for d in per_buffer.values() for k in d})
-        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(versions) + 3), 4))
-        bottom = [0] * len(versions)
-        for level in levels:
-            counts = [per_buffer[v].get(str(level), 0) for v in versions]
-            ax.bar(versions, counts, bottom=bottom, label=f"staleness {level}")
-            bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
-        ax.set_xlabel("buffer (trainer version)")
-        ax.set_ylabel("trajectories")
-        ax.set_title(f"Staleness V_buf - V_traj per buffer (bound eta = {summary['eta']})")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(directory / "staleness.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    # throughput over time
-    steps = summary["per_step"]
-    if len(steps) >= 1:
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        t_prev, xs, ys = 0.0, [], []
-        for s in steps:
-            dt = max(1e-9, s["finished_at"] - t_prev)
-            xs.append(s["finished_at"])
-            ys.append(s["response_tokens"] / dt)
-            t_prev = s["finished_at"]
-        ax.plot(xs, ys, marker="o")
-        ax.set_xlabel("wall seconds")
-        ax.set_ylabel("trained tokens / wall second")
-        ax.set_title("Throughput per training step")
-        fig.tight_layout()
-        written.append(directory / "throughput.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+def plot_job(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
+    """Every figure of a job's report that its summary and samples have data for."""
+    figures = [
+        plot_instance_load(directory / "instance_load.png", samples),
+        plot_staleness_per_buffer(directory / "staleness.png", summary["staleness_per_buffer"], summary["eta"]),
+        plot_throughput(directory / "throughput.png", summary["per_step"]),
+    ]
+    written = [path for path in figures if path is not None]
     if summary.get("time_breakdown"):
         path = plot_time_breakdown(directory / "time_breakdown.png", summary["time_breakdown"])
         if path is not None:
@@ -282,9 +223,95 @@ def plot(directory: Path, summary: dict, samples: Sequence[Any]) -> list[Path]:
         path = plot_length_skew(directory / "length_skew.png", summary["length_skew"])
         if path is not None:
             written.append(path)
+    steps = summary["per_step"]
     if steps and summary.get("engine") != "sim":  # the sim reward is a coin flip: nothing to plot
         written.append(plot_rewards(directory / "reward.png", {f"eta = {summary['eta']}": steps}))
     return written
+
+
+def plot_instance_load(path: Path, samples: Sequence[Any]) -> Path | None:
+    """Figure 17: per-instance running / waiting trajectories over time, with sync marks."""
+    ids = sorted({i for s in samples for i in s.instances})
+    if not ids:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(ids), 1, figsize=(10, 1.6 * len(ids) + 1), sharex=True, squeeze=False)
+    for ax, inst in zip(axes[:, 0], ids, strict=True):
+        ts = [s.t for s in samples if inst in s.instances]
+        run = [s.instances[inst]["running"] for s in samples if inst in s.instances]
+        wait = [s.instances[inst]["waiting"] for s in samples if inst in s.instances]
+        versions = [s.instances[inst]["version"] for s in samples if inst in s.instances]
+        ax.plot(ts, run, label="running", color="tab:blue")
+        ax.plot(ts, wait, label="waiting", color="tab:orange")
+        for k in range(1, len(versions)):
+            if versions[k] is not None and versions[k - 1] is not None and versions[k] != versions[k - 1]:
+                ax.axvline(ts[k], color="tab:green", linewidth=1)
+                ax.annotate(f"V{versions[k]}", (ts[k], ax.get_ylim()[1] * 0.85), fontsize=7, color="tab:green")
+        ax.set_ylabel(inst, rotation=0, ha="right", fontsize=8)
+    axes[0, 0].legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("wall seconds")
+    fig.suptitle("Per-instance load over time (green: model synchronizations)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_staleness_per_buffer(path: Path, per_buffer: dict, eta: int) -> Path | None:
+    """Figure 18: the staleness distribution of each buffer's trajectories."""
+    if not per_buffer:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    versions = sorted(per_buffer, key=int)
+    levels = sorted({int(k) for d in per_buffer.values() for k in d})
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(versions) + 3), 4))
+    bottom = [0] * len(versions)
+    for level in levels:
+        counts = [per_buffer[v].get(str(level), 0) for v in versions]
+        ax.bar(versions, counts, bottom=bottom, label=f"staleness {level}")
+        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+    ax.set_xlabel("buffer (trainer version)")
+    ax.set_ylabel("trajectories")
+    ax.set_title(f"Staleness V_buf - V_traj per buffer (bound eta = {eta})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(path: Path, steps: Sequence[dict]) -> Path | None:
+    """Trained tokens per wall second of each training step."""
+    if not steps:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    t_prev, xs, ys = 0.0, [], []
+    for s in steps:
+        dt = max(1e-9, s["finished_at"] - t_prev)
+        xs.append(s["finished_at"])
+        ys.append(s["response_tokens"] / dt)
+        t_prev = s["finished_at"]
+    ax.plot(xs, ys, marker="o")
+    ax.set_xlabel("wall seconds")
+    ax.set_ylabel("trained tokens / wall second")
+    ax.set_title("Throughput per training step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_rewards(path: Path, runs: Mapping[str, Sequence[dict]]) -> Path:
@@ -400,7 +427,7 @@ def plot_time_per_version(path: Path, per_version: dict[str, dict[str, float]], 
 
 def plot_staleness_convergence(path: Path, runs: Sequence[dict]) -> Path:
     """The paper's Figure 14: mean reward of the batch against the training step (left) and
-    against wall-clock time (right), one line per run (``staleflow.experiments.run_numbers``
+    against wall-clock time (right), one line per run (``staleflow.staleness_experiment.run_numbers``
     documents), its tokens/s in the legend; the run without a bound is dashed."""
     import matplotlib
 

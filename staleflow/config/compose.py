@@ -1,5 +1,5 @@
 """Each component's config, composed from a job's section for it and the job's endpoints
-(``JobConfig`` has these as methods; ``launch/job.py:build_app`` calls one per component)."""
+(``JobConfig`` has these as methods; ``launch/plan.py:build_app`` calls one per component)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +122,11 @@ def prepare_layers(model: PreTrainedModel, layers: list[torch.nn.Module], policy
         if policy != "none":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(policy))
         return
+    if os.environ.get("TORCHDYNAMO_DISABLE") == "1" or os.environ.get("TORCH_COMPILE_DISABLE") == "1":
+        # torch would run the "compiled" layers eagerly without a word
+        raise ValueError("compile: true, but torch.compile is disabled in this process (TORCHDYNAMO_DISABLE or "
+                         "TORCH_COMPILE_DISABLE is 1; the vLLM CPU engine sets the first for enforce_eager "
+                         "instances in its process): run the trainer in a process of its own, or set compile: false")
     for layer in layers:
         layer.forward = compiled_forward(layer.forward, policy)
 

@@ -120,6 +120,7 @@ class RawHttpConnection:
         self.timeout = timeout
         self.headers = dict(headers or {})  # sent with every request (e.g. Authorization)
         self._reader: SocketReader | None = None
+        self._closing = False  # the last response said ``Connection: close``: drop the socket after its body
 
     def _connection(self, connect_timeout: float | None = None) -> SocketReader:
         if self._reader is None:
@@ -137,6 +138,7 @@ class RawHttpConnection:
         if self._reader is not None:
             self._reader.sock.close()
             self._reader = None
+        self._closing = False
 
     def __enter__(self) -> RawHttpConnection:
         return self
@@ -177,6 +179,7 @@ class RawHttpConnection:
         if "content-length" not in headers:
             self.close()
             raise ConnectionError("response without Content-Length")
+        self._closing = headers.get("connection", "").lower() == "close"
         return status, headers
 
     def read_into(self, views: Sequence[memoryview], piece_bytes: int = PIECE_BYTES) -> Iterator[int]:
@@ -186,6 +189,8 @@ class RawHttpConnection:
         except (OSError, ConnectionError):
             self.close()
             raise
+        if self._closing:  # the server closes its end: the next request opens a new connection
+            self.close()
 
     def read_body(self, length: int) -> bytes:
         buffer = bytearray(length)

@@ -442,7 +442,8 @@ def _answers(url: str) -> bool:
 
 def test_an_infeasible_plan_fails_fast_naming_what_is_missing(local_cluster: LocalCluster, tmp_path: Path) -> None:
     from staleflow.config import JobConfig
-    from staleflow.launch.ray_cluster import LauncherError, RayClusterJob
+    from staleflow.launch.ray.common import LauncherError
+    from staleflow.launch.ray.job import RayClusterJob
 
     too_big = JobConfig.model_validate(yaml.safe_load(job_file(tmp_path, local_cluster.cluster, "staleflow-too-big",
                                                                instances=8).read_text()) | {"state_dir": str(tmp_path / "a")})

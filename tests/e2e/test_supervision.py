@@ -22,7 +22,7 @@ from support import group_state
 
 from staleflow.config import JobConfig, LedgerConfig
 from staleflow.config.manager import LedgerParams
-from staleflow.launch.job import Job
+from staleflow.launch.local import LocalJob
 from staleflow.servers.manager.store import DurableLedger
 from staleflow.servers.trajectories.store import TrajectoryStore
 
@@ -207,7 +207,7 @@ def test_embedded_server_threads_that_stop_are_served_again(tmp_path: Path) -> N
     again at its port, and the run finishes intact."""
     config = JobConfig(engine="sim", workload="ci-tiny", max_tokens=48, instances=2, speed=20.0, steps=8,
                        ledger=LedgerConfig(eta=ETA, batch_size=BATCH, group_size=GROUP), state_dir=tmp_path / "run")
-    job = Job(config, fresh=True)
+    job = LocalJob(config, fresh=True)
     job.write_planned_endpoints()
     stopped: list[str] = []
     try:
@@ -241,7 +241,7 @@ def test_a_start_that_fails_leaves_no_component_process_behind(tmp_path: Path) -
     config = JobConfig(engine="sim", workload="ci-tiny", max_tokens=48, instances=2, speed=20.0, steps=2,
                        processes=True, ledger=LedgerConfig(eta=ETA, batch_size=BATCH, group_size=GROUP),
                        state_dir=tmp_path / "run")
-    job = Job(config, fresh=True)
+    job = LocalJob(config, fresh=True)
     job.write_planned_endpoints()
     job_file = str(config.state_dir / "job.json")
     with socket.socket() as taken:

@@ -167,7 +167,7 @@ def test_compose_file_runs_the_jobs_components() -> None:
     import yaml
 
     from staleflow.config import JobConfig
-    from staleflow.launch.job import TRAINER, build_app, component_names
+    from staleflow.launch.plan import TRAINER, build_app, component_names
 
     root = Path(__file__).resolve().parents[2]
     compose = yaml.safe_load((root / "compose.yaml").read_text())

@@ -14,7 +14,7 @@ try:
     app(sys.argv[1:], standalone_mode=False)
 except SystemExit as exc:
     assert not exc.code, exc.code
-print(json.dumps(sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.") or m.endswith("ray_cluster"))))
+print(json.dumps(sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.") or m.startswith("staleflow.launch.ray"))))
 """
 
 

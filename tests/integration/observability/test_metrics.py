@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from staleflow.config import JobConfig
-from staleflow.launch.job import Job, component_names
+from staleflow.launch.local import LocalJob
+from staleflow.launch.plan import component_names
 from staleflow.metrics import CATALOGUE
 
 DASHBOARDS = sorted((Path(__file__).parents[3] / "deploy" / "grafana").glob("*.json"))
@@ -37,7 +38,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         "engine": "sim", "workload": "ci-tiny", "max_tokens": 48, "instances": 2, "steps": 4, "speed": 20,
         "ledger": {"batch_size": 4, "group_size": 2, "eta": 1}, "logger": [],
         "state_dir": str(tmp_path_factory.mktemp("metrics-job") / "state")})
-    job = Job(config)
+    job = LocalJob(config)
     try:
         job.start()
         deadline = time.monotonic() + 90

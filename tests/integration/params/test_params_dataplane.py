@@ -199,3 +199,27 @@ def test_stopping_the_server_closes_the_data_plane(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     idle.close()
+
+
+def test_a_connection_the_server_closes_is_reopened_for_the_next_request() -> None:
+    """A response with ``Connection: close`` (a 413, a refused unread body) ends the connection:
+    the client opens a new one for its next request instead of writing into the closed socket."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[int] = []
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            accepted.append(1)
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 2\r\nConnection: close\r\n\r\nno")
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    with listener, RawHttpConnection(url, timeout=10) as conn:
+        for _ in range(2):
+            status, _, body = conn.request("GET", "/anything")
+            assert (status, body) == (413, b"no")
+    thread.join(10)
+    assert len(accepted) == 2

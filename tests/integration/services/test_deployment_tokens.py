@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from staleflow.config import JobConfig
-from staleflow.launch.job import build_app
+from staleflow.launch.plan import build_app
 from staleflow.servers.auth import TOKEN_ENV, TOKEN_FILE_ENV, InsecureBind
 from staleflow.servers.http import serve_in_thread
 

@@ -207,12 +207,22 @@ def test_liger_patches_the_layers_before_they_are_sharded_and_keeps_their_names(
     assert patched.train(0, _batch())["loss"] == pytest.approx(plain.train(0, _batch())["loss"])
 
 
+def test_compile_is_refused_where_torch_compile_is_disabled(model_dir: Path, tmp_path: Path, one_rank: None,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    with pytest.raises(ValueError, match="compile: false"):
+        _backend(model_dir, tmp_path, compile=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the first compile takes minutes on two loaded cores
-def test_compiled_layers_train_what_eager_layers_train_with_one_graph(model_dir: Path, tmp_path: Path,
-                                                                      one_rank: None) -> None:
+def test_compiled_layers_train_what_eager_layers_train_with_one_graph(model_dir: Path, tmp_path: Path, one_rank: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo
     from torch._dynamo.utils import counters
+
+    # an in-process vLLM engine earlier in the session sets it (its enforce_eager instances)
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
 
     torch._dynamo.reset()
     counters.clear()

@@ -290,7 +290,7 @@ def test_coordinator_and_up_take_the_cost_from_a_calibration_file(tmp_path: Path
     assert job.calibration is not None and JobConfig.model_validate_json(job.model_dump_json()) == job
     assert job.coordinator.calibration == job.calibration  # the flat setting lives in the coordinator's section
     config = job.coordinator_config({"manager": "http://127.0.0.1:1", "ts": "http://127.0.0.1:2",
-                                     "params": "http://127.0.0.1:3"}, [])  # as launch/job.py does
+                                     "params": "http://127.0.0.1:3"}, [])  # as launch/plan.py does
     cost = resolved_cost(config.cost, config.calibration)
     assert cost.k5 == 1.07 and cost.kv_budget == 5e5
     assert cost.k3 == pytest.approx(HIDDEN.k3, rel=1e-6)

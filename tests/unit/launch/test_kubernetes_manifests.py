@@ -105,7 +105,7 @@ def test_worker_groups_carry_the_labels_and_resources_the_launcher_selects() -> 
         assert group["replicas"] == group["minReplicas"] == group["maxReplicas"], "a fixed-size group"
         assert group["template"]["metadata"]["labels"]["staleflow.io/role"] == role
         if "cluster" in job_fields:  # the Ray launcher's defaults select the nodes marked for each role: these
-            from staleflow.launch.ray_cluster import role_marker
+            from staleflow.launch.ray.placement import role_marker
 
             assert getattr(JobConfig(engine="sim").cluster, role) is None, "the job file names no nodes: the defaults"
             mark = role_marker(role)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config import JobConfig, NodeSelector
-from staleflow.launch.ray_cluster import LauncherError, PlacementPlan, preflight
+from staleflow.launch.ray.common import LauncherError
+from staleflow.launch.ray.placement import PlacementPlan, preflight
 
 
 def node(node_id: str, labels: dict | None = None, **resources: float) -> dict:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from staleflow.experiments import PlannedRun, run_numbers, staleness_plan
+from staleflow.staleness_experiment import PlannedRun, run_numbers, staleness_plan
 
 
 def test_plan_runs_each_bound_then_the_unbounded_contrast() -> None:

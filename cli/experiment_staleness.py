@@ -55,8 +55,8 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="print the results as JSON")] = False,
     ) -> None:
         """Run the real job at eta = 0, 1, 2 and without a bound; plot reward vs step and vs time."""
-        from staleflow.experiments import WINDOW, run_numbers, staleness_plan
         from staleflow.report import plot_staleness_convergence
+        from staleflow.staleness_experiment import WINDOW, run_numbers, staleness_plan
         from staleflow.training.role import StepLog
 
         if config is not None and not config.exists():

@@ -1,38 +1,6 @@
-"""`staleflow up --launcher ray`: the job's components as detached, named Ray actors.
-
-Ray places and restarts the processes; StaleFlow's own HTTP contracts stay the data and control
-plane. Each component (manager, parameter server, reward, trajectory server, rollout instances,
-coordinator) is one actor running what ``staleflow serve component NAME`` runs: ``build_app`` +
-an HTTP server on the node that hosts it. Trainer ranks are one actor each.
-
-* **Placement.** Detached placement groups in a per-job namespace: ``control`` (every control
-  service on CPU, one node), ``trainer`` (one bundle per trainer node, ranks split evenly, bundles
-  sorted by node IP) and ``rollout`` (one bundle per instance, holding its GPUs; none for the sim
-  engine). On a cluster as Ray starts it, roles go wherever there is room; nodes marked for a role
-  (its custom resource or label) or a selector in the job's ``cluster:`` section narrow that.
-  A plan the cluster cannot satisfy fails before anything starts, naming what is missing.
-* **Endpoints** are planned on the node that serves them: a probe task in the component's bundle
-  returns the node's IP and a free port from ``cluster.port_range``. The map is published in
-  ``<state>/endpoints.json`` and in the ``endpoints`` registry actor, so any machine attached to the
-  cluster finds the job by its namespace.
-* **Faults.** A component that dies while the job starts is restarted like one that dies later
-  (one whose start fails exits, so that Ray restarts it) and the start-up waits for it.
-  Service and instance actors restart in place (``max_restarts``), re-binding their
-  planned port; one that comes back on another node takes a new port there, updates the registry
-  and, for an instance, re-registers with the coordinator (``PUT /v1/instances/{id}``). An instance
-  whose engine died exits so Ray restarts it. Trainer ranks restart as a gang (NCCL cannot repair
-  a communicator), resuming from the newest checkpoint and the step log.
-* **Supervision.** The job's supervisor (``staleflow.launch.supervisor``, the same one a local
-  run has) drives this launcher through ``staleflow.launch.launcher.Launcher``: it sees an actor's
-  process die in Ray's actor table, waits for Ray's restart and records it (``summary.json``'s
-  ``restarts``), kills for Ray to restart a service whose health probe keeps failing or an
-  instance the coordinator declares failed, restarts the trainer gang, and stops the job when a
-  component keeps failing (``supervision.max_restarts`` within ``restart_window_s``).
-* **Token.** The run's bearer token is a constructor argument each actor puts into its own
-  environment, never a ``runtime_env`` variable (Ray's dashboard shows those).
-
-Ray is imported lazily: nothing here runs unless ``--launcher ray`` is asked for.
-"""
+"""``RayClusterJob``: the Ray launcher. It places the job's placement groups, plans each
+component's address on its node, starts the components and the trainer gang as actors, watches
+them beside the supervisor, and answers the job's views (``JobViews``) over its endpoints."""
 
 from __future__ import annotations
 
@@ -40,513 +8,57 @@ import contextlib
 import json
 import logging
 import os
-import re
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from staleflow.config import JobConfig, NodeSelector
-from staleflow.launch.launcher import BeyondRepair, Supervised
-from staleflow.launch.state_lock import StateDirLock
+from staleflow.launch.launcher import BeyondRepair
+from staleflow.launch.plan import TRAINER, component_names, instance_ids, step_log, trainer_label
+from staleflow.launch.ray.actors import Component, Registry, TrainerRank, probe
+from staleflow.launch.ray.common import (
+    CONTROL_SERVICES,
+    PLACEMENT_GROUPS,
+    REGISTRY,
+    LauncherError,
+    actor_result,
+    actor_views,
+    import_ray,
+    is_relay,
+    join_url,
+    named_actors,
+    namespace_of,
+    relay_on,
+    remove_job,
+    trainer_rank_name,
+    trainer_world,
+)
+from staleflow.launch.ray.placement import (
+    PLACEMENT_ORDER,
+    RESOURCE_SHARE,
+    PlacementPlan,
+    gpus_per_instance,
+    gpus_per_rank,
+    need_text,
+    preflight,
+    selector_text,
+)
+from staleflow.launch.state_lock import take_state_dir
+from staleflow.launch.supervisor import Supervised
+from staleflow.launch.views import JobViews, Monitor
 
 log = logging.getLogger(__name__)
 
-REGISTRY = "endpoints"
-CONTROL_SERVICES = ("manager", "params", "reward", "ts", "coordinator")
-PLACEMENT_GROUPS = ("control", "rollout", "trainer")
 START_ATTEMPTS = 5  # restarts of a component that never comes up before the start-up gives up on it
-TRAINER = "trainer"  # the trainer gang, one component to the supervisor
-RESOURCE_SHARE = 0.001  # of a role's custom resource per actor: the resource marks nodes, it does not count
-RAY_MISSING = "the Ray launcher needs Ray: pip install 'staleflow[ray]' (Ray 2.60 or newer)"
 
 
-class LauncherError(RuntimeError):
-    """The Ray launcher cannot do what was asked; the message says why and what to change."""
-
-
-def import_ray():
-    try:
-        import ray.exceptions  # binds ray too; the job catches the exceptions' classes
-    except ImportError:
-        raise LauncherError(RAY_MISSING) from None
-    return ray
-
-
-def actor_result(ray: Any, refs: Any, timeout: float | None = None) -> Any:
-    """``ray.get`` of what an actor call returns. Ray's stubs read an actor handle's methods as
-    ``Never``, so the call's result would match ``ray.get``'s list overload; this says Any."""
-    return ray.get(refs, timeout=timeout)
-
-
-def named_actors(ray: Any) -> list[dict[str, str]]:
-    """Every named actor of the cluster, as ``{name, namespace}`` (Ray's stub says a list of names,
-    which it returns for one namespace only)."""
-    return ray.util.list_named_actors(all_namespaces=True)
-
-
-def namespace_of(config: JobConfig) -> str:
-    if config.cluster.namespace:
-        return config.cluster.namespace
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", config.state_dir.resolve().name).strip("-.") or "job"
-    return f"staleflow-{name}"
-
-
-def trainer_rank_name(rank: int) -> str:
-    return f"trainer-{rank}"
-
-
-def trainer_world(config: JobConfig) -> int:
-    return 1 if config.engine == "sim" else config.trainer.world_size
-
-
-# ---------------------------------------------------------------------------- on the nodes
-
-
-def node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-def free_port(host: str, low: int, high: int, taken: set[int] | frozenset = frozenset()) -> int:
-    """A port free on ``host`` now, from [low, high], not in ``taken``; tried from a random start
-    so that launchers on one node rarely race for the same port."""
-    from staleflow.servers.http import free_port_between
-
-    port = free_port_between(host, low, high, taken)
-    if port is None:
-        raise LauncherError(f"no free port on {host} in {low}-{high}; widen cluster.port_range")
-    return port
-
-
-def probe(low: int, high: int, taken: list[int]) -> dict:
-    """Run inside a component's placement: where it will serve."""
-    import ray
-
-    host = node_ip()
-    return {"host": host, "port": free_port(host, low, high, set(taken)),
-            "node_id": ray.get_runtime_context().get_node_id()}
-
-
-def is_relay(name: str) -> bool:
-    return name.startswith("relay-")
-
-
-def relay_on(endpoints: dict[str, dict], node_id: str) -> str | None:
-    """The URL of the parameter-server relay on node ``node_id``, if the job has one there."""
-    return next((e["url"] for n, e in sorted(endpoints.items())
-                 if is_relay(n) and isinstance(e, dict) and e.get("node_id") == node_id), None)
-
-
-def relay_app(config: JobConfig, namespace: str, name: str, token: str):
-    """A relay's parameter server, its versions in node-local storage (shared memory serves them),
-    in a directory of this run's own (named after its token's hash): a later job in the same
-    namespace must never find this one's versions there."""
-    import hashlib
-    import tempfile
-
-    from staleflow.servers.params import ParamsConfig, create_app
-
-    run = hashlib.sha256(token.encode()).hexdigest()[:12]
-    where = Path(tempfile.gettempdir()) / f"staleflow-relay-{namespace}-{name}-{run}"
-    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False))
-
-
-def _join(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _log_to_state(config: JobConfig, name: str) -> None:
-    """Each actor also logs to ``<state>/logs/NAME.log`` where the state directory is reachable
-    (the control node's volume, a shared file system); Ray's own worker logs have it anyway. What
-    is written to ``sys.stderr`` from now on goes there too: the HTTP server logs the cause of a
-    failed start-up there, as a component's own process does on a local run."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with contextlib.suppress(OSError):
-        (config.state_dir / "logs").mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(config.state_dir / "logs" / f"{name}.log")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logging.getLogger().addHandler(handler)
-        # a file of its own: configuring logging (uvicorn does) closes every handler's stream
-        sys.stderr = _Tee(sys.stderr, (config.state_dir / "logs" / f"{name}.log").open("a", buffering=1))
-
-
-class _Tee:
-    """A text stream that writes to ``first`` and to ``second`` (whose failures are ignored)."""
-
-    def __init__(self, first: Any, second: Any):
-        self.first, self.second = first, second
-
-    def write(self, text: str) -> int:
-        with contextlib.suppress(Exception):
-            self.second.write(text)
-            self.second.flush()
-        return self.first.write(text)
-
-    def flush(self) -> None:
-        self.first.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.first, name)
-
-
-class Registry:
-    """The job's endpoints map, for any machine attached to the cluster; kept in a file on its
-    node too, so a restarted registry starts from the newest map, not from the first one."""
-
-    def __init__(self, endpoints: dict[str, dict], path: str):
-        self.path = Path(path)
-        self.endpoints = dict(endpoints)
-        with contextlib.suppress(OSError, ValueError):
-            self.endpoints.update(json.loads(self.path.read_text()))
-
-    def get(self) -> dict[str, dict]:
-        return self.endpoints
-
-    def put(self, name: str, entry: dict) -> dict[str, dict]:
-        self.endpoints[name] = entry
-        with contextlib.suppress(OSError):
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.endpoints, indent=2))
-            os.replace(tmp, self.path)
-        return self.endpoints
-
-
-class Component:
-    """One component of the job, serving on the node Ray placed it on."""
-
-    def __init__(self, name: str, config_json: str, token: str, namespace: str):
-        try:
-            self._start(name, config_json, token, namespace)
-        except Exception:  # Ray never restarts an actor whose constructor raised: exit instead
-            log.exception("%s failed to start; exiting so Ray restarts it", name)
-            logging.shutdown()
-            os._exit(1)
-
-    def _start(self, name: str, config_json: str, token: str, namespace: str) -> None:
-        """Build the component and serve it. A peer restarting meanwhile may make this fail: the
-        process then exits and Ray starts it again, as for a component that dies later."""
-        import ray
-
-        from staleflow.launch.job import build_app
-        from staleflow.servers.auth import TOKEN_ENV
-        from staleflow.servers.http import serve_in_thread
-
-        os.environ[TOKEN_ENV] = token  # for this process's clients; never in the actor's runtime_env
-        self.name = name
-        config = JobConfig.model_validate_json(config_json)
-        _log_to_state(config, name)
-        registry = ray.get_actor(REGISTRY, namespace=namespace)
-        endpoints = actor_result(ray, registry.get.remote())
-        planned, here = endpoints[name], node_ip()
-        node_id = ray.get_runtime_context().get_node_id()
-        moved = planned.get("node_id", node_id) != node_id or planned["host"] != here
-        self.namespace = namespace
-        self.params_url = relay_on(endpoints, node_id) if name.startswith("inst-") else None
-        make_app = (lambda: relay_app(config, namespace, name, token)) if is_relay(name) else \
-            (lambda: build_app(name, config, endpoints))
-        app = make_app()
-        timeout = config.cluster.start_timeout_s or (60.0 if config.engine == "sim" else 900.0)
-        self.server = None
-        if not moved:
-            try:
-                self.server = serve_in_thread(app, here, planned["port"], token=token, startup_timeout=timeout)
-            except OSError:  # someone took the port since: serve on another one, like a moved component
-                moved = True
-                app = make_app()
-        if moved:
-            port = free_port(here, *config.cluster.port_range)
-            endpoints[name] = {"url": _join(here, port), "host": here, "port": port, "node_id": node_id}
-            if self.params_url:
-                endpoints[name]["params_url"] = self.params_url
-            self.server = serve_in_thread(app, here, port, token=token, startup_timeout=timeout)
-            ray.get(registry.put.remote(name, endpoints[name]))
-            log.warning("%s moved to %s", name, endpoints[name]["url"])
-        self.url = endpoints[name]["url"]
-        if name.startswith("inst-"):  # every start: a no-op in place, the new address after a move
-            threading.Thread(target=self._reregister, args=(endpoints,), daemon=True).start()
-        if is_relay(name):
-            from staleflow.servers.params.relay import Mirror
-
-            self.stop_mirror = threading.Event()
-            self.mirror = Mirror(endpoints["params"]["url"], self.url, self.stop_mirror)
-            threading.Thread(target=self.mirror.run, daemon=True, name="mirror").start()
-        self.app = app
-        threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
-
-    def _reregister(self, endpoints: dict[str, dict]) -> None:
-        """Tell the coordinator where this instance serves now (retried until it answers)."""
-        from staleflow.api.base import ServiceError
-        from staleflow.api.coordinator import CoordinatorClient
-
-        body = {"instance_id": self.name, "url": self.url, "params_url": self.params_url}
-        delay = 0.2
-        while True:
-            try:
-                with CoordinatorClient(endpoints["coordinator"]["url"], timeout=10) as c:
-                    c.upsert(self.name, body)
-                return
-            except ServiceError as exc:
-                log.error("the coordinator refused %s's registration: %s", self.name, exc)
-            except Exception as exc:  # the coordinator not up yet, restarting, or moving too
-                log.info("registering %s with the coordinator failed: %s", self.name, exc)
-            time.sleep(delay)  # retry pacing
-            delay = min(delay * 2, 5.0)
-
-    def _watch(self) -> None:
-        """Exit the process when the server stopped or the engine died: Ray then restarts it."""
-        while True:
-            time.sleep(0.5)  # watchdog pacing
-            instance = getattr(self.app.state, "instance", None)
-            engine_dead = bool(getattr(getattr(instance, "engine", None), "dead", False))
-            if engine_dead or self.server is None or not self.server.thread.is_alive():
-                log.error("%s: %s; exiting so Ray restarts it", self.name,
-                          "its engine died" if engine_dead else "its server stopped")
-                os._exit(1)
-
-    def info(self) -> dict:
-        import ray
-
-        context = ray.get_runtime_context()
-        return {"name": self.name, "url": self.url, "pid": os.getpid(), "node_id": context.get_node_id(),
-                "host": node_ip(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
-
-
-class TrainerRank:
-    """One trainer rank. Rank 0 runs the trainer role; the others follow it (FSDP2). The loop
-    runs in a thread so that ``state`` answers while it trains."""
-
-    def __init__(self, rank: int, world: int, master: tuple[str, int], config_json: str, token: str,
-                 namespace: str, started: float | None):
-        import ray
-
-        from staleflow.servers.auth import TOKEN_ENV
-
-        os.environ[TOKEN_ENV] = token
-        os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
-                           "WORLD_SIZE": str(world)})
-        self.rank, self.world = rank, world
-        self.config = JobConfig.model_validate_json(config_json)
-        if self.config.cluster.network_interface:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", self.config.cluster.network_interface)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", self.config.cluster.network_interface)
-        _log_to_state(self.config, trainer_rank_name(rank))
-        self.endpoints = actor_result(ray, ray.get_actor(REGISTRY, namespace=namespace).get.remote())
-        self.stop_event = threading.Event()
-        self.done = False
-        self.error: str | None = None
-        self.started = started
-        self.thread = threading.Thread(target=self._run, daemon=True, name=trainer_rank_name(rank))
-        self.thread.start()
-
-    def _run(self) -> None:
-        urls = {k: v["url"] for k, v in self.endpoints.items() if isinstance(v, dict) and "url" in v}
-        try:
-            if self.config.engine == "sim":
-                from staleflow.launch.job import run_trainer
-
-                run_trainer(self.config, self.endpoints, self.stop_event, self.started)
-            else:
-                from staleflow.launch.job import model_dir
-                from staleflow.training.role import run_fsdp_rank
-
-                role = self.config.trainer_role_config(model_dir(self.config))
-                run_fsdp_rank(role, urls, self.stop_event, self.started)
-            self.done = True
-        except BaseException as exc:  # reported through state(); the launcher restarts the gang
-            log.exception("trainer rank %d failed", self.rank)
-            self.error = repr(exc)
-
-    def state(self) -> dict:
-        import ray
-
-        return {"rank": self.rank, "done": self.done, "error": self.error, "pid": os.getpid(),
-                "alive": self.thread.is_alive(), "node_id": ray.get_runtime_context().get_node_id(),
-                "host": node_ip(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
-
-    def steps(self) -> list:
-        from staleflow.launch.job import step_log
-
-        return step_log(self.config).read()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-
-
-# ---------------------------------------------------------------------------- planning on the driver
-
-
-ROLES = ("control", "rollout", "trainer")
-
-
-def role_marker(role: str) -> NodeSelector:
-    """What marks a node for a role when the job names no nodes for it: the custom resource
-    ``staleflow_<role>``, the label ``staleflow.io/role=<role>``."""
-    return NodeSelector(resource=f"staleflow_{role}", labels={"staleflow.io/role": role})
-
-
-def select_nodes(config: JobConfig, role: str, nodes: list[dict]) -> NodeSelector:
-    """The nodes a role may use. A selector in the job's ``cluster:`` section is kept as it is (no
-    node matching it fails the start). Without one: the nodes marked for the role (its resource,
-    else its label) where any alive node carries the mark, else any node with room, as every
-    Ray cluster starts."""
-    chosen = getattr(config.cluster, role)
-    if chosen is not None:
-        return chosen
-    mark = role_marker(role)
-    alive = [n for n in nodes if n.get("Alive")]
-    if any(n["Resources"].get(mark.resource, 0) > 0 for n in alive):
-        return NodeSelector(resource=mark.resource)
-    if any(_matches(n, NodeSelector(labels=mark.labels)) for n in alive):
-        return NodeSelector(labels=mark.labels)
-    return NodeSelector()
-
-
-def gpus_per_instance(config: JobConfig) -> float:
-    """A simulated instance needs no GPU; a real one its tensor parallelism (1 unless set)."""
-    chosen = config.cluster.gpus_per_instance
-    return chosen if chosen is not None else (0.0 if config.engine == "sim" else 1.0)
-
-
-def gpus_per_rank(config: JobConfig) -> float:
-    """The sim trainer needs no GPU; an FSDP rank one unless set (0: CPU ranks with gloo)."""
-    chosen = config.cluster.gpus_per_rank
-    return chosen if chosen is not None else (0.0 if config.engine == "sim" else 1.0)
-
-
-def _selector_text(role: str, selector: NodeSelector) -> str:
-    parts = []
-    if selector.resource:
-        parts.append(f"custom resource {selector.resource!r}")
-    if selector.labels:
-        parts.append("labels " + ", ".join(f"{k}={v}" for k, v in selector.labels.items()))
-    return f"{role} nodes ({' and '.join(parts) or 'any node'})"
-
-
-def _bundle(selector: NodeSelector, cpus: float, gpus: float = 0.0) -> dict[str, float]:
-    bundle: dict[str, float] = {}
-    if cpus:
-        bundle["CPU"] = cpus
-    if gpus:
-        bundle["GPU"] = gpus
-    if selector.resource:
-        bundle[selector.resource] = RESOURCE_SHARE
-    return bundle or {"CPU": 0.001}  # a bundle must hold something
-
-
-@dataclass
-class PlacementPlan:
-    """What each placement group asks for, and the nodes that may host it: control services on
-    CPU, one bundle per instance holding its GPUs, one bundle per trainer node holding its
-    ranks' GPUs (the GPU count of each split as the job asks)."""
-
-    control: list[dict[str, float]]
-    rollout: list[dict[str, float]]
-    trainer: list[dict[str, float]]  # one bundle per trainer node
-    ranks_per_node: int
-    selectors: dict[str, NodeSelector]
-
-    @staticmethod
-    def of(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
-        c = config.cluster
-        world = trainer_world(config)
-        if world % c.trainer_nodes:
-            raise LauncherError(f"{world} trainer ranks do not split evenly over cluster.trainer_nodes "
-                                f"{c.trainer_nodes}; make trainer.world_size a multiple of it")
-        per_node = world // c.trainer_nodes
-        selectors = {role: select_nodes(config, role, nodes) for role in ROLES}
-        return PlacementPlan(
-            control=[_bundle(selectors["control"], c.cpus_per_service) for _ in (*CONTROL_SERVICES, REGISTRY)],
-            rollout=[_bundle(selectors["rollout"], c.cpus_per_instance, gpus_per_instance(config))
-                     for _ in range(config.instances)],
-            trainer=[_bundle(selectors["trainer"], c.cpus_per_rank * per_node, gpus_per_rank(config) * per_node)
-                     for _ in range(c.trainer_nodes)],
-            ranks_per_node=per_node, selectors=selectors)
-
-
-def _matches(node: dict, selector: NodeSelector) -> bool:
-    if selector.resource and node["Resources"].get(selector.resource, 0) <= 0:
-        return False
-    labels = node.get("Labels") or {}
-    return all(labels.get(k) == v for k, v in selector.labels.items())
-
-
-def _fits(bundle: dict[str, float], capacity: dict[str, float]) -> bool:
-    return all(capacity.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())
-
-
-def _need_text(bundle: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:g}" for k, v in bundle.items() if v != RESOURCE_SHARE)
-
-
-PLACEMENT_ORDER = ("control", "trainer", "rollout")
-"""The order the placement groups are placed in (and checked): the trainer's bundles, one per
-node, are the hardest to fit, so they go before the instances fill the GPUs one by one."""
-
-
-def _take(capacity: dict[str, float], bundle: dict[str, float]) -> None:
-    for k, v in bundle.items():
-        capacity[k] = capacity.get(k, 0.0) - v
-
-
-def preflight(config: JobConfig, nodes: list[dict]) -> PlacementPlan:
-    """Fail now, naming what is missing, when the cluster cannot host the plan (a placement group
-    it cannot satisfy would otherwise wait in PENDING without a word). Roles may share nodes:
-    each takes its room from what the roles placed before it left."""
-    plan = PlacementPlan.of(config, nodes)
-    alive = [n for n in nodes if n.get("Alive")]
-    capacity = {n["NodeID"]: dict(n["Resources"]) for n in alive}
-    problems = []
-    for role in PLACEMENT_ORDER:
-        bundles, selector = getattr(plan, role), plan.selectors[role]
-        candidates = [n["NodeID"] for n in alive if _matches(n, selector)]
-        what = _selector_text(role, selector)
-        if not candidates:
-            problems.append(f"no alive node of the Ray cluster is one of the {what}")
-            continue
-        if role == "control":  # all on one node
-            total: dict[str, float] = {k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}
-            host = next((node for node in candidates if _fits(total, capacity[node])), None)
-            if host is None:
-                problems.append(f"no single one of the {what} has room for the control services "
-                                f"({_need_text(total)})")
-            else:
-                _take(capacity[host], total)
-        elif role == "trainer":  # one bundle per node, on distinct nodes
-            hosts = [node for node in candidates if _fits(bundles[0], capacity[node])]
-            if len(hosts) < len(bundles):
-                problems.append(f"the trainer needs {len(bundles)} of the {what} with {_need_text(bundles[0])} each; "
-                                f"the cluster has {len(hosts)}")
-            for node in hosts[:len(bundles)]:
-                _take(capacity[node], bundles[0])
-        else:
-            for i, bundle in enumerate(bundles):
-                host = next((node for node in candidates if _fits(bundle, capacity[node])), None)
-                if host is None:
-                    gpus = sum(n["Resources"].get("GPU", 0) for n in alive if n["NodeID"] in candidates)
-                    problems.append(f"the {what} cannot hold {len(bundles)} instances of {_need_text(bundle)} "
-                                    f"(room for {i}; GPUs on them: {gpus:g})")
-                    break
-                _take(capacity[host], bundle)
-    if problems:
-        raise LauncherError("the Ray cluster cannot host this job: " + "; ".join(problems))
-    return plan
-
-
-# ---------------------------------------------------------------------------- the job
-
-
-class RayClusterJob(Supervised):
-    """A job whose components are Ray actors; the surface of ``Job`` that ``staleflow up`` uses,
+class RayClusterJob(Supervised, JobViews):
+    """A job whose components are Ray actors; the surface of ``LocalJob`` that ``staleflow up`` uses,
     and a ``staleflow.launch.launcher.Launcher`` for the job's supervisor."""
-
-    state_lock: StateDirLock  # taken by Job._prepare_state_dir
 
     check_interval_s = 0.5  # one look at Ray's actor table per round
     keeps_standby = False  # Ray starts each actor's process itself: no warm standby takes a role
@@ -554,15 +66,13 @@ class RayClusterJob(Supervised):
 
     def __init__(self, config: JobConfig, resume: bool = False, fresh: bool = False,
                  address: str | None = None, namespace: str | None = None):
-        from staleflow.launch.job import Job, Monitor, step_log
-
         self.ray = import_ray()
         self.resume = resume
         self.config = config
         self.state = config.state_dir
         self.namespace = namespace or namespace_of(config)
         self.address = address or config.cluster.address or os.environ.get("RAY_ADDRESS") or "auto"
-        Job._prepare_state_dir(self, resume, fresh)  # the same lock and state-directory rules as a local run
+        self.state_lock = take_state_dir(config, resume, fresh)  # the same lock and rules as a local run
         self.stop = threading.Event()
         self.started = time.monotonic()
         self.endpoints: dict[str, dict] = {}
@@ -690,8 +200,6 @@ class RayClusterJob(Supervised):
 
     def _running(self, on_started: Callable[[str, str], None] | None) -> None:
         """The trainer runs (started or attached to): record where everything is and watch it."""
-        from staleflow.launch.job import trainer_label
-
         self._write_placement()
         if on_started:
             on_started("trainer", trainer_label(self.config))
@@ -734,8 +242,8 @@ class RayClusterJob(Supervised):
             if not ready:
                 self._remove_groups()
                 raise LauncherError(
-                    f"placement group {group} ({len(bundles)} × {_need_text(bundles[0])}, {strategy}) was not placed in "
-                    f"{c.placement_timeout_s:g} s on the {_selector_text(group, selector)}: the cluster lacks free room "
+                    f"placement group {group} ({len(bundles)} × {need_text(bundles[0])}, {strategy}) was not placed in "
+                    f"{c.placement_timeout_s:g} s on the {selector_text(group, selector)}: the cluster lacks free room "
                     "for it (other jobs may hold it); see `ray status`")
         self._order_bundles()
 
@@ -786,7 +294,7 @@ class RayClusterJob(Supervised):
                                                scheduling_strategy=self._scheduling(name)).remote(
                 low, high, taken.get("any", [])), timeout=120)
             taken.setdefault("any", []).append(where["port"])  # one list: test clusters share one IP
-            planned[name] = {"url": _join(where["host"], where["port"]), "host": where["host"], "port": where["port"],
+            planned[name] = {"url": join_url(where["host"], where["port"]), "host": where["host"], "port": where["port"],
                              "node_id": where["node_id"]}
             if name.startswith("inst-") and (relay := relay_on(planned, where["node_id"])):
                 planned[name]["params_url"] = relay
@@ -794,8 +302,6 @@ class RayClusterJob(Supervised):
 
     def _names(self) -> list[str]:
         """Start order: the control services, the relays, the instances, the coordinator."""
-        from staleflow.launch.job import component_names
-
         names = component_names(self.config)
         relays = [f"relay-{k}" for k in range(len(self.relay_bundles))]
         at = names.index("ts") + 1
@@ -850,7 +356,6 @@ class RayClusterJob(Supervised):
     def _release_previous_instances(self) -> None:
         from staleflow.api.base import ServiceError
         from staleflow.api.trajectories import TrajectoryClient
-        from staleflow.launch.job import instance_ids
 
         timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
         deadline = time.monotonic() + timeout
@@ -871,8 +376,6 @@ class RayClusterJob(Supervised):
                     time.sleep(0.2)  # retry pacing while the trajectory server restarts
 
     def _publish(self) -> None:
-        from staleflow.launch.job import trainer_label
-
         (self.state / "endpoints.json").write_text(json.dumps(
             {**self.endpoints, "state_dir": str(self.state.resolve()), "trainer": trainer_label(self.config),
              "token_file": str((self.state / "token").resolve()), "launcher": "ray", "namespace": self.namespace,
@@ -1169,32 +672,6 @@ class RayClusterJob(Supervised):
             with contextlib.suppress(Exception):
                 self.ray.util.remove_placement_group(pg)
 
-    # the job's views read the components over HTTP, wherever they run: the same code as Job's
-    def engine_stats(self) -> dict[str, dict]:
-        from staleflow.launch.job import Job
-
-        return Job.engine_stats(self)
-
-    def coordinator_stats(self) -> dict | None:
-        from staleflow.launch.job import Job
-
-        return Job.coordinator_stats(self)
-
-    def failover(self) -> dict | None:
-        from staleflow.launch.job import Job
-
-        return Job.failover(self)
-
-    def length_skew(self, after_step: int = -1) -> dict | None:
-        from staleflow.launch.job import Job
-
-        return Job.length_skew(self, after_step)
-
-    def command_times(self) -> dict[str, float]:
-        from staleflow.launch.job import Job
-
-        return Job.command_times(self)
-
     def info(self, name: str) -> dict:
         """Where a component runs now (pid, node, GPUs), from the actor itself."""
         if name.startswith("trainer-"):
@@ -1205,57 +682,3 @@ class RayClusterJob(Supervised):
 def _incarnation(view: dict) -> tuple:
     """Which process of an actor Ray's record is about: (restarts so far, process id)."""
     return view.get("NumRestarts"), view.get("Pid")
-
-
-def actor_views(ray: Any, actor: Any = None) -> dict:
-    """Ray's records of every actor, by actor id (one call to the GCS actor table); with ``actor``,
-    that actor's record (State, NumRestarts, Pid), empty if Ray cannot say."""
-    from ray._private import state
-
-    with contextlib.suppress(Exception):
-        return state.actors(actor_id=actor._actor_id.hex()) if actor is not None else state.actors()
-    return {}
-
-
-def remove_job(ray: Any, namespace: str) -> dict[str, list[str]]:
-    """Kill every named actor of the job's namespace and remove its placement groups."""
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    killed = []
-    for entry in named_actors(ray):
-        if entry["namespace"] != namespace:
-            continue
-        with contextlib.suppress(Exception):
-            ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
-            killed.append(entry["name"])
-    removed = []
-    for group_id, entry in ray.util.placement_group_table().items():
-        name = entry.get("name") or ""
-        if name.startswith(f"{namespace}-") and name[len(namespace) + 1:] in PLACEMENT_GROUPS \
-                and entry.get("state") != "REMOVED":
-            with contextlib.suppress(Exception):
-                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
-                removed.append(name)
-    return {"actors": killed, "placement_groups": removed}
-
-
-def connect(address: str | None, namespace: str) -> Any:
-    """Attach this process to the cluster as a driver in the job's namespace (for the CLI)."""
-    ray = import_ray()
-    address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING,
-                 configure_logging=False)
-    except ConnectionError as exc:
-        raise LauncherError(f"cannot reach the Ray cluster at {address}: {exc}; pass --ray-address or set $RAY_ADDRESS") from None
-    return ray
-
-
-def registry_endpoints(address: str | None, namespace: str) -> dict[str, dict]:
-    """The endpoints map of the job in ``namespace``, from its registry actor."""
-    ray = connect(address, namespace)
-    try:
-        registry = ray.get_actor(REGISTRY, namespace=namespace)
-    except ValueError:
-        raise LauncherError(f"no StaleFlow job in Ray namespace {namespace!r} (no {REGISTRY!r} actor there)") from None
-    return ray.get(registry.get.remote(), timeout=30)
