@@ -86,10 +86,10 @@ def test_no_simulated_system_that_keeps_the_bound_passes_it(seed: int, sigma: fl
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(st.sampled_from(["ci", "paper-20k", "paper-40k", "paper-dense-32b"]), st.integers(0, 1000),
        st.sampled_from([0.0, 0.25]), st.integers(1, 4), st.sampled_from(_bound_keepers()))
 def test_no_simulated_system_passes_the_bound_on_any_preset(name: str, seed: int, sigma: float, eta: int,
                                                             system: SystemSpec) -> None:
     cluster = replace(scenario(name, seed), straggler_sigma=sigma)
-    _check_no_system_passes_the_bound(cluster, system, eta, cluster.rollout_candidates[-1], min(cluster.steps, 5))
+    _check_no_system_passes_the_bound(cluster, system, eta, cluster.rollout_candidates[0], min(cluster.steps, 4))
