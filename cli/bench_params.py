@@ -45,7 +45,17 @@ def register(bench_app: typer.Typer) -> None:
                                                  "(checksums; over shm the slot's generation stamp), checksum (every byte "
                                                  "hashed), none")] = "auto",
         ranks: Annotated[str, typer.Option(help="trainer ranks pushing at once, comma-separated")] = "1,2,4",
-        instances: Annotated[str, typer.Option(help="instances pulling at once, comma-separated")] = "1,2,4",
+        instances: Annotated[str | None, typer.Option(help="instances pulling at once, comma-separated (default 1,2,4; "
+                                                           "with --sources 1,4,8,16)")] = None,
+        sources: Annotated[str | None, typer.Option(help="bursts instead of push/pull cells: where the instances pull a "
+                                                         "version from, comma-separated (ps: the parameter server's "
+                                                         "fan-out); each burst count, an elastic join and a holder "
+                                                         "killed mid-burst, side by side")] = None,
+        link_gbps: Annotated[float | None, typer.Option("--link-gbps", help="egress limit of every server of the bench, "
+                                                                            "in Gbit/s (a token bucket per endpoint: "
+                                                                            "emulates a NIC; default: none)")] = None,
+        plot: Annotated[Path | None, typer.Option(help="with --sources: also plot burst seconds against instances "
+                                                       "(PNG)")] = None,
         repeats: Annotated[int, typer.Option(help="versions per measurement (median reported)")] = 3,
         chunk_mb: Annotated[int, typer.Option("--chunk-mb", help="PS chunk size in MiB")] = 64,
         pool: Annotated[str, typer.Option(help="auto: when a size does not fit in memory, ranks and instances hold "
@@ -60,7 +70,14 @@ def register(bench_app: typer.Typer) -> None:
         output: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
     ) -> None:
         """Push (N ranks at once), visibility, pull (K instances at once) and end-to-end version
-        latency per state-dict size, next to memcpy of the same bytes."""
+        latency per state-dict size, next to memcpy of the same bytes; with --sources, bursts of
+        instances pulling one version at once from each source."""
+        if link_gbps is not None and not link_gbps > 0:
+            raise fail(f"--link-gbps {link_gbps:g}: give a positive speed in Gbit/s, e.g. --link-gbps 1")
+        if sources is not None:
+            _bursts(sources, sizes, instances or "1,4,8,16", link_gbps, repeats, chunk_mb, plot, as_json, output)
+            return
+        instances = instances or "1,2,4"
         if sizes is None:
             sizes = "" if model else "1GB,4GB,16GB"
         if device not in ("cpu", "cuda"):
@@ -105,8 +122,62 @@ def register(bench_app: typer.Typer) -> None:
                                        "host" if device == "cpu" else device,
                                        planned=lambda steps: progress.update(task, total=steps),
                                        advance=lambda steps: progress.advance(task, steps), verify_modes=verify_list,
-                                       side_by_side=side_by_side, persist=persist)
+                                       side_by_side=side_by_side, persist=persist, link_gbps=link_gbps)
         emit_results(results, output, as_json, _print)
+
+
+def _bursts(sources: str, sizes: str | None, instances: str, link_gbps: float | None, repeats: int, chunk_mb: int,
+            plot: Path | None, as_json: bool, output: Path | None) -> None:
+    """``bench params --sources``: bursts per source (``staleflow.transports.burst``)."""
+    from staleflow.transports.burst import DEFAULT_BURST_BYTES, plot_bursts, run_burst_bench, unknown_sources
+
+    names = [s.strip() for s in sources.split(",") if s.strip()]
+    if not names:
+        raise fail("--sources needs at least one source, e.g. --sources ps")
+    problems = unknown_sources(names)
+    if problems:
+        from staleflow.transports.burst import BURST_SOURCES
+
+        raise fail("; ".join(problems), f"choose from {', '.join(BURST_SOURCES)}")
+    try:
+        size_list = [parse_size(s) for s in (sizes or "").split(",") if s.strip()] or [DEFAULT_BURST_BYTES]
+        counts = sorted({int(k) for k in instances.split(",") if k.strip()})
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if len(size_list) != 1:
+        raise fail("--sources measures one version size at a time: give one --sizes value, e.g. --sizes 128MB")
+    if not counts or counts[0] < 1 or repeats < 1:
+        raise fail("--instances needs positive counts and --repeats at least 1")
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"bursts from {', '.join(names)}", total=None)
+        try:
+            results = run_burst_bench(names, counts, size_list[0], link_gbps, repeats, chunk_mb,
+                                      planned=lambda steps: progress.update(task, total=steps),
+                                      advance=lambda steps: progress.advance(task, steps))
+        except RuntimeError as exc:  # a worker that died, or bytes that are not the version's
+            raise fail(f"the burst bench failed: {exc}") from None
+    if plot is not None:
+        plot_bursts(results, plot)
+    emit_results(results, output, as_json, _print_bursts)
+
+
+def _print_bursts(results: dict) -> None:
+    link = f"{results['link_gbps']:g} Gbit/s per endpoint" if results.get("link_gbps") else "no egress limit"
+    table = Table(title=f"Bursts: instances pulling one {results['bytes'] / 1e6:.0f} MB version at once over http "
+                        f"({results['chunk_mb']} MiB chunks, {link}); median of {results['repeats']}; load average "
+                        f"{results['load_average_before']:.1f} -> {results['load_average_after']:.1f}")
+    for column in ("source", "case", "instances", "burst s", "vs one pull", "vs one version's wire time", "mean pull s",
+                   "delivered GB/s", "links' worth", "join s"):
+        table.add_column(column, justify="left" if column in ("source", "case") else "right")
+    for c in results["cells"]:
+        table.add_row(c["source"], c["kind"].replace("_", " "), str(c["instances"]), f"{c['burst_seconds']:.3f}",
+                      f"{c['vs_single']:.2f}", f"{c['vs_wire_time']:.2f}" if "vs_wire_time" in c else "-",
+                      f"{c['pull_seconds_mean']:.3f}", f"{c['delivered_gb_per_s']:.3f}",
+                      f"{c['links_worth']:.2f}" if "links_worth" in c else "-",
+                      f"{c['join_seconds']:.3f}" if "join_seconds" in c else "-")
+    console.print(table)
+    for skipped in results["skipped"]:
+        console.print(f"  [yellow]{skipped['source']}: {skipped['kind'].replace('_', ' ')} not run: {skipped['why']}[/]")
 
 
 def _print(results: dict) -> None:

@@ -32,6 +32,8 @@ from staleflow.simulation import (
 )
 from staleflow.simulation.experiment import ALL_VANILLA, plan_jobs
 from staleflow.simulation.tables import Table, markdown, tables
+from staleflow.simulation.transfer import WeightSource, WeightTransfer
+from staleflow.transports.egress import GBIT
 
 PRESETS = {"ci": "ci", "paper-20k": "paper-20k", "paper-40k": "paper-40k", "paper-dense-32b": "paper-dense-32b"}
 
@@ -57,12 +59,13 @@ def _etas(text: str) -> tuple[int, ...]:
 
 def build_spec(preset: str, steps: int | None, eta: str, sweep: str | None, systems: str, workload: Path | None,
                instances: int | None, tune: str, seed: int, detail_eta: int | None,
-               straggler_sigma: float = 0.0) -> ExperimentSpec:
+               straggler_sigma: float = 0.0, weight_source: str = "ps", ps_egress_gbps: float | None = None) -> ExperimentSpec:
     if preset not in PRESETS:
         raise fail(f"unknown preset {preset!r}", f"choose one of {', '.join(PRESETS)}")
     if straggler_sigma < 0:
         raise fail(f"--straggler-sigma must be >= 0, got {straggler_sigma}")
     base = replace(scenario(PRESETS[preset], seed), straggler_sigma=straggler_sigma)
+    base = replace(base, transfer=_transfer(base.transfer, weight_source, ps_egress_gbps))
     steps = base.steps if steps is None else steps
     if workload is not None:
         try:
@@ -87,6 +90,15 @@ def build_spec(preset: str, steps: int | None, eta: str, sweep: str | None, syst
         return spec
     except ValueError as exc:
         raise fail(str(exc)) from None
+
+
+def _transfer(transfer: WeightTransfer, source: str, ps_egress_gbps: float | None) -> WeightTransfer:
+    if source not in {s.value for s in WeightSource}:
+        raise fail(f"--weight-source {source!r}", f"choose one of {', '.join(s.value for s in WeightSource)}")
+    if ps_egress_gbps is not None and not ps_egress_gbps > 0:
+        raise fail(f"--ps-egress-gbps must be > 0, got {ps_egress_gbps:g}", "leave it out for an unlimited egress")
+    egress = transfer.ps_egress_bytes_per_s if ps_egress_gbps is None else ps_egress_gbps * GBIT
+    return replace(transfer, source=WeightSource(source), ps_egress_bytes_per_s=egress)
 
 
 def run_with_progress(spec: ExperimentSpec, jobs: int):
@@ -119,12 +131,19 @@ def register(bench_app: typer.Typer) -> None:
         eta: Annotated[str, typer.Option(help="staleness bounds, comma-separated")] = "1,2,3,4",
         sweep: Annotated[str | None, typer.Option(
             help="KEY=V1,V2,...: eta, response, batch, group, gpus, instances, mu, prefill, kv, k5, train, cycle, "
-                 "straggler_sigma, nccl")] = None,
+                 "straggler_sigma, nccl, ps_egress (Gbit/s)")] = None,
         systems: Annotated[str, typer.Option(
             help="all, headline, ablation, or names: verl, one-step, in-flight, in-flight-fifo, staleflow (sf-rsm), "
-                 "sf-[r|x][s|x][m|x], sf-rsm+batch, sf-rsm+group, sf-rsm+ckpt, oracle")] = "all",
+                 "sf-[r|x][s|x][m|x], sf-rsm+batch, sf-rsm+group, sf-rsm+ckpt, oracle; a name ending in +ros: that "
+                 "system with its Pulls served by peers")] = "all",
         straggler_sigma: Annotated[float, typer.Option(
             help="persistent per-instance speed spread: log-normal sigma of each instance's fixed speed factor")] = 0.0,
+        weight_source: Annotated[str, typer.Option(
+            help="where Pulls come from: ps (every instance from the parameter server) or ros (peers serve what they "
+                 "hold, pipelined); a system named <name>+ros uses ros whatever this says")] = WeightSource.PS.value,
+        ps_egress_gbps: Annotated[float | None, typer.Option(
+            help="the parameter server's egress in Gbit/s, shared by the Pulls it serves (default: unlimited, the "
+                 "paper's PS workers on every rollout node)")] = None,
         workload: Annotated[Path | None, typer.Option(
             help="replay response lengths (JSON [[...],...] or JSONL) or a distribution object (JSON)")] = None,
         instances: Annotated[int | None, typer.Option(help="fix the rollout instance count (no split tuning)")] = None,
@@ -142,7 +161,7 @@ def register(bench_app: typer.Typer) -> None:
     ) -> None:
         """Simulated whole RL jobs: synchronous, one-step, in-flight-limited and StaleFlow (R/S/M, redundancy)."""
         spec = build_spec(preset, steps, eta, sweep, systems, workload, instances, "none" if no_tune else tune, seed,
-                          detail_eta, straggler_sigma)
+                          detail_eta, straggler_sigma, weight_source, ps_egress_gbps)
         try:
             result = run_with_progress(spec, jobs)
         except SimulationStalled as exc:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from staleflow.cli.common import fail, flag_names, validation_failure
 from staleflow.config import ParamsConfig, default_of
 
-OPTIONS = ("state_dir", "keep", "transports", "host", "port", "data_port", "shm_dir", "fsync")
+OPTIONS = ("state_dir", "keep", "transports", "host", "port", "data_port", "shm_dir", "fsync", "egress_gbps")
 """Options named after the setting they set; ``--chunk-mb`` and ``--lease-ttl`` are named apart."""
 NO_DATA_PLANE = -1
 
@@ -35,13 +35,14 @@ def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | Non
 
 
 def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, host: str, port: int,
-                  shm_dir: Path, fsync: bool, lease_ttl_s: float, persist: bool = True, data_port: int = 0) -> ParamsConfig:
+                  shm_dir: Path, fsync: bool, lease_ttl_s: float, persist: bool = True, data_port: int = 0,
+                  egress_gbps: float | None = None) -> ParamsConfig:
     try:
         return ParamsConfig.model_validate(dict(  # the transports' names are validated there
             state_dir=state_dir, keep=keep, chunk_bytes=int(chunk_mb * (1 << 20)),
             transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
             host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s, persist=persist,
-            data_port=None if data_port == NO_DATA_PLANE else data_port,
+            data_port=None if data_port == NO_DATA_PLANE else data_port, egress_gbps=egress_gbps,
         ))
     except ValidationError as exc:
         names = {**flag_names(OPTIONS), "chunk_bytes": "--chunk-mb", "lease_ttl_s": "--lease-ttl"}
@@ -70,12 +71,17 @@ def register(serve_app: typer.Typer) -> None:
         = default_of(ParamsConfig, "persist"),
         lease_ttl_s: Annotated[float, typer.Option("--lease-ttl", help="seconds an unused pull lease lives")]
         = default_of(ParamsConfig, "lease_ttl_s"),
+        egress_gbps: Annotated[float | None, typer.Option("--egress-gbps", help="egress limit in Gbit/s over every chunk "
+                                                                              "body this server sends (emulates a NIC; "
+                                                                              "default: none)")]
+        = default_of(ParamsConfig, "egress_gbps"),
     ) -> None:
         """The parameter server: versioned model weights, pushed by the trainer, pulled by instances."""
         from staleflow.servers.params import ParamStore, create_app
         from staleflow.transports.errors import TransportUnavailable
 
-        config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s, persist, data_port)
+        config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s, persist, data_port,
+                               egress_gbps)
         if "nixl" in config.transports:
             from staleflow.transports.nixl import nixl_available
 

@@ -105,6 +105,14 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "strategy": {k: str(v) for k, v in vars(c.strategy).items()},
         }
 
+    @handles(app, CoordinatorRoutes.learning)
+    async def learning(c: CoordinatorDep) -> dict:
+        """What the coordinator learned as the job runs (finished lengths, decode speeds) and the
+        newest ``pull: auto`` choices with the inputs each was made from."""
+        return {"lengths": c.lengths.state() if c.lengths is not None else None,
+                "speeds": {i: c.speeds.speed(i) for i in c.instances},
+                "pull_decisions": [dataclasses.asdict(d) for d in c.pull_decisions]}
+
     _add_instance_routes(app, cost)
     return app
 

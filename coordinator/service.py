@@ -43,7 +43,8 @@ from staleflow.api.params import AsyncParamsClient
 from staleflow.api.trajectories import AsyncTrajectoryClient, TrajectorySummary
 from staleflow.backoff import Backoff
 from staleflow.commands import commands_of
-from staleflow.config.strategy import StrategyConfig, SyncMode
+from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
+from staleflow.coordinator.learning import InstanceInputs, LearnedLengths, PullDecision
 from staleflow.coordinator.membership import Action, InstanceStatus, Liveness, Membership
 from staleflow.coordinator.reconcile import Suspicion, reconcile
 from staleflow.cost_model import CostModel
@@ -152,6 +153,13 @@ class Coordinator:
         self.p = SpeculativeState()
         self.speeds = DecodeSpeeds()  # each instance's decode speed against the cost model, from its snapshots
         self.kv_readings = KvReadings()  # repack: each instance's KV utilisation at the last repack check
+        # length-aware routing and adaptive redundancy: the lengths of finished trajectories, followed
+        # from the trajectory server
+        self.lengths = LearnedLengths() if strategy.length_aware or strategy.adaptive_redundancy else None
+        self._lengths_refused = False  # the trajectory server refused its finished lengths last cycle
+        self._surplus: int | None = None  # the ledger's extra groups per buffer (capacity - B), asked once
+        self._eta = 0
+        self.pull_decisions: deque[PullDecision] = deque(maxlen=200)  # pull: auto, with what each was decided from
         self._repack_due = 0.0 if strategy.migration.repacks else float("inf")  # monotonic time of the next check
         self.refused: dict[str, str] = {}  # instances kept out, and why (repack without KV utilisation)
         self.stats = CoordinatorStats()
@@ -335,6 +343,11 @@ class Coordinator:
                 pass
         pending = [self._pending(t) for t in pending_reply.trajectories]
         on_instances = {t.traj_id: self._pending(t) for t in routed}
+        if self.lengths is not None:
+            with timed("lengths"):
+                pending, on_instances = await self._predict_lengths(pending_reply.trajectories, routed)
+                if self.strategy.adaptive_redundancy:
+                    admission = await self._spare(admission, [*pending, *on_instances.values()])
         states = [self._state(r, observe=True) for r in ready]
         if self.strategy.sync is SyncMode.GLOBAL and any(
                 r.status is not InstanceStatus.FAILED and not (r.validated and r in ready) for r in self.instances.values()):
@@ -347,6 +360,8 @@ class Coordinator:
         self.stats.last_decision_ms = elapsed
         self.stats.decision_ms_total += elapsed
         self.stats.decisions += 1
+        if self.strategy.pull is PullMode.AUTO and plan.syncs:
+            self._record_pulls(plan.syncs, set(plan.kept), states)
         if not plan.empty:
             with timed("issue"):
                 await self._issue(plan)
@@ -361,6 +376,53 @@ class Coordinator:
         self.kv_readings.record(states)
         self._repack_due = now + self.strategy.repack_period_s
         return previous
+
+    async def _predict_lengths(self, waiting: list[TrajectorySummary], routed: list[TrajectorySummary]
+                               ) -> tuple[list[PendingTrajectory], dict[str, PendingTrajectory]]:
+        """Learn the lengths finished since the last cycle, then predict each unfinished
+        trajectory's remainder (``LearnedLengths``); a trajectory server without the feed (an
+        older one) leaves the predictor at its prior."""
+        assert self.lengths is not None
+        try:
+            self.lengths.take(await self.ts.finished_lengths(after=self.lengths.cursor, limit=10_000))
+            self._lengths_refused = False
+        except ServiceError as exc:
+            if not self._lengths_refused:  # once until it answers again: not every cycle
+                log.warning("the trajectory server's finished lengths cannot be read (%s): predicting from what "
+                            "was learned", exc.detail)
+            self._lengths_refused = True
+        generated = {t.traj_id: t.generated for t in waiting}
+        for t in routed:  # an instance's snapshot is newer than the trajectory server's last checkpoint
+            record = self.instances.get(t.instance_id or "")
+            live = record.snapshot.generated if record is not None and record.snapshot is not None else None
+            generated[t.traj_id] = max(t.generated, (live or {}).get(t.traj_id, 0))
+        summaries = waiting + routed
+        prompts = {t.group_id: t.prompt_key for t in summaries}
+        predicted = self.lengths.with_remainders([self._pending(t) for t in summaries], generated, prompts)
+        self.lengths.forget_except(prompts)
+        return predicted[:len(waiting)], {t.traj_id: t for t in predicted[len(waiting):]}
+
+    async def _spare(self, admission: dict[int, int], predicted: list[PendingTrajectory]) -> dict[int, int]:
+        """Adaptive redundancy: the admission table less the extra groups the predicted tail does
+        not call for (``LearnedLengths.spare_admission``)."""
+        assert self.lengths is not None
+        if self._surplus is None:
+            buffers = await self.manager.buffers()
+            if not buffers.buffers:
+                return admission
+            self._surplus, self._eta = buffers.buffers[0].capacity - buffers.batch_size, buffers.eta
+        return self.lengths.spare_admission(admission, predicted, self.strategy, self._eta, self._surplus)
+
+    def _record_pulls(self, syncs: list[str], kept: set[str], states: list[InstanceState]) -> None:
+        """Keep each ``pull: auto`` choice with the inputs it was made from."""
+        inputs = {}
+        for state in states:
+            snap = self.instances[state.instance_id].snapshot
+            inputs[state.instance_id] = InstanceInputs(snap.decode_steps if snap else None,
+                                                       snap.decode_seconds if snap else None, state.speed,
+                                                       state.kv_cache, len(state.running))
+        for instance_id in syncs:
+            self.pull_decisions.append(PullDecision(instance_id, self.ps_version, instance_id in kept, inputs))
 
     @staticmethod
     def _pending(t: TrajectorySummary) -> PendingTrajectory:

@@ -135,3 +135,18 @@ ts_progress = Table(
     Column("at", Float, nullable=False),
     Index("ix_ts_progress_traj", "traj_id"),
 )
+
+# the lengths of finished (completed) trajectories, appended in the completion's transaction: the
+# coordinator's length predictor follows them by id (``GET /v1/finished-lengths?after=``); only the
+# newest ``finished_lengths_kept`` rows stay, so the table is bounded whatever the run's length
+ts_finished_lengths = Table(
+    "ts_finished_lengths",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("traj_id", String(200), nullable=False),
+    Column("group_id", String(200), nullable=False),
+    Column("prompt_key", String(32), nullable=False),  # the same prompt sampled again has the same key
+    Column("length", Integer, nullable=False),  # response tokens
+    Column("at", Float, nullable=False),
+    sqlite_autoincrement=True,  # an id is never used twice, even after the oldest rows were pruned
+)

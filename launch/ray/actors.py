@@ -23,6 +23,7 @@ from staleflow.launch.ray.common import (
     is_relay,
     join_url,
     relay_on,
+    start_timeout,
     trainer_rank_name,
 )
 from staleflow.ports import free_port_between
@@ -57,7 +58,8 @@ def probe(low: int, high: int, taken: list[int]) -> dict:
 def relay_app(config: JobConfig, namespace: str, name: str, token: str):
     """A relay's parameter server, its versions in node-local storage (shared memory serves them),
     in a directory of this run's own (named after its token's hash): a later job in the same
-    namespace must never find this one's versions there."""
+    namespace must never find this one's versions there. Its egress limit is the job's
+    (``params.egress_gbps``), as the parameter server's."""
     import hashlib
     import tempfile
 
@@ -65,7 +67,7 @@ def relay_app(config: JobConfig, namespace: str, name: str, token: str):
 
     run = hashlib.sha256(token.encode()).hexdigest()[:12]
     where = Path(tempfile.gettempdir()) / f"staleflow-relay-{namespace}-{name}-{run}"
-    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False))
+    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False, egress_gbps=config.params.egress_gbps))
 
 
 def _log_to_state(config: JobConfig, name: str) -> None:
@@ -157,7 +159,7 @@ class Component:
         make_app = (lambda: relay_app(config, namespace, name, token)) if is_relay(name) else \
             (lambda: build_app(name, config, endpoints))
         app = make_app()
-        timeout = config.cluster.start_timeout_s or (60.0 if config.engine == "sim" else 900.0)
+        timeout = start_timeout(config)
         self.server = None
         if not moved:
             try:

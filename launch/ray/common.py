@@ -49,6 +49,12 @@ def namespace_of(config: JobConfig) -> str:
     return f"staleflow-{name}"
 
 
+def start_timeout(config: JobConfig) -> float:
+    """How long a component may take to come up: ``cluster.start_timeout_s``, else a minute for the
+    sim engine and 15 for vLLM (an engine on a busy CPU starts slowly)."""
+    return config.cluster.start_timeout_s or (60.0 if config.engine == "sim" else 900.0)
+
+
 def trainer_rank_name(rank: int) -> str:
     return f"trainer-{rank}"
 

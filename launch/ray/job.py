@@ -34,6 +34,7 @@ from staleflow.launch.ray.common import (
     namespace_of,
     relay_on,
     remove_job,
+    start_timeout,
     trainer_rank_name,
     trainer_world,
 )
@@ -141,7 +142,7 @@ class RayClusterJob(Supervised, JobViews):
                                           scheduling_strategy=self._in("control", len(CONTROL_SERVICES)),
                                           **self._options()).remote(self.endpoints, registry_path)
         ray.get(self.registry.get.remote())
-        timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+        timeout = self._start_timeout()
         names = self._names()
         pending: list[str] = []
         for name in names:
@@ -181,7 +182,7 @@ class RayClusterJob(Supervised, JobViews):
         self.monitor.endpoints = self.endpoints
         for name in self._names():
             self.actors[name] = ray.get_actor(name, namespace=self.namespace)
-        timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+        timeout = self._start_timeout()
         self._await(list(self.actors), timeout, on_started)
         self._publish()
         self.started = self.monitor.started = time.monotonic()
@@ -357,7 +358,7 @@ class RayClusterJob(Supervised, JobViews):
         from staleflow.api.base import ServiceError
         from staleflow.api.trajectories import TrajectoryClient
 
-        timeout = self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+        timeout = self._start_timeout()
         deadline = time.monotonic() + timeout
         with TrajectoryClient(self.endpoints["ts"]["url"], token=self.token) as ts:
             for instance_id in instance_ids(self.config):
@@ -548,7 +549,7 @@ class RayClusterJob(Supervised, JobViews):
         return None
 
     def _start_timeout(self) -> float:
-        return self.config.cluster.start_timeout_s or (60.0 if self.config.engine == "sim" else 900.0)
+        return start_timeout(self.config)
 
     # -- watching beside the supervisor ----------------------------------------------------
 

@@ -23,6 +23,7 @@ from staleflow.servers.params.dataplane import ChunkDataPlane
 from staleflow.servers.params.rules import ParamsError, StoredVersion
 from staleflow.servers.params.store import ParamStore
 from staleflow.transports.checksums import checksum_algorithms
+from staleflow.transports.egress import EgressLimiter
 from staleflow.transports.http import CHECKSUM_HEADER, stream_file_range, stream_mapped_range
 from staleflow.transports.shm import host_id
 
@@ -60,7 +61,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         async with background(_sweep_forever(serving, min(config.lease_ttl_s, config.push_ttl_s) / 4)):
             app.state.data_plane = (None if config.data_port is None else
                                     ChunkDataPlane(serving, config.host, config.data_port, getattr(app.state, "token", None),
-                                                   limits))
+                                                   limits, app.state.egress))
             try:
                 yield
             finally:
@@ -73,6 +74,7 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
 
     app = service_app("StaleFlow parameter server",
                       Owned("store", open_store, close_store, given=store, owns=owns_store, running=running, ready=ready))
+    app.state.egress = EgressLimiter.of_gbps(config.egress_gbps)  # one endpoint: the data plane and this port share it
     m.mount_metrics(app, "params", lambda: app.state.store.metrics() if hasattr(app.state, "store") else [])
     app.state.body_limit_exempt = r"^/v1/params/[^/]+/(?:parts/[^/]+/)?chunks/"  # bounded per chunk (chunk_bytes) instead
 
@@ -86,7 +88,8 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
         return {"status": "ok", "latest": s["latest"], "versions": len(s["versions"]),
                 "transports": list(config.transports), "host_id": host_id(),
                 "data_port": plane.port if plane is not None else None,
-                "data_plane_accept_failures": plane.accept_failures if plane is not None else 0}
+                "data_plane_accept_failures": plane.accept_failures if plane is not None else 0,
+                "egress_gbps": config.egress_gbps}
 
     _add_version_routes(app)
     _add_push_routes(app, config)
@@ -217,7 +220,7 @@ def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
             raise ParamsError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{len(chunks) - 1}, not {index}")
         chunk = chunks[index]
         return _stream(s, stored, fd, stored.manifest.data_offset + chunk.offset, chunk.length,
-                       {CHECKSUM_HEADER: chunk.checksum or ""})
+                       {CHECKSUM_HEADER: chunk.checksum or ""}, app.state.egress)
 
     @handles(app, ParamsRoutes.file, response_class=StreamingResponse,
               responses=binary_body("the version as one safetensors file"))
@@ -225,7 +228,8 @@ def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
         """The whole version as one safetensors file (curl, engines that load a path)."""
         fd, stored = s.open_range(s.resolve_stored(version).manifest.version, None)
         return _stream(s, stored, fd, 0, stored.file_size,
-                       {"content-disposition": f'attachment; filename="v{stored.manifest.version}.safetensors"'})
+                       {"content-disposition": f'attachment; filename="v{stored.manifest.version}.safetensors"'},
+                       app.state.egress)
 
 
 async def _receive_chunk(request: Request, store: ParamStore, version: int, index: int, push_id: str,
@@ -246,19 +250,18 @@ async def _receive_chunk(request: Request, store: ParamStore, version: int, inde
 
 
 def _stream(store: ParamStore, stored: StoredVersion, fd: int, offset: int, length: int,
-            headers: dict[str, str]) -> StreamingResponse:
+            headers: dict[str, str], egress: EgressLimiter | None = None) -> StreamingResponse:
     """A byte range of a stored version; from its memory slot's mapping when it has one (a copy
-    at memory speed; pread from tmpfs is several times slower here), else from its file."""
+    at memory speed; pread from tmpfs is several times slower here), else from its file; paced
+    by the endpoint's ``egress`` when it has one."""
     slot = stored.slot
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            if slot is not None and slot.mapping is not None:
-                async for piece in stream_mapped_range(slot.mapping, offset, length):
-                    yield piece
-            else:
-                async for piece in stream_file_range(fd, offset, length):
-                    yield piece
+            pieces = (stream_mapped_range(slot.mapping, offset, length) if slot is not None and slot.mapping is not None
+                      else stream_file_range(fd, offset, length))
+            async for piece in pieces if egress is None else egress.apieces(pieces):
+                yield piece
         finally:
             os.close(fd)
             store.stream_done(stored)

@@ -48,6 +48,7 @@ from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.servers.auth import bearer_refusal
 from staleflow.servers.http import ConnectionLimits, bind_socket
 from staleflow.servers.params.store import ParamStore
+from staleflow.transports.egress import EgressLimiter
 from staleflow.transports.http import CHECKSUM_HEADER, PIECE_BYTES, SocketReader
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,22 @@ class _Sender:
                 raise OSError(f"the file ended at byte {offset} of {end}")
             offset += self._took(sent)
 
+    def body(self, data: bytes | memoryview, egress: EgressLimiter | None) -> None:
+        """A response body of version bytes: paced by the endpoint's ``egress`` when it has one."""
+        if egress is None:
+            self.data(data)
+            return
+        with memoryview(data) as view:
+            for start, stop in egress.pieces(0, len(view)):
+                self.data(view[start:stop])
+
+    def file_body(self, fd: int, offset: int, end: int, egress: EgressLimiter | None) -> None:
+        if egress is None:
+            self.file(fd, offset, end)
+            return
+        for start, stop in egress.pieces(offset, end):
+            self.file(fd, start, stop)
+
     def _took(self, n: int) -> int:
         self.sent += n
         self.last_take = time.monotonic()
@@ -126,11 +143,14 @@ class _Sender:
 
 
 class ChunkDataPlane:
-    """Serves the chunk routes of ``store`` on ``host:port`` (0: any free port) until ``close``."""
+    """Serves the chunk routes of ``store`` on ``host:port`` (0: any free port) until ``close``.
+    ``egress``: this endpoint's egress limit, shared by every chunk body it sends (and by the
+    server's API port, given the same limiter); None: unlimited."""
 
     def __init__(self, store: ParamStore, host: str, port: int, token: str | None,
-                 limits: ConnectionLimits | None = None):
+                 limits: ConnectionLimits | None = None, egress: EgressLimiter | None = None):
         self.store = store
+        self.egress = egress
         self._listener = bind_socket(host, port)
         self.port: int = self._listener.getsockname()[1]
         self._token = token
@@ -304,9 +324,9 @@ class ChunkDataPlane:
                 offset = stored.manifest.data_offset + chunk.offset
                 if stored.slot is not None and stored.slot.mapping is not None:  # measured faster than sendfile from tmpfs
                     with memoryview(stored.slot.mapping) as mapped:
-                        sender.data(mapped[offset:offset + chunk.length])
+                        sender.body(mapped[offset:offset + chunk.length], self.egress)
                 else:
-                    sender.file(fd, offset, offset + chunk.length)
+                    sender.file_body(fd, offset, offset + chunk.length, self.egress)
             finally:
                 sender.done()
         finally:

@@ -74,6 +74,14 @@ def _add_instance_routes(app: FastAPI) -> None:
         """Trajectories waiting to be routed, for the coordinator (V_traj null: initial)."""
         return server.pending()
 
+    @handles(app, TrajectoryRoutes.finished_lengths)
+    async def finished_lengths(server: ServerDep, after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
+                               limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> dict:
+        """The lengths of completed trajectories after id ``after``, oldest first, for the
+        coordinator's length predictor: each completion once, in the transaction that accepted it;
+        the newest ``finished_lengths_kept`` are kept."""
+        return server.store.finished_lengths(after, limit)
+
     @handles(app, TrajectoryRoutes.routed)
     async def routed(server: ServerDep, instance_id: str | None = None) -> dict:
         return server.routed(instance_id)

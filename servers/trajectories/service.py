@@ -71,7 +71,8 @@ class TrajectoryServer:
     @classmethod
     def open(cls, config: TrajectoryServerConfig, reward: RewardFn) -> TrajectoryServer:
         """The server over the configured database, its prompt pool topped up."""
-        store = TrajectoryStore.open(config.database_url(), retention=config.retention)
+        store = TrajectoryStore.open(config.database_url(), retention=config.retention,
+                                     lengths_kept=config.finished_lengths_kept)
         server = cls(config, store, AsyncManagerClient(config.manager_url), reward)
         server.refill()
         return server

@@ -19,9 +19,12 @@ history.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -32,6 +35,7 @@ from staleflow.errors import ErrorCode, StaleFlowError
 from staleflow.length_skew import Fate, StepSkew
 from staleflow.servers import db
 from staleflow.servers.schema import (
+    ts_finished_lengths,
     ts_groups,
     ts_groups_archive,
     ts_meta,
@@ -55,6 +59,10 @@ from staleflow.trajectory_book import (
 
 REGENERATED_META = "regenerated_tokens"
 """The meta key of ``TrajectoryBook.regenerated``: "trajectories,tokens"."""
+
+LENGTHS_EPOCH_META = "finished_lengths_epoch"
+"""The meta key of the finished-lengths feed's epoch: made once per database, so a follower's
+cursor from another database (a store started afresh) is told apart from one into this one."""
 
 
 class StoreUnavailable(StaleFlowError):
@@ -119,11 +127,15 @@ def _unpack_floats(blob: bytes) -> tuple[float, ...]:
 
 
 class TrajectoryStore:
-    def __init__(self, engine: Engine, owner_wait: float = 60.0, retention: str = "archive"):
+    def __init__(self, engine: Engine, owner_wait: float = 60.0, retention: str = "archive",
+                 lengths_kept: int = 10_000):
         if retention not in ("archive", "drop"):
             raise ValueError(f"retention must be 'archive' or 'drop', not {retention!r}")
+        if lengths_kept < 1:
+            raise ValueError(f"lengths_kept must be >= 1, got {lengths_kept}")
         self.engine = engine
         self.retention = retention
+        self.lengths_kept = lengths_kept
         db.wait_until_reachable(engine, "the trajectory store")
         db.upgrade(engine)
         try:
@@ -149,10 +161,13 @@ class TrajectoryStore:
             update(ts_groups).where(ts_groups.c.group_id == bindparam("key"))
             .values(v_traj=bindparam("v_traj"), state=bindparam("state"))
         )
+        if LENGTHS_EPOCH_META not in self.meta:
+            self.set_meta(LENGTHS_EPOCH_META, uuid.uuid4().hex)
 
     @classmethod
-    def open(cls, url: str, synchronous: str = "NORMAL", retention: str = "archive") -> TrajectoryStore:
-        return cls(db.make_engine(url, synchronous), retention=retention)
+    def open(cls, url: str, synchronous: str = "NORMAL", retention: str = "archive",
+             lengths_kept: int = 10_000) -> TrajectoryStore:
+        return cls(db.make_engine(url, synchronous), retention=retention, lengths_kept=lengths_kept)
 
     def _use(self, book: TrajectoryBook) -> None:
         self.book = book
@@ -199,11 +214,12 @@ class TrajectoryStore:
     # ------------------------------------------------------------------ persistence
 
     def _persist(self, new_groups: Sequence[GroupRecord] = (), groups: Iterable[GroupRecord] = (),
-                 new_trajs: Sequence[TrajRecord] = (), trajs: Iterable[TrajRecord] = (), meta: dict[str, str] | None = None) -> None:
+                 new_trajs: Sequence[TrajRecord] = (), trajs: Iterable[TrajRecord] = (), meta: dict[str, str] | None = None,
+                 lengths: Sequence[TrajRecord] = ()) -> None:
         groups, trajs = list(groups), list(trajs)
         finished = self.book.finished([g.group_id for g in groups] + [t.group_id for t in trajs])
         try:
-            self._write(new_groups, groups, new_trajs, trajs, meta, finished)
+            self._write(new_groups, groups, new_trajs, trajs, meta, finished, lengths)
         except Exception as exc:
             self._stale = True  # memory already holds the change: reload it from the database
             self.unavailable = f"refused a write: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
@@ -216,7 +232,8 @@ class TrajectoryStore:
         self.meta.update(meta or {})
 
     def _write(self, new_groups: Sequence[GroupRecord], groups: Iterable[GroupRecord], new_trajs: Sequence[TrajRecord],
-               trajs: Iterable[TrajRecord], meta: dict[str, str] | None, finished: list[GroupRecord]) -> None:
+               trajs: Iterable[TrajRecord], meta: dict[str, str] | None, finished: list[GroupRecord],
+               lengths: Sequence[TrajRecord] = ()) -> None:
         now = time.time()
         traj_rows = []
         for t in trajs:
@@ -239,8 +256,19 @@ class TrajectoryStore:
             for key, value in (meta or {}).items():
                 conn.execute(delete(ts_meta).where(ts_meta.c.key == key))
                 conn.execute(insert(ts_meta).values(key=key, value=value))
+            if lengths:
+                self._append_lengths(conn, lengths, now)
             if finished:
                 self._retire(conn, finished, now)
+
+    def _append_lengths(self, conn, completed: Sequence[TrajRecord], now: float) -> None:
+        """The finished lengths of newly completed trajectories join the feed; the oldest beyond
+        the newest ``lengths_kept`` leave it."""
+        conn.execute(insert(ts_finished_lengths), [
+            {"traj_id": t.traj_id, "group_id": t.group_id, "prompt_key": prompt_key(self.book.groups[t.group_id]),
+             "length": len(t.tokens), "at": now} for t in completed])
+        newest = conn.execute(select(func.max(ts_finished_lengths.c.id))).scalar_one()
+        conn.execute(delete(ts_finished_lengths).where(ts_finished_lengths.c.id <= newest - self.lengths_kept))
 
     def _retire(self, conn, finished: list[GroupRecord], now: float) -> None:
         """Finished groups and their members leave the live tables (archived or dropped)."""
@@ -396,9 +424,10 @@ class TrajectoryStore:
         with self.lock:
             changed = self.book.completed([generated(item["trajectory"], item.get("instance_id")) for item in items],
                                           limits)
+            fresh = [t for t in changed if t.state is TrajState.COMPLETED]
             if changed:
-                self._persist(trajs=changed)
-            return [t for t in changed if t.state is TrajState.COMPLETED]
+                self._persist(trajs=changed, lengths=fresh)
+            return fresh
 
     def rewarded(self, rewards: dict[str, tuple[float, str]]) -> list[GroupRecord]:
         """Record rewards; returns the groups that now have enough rewarded members."""
@@ -515,10 +544,34 @@ class TrajectoryStore:
         with self.lock.unchecked:
             return self.book.skew.totals(), self.book.skew.in_flight()
 
+    def finished_lengths(self, after: int, limit: int) -> dict:
+        """The feed of finished lengths after id ``after`` (at most ``limit``, oldest first), read
+        from the database; ``skipped``: those after ``after`` already pruned (the follower fell
+        more than ``lengths_kept`` behind, or started afresh)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(ts_finished_lengths).where(ts_finished_lengths.c.id > after)
+                                .order_by(ts_finished_lengths.c.id).limit(limit)).mappings().all()
+        lengths = [{"id": r["id"], "traj_id": r["traj_id"], "group_id": r["group_id"], "prompt_key": r["prompt_key"],
+                    "length": r["length"]} for r in rows]
+        return {"epoch": self.meta[LENGTHS_EPOCH_META], "lengths": lengths,
+                "next": lengths[-1]["id"] if lengths else after,
+                "skipped": max(0, lengths[0]["id"] - after - 1) if lengths else 0}
+
     def length_skew(self, after_step: int = -1) -> dict:
         """What the bound did to the response lengths since this server started (``LengthSkew``)."""
         with self.lock:
             return self.book.skew.to_json(after_step)
+
+
+@functools.lru_cache(maxsize=65_536)
+def _text_key(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def prompt_key(g: GroupRecord) -> str:
+    """What tells one prompt from another across groups (the same text sampled again, a cycled
+    dataset's row): a short hash of its text."""
+    return _text_key(g.prompt_text)
 
 
 def _group_record(r) -> GroupRecord:

@@ -4,7 +4,7 @@ for a trajectory, rendered from its store's records."""
 from __future__ import annotations
 
 from staleflow.config import SamplingConfig
-from staleflow.servers.trajectories.store import GroupRecord, TrajRecord
+from staleflow.servers.trajectories.store import GroupRecord, TrajRecord, prompt_key
 
 
 def traj_payload(t: TrajRecord, g: GroupRecord, sampling: SamplingConfig) -> dict:
@@ -24,4 +24,4 @@ def traj_payload(t: TrajRecord, g: GroupRecord, sampling: SamplingConfig) -> dic
 def summary(t: TrajRecord, g: GroupRecord) -> dict:
     return {"traj_id": t.traj_id, "group_id": g.group_id, "state": t.state.value, "v_traj": g.v_traj,
             "length": len(g.prompt_ids) + len(t.tokens), "generated": len(t.tokens), "instance_id": t.instance_id,
-            "seq": t.seq}
+            "seq": t.seq, "prompt_key": prompt_key(g)}

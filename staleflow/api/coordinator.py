@@ -86,6 +86,46 @@ class CoordinatorStatsOut(BaseModel):
     strategy: dict[str, str]
 
 
+class LearnedLengthsOut(BaseModel):
+    """The coordinator's length predictor (``LengthPredictor``) and its place in the trajectory
+    server's feed of finished lengths."""
+
+    epoch: str | None = Field(description="the feed's epoch (the trajectory server's database); null: none read yet")
+    cursor: int = Field(description="the id of the last finished length learned")
+    observed: int = Field(description="finished lengths learned")
+    skipped: int = Field(description="finished lengths the feed had pruned before they were read")
+    typical_length: float = Field(description="the median final length of a new prompt's trajectory under the prior")
+    tail: float | None = Field(default=None, description="adaptive redundancy: the last predicted tail (the longest "
+                                                         "remainder the next buffer waits for, over a typical length)")
+    withheld: int = Field(default=0, description="adaptive redundancy: admissions withheld from the last table")
+    log_mean: float
+    group_variance: float
+    member_variance: float
+
+
+class InstanceInputsOut(BaseModel):
+    decode_steps: int | None = Field(description="the engine's decode-only steps at the snapshot (null: not reported)")
+    decode_seconds: float | None
+    speed: float = Field(description="the decode speed against the cost model they gave (1.0: as modelled)")
+    kv_cache: float
+    running: int
+
+
+class PullDecisionOut(BaseModel):
+    instance_id: str
+    version: int
+    kept: bool = Field(description="the Pull kept the trajectories running (else they were interrupted and routed)")
+    inputs: dict[str, InstanceInputsOut] = Field(description="every planned instance, as the choice read it")
+
+
+class LearningOut(BaseModel):
+    """What the coordinator learned of the job as it runs, and what it decided from it."""
+
+    lengths: LearnedLengthsOut | None = Field(description="null: routing is not length-aware, nothing is learned")
+    speeds: dict[str, float] = Field(description="each instance's decode speed against the cost model")
+    pull_decisions: list[PullDecisionOut] = Field(description="the newest pull: auto choices, oldest first")
+
+
 class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -146,6 +186,7 @@ class CoordinatorRoutes:
     instance_snapshot = Route("GET", "/v1/instances/{instance_id}/snapshot", SnapshotOut)
     commands = Route("GET", "/v1/commands", CommandsOut, query=("limit",))
     stats = Route("GET", "/v1/coordinator", CoordinatorStatsOut)
+    learning = Route("GET", "/v1/learning", LearningOut)
     explain_buffer = Route("GET", "/v1/buffers/{version}/explain", BufferExplanationOut)
 
 

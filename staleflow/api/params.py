@@ -66,6 +66,8 @@ class ParamsHealth(_Answer):
                                               "null: chunks go through this port")
     data_plane_accept_failures: int = Field(default=0, description="times the data plane ran out of descriptors or memory "
                                                            "accepting a connection, and retried")
+    egress_gbps: float | None = Field(default=None, description="this server's egress limit over the chunk bodies it "
+                                                               "sends, Gbit/s; null: none")
 
 
 class VersionSummary(_Answer):

@@ -148,6 +148,8 @@ class TrajectorySummary(BaseModel):
     generated: int
     instance_id: str | None
     seq: int
+    prompt_key: str | None = Field(default=None, description="the same prompt sampled again has the same key "
+                                                             "(what the length predictor learns per prompt)")
 
 
 class TrajectoriesOut(BaseModel):
@@ -245,12 +247,31 @@ class LengthSkewOut(BaseModel):
     per_step: list[dict[str, Any]]
 
 
+class FinishedLength(BaseModel):
+    id: int = Field(description="the feed's position: ids only grow, never reused")
+    traj_id: str
+    group_id: str
+    prompt_key: str
+    length: int = Field(description="response tokens")
+
+
+class FinishedLengthsOut(BaseModel):
+    """A page of the finished-lengths feed: completed trajectories' lengths, oldest first."""
+
+    epoch: str = Field(description="the feed's identity, made once per database: a cursor from another epoch "
+                                   "means nothing here (follow from 0)")
+    lengths: list[FinishedLength]
+    next: int = Field(description="the cursor to ask after next (the last id of the page, or the cursor asked with)")
+    skipped: int = Field(description="lengths after the cursor already pruned (only the newest are kept)")
+
+
 class TrajectoryRoutes:
     """The trajectory server's REST API."""
 
     health = Route("GET", "/v1/health", TrajectoryServerHealth)
     length_skew = Route("GET", "/v1/length-skew", LengthSkewOut, query=("after_step",))
     pending = Route("GET", "/v1/pending", TrajectoriesOut)
+    finished_lengths = Route("GET", "/v1/finished-lengths", FinishedLengthsOut, query=("after", "limit"))
     routed = Route("GET", "/v1/routed", TrajectoriesOut, query=("instance_id",))
     checkout = Route("POST", "/v1/checkout", CheckedOut, body=CheckoutRequest)
     give_back = Route("POST", "/v1/return", Returned, body=ReturnRequest)

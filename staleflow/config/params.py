@@ -31,6 +31,10 @@ class ParamsSettings(StrictModel):
                                    description="a persist pauses while pushes or pulls are in flight (they share memory "
                                                "bandwidth), for at most this long per version; 0: never pauses")
     max_tensors: int = Field(default=200_000, ge=1)
+    egress_gbps: float | None = Field(default=None, gt=0, le=100_000,
+                                      description="this server's egress limit in Gbit/s, over every chunk body it sends "
+                                                  "(a token bucket shared by its connections): emulates a NIC, so a "
+                                                  "fan-out from one endpoint can be measured on one host; null: none")
 
     @model_validator(mode="after")
     def _http_always(self) -> ParamsSettings:

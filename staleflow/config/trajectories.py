@@ -37,6 +37,9 @@ class TrajectorySettings(StrictModel):
     sim_success_rate: float = Field(default=0.5, ge=0, le=1, description="mean reward of the 'sim' reward")
     filter_zero_variance: bool = Field(default=False, description="DAPO: abort groups whose rewards are all equal")
     follow_interval: float = Field(default=0.2, gt=0, description="seconds between polls of the ledger's event log")
+    finished_lengths_kept: int = Field(
+        default=10_000, ge=1, description="the newest finished trajectories' lengths kept for the coordinator's length "
+                                          "predictor to follow (GET /v1/finished-lengths); older ones are pruned")
     retention: Literal["archive", "drop"] = Field(
         default="archive", description="where a finished group (freed or aborted, every member done) goes when it leaves the "
                                "live store: 'archive' (append-only archive tables) or 'drop' (deleted)")

@@ -263,14 +263,17 @@ class SimCore:
         return AbortResult([live.request.traj_id for live in taken], not_found)
 
     def load_weights(self, version: int, size_bytes: int | None = None,
-                     keep_running: bool = False) -> list[PartialTrajectory]:
+                     keep_running: bool = False, seconds: float | None = None) -> list[PartialTrajectory]:
         """The Pull: interrupt everything (unless ``keep_running``), clear complete_trajs, block
-        for the transfer time."""
+        for the transfer time (``seconds`` when the caller knows it, e.g. a cluster whose pulls
+        share a source; else ``SimParams.pull_seconds``)."""
         if version < self.version:
             raise EngineError("version_regression", f"cannot load version {version}: instance is at {self.version}")
         if size_bytes is not None and size_bytes < 0:
             raise EngineError("invalid_weights", f"size_bytes must be >= 0, got {size_bytes}")
-        duration = self.params.pull_seconds(size_bytes)
+        if seconds is not None and not seconds >= 0:
+            raise EngineError("invalid_weights", f"a pull takes >= 0 seconds, got {seconds}")
+        duration = self.params.pull_seconds(size_bytes) if seconds is None else seconds
         self.version = version
         self._complete_ids.clear()
         self.stats.pull_seconds += duration

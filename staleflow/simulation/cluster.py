@@ -51,6 +51,7 @@ from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, Sim
 from staleflow.simulation.settings import SimulatedCluster
 from staleflow.simulation.systems import CHECKPOINT_STALL_S, Pipeline, WeightSync
 from staleflow.simulation.trajectory_pool import SimTrajectory, TrajectoryPool
+from staleflow.simulation.transfer import TransferSchedule
 from staleflow.strategies import (
     AdmissionBudget,
     CyclePlan,
@@ -147,6 +148,10 @@ class ClusterSimulation:
             per_step = CHECKPOINT_STALL_S / self.system.checkpoint_tokens
             sim = replace(sim, cost=replace(sim.cost, k4=sim.cost.k4 + per_step))
         self.cores = [SimCore(replace(sim, slowdown=f), f"inst-{i}") for i, f in enumerate(slowdowns)]
+        transfer = config.transfer if self.system.weight_source is None else replace(config.transfer,
+                                                                                     source=self.system.weight_source)
+        # Pulls that share a source: each one's time depends on the others (else the engine's own holds)
+        self.transfers = TransferSchedule(transfer) if transfer.contends and self.system.pulls_from_a_server else None
         self._index = {core.instance_id: i for i, core in enumerate(self.cores)}
         self.sampling = SamplingParams(max_tokens=w.max_response_tokens)
         self.colocated = self.system.colocated
@@ -596,20 +601,28 @@ class ClusterSimulation:
                     self.pool.trajs[x].route_to = i
             self._take_back(i, ids)
             if version is not None and version >= core.version:
-                core.load_weights(version)
+                core.load_weights(version, seconds=self._pull_seconds(core, version))
                 if self._timeline is not None:
                     self._timeline.syncs.append((self.now, i, version))
             if kind == "resume":
                 self._route_now(i, ids)
         elif kind == "keep":
             if version is not None and version >= core.version:
-                core.load_weights(version, keep_running=True)
+                core.load_weights(version, keep_running=True, seconds=self._pull_seconds(core, version))
                 if self._timeline is not None:
                     self._timeline.syncs.append((self.now, i, version))
         else:
             self._route_now(i, traj_ids)
         self._schedule_core(i)
         self._mark_dirty()
+
+    def _pull_seconds(self, core: SimCore, version: int) -> float | None:
+        """How long this Pull takes given the others of the job (None: the engine's own time)."""
+        if self.transfers is None:
+            return None
+        params = core.params
+        return params.pull_latency_s + self.transfers.pull(core.instance_id, version, self.now, params.model_bytes,
+                                                           params.pull_bandwidth_bytes_per_s)
 
     def _route_now(self, i: int, traj_ids: list[str]) -> None:
         """The trajectories checked out to instance ``i`` among ``traj_ids`` reach its engine."""

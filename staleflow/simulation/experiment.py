@@ -12,6 +12,7 @@ scenario.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -27,6 +28,7 @@ from staleflow.simulation.scenarios import Scenario
 from staleflow.simulation.schedule_bound import schedule_bound
 from staleflow.simulation.settings import SimulatedCluster
 from staleflow.simulation.systems import IN_FLIGHT_ON_PS, Family, SystemSpec, resolve
+from staleflow.transports.egress import GBIT
 
 PAPER_TARGETS = {  # §6.2: StaleFlow's gain over each baseline family, (max, mean)
     Family.SYNCHRONOUS.value: (2.68, 2.01),
@@ -55,6 +57,7 @@ SWEEP_KEYS = {
     "cycle": "coordinator cycle period (s)",
     "straggler_sigma": "persistent per-instance speed spread (log-normal sigma)",
     "nccl": "VeRL-like systems' NCCL weight broadcast (s, trainer blocked)",
+    "ps_egress": "the parameter server's egress (Gbit/s), shared by the Pulls it serves",
 }
 
 
@@ -129,6 +132,10 @@ def apply_sweep(scenario: Scenario, key: str, value: float) -> tuple[Scenario, i
         if value < 0:
             raise ValueError("--sweep nccl: values must be >= 0")
         return replace(scenario, nccl_broadcast_s=float(value)), None, None
+    if key == "ps_egress":
+        if not value > 0:
+            raise ValueError("--sweep ps_egress: values must be > 0 (Gbit/s)")
+        return replace(scenario, transfer=replace(scenario.transfer, ps_egress_bytes_per_s=value * GBIT)), None, None
     if key == "cycle":
         period = float(value)
         return replace(scenario, cycle_period_s=period, recheck_period_s=max(period, scenario.recheck_period_s)), None, None
@@ -155,7 +162,7 @@ class SimulatedJob:
             train_gpus=s.total_gpus if system.colocated else s.train_gpus(self.instances), sim=s.sim,
             trainer=s.trainer, commands=s.commands, cycle_period_s=s.cycle_period_s,
             recheck_period_s=s.recheck_period_s, record_timeline=self.timeline, timeline_period_s=s.cycle_period_s,
-            straggler_sigma=s.straggler_sigma, nccl_broadcast_s=s.nccl_broadcast_s,
+            straggler_sigma=s.straggler_sigma, nccl_broadcast_s=s.nccl_broadcast_s, transfer=s.transfer,
         )
 
     def key(self) -> tuple:
@@ -340,6 +347,10 @@ class ExperimentResult:
                 "trainer_gpu_seconds_per_token": s.trainer.gpu_seconds_per_token, "seed": s.workload.seed,
                 "kv_budget_tokens": s.sim.cost.kv_budget / s.sim.cost.k5, "max_num_seqs": s.sim.max_running,
                 "straggler_sigma": s.straggler_sigma, "nccl_broadcast_s": s.nccl_broadcast_s,
+                "weight_source": s.transfer.source.value,
+                "ps_egress_gbps": (s.transfer.ps_egress_bytes_per_s / GBIT if math.isfinite(s.transfer.ps_egress_bytes_per_s)
+                                   else None),
+                "pull_bandwidth_gbps": s.sim.pull_bandwidth_bytes_per_s / GBIT,
             },
             "systems": [x.name for x in spec.systems],
             "etas": list(spec.etas),

@@ -43,6 +43,7 @@ from staleflow.cost_model import CostModel
 from staleflow.simulation.hardware import H20, QWEN3_30B_A3B, QWEN3_32B, RolloutInstance
 from staleflow.simulation.settings import CommandCosts, TrainerModel
 from staleflow.simulation.systems import REDUNDANCY_RATIO
+from staleflow.simulation.transfer import WeightTransfer
 from staleflow.workload import WorkloadModel, preset
 
 
@@ -62,6 +63,7 @@ class Scenario:
     steps: int = 20  # the authors' total_training_steps
     straggler_sigma: float = 0.0  # persistent per-instance speed spread (log-normal sigma)
     nccl_broadcast_s: float = 8.1  # VeRL-like systems' weight sync, trainer and instances blocked
+    transfer: WeightTransfer = field(default_factory=WeightTransfer)  # Pulls: from the PS (unlimited) unless set
 
     def __post_init__(self) -> None:
         if self.gpus_per_instance < 1 or self.total_gpus < 2 * self.gpus_per_instance:

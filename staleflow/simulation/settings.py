@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from staleflow.config.engines import SimParams
 from staleflow.simulation.systems import SystemSpec
+from staleflow.simulation.transfer import WeightTransfer
 from staleflow.workload import WorkloadModel
 
 
@@ -80,6 +81,7 @@ class SimulatedCluster:
     timeline_period_s: float = 10.0
     straggler_sigma: float = 0.0  # persistent per-instance speed spread (``cluster.straggler_slowdowns``)
     nccl_broadcast_s: float = 8.1  # VeRL-like weight sync: trainer and instances blocked this long
+    transfer: WeightTransfer = field(default_factory=WeightTransfer)  # where Pulls come from (a system may override the source)
 
     def __post_init__(self) -> None:
         if self.eta < 0:

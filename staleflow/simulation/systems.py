@@ -69,6 +69,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from staleflow.config.strategy import MigrationMode, PullMode, RoutingMode, StrategyConfig, SyncMode
+from staleflow.simulation.transfer import WeightSource
 
 
 class Pipeline(StrEnum):
@@ -125,6 +126,12 @@ class SystemSpec:
     reprefill: bool = True  # False: no trajectory is prefilled twice (the upper bound)
     checkpoint_tokens: int = 0  # progress checkpoints of running trajectories every this many tokens (0: none)
     bound_kept: bool | None = None  # whether every trained trajectory is within eta (None: unless completion order)
+    weight_source: WeightSource | None = None  # where its Pulls come from (None: the scenario's, ``transfer``)
+
+    @property
+    def pulls_from_a_server(self) -> bool:
+        """Whether its instances Pull versions (rather than take a broadcast or reload locally)."""
+        return self.weight_sync is WeightSync.PARAMETER_SERVER and not self.colocated
 
     @property
     def keeps_bound(self) -> bool:
@@ -277,12 +284,38 @@ ALIASES = {"staleflow": "sf-rsm", "synchronous": "verl", "one-step-off-policy": 
 HEADLINE = ("verl", "one-step", "in-flight", "in-flight-fifo", "laminar", "sf-rsm", "oracle")  # Figure 13 and the bound
 
 
+PEER_SUFFIX = "+ros"
+"""``<system>+ros``: the system with its Pulls served by peers (``WeightSource.ROS``), on its own
+split, next to the system itself (whose source is the scenario's)."""
+
+
+def with_peer_serving(system: SystemSpec) -> SystemSpec:
+    """``system`` whose instances Pull from peers with pipeline replication (``transfer``)."""
+    if not system.pulls_from_a_server:
+        raise ValueError(f"{system.name} does not Pull from a parameter server ({system.weight_sync.value}"
+                         f"{', colocated' if system.colocated else ''}): {PEER_SUFFIX} does not apply")
+    return replace(system, name=system.name + PEER_SUFFIX, label=f"{system.label}, Pulls served by peers (pipelined)",
+                   weight_source=WeightSource.ROS, tuned=True)
+
+
 def resolve(names: str | list[str], redundancy: float = REDUNDANCY_RATIO) -> list[SystemSpec]:
-    """Systems by name (``all``, ``headline``, ``ablation`` or comma-separated names/aliases), in catalog order."""
+    """Systems by name (``all``, ``headline``, ``ablation`` or comma-separated names/aliases, each
+    optionally with ``+ros``: its Pulls served by peers), in catalog order, each ``+ros`` twin
+    right after its system."""
     everything = catalog(redundancy)
+    items = names.split(",") if isinstance(names, str) else list(names)
+    peered = [raw.strip()[:-len(PEER_SUFFIX)] for raw in items if raw.strip().endswith(PEER_SUFFIX)]
+    twins = [with_peer_serving(s) for s in _resolve_plain(peered, everything)] if peered else []
+    plain = [raw for raw in items if not raw.strip().endswith(PEER_SUFFIX)]
+    chosen = _resolve_plain(plain, everything) if any(p.strip() for p in plain) else []
+    order = [s.name for s in everything]
+    ranked = [(order.index(s.name), 0, s) for s in chosen] + [(order.index(s.name[:-len(PEER_SUFFIX)]), 1, s) for s in twins]
+    return [s for *_, s in sorted(ranked, key=lambda r: r[:2])]
+
+
+def _resolve_plain(items: list[str], everything: list[SystemSpec]) -> list[SystemSpec]:
     by_name = {s.name: s for s in everything}
     wanted: set[str] = set()
-    items = names.split(",") if isinstance(names, str) else list(names)
     for raw in (n.strip() for n in items):
         if not raw:
             continue
@@ -296,7 +329,7 @@ def resolve(names: str | list[str], redundancy: float = REDUNDANCY_RATIO) -> lis
             wanted.add(name)
         else:
             choices = ", ".join([*by_name, *ALIASES, "all", "headline", "ablation"])
-            raise ValueError(f"unknown system {raw!r}; choose from {choices}")
+            raise ValueError(f"unknown system {raw!r}; choose from {choices} (each may end in {PEER_SUFFIX})")
     if not wanted:
         raise ValueError("no system selected")
     return [s for s in everything if s.name in wanted]

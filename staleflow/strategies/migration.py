@@ -25,12 +25,14 @@ from staleflow.strategies.sync import Routable
 
 def plan_migrations(instances: Sequence[InstanceState], config: StrategyConfig,
                     pending: Sequence[PendingTrajectory] = (), budget: AdmissionBudget | None = None,
-                    group_versions: dict[str, int] | None = None) -> dict[str, list[str]]:
+                    group_versions: dict[str, int] | None = None,
+                    routable: Routable | None = None) -> dict[str, list[str]]:
     """Trajectories to interrupt, by instance, so that routing can place them better.
 
     ``pending``, ``budget`` and ``group_versions`` (what waits in the trajectory server and what
     the ledger admits) decide whether an instance is starved; without them every instance with an
-    empty waiting queue counts as starved.
+    empty waiting queue counts as starved. ``routable``: ``pending`` as a ``Routable`` when the
+    caller has built it already.
     """
     mode = config.migration.balance
     if mode is MigrationMode.NONE or not instances:
@@ -41,7 +43,8 @@ def plan_migrations(instances: Sequence[InstanceState], config: StrategyConfig,
         if excess > 0:
             migrations[inst.instance_id] = inst.waiting[-excess:]
     if mode is MigrationMode.STARVED:
-        source = _feed_starved(instances, config, pending, budget or AdmissionBudget({}), group_versions or {})
+        source = _feed_starved(instances, config, routable or Routable(pending, group_versions or {}),
+                               budget or AdmissionBudget({}))
     else:
         source = _busiest_over_slowest(instances, config)
     if source is not None:
@@ -64,14 +67,14 @@ def _busiest_over_slowest(instances: Sequence[InstanceState], config: StrategyCo
     return busiest if slowest == 0 or top / slowest > config.phi_throughput else None
 
 
-def _feed_starved(instances: Sequence[InstanceState], config: StrategyConfig, pending: Sequence[PendingTrajectory],
-                  budget: AdmissionBudget, group_versions: dict[str, int]) -> InstanceState | None:
-    routable = Routable(pending, group_versions)
+def _feed_starved(instances: Sequence[InstanceState], config: StrategyConfig, routable: Routable,
+                  budget: AdmissionBudget) -> InstanceState | None:
+    starving = [inst for inst in instances if not inst.waiting and not routable.on(inst, budget)]
+    if not starving:
+        return None
     throughputs = {inst.instance_id: inst.throughput() for inst in instances}
     best: tuple[float, float, InstanceState] | None = None
-    for starved in instances:
-        if starved.waiting or routable.on(starved, budget):
-            continue
+    for starved in starving:
         low = throughputs[starved.instance_id]
         for other in instances:
             if other is starved or other.version > starved.version or not other.trajectories:

@@ -4,7 +4,7 @@ before it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,11 +46,20 @@ def plan_cycle(
     when routed) so that interrupted ones can be routed again in the same pass; the Route waits
     for them to reach the trajectory server. ``admission`` is the ledger's answer for this cycle.
     """
-    states = {inst.instance_id: inst.copy() for inst in instances}
+    states = {inst.instance_id: inst for inst in instances}  # copied when a step changes one (``mutable``)
+    copied: set[str] = set()
+
+    def mutable(instance_id: str) -> InstanceState:
+        if instance_id not in copied:
+            copied.add(instance_id)
+            states[instance_id] = states[instance_id].copy()
+        return states[instance_id]
+
     budget = AdmissionBudget(dict(admission))
     on_instances = on_instances or {}
     group_versions = dict(group_versions or {})
     waiting = reachable(pending, budget, group_versions)
+    routable = Routable(waiting, group_versions)  # kept current as trajectories are handed back
     plan = CyclePlan()
 
     def hand_back(inst: InstanceState, traj_ids: list[str]) -> None:
@@ -62,16 +71,17 @@ def plan_cycle(
             if known is None:
                 continue  # unknown here: it returns to the trajectory server and waits a cycle
             length = max(known.length, int(share)) if traj_id in running else known.length
-            waiting.append(PendingTrajectory(traj_id, known.group_id, known.v_traj, length, known.seq,
-                                             known.remaining))
+            waiting.append(back := PendingTrajectory(traj_id, known.group_id, known.v_traj, length, known.seq,
+                                                     known.remaining))
+            routable.include(back)
         inst.discard(set(traj_ids))
 
-    plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions)
+    plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions, routable)
     plan.kept = keeps_running(plan.syncs, instances, config)
     kept = set(plan.kept)
     pinned: list[RouteDecision] = []
     for instance_id in plan.syncs:
-        inst = states[instance_id]
+        inst = mutable(instance_id)
         if instance_id in kept:  # its trajectories, KV and load stay: only the version changes
             inst.version = ps_version
             continue
@@ -90,21 +100,21 @@ def plan_cycle(
         inst.kv_usage = None if inst.kv_usage is None else 0.0
     migrated: dict[str, str] = {}  # trajectory -> the instance a migration takes it from
     for instance_id, traj_ids in plan_migrations(list(states.values()), config, waiting, budget,
-                                                 group_versions).items():
-        hand_back(states[instance_id], traj_ids)
+                                                 group_versions, routable).items():
+        hand_back(mutable(instance_id), traj_ids)
         migrated.update(dict.fromkeys(traj_ids, instance_id))
     if repack_previous is not None and config.migration.repacks:
-        routable = Routable(waiting, group_versions)
         idle = [s for s in states.values() if s.instance_id not in plan.syncs and not routable.on(s, budget)]
-        pinned += _repack(plan, states, idle, repack_previous, on_instances, ps_version, config)
+        pinned += _repack(plan, mutable, idle, repack_previous, on_instances, ps_version, config)
     plan.routes = pinned + route(states.values(), waiting, budget, config, group_versions)
     if migrated:
         _keep_in_place(plan, migrated, kept)
     return plan
 
 
-def _repack(plan: CyclePlan, states: dict[str, InstanceState], idle: list[InstanceState], previous: Mapping[str, float],
-            on_instances: Mapping[str, PendingTrajectory], ps_version: int, config: StrategyConfig) -> list[RouteDecision]:
+def _repack(plan: CyclePlan, mutable: Callable[[str], InstanceState], idle: list[InstanceState],
+            previous: Mapping[str, float], on_instances: Mapping[str, PendingTrajectory], ps_version: int,
+            config: StrategyConfig) -> list[RouteDecision]:
     """Repack's moves among ``idle`` instances: an Interrupt of everything on each source and a
     Route of each trajectory to its destination. A freed source that lags the newest version Pulls
     it at once (Laminar's point: freed instances take new work on new weights).
@@ -116,7 +126,7 @@ def _repack(plan: CyclePlan, states: dict[str, InstanceState], idle: list[Instan
     plan.repacks = plan_repack(idle, previous, config)
     routes: list[RouteDecision] = []
     for move in plan.repacks:
-        source, dest = states[move.source], states[move.destination]
+        source, dest = mutable(move.source), mutable(move.destination)
         plan.interrupts.setdefault(move.source, []).extend(move.trajectories)
         routes += [RouteDecision(move.destination, t, known.group_id, known.v_traj, False)
                    for t in move.trajectories if (known := on_instances.get(t)) is not None

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -40,6 +40,11 @@ class RouteDecision(NamedTuple):  # a tuple: a pass creates thousands, a frozen 
     reserves_group: bool  # first member of its group: reserve the group at v_traj before routing
 
 
+# RouteDecision(...) runs a Python-level __new__; tuple.__new__ builds the same tuple in a third of the time
+_new_tuple = cast("Callable[[type[RouteDecision], tuple[str, str, str, int, bool]], RouteDecision]",
+                  tuple.__new__)  # pyright: ignore[reportUnknownMemberType]
+
+
 class _MultiLevelQueue:
     def __init__(self, pending: Iterable[PendingTrajectory], group_versions: dict[str, int],
                  longest_first: bool = False):
@@ -47,12 +52,20 @@ class _MultiLevelQueue:
         self.withheld = False  # a trajectory of the current level was passed over: the pass ends with it
         # by group, groups in arrival order (longest_first: by their first member's predicted remainder)
         self.initial: dict[str, deque[PendingTrajectory]] = {}
-        for t in sorted(pending, key=_SEQ):
-            v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
-            if v is None:
-                self.initial.setdefault(t.group_id, deque()).append(t)
+        ordered = sorted(pending, key=_SEQ)
+        initial = [t for t in ordered if t.v_traj is None and t.group_id not in group_versions]
+        if len(initial) < len(ordered):
+            for t in ordered:
+                v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
+                if v is not None:
+                    self.levels.setdefault(v, deque()).append(t)
+        # a group's members usually arrive together: one dict operation per run of them
+        for group_id, members in itertools.groupby(initial, key=_GROUP):
+            group = self.initial.get(group_id)
+            if group is None:
+                self.initial[group_id] = deque(members)
             else:
-                self.levels.setdefault(v, deque()).append(t)
+                group.extend(members)
         if longest_first:  # stable: arrival order among equal predictions
             for v, level in self.levels.items():
                 self.levels[v] = deque(sorted(level, key=_REMAINING, reverse=True))
@@ -110,18 +123,23 @@ class _Fleet:
     gives the same numbers with fewer array operations.
     """
 
-    def __init__(self, insts: list[InstanceState], by_speed: bool = False):
+    def __init__(self, insts: list[InstanceState], by_speed: bool = False, counts: bool = True, mu: float = 0.0):
         self.ids = [inst.instance_id for inst in insts]
         self.costs = [inst.cost for inst in insts]
         # gains scaled by each instance's observed decode speed: a straggler's tokens come slower
         # (within SPEED_TOLERANCE of the model, measurement error: as modelled)
-        self.speed = np.array([inst.speed if abs(inst.speed - 1.0) > SPEED_TOLERANCE else 1.0
-                               for inst in insts]) if by_speed else None
+        speeds = [inst.speed if abs(inst.speed - 1.0) > SPEED_TOLERANCE else 1.0 for inst in insts] if by_speed else []
+        # every speed 1.0 scales nothing (x * 1.0 is x): no multiply per evaluation
+        self.speed = np.array(speeds) if any(s != 1.0 for s in speeds) else None
+        self.speed_zero = 0.0 in speeds
         c = self.costs
         uniform = len(set(c)) <= 1
         k1, k2, k3, k4, k5, budget = (np.array([getattr(m, name) for m in c], dtype=float)
                                       for name in ("k1", "k2", "k3", "k4", "k5", "kv_budget"))
         self.uniform = uniform and bool(c)
+        # a uniform fleet's coefficients as floats (``add_uniform``, ``ideal_gain``), and its KV budget
+        self.coefficients = (c[0].k1, c[0].k2, c[0].k3, c[0].k4, c[0].k5) if self.uniform else (0.0,) * 5
+        self.kv_budget = c[0].kv_budget if self.uniform else 0.0
         if self.uniform:
             self.k1, self.k4, self.k5 = c[0].k1, c[0].k4, c[0].k5
         else:
@@ -132,31 +150,50 @@ class _Fleet:
         self.kv = np.array(self.kv_list, dtype=float)
         n = np.array(self.n_list, dtype=float)
         self.count = n + np.array(self.w_list, dtype=float)
+        self.counts = counts  # keep ``count`` current (vanilla routing balances it; the gains never read it)
         # the parts of Eq. 3 that do not depend on the routed length
-        self.before = np.where(n > 0, n / (k1 * self.kv + np.maximum(k2, k3 * n) + k4), 0.0)
+        before = np.where(n > 0, n / (k1 * self.kv + np.maximum(k2, k3 * n) + k4), 0.0)
         self.after_n = n + 1
         self.after_base = np.maximum(k2, k3 * self.after_n)
         # the KV budget where a trajectory would run at once (nothing waits there), else -inf
         self.budget = budget
-        self.room = np.where(np.array(self.w_list) == 0, budget, -np.inf)
+        waiting = np.array(self.w_list) > 0
+        self.room = np.where(waiting, -np.inf, budget)
+        # the throughput before, +inf where something waits: the gain there is -inf before the
+        # mask sets it to 0, and ``gains_free`` needs no mask for it
+        self.before = np.where(waiting, np.inf, before)
+        self.kv_free_max = float(self.kv[~waiting].max()) if not waiting.all() else -np.inf
+        # ``at_length``'s gains may be -inf where something waits instead of 0: both are below a
+        # positive threshold (mu > 0, one cost model: every threshold is mu x the same ideal gain),
+        # so every decision is the same; a speed of 0 would make -inf x 0 NaN
+        self.free = self.uniform and mu > 0 and all(s > 0 for s in speeds)
         # the ideal gain's (Eq. 4) denominator without the KV term, per instance
         self.ideal_base = np.maximum(k2, k3 * 1)
         self.k1_all, self.k4_all, self.k5_all = k1, k4, k5
-        self._ideal: dict[int, float] = {}
         self.length: int | None = None  # the length ``gains`` holds the gains of
         self.gains = np.zeros(len(insts))
+        self._grown, self._denominator = np.empty(len(insts)), np.empty(len(insts))
+        self._unfit = np.empty(len(insts), dtype=bool)
 
     def gains_for(self, lengths: np.ndarray | int) -> np.ndarray:
-        """Eq. 3 for every instance (one row per length when ``lengths`` is a column)."""
-        grown = self.kv + self.k5 * lengths
-        denominator = self.k1 * grown
+        """Eq. 3 for every instance (one row per length when ``lengths`` is a column). One length
+        works in buffers kept for it; a boolean mask written with ``putmask`` costs a third of
+        indexing with it."""
+        if isinstance(lengths, np.ndarray):
+            grown = self.kv + self.k5 * lengths
+            denominator = self.k1 * grown
+            unfit = grown > self.room
+        else:
+            grown = np.add(self.kv, self.k5 * lengths, out=self._grown)
+            denominator = np.multiply(self.k1, grown, out=self._denominator)
+            unfit = np.greater(grown, self.room, out=self._unfit)
         denominator += self.after_base
         denominator += self.k4
-        gains = np.divide(self.after_n, denominator, out=denominator)
+        gains = np.divide(self.after_n, denominator)
         gains -= self.before
         if self.speed is not None:
-            gains *= self.speed
-        gains[~(grown <= self.room)] = 0.0
+            self._scale(gains, self.speed)
+        np.putmask(gains, unfit, 0.0)  # grown > room: nothing is NaN, so exactly ~(grown <= room)
         return gains
 
     def gains_at(self, index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -168,8 +205,34 @@ class _Fleet:
         gains = np.divide(self.after_n[index], denominator, out=denominator)
         gains -= self.before[index]
         if self.speed is not None:
-            gains *= self.speed[index]
-        gains[~(grown <= self.room[index])] = 0.0
+            self._scale(gains, self.speed[index])
+        np.putmask(gains, grown > self.room[index], 0.0)
+        return gains
+
+    def _scale(self, gains: np.ndarray, speed: np.ndarray) -> None:
+        """``gains *= speed``; a speed of 0 turns a waiting instance's -inf into NaN, which the
+        mask then sets to 0 like every gain there (without a warning)."""
+        if self.speed_zero:
+            with np.errstate(invalid="ignore"):
+                gains *= speed
+        else:
+            gains *= speed
+
+    def gains_free(self, length: int) -> np.ndarray | None:
+        """``gains_for`` one length on a fleet of ``free`` gains: where nothing waits and every
+        instance has room for ``length`` (None if one might not), the same numbers with three
+        array operations fewer, and -inf where something waits instead of 0."""
+        k5_length = self.k5 * length
+        if not self.kv_free_max + k5_length <= self.kv_budget:
+            return None
+        grown = np.add(self.kv, k5_length, out=self._grown)
+        denominator = np.multiply(self.k1, grown, out=self._denominator)
+        denominator += self.after_base
+        denominator += self.k4
+        gains = np.divide(self.after_n, denominator)
+        gains -= self.before
+        if self.speed is not None:
+            gains *= self.speed
         return gains
 
     def ideal(self, lengths: np.ndarray) -> np.ndarray:
@@ -177,23 +240,27 @@ class _Fleet:
         return 1.0 / (self.k1 * (self.k5 * lengths) + self.ideal_base[0] + self.k4)
 
     def ideal_gain(self, length: int) -> float:
-        """Eq. 4 of a uniform fleet for one length."""
-        ideal = self._ideal.get(length)
-        if ideal is None:
-            ideal = self._ideal[length] = self.costs[0].ideal_gain(length)
-        return ideal
+        """Eq. 4 of a uniform fleet for one length: ``CostModel.ideal_gain``'s arithmetic, 1 / L(k5 l, 1)."""
+        k1, k2, k3, k4, k5 = self.coefficients
+        compute = k3 * 1
+        return 1.0 / (k1 * (k5 * length) + (compute if compute > k2 else k2) + k4)
 
     def at_length(self, length: int) -> np.ndarray:
         if length != self.length:
-            self.gains = self.gains_for(length)
+            gains = self.gains_free(length) if self.free else None
+            self.gains = self.gains_for(length) if gains is None else gains
             self.length = length
         return self.gains
 
     def add(self, i: int, length: int) -> None:
         """``InstanceState.add`` on the arrays: it runs if it fits and nothing waits, else it waits."""
+        if self.uniform:
+            self.add_uniform(i, length)
+            return
         cost = self.costs[i]
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
-        self.count[i] = n + w + 1
+        if self.counts:
+            self.count[i] = n + w + 1
         if w == 0 and kv + cost.k5 * length <= cost.kv_budget:
             kv += cost.k5 * length
             n += 1
@@ -206,13 +273,51 @@ class _Fleet:
         # the same arithmetic as CostModel.marginal_gain, sharing the throughput before
         before = n / (cost.k1 * kv + max(cost.k2, cost.k3 * n) + cost.k4) if n > 0 else 0.0
         after_base = max(cost.k2, cost.k3 * (n + 1))
-        self.before[i] = before
+        self.before[i] = before if w == 0 else np.inf
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
         if self.length is not None:
             grown = kv + cost.k5 * self.length
             fits = w == 0 and grown <= cost.kv_budget
             gain = (n + 1) / (cost.k1 * grown + after_base + cost.k4) - before if fits else 0.0
+            self.gains[i] = gain if self.speed is None else gain * self.speed[i]
+
+
+    def add_uniform(self, i: int, length: int) -> None:
+        """``add`` with the fleet's one cost model in locals: the arithmetic of ``add`` step for
+        step (a route is the initial fill's unit of work: 16,384 of them at 1,024 instances). A
+        trajectory that waits changes neither the instance's KV nor its running count, so only
+        its queue, room and gain change."""
+        k1, k2, k3, k4, k5 = self.coefficients
+        kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
+        if self.counts:
+            self.count[i] = n + w + 1
+        grow = k5 * length
+        if not (w == 0 and kv + grow <= self.kv_budget):
+            self.w_list[i] = w + 1
+            self.room[i] = -np.inf
+            self.before[i] = np.inf
+            if self.length is not None:
+                self.gains[i] = 0.0
+            return
+        kv += grow
+        n += 1
+        self.kv_list[i] = kv
+        self.n_list[i] = n
+        self.kv[i] = kv
+        if kv > self.kv_free_max:
+            self.kv_free_max = kv
+        compute = k3 * n
+        before = n / (k1 * kv + (compute if compute > k2 else k2) + k4)
+        compute = k3 * (n + 1)
+        after_base = compute if compute > k2 else k2
+        self.before[i] = before
+        self.after_n[i] = n + 1
+        self.after_base[i] = after_base
+        at = self.length
+        if at is not None:
+            grown = kv + (grow if at == length else k5 * at)
+            gain = (n + 1) / (k1 * grown + after_base + k4) - before if grown <= self.kv_budget else 0.0
             self.gains[i] = gain if self.speed is None else gain * self.speed[i]
 
 
@@ -237,6 +342,8 @@ class _VersionGroup:
         return i, float(gains[i])
 
     def ideal_gain(self, i: int, length: int) -> float:
+        if self.fleet.uniform:
+            return self.fleet.ideal_gain(length)
         cost = self.costs[i]
         key = (id(cost), length)
         ideal = self._ideal.get(key)
@@ -278,6 +385,7 @@ def reachable(pending: Iterable[PendingTrajectory], budget: AdmissionBudget,
 
 
 _SEQ = attrgetter("seq")
+_GROUP = attrgetter("group_id")
 _REMAINING = attrgetter("remaining")
 
 
@@ -299,15 +407,7 @@ def route(
     test a run of them at once against the unchanged instances (same decisions; False: one at a
     time, the reference the tests compare it with).
     """
-    by_version: dict[int, list[InstanceState]] = {}
-    for inst in instances:
-        by_version.setdefault(inst.version, []).append(inst)  # read, never changed: the fleet's arrays change
-    fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed)
-    groups: list[_VersionGroup] = []
-    lo = 0
-    for v, insts in sorted(by_version.items()):
-        groups.append(_VersionGroup(v, fleet, lo, lo + len(insts)))
-        lo += len(insts)
+    fleet, groups = _fleet_of(instances, config)
     budget = budget.copy()
     group_versions = dict(group_versions or {})
     queue = _MultiLevelQueue(pending, group_versions, config.length_aware)
@@ -315,39 +415,29 @@ def route(
     choose = _waterfall if config.routing is RoutingMode.THROUGHPUT else _fewest_trajectories
     decisions: list[RouteDecision] = []
     by_gain = config.versioned_by_gain and config.routing is RoutingMode.THROUGHPUT
-    batch_withheld = lookahead and by_gain and config.scan_withheld
-    window = _LOOKAHEAD_MIN
-    scanning: int | None = None  # the level whose head was just withheld: test what follows in runs
+    scan = _WithheldScan(lookahead and by_gain and config.scan_withheld)
     newer: dict[int, list[_VersionGroup]] = {}  # the candidates of a versioned trajectory, by its version
 
     while (head := queue.head()) is not None:
         traj, v = head
         if config.max_in_flight is not None and in_flight >= config.max_in_flight:
             break
-        if v is None:  # Algorithm 2, initial: start at the instance's version if the ledger admits it
-            candidates = [g for g in groups if budget.allows(g.version)]
-            if config.order_by_reserve:  # the version with the fewest admissible groups left first
-                admissible = budget.as_dict()
-                candidates.sort(key=lambda g: (admissible.get(g.version, 0), g.version))
-        else:  # Algorithm 2, versioned: only instances at least as new as V_traj
-            candidates = newer.get(v)
-            if candidates is None:
-                candidates = newer[v] = [g for g in groups if g.version >= v]
+        candidates = _candidates(v, groups, budget, config.order_by_reserve, newer)
         if not candidates:
             break
-        if v is not None and v == scanning:
-            # Nothing changes while trajectories are withheld: find the first one of the level that
-            # is not, and withhold everything before it, with one evaluation for the run.
-            skipped = _withheld_run(queue.levels[v], candidates, config.mu, window)
-            for _ in range(skipped):
-                queue.withhold(v)
-            if skipped == window:
-                window = min(2 * window, _LOOKAHEAD_MAX)
+        if v is not None and v == scan.level and scan.skip(queue, v, candidates, config.mu):
+            continue
+        if v is not None and by_gain and fleet.uniform and config.mu > 0:
+            limit = None if config.max_in_flight is None else config.max_in_flight - in_flight
+            routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions)
+            in_flight += routed
+            if stopped:
+                break
+            if routed:
+                scan.routed()
                 continue
-            scanning, window = None, _LOOKAHEAD_MIN  # the head is not withheld: it routes below
-            if skipped:
-                continue
-        if v is not None and by_gain:
+            chosen = None
+        elif v is not None and by_gain:
             chosen = _best_gain(candidates, traj.length, config.mu)
         else:
             chosen = choose(candidates, traj.length, config.mu)
@@ -355,8 +445,7 @@ def route(
             if v is None or not config.scan_withheld:
                 break  # new groups all bring about a prompt: the next one would be withheld too
             queue.withhold(v)  # a shorter trajectory of the same level may still fit
-            if batch_withheld:
-                scanning = v
+            scan.withheld(v)
             continue
         group, i = chosen
         queue.pop(traj, v)
@@ -367,15 +456,82 @@ def route(
             group_versions[traj.group_id] = v
             queue.promote_group(traj.group_id, v)
         fleet.add(group.lo + i, traj.length)
+        scan.routed()
         in_flight += 1
         instance_id = group.ids[i]
-        decisions.append(RouteDecision(instance_id, traj.traj_id, traj.group_id, v, reserves))
+        decisions.append(_new_tuple(RouteDecision, (instance_id, traj.traj_id, traj.group_id, v, reserves)))
         if instance_id == stop_at_instance:
             break
     return decisions
 
 
 _LOOKAHEAD_MIN, _LOOKAHEAD_MAX = 8, 256  # trajectories tested at once; doubled while all are withheld
+_SCAN_AFTER = 8  # withheld in a row before the rest of the level is tested in runs
+
+
+def _candidates(v: int | None, groups: list[_VersionGroup], budget: AdmissionBudget, order_by_reserve: bool,
+                newer: dict[int, list[_VersionGroup]]) -> list[_VersionGroup]:
+    """Algorithm 2: the version groups a trajectory of version ``v`` (None: initial) may go to.
+    ``newer`` keeps a versioned trajectory's, which do not change during a pass."""
+    if v is None:  # initial: start at the instance's version if the ledger admits it
+        candidates = [g for g in groups if budget.allows(g.version)]
+        if order_by_reserve:  # the version with the fewest admissible groups left first
+            admissible = budget.as_dict()
+            candidates.sort(key=lambda g: (admissible.get(g.version, 0), g.version))
+        return candidates
+    candidates = newer.get(v)  # versioned: only instances at least as new as V_traj
+    if candidates is None:
+        candidates = newer[v] = [g for g in groups if g.version >= v]
+    return candidates
+
+
+def _fleet_of(instances: Iterable[InstanceState], config: StrategyConfig) -> tuple[_Fleet, list[_VersionGroup]]:
+    """The pass's fleet, ordered by version, and its version groups (slices of it, oldest first)."""
+    by_version: dict[int, list[InstanceState]] = {}
+    for inst in instances:
+        by_version.setdefault(inst.version, []).append(inst)  # read, never changed: the fleet's arrays change
+    fleet = _Fleet([inst for _, insts in sorted(by_version.items()) for inst in insts], config.route_by_speed,
+                   counts=config.routing is RoutingMode.VANILLA, mu=config.mu)
+    groups: list[_VersionGroup] = []
+    lo = 0
+    for v, insts in sorted(by_version.items()):
+        groups.append(_VersionGroup(v, fleet, lo, lo + len(insts)))
+        lo += len(insts)
+    return fleet, groups
+
+
+class _WithheldScan:
+    """Withheld trajectories of a level: while nothing is routed nothing changes, so after
+    ``_SCAN_AFTER`` of them in a row the rest of the level is tested in runs, one evaluation for
+    a run (most runs are one or two long, and testing a run costs more than testing those one at
+    a time). ``enabled`` False: always one at a time, the reference the tests compare it with."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.level: int | None = None  # the level being tested in runs
+        self.window = _LOOKAHEAD_MIN
+        self.in_a_row, self.last = 0, None  # withheld in a row, of level ``last``
+
+    def withheld(self, v: int) -> None:
+        self.in_a_row = self.in_a_row + 1 if v == self.last else 1
+        self.last = v
+        if self.enabled and self.in_a_row >= _SCAN_AFTER:
+            self.level = v
+
+    def routed(self) -> None:
+        self.last = None
+
+    def skip(self, queue: _MultiLevelQueue, v: int, candidates: list[_VersionGroup], mu: float) -> bool:
+        """Withhold the run at the front of level ``v`` that no instance gains enough from; True
+        when the pass should look at the level's new head (False: the head routes now)."""
+        skipped = _withheld_run(queue.levels[v], candidates, mu, self.window)
+        for _ in range(skipped):
+            queue.withhold(v)
+        if skipped == self.window:
+            self.window = min(2 * self.window, _LOOKAHEAD_MAX)
+            return True
+        self.level, self.window = None, _LOOKAHEAD_MIN  # the head is not withheld: it routes below
+        return skipped > 0
 
 
 def _withheld_run(level: deque[PendingTrajectory], candidates: list[_VersionGroup], mu: float, window: int) -> int:
@@ -407,6 +563,41 @@ def _withheld_run_uniform(fleet: _Fleet, candidates: list[_VersionGroup], length
     clears = (fleet.gains_at(index, lengths[:, None]) >= threshold[:, None]).any(axis=1)
     routable = np.flatnonzero(clears)
     return int(routable[0]) if len(routable) else len(lengths)
+
+
+def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_VersionGroup], mu: float, limit: int | None,
+               stop_at_instance: str | None, decisions: list[RouteDecision]) -> tuple[int, bool]:
+    """``_best_gain`` on a fleet of one cost model for the trajectories at the front of ``level``
+    that share the head's length (a group's members bring the same prompt), routed one after the
+    other without leaving this loop: the gains of that length are evaluated once and each route
+    updates only its instance's. Stops before the first one no instance gains enough from (left to
+    the caller to withhold), after ``limit`` routes, or after a route to ``stop_at_instance``.
+    Returns the number routed and whether it stopped at ``stop_at_instance``."""
+    fleet = candidates[0].fleet
+    lo, hi = candidates[0].lo, candidates[-1].hi
+    length = level[0].length
+    threshold = mu * fleet.ideal_gain(length)
+    gains = fleet.gains if length == fleet.length else fleet.at_length(length)
+    view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]  # ``add`` updates ``gains`` in place
+    ids, append, popleft = fleet.ids, decisions.append, level.popleft
+    add = fleet.add_uniform
+    argmax, item = view.argmax, view.item
+    run = 0
+    for traj in level:
+        if traj.length != length or run == limit:
+            break
+        run += 1
+    for routed in range(run):
+        i = int(argmax())
+        if not item(i) >= threshold:
+            return routed, False
+        traj = popleft()
+        i += lo
+        add(i, length)
+        append(_new_tuple(RouteDecision, (ids[i], traj.traj_id, traj.group_id, v, False)))
+        if ids[i] == stop_at_instance:
+            return routed + 1, True
+    return run, False
 
 
 def _waterfall(candidates: list[_VersionGroup], length: int, mu: float) -> tuple[_VersionGroup, int] | None:

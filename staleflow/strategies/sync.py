@@ -26,14 +26,21 @@ class Routable:
     asked per instance."""
 
     def __init__(self, pending: Sequence[PendingTrajectory], group_versions: dict[str, int]):
+        self.group_versions = group_versions
         self.initial = False
         self.oldest: int | None = None
-        for t in pending:
-            v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
-            if v is None:
-                self.initial = True
-            elif self.oldest is None or v < self.oldest:
-                self.oldest = v
+        versions = {t.v_traj if t.v_traj is not None else group_versions.get(t.group_id) for t in pending}
+        self.initial = None in versions
+        versions.discard(None)
+        self.oldest = min(versions, default=None)  # type: ignore[arg-type]  # None discarded
+
+    def include(self, t: PendingTrajectory) -> None:
+        """One more waiting trajectory (handed back in this cycle)."""
+        v = t.v_traj if t.v_traj is not None else self.group_versions.get(t.group_id)
+        if v is None:
+            self.initial = True
+        elif self.oldest is None or v < self.oldest:
+            self.oldest = v
 
     def on(self, inst: InstanceState, budget: AdmissionBudget) -> bool:
         if self.oldest is not None and self.oldest <= inst.version:
@@ -48,18 +55,22 @@ def plan_syncs(
     budget: AdmissionBudget,
     config: StrategyConfig,
     group_versions: dict[str, int] | None = None,
+    routable: Routable | None = None,
 ) -> list[str]:
-    """Instances that should Pull ``ps_version`` now."""
+    """Instances that should Pull ``ps_version`` now. ``routable``: ``pending`` as a ``Routable``
+    when the caller has built it already."""
     if config.sync is SyncMode.NEVER:
         return []
     lagging = [inst for inst in instances if inst.version < ps_version]
     if config.sync in (SyncMode.GREEDY, SyncMode.GLOBAL):
         return [inst.instance_id for inst in lagging]
     group_versions = group_versions or {}
+    if not lagging:
+        return []
+    routable = routable or Routable(pending, group_versions)
     if config.sync is SyncMode.LOAD_AWARE:
-        return _load_aware(lagging, pending, config, group_versions)
+        return _load_aware(lagging, routable.oldest, config)
     syncs: list[str] = []
-    routable = Routable(pending, group_versions)
     for inst in lagging:
         # step 1: only an instance that cannot take any waiting trajectory at its version
         if routable.on(inst, budget):
@@ -78,11 +89,8 @@ def _at_version(inst: InstanceState, version: int) -> InstanceState:
     return updated
 
 
-def _load_aware(lagging: list[InstanceState], pending: Sequence[PendingTrajectory], config: StrategyConfig,
-                group_versions: dict[str, int]) -> list[str]:
-    if not lagging:
-        return []
-    oldest = Routable(pending, group_versions).oldest  # a versioned trajectory may run on any instance this new
+def _load_aware(lagging: list[InstanceState], oldest: int | None, config: StrategyConfig) -> list[str]:
+    """``oldest``: the oldest V_traj waiting; a versioned trajectory may run on any instance this new."""
     syncs: list[str] = []
     for inst in lagging:
         if inst.waiting or inst.kv_cache > config.sync_kv_threshold * inst.cost.kv_budget:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -148,6 +148,12 @@ def _device_tensors(sizes: list[int], device: str, fill: int) -> list:
     return [torch.full((n,), fill, dtype=torch.uint8, device=device) for n in sizes]
 
 
+def commands(conn: Connection) -> Iterator[Any]:
+    """What a worker process is told over its pipe, until it is told None (stop)."""
+    while (message := conn.recv()) is not None:
+        yield message
+
+
 def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, pooled: bool, device: str) -> None:
     """A trainer rank: holds its shards (host arrays, or tensors on ``device``); on ("push",
     version, transport, t0) pushes them (from ``device``: copied into one pinned host buffer first)."""
@@ -168,11 +174,7 @@ def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, p
                                                     for (name, start, n), offset in zip(ranges, staging.offsets, strict=True)])
     with ParamsClient(url, timeout=600) as client:
         conn.send({"ready": True, "shard_bytes": share.nbytes})
-        while True:
-            message = conn.recv()
-            if message is None:
-                return
-            _, version, transport, wait_s = message
+        for _, version, transport, wait_s in commands(conn):
             with PeakMemory() as memory:
                 started = time.monotonic()
                 if staging is not None:
@@ -207,11 +209,7 @@ def _instance_main(conn: Connection, url: str, table: dict, pooled: bool, device
         staging = FlatStaging(_device_tensors(sizes, device, 1))
     with ParamsClient(url, timeout=600) as client:
         conn.send({"ready": True})
-        while True:
-            message = conn.recv()
-            if message is None:
-                return
-            _, version, transport, wait_s, verify = message
+        for _, version, transport, wait_s, verify in commands(conn):
             lease = client.open_pull(version, transport, wait_s=wait_s)
             leased, cpu = time.monotonic(), time.process_time()
             try:
@@ -320,13 +318,16 @@ def measure_copy_bound(total_bytes: int, repeats: int, device: str) -> dict:
     return bound
 
 
-def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, persist: bool) -> tuple[subprocess.Popen, str]:
-    """A PS in its own process, as an operator starts one (``staleflow serve params``)."""
+def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, persist: bool,
+                        egress_gbps: float | None = None) -> tuple[subprocess.Popen, str]:
+    """A PS in its own process, as an operator starts one (``staleflow serve params``);
+    ``egress_gbps``: its egress limit (a link of that speed), None for none."""
     # -P as this process was started: a checkout's folders must not shadow the installed package
     safe_path = ["-P"] if sys.flags.safe_path else []
+    egress = [] if egress_gbps is None else ["--egress-gbps", str(egress_gbps)]
     proc = subprocess.Popen([sys.executable, *safe_path, "-m", "staleflow.cli", "serve", "params", "--state-dir", str(state_dir),
                              "--port", "0", "--keep", "1", "--no-fsync", "--persist" if persist else "--no-persist",
-                             "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb)],
+                             "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb), *egress],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said: list[str] = []
     stderr = proc.stderr
@@ -435,9 +436,11 @@ def bench_cell(ranks: Workers, instances: Workers, client: Any, n_ranks: int, k:
 
 def bench_table(label: str, table: dict, transports: list[str], rank_counts: list[int], instance_counts: list[int],
                 repeats: int, chunk_mb: int, workdir: Path, advance: Callable[[], None], pool: str = "auto",
-                device: str = "host", verify_modes: Sequence[str] = ("auto",), persist: bool = True) -> dict:
+                device: str = "host", verify_modes: Sequence[str] = ("auto",), persist: bool = True,
+                link_gbps: float | None = None) -> dict:
     """Every cell (transport x verify mode x ranks x instances) for one tensor table. ``persist``:
-    the PS persists each version (its copy to disk runs while the instances pull)."""
+    the PS persists each version (its copy to disk runs while the instances pull); ``link_gbps``:
+    the PS's egress limit (its http chunk bodies), None for none."""
     from staleflow.transports.client import ParamsClient
 
     total_bytes = table_bytes(table)
@@ -455,7 +458,8 @@ def bench_table(label: str, table: dict, transports: list[str], rank_counts: lis
     # decided before the PS's slot exists (the slot is counted in the need)
     verdicts = {(n, k): fits(total_bytes, n, k, pooled) for n in rank_counts for k in instance_counts}
     result["skipped"] = [{"ranks": n, "instances": k, "why": why} for (n, k), (ok, why) in verdicts.items() if not ok]
-    proc, url = start_params_server(workdir / f"ps-{abs(hash(label))}", sorted({"http", *transports}), chunk_mb, persist)
+    proc, url = start_params_server(workdir / f"ps-{abs(hash(label))}", sorted({"http", *transports}), chunk_mb, persist,
+                                    link_gbps)
     try:
         with ParamsClient(url, timeout=600) as client:
             for n_ranks in rank_counts:
@@ -581,13 +585,13 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
                      repeats: int = 3, chunk_mb: int = 64, pool: str = "auto", models: Sequence[tuple[str, dict]] = (),
                      synthetic_twins: bool = True, device: str = "host", planned: Callable[[int], None] = _ignore,
                      advance: Callable[[int], None] = _ignore, verify_modes: Sequence[str] = ("auto",),
-                     side_by_side: bool = False, persist: bool = True) -> dict:
+                     side_by_side: bool = False, persist: bool = True, link_gbps: float | None = None) -> dict:
     """``sizes``: synthetic tables; ``models``: (label, tensor table) of real architectures, each
     beside a synthetic table of its bytes when ``synthetic_twins``. Progress: ``planned(steps)``
     once, then ``advance(steps)`` as they are done. ``side_by_side``: instead of the cells, each
     table's ``pull_side_by_side`` (``repeats`` rounds), under ``side_by_side`` in the result."""
     results: dict = {"transports": transports, "verify": list(verify_modes), "ranks": rank_counts, "instances": instance_counts,
-                     "repeats": repeats,
+                     "repeats": repeats, "link_gbps": link_gbps,
                      "cpus": os.cpu_count(), "memory_bytes": total_memory(), "targets": TARGETS, "device": device, "sizes": []}
     work: list[tuple[str, dict, str | None]] = [("synthetic", tensor_table(size), None) for size in sizes]
     for label, table in models:
@@ -612,7 +616,8 @@ def run_params_bench(sizes: list[int], transports: list[str], rank_counts: list[
                 advance(len(rank_counts))
                 continue
             results["sizes"].append(bench_table(label, table, transports, rank_counts, instance_counts, repeats, chunk_mb,
-                                                Path(tmp), lambda: advance(1), pool, device, verify_modes, persist)
+                                                Path(tmp), lambda: advance(1), pool, device, verify_modes, persist,
+                                                link_gbps)
                                     | ({"twin_of": twin_of} if twin_of else {}))
     compare_with_synthetic(results)
     return results

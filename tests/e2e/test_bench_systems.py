@@ -139,6 +139,10 @@ def test_sweep_and_workload_file(tmp_path: Path) -> None:
     (("--preset", "huge"), "unknown preset"),
     (("--workload", "/nonexistent/lengths.json"), "cannot use --workload"),
     (("--straggler-sigma", "-0.5"), "--straggler-sigma must be >= 0"),
+    (("--weight-source", "carrier-pigeon"), "choose one of ps, ros"),
+    (("--ps-egress-gbps", "0"), "--ps-egress-gbps must be > 0"),
+    (("--systems", "verl+ros"), "does not Pull from a parameter server"),
+    (("--sweep", "ps_egress=0"), "values must be > 0"),
 ])
 def test_bad_options_say_what_to_fix(args: tuple[str, ...], message: str) -> None:
     result = invoke(*args)
@@ -177,3 +181,15 @@ def test_straggler_sigma_is_a_sweep_key_and_changes_the_run(tmp_path: Path) -> N
     assert homogeneous["runs"]["in-flight"]["total_time_s"] != straggling["runs"]["in-flight"]["total_time_s"]
     assert homogeneous["oracle_share"]["oracle"] == 1.0
     assert 0 < data["summary"]["oracle_share"]["sf-rsm"]["mean"]
+
+
+def test_peer_serving_runs_beside_the_fan_out_from_a_slow_parameter_server(tmp_path: Path) -> None:
+    result = invoke("--systems", "staleflow,staleflow+ros", "--eta", "2", "--steps", "4", "--instances", "3",
+                    "--ps-egress-gbps", "1.6", "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["systems"] == ["sf-rsm", "sf-rsm+ros"]
+    assert data["scenario"]["weight_source"] == "ps" and data["scenario"]["ps_egress_gbps"] == 1.6
+    runs = data["points"][0]["runs"]
+    assert runs["sf-rsm+ros"]["violations"] == 0
+    assert runs["sf-rsm+ros"]["breakdown"]["pull_s"] < runs["sf-rsm"]["breakdown"]["pull_s"]
