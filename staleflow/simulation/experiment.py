@@ -321,7 +321,8 @@ class ExperimentResult:
             if shares:
                 out["oracle_eta_share"][name] = {"mean": statistics.fmean(shares), "min": min(shares),
                                                  "max": max(shares)}
-        out["above_oracle_eta"] = [f"{name} at {p.point.label}" for p in self.points for name in p.above_oracle_eta(self.spec.systems)]
+        out["above_oracle_eta"] = [f"{name} at {p.point.label}" for p in self.points
+                                   for name in p.above_oracle_eta(self.spec.systems)]
         out["realised_staleness"] = {name: [r.realised_staleness() for p in self.points if (r := p.runs.get(name))]
                                      for name in self._systems()}
         out["matched"] = {"n": len(self.matched), "min_ratio": min(m.ratio for m in self.matched),
