@@ -129,6 +129,7 @@ def register(bench_app: typer.Typer) -> None:
 def _bursts(sources: str, sizes: str | None, instances: str, link_gbps: float | None, repeats: int, chunk_mb: int,
             plot: Path | None, as_json: bool, output: Path | None) -> None:
     """``bench params --sources``: bursts per source (``staleflow.transports.burst``)."""
+    from staleflow.transports import burst_ros  # noqa: F401 - registers the ros source
     from staleflow.transports.burst import DEFAULT_BURST_BYTES, plot_bursts, run_burst_bench, unknown_sources
 
     names = [s.strip() for s in sources.split(",") if s.strip()]

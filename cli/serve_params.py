@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from staleflow.cli.common import fail, flag_names, validation_failure
 from staleflow.config import ParamsConfig, default_of
 
-OPTIONS = ("state_dir", "keep", "transports", "host", "port", "data_port", "shm_dir", "fsync", "egress_gbps")
+OPTIONS = ("state_dir", "keep", "transports", "host", "port", "data_port", "shm_dir", "fsync", "holder_of", "holder_id",
+           "zone", "spot", "retain", "retain_replicas", "holder_follows", "egress_gbps")
 """Options named after the setting they set; ``--chunk-mb`` and ``--lease-ttl`` are named apart."""
 NO_DATA_PLANE = -1
 
@@ -36,16 +37,17 @@ def serve_owning(resource: Any, app: Any, host: str, port: int, token: str | Non
 
 def params_config(state_dir: Path, keep: int, chunk_mb: float, transports: str, host: str, port: int,
                   shm_dir: Path, fsync: bool, lease_ttl_s: float, persist: bool = True, data_port: int = 0,
-                  egress_gbps: float | None = None) -> ParamsConfig:
+                  egress_gbps: float | None = None, **reference: Any) -> ParamsConfig:
+    """``reference``: the reference-oriented storage settings (``holder_of``, ``retain``, ...)."""
     try:
         return ParamsConfig.model_validate(dict(  # the transports' names are validated there
             state_dir=state_dir, keep=keep, chunk_bytes=int(chunk_mb * (1 << 20)),
             transports=tuple(t.strip() for t in transports.split(",") if t.strip()),
             host=host, port=port, shm_dir=shm_dir, fsync=fsync, lease_ttl_s=lease_ttl_s, persist=persist,
-            data_port=None if data_port == NO_DATA_PLANE else data_port, egress_gbps=egress_gbps,
+            data_port=None if data_port == NO_DATA_PLANE else data_port, egress_gbps=egress_gbps, **reference,
         ))
     except ValidationError as exc:
-        names = {**flag_names(OPTIONS), "chunk_bytes": "--chunk-mb", "lease_ttl_s": "--lease-ttl"}
+        names = {**flag_names(OPTIONS), "chunk_bytes": "--chunk-mb", "lease_ttl_s": "--lease-ttl", "holder_ttl_s": "--holder-ttl"}
         raise validation_failure(exc, names) from None
 
 
@@ -75,13 +77,31 @@ def register(serve_app: typer.Typer) -> None:
                                                                               "body this server sends (emulates a NIC; "
                                                                               "default: none)")]
         = default_of(ParamsConfig, "egress_gbps"),
+        holder_of: Annotated[str | None, typer.Option("--holder-of", help="be a holder of the parameter server at this URL: "
+                                                      "pull versions from their holders, serve what is held")] = None,
+        holder_id: Annotated[str | None, typer.Option("--holder-id", help="this holder's id (default: a random one)")] = None,
+        zone: Annotated[str, typer.Option(help="this holder's rack or zone label")] = default_of(ParamsConfig, "zone"),
+        spot: Annotated[bool, typer.Option("--spot/--no-spot", help="a preemptible holder (never counts for retention)")]
+        = default_of(ParamsConfig, "spot"),
+        holder_follows: Annotated[bool, typer.Option("--holder-follows/--no-holder-follows",
+                                                     help="a holder pulls each new version as it appears")]
+        = default_of(ParamsConfig, "holder_follows"),
+        retain: Annotated[int | None, typer.Option(help="versions kept available by holders or this server (default: --keep)")]
+        = default_of(ParamsConfig, "retain"),
+        retain_replicas: Annotated[int, typer.Option("--retain-replicas", help="non-spot holders of a retained version "
+                                                     "before this server drops its own copy")]
+        = default_of(ParamsConfig, "retain_replicas"),
+        holder_ttl_s: Annotated[float, typer.Option("--holder-ttl", help="seconds a silent holder lives")]
+        = default_of(ParamsConfig, "holder_ttl_s"),
     ) -> None:
         """The parameter server: versioned model weights, pushed by the trainer, pulled by instances."""
         from staleflow.servers.params import ParamStore, create_app
         from staleflow.transports.errors import TransportUnavailable
 
         config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s, persist, data_port,
-                               egress_gbps)
+                               egress_gbps=egress_gbps, holder_of=holder_of, holder_id=holder_id, zone=zone, spot=spot,
+                               holder_follows=holder_follows, retain=retain, retain_replicas=retain_replicas,
+                               holder_ttl_s=holder_ttl_s)
         if "nixl" in config.transports:
             from staleflow.transports.nixl import nixl_available
 

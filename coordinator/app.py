@@ -100,7 +100,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             "command_count": s.command_count, "command_seconds": s.command_seconds,
             "routed": s.routed, "interrupted": s.interrupted, "pulls": s.pulls, "aborts": s.aborts,
             "failures": s.failures, "rejoined": s.rejoined, "released": s.released,
-            "reconciled": s.reconciled, "strays_aborted": s.strays_aborted,
+            "reconciled": s.reconciled, "strays_aborted": s.strays_aborted, "rerouted_pulls": s.rerouted_pulls,
             "unreachable": s.unreachable, "cycle_ms_total": s.cycle_ms_total, "phase_ms_total": s.phase_ms_total,
             "strategy": {k: str(v) for k, v in vars(c.strategy).items()},
         }

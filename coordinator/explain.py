@@ -98,7 +98,7 @@ async def _max_tokens(ts: AsyncTrajectoryClient, open_members: list[TrajectorySe
     """The response budget of the waiting trajectories (one trajectory server samples them all alike)."""
     for t in open_members[:3]:  # one that finished meanwhile has left the live set: try the next
         try:
-            return (await ts.trajectory(t.traj_id)).sampling.get("max_tokens")
+            return (await ts.trajectory(t.traj_id)).sampling.max_tokens
         except ServiceError:
             continue
     return None

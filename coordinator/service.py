@@ -32,15 +32,24 @@ from staleflow.api.base import ServiceError
 from staleflow.api.coordinator import InstanceView
 from staleflow.api.instance import (
     AbortApplied,
+    AbortCommand,
+    AnyCommand,
     AsyncInstanceClient,
     CommandApplied,
     InterruptApplied,
+    InterruptCommand,
+    ParamsWeightsIn,
     PullApplied,
+    PullCommand,
+    RouteCommand,
+    SimWeightsIn,
     SnapshotOut,
+    WeightsIn,
 )
 from staleflow.api.manager import AsyncManagerClient
 from staleflow.api.params import AsyncParamsClient
-from staleflow.api.trajectories import AsyncTrajectoryClient, TrajectorySummary
+from staleflow.api.trajectories import Assignment, AsyncTrajectoryClient, TrajectorySummary
+from staleflow.api.trajectory import GeneratedPart
 from staleflow.backoff import Backoff
 from staleflow.commands import commands_of
 from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
@@ -114,6 +123,7 @@ class CoordinatorStats:
     released: int = 0  # trajectories of failed instances handed back to the trajectory server
     reconciled: int = 0  # routed to an instance that did not hold them: handed back after the grace period
     strays_aborted: int = 0  # held by an instance the trajectory server had not routed them to: aborted there
+    rerouted_pulls: int = 0  # Pulls of a version nobody could serve any more, sent again for the newest that exists
     command_count: dict[str, int] = field(default_factory=dict)  # by kind, answered or not
     command_seconds: dict[str, float] = field(default_factory=dict)  # by kind: issued to answered
     phase_ms_total: dict[str, float] = field(default_factory=dict)  # wall time of each step of the cycle, summed
@@ -167,6 +177,9 @@ class Coordinator:
         self._ids = itertools.count(1)
         self._run_id = f"{int(time.time() * 1000):x}"
         self.ps_version = 0
+        # versions whose Pull came back version_unavailable (every holder gone, the PS's copy dropped)
+        # -> the newest version that exists, which Pulls name instead until a newer one appears
+        self.rerouted: dict[int, int] = {}
         self._stopping = False
         self._suspects: dict[Suspicion, float] = {}  # mismatches between the TS and the instances, since when
 
@@ -517,7 +530,7 @@ class Coordinator:
                             self._suspects)
         self._suspects = outcome.suspects
         for instance_id, traj_ids in outcome.hand_back.items():
-            await self.ts.give_back(instance_id=instance_id, partials=[{"traj_id": t} for t in traj_ids])
+            await self.ts.give_back(instance_id=instance_id, partials=[GeneratedPart(traj_id=t) for t in traj_ids])
             self.stats.reconciled += len(traj_ids)
             log.warning("%d trajectories routed to %s but not held there for %.0fs: back to pending", len(traj_ids),
                         instance_id, self.reconcile_after)
@@ -525,7 +538,7 @@ class Coordinator:
             log.warning("%s holds %d trajectories the trajectory server has not routed to it: aborting them there",
                         instance_id, len(traj_ids))
             record = self.instances.get(instance_id)
-            reply = record and await self._command(record, "abort", {"traj_ids": traj_ids}, len(traj_ids))
+            reply = record and await self._command(record, AbortCommand(command_id=self._command_id(), traj_ids=traj_ids))
             if isinstance(reply, AbortApplied):
                 self.stats.strays_aborted += len(reply.aborted)
         return not outcome.empty
@@ -540,7 +553,7 @@ class Coordinator:
             routed = (await self.ts.routed(instance_id=record.instance_id)).trajectories
             orphans = [t.traj_id for t in routed if t.traj_id not in held]
             if orphans:
-                await self.ts.give_back(instance_id=record.instance_id, partials=[{"traj_id": t} for t in orphans])
+                await self.ts.give_back(instance_id=record.instance_id, partials=[GeneratedPart(traj_id=t) for t in orphans])
                 self.stats.released += len(orphans)
                 log.warning("%d trajectories routed to %s but not there: back to pending", len(orphans),
                             record.instance_id)
@@ -562,8 +575,8 @@ class Coordinator:
         if Action.ADOPT in joined:
             self.p.adopt(record.instance_id, snap.inst_version, len(run | wait | done))
         if Action.PULL in joined:  # a (re)joining instance starts from the newest weights
-            self.p.pulled(record.instance_id, self.ps_version)
-            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record)}, 1)
+            self.p.pulled(record.instance_id, self._pull_target())
+            self._enqueue(record, self._pull(record))
         if record.in_flight:
             record.validated = False
             return stalled
@@ -591,7 +604,7 @@ class Coordinator:
         # trajectories stay where they are, or go back to pending if the source is declared failed,
         # and are routed by a later cycle like any other).
         interrupted = await asyncio.gather(*(
-            self._command(self.instances[i], "interrupt", {"traj_ids": trajs}, len(trajs),
+            self._command(self.instances[i], InterruptCommand(command_id=self._command_id(), traj_ids=trajs),
                           shown="repack" if i in repacked else None)
             for i, trajs in commands.interrupts.items()))
         unmoved: set[str] = set()
@@ -606,17 +619,16 @@ class Coordinator:
             if record.status is InstanceStatus.FAILED:  # silent to its interrupt
                 continue
             self.membership.sync_started(record)
-            self.p.pulled(instance_id, self.ps_version)
-            keep = {"keep_running": True} if instance_id in commands.kept else {}
-            self._enqueue(record, "pull", {"version": self.ps_version, **self._weights(record), **keep}, 1)
+            self.p.pulled(instance_id, self._pull_target())
+            self._enqueue(record, self._pull(record, keep_running=instance_id in commands.kept))
         # 3. routes: check out payloads (reserving new groups in the ledger), then queue them
         for instance_id, assignments in commands.routes.items():
             assignments = [(t, v) for t, v in assignments if t not in unmoved]
             if not assignments or self.instances[instance_id].status is InstanceStatus.FAILED:  # silent to its interrupt
                 continue
             try:
-                trajectories = (await self.ts.checkout(instance_id=instance_id,
-                                                       assignments=[{"traj_id": t, "v_traj": v} for t, v in assignments])
+                trajectories = (await self.ts.checkout(
+                    instance_id=instance_id, assignments=[Assignment(traj_id=t, v_traj=v) for t, v in assignments])
                                 ).trajectories
             except ServiceError:
                 trajectories = []
@@ -627,12 +639,49 @@ class Coordinator:
                 raise
             if trajectories:
                 self.p.routed(instance_id, len(trajectories))
-                self._enqueue(self.instances[instance_id], "route", {"trajectories": trajectories}, len(trajectories))
+                self._enqueue(self.instances[instance_id],
+                              RouteCommand(command_id=self._command_id(), trajectories=trajectories))
 
-    def _weights(self, record: InstanceRecord) -> dict:
+    def _pull_target(self) -> int:
+        """The version a Pull names: the newest, unless nobody can serve it any more (then the
+        newest version that exists, until a newer one is pushed)."""
+        return self.rerouted.get(self.ps_version, self.ps_version)
+
+    async def _reroute_pull(self, record: InstanceRecord, pull: PullCommand) -> None:
+        """A Pull came back ``version_unavailable``: pull the newest version the parameter server
+        (as reference server) says exists instead; the staleness bound admits it or the ledger
+        keeps its groups waiting, as for any instance behind."""
         if self.params is None:
-            return {"weights": {"source": "sim", "size_bytes": self.sim_weights_bytes}} if self.sim_weights_bytes else {}
-        return {"weights": {"source": "params", "url": record.params_url or self.params_url}}
+            return
+        try:
+            available = (await self.params.references()).available
+        except (ServiceError, httpx.HTTPError) as exc:
+            log.warning("version %d is unavailable and the parameter server did not say which exist: %s", pull.version, exc)
+            return
+        target = max((v for v in available if v < pull.version), default=None)
+        if target is None:
+            log.warning("version %d is unavailable and no older version exists; the next cycle pulls again", pull.version)
+            return
+        log.warning("version %d is unavailable (no holder, no copy): %s pulls version %d instead",
+                    pull.version, record.instance_id, target)
+        self.rerouted[pull.version] = target
+        self.stats.rerouted_pulls += 1
+        if record.instance_id in self.p:  # adopted (its first snapshot): what it holds after the Pull
+            self.p.pulled(record.instance_id, target)
+        self._enqueue(record, pull.model_copy(update={"command_id": self._command_id(), "version": target}))
+
+    def _command_id(self) -> str:
+        return f"{self._run_id}-{next(self._ids)}"
+
+    def _pull(self, record: InstanceRecord, keep_running: bool = False) -> PullCommand:
+        """A Pull of the newest version (``_pull_target``) from where ``record`` pulls weights."""
+        return PullCommand(command_id=self._command_id(), version=self._pull_target(), weights=self._weights(record),
+                           keep_running=keep_running)
+
+    def _weights(self, record: InstanceRecord) -> WeightsIn | None:
+        if self.params is None or self.params_url is None:
+            return SimWeightsIn(size_bytes=self.sim_weights_bytes) if self.sim_weights_bytes else None
+        return ParamsWeightsIn(url=record.params_url or self.params_url)
 
     async def _cancel_surplus(self) -> None:
         by_instance: dict[str, list[str]] = {}
@@ -642,34 +691,36 @@ class Coordinator:
                 by_instance.setdefault(record.instance_id, []).append(t.traj_id)
         for instance_id, traj_ids in by_instance.items():
             record = self.instances.get(instance_id)
-            reply = record and await self._command(record, "abort", {"traj_ids": traj_ids}, len(traj_ids))
+            reply = record and await self._command(record, AbortCommand(command_id=self._command_id(), traj_ids=traj_ids))
             if reply:
                 await self.ts.cancellations_ack(traj_ids=traj_ids)
 
-    def _enqueue(self, record: InstanceRecord, kind: str, body: dict, size: int) -> None:
+    def _enqueue(self, record: InstanceRecord, command: RouteCommand | PullCommand) -> None:
         record.in_flight += 1
         record.commands_issued += 1
-        record.queue.put_nowait((kind, body, size))
+        record.queue.put_nowait(command)
 
     async def _command_worker(self, record: InstanceRecord) -> None:
         while True:
-            kind, body, size = await record.queue.get()
+            command: RouteCommand | PullCommand = await record.queue.get()
             try:
-                await self._command(record, kind, body, size, queued=True)
+                await self._command(record, command, queued=True)
             finally:
                 record.in_flight -= 1
-                if kind == "pull":
+                if command.kind == "pull":
                     self.membership.sync_ended(record)
 
-    async def _command(self, record: InstanceRecord, kind: str, body: dict, size: int,
+    async def _command(self, record: InstanceRecord, command: AnyCommand,
                        queued: bool = False, shown: str | None = None) -> CommandApplied | None:
         """Send one command; returns its reply, or None when it was refused or its effect is unknown.
         ``shown``: the kind it is listed and counted as (a repack's Interrupt: ``repack``)."""
         if not queued:
             record.in_flight += 1
             record.commands_issued += 1
-        command_id = f"{self._run_id}-{next(self._ids)}"
-        entry = CommandRecord(command_id, record.instance_id, shown or kind, size, time.time())
+        kind = command.kind
+        size = (len(command.trajectories) if isinstance(command, RouteCommand)
+                else len(command.traj_ids) if isinstance(command, InterruptCommand | AbortCommand) else 1)
+        entry = CommandRecord(command.command_id, record.instance_id, shown or kind, size, time.time())
         self.commands.append(entry)
         if kind in ("interrupt", "abort"):
             self.p.removed(record.instance_id, size)
@@ -677,16 +728,15 @@ class Coordinator:
         try:
             # a queued command (a pull, a route) may take long; one the cycle waits on holds up every
             # instance's next snapshot, so a hung instance must not hold it longer than a snapshot would
-            reply = await record.client.command({"command_id": command_id, "kind": kind, **body},
-                                                timeout=self.command_timeout if queued else self.answer_timeout)
+            reply = await record.client.command(command, timeout=self.command_timeout if queued else self.answer_timeout)
         except ServiceError as exc:
             refused = exc
         except (httpx.HTTPError, ValueError) as exc:
             entry.outcome = f"unknown: {exc.__class__.__name__}"
             record.unvalidated_since = time.monotonic() - self.reconcile_after  # reconcile from the next snapshot
-            if kind == "route":
+            if isinstance(command, RouteCommand):
                 with contextlib.suppress(ServiceError):
-                    await self.ts.give_back(instance_id=record.instance_id, partials=body["trajectories"])
+                    await self.ts.give_back(instance_id=record.instance_id, partials=command.trajectories)
             if not queued and isinstance(exc, httpx.TransportError):
                 await self._carry_out(record, *self.membership.silent(record, time.monotonic(), f"answer to {kind}"))
             return None
@@ -700,6 +750,8 @@ class Coordinator:
         if refused is not None:
             entry.outcome = f"refused: {refused.body.get('code')}: {refused.detail}"
             record.unvalidated_since = time.monotonic() - self.reconcile_after
+            if isinstance(command, PullCommand) and refused.code is ErrorCode.VERSION_UNAVAILABLE:
+                await self._reroute_pull(record, command)
             return None
         entry.outcome = "ok"
         if isinstance(reply, InterruptApplied | AbortApplied):

@@ -89,6 +89,7 @@ def _trajectory_columns() -> list[Column]:
         Column("reward_reason", Text, nullable=True),
         Column("seq", Integer, nullable=False),
         Column("updated_at", Float, nullable=False),
+        Column("carried", Text, nullable=True),  # JSON {field: value}: the response's other fields (null: none)
     ]
 
 

@@ -94,6 +94,11 @@ class ErrorCode(StrEnum):
     TRANSPORT_DISABLED = "transport_disabled"
     TRANSPORT_UNAVAILABLE = "transport_unavailable"
     CLIENT_DISCONNECTED = "client_disconnected"
+    # reference-oriented storage: versions served by the holders that hold them
+    VERSION_UNAVAILABLE = "version_unavailable"  # no holder and no copy of the PS can serve it: use a version that exists
+    VERSION_HELD_BY_PEERS = "version_held_by_peers"  # the PS dropped its copy: pull it from its holders (sources='ros')
+    UNKNOWN_HOLDER = "unknown_holder"  # not registered (the PS restarted, or its heartbeats lapsed): heartbeat again
+    RETENTION_PENDING = "retention_pending"  # an unpublish waits for the PS to take a copy back first
     # the reward server
     INVALID_VERIFIER = "invalid_verifier"
     BATCH_TOO_LARGE = "batch_too_large"
@@ -186,6 +191,10 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TRANSPORT_DISABLED: 422,
     ErrorCode.TRANSPORT_UNAVAILABLE: 503,
     ErrorCode.CLIENT_DISCONNECTED: 400,
+    ErrorCode.VERSION_UNAVAILABLE: 410,
+    ErrorCode.VERSION_HELD_BY_PEERS: _CONFLICT,
+    ErrorCode.UNKNOWN_HOLDER: 404,
+    ErrorCode.RETENTION_PENDING: 503,
     ErrorCode.INVALID_VERIFIER: 422,
     ErrorCode.BATCH_TOO_LARGE: 413,
     ErrorCode.UNKNOWN_INSTANCE: 404,

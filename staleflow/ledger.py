@@ -48,7 +48,7 @@ class BufferState(StrEnum):
     STUCK = "stuck"
 
 
-class Fate(StrEnum):
+class GroupFate(StrEnum):
     """How a group left the ledger."""
 
     CONSUMED = "consumed"
@@ -87,7 +87,7 @@ class PutEntry:
 class RetireEntry:
     group_id: str
     v_traj: int
-    fate: Fate
+    fate: GroupFate
     buffer: int  # the trainer version at the time (the buffer it was consumed in)
 
 
@@ -171,11 +171,11 @@ class Ledger:
         self._reserved: dict[int, dict[str, None]] = {}
         self._occupied: dict[int, dict[str, None]] = {}
         self._sealed: list[str] = []
-        self._retired: dict[str, Fate] = {}
+        self._retired: dict[str, GroupFate] = {}
         self._retired_at: dict[int, list[str]] = {}  # the train version each group in _retired retired at
         # where groups retired long ago are found once they left memory (a durable ledger's table); None: memory
         # keeps every retired group
-        self.archive: Callable[[str], Fate | None] | None = None
+        self.archive: Callable[[str], GroupFate | None] | None = None
         self._seq = 0
         self._changes: list[Change] = []
 
@@ -187,7 +187,7 @@ class Ledger:
         params: LedgerParams,
         train_version: int,
         entries: Iterable[Entry],
-        retired: dict[str, Fate],
+        retired: dict[str, GroupFate],
         sealed: Iterable[str] = (),
     ) -> Ledger:
         ledger = cls(params, train_version)
@@ -226,7 +226,7 @@ class Ledger:
     def entries(self) -> list[Entry]:
         return sorted(self._entries.values(), key=lambda e: e.seq)
 
-    def fate(self, group_id: str) -> Fate | None:
+    def fate(self, group_id: str) -> GroupFate | None:
         fate = self._retired.get(group_id)
         if fate is None and self.archive is not None:
             fate = self.archive(group_id)
@@ -547,7 +547,7 @@ class Ledger:
         self._changes = []
         if group_id in self._sealed:
             self._unseal()  # the pinned batch lost a member; the rest may re-form it
-        self._retire(entry, Fate.ABORTED)
+        self._retire(entry, GroupFate.ABORTED)
         return self._finish(Transition("abort", group_id, self.train_version))
 
     def consume(self, expected: int | None = None) -> Transition:
@@ -574,14 +574,14 @@ class Ledger:
         if self._sealed:
             self._unseal()
         for g in batch:
-            self._retire(self._entries[g], Fate.CONSUMED)
+            self._retire(self._entries[g], GroupFate.CONSUMED)
         self.train_version += 1
         self._changes.append(SetTrainVersion(self.train_version))
         transition = Transition("consume", buffer=version, consumed=batch)
         # without redundancy a Ready buffer held every entry whose window ended at `version`
         expired = [g for g, e in self._entries.items() if e.deadline < self.train_version]
         for g in expired:
-            self._retire(self._entries[g], Fate.SURPLUS)
+            self._retire(self._entries[g], GroupFate.SURPLUS)
             transition.cancelled.append(g)
         return self._finish(transition)
 
@@ -627,7 +627,7 @@ class Ledger:
         t = self.train_version
         for g, e in list(self._entries.items()):
             if e.deadline == t and g not in batch:  # its only buffer is now full
-                self._retire(e, Fate.SURPLUS)
+                self._retire(e, GroupFate.SURPLUS)
                 cancelled.append(g)
         slack = self._prefix_slack()
         removed = 0
@@ -635,7 +635,7 @@ class Ledger:
             excess = -s - removed
             while excess > 0:
                 victim = self._surplus_victim(t + k)
-                self._retire(self._entries[victim], Fate.SURPLUS)
+                self._retire(self._entries[victim], GroupFate.SURPLUS)
                 cancelled.append(victim)
                 removed += 1
                 excess -= 1
@@ -675,7 +675,7 @@ class Ledger:
         self._sealed = []
         self._changes.append(SetSealed(()))
 
-    def _retire(self, entry: Entry, fate: Fate) -> None:
+    def _retire(self, entry: Entry, fate: GroupFate) -> None:
         g = entry.group_id
         del self._entries[g]
         pool = self._reserved if entry.status is EntryStatus.RESERVED else self._occupied

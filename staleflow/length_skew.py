@@ -37,14 +37,14 @@ from itertools import accumulate
 from typing import Any
 
 
-class Fate(StrEnum):
+class TrajectoryFate(StrEnum):
     TRAINED = "trained"
     ABORTED = "aborted"
     FILTERED = "filtered"
     DROPPED = "dropped"
 
 
-FATES = tuple(Fate)
+FATES = tuple(TrajectoryFate)
 
 
 def bucket_of(length: int) -> int:
@@ -102,7 +102,7 @@ class StepSkew:
 
     step: int
     generated: Counter[int] = field(default_factory=Counter[int])  # bucket -> trajectories
-    fates: dict[Fate, Counter[int]] = field(default_factory=lambda: {f: Counter() for f in Fate})
+    fates: dict[TrajectoryFate, Counter[int]] = field(default_factory=lambda: {f: Counter() for f in TrajectoryFate})
     staleness: dict[int, Counter[int]] = field(default_factory=dict[int, Counter[int]])  # bucket -> {staleness: trained}
     regenerated: Counter[int] = field(default_factory=Counter[int])  # bucket -> trajectories resumed after a failure
     regenerated_tokens: Counter[int] = field(default_factory=Counter[int])  # bucket -> tokens generated again
@@ -113,7 +113,7 @@ class StepSkew:
     def add(self, other: StepSkew) -> None:
         """Add ``other``'s counts to this window's."""
         self.generated.update(other.generated)
-        for f in Fate:
+        for f in TrajectoryFate:
             self.fates[f].update(other.fates[f])
         for b, hist in other.staleness.items():
             self.staleness.setdefault(b, Counter()).update(hist)
@@ -132,7 +132,7 @@ class StepSkew:
                                                   self.regenerated_tokens),
                 "generated_tokens": self.generated_tokens, "trained_tokens": self.trained_tokens,
                 "generated_mean": self.generated_tokens / n if (n := sum(self.generated.values())) else None,
-                "trained_mean": self.trained_tokens / n if (n := sum(self.fates[Fate.TRAINED].values())) else None,
+                "trained_mean": self.trained_tokens / n if (n := sum(self.fates[TrajectoryFate.TRAINED].values())) else None,
                 "admission": admission_json(self.admission_waits)}
 
 
@@ -147,9 +147,9 @@ def _labelled(counts: Mapping[int, float]) -> dict[str, float]:
     return {bucket_label(k): counts[k] for k in sorted(counts) if counts[k]}
 
 
-def _counts_json(generated: Counter[int], fates: Mapping[Fate, Counter[int]], staleness: Mapping[int, Counter[int]],
+def _counts_json(generated: Counter[int], fates: Mapping[TrajectoryFate, Counter[int]], staleness: Mapping[int, Counter[int]],
                  regenerated: Counter[int], regenerated_tokens: Counter[int]) -> dict[str, Any]:
-    return {"generated": _labelled(generated), **{f.value: _labelled(fates[f]) for f in Fate},
+    return {"generated": _labelled(generated), **{f.value: _labelled(fates[f]) for f in TrajectoryFate},
             "staleness_mean": {bucket_label(b): sum(k * n for k, n in hist.items()) / sum(hist.values())
                                for b, hist in sorted(staleness.items()) if sum(hist.values())},
             "regenerated": _labelled(regenerated), "regenerated_tokens": _labelled(regenerated_tokens)}
@@ -168,7 +168,7 @@ class LengthSkew:
         self.steps: dict[int, StepSkew] = {}
         self._open: dict[str, int] = {}  # traj_id -> length: generated, fate not known yet
         self._sampled: dict[str, float] = {}  # group_id -> when it was sampled, until admitted
-        self._cutting: dict[str, Fate] = {}  # traj_id -> its fate, while its instance aborts it
+        self._cutting: dict[str, TrajectoryFate] = {}  # traj_id -> its fate, while its instance aborts it
         self.generated_lengths: Counter[int] = Counter()  # length -> trajectories (the whole run)
         self.trained_lengths: Counter[int] = Counter()
 
@@ -194,7 +194,7 @@ class LengthSkew:
         window.generated_tokens += length
         self.generated_lengths[length] += 1
 
-    def settle(self, traj_id: str, fate: Fate) -> bool:
+    def settle(self, traj_id: str, fate: TrajectoryFate) -> bool:
         """A generated trajectory's fate other than training (see ``consumed``); False if unknown."""
         length = self._open.pop(traj_id, None)
         if length is None:
@@ -202,11 +202,11 @@ class LengthSkew:
         self._window().fates[fate][bucket_of(length)] += 1
         return True
 
-    def settle_all(self, traj_ids: Iterable[str], fate: Fate) -> None:
+    def settle_all(self, traj_ids: Iterable[str], fate: TrajectoryFate) -> None:
         for traj_id in traj_ids:
             self.settle(traj_id, fate)
 
-    def stopped(self, traj_id: str, length: int, fate: Fate) -> None:
+    def stopped(self, traj_id: str, length: int, fate: TrajectoryFate) -> None:
         """A trajectory cut before it finished, holding ``length`` response tokens: generated and
         settled at once. One that generated nothing is not counted (nothing was spent on it); one
         already generated is only settled."""
@@ -215,7 +215,7 @@ class LengthSkew:
         self._count_generated(length)
         self._window().fates[fate][bucket_of(length)] += 1
 
-    def cutting(self, traj_id: str, fate: Fate) -> None:
+    def cutting(self, traj_id: str, fate: TrajectoryFate) -> None:
         """A running trajectory is being aborted on its instance, with this fate; ``cut`` counts it
         once the length it reached is known."""
         self._cutting[traj_id] = fate
@@ -241,7 +241,7 @@ class LengthSkew:
             if length is None:
                 continue
             bucket = bucket_of(length)
-            window.fates[Fate.TRAINED][bucket] += 1
+            window.fates[TrajectoryFate.TRAINED][bucket] += 1
             window.staleness.setdefault(bucket, Counter())[staleness] += 1
             window.trained_tokens += length
             self.trained_lengths[length] += 1

@@ -26,7 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.core import Metric as MetricFamily
 
-from staleflow.length_skew import Fate, StepSkew, bucket_label
+from staleflow.length_skew import StepSkew, TrajectoryFate, bucket_label
 
 Kind = Literal["gauge", "counter", "summary", "histogram"]
 Samples = Iterable[tuple[Sequence[str], float]]
@@ -207,7 +207,7 @@ REWARD_VALUE = Metric("staleflow_reward_value", "summary", "rewards given, by ve
 def length_skew_families(total: StepSkew, in_flight: Mapping[int, int]) -> list[MetricFamily]:
     """The trajectory server's length-skew accounting (``staleflow.length_skew``) as metric families."""
     counts = [(("generated", bucket_label(b)), n) for b, n in sorted(total.generated.items())]
-    counts += [((fate.value, bucket_label(b)), n) for fate in Fate for b, n in sorted(total.fates[fate].items())]
+    counts += [((fate.value, bucket_label(b)), n) for fate in TrajectoryFate for b, n in sorted(total.fates[fate].items())]
     counts += [(("regenerated", bucket_label(b)), n) for b, n in sorted(total.regenerated.items())]
     waits = total.admission_waits
     return [

@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.length_skew import Fate, LengthSkew
+from staleflow.length_skew import LengthSkew, TrajectoryFate
 
 
 class TrajState(StrEnum):
@@ -119,6 +120,7 @@ class TrajRecord:
     reward: float | None = None
     reward_reason: str | None = None
     updated_at: float = 0.0
+    carried: Mapping[str, Any] | None = None  # see ``Generated.carried``
 
 
 @dataclass(frozen=True)
@@ -131,10 +133,13 @@ class Generated:
     segments: tuple[Span, ...] = ()
     finish_reason: str | None = None
     instance_id: str | None = None  # the instance that finished it (completions)
+    # the response's other fields (``staleflow.api.trajectory.ResponseFields``), which the book
+    # keeps with the tokens without reading them; None: the sender says nothing of them
+    carried: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class ProgressCheckpoint:
     """A running trajectory's progress from an instance: response positions ``[start, start +
     len(tokens))`` with their log-probs, and ``segments``, the versions of the whole response up to
     there."""
@@ -412,7 +417,7 @@ class TrajectoryBook:
                 self.skew.cut(t.traj_id, max(len(p.tokens), len(t.tokens)))
             elif t.state is TrajState.ROUTED and (instance_id is None or t.instance_id == instance_id):
                 if len(p.tokens) >= len(t.tokens):  # never lose generated tokens
-                    t.tokens, t.logprobs, t.segments = p.tokens, p.logprobs, p.segments
+                    self._take_response(t, p)
                 self._lost(t, self._on_instance.get(t.traj_id, 0))  # handed back with less than it had
                 self._move(t, TrajState.PENDING)
                 t.instance_id = None
@@ -423,8 +428,8 @@ class TrajectoryBook:
             changed.append(t)
         return outcome, changed
 
-    def checkpoint(self, checkpoints: Iterable[Checkpoint],
-                   limits: SegmentLimits = UNLIMITED) -> tuple[dict[str, int], list[Checkpoint]]:
+    def checkpoint(self, checkpoints: Iterable[ProgressCheckpoint],
+                   limits: SegmentLimits = UNLIMITED) -> tuple[dict[str, int], list[ProgressCheckpoint]]:
         """Progress of trajectories running on instances. A checkpoint counts only from the
         instance the trajectory is routed to, only if it continues what the book holds (no gap),
         and only if its segments pass ``segment_violation`` (the rule of completions and returned
@@ -432,7 +437,7 @@ class TrajectoryBook:
         response length now held of each trajectory whose checkpoint counted (or whose progress
         the book already held), and the appended parts."""
         held: dict[str, int] = {}
-        appended: list[Checkpoint] = []
+        appended: list[ProgressCheckpoint] = []
         for c in checkpoints:
             t = self.trajs.get(c.traj_id)
             if t is None or t.state is not TrajState.ROUTED or t.instance_id != c.instance_id:
@@ -443,7 +448,7 @@ class TrajectoryBook:
                 continue
             if c.end > have:
                 cut = have - c.start
-                part = Checkpoint(c.traj_id, c.instance_id, have, c.tokens[cut:], c.logprobs[cut:], c.segments)
+                part = ProgressCheckpoint(c.traj_id, c.instance_id, have, c.tokens[cut:], c.logprobs[cut:], c.segments)
                 self.adopt(part)
                 appended.append(part)
             held[t.traj_id] = len(t.tokens)
@@ -461,7 +466,7 @@ class TrajectoryBook:
         """The response tokens a routed trajectory's instance last said it holds (``holding``)."""
         return self._on_instance.get(traj_id)
 
-    def adopt(self, c: Checkpoint) -> bool:
+    def adopt(self, c: ProgressCheckpoint) -> bool:
         """Append a stored checkpoint that continues the trajectory's response (read back after a
         restart); one that does not is ignored."""
         t = self.trajs.get(c.traj_id)
@@ -470,6 +475,12 @@ class TrajectoryBook:
         cut = len(t.tokens) - c.start
         t.tokens, t.logprobs, t.segments = t.tokens + c.tokens[cut:], t.logprobs + c.logprobs[cut:], c.segments
         return True
+
+    @staticmethod
+    def _take_response(t: TrajRecord, p: Generated) -> None:
+        t.tokens, t.logprobs, t.segments = p.tokens, p.logprobs, p.segments
+        if p.carried is not None:
+            t.carried = dict(p.carried)
 
     def _lost(self, t: TrajRecord, reached: int) -> None:
         """A routed trajectory goes back to pending holding ``t.tokens`` after its instance said it
@@ -520,13 +531,13 @@ class TrajectoryBook:
                 continue
             if p.finish_reason == ABORTED_ON_INSTANCE and t.state is not TrajState.CANCELLING:
                 continue  # an abort ends only a cancellation; a stray copy aborted elsewhere changes nothing here
-            t.tokens, t.logprobs, t.segments = p.tokens, p.logprobs, p.segments
+            self._take_response(t, p)
             t.finish_reason = p.finish_reason
             t.instance_id = p.instance_id or t.instance_id
             if t.state is TrajState.CANCELLING:
                 self.skew.cut(t.traj_id, len(p.tokens))
             elif self.groups[t.group_id].state is not GroupState.RESERVED:
-                self.skew.stopped(t.traj_id, len(p.tokens), Fate.DROPPED)  # its group closed without it
+                self.skew.stopped(t.traj_id, len(p.tokens), TrajectoryFate.DROPPED)  # its group closed without it
             else:
                 self.skew.generated(t.traj_id, len(p.tokens))
             surplus = self.groups[t.group_id].state is not GroupState.RESERVED or t.state is TrajState.CANCELLING
@@ -558,7 +569,7 @@ class TrajectoryBook:
         return [self.trajs[m] for m in g.member_ids if self.trajs[m].state is TrajState.REWARDED]
 
     def close_group(self, group_id: str, state: GroupState,
-                    fate: Fate | None = None) -> tuple[list[GroupRecord], list[TrajRecord], list[TrajRecord]]:
+                    fate: TrajectoryFate | None = None) -> tuple[list[GroupRecord], list[TrajRecord], list[TrajRecord]]:
         """Occupy or abort a group; members beyond the batch are cancelled. Returns the changed
         group, the changed trajectories, and those still on an instance (to be aborted there).
         ``fate``: why its cancelled members are cut (by default: surplus of an occupied group,
@@ -567,7 +578,7 @@ class TrajectoryBook:
         if g.state not in LIVE_GROUP_STATES:
             return [], [], []
         if fate is None:
-            fate = Fate.DROPPED if state is GroupState.OCCUPIED else Fate.ABORTED
+            fate = TrajectoryFate.DROPPED if state is GroupState.OCCUPIED else TrajectoryFate.ABORTED
         self.skew.forget_group(group_id)
         keep: set[str] = set()
         if state is GroupState.OCCUPIED:
@@ -648,7 +659,7 @@ class TrajectoryBook:
         self.skew.consumed(buffer, trained)
 
     def follow_ledger(self, op: str, group_id: str | None, consumed: Iterable[str], cancelled: Iterable[str],
-                      cancelled_fate: Fate, buffer: int | None = None
+                      cancelled_fate: TrajectoryFate, buffer: int | None = None
                       ) -> tuple[list[GroupRecord], list[TrajRecord], list[TrajRecord]]:
         """What a ledger transition (``op`` on ``group_id``) does to the book: the groups it
         consumed (into ``buffer``, where known) leave the in-flight budget (``mark_consumed``);
@@ -660,7 +671,7 @@ class TrajectoryBook:
         on_instances: list[TrajRecord] = []
         closing = [(gid, cancelled_fate) for gid in cancelled]
         if op == "abort" and group_id is not None:
-            closing.append((group_id, Fate.ABORTED))
+            closing.append((group_id, TrajectoryFate.ABORTED))
         for gid, fate in closing:
             if gid in self.groups:
                 g, c, o = self.close_group(gid, GroupState.ABORTED, fate)

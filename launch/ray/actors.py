@@ -55,11 +55,13 @@ def probe(low: int, high: int, taken: list[int]) -> dict:
             "node_id": ray.get_runtime_context().get_node_id()}
 
 
-def relay_app(config: JobConfig, namespace: str, name: str, token: str):
+def relay_app(config: JobConfig, namespace: str, name: str, token: str, upstream: str | None = None):
     """A relay's parameter server, its versions in node-local storage (shared memory serves them),
     in a directory of this run's own (named after its token's hash): a later job in the same
     namespace must never find this one's versions there. Its egress limit is the job's
-    (``params.egress_gbps``), as the parameter server's."""
+    (``params.egress_gbps``), as the parameter server's. With ``params.sources: ros`` the relay is
+    a holder of the job's parameter server (``upstream``): it pulls each version from its holders
+    and serves what it holds to the other nodes' relays, on its node's address."""
     import hashlib
     import tempfile
 
@@ -67,7 +69,10 @@ def relay_app(config: JobConfig, namespace: str, name: str, token: str):
 
     run = hashlib.sha256(token.encode()).hexdigest()[:12]
     where = Path(tempfile.gettempdir()) / f"staleflow-relay-{namespace}-{name}-{run}"
-    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False, egress_gbps=config.params.egress_gbps))
+    holder = ({"holder_of": upstream, "holder_id": f"{namespace}-{name}", "host": node_ip(),
+               "holder_ttl_s": config.params.holder_ttl_s} if config.params.sources == "ros" and upstream else {})
+    return create_app(ParamsConfig(state_dir=where, keep=3, fsync=False, egress_gbps=config.params.egress_gbps,
+                                   **holder))
 
 
 def _log_to_state(config: JobConfig, name: str) -> None:
@@ -156,7 +161,7 @@ class Component:
         moved = planned.get("node_id", node_id) != node_id or planned["host"] != here
         self.namespace = namespace
         self.params_url = relay_on(endpoints, node_id) if name.startswith("inst-") else None
-        make_app = (lambda: relay_app(config, namespace, name, token)) if is_relay(name) else \
+        make_app = (lambda: relay_app(config, namespace, name, token, endpoints["params"]["url"])) if is_relay(name) else \
             (lambda: build_app(name, config, endpoints))
         app = make_app()
         timeout = start_timeout(config)
@@ -178,7 +183,7 @@ class Component:
         self.url = endpoints[name]["url"]
         if name.startswith("inst-"):  # every start: a no-op in place, the new address after a move
             threading.Thread(target=self._reregister, args=(endpoints,), daemon=True).start()
-        if is_relay(name):
+        if is_relay(name) and config.params.sources != "ros":  # a holder pulls new versions itself
             from staleflow.servers.params.relay import Mirror
 
             self.stop_mirror = threading.Event()

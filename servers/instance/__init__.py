@@ -25,16 +25,18 @@ Endpoints (all JSON; errors are ``{"detail", "code", ...}`` with a 4xx status, a
   or ``{"until_idle": true}``; returns after the finished trajectories reached the feed.
 
 ``staleflow.config.instance`` holds the settings, ``staleflow.api.instance`` the wire models and the
-client, ``wire`` the conversions between them and the engine's types, ``service`` the outbox and
-the command-applying server, ``app`` the endpoints; ``staleflow.engines.factory`` builds the engine.
+client (the trajectories are ``staleflow.api.trajectory``'s), ``wire`` the conversions between them
+and the engine's types, ``service`` the outbox and the command-applying server, ``app`` the
+endpoints; ``staleflow.engines.factory`` builds the engine.
 """
 
-from staleflow.api.instance import AbortCommand, InterruptCommand, PullCommand, RouteCommand, TrajectoryIn
+from staleflow.api.instance import AbortCommand, InterruptCommand, PullCommand, RouteCommand
+from staleflow.api.trajectory import WireTrajectory
 from staleflow.config import InstanceConfig, SimConfig, VllmConfig
 from staleflow.engines.factory import create_engine
 from staleflow.servers.instance.app import create_app
 from staleflow.servers.instance.service import InstanceServer
-from staleflow.servers.instance.wire import trajectory_json
+from staleflow.servers.instance.wire import wire_trajectory
 
 __all__ = [
     "AbortCommand",
@@ -44,9 +46,9 @@ __all__ = [
     "PullCommand",
     "RouteCommand",
     "SimConfig",
-    "TrajectoryIn",
     "VllmConfig",
+    "WireTrajectory",
     "create_app",
     "create_engine",
-    "trajectory_json",
+    "wire_trajectory",
 ]

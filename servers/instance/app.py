@@ -128,7 +128,7 @@ def _add_feed_routes(app: FastAPI, server: InstanceServer) -> None:
         outbox.handed_out(items)
         return {
             "items": items,
-            "next_after": items[-1]["seq"] if items else after,
+            "next_after": items[-1].seq if items else after,
             "last_seq": outbox.next_seq - 1,
             "oldest_seq": outbox.oldest_seq,
             "dropped": outbox.dropped,

@@ -13,26 +13,47 @@ import random
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
-from staleflow.api.base import TRANSIENT_STATUS, async_http_client
-from staleflow.api.instance import AbortCommand, AdvanceIn, AnyCommand, InterruptCommand, RouteCommand
+from staleflow.api.base import TRANSIENT_STATUS, ServiceError
+from staleflow.api.instance import (
+    AbortApplied,
+    AbortCommand,
+    AdvanceIn,
+    AnyCommand,
+    InterruptApplied,
+    InterruptCommand,
+    PullApplied,
+    PullCommand,
+    RouteApplied,
+    RouteCommand,
+)
+from staleflow.api.trajectories import AsyncTrajectoryClient, TrajectoryRoutes
+from staleflow.api.trajectory import Completion, WireTrajectory
 from staleflow.config import InstanceConfig
 from staleflow.config.engines import Clock
 from staleflow.engines.base import (
     CompletedTrajectory,
     EngineError,
     EngineSnapshot,
+    PartialTrajectory,
     RolloutEngine,
 )
 from staleflow.engines.factory import create_engine
 from staleflow.engines.sim import SimEngine
 from staleflow.errors import ErrorCode
-from staleflow.servers.instance.wire import engine_request, trajectory_json, weights_ref
+from staleflow.servers.instance.wire import (
+    carried_by_instance,
+    engine_request,
+    finished_trajectory,
+    progress_part,
+    weights_ref,
+    wire_trajectory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +108,15 @@ class Outbox:
         self.next_seq = 1
         self.acked = 0  # items acknowledged so far
         self.dropped = 0
-        self._items: dict[int, dict[str, Any]] = {}  # by seq, in seq order
+        self._items: dict[int, Completion] = {}  # by seq, in seq order
         self._delivered: set[int] = set()  # seqs handed to a consumer at least once
         self._arrived = asyncio.Event()
 
-    def add(self, instance_id: str, trajectory: CompletedTrajectory) -> None:
+    def add(self, instance_id: str, trajectory: CompletedTrajectory, carried: Mapping[str, Any] | None = None) -> None:
         seq = self.next_seq
         self.next_seq += 1
-        self._items[seq] = {"seq": seq, "instance_id": instance_id, "finished_at": time.time(),
-                            "trajectory": trajectory_json(trajectory)}
+        self._items[seq] = Completion(seq=seq, instance_id=instance_id, finished_at=time.time(),
+                                      trajectory=finished_trajectory(trajectory, carried))
         if len(self._items) > self.limit:
             lost = next(iter(self._items))
             self._forget(lost)
@@ -107,9 +128,9 @@ class Outbox:
         del self._items[seq]
         self._delivered.discard(seq)
 
-    def handed_out(self, items: list[dict[str, Any]]) -> None:
+    def handed_out(self, items: list[Completion]) -> None:
         """These items reached a consumer: from now on they may be acknowledged."""
-        self._delivered.update(item["seq"] for item in items if item["seq"] in self._items)
+        self._delivered.update(item.seq for item in items if item.seq in self._items)
 
     def ack(self, seqs: Iterable[int]) -> tuple[list[int], list[int]]:
         """Acknowledge items that were handed out; returns (acknowledged, ignored): an unknown,
@@ -124,7 +145,7 @@ class Outbox:
         self.acked += len(acknowledged)
         return acknowledged, ignored
 
-    def after(self, seq: int, limit: int) -> list[dict[str, Any]]:
+    def after(self, seq: int, limit: int) -> list[Completion]:
         out = []
         for item_seq, item in self._items.items():
             if item_seq > seq:
@@ -196,6 +217,7 @@ class InstanceServer:
         self._replay = ReplayWindow(config.idempotency_window, config.idempotency_bytes)
         self._tasks: list[asyncio.Task[None]] = []
         self.progress = ProgressTally()
+        self._carried: dict[str, dict[str, Any]] = {}  # traj_id -> its fields the engine does not know
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -217,7 +239,7 @@ class InstanceServer:
 
     async def _collect_completions(self) -> None:
         async for trajectory in self.engine.completions():
-            self.outbox.add(self.instance_id, trajectory)
+            self.outbox.add(self.instance_id, trajectory, self._carried.pop(trajectory.traj_id, None))
 
     async def _push_completions(self) -> None:
         """Deliver the outbox to the callback in order. A batch is acknowledged (and leaves the
@@ -228,37 +250,41 @@ class InstanceServer:
         it answers, with capped, jittered backoff."""
         url = self.config.completion_callback_url
         assert url is not None
-        async with async_http_client("", timeout=30.0) as client:  # absolute URL; carries the token
+        async with AsyncTrajectoryClient("", timeout=30.0) as ts:  # called at the absolute URL; carries the token
             while True:
                 await self.outbox.wait_after(self.callback_delivered, 3600.0)
                 batch = self.outbox.after(self.callback_delivered, self.config.callback_batch)
                 if batch:
-                    await self._deliver(client, url, batch)
+                    await self._deliver(ts, url, batch)
 
-    async def _deliver(self, client: httpx.AsyncClient, url: str, batch: list[dict[str, Any]]) -> None:
-        first, last = batch[0]["seq"], batch[-1]["seq"]
+    async def _deliver(self, ts: AsyncTrajectoryClient, url: str, batch: list[Completion]) -> None:
+        first, last = batch[0].seq, batch[-1].seq
         backoff, errors = CALLBACK_BACKOFF_S, 0
         while True:
             try:
-                reply = await client.post(url, json={"instance_id": self.instance_id, "items": batch})
+                await ts.call_at(url, TrajectoryRoutes.completed, instance_id=self.instance_id, items=batch)
             except httpx.HTTPError as exc:
                 problem = f"failed ({exc.__class__.__name__}: {exc})"
-            else:
-                status = reply.status_code
-                if status < 400:
-                    break
+            except ServiceError as exc:
+                status = exc.status
                 if status < 500 or (status not in TRANSIENT_STATUS and errors + 1 >= CALLBACK_ERROR_ATTEMPTS):
                     log.error("completion callback %s refused seq %d-%d with %d (%s): dropped; the coordinator "
-                              "hands these trajectories back", url, first, last, status, reply.text[:500])
+                              "hands these trajectories back", url, first, last, status, exc.detail[:500])
                     break
                 errors += status not in TRANSIENT_STATUS
                 problem = f"answered {status}"
+            except ValueError as exc:  # a 2xx whose body is not the trajectory server's answer: it took the batch
+                log.warning("completion callback %s took seq %d-%d but its answer is not an Accepted: %s",
+                            url, first, last, str(exc)[:500])
+                break
+            else:
+                break
             log.warning("completion callback %s %s; retrying seq %d-%d in %.1fs", url, problem, first, last, backoff)
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))  # retry pacing, not synchronisation
             backoff = min(backoff * 2, CALLBACK_MAX_BACKOFF_S)
         self.callback_delivered = last
         self.outbox.handed_out(batch)
-        self.outbox.ack(item["seq"] for item in batch)
+        self.outbox.ack(item.seq for item in batch)
 
     # ------------------------------------------------------------------ progress checkpoints
 
@@ -271,25 +297,25 @@ class InstanceServer:
         url = self.config.progress_url
         assert url is not None
         last_sweep = last_word = time.monotonic()
-        async with async_http_client("", timeout=30.0) as client:
+        async with AsyncTrajectoryClient("", timeout=30.0) as ts:  # called at the absolute URL
             while True:
                 await asyncio.sleep(PROGRESS_POLL_S)  # the polling period, not synchronisation
                 now = time.monotonic()
                 sweep = now - last_sweep >= self.config.progress_seconds
                 try:
-                    said = await self.checkpoint(client, url, 1 if sweep else self.config.progress_tokens,
+                    said = await self.checkpoint(ts, url, 1 if sweep else self.config.progress_tokens,
                                                  say_held=now - last_word >= HELD_EVERY_S)
                     if said is None:
                         log.info("engine %s does not expose its progress: no checkpoints", self.config.engine)
                         return
                     if said or now - last_word >= HELD_EVERY_S:
                         last_word = now
-                except httpx.HTTPError as exc:  # the trajectory server restarting: the next round resends
+                except (httpx.HTTPError, ValueError) as exc:  # the trajectory server restarting: the next round resends
                     log.debug("progress checkpoint to %s failed: %s", url, exc)
                 if sweep:
                     last_sweep = time.monotonic()
 
-    async def checkpoint(self, client: httpx.AsyncClient, url: str, min_new: int, say_held: bool = False) -> int | None:
+    async def checkpoint(self, ts: AsyncTrajectoryClient, url: str, min_new: int, say_held: bool = False) -> int | None:
         """Send one checkpoint batch: the trajectories with at least ``min_new`` tokens beyond their
         last checkpoint, with how far every trajectory that grew got (``held``; with nothing due,
         sent only if ``say_held``). Returns how many checkpoints went (None: the engine does not
@@ -307,14 +333,14 @@ class InstanceServer:
             del self.progress.reported[traj_id]
         if items or (say_held and grown):
             # "held": what an instance failure would make each trajectory generate again beyond its checkpoint
-            reply = await client.post(url, json={"instance_id": self.instance_id, "trajectories": [
-                {"traj_id": p.traj_id, "start": p.start, "tokens": list(p.tokens), "logprobs": list(p.logprobs),
-                 "segments": [{"version": s.version, "start": s.start, "end": s.end} for s in p.segments]}
-                for p in items], "held": {p.traj_id: p.end for p in grown}})
-            if reply.status_code >= 400:
-                log.warning("progress checkpoint refused by %s with %d: %s", url, reply.status_code, reply.text[:500])
+            try:
+                reply = await ts.call_at(url, TrajectoryRoutes.progress, instance_id=self.instance_id,
+                                         trajectories=[progress_part(p, self._carried.get(p.traj_id)) for p in items],
+                                         held={p.traj_id: p.end for p in grown})
+            except ServiceError as exc:
+                log.warning("progress checkpoint refused by %s with %d: %s", url, exc.status, exc.detail[:500])
             else:
-                stored = reply.json().get("stored", {})
+                stored = reply.stored
                 for p in items:
                     # what the trajectory server holds now; a trajectory it does not route here is not resent
                     self.progress.reported[p.traj_id] = int(stored.get(p.traj_id, p.end))
@@ -344,30 +370,41 @@ class InstanceServer:
                                       f"command_id {command.command_id} was already used for a different command")
                 return recorded.status, json.loads(recorded.body), True
             try:
-                result = await self._execute(command)
+                applied = await self._execute(command, self.seq + 1)
             except EngineError as exc:
                 status, body = exc.status, exc.to_json()
             else:
-                self.seq += 1
+                self.seq = applied.seq
                 self.commands_applied[command.kind] = self.commands_applied.get(command.kind, 0) + 1
-                status, body = 200, {"command_id": command.command_id, "kind": command.kind, "seq": self.seq, **result}
+                status, body = 200, applied.model_dump(mode="json")
             self._replay.record(command.command_id, fingerprint, status, body)
             return status, body, False
 
-    async def _execute(self, command: AnyCommand) -> dict[str, Any]:
+    async def _execute(self, command: AnyCommand, seq: int) -> RouteApplied | InterruptApplied | AbortApplied | PullApplied:
+        """Carry ``command`` out on the engine; its answer, numbered ``seq``."""
+        applied = {"command_id": command.command_id, "seq": seq}
         if isinstance(command, RouteCommand):
             try:
                 requests = [engine_request(t) for t in command.trajectories]
             except ValueError as exc:  # cross-field checks of the trajectory dataclasses
                 raise EngineError(ErrorCode.INVALID_TRAJECTORY, str(exc)) from None
             await self.engine.route(requests)
-            return {"routed": [r.traj_id for r in requests]}
+            for t in command.trajectories:
+                if carried := carried_by_instance(t):
+                    self._carried[t.traj_id] = carried
+            return RouteApplied(**applied, kind="route", routed=[r.traj_id for r in requests])
         if isinstance(command, InterruptCommand):
             result = await self.engine.interrupt(command.traj_ids)
-            return {"partials": [trajectory_json(p) for p in result.partials], "not_found": result.not_found}
+            return InterruptApplied(**applied, kind="interrupt", partials=self._handed_back(result.partials),
+                                    not_found=result.not_found)
         if isinstance(command, AbortCommand):
             abort = await self.engine.abort(command.traj_ids)
-            return {"aborted": abort.aborted, "not_found": abort.not_found}
+            for traj_id in abort.aborted:
+                self._carried.pop(traj_id, None)
+            return AbortApplied(**applied, kind="abort", aborted=abort.aborted, not_found=abort.not_found)
+        return await self._pull(command, applied)
+
+    async def _pull(self, command: PullCommand, applied: dict[str, Any]) -> PullApplied:
         self._pulling = True
         try:
             partials = await self.engine.load_weights(weights_ref(command), command.keep_running)
@@ -377,7 +414,12 @@ class InstanceServer:
                 kept = sorted({*held.run_trajs, *held.wait_trajs, *held.complete_trajs})
         finally:
             self._pulling = False
-        return {"version": command.version, "partials": [trajectory_json(p) for p in partials], "kept": kept}
+        return PullApplied(**applied, kind="pull", version=command.version, partials=self._handed_back(partials),
+                           kept=kept)
+
+    def _handed_back(self, partials: Iterable[PartialTrajectory]) -> list[WireTrajectory]:
+        """Interrupted trajectories as they leave the instance, with what it carried for them."""
+        return [wire_trajectory(p, self._carried.pop(p.traj_id, None)) for p in partials]
 
     async def snapshot(self) -> dict[str, Any]:
         if self._pulling:  # a weight load can take a while: answer without waiting for it

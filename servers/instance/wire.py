@@ -1,16 +1,23 @@
-"""The instance server's side of its contract (``staleflow.api.instance``): wire models into engine
-requests and weights references, engine trajectories into wire JSON."""
+"""The instance server's side of its contract (``staleflow.api.instance``): the vocabulary's
+trajectories (``staleflow.api.trajectory``) into engine requests, weights references into the
+engine's, and the engine's trajectories and progress back into the vocabulary. Fields pass by name:
+a field both sides declare needs no edit here, and one the engine does not know is carried by the
+instance (``carried_by_instance``) and handed back with the trajectory."""
 
 from __future__ import annotations
 
 import base64
-from dataclasses import asdict
+from collections.abc import Mapping
+from dataclasses import asdict, fields
 from typing import Any
 
-from staleflow.api.instance import ParamsWeightsIn, PathWeightsIn, PullCommand, SimWeightsIn, TrajectoryIn
+from staleflow.api.instance import ParamsWeightsIn, PathWeightsIn, PullCommand, SimWeightsIn
+from staleflow.api.trajectory import FinishedTrajectory, ProgressPart, WireSegment, WireTrajectory
 from staleflow.engines.base import (
     CompletedTrajectory,
     EngineError,
+    PartialTrajectory,
+    Progress,
     SamplingParams,
     Segment,
     SimWeights,
@@ -23,13 +30,21 @@ from staleflow.engines.base import (
 )
 from staleflow.errors import ErrorCode
 
+ENGINE_FIELDS = frozenset(f.name for f in fields(TrajectoryRequest))
 
-def engine_request(t: TrajectoryIn) -> TrajectoryRequest:
+
+def engine_request(t: WireTrajectory) -> TrajectoryRequest:
     return TrajectoryRequest(
-        **t.model_dump(exclude={"sampling", "segments"}),
+        **t.model_dump(include=set(ENGINE_FIELDS - {"sampling", "segments"})),
         sampling=SamplingParams(**t.sampling.model_dump()),
         segments=tuple(Segment(**s.model_dump()) for s in t.segments),
     )
+
+
+def carried_by_instance(t: WireTrajectory) -> dict[str, Any]:
+    """The trajectory's fields the engine does not know (usually none): the instance keeps them
+    while the trajectory runs and hands them back with its partial or its completion."""
+    return t.model_dump(exclude=set(ENGINE_FIELDS))
 
 
 def weights_ref(command: PullCommand) -> WeightsRef:
@@ -46,17 +61,30 @@ def weights_ref(command: PullCommand) -> WeightsRef:
         raise EngineError(ErrorCode.INVALID_WEIGHTS, f"weights.data_b64 is not base64: {exc}") from None
 
 
-def trajectory_json(t: Trajectory) -> dict[str, Any]:
-    data: dict[str, Any] = {
-        "traj_id": t.traj_id,
-        "group_id": t.group_id,
-        "prompt_ids": list(t.prompt_ids),
-        "v_traj": t.v_traj,
-        "sampling": {**asdict(t.sampling), "stop_token_ids": list(t.sampling.stop_token_ids)},
-        "tokens": list(t.tokens),
-        "logprobs": list(t.logprobs),
-        "segments": [{"version": s.version, "start": s.start, "end": s.end} for s in t.segments],
-    }
-    if isinstance(t, CompletedTrajectory):
-        data["finish_reason"] = t.finish_reason.value
-    return data
+def wire_segments(segments: tuple[Segment, ...]) -> list[WireSegment]:
+    return [WireSegment(version=s.version, start=s.start, end=s.end) for s in segments]
+
+
+def _wire_fields(t: Trajectory | Progress) -> dict[str, Any]:
+    """The dataclass's fields, by name (not ``asdict``: that would copy every token one by one)."""
+    out = {f.name: getattr(t, f.name) for f in fields(t)}
+    out["segments"] = wire_segments(t.segments)
+    return out
+
+
+def _whole_fields(t: Trajectory, carried: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {**(carried or {}), **_wire_fields(t), "sampling": asdict(t.sampling)}
+
+
+def wire_trajectory(t: PartialTrajectory, carried: Mapping[str, Any] | None = None) -> WireTrajectory:
+    """An engine's partial as the vocabulary carries it, with the fields the instance ``carried`` for it."""
+    return WireTrajectory.model_validate(_whole_fields(t, carried))
+
+
+def finished_trajectory(t: CompletedTrajectory, carried: Mapping[str, Any] | None = None) -> FinishedTrajectory:
+    """An engine's finished trajectory as the vocabulary carries it, with what the instance ``carried``."""
+    return FinishedTrajectory.model_validate({**_whole_fields(t, carried), "finish_reason": t.finish_reason.value})
+
+
+def progress_part(p: Progress, carried: Mapping[str, Any] | None = None) -> ProgressPart:
+    return ProgressPart.model_validate({**(carried or {}), **_wire_fields(p)})

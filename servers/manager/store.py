@@ -43,7 +43,7 @@ from staleflow.ledger import (
     BufferView,
     Entry,
     EntryStatus,
-    Fate,
+    GroupFate,
     Ledger,
     PutEntry,
     RetireEntry,
@@ -107,7 +107,7 @@ class DurableLedger:
         self._retired_fates = select(ledger_retired.c.group_id, ledger_retired.c.fate).where(
             ledger_retired.c.group_id.in_(bindparam("ids", expanding=True)))
         # the archived fates of the group ids the batch being applied reserves (None: never retired)
-        self._batch_fates: dict[str, Fate | None] = {}
+        self._batch_fates: dict[str, GroupFate | None] = {}
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._writer = threading.Thread(target=self._writer_loop, name="ledger-writer", daemon=True)
@@ -192,7 +192,7 @@ class DurableLedger:
             ]
             # only the recently retired groups come back into memory: the table answers for the others
             recent = ledger_retired.c.buffer >= row["train_version"] - self.retired_kept_versions(params)
-            retired = {r.group_id: Fate(r.fate)
+            retired = {r.group_id: GroupFate(r.fate)
                        for r in conn.execute(select(ledger_retired.c.group_id, ledger_retired.c.fate).where(recent))}
             return Ledger.restore(params, row["train_version"], entries, retired, json.loads(row["sealed"]))
 
@@ -203,12 +203,12 @@ class DurableLedger:
         from memory; older ones are looked up in ``ledger_retired`` by key."""
         return params.eta + 2
 
-    def _archived_fate(self, group_id: str) -> Fate | None:
+    def _archived_fate(self, group_id: str) -> GroupFate | None:
         if group_id in self._batch_fates:
             return self._batch_fates[group_id]
         with self.engine.connect() as conn:
             fate = conn.execute(select(ledger_retired.c.fate).where(ledger_retired.c.group_id == group_id)).scalar()
-        return None if fate is None else Fate(fate)
+        return None if fate is None else GroupFate(fate)
 
     def _load_stats(self) -> LedgerStats:
         with self.engine.connect() as conn:
@@ -218,10 +218,10 @@ class DurableLedger:
         return LedgerStats(
             admitted=ops.get("reserve", 0),
             occupied=ops.get("occupy", 0),
-            consumed_groups=fates.get(Fate.CONSUMED.value, 0),
+            consumed_groups=fates.get(GroupFate.CONSUMED.value, 0),
             consumed_buffers=ops.get("consume", 0),
-            aborted=fates.get(Fate.ABORTED.value, 0),
-            surplus=fates.get(Fate.SURPLUS.value, 0),
+            aborted=fates.get(GroupFate.ABORTED.value, 0),
+            surplus=fates.get(GroupFate.SURPLUS.value, 0),
         )
 
     # ------------------------------------------------------------------ transitions
@@ -324,13 +324,13 @@ class DurableLedger:
                 self._count(transition)
                 future.set_result(transition)
 
-    def _archived_fates_of_reserved(self, conn: Connection, batch: list[tuple[str, tuple, Future]]) -> dict[str, Fate | None]:
+    def _archived_fates_of_reserved(self, conn: Connection, batch: list[tuple[str, tuple, Future]]) -> dict[str, GroupFate | None]:
         """How each group id the batch reserves left the ledger long ago (None: never), in one
         query: the ledger asks its archive about every new id, and memory holds only recent ones."""
-        fates: dict[str, Fate | None] = dict.fromkeys(
+        fates: dict[str, GroupFate | None] = dict.fromkeys(
             args[0] for name, args, _ in batch if name == "reserve" and args and isinstance(args[0], str))
         if fates:
-            fates.update((g, Fate(fate)) for g, fate in conn.execute(self._retired_fates, {"ids": list(fates)}))
+            fates.update((g, GroupFate(fate)) for g, fate in conn.execute(self._retired_fates, {"ids": list(fates)}))
         return fates
 
     def _write(self, conn: Connection, transitions: list[Transition]) -> None:
@@ -419,8 +419,8 @@ class DurableLedger:
             s.consumed_buffers += 1
             s.consumed_groups += len(transition.consumed or [])
         fates = Counter(c.fate for c in transition.changes if isinstance(c, RetireEntry))
-        s.aborted += fates[Fate.ABORTED]
-        s.surplus += fates[Fate.SURPLUS]
+        s.aborted += fates[GroupFate.ABORTED]
+        s.surplus += fates[GroupFate.SURPLUS]
 
     # ------------------------------------------------------------------ queries
 
@@ -444,7 +444,7 @@ class DurableLedger:
         with self._lock:
             return self.ledger.entry(group_id)
 
-    def fate(self, group_id: str) -> Fate | None:
+    def fate(self, group_id: str) -> GroupFate | None:
         with self._lock:
             return self.ledger.fate(group_id)
 
@@ -463,7 +463,7 @@ class DurableLedger:
         with self.engine.connect() as conn:
             rows = conn.execute(
                 select(ledger_retired.c.group_id)
-                .where(ledger_retired.c.buffer == version, ledger_retired.c.fate == Fate.CONSUMED.value)
+                .where(ledger_retired.c.buffer == version, ledger_retired.c.fate == GroupFate.CONSUMED.value)
                 .order_by(ledger_retired.c.group_id)
             )
             return [r.group_id for r in rows]
@@ -482,7 +482,7 @@ def consumption_record(url: str) -> tuple[list[str], list[tuple[str, int, int]]]
                 consumed += json.loads(detail).get("consumed") or []
             fates = [tuple(r) for r in conn.execute(
                 select(ledger_retired.c.group_id, ledger_retired.c.v_traj, ledger_retired.c.buffer)
-                .where(ledger_retired.c.fate == Fate.CONSUMED.value))]
+                .where(ledger_retired.c.fate == GroupFate.CONSUMED.value))]
     finally:
         engine.dispose()
     return consumed, fates

@@ -21,8 +21,9 @@ Endpoints (errors are ``{"detail", "code", ...}`` with a stable code): see docs/
 The modules, by concern: ``rules`` the pure rules and records (version specs, retention, chunk
 cutting, coverage), ``files`` a version's folder on disk, ``push`` the pushes in progress
 (``PushTable``), ``store`` the store that owns them (versions, leases, retention, persistence),
-``app`` the REST app, ``dataplane`` the chunk bodies' own port, ``relay`` the cross-node relay and
-``config`` the settings. The wire models and routes are ``staleflow.api.params``; the client
+``app`` the REST app, ``dataplane`` the chunk bodies' own port, ``relay`` the cross-node relay,
+``reference`` the pure rules of reference-oriented storage (holders, sources, retention) and
+``holders`` the reference server and the holder agent that apply them. The wire models and routes are ``staleflow.api.params``; the client
 (``ParamsClient``, with the transports) lives in the library, ``staleflow.transports.client``.
 """
 

@@ -15,11 +15,22 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from staleflow import metrics as m
-from staleflow.api.params import ParamsRoutes, PartDone, PartJoin, PullBegin, PushBegin, VersionSpec
+from staleflow.api.params import (
+    HolderBeat,
+    HolderPublish,
+    ParamsRoutes,
+    PartDone,
+    PartJoin,
+    PullBegin,
+    PushBegin,
+    SourcesAsk,
+    VersionSpec,
+)
 from staleflow.config import ParamsConfig
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import ConnectionLimits, Owned, background, handles, service_app
 from staleflow.servers.params.dataplane import ChunkDataPlane
+from staleflow.servers.params.holders import HolderAgent, ReferenceServer, advertised_url
 from staleflow.servers.params.rules import ParamsError, StoredVersion
 from staleflow.servers.params.store import ParamStore
 from staleflow.transports.checksums import checksum_algorithms
@@ -62,9 +73,13 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
             app.state.data_plane = (None if config.data_port is None else
                                     ChunkDataPlane(serving, config.host, config.data_port, getattr(app.state, "token", None),
                                                    limits, app.state.egress))
+            app.state.references, app.state.holder = _reference_role(app, serving, config)
             try:
                 yield
             finally:
+                for role in (app.state.holder, app.state.references):
+                    if role is not None:
+                        role.close()
                 if app.state.data_plane is not None:
                     app.state.data_plane.close()
 
@@ -94,7 +109,77 @@ def create_app(config: ParamsConfig, store: ParamStore | None = None, owns_store
     _add_version_routes(app)
     _add_push_routes(app, config)
     _add_pull_routes(app, config)
+    _add_reference_routes(app)
     return app
+
+
+def _reference_role(app: FastAPI, store: ParamStore, config: ParamsConfig) -> tuple[ReferenceServer | None, HolderAgent | None]:
+    """The job's parameter server is the reference server; one with ``holder_of`` is a holder."""
+    token = getattr(app.state, "token", None)
+    if config.holder_of is None:
+        return ReferenceServer(store, config, token), None
+    plane: ChunkDataPlane | None = app.state.data_plane
+    if plane is None:
+        raise ValueError("a holder serves chunks on its data plane: give it a data port (not null)")
+    return None, HolderAgent(store, config, advertised_url(config.host, plane.port), token, follow=config.holder_follows)
+
+
+def _references(app: FastAPI) -> ReferenceServer:
+    references = app.state.references
+    if references is None:
+        raise ParamsError(ErrorCode.NOT_FOUND, "this parameter server is a holder, not the reference server: ask "
+                                               f"{app.state.holder.config.holder_of}")
+    return references
+
+
+def _holder(app: FastAPI) -> HolderAgent:
+    holder = app.state.holder
+    if holder is None:
+        raise ParamsError(ErrorCode.NOT_FOUND, "this parameter server is no holder (start it with holder_of)")
+    return holder
+
+
+def _add_reference_routes(app: FastAPI) -> None:
+    """Reference-oriented storage: holders, sources, retention (on the reference server), and a
+    holder's own pulls (on a holder)."""
+
+    @handles(app, ParamsRoutes.references)
+    def references() -> dict:
+        return _references(app).describe()
+
+    @handles(app, ParamsRoutes.reference_manifest)
+    def reference_manifest(store: StoreDep, version: VersionSpec) -> dict:
+        return store.resolve_manifest(version).to_json()
+
+    @handles(app, ParamsRoutes.chunk_sources)
+    def chunk_sources(version: int, body: SourcesAsk) -> dict:
+        return _references(app).sources(version, body.puller, body.chunk, body.host_id, body.zone, body.exclude,
+                                          body.failed, body.held, body.count)
+
+    @handles(app, ParamsRoutes.release_puller)
+    def release_puller(puller: str) -> dict:
+        return _references(app).release(puller)
+
+    @handles(app, ParamsRoutes.heartbeat)
+    def heartbeat(holder_id: str, body: HolderBeat) -> dict:
+        return _references(app).heartbeat(holder_id, body.url, body.host_id, body.zone, body.spot, body.holdings)
+
+    @handles(app, ParamsRoutes.publish)
+    def publish(holder_id: str, version: int, body: HolderPublish) -> dict:
+        return _references(app).publish(holder_id, version, body.chunks, body.manifest)
+
+    @handles(app, ParamsRoutes.unpublish)
+    def unpublish(holder_id: str, version: int, wait_s: Annotated[float, Query(ge=0, le=3600)] = 60.0) -> dict:
+        return _references(app).unpublish(holder_id, version, wait_s)
+
+    @handles(app, ParamsRoutes.holder_pull)
+    def holder_pull(version: VersionSpec) -> dict:
+        return _holder(app).pull(int(version) if version.isdigit() else version)
+
+    @handles(app, ParamsRoutes.holder_drop)
+    def holder_drop(store: StoreDep, version: int) -> dict:
+        _holder(app).unpublish(version)
+        return {"version": version, "deleted": version not in store.versions, "readers": 0}
 
 
 def _add_version_routes(app: FastAPI) -> None:
@@ -106,11 +191,14 @@ def _add_version_routes(app: FastAPI) -> None:
 
     @handles(app, ParamsRoutes.latest)
     def latest(store: StoreDep) -> dict:
-        return store.resolve_stored("latest").manifest.summary()
+        return store.resolve_manifest("latest").summary()
 
     @handles(app, ParamsRoutes.delete_version)
     def delete_version(store: StoreDep, version: int) -> dict:
-        """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end."""
+        """Withdraw a version: new pulls are refused at once; it is freed when its open pulls end.
+        One only holders hold is withdrawn from the reference server (holders drop it as they pull on)."""
+        if app.state.references is not None and app.state.references.withdraw(version):
+            return {"version": version, "deleted": True, "readers": 0}
         stored = store.delete_version(version)
         return {"version": version, "deleted": stored.leases == 0, "readers": stored.leases}
 
@@ -186,7 +274,7 @@ def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
 
     @handles(app, ParamsRoutes.manifest)
     def manifest(store: StoreDep, version: VersionSpec) -> dict:
-        return store.resolve_stored(version).manifest.to_json()
+        return store.resolve_manifest(version).to_json()
 
     @handles(app, ParamsRoutes.open_pull, status_code=201)
     def begin_pull(s: StoreDep, version: VersionSpec, body: PullBegin | None = None) -> dict:
@@ -194,6 +282,10 @@ def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
         if body.transport not in config.transports:
             raise ParamsError(ErrorCode.TRANSPORT_DISABLED,
                               f"transport {body.transport!r} is not enabled here (enabled: {', '.join(config.transports)})")
+        holder: HolderAgent | None = app.state.holder
+        if holder is not None and version.isdigit() and int(version) in holder.unavailable and int(version) not in s.versions:
+            raise ParamsError(ErrorCode.VERSION_UNAVAILABLE, f"version {version} cannot be pulled here: nobody holds it any "
+                                                             "more (the reference server said so); pull a version that exists")
         lease, stored = s.acquire(version, body.transport, body.wait_s)
         try:
             details = _transport_details(s, stored, body.transport)

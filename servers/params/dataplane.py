@@ -317,6 +317,8 @@ class ChunkDataPlane:
             if not 0 <= index < len(chunks):
                 raise StaleFlowError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{len(chunks) - 1}, not {index}")
             chunk = chunks[index]
+            if stored.held is not None:  # a copy still being pulled serves each chunk once it lands
+                self.store.wait_chunk(stored, index, self.store.config.holder_ttl_s)
             sender = _Sender(conn, self.limits)
             try:
                 sender.data(_head(200, {"Content-Type": "application/octet-stream", "Content-Length": str(chunk.length),

@@ -178,6 +178,8 @@ class StoredVersion:
     persist_yielded_seconds: float | None = None  # of which it waited for pushes and pulls to end
     visible_seconds: float | None = None  # from the push's start until it was visible
     visible_at_monotonic: float | None = None  # when it became visible (this host's monotonic clock)
+    held: set[int] | None = None  # a copy from holders in progress: the chunks verified so far (None: complete)
+    abandoned: bool = False  # a copy in progress that was given up: freed once its readers end
 
     def summary(self) -> dict:
         return {**self.manifest.summary(), "leases": self.leases, "retained": self.retained,

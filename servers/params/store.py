@@ -19,12 +19,13 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from staleflow.config import ParamsConfig
 from staleflow.errors import ErrorCode
 from staleflow.servers.params.files import DATA_FILE, MANIFEST_FILE, VERSION_DIR, fsync_dir, load_version, write_atomically
-from staleflow.servers.params.push import PushTable, hash_chunks
+from staleflow.servers.params.push import HEADER_ALIGN, PushTable, hash_chunks
 from staleflow.servers.params.rules import (
     Lease,
     ParamsError,
@@ -36,6 +37,7 @@ from staleflow.servers.params.rules import (
 from staleflow.transports.checksums import (
     checksum_algorithm,
 )
+from staleflow.transports.layout import Manifest, safetensors_header
 from staleflow.transports.shm import ShmSlot, ShmSlots
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,13 @@ class ParamStore:
 
             self.nixl = NixlExporter(f"staleflow-ps-{uuid.uuid4().hex[:8]}")
         self._to_persist: set[int] = set()
+        # reference-oriented storage (``reference``): versions whose copy this store dropped while
+        # holders serve them (still resolvable), copies from holders in progress, and a hook the
+        # reference server sets to hear of each version that becomes visible
+        self.referenced: dict[int, Manifest] = {}
+        self.replicas: dict[int, StoredVersion] = {}
+        self._abandoned: dict[int, StoredVersion] = {}
+        self.on_visible: Callable[[Manifest], None] | None = None
         self._trash: list[Path] = []  # evicted versions' folders, deleted by the disk thread
         self._loading = threading.Lock()  # one version loaded from disk into a memory slot at a time
         self._recover()
@@ -137,11 +146,16 @@ class ParamStore:
         if self.config.persist:
             self._to_persist.add(version)
         self.apply_retention()
+        if self.on_visible is not None:
+            self.on_visible(stored.manifest)
         self.cond.notify_all()
 
     def apply_retention(self) -> None:
         retained = [v for v, s in self.versions.items() if s.retained]
-        for version in versions_to_drop(retained, self.config.keep):
+        kept = max(self.config.keep, self.config.retain or 0)
+        for version in set(self.referenced) - set(sorted({*retained, *self.referenced})[-kept:]):
+            del self.referenced[version]
+        for version in versions_to_drop(retained, kept):
             stored = self.versions[version]
             stored.retained = False
             if stored.leases == 0:
@@ -296,7 +310,7 @@ class ParamStore:
     def _resolve(self, spec: str) -> tuple[int | None, str]:
         """(version or None, why not) for a version spec, among the retained versions."""
         kind, number = parse_version_spec(spec)
-        retained = sorted(v for v, s in self.versions.items() if s.retained)
+        retained = sorted({*(v for v, s in self.versions.items() if s.retained), *self.referenced})
         if kind == "exact":
             version = number
         elif not retained:
@@ -304,7 +318,7 @@ class ParamStore:
         else:
             version = retained[-1] - number
         stored = self.versions.get(version)
-        if stored is not None and stored.retained:
+        if (stored is not None and stored.retained) or version in self.referenced:
             return version, ""
         if stored is not None or (retained and version < retained[0]):
             return None, f"version {version} is not kept any more (kept: {retained})"
@@ -331,7 +345,7 @@ class ParamStore:
                     hint = "; pass wait_s to wait for it" if can_appear else ""
                     raise ParamsError(code, why + hint)
                 self.cond.wait(min(remaining, 1.0))
-            stored = self.versions[version]
+            stored = self._own_copy(version)
             stored.leases += 1
             lease = Lease(uuid.uuid4().hex, version, transport, time.monotonic() + self.config.lease_ttl_s)
             self.leases[lease.lease_id] = lease
@@ -348,11 +362,13 @@ class ParamStore:
             return True
 
     def _unpin(self, version: int) -> None:
-        stored = self.versions.get(version)
+        stored = self.versions.get(version) or self.replicas.get(version) or self._abandoned.get(version)
         if stored is None:
             return
         stored.leases -= 1
-        if stored.leases == 0 and not stored.retained:
+        if stored.leases == 0 and stored.abandoned:
+            self._drop_replica(stored)
+        elif stored.leases == 0 and not stored.retained and stored.held is None:
             self._destroy(stored)
 
     def sweep_locked(self) -> None:
@@ -379,9 +395,10 @@ class ParamStore:
                 if lease.version != version:
                     raise ParamsError(ErrorCode.LEASE_MISMATCH, f"lease {lease_id!r} is for version {lease.version}, not {version}")
                 lease.expires_at = time.monotonic() + self.config.lease_ttl_s
-            stored = self.versions.get(version)
-            if stored is None:
-                raise ParamsError(ErrorCode.UNKNOWN_VERSION, f"version {version} is not stored")
+            stored = self.versions.get(version) or self.replicas.get(version)
+            if stored is None or (lease_id is None and not stored.retained):
+                raise ParamsError(ErrorCode.UNKNOWN_VERSION, f"version {version} is not stored"
+                                  + ("" if stored is None else " any more (unpublished or evicted)"))
             self.active_streams += 1
             stored.leases += 1
             return os.dup(stored.fd), stored
@@ -394,10 +411,27 @@ class ParamStore:
 
     def resolve_stored(self, spec: str) -> StoredVersion:
         with self.cond:
-            version, why = self._resolve(spec)
-            if version is None:
-                raise ParamsError(ErrorCode.VERSION_BEING_PUSHED if "being pushed" in why else ErrorCode.UNKNOWN_VERSION, why)
-            return self.versions[version]
+            return self._own_copy(self._resolved(spec))
+
+    def resolve_manifest(self, spec: str) -> Manifest:
+        """The manifest of a version this store holds, or whose holders serve it."""
+        with self.cond:
+            version = self._resolved(spec)
+            stored = self.versions.get(version)
+            return stored.manifest if stored is not None and stored.retained else self.referenced[version]
+
+    def _resolved(self, spec: str) -> int:
+        version, why = self._resolve(spec)
+        if version is None:
+            raise ParamsError(ErrorCode.VERSION_BEING_PUSHED if "being pushed" in why else ErrorCode.UNKNOWN_VERSION, why)
+        return version
+
+    def _own_copy(self, version: int) -> StoredVersion:
+        stored = self.versions.get(version)
+        if stored is None or not stored.retained:
+            raise ParamsError(ErrorCode.VERSION_HELD_BY_PEERS, f"version {version} is served by its holders, not by this "
+                                                               "parameter server: pull it with sources='ros'")
+        return stored
 
     def memory_slot(self, stored: StoredVersion) -> ShmSlot:
         """The version's memory slot; a version recovered from disk is loaded into one first, and
@@ -466,3 +500,91 @@ class ParamStore:
             }
 
 
+
+    # -- copies from holders (reference-oriented storage)
+
+    def drop_copy(self, version: int) -> None:
+        """Drop this store's copy of ``version`` while holders serve it: it stays resolvable
+        (``referenced``), its bytes go once the reads in flight end."""
+        with self.cond:
+            stored = self.versions.get(version)
+            if stored is None or not stored.retained:
+                return
+            self.referenced[version] = stored.manifest
+            stored.retained = False
+            self._to_persist.discard(version)
+            if stored.leases == 0:
+                self._destroy(stored)
+            log.info("dropped the copy of version %d: its holders serve it", version)
+
+    def begin_replica(self, manifest: Manifest) -> StoredVersion:
+        """A memory slot for a copy of ``manifest``'s version taken from its holders, chunk by
+        chunk; a chunk is served (pipeline replication) once ``replica_landed`` says it is verified."""
+        version = manifest.version
+        header = safetensors_header(manifest.tensors, {"format": "pt", **manifest.metadata,
+                                                       "staleflow_version": str(version)}, HEADER_ALIGN)
+        with self.cond:
+            if version in self.replicas or version in self.versions or version in self._abandoned:
+                raise ParamsError(ErrorCode.VERSION_EXISTS, f"version {version} is held or being copied here already "
+                                                            "(or its last copy is still being read)")
+            if len(header) != manifest.data_offset:
+                raise ParamsError(ErrorCode.INVALID_FORMAT, f"version {version}'s header is {len(header)} bytes here, "
+                                                            f"{manifest.data_offset} in its manifest")
+            try:
+                slot = self.memory.reserve(version, manifest.data_offset + manifest.total_bytes)
+            except OSError as exc:
+                raise ParamsError(ErrorCode.MEMORY_FULL, f"no room for version {version}: {exc}") from None
+            assert slot.fd is not None
+            os.pwrite(slot.fd, header, 0)
+            stored = StoredVersion(manifest, slot.fd, manifest.data_offset + manifest.total_bytes, slot=slot, held=set())
+            self.replicas[version] = stored
+            return stored
+
+    def replica_landed(self, stored: StoredVersion, index: int) -> None:
+        with self.cond:
+            assert stored.held is not None
+            stored.held.add(index)
+            self.cond.notify_all()
+
+    def finish_replica(self, stored: StoredVersion) -> None:
+        """Every chunk landed verified: the copy is a version of this store like a pushed one."""
+        with self.cond:
+            version = stored.manifest.version
+            assert stored.held is not None and len(stored.held) == len(stored.manifest.chunks)
+            del self.replicas[version]
+            stored.held = None
+            assert stored.slot is not None
+            stored.slot.visible = True
+            stored.visible_at_monotonic = time.monotonic()
+            self.referenced.pop(version, None)
+            self.publish(stored)
+
+    def abandon_replica(self, stored: StoredVersion) -> None:
+        with self.cond:
+            version = stored.manifest.version
+            if self.replicas.get(version) is not stored:
+                return
+            del self.replicas[version]
+            stored.abandoned = True
+            self.cond.notify_all()
+            if stored.leases == 0:
+                self._drop_replica(stored)
+            else:
+                self._abandoned[version] = stored
+
+    def _drop_replica(self, stored: StoredVersion) -> None:
+        self._abandoned.pop(stored.manifest.version, None)
+        self.memory.release(stored.manifest.version, discard=True)
+
+    def wait_chunk(self, stored: StoredVersion, index: int, timeout_s: float) -> None:
+        """Until chunk ``index`` of a copy in progress has landed (pipeline replication)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while stored.held is not None and index not in stored.held:
+                left = deadline - time.monotonic()
+                if stored.abandoned or left <= 0:
+                    raise ParamsError(ErrorCode.VERSION_UNAVAILABLE,
+                                      f"chunk {index} of version {stored.manifest.version} did not land here "
+                                      f"({'the copy was given up' if stored.abandoned else f'in {timeout_s:g} s'}); "
+                                      "ask the reference server for another source")
+                self.cond.wait(min(left, 1.0))

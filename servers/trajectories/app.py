@@ -12,11 +12,17 @@ from fastapi.responses import JSONResponse
 from staleflow.api.base import ServiceError
 from staleflow.api.trajectories import (
     AckRequest,
+    BatchOut,
+    CancellationsOut,
+    CheckedOut,
     CheckoutRequest,
     CompletedRequest,
     ProgressRequest,
     ReleaseRequest,
     ReturnRequest,
+    TrajectoriesOut,
+    TrajectoryDetail,
+    TrajectoryPage,
     TrajectoryRoutes,
 )
 from staleflow.config import TrajectoryServerConfig
@@ -70,7 +76,7 @@ def _add_instance_routes(app: FastAPI) -> None:
     """What the coordinator and the instances call: routing, results, failover and cancellation."""
 
     @handles(app, TrajectoryRoutes.pending)
-    async def pending(server: ServerDep) -> dict:
+    async def pending(server: ServerDep) -> TrajectoriesOut:
         """Trajectories waiting to be routed, for the coordinator (V_traj null: initial)."""
         return server.pending()
 
@@ -83,11 +89,11 @@ def _add_instance_routes(app: FastAPI) -> None:
         return server.store.finished_lengths(after, limit)
 
     @handles(app, TrajectoryRoutes.routed)
-    async def routed(server: ServerDep, instance_id: str | None = None) -> dict:
+    async def routed(server: ServerDep, instance_id: str | None = None) -> TrajectoriesOut:
         return server.routed(instance_id)
 
     @handles(app, TrajectoryRoutes.checkout)
-    async def checkout(server: ServerDep, body: CheckoutRequest) -> dict:
+    async def checkout(server: ServerDep, body: CheckoutRequest) -> CheckedOut:
         return await server.checkout(body)
 
     @handles(app, TrajectoryRoutes.give_back)
@@ -115,7 +121,7 @@ def _add_instance_routes(app: FastAPI) -> None:
         return server.release(instance_id, body.generated if body else {})
 
     @handles(app, TrajectoryRoutes.cancellations)
-    async def cancellations(server: ServerDep) -> dict:
+    async def cancellations(server: ServerDep) -> CancellationsOut:
         return server.cancellations()
 
     @handles(app, TrajectoryRoutes.cancellations_ack)
@@ -138,7 +144,7 @@ def _add_trainer_routes(app: FastAPI) -> None:
         return server.store.length_skew(after_step)
 
     @handles(app, TrajectoryRoutes.batch)
-    async def batch(server: ServerDep, version: Annotated[int, Path(ge=0)]) -> dict:
+    async def batch(server: ServerDep, version: Annotated[int, Path(ge=0)]) -> BatchOut:
         return await server.batch(version)
 
     @handles(app, TrajectoryRoutes.free_batch)
@@ -151,9 +157,9 @@ def _add_trainer_routes(app: FastAPI) -> None:
         state: TrajState | None = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
         offset: Annotated[int, Query(ge=0)] = 0,
-    ) -> dict:
+    ) -> TrajectoryPage:
         return server.trajectories(state, limit, offset)
 
     @handles(app, TrajectoryRoutes.trajectory)
-    async def trajectory(server: ServerDep, traj_id: str) -> dict:
+    async def trajectory(server: ServerDep, traj_id: str) -> TrajectoryDetail:
         return server.trajectory(traj_id)

@@ -13,27 +13,34 @@ import httpx
 from staleflow.api.base import ServiceError
 from staleflow.api.manager import AsyncManagerClient
 from staleflow.api.trajectories import (
+    BatchOut,
+    Cancellation,
+    CancellationsOut,
+    CheckedOut,
     CheckoutRequest,
     CompletedRequest,
-    PartialIn,
-    ProgressIn,
     ProgressRequest,
     ReturnRequest,
+    TrajectoriesOut,
+    TrajectoryDetail,
+    TrajectoryPage,
 )
+from staleflow.api.trajectory import GeneratedPart
 from staleflow.config import TrajectoryServerConfig
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.length_skew import Fate
+from staleflow.length_skew import TrajectoryFate
 from staleflow.servers.http import background
 from staleflow.servers.trajectories.rewards import RewardFn
-from staleflow.servers.trajectories.store import (
-    GroupRecord,
-    GroupState,
-    StoreConflict,
-    TrajectoryStore,
-    TrajState,
-    checkpoint,
+from staleflow.servers.trajectories.store import GroupRecord, GroupState, StoreConflict, TrajectoryStore, TrajState
+from staleflow.servers.trajectories.wire import (
+    detail,
+    generated,
+    progress_checkpoint,
+    summary,
+    training_trajectory,
+    wire_sampling,
+    wire_trajectory,
 )
-from staleflow.servers.trajectories.wire import summary, traj_payload
 from staleflow.tasks import ArithmeticTask, ByteTokenizer, DatasetPrompts, HfTokenizer, SkippedRows
 from staleflow.trajectory_book import SegmentLimits
 
@@ -47,6 +54,7 @@ class TrajectoryServer:
         self.store = store
         self.manager = manager
         self.reward = reward
+        self.sampling = wire_sampling(config.sampling)
         self.tokenizer = HfTokenizer(config.tokenizer) if config.tokenizer else ByteTokenizer()
         self.prompts = DatasetPrompts(config.dataset, config.prompt_field, config.answer_field,
                                       config.max_prompt_chars) if config.dataset else ArithmeticTask(
@@ -58,7 +66,7 @@ class TrajectoryServer:
         self.members, self.needed = params.group_members, params.group_size
         # a group the ledger cancels is surplus of batch redundancy where there is any, else it expired
         # under the staleness bound
-        self.cancelled_fate = Fate.DROPPED if params.capacity > params.batch_size else Fate.ABORTED
+        self.cancelled_fate = TrajectoryFate.DROPPED if params.capacity > params.batch_size else TrajectoryFate.ABORTED
         self._work = asyncio.Event()
         self._stopping = False
         self.accepted = 0  # completions accepted from instances since this server started
@@ -92,7 +100,7 @@ class TrajectoryServer:
         await self.manager.aclose()
         self.store.close()
 
-    async def segment_limits(self, trajectories: Iterable[PartialIn | ProgressIn]) -> SegmentLimits:
+    async def segment_limits(self, trajectories: Iterable[GeneratedPart]) -> SegmentLimits:
         """The limits every generated token must keep (``staleflow.trajectory_book.segment_violation``).
         The newest version is the staleness manager's train version: the trainer publishes version
         ``b + 1`` only after consuming buffer ``b``, and the ledger holds that count durably, so it
@@ -103,7 +111,7 @@ class TrajectoryServer:
             self.train_version = max(self.train_version, (await self.manager.health()).train_version)
         return SegmentLimits(self.train_version, self.config.sampling.max_tokens)
 
-    def check_vocabulary(self, trajectories: Iterable[PartialIn | ProgressIn]) -> None:
+    def check_vocabulary(self, trajectories: Iterable[GeneratedPart]) -> None:
         """Refuse the whole request (422 ``invalid_token``) if a token id lies outside the model's
         vocabulary, where the job knows it: an engine serving another model, or a corrupted
         message, whose ids the trainer's embedding could not look up."""
@@ -159,27 +167,27 @@ class TrajectoryServer:
 
     # -- routing -------------------------------------------------------------------------
 
-    def pending(self) -> dict:
+    def pending(self) -> TrajectoriesOut:
         """Trajectories waiting to be routed (V_traj null: initial)."""
-        return {"trajectories": [summary(t, g) for t, g in self.store.pending()]}
+        return TrajectoriesOut(trajectories=[summary(t, g) for t, g in self.store.pending()])
 
-    def routed(self, instance_id: str | None = None) -> dict:
-        return {"trajectories": [summary(t, g) for t, g in self.store.routed(instance_id)]}
+    def routed(self, instance_id: str | None = None) -> TrajectoriesOut:
+        return TrajectoriesOut(trajectories=[summary(t, g) for t, g in self.store.routed(instance_id)])
 
     def release(self, instance_id: str, generated: dict[str, int]) -> dict:
         """The instance was declared failed: its trajectories become routable again (see
         ``TrajectoryStore.release_instance``)."""
         return {"released": self.store.release_instance(instance_id, generated)}
 
-    def cancellations(self) -> dict:
-        return {"trajectories": [{"traj_id": t.traj_id, "instance_id": t.instance_id}
-                                 for t in self.store.cancellations()]}
+    def cancellations(self) -> CancellationsOut:
+        return CancellationsOut(trajectories=[Cancellation(traj_id=t.traj_id, instance_id=t.instance_id)
+                                              for t in self.store.cancellations()])
 
     def cancellations_done(self, traj_ids: list[str]) -> dict:
         self.store.cancelled(traj_ids)
         return {"acknowledged": len(traj_ids)}
 
-    async def checkout(self, request: CheckoutRequest) -> dict:
+    async def checkout(self, request: CheckoutRequest) -> CheckedOut:
         assignments = [(a.traj_id, a.v_traj) for a in request.assignments]
         not_reserved = {}
         for group_id, v_traj in self.store.reservations_needed(assignments).items():
@@ -188,8 +196,8 @@ class TrajectoryServer:
                 not_reserved[group_id] = reason
         granted, refused = self.store.grant(assignments, not_reserved)
         routed = self.store.checkout(request.instance_id, granted) if granted else []
-        return {"trajectories": [traj_payload(t, g, self.config.sampling) for t, g in routed],
-                "refused": [{"traj_id": traj_id, "reason": reason} for traj_id, reason in refused]}
+        return CheckedOut(trajectories=[wire_trajectory(t, g, self.sampling) for t, g in routed],
+                          refused=[{"traj_id": traj_id, "reason": reason} for traj_id, reason in refused])
 
     async def _reserve(self, g: GroupRecord, v_traj: int) -> str | None:
         """Reserve the group in the ledger (durably) before any member is routed."""
@@ -231,7 +239,7 @@ class TrajectoryServer:
         """Checkpoints of running trajectories (see ``TrajectoryBook.checkpoint``)."""
         limits = await self.segment_limits(request.trajectories)
         before = {p.traj_id: len(t.tokens) for p in request.trajectories if (t := self.store.trajs.get(p.traj_id))}
-        stored = self.store.checkpoint([checkpoint(p.model_dump(), request.instance_id) for p in request.trajectories],
+        stored = self.store.checkpoint([progress_checkpoint(p, request.instance_id) for p in request.trajectories],
                                        request.instance_id, request.held, limits)
         self.checkpointed_tokens += sum(n - before.get(traj_id, n) for traj_id, n in stored.items())
         return {"stored": stored, "ignored": [p.traj_id for p in request.trajectories if p.traj_id not in stored]}
@@ -241,13 +249,12 @@ class TrajectoryServer:
     async def returned(self, request: ReturnRequest) -> dict[str, str]:
         """Trajectories handed back (see ``TrajectoryBook.returned``)."""
         limits = await self.segment_limits(request.partials)
-        return self.store.returned([p.model_dump() for p in request.partials], request.instance_id, limits)
+        return self.store.returned([generated(p) for p in request.partials], request.instance_id, limits)
 
     async def completed(self, request: CompletedRequest) -> int:
         limits = await self.segment_limits(item.trajectory for item in request.items)
-        items = [{"instance_id": it.instance_id or request.instance_id, "trajectory": it.trajectory.model_dump()}
-                 for it in request.items]
-        fresh = self.store.completed(items, limits)
+        fresh = self.store.completed([generated(it.trajectory, it.instance_id or request.instance_id)
+                                      for it in request.items], limits)
         self.accepted += len(fresh)
         if fresh:
             self._work.set()
@@ -288,7 +295,7 @@ class TrajectoryServer:
         rewards = [t.reward for t in self.store.group_rewarded(g)][: g.needed]
         if self.config.filter_zero_variance and len(set(rewards)) == 1:
             await self._ledger_call(self.manager.abort, g.group_id, ok_codes={ErrorCode.UNKNOWN_GROUP, ErrorCode.RETIRED_GROUP})
-            self.store.close_group(g.group_id, GroupState.ABORTED, Fate.FILTERED)
+            self.store.close_group(g.group_id, GroupState.ABORTED, TrajectoryFate.FILTERED)
             return
         reply = await self._ledger_call(self.manager.occupy, g.group_id, ok_codes={ErrorCode.INVALID_STATUS})
         self.store.close_group(g.group_id, GroupState.OCCUPIED)
@@ -330,22 +337,15 @@ class TrajectoryServer:
 
     # -- the trainer's side --------------------------------------------------------------
 
-    async def batch(self, version: int) -> dict:
+    async def batch(self, version: int) -> BatchOut:
         buffer = await self.manager.buffer(version)
         if buffer.state != "consumed":
             raise StoreConflict(f"buffer {version} has not been consumed yet (it is {buffer.state})",
                                 ErrorCode.NOT_CONSUMED)
         group_ids = [e.group_id for e in buffer.entries]
         items = self.store.batch(group_ids)
-        return {
-            "version": version,
-            "groups": group_ids,
-            "trajectories": [
-                {**traj_payload(t, g, self.config.sampling), "reward": t.reward, "finish_reason": t.finish_reason,
-                 "answer": g.answer}
-                for t, g in items
-            ],
-        }
+        return BatchOut(version=version, groups=group_ids,
+                        trajectories=[training_trajectory(t, g, self.sampling) for t, g in items])
 
     async def free_batch(self, version: int) -> dict:
         buffer = await self.manager.buffer(version)
@@ -355,16 +355,14 @@ class TrajectoryServer:
 
     # -- inspection ----------------------------------------------------------------------
 
-    def trajectories(self, state: TrajState | None, limit: int, offset: int) -> dict:
+    def trajectories(self, state: TrajState | None, limit: int, offset: int) -> TrajectoryPage:
         rows = self.store.listed(state)
-        return {"counts": self.store.counts(), "total": len(rows),
-                "trajectories": [summary(t, g) for t, g in rows[offset: offset + limit]]}
+        return TrajectoryPage(counts=self.store.counts(), total=len(rows),
+                              trajectories=[summary(t, g) for t, g in rows[offset: offset + limit]])
 
-    def trajectory(self, traj_id: str) -> dict:
+    def trajectory(self, traj_id: str) -> TrajectoryDetail:
         found = self.store.trajectory(traj_id)
         if found is None:
             raise StaleFlowError(ErrorCode.UNKNOWN_TRAJECTORY, f"trajectory {traj_id!r} is unknown")
         t, g, held_on_instance = found
-        return {**summary(t, g), **traj_payload(t, g, self.config.sampling), "reward": t.reward,
-                "reward_reason": t.reward_reason, "finish_reason": t.finish_reason, "prompt_text": g.prompt_text,
-                "held_on_instance": held_on_instance}
+        return detail(t, g, self.sampling, held_on_instance)

@@ -32,7 +32,7 @@ import numpy as np
 from sqlalchemy import Engine, bindparam, delete, func, insert, select, update
 
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.length_skew import Fate, StepSkew
+from staleflow.length_skew import StepSkew, TrajectoryFate
 from staleflow.servers import db
 from staleflow.servers.schema import (
     ts_finished_lengths,
@@ -46,10 +46,10 @@ from staleflow.servers.schema import (
 from staleflow.trajectory_book import (
     LIVE_GROUP_STATES,
     UNLIMITED,
-    Checkpoint,
     Generated,
     GroupRecord,
     GroupState,
+    ProgressCheckpoint,
     SegmentLimits,
     StoreConflict,
     TrajectoryBook,
@@ -107,7 +107,7 @@ OWNER_LOCK = 0x54524A53  # "TRJS"
 
 
 __all__ = ["LIVE_GROUP_STATES", "GroupRecord", "GroupState", "StoreConflict", "StoreUnavailable", "TrajRecord", "TrajState",
-           "TrajectoryStore", "TrajectoryStoreInUse", "checkpoint", "generated"]
+           "TrajectoryStore", "TrajectoryStoreInUse"]
 
 
 def _pack_ints(values: Iterable[int]) -> bytes:
@@ -155,7 +155,7 @@ class TrajectoryStore:
             update(ts_trajectories)
             .where(ts_trajectories.c.traj_id == bindparam("key"))
             .values({c: bindparam(c) for c in ("state", "instance_id", "tokens", "logprobs", "segments",
-                                               "finish_reason", "reward", "reward_reason", "updated_at")})
+                                               "finish_reason", "reward", "reward_reason", "updated_at", "carried")})
         )
         self._update_group = (
             update(ts_groups).where(ts_groups.c.group_id == bindparam("key"))
@@ -204,7 +204,7 @@ class TrajectoryStore:
             self._checkpointed = set()
             for r in conn.execute(select(ts_progress).order_by(ts_progress.c.id)).mappings():
                 self._checkpointed.add(r["traj_id"])
-                self.book.adopt(Checkpoint(r["traj_id"], r["instance_id"], r["start"], _unpack_ints(r["tokens"]),
+                self.book.adopt(ProgressCheckpoint(r["traj_id"], r["instance_id"], r["start"], _unpack_ints(r["tokens"]),
                                            _unpack_floats(r["logprobs"]),
                                            tuple(tuple(s) for s in json.loads(r["segments"]))))
             self.meta = {r.key: r.value for r in conn.execute(select(ts_meta))}
@@ -300,7 +300,7 @@ class TrajectoryStore:
         return {"state": t.state.value, "instance_id": t.instance_id, "tokens": _pack_ints(t.tokens),
                 "logprobs": _pack_floats(t.logprobs), "segments": json.dumps([list(s) for s in t.segments]),
                 "finish_reason": t.finish_reason, "reward": t.reward, "reward_reason": t.reward_reason,
-                "updated_at": t.updated_at}
+                "updated_at": t.updated_at, "carried": json.dumps(t.carried) if t.carried else None}
 
     # ------------------------------------------------------------------ the transitions, persisted
 
@@ -368,12 +368,12 @@ class TrajectoryStore:
             self._persist(trajs=routed)
             return [(t, self.groups[t.group_id]) for t in routed]
 
-    def returned(self, partials: list[dict], instance_id: str | None,
+    def returned(self, partials: list[Generated], instance_id: str | None,
                  limits: SegmentLimits = UNLIMITED) -> dict[str, str]:
         """Trajectories handed back (interrupt, failed route, dead instance). Returns outcome by id."""
         with self.lock:
             regenerated = list(self.book.regenerated)
-            outcome, changed = self.book.returned([generated(p) for p in partials], instance_id, limits)
+            outcome, changed = self.book.returned(partials, instance_id, limits)
             if changed:
                 self._persist(trajs=changed, meta=self._regenerated_meta(regenerated))
             return outcome
@@ -383,7 +383,7 @@ class TrajectoryStore:
         after = self.book.regenerated
         return {REGENERATED_META: f"{after[0]},{after[1]}"} if after != before else None
 
-    def checkpoint(self, checkpoints: list[Checkpoint], instance_id: str | None = None,
+    def checkpoint(self, checkpoints: list[ProgressCheckpoint], instance_id: str | None = None,
                    on_instance: dict[str, int] | None = None, limits: SegmentLimits = UNLIMITED) -> dict[str, int]:
         """Progress of running trajectories, appended durably as checkpoint rows (the trajectory's
         own row is not rewritten). Returns the response length held of each one that counted.
@@ -419,11 +419,10 @@ class TrajectoryStore:
             self.failed_over[1] += sum(len(t.tokens) for t in resumed)
             return len(changed)
 
-    def completed(self, items: list[dict], limits: SegmentLimits = UNLIMITED) -> list[TrajRecord]:
+    def completed(self, finished: list[Generated], limits: SegmentLimits = UNLIMITED) -> list[TrajRecord]:
         """Finished trajectories from instances; redeliveries are ignored. Returns the new ones."""
         with self.lock:
-            changed = self.book.completed([generated(item["trajectory"], item.get("instance_id")) for item in items],
-                                          limits)
+            changed = self.book.completed(finished, limits)
             fresh = [t for t in changed if t.state is TrajState.COMPLETED]
             if changed:
                 self._persist(trajs=changed, lengths=fresh)
@@ -443,7 +442,7 @@ class TrajectoryStore:
     def group_rewarded(self, g: GroupRecord) -> list[TrajRecord]:
         return self.book.group_rewarded(g)
 
-    def close_group(self, group_id: str, state: GroupState, fate: Fate | None = None) -> list[TrajRecord]:
+    def close_group(self, group_id: str, state: GroupState, fate: TrajectoryFate | None = None) -> list[TrajRecord]:
         """Occupy or abort a group; returns its members still on an instance (to be aborted there)."""
         with self.lock:
             groups, changed, on_instances = self.book.close_group(group_id, state, fate)
@@ -500,7 +499,7 @@ class TrajectoryStore:
             return len(groups)
 
     def follow_ledger(self, op: str, group_id: str | None, consumed: Iterable[str], cancelled: Iterable[str],
-                      cancelled_fate: Fate, buffer: int | None = None) -> list[TrajRecord]:
+                      cancelled_fate: TrajectoryFate, buffer: int | None = None) -> list[TrajRecord]:
         """A ledger transition (see ``TrajectoryBook.follow_ledger``); returns the members still
         on an instance (to be aborted there)."""
         with self.lock:
@@ -583,17 +582,4 @@ def _traj_record(r) -> TrajRecord:
     return TrajRecord(r["traj_id"], r["group_id"], TrajState(r["state"]), r["seq"], r["instance_id"],
                       _unpack_ints(r["tokens"]), _unpack_floats(r["logprobs"]),
                       tuple(tuple(s) for s in json.loads(r["segments"])), r["finish_reason"], r["reward"],
-                      r["reward_reason"], r["updated_at"])
-
-
-def checkpoint(p: dict, instance_id: str) -> Checkpoint:
-    """A trajectory's progress as the wire carries it."""
-    return Checkpoint(p["traj_id"], instance_id, p["start"], tuple(p["tokens"]), tuple(p["logprobs"]),
-                      tuple((s["version"], s["start"], s["end"]) for s in p["segments"]))
-
-
-def generated(p: dict, instance_id: str | None = None) -> Generated:
-    """A trajectory's generated part as the wire carries it (a partial or a completion)."""
-    return Generated(p["traj_id"], tuple(p.get("tokens", ())), tuple(p.get("logprobs", ())),
-                     tuple((s["version"], s["start"], s["end"]) for s in p.get("segments", ())),
-                     p.get("finish_reason"), instance_id)
+                      r["reward_reason"], r["updated_at"], json.loads(r["carried"]) if r["carried"] else None)

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, Self, TypeVar, cast, overload
 from urllib.parse import quote, urlencode
@@ -306,6 +306,11 @@ class AsyncClient:
 
     async def send(self, route: Route[R], request: Request) -> R:
         return route.parse(await self.http.request(request.method, request.path, **_send_kwargs(request)))
+
+    async def call_at(self, url: str, route: Route[R], *args: Any, **kwargs: Any) -> R:
+        """Call ``route`` at the absolute ``url`` instead of at its path under this client's base
+        URL: a callback address handed to this service (``Route.url``), which may be a proxy's."""
+        return await self.send(route, replace(route.request(*args, **kwargs), path=url))
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -74,6 +74,8 @@ class CoordinatorStatsOut(BaseModel):
     released: int
     reconciled: int
     strays_aborted: int
+    rerouted_pulls: int = Field(default=0, description="Pulls of a version nobody could serve any more, sent again for the "
+                                                       "newest version that exists")
     unreachable: int
     cycle_ms_total: float
     phase_ms_total: dict[str, float] = Field(

@@ -1,59 +1,18 @@
-"""The rollout instance server's contract: its wire models (commands, trajectories, weights sources,
-the sim clock's advance, the completed feed) and its client (sync and async)."""
+"""The rollout instance server's contract: its wire models (commands, weights sources, the sim
+clock's advance, the completed feed; the trajectories they carry are ``staleflow.api.trajectory``'s)
+and its client (sync and async)."""
 
 from __future__ import annotations
 
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from staleflow.api.base import AsyncClient, Client, Route
+from staleflow.api.trajectory import Completion, WireTrajectory
 from staleflow.config.instance import ID_PATTERN
 from staleflow.strict import StrictModel
-
-MAX_TOKEN_ID = 2**31 - 1  # token ids are stored as int32
-MIN_LOGPROB = -3.0e38  # log-probs are stored as float32: anything lower would become -inf
-
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-LogProb = Annotated[float, Field(ge=MIN_LOGPROB, le=0.0, allow_inf_nan=False,
-                                 description="the sampled token's log-probability: finite, at most 0")]
-
-
-class SamplingIn(StrictModel):
-    max_tokens: int = Field(ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = -1
-    seed: int | None = None
-    stop_token_ids: list[TokenId] = Field(default_factory=list[TokenId])
-    ignore_eos: bool = False
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int) -> int:
-        if value == 0 or value < -1:
-            raise ValueError("top_k must be -1 (disabled) or >= 1")
-        return value
-
-
-class RoutedSegmentIn(StrictModel):
-    version: int = Field(ge=0)
-    start: int = Field(ge=0)
-    end: int = Field(ge=1)
-
-
-class TrajectoryIn(StrictModel):
-    """A trajectory on the wire, fresh or partial. Partials from Interrupt can be sent back as is."""
-
-    traj_id: str = Field(pattern=ID_PATTERN)
-    group_id: str = Field(min_length=1)
-    prompt_ids: list[TokenId] = Field(min_length=1)
-    v_traj: int = Field(ge=0, description="assigned by the coordinator before routing; never null")
-    sampling: SamplingIn
-    tokens: list[TokenId] = Field(default_factory=list[TokenId])
-    logprobs: list[LogProb] = Field(default_factory=list[LogProb])
-    segments: list[RoutedSegmentIn] = Field(default_factory=list[RoutedSegmentIn])
 
 
 class SimWeightsIn(StrictModel):
@@ -72,7 +31,7 @@ class BytesWeightsIn(StrictModel):
 
 
 class ParamsWeightsIn(StrictModel):
-    source: Literal["params"]
+    source: Literal["params"] = "params"
     url: str = Field(pattern=r"^https?://", max_length=2048, description="the parameter server")
     transport: Literal["auto", "http", "shm", "nixl"] = "auto"
 
@@ -85,22 +44,22 @@ class _CommandBase(StrictModel):
 
 
 class RouteCommand(_CommandBase):
-    kind: Literal["route"]
-    trajectories: list[TrajectoryIn] = Field(min_length=1)
+    kind: Literal["route"] = "route"
+    trajectories: list[WireTrajectory] = Field(min_length=1)
 
 
 class InterruptCommand(_CommandBase):
-    kind: Literal["interrupt"]
+    kind: Literal["interrupt"] = "interrupt"
     traj_ids: list[str] = Field(min_length=1)
 
 
 class AbortCommand(_CommandBase):
-    kind: Literal["abort"]
+    kind: Literal["abort"] = "abort"
     traj_ids: list[str] = Field(min_length=1)
 
 
 class PullCommand(_CommandBase):
-    kind: Literal["pull"]
+    kind: Literal["pull"] = "pull"
     version: int = Field(ge=0)
     weights: WeightsIn | None = Field(default=None, description="default for the sim engine: the configured model size")
     keep_running: bool = Field(default=False, description="an in-flight weight update: the trajectories on the instance are "
@@ -139,29 +98,6 @@ class _Answer(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SegmentOut(_Answer):
-    version: int
-    start: int
-    end: int
-
-
-class TrajectoryOut(_Answer):
-    """A trajectory as handed out: a partial can be routed back as is."""
-
-    traj_id: str
-    group_id: str
-    prompt_ids: list[int]
-    v_traj: int
-    sampling: dict[str, Any]
-    tokens: list[int]
-    logprobs: list[float]
-    segments: list[SegmentOut]
-
-
-class FinishedTrajectoryOut(TrajectoryOut):
-    finish_reason: str
-
-
 class _Applied(_Answer):
     command_id: str
     seq: int = Field(description="the command's place in this instance's order of applied commands")
@@ -174,7 +110,7 @@ class RouteApplied(_Applied):
 
 class InterruptApplied(_Applied):
     kind: Literal["interrupt"]
-    partials: list[TrajectoryOut]
+    partials: list[WireTrajectory]
     not_found: list[str]
 
 
@@ -187,7 +123,7 @@ class AbortApplied(_Applied):
 class PullApplied(_Applied):
     kind: Literal["pull"]
     version: int
-    partials: list[TrajectoryOut] = Field(description="everything in flight, interrupted by the weight load")
+    partials: list[WireTrajectory] = Field(description="everything in flight, interrupted by the weight load")
     kept: list[str] = Field(default_factory=list, description="keep_running: the trajectories that went on through "
                                                               "the load (on the instance, or completed since)")
 
@@ -215,15 +151,8 @@ class SnapshotOut(_Answer):
                                                                "trajectory holds now (null: not reported)")
 
 
-class CompletedItem(_Answer):
-    seq: int
-    instance_id: str
-    finished_at: float
-    trajectory: FinishedTrajectoryOut
-
-
 class CompletedFeed(_Answer):
-    items: list[CompletedItem]
+    items: list[Completion]
     next_after: int
     last_seq: int
     oldest_seq: int | None

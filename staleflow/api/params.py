@@ -223,6 +223,84 @@ class PullEnded(_Answer):
     released: bool
 
 
+class HolderBeat(BaseModel):
+    url: str = Field(min_length=1, max_length=2048, description="where the holder serves chunks (its data plane)")
+    host_id: str = Field(min_length=1, max_length=256, description="the holder's host (``/proc/sys/kernel/random/boot_id``)")
+    zone: str = Field(default="", max_length=256, description="a rack or zone label: pullers in it are served from it first")
+    spot: bool = Field(default=False, description="a spot (preemptible) holder: serves, never counts for retention")
+    holdings: dict[int, list[int] | None] = Field(default_factory=dict[int, list[int] | None],
+                                                  description="version -> the chunk indices held (null: all of them)")
+
+
+class HolderPublish(BaseModel):
+    chunks: list[int] | None = Field(default=None, description="the chunk indices held (null: the whole version); "
+                                                               "an empty list: pulling it (its place in the pipeline)")
+    manifest: dict[str, Any] | None = Field(default=None, description="the version's manifest, for a reference server "
+                                                                      "that does not know the version (it restarted)")
+
+
+class SourcesAsk(BaseModel):
+    puller: str = Field(min_length=1, max_length=256, description="the puller's id (a holder's id when it serves what it pulls)")
+    chunk: int = Field(ge=0, description="the chunk index the puller fetches next")
+    count: int = Field(default=1, ge=1, le=4096, description="the sources are for this many chunks from ``chunk`` on")
+    host_id: str = Field(default="", max_length=256)
+    zone: str = Field(default="", max_length=256)
+    exclude: list[str] = Field(default_factory=list, max_length=4096, description="sources not to name (they failed this pull)")
+    failed: list[str] = Field(default_factory=list, max_length=4096, description="holders a transfer from failed since the "
+                                                                                 "last ask: suspect until their next heartbeat")
+    held: list[int] | None = Field(default=None, description="a registered puller's chunks verified so far: it serves them "
+                                                             "(pipeline replication)")
+
+
+class ChunkSource(_Answer):
+    holder_id: str = Field(description="a holder's id, or 'ps': the parameter server's own copy")
+    url: str | None = Field(description="where to GET the chunk (a holder's data plane); null: the parameter server")
+    has_chunk: bool = Field(description="false: a holder still pulling the version; it answers once the chunk lands")
+    tier: str = Field(description="host, zone, other or ps")
+
+
+class ChunkSources(_Answer):
+    version: int
+    chunk: int
+    sources: list[ChunkSource] = Field(description="best first; the first is assigned to the puller (its load)")
+
+
+class HolderAck(_Answer):
+    holder_id: str
+    ttl_s: float = Field(description="the record lapses this long after the last heartbeat")
+    missing: list[int] = Field(default_factory=list[int], description="versions held whole that the reference server has no "
+                                                                 "manifest of: publish them with their manifest")
+
+
+class HolderPulled(_Answer):
+    version: int
+    seconds: float
+    fetched: dict[str, int] = Field(description="source -> chunks fetched from it")
+    failures: int = Field(default=0, description="chunk fetches that failed and were retried from another source")
+
+
+class Unpublished(_Answer):
+    holder_id: str
+    version: int
+    unpublished: Literal[True]
+
+
+class Released(_Answer):
+    puller: str
+    released: bool
+
+
+class ReferenceDescription(_Answer):
+    retain: int
+    replicas: int
+    holder_ttl_s: float
+    retained: list[int]
+    ps_copies: list[int]
+    available: list[int]
+    holders: list[dict[str, Any]]
+    loads: dict[str, int]
+
+
 class ParamsRoutes:
     """The parameter server's REST API. The chunk routes carry raw bytes: the data-plane
     transports fill in their paths (``url_path``) and send the bodies themselves."""
@@ -246,6 +324,17 @@ class ParamsRoutes:
                            query=("push_id",))
     chunk: Route[None] = Route("GET", "/v1/params/{version}/chunks/{index}", None, query=("lease",))
     file: Route[None] = Route("GET", "/v1/params/{version}/file", None)
+    # reference-oriented storage: holders serve the versions they hold (docs/params.md)
+    references = Route("GET", "/v1/ros", ReferenceDescription)
+    reference_manifest = Route("GET", "/v1/ros/versions/{version}", ManifestOut)
+    chunk_sources = Route("POST", "/v1/ros/versions/{version}/sources", ChunkSources, body=SourcesAsk)
+    release_puller = Route("DELETE", "/v1/ros/pullers/{puller}", Released)
+    heartbeat = Route("PUT", "/v1/ros/holders/{holder_id}", HolderAck, body=HolderBeat)
+    publish = Route("PUT", "/v1/ros/holders/{holder_id}/versions/{version}", HolderAck, body=HolderPublish)
+    unpublish = Route("DELETE", "/v1/ros/holders/{holder_id}/versions/{version}", Unpublished, query=("wait_s",))
+    # on a parameter server that is a holder (``holder_of``): pull a version from its holders, drop one
+    holder_pull = Route("POST", "/v1/ros/held/{version}", HolderPulled)
+    holder_drop = Route("DELETE", "/v1/ros/held/{version}", VersionDeleted)
 
 
 class AsyncParamsClient(ParamsRoutes, AsyncClient):

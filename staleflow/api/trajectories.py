@@ -1,13 +1,14 @@
-"""The trajectory server's contract: its wire models and its client (sync and async)."""
+"""The trajectory server's contract: its wire models (the trajectories they carry are
+``staleflow.api.trajectory``'s) and its client (sync and async)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 from staleflow.api.base import AsyncClient, Client, Route
-from staleflow.api.instance import LogProb, TokenId
+from staleflow.api.trajectory import FinishedPart, GeneratedPart, ProgressPart, TrainingTrajectory, WireTrajectory
 
 
 class Assignment(BaseModel):
@@ -20,42 +21,17 @@ class CheckoutRequest(BaseModel):
     assignments: list[Assignment] = Field(min_length=1, max_length=100_000)
 
 
-class ReturnedSegmentIn(BaseModel):
-    version: int = Field(ge=0)
-    start: int = Field(ge=0)
-    end: int = Field(ge=1)
-
-
-class PartialIn(BaseModel):
-    traj_id: str
-    tokens: list[TokenId] = []
-    logprobs: list[LogProb] = []
-    segments: list[ReturnedSegmentIn] = []
-
-    @model_validator(mode="after")
-    def _consistent(self) -> PartialIn:
-        # the segments are checked by the trajectory server against the group's V_traj as well
-        # (``staleflow.trajectory_book.segment_violation``), with a code of their own
-        if len(self.tokens) != len(self.logprobs):
-            raise ValueError(f"{self.traj_id}: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
-        return self
-
-
 class ReturnRequest(BaseModel):
     instance_id: str | None = Field(default=None, min_length=1, max_length=200)
-    partials: list[PartialIn] = Field(max_length=100_000)
-
-
-class CompletedTrajectoryIn(PartialIn):
-    finish_reason: Literal["stop", "length", "abort"]
+    partials: list[GeneratedPart] = Field(max_length=100_000)
 
 
 class CompletedIn(BaseModel):
-    """A completed trajectory as the instances deliver it (``staleflow.api.instance.CompletedItem``)."""
+    """A completed trajectory as the instances deliver it (``staleflow.api.trajectory.Completion``)."""
 
     seq: int | None = None
     instance_id: str | None = Field(default=None, min_length=1, max_length=200)
-    trajectory: CompletedTrajectoryIn
+    trajectory: FinishedPart
 
 
 class CompletedRequest(BaseModel):
@@ -63,26 +39,9 @@ class CompletedRequest(BaseModel):
     items: list[CompletedIn] = Field(max_length=100_000)
 
 
-class ProgressIn(BaseModel):
-    traj_id: str
-    start: int = Field(ge=0, description="the response position of the first token")
-    tokens: list[TokenId] = Field(min_length=1)
-    logprobs: list[LogProb]
-    segments: list[ReturnedSegmentIn] = Field(min_length=1,
-                                              description="the versions of the whole response up to the last token")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> ProgressIn:
-        if len(self.tokens) != len(self.logprobs):
-            raise ValueError(f"{self.traj_id}: {len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
-        if self.segments[-1].end != self.start + len(self.tokens):
-            raise ValueError(f"{self.traj_id}: segments do not end at the last token")
-        return self
-
-
 class ProgressRequest(BaseModel):
     instance_id: str = Field(min_length=1, max_length=200)
-    trajectories: list[ProgressIn] = Field(max_length=100_000)
+    trajectories: list[ProgressPart] = Field(max_length=100_000)
     held: dict[str, Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict, max_length=100_000,
         description="traj_id -> response tokens each trajectory on the instance holds now, checkpointed or not: "
@@ -156,28 +115,9 @@ class TrajectoriesOut(BaseModel):
     trajectories: list[TrajectorySummary]
 
 
-class RoutePayload(BaseModel):
-    """A trajectory as an instance's Route command carries it."""
-
-    traj_id: str
-    group_id: str
-    prompt_ids: list[int]
-    v_traj: int | None
-    sampling: dict[str, Any]
-    tokens: list[int]
-    logprobs: list[float]
-    segments: list[dict[str, int]]
-
-
 class CheckedOut(BaseModel):
-    trajectories: list[RoutePayload]
+    trajectories: list[WireTrajectory]
     refused: list[dict[str, str]] = Field(description="{traj_id, reason} of assignments not granted")
-
-
-class TrainingTrajectory(RoutePayload):
-    reward: float | None
-    finish_reason: str | None
-    answer: str
 
 
 class BatchOut(BaseModel):
@@ -186,7 +126,10 @@ class BatchOut(BaseModel):
     trajectories: list[TrainingTrajectory]
 
 
-class TrajectoryDetail(TrajectorySummary, RoutePayload):
+class TrajectoryDetail(TrajectorySummary, WireTrajectory):
+    """A trajectory in any state (``v_traj`` null: pending, never routed)."""
+
+    v_traj: int | None  # pyright: ignore[reportIncompatibleVariableOverride]  (pending: its group has none yet)
     reward: float | None
     reward_reason: str | None
     finish_reason: str | None

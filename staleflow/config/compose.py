@@ -11,7 +11,7 @@ from staleflow.config.coordinator import CoordinatorConfig, CoordinatorSettings,
 from staleflow.config.engines import Clock
 from staleflow.config.instance import InstanceConfig, InstanceSettings, SimConfig, VllmConfig
 from staleflow.config.manager import LedgerConfig, ManagerConfig, ManagerSettings
-from staleflow.config.params import ParamsConfig, ParamsSettings
+from staleflow.config.params import ParamsConfig, ParamsSettings, default_retain
 from staleflow.config.reward import RewardConfig, RewardSettings
 from staleflow.config.trajectories import TaskConfig, TrajectoryServerConfig, TrajectorySettings
 
@@ -65,7 +65,10 @@ class ComponentConfigs:
                              db_url=self.database_url())
 
     def params_config(self: JobSections) -> ParamsConfig:
-        return ParamsConfig(**dict(self.params), state_dir=self.state_dir / "params")
+        settings = dict(self.params)
+        if settings["retain"] is None and self.params.sources == "ros":  # what the ledger's staleness bound routes to
+            settings["retain"] = default_retain(self.ledger.eta)
+        return ParamsConfig(**settings, state_dir=self.state_dir / "params")
 
     def reward_config(self: JobSections) -> RewardConfig:
         return RewardConfig(**dict(self.reward_server))

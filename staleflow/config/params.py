@@ -13,6 +13,12 @@ from staleflow.strict import StrictModel
 TransportName = Literal["http", "shm", "nixl"]
 
 
+def default_retain(eta: int) -> int:
+    """Versions a job may still route to under staleness bound ``eta``: the newest and the ``eta``
+    before it (a trajectory started on version v - eta is still admissible)."""
+    return eta + 1
+
+
 class ParamsSettings(StrictModel):
     """What a job sets of the parameter server (its ``params:`` section)."""
 
@@ -35,6 +41,16 @@ class ParamsSettings(StrictModel):
                                       description="this server's egress limit in Gbit/s, over every chunk body it sends "
                                                   "(a token bucket shared by its connections): emulates a NIC, so a "
                                                   "fan-out from one endpoint can be measured on one host; null: none")
+    sources: Literal["ps", "ros"] = Field(default="ps", description="where instances pull from: 'ps' the parameter server; "
+                                                                  "'ros' the holders of the version (instances, relays) "
+                                                                  "with pipeline replication, the PS's copy last")
+    retain: int | None = Field(default=None, ge=1, le=10_000, description="with ROS: the newest K versions kept available "
+                                                                        "(by holders or the PS's copy); null: keep, or in a "
+                                                                        "job the versions its staleness bound eta may route to")
+    retain_replicas: int = Field(default=2, ge=1, le=1000, description="with ROS: the PS drops its copy of a retained version "
+                                                                       "once this many non-spot holders hold it whole")
+    holder_ttl_s: float = Field(default=10.0, gt=0, le=3600, description="with ROS: a holder silent this long is declared "
+                                                                         "failed (it stops counting for retention at half)")
 
     @model_validator(mode="after")
     def _http_always(self) -> ParamsSettings:
@@ -53,3 +69,14 @@ class ParamsConfig(ParamsSettings, ServiceConfig):
                                                                   "and pulls, a thread per connection); 0: any free "
                                                                   "port; null: none, chunks go through the API port")
     state_dir: Path = Field(default=Path(".staleflow/params"), description="where complete versions are stored")
+    holder_of: str | None = Field(default=None, description="run as a ROS holder of the parameter server at this URL: register "
+                                                            "with it, pull versions from their holders and serve what is held")
+    holder_id: str | None = Field(default=None, max_length=256, description="this holder's id (default: a random one)")
+    zone: str = Field(default="", max_length=256, description="this holder's rack or zone label")
+    spot: bool = Field(default=False, description="this holder is preemptible: it serves but never counts for retention")
+    holder_follows: bool = Field(default=True, description="a holder pulls each new version as the reference server learns "
+                                                           "of it (off: only when asked, POST /v1/ros/held/{version})")
+
+    def retained_versions(self) -> int:
+        """The newest versions kept available under ROS (``retain``, else ``keep``)."""
+        return self.retain if self.retain is not None else self.keep

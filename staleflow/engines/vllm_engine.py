@@ -78,6 +78,7 @@ from staleflow.engines.base import (
     progress_start,
     with_response,
 )
+from staleflow.errors import ErrorCode
 from staleflow.host import has_cuda
 
 log = logging.getLogger(__name__)
@@ -295,7 +296,10 @@ class VllmEngine(RolloutEngine):
                         await llm.collective_rpc("staleflow_expect_version", kwargs={
                             "request_ids": [s.request_id for s in kept], "version": weights.version})
                 except Exception as exc:
-                    raise EngineError("weights_load_failed", f"reloading weights failed: {exc}") from exc
+                    # nobody can serve the version (reference-oriented storage): the coordinator pulls one that exists
+                    code = ErrorCode.VERSION_UNAVAILABLE if str(ErrorCode.VERSION_UNAVAILABLE) in str(exc) else \
+                        ErrorCode.WEIGHTS_LOAD_FAILED
+                    raise EngineError(code, f"reloading weights failed: {exc}") from exc
                 finally:
                     if not self._live:  # requests holding blocks keep vLLM from resetting; the salt isolates them
                         await llm.reset_prefix_cache()

@@ -101,7 +101,9 @@ class StaleflowWorkerExtension:
         """Pull ``version`` from a StaleFlow parameter server and load it in place, a window of
         tensors at a time (``pull_windows``), each verified as it lands: the host never holds
         more of the pull than a window and the layers vLLM is still assembling."""
+        from staleflow.api.base import ServiceError
         from staleflow.engines.vllm_tp import plan_tp_slices, presliced_loading, reload_layer_of
+        from staleflow.errors import ErrorCode
         from staleflow.transports.client import ParamsClient
 
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -109,7 +111,12 @@ class StaleflowWorkerExtension:
         def pull_and_load() -> None:
             with ParamsClient(url, timeout=600) as params:
                 # a relay may still be copying the version from the parameter server: wait for it
-                lease = params.open_pull(version, transport, wait_s=PULL_WAIT_S)
+                try:
+                    lease = params.open_pull(version, transport, wait_s=PULL_WAIT_S)
+                except ServiceError as exc:  # only a message crosses the process boundary: it leads with the code
+                    if exc.code is ErrorCode.VERSION_UNAVAILABLE:
+                        raise RuntimeError(f"{ErrorCode.VERSION_UNAVAILABLE}: {exc.detail}") from None
+                    raise
                 try:
                     # a tensor-parallel worker pulls only its shard of each sharded weight
                     plan = plan_tp_slices(model, {spec.name: spec.shape for spec in lease.manifest.tensors})

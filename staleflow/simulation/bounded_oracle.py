@@ -112,15 +112,15 @@ class BoundedJob:
     def prefill_seconds(self, context: int) -> float:
         return self.prefill_s_per_token * context + self.prefill_attention_s * context * context / 2
 
-    def trajectories(self) -> list[Trajectory]:
+    def trajectories(self) -> list[OracleTrajectory]:
         """Every trained trajectory, in the heuristic's order: oldest step first, longest first."""
         return list(self._trajectories)
 
     @functools.cached_property
-    def _trajectories(self) -> tuple[Trajectory, ...]:
+    def _trajectories(self) -> tuple[OracleTrajectory, ...]:
         out = sorted((k + 1, -length, self.prompt(g)) for k in range(self.steps)
                      for g in range(k * self.batch_size, (k + 1) * self.batch_size) for length in self.groups[g])
-        return tuple(Trajectory(step, -negative, prompt, i) for i, (step, negative, prompt) in enumerate(out))
+        return tuple(OracleTrajectory(step, -negative, prompt, i) for i, (step, negative, prompt) in enumerate(out))
 
     @property
     def tokens(self) -> int:
@@ -128,7 +128,7 @@ class BoundedJob:
 
 
 @dataclass(frozen=True, order=True)
-class Trajectory:
+class OracleTrajectory:
     step: int  # the training step that trains it
     length: int  # response tokens
     prompt: int
@@ -206,13 +206,13 @@ class Router:
     def __init__(self, job: BoundedJob):
         self.job = job
         self.slowdowns = np.array(job.slowdowns)
-        self.by_step: dict[int, list[Trajectory]] = {}
+        self.by_step: dict[int, list[OracleTrajectory]] = {}
         for x in job.trajectories():
             self.by_step.setdefault(x.step, []).append(x)
         self.routed = 0  # steps routed so far
         self.route: dict[int, int] = {}  # trajectory index: instance
 
-    def route_through(self, step: int, outstanding: Sequence[float]) -> list[tuple[Trajectory, int]]:
+    def route_through(self, step: int, outstanding: Sequence[float]) -> list[tuple[OracleTrajectory, int]]:
         """Route the steps up to ``step`` not routed yet, given each instance's outstanding work."""
         work, out = np.array(outstanding, dtype=float), []
         while self.routed < min(step, self.job.steps):
@@ -239,7 +239,7 @@ class _Held:
 
     __slots__ = ("traj", "done", "running", "prefilled")
 
-    def __init__(self, traj: Trajectory):
+    def __init__(self, traj: OracleTrajectory):
         self.traj, self.done, self.running, self.prefilled = traj, 0, False, False
 
     def copy(self) -> _Held:
@@ -268,8 +268,8 @@ class _Instance:
 
 # indexes of the trajectories to run, new ones to start, and those moved here from other instances
 # (started there, not running: they run here at once, prefilled again)
-Choice = tuple[frozenset[int], tuple[Trajectory, ...], tuple[int, ...]]
-Policy = Callable[["_StepModel", int, list[Trajectory], bool], list[Choice]]
+Choice = tuple[frozenset[int], tuple[OracleTrajectory, ...], tuple[int, ...]]
+Policy = Callable[["_StepModel", int, list[OracleTrajectory], bool], list[Choice]]
 
 
 class _StepModel:
@@ -304,7 +304,7 @@ class _StepModel:
         times = [(i.next_s, k) for k, i in enumerate(self.instances) if i.next_s is not None]
         return min(times) if times else None
 
-    def boundary(self, k: int) -> tuple[float, list[Trajectory], bool]:
+    def boundary(self, k: int) -> tuple[float, list[OracleTrajectory], bool]:
         """Instance ``k`` reaches its next boundary: its step's tokens are generated and the
         trajectories that are complete end. Returns the time, what may start now, and whether this
         boundary is an event (one ended, a version was published since its previous boundary, or
@@ -405,14 +405,14 @@ def _search(model: _StepModel, policy: Policy, best: float, seen: dict | None) -
         return found
 
 
-def _every_choice(model: _StepModel, k: int, startable: list[Trajectory], event: bool) -> list[Choice]:
+def _every_choice(model: _StepModel, k: int, startable: list[OracleTrajectory], event: bool) -> list[Choice]:
     """Any trajectories that may start, and any of those the instance holds, run (starting one
     only to hold it does nothing that starting it later would not)."""
     held = [h.traj.index for h in model.instances[k].held]
-    by_kind: dict[tuple[int, int, int], list[Trajectory]] = {}
+    by_kind: dict[tuple[int, int, int], list[OracleTrajectory]] = {}
     for x in startable:
         by_kind.setdefault(x.kind, []).append(x)
-    news: list[tuple[Trajectory, ...]] = [()]
+    news: list[tuple[OracleTrajectory, ...]] = [()]
     for same in by_kind.values():
         news = [new + tuple(same[:count]) for new in news for count in range(len(same) + 1)]
     runs = [frozenset(c) for size in range(len(held) + 1) for c in itertools.combinations(held, size)]
@@ -466,7 +466,7 @@ def greedy_policy(job: BoundedJob, caps: Sequence[int]) -> Policy:
                         outstanding[where] += x.length + x.prompt
                 router.route_through(step, outstanding)
 
-    def choose(model: _StepModel, k: int, startable: list[Trajectory], event: bool) -> list[Choice]:
+    def choose(model: _StepModel, k: int, startable: list[OracleTrajectory], event: bool) -> list[Choice]:
         catch_up(model)
         route = router.route
         held = model.instances[k].held
@@ -508,9 +508,9 @@ class _Paced:
 
     def __init__(self, slowdown: float):
         self.slowdown = slowdown
-        self.running: list[tuple[int, int, Trajectory]] = []  # (fin, base, traj) by fin
-        self.waiting: list[tuple[int, Trajectory, int]] = []  # (index, traj, done): started, not running
-        self.routed: deque[Trajectory] = deque()  # routed here, not started yet, the next one last
+        self.running: list[tuple[int, int, OracleTrajectory]] = []  # (fin, base, traj) by fin
+        self.waiting: list[tuple[int, OracleTrajectory, int]] = []  # (index, traj, done): started, not running
+        self.routed: deque[OracleTrajectory] = deque()  # routed here, not started yet, the next one last
         self.held = 0  # sum of the running bases: they hold held + n * steps tokens (context base + steps)
         self.steps = 0  # its decode steps so far
         self.clock = 0.0  # time of its last boundary
@@ -529,7 +529,7 @@ class _Paced:
         steps = max(1, cost.steps_within(kv, n, (t - self.clock) / self.slowdown - self.prefill))
         return steps if self.time_after(cost, steps) >= t else steps + 1
 
-    def run(self, traj: Trajectory, done: int) -> None:
+    def run(self, traj: OracleTrajectory, done: int) -> None:
         base = traj.prompt + done - self.steps
         bisect.insort(self.running, (self.steps + traj.length - done, base, traj))
         self.held += base

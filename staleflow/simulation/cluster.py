@@ -44,7 +44,7 @@ from staleflow.config.strategy import StrategyConfig, SyncMode
 from staleflow.engines.base import SamplingParams, TrajectoryRequest
 from staleflow.engines.sim import SimCore, SimFinished
 from staleflow.ledger import Ledger, LedgerError
-from staleflow.length_skew import Fate, LengthSkew
+from staleflow.length_skew import LengthSkew, TrajectoryFate
 from staleflow.simulation.completion_order import CompletionOrderLedger
 from staleflow.simulation.length_views import PredictedLengths
 from staleflow.simulation.result import Breakdown, DecisionStats, RunResult, SimStepRecord, Timeline
@@ -125,7 +125,7 @@ class ClusterSimulation:
             CompletionOrderLedger(ledger_params, self.system.bounded) if self.completion_order else Ledger(ledger_params))
         params = self.ledger.params
         self.pool = TrajectoryPool(w, w.batch_size, params.group_members, params.group_size,
-                                   Fate.DROPPED if self.system.batch_redundancy else Fate.ABORTED)
+                                   TrajectoryFate.DROPPED if self.system.batch_redundancy else TrajectoryFate.ABORTED)
         self.strategy: StrategyConfig = self.system.strategy_for(self.eta, w.batch_size, params.group_members)
         predicts = self.strategy.length_aware or self.strategy.adaptive_redundancy
         self.lengths = PredictedLengths(self.pool, w.max_response_tokens) if predicts else None
@@ -304,7 +304,7 @@ class ClusterSimulation:
         counted, occupied, abort = self.pool.completed(self.cores[i].instance_id, traj, self.ledger.occupy)
         if not counted:
             self._counters["wasted_tokens"] += traj.generated  # a surplus member finishing late
-            self.skew.settle(traj.traj_id, Fate.DROPPED)
+            self.skew.settle(traj.traj_id, TrajectoryFate.DROPPED)
             return
         self._settle(abort, surplus)
         if occupied:
@@ -317,7 +317,7 @@ class ClusterSimulation:
         acknowledged = []
         for traj in trajs:
             if traj.engine is None:
-                self.skew.stopped(traj.traj_id, traj.generated, traj.cut or Fate.ABORTED)  # its Route was in flight
+                self.skew.stopped(traj.traj_id, traj.generated, traj.cut or TrajectoryFate.ABORTED)  # its Route was in flight
                 acknowledged.append(traj)
             else:
                 by_instance.setdefault(traj.engine, []).append(traj)
@@ -333,7 +333,7 @@ class ClusterSimulation:
                 traj = self.pool.trajs.get(finished.traj_id)
                 if traj is not None:
                     aborted.append(traj)
-                    self.skew.stopped(traj.traj_id, finished.num_tokens, traj.cut or Fate.ABORTED)
+                    self.skew.stopped(traj.traj_id, finished.num_tokens, traj.cut or TrajectoryFate.ABORTED)
                     self._on_instances.pop(traj.traj_id, None)
                     self._counters["wasted_tokens"] += finished.num_tokens
             self.pool.cancelled(aborted)

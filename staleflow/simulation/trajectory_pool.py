@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from staleflow.ledger import LedgerError, Transition
-from staleflow.length_skew import Fate, LengthSkew
+from staleflow.length_skew import LengthSkew, TrajectoryFate
 from staleflow.strategies import PendingTrajectory
 from staleflow.trajectory_book import (
     LIVE_GROUP_STATES,
@@ -49,7 +49,7 @@ class SimTrajectory:
     route_to: int | None = None  # an Interrupt is in flight and a checkout to this instance follows it
     oldest_version: int | None = None  # oldest model version that generated any of its tokens
     view: PendingTrajectory | None = None  # as the strategies see it (kept by the pool)
-    cut: Fate | None = None  # why it is being aborted on its instance (length-skew accounting)
+    cut: TrajectoryFate | None = None  # why it is being aborted on its instance (length-skew accounting)
 
     @property
     def state(self) -> TrajState:
@@ -66,7 +66,7 @@ class TrajectoryPool:
     server would receive (the replay test feeds them to the real one)."""
 
     def __init__(self, workload: WorkloadModel, batch_size: int, members: int, needed: int,
-                 cancelled_fate: Fate = Fate.ABORTED):
+                 cancelled_fate: TrajectoryFate = TrajectoryFate.ABORTED):
         self.workload = workload
         self.batch_size = batch_size
         self.members = members
@@ -235,7 +235,7 @@ class TrajectoryPool:
             transition = occupy(g.group_id)
             _, closed, on_instances = self.book.close_group(g.group_id, GroupState.OCCUPIED)
             self._track(closed)
-            abort += self._cutting(closed, on_instances, Fate.DROPPED)
+            abort += self._cutting(closed, on_instances, TrajectoryFate.DROPPED)
             abort += self.follow(transition)
         return True, bool(closable), abort
 
@@ -284,7 +284,7 @@ class TrajectoryPool:
         self._forget_finished(list(transition.cancelled))
         return abort
 
-    def _cutting(self, closed: list[TrajRecord], on_instances: list[TrajRecord], fate: Fate) -> list[SimTrajectory]:
+    def _cutting(self, closed: list[TrajRecord], on_instances: list[TrajRecord], fate: TrajectoryFate) -> list[SimTrajectory]:
         """Members a closing group stopped (``fate``: why): those off any engine are told to the
         length-skew accounting now, those on one once their instance aborts them."""
         running = {t.traj_id for t in on_instances}

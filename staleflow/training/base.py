@@ -43,7 +43,7 @@ class ShardedWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(memoryview(p.data).nbytes if not hasattr(p.data, "nbytes") else int(p.data.nbytes) for p in self.pieces)
+        return sum(p.nbytes for p in self.pieces)
 
     def push(self, client: ParamsClient, version: int, wait_s: float = 600.0) -> dict:
         """Push this share; returns when the version is visible (every part in) or ``wait_s`` ran out."""

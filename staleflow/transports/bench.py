@@ -157,12 +157,11 @@ def commands(conn: Connection) -> Iterator[Any]:
 def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, pooled: bool, device: str) -> None:
     """A trainer rank: holds its shards (host arrays, or tensors on ``device``); on ("push",
     version, transport, t0) pushes them (from ``device``: copied into one pinned host buffer first)."""
-    from staleflow.training.base import ShardedWeights
     from staleflow.transports.client import ParamsClient, ShardPiece
 
     staging = None
     if device == "host":
-        share = ShardedWeights(rank, ranks, table, rank_pieces(table, rank, ranks, pooled))
+        pieces = rank_pieces(table, rank, ranks, pooled)
     else:
         from staleflow.transports.staging import FlatStaging
         from staleflow.transports.tables import fsdp_shard_ranges
@@ -170,17 +169,18 @@ def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, p
         ranges = fsdp_shard_ranges(table, rank, ranks)
         staging = FlatStaging(_device_tensors([n for _, _, n in ranges], device, (rank * 7919 + 1) % 251))
         host = staging.host_array()
-        share = ShardedWeights(rank, ranks, table, [ShardPiece(name, start, host[offset:offset + n])
-                                                    for (name, start, n), offset in zip(ranges, staging.offsets, strict=True)])
+        pieces = [ShardPiece(name, start, host[offset:offset + n])
+                  for (name, start, n), offset in zip(ranges, staging.offsets, strict=True)]
+    shard_bytes = sum(p.nbytes for p in pieces)
     with ParamsClient(url, timeout=600) as client:
-        conn.send({"ready": True, "shard_bytes": share.nbytes})
+        conn.send({"ready": True, "shard_bytes": shard_bytes})
         for _, version, transport, wait_s in commands(conn):
             with PeakMemory() as memory:
                 started = time.monotonic()
                 if staging is not None:
                     staging.to_host()
                 staged, cpu = time.monotonic(), time.process_time()
-                reply = client.push_part(version, rank, ranks, table, share.pieces, transport=transport, wait_s=0)
+                reply = client.push_part(version, rank, ranks, table, pieces, transport=transport, wait_s=0)
                 delivered = reply["delivered_at_monotonic"]  # its bytes are in (the finish call follows)
                 cpu = time.process_time() - cpu  # the copy threads' too
                 if not reply["visible"]:  # wait for the other ranks' parts
@@ -188,7 +188,7 @@ def _rank_main(conn: Connection, url: str, table: dict, rank: int, ranks: int, p
                     reply = {"visible": True}
                 returned = time.monotonic()
             conn.send({"started": started, "staged": staged, "delivered": delivered, "returned": returned, "push_cpu_s": cpu,
-                       "visible": reply["visible"], "extra_bytes": memory.extra, "shard_bytes": share.nbytes})
+                       "visible": reply["visible"], "extra_bytes": memory.extra, "shard_bytes": shard_bytes})
 
 
 def _instance_main(conn: Connection, url: str, table: dict, pooled: bool, device: str) -> None:
@@ -319,15 +319,16 @@ def measure_copy_bound(total_bytes: int, repeats: int, device: str) -> dict:
 
 
 def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, persist: bool,
-                        egress_gbps: float | None = None) -> tuple[subprocess.Popen, str]:
+                        egress_gbps: float | None = None, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
     """A PS in its own process, as an operator starts one (``staleflow serve params``);
-    ``egress_gbps``: its egress limit (a link of that speed), None for none."""
+    ``egress_gbps``: its egress limit (a link of that speed), None for none; ``extra``: more
+    options (a holder's ``--holder-of``, ...)."""
     # -P as this process was started: a checkout's folders must not shadow the installed package
     safe_path = ["-P"] if sys.flags.safe_path else []
     egress = [] if egress_gbps is None else ["--egress-gbps", str(egress_gbps)]
     proc = subprocess.Popen([sys.executable, *safe_path, "-m", "staleflow.cli", "serve", "params", "--state-dir", str(state_dir),
                              "--port", "0", "--keep", "1", "--no-fsync", "--persist" if persist else "--no-persist",
-                             "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb), *egress],
+                             "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb), *egress, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said: list[str] = []
     stderr = proc.stderr

@@ -18,8 +18,8 @@ what it measures, which cases it runs (``CASES``) and how to open a runner on a 
 (the PS's URL, the table, the link, the number of instance processes to hold). ``ps`` is today's
 fan-out: every instance pulls from the parameter server. A source that is planned but not built
 into this checkout is listed in ``PLANNED_SOURCES``, so asking for it is a clear error. A source
-defined in another module registers itself there, and that module is imported at the end of this
-one, so every caller of the bench (the CLI) sees it.
+defined in another module registers itself there when that module is imported (the CLI imports
+``burst_ros``, the ``ros`` source).
 """
 
 from __future__ import annotations
@@ -102,8 +102,7 @@ class BurstSource:
 
 
 BURST_SOURCES: dict[str, BurstSource] = {}
-PLANNED_SOURCES = {"ros": "peers serving what they hold, with pipeline replication (the reference-oriented storage "
-                          "of TensorHub), registered as a BurstSource named 'ros'"}
+PLANNED_SOURCES: dict[str, str] = {}  # name -> what it will measure, for sources not built yet
 
 
 def register_burst_source(source: BurstSource) -> None:
@@ -355,3 +354,4 @@ def plot_bursts(results: dict, path: Path) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+

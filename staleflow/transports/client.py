@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,6 +26,7 @@ from staleflow.transports.dtypes import numpy_dtype, safetensors_dtype
 from staleflow.transports.errors import ChecksumMismatch, FormatError
 from staleflow.transports.http import HttpTransport
 from staleflow.transports.layout import ChunkSpec, Manifest, TensorSpec, laid_table
+from staleflow.transports.peers import PeerTransport, reference_sources, ros_lease
 from staleflow.transports.regions import ByteRegions, merge_ranges
 from staleflow.transports.selection import Selection, SelectionPlan, copy_blocks, plan_selection, window_lease
 from staleflow.transports.shm import ShmTransport, host_id
@@ -38,6 +40,10 @@ class ShardPiece:
     name: str
     start: int
     data: Any  # numpy array, CPU torch tensor or any buffer
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes) if hasattr(self.data, "nbytes") else memoryview(self.data).nbytes
 
 
 @dataclass(frozen=True)
@@ -112,8 +118,12 @@ class ParamsClient(Client):
     # this size (at least one chunk) and copies the selected bytes out of it.
     selection_scratch_bytes = 64 << 20
 
-    def __init__(self, url: str, timeout: float = 60.0, token: str | None = None, remote_push: str = "http"):
+    def __init__(self, url: str, timeout: float = 60.0, token: str | None = None, remote_push: str = "http",
+                 puller_id: str | None = None, zone: str = ""):
         super().__init__(url, token, timeout)
+        # a pull with sources="ros" names itself to the reference server (its load accounting) and its zone
+        self.puller_id = puller_id or f"puller-{uuid.uuid4().hex[:12]}"
+        self.zone = zone
         if remote_push not in ("http", "nixl"):
             raise ValueError(f"remote_push {remote_push!r}: use http or nixl")
         self.timeout = timeout
@@ -133,10 +143,13 @@ class ParamsClient(Client):
     def transport(self, name: str) -> Transport:
         if name not in self._transports:
             if name == "http":
-                auth = {"Authorization": self.http.headers["authorization"]} if "authorization" in self.http.headers else {}
-                self._transports[name] = HttpTransport(self.url, self.timeout, auth, self._data_url)
+                self._transports[name] = HttpTransport(self.url, self.timeout, self._auth(), self._data_url)
             elif name == "shm":
                 self._transports[name] = ShmTransport()
+            elif name == "ros":
+                self._transports[name] = PeerTransport(reference_sources(self, self.puller_id, host_id(), self.zone),
+                                                       lambda refresh: self._data_url(refresh) or self.url, self.timeout,
+                                                       self._auth())
             elif name == "nixl":
                 from staleflow.transports.nixl import NixlTransport
 
@@ -144,6 +157,9 @@ class ParamsClient(Client):
             else:
                 raise ValueError(f"unknown transport {name!r}: use http, shm or nixl")
         return self._transports[name]
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": self.http.headers["authorization"]} if "authorization" in self.http.headers else {}
 
     # -- queries
 
@@ -309,8 +325,14 @@ class ParamsClient(Client):
 
     # -- pull (instances)
 
-    def open_pull(self, version: int | str = "latest", transport: str = "http", wait_s: float = 0.0) -> PullLease:
-        """A lease on ``version`` for ``receive``; ``transport="auto"`` as in ``iter_pull``."""
+    def open_pull(self, version: int | str = "latest", transport: str = "http", wait_s: float = 0.0,
+                  sources: str = "ps") -> PullLease:
+        """A lease on ``version`` for ``receive``; ``transport="auto"`` as in ``iter_pull``.
+        ``sources="ros"``: from the version's holders, chunk by chunk (``transport`` is then moot)."""
+        if sources == "ros":
+            return ros_lease(self.json(API.reference_manifest, version), self.puller_id)
+        if sources != "ps":
+            raise ValueError(f"sources {sources!r}: use ps or ros")
         if transport == "auto":
             return self._open_auto(version, wait_s)
         body = self.json(API.open_pull, version, transport=transport, wait_s=wait_s, timeout=self.timeout + wait_s)
@@ -319,7 +341,10 @@ class ParamsClient(Client):
 
     def close_pull(self, lease: PullLease) -> None:
         with contextlib.suppress(httpx.HTTPError, ServiceError):  # else the lease lapses on its own
-            self.json(API.close_pull, lease.lease_id)
+            if lease.transport == "ros":  # no lease: the source's load assignment ends
+                self.json(API.release_puller, self.puller_id)
+            else:
+                self.json(API.close_pull, lease.lease_id)
 
     def _open_auto(self, version: int | str, wait_s: float) -> PullLease:
         """shm when the PS offers it and runs on this host, else http."""
@@ -336,13 +361,15 @@ class ParamsClient(Client):
 
     def iter_pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
                   as_torch: bool = False, verify: bool | str = "auto", wait_s: float = 0.0,
-                  select: Selection | None = None, into: Any = None) -> Iterator[tuple[str, Any]]:
+                  select: Selection | None = None, into: Any = None, sources: str = "ps") -> Iterator[tuple[str, Any]]:
         """Yields (name, tensor) as each tensor's chunks have landed and been verified. Into
         ``out`` (name -> preallocated array of the right size) if given, else into one new buffer
         of the version's size. ``transport="auto"`` picks shm on the PS's host, http elsewhere.
         ``select``: only these tensors, each whole or one tensor-parallel slice (see ``receive``).
-        ``into``: one flat buffer of the version's size to pull into instead (see ``receive``)."""
-        lease = self.open_pull(version, transport, wait_s)
+        ``into``: one flat buffer of the version's size to pull into instead (see ``receive``).
+        ``sources="ros"``: from the holders of the version (reference-oriented storage), each
+        chunk from the source the parameter server names, verified, retried elsewhere on failure."""
+        lease = self.open_pull(version, transport, wait_s, sources)
         try:
             yield from self.receive(lease, out=out, as_torch=as_torch, verify=verify, select=select, into=into)
         finally:
@@ -350,11 +377,11 @@ class ParamsClient(Client):
 
     def pull(self, version: int | str = "latest", transport: str = "http", *, out: Mapping[str, Any] | None = None,
              as_torch: bool = False, verify: bool | str = "auto", wait_s: float = 0.0,
-             select: Selection | None = None, into: Any = None) -> dict[str, Any]:
+             select: Selection | None = None, into: Any = None, sources: str = "ps") -> dict[str, Any]:
         """The whole state dict of ``version`` (a number, 'latest' or 'latest-N'), or the part of
         it ``select`` names."""
         return dict(self.iter_pull(version, transport, out=out, as_torch=as_torch, verify=verify, wait_s=wait_s,
-                                   select=select, into=into))
+                                   select=select, into=into, sources=sources))
 
     def receive(self, lease: PullLease, *, out: Mapping[str, Any] | None = None, as_torch: bool = False,
                 verify: bool | str = "auto", select: Selection | None = None, into: Any = None) -> Iterator[tuple[str, Any]]:
@@ -458,6 +485,9 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
         return
     if isinstance(transport, ShmTransport):  # copies and verifies chunks on several threads
         yield from transport.pull_verified(lease, into, verify)
+        return
+    if isinstance(transport, PeerTransport):  # verifies every chunk itself: a bad one is fetched again elsewhere
+        yield from transport.pull_verified(lease, into)
         return
     index, landed = 0, 0
     hasher = chunk_hasher(chunks[0]) if verify != "none" else None

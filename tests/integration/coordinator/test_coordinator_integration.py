@@ -82,7 +82,7 @@ def test_training_completes_within_the_bound_when_an_instance_dies(tmp_path: Pat
             for t in batch.trajectories:
                 assert t.v_traj is not None and t.v_traj <= version <= t.v_traj + ETA, "staleness bound"
                 assert len(t.tokens) == len(t.logprobs) > 0
-                assert t.segments[0]["version"] >= t.v_traj, "no token older than V_traj"
+                assert t.segments[0].version >= t.v_traj, "no token older than V_traj"
         assert victim is not None, "no instance ever held work"
         status = {i.instance_id: i.status for i in co.instances().instances}
         assert status[victim] == "failed"

@@ -73,7 +73,7 @@ def test_a_job_with_repack_consolidates_and_trains_every_group_within_the_bound(
             assert len(batch.trajectories) == BATCH * GROUP, "every group arrives whole"
             for t in batch.trajectories:
                 assert t.v_traj is not None and t.v_traj <= batch.version <= t.v_traj + ETA, "staleness bound"
-                assert sum(s["end"] - s["start"] for s in t.segments) == len(t.tokens) > 0
+                assert sum(s.end - s.start for s in t.segments) == len(t.tokens) > 0
         repacks = [c for c in co.commands(limit=2000).commands if c.kind == "repack"]
         assert repacks and all(c.outcome == "ok" for c in repacks)
         assert all(i.snapshot and i.snapshot["kv_usage"] is not None for i in co.instances().instances)

@@ -22,7 +22,8 @@ from support import manager_config
 
 from staleflow.api.base import ServiceError
 from staleflow.api.manager import AsyncManagerClient
-from staleflow.api.trajectories import CheckoutRequest, CompletedRequest
+from staleflow.api.trajectories import Assignment, CheckoutRequest, CompletedIn, CompletedRequest, ReturnRequest
+from staleflow.api.trajectory import FinishedPart, GeneratedPart
 from staleflow.config import LedgerConfig
 from staleflow.config.manager import LedgerParams
 from staleflow.ledger import Ledger, LedgerError
@@ -158,14 +159,15 @@ class ServerSide:
             if missing:
                 store.add_groups(missing, self.members, self.needed, missing[-1][0] + 1)
         elif kind == "checkout":
-            assignments = [{"traj_id": ts_id(t), "v_traj": v} for t, v in args[1]]
+            assignments = [Assignment(traj_id=ts_id(t), v_traj=v) for t, v in args[1]]
             reply = await self.server.checkout(CheckoutRequest(instance_id=args[0], assignments=assignments))
             await self._follow_ledger()
-            return sorted(t["traj_id"] for t in reply["trajectories"])
+            return sorted(t.traj_id for t in reply.trajectories)
         elif kind == "returned":
-            store.returned([{"traj_id": ts_id(t)} for t in args[1]], args[0])
+            await self.server.returned(ReturnRequest(instance_id=args[0],
+                                                     partials=[GeneratedPart(traj_id=ts_id(t)) for t in args[1]]))
         elif kind == "completed":
-            item = {"trajectory": {"traj_id": ts_id(args[1]), "finish_reason": "stop"}}
+            item = CompletedIn(trajectory=FinishedPart(traj_id=ts_id(args[1]), finish_reason="stop"))
             await self.server.completed(CompletedRequest(instance_id=args[0], items=[item]))
             await self.server.process_completed()
             await self._follow_ledger()

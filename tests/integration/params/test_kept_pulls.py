@@ -61,9 +61,9 @@ def test_a_job_whose_pulls_keep_the_trajectories_trains_them_across_versions(tmp
         across = 0
         for version, t in trained:
             assert t.v_traj is not None and t.v_traj <= version <= t.v_traj + ETA, "staleness bound"
-            versions = [s["version"] for s in t.segments]
+            versions = [s.version for s in t.segments]
             assert versions == sorted(versions) and versions[0] >= t.v_traj, "V_traj is the oldest version"
-            assert sum(s["end"] - s["start"] for s in t.segments) == len(t.tokens) > 0
+            assert sum(s.end - s.start for s in t.segments) == len(t.tokens) > 0
             across += len(set(versions)) > 1
         stats = co.stats()
         assert stats.pulls > len(instances), "no Pull beyond the instances' first"

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select, text
 
 from staleflow.errors import ErrorCode
-from staleflow.ledger import Fate, LedgerError, LedgerParams
+from staleflow.ledger import GroupFate, LedgerError, LedgerParams
 from staleflow.servers import db
 from staleflow.servers.manager.store import DurableLedger, consumption_record
 from staleflow.servers.schema import (
@@ -29,6 +29,7 @@ from staleflow.servers.trajectories.store import (
     TrajectoryStore,
     TrajState,
 )
+from staleflow.trajectory_book import Generated
 
 BATCH, MEMBERS, NEEDED = 2, 3, 2  # one spare member per group: it is cancelled when the group closes
 
@@ -43,10 +44,8 @@ def rows(store: TrajectoryStore, table) -> int:
         return conn.execute(select(func.count()).select_from(table)).scalar_one()
 
 
-def completion(traj_id: str, version: int) -> dict:
-    return {"instance_id": "inst-0", "trajectory": {
-        "traj_id": traj_id, "tokens": [5, 6, 7], "logprobs": [-0.5, -0.25, -0.125],
-        "segments": [{"version": version, "start": 0, "end": 3}], "finish_reason": "stop"}}
+def completion(traj_id: str, version: int) -> Generated:
+    return Generated(traj_id, (5, 6, 7), (-0.5, -0.25, -0.125), ((version, 0, 3),), "stop", "inst-0")
 
 
 def sample(store: TrajectoryStore, version: int) -> list[str]:
@@ -151,7 +150,7 @@ def test_a_group_stays_live_until_its_last_member_is_done(url: str) -> None:
         first, second = (store.trajs[s].group_id for s in spares)
         assert store.completed([completion(spares[0], 0)]) == []  # a late completion: surplus, aborted
         assert set(store.groups) == {second}  # its group is done: it left with its last member
-        assert store.returned([{"traj_id": spares[1]}], "inst-0") == {spares[1]: "aborted"}
+        assert store.returned([Generated(spares[1])], "inst-0") == {spares[1]: "aborted"}
         assert store.groups == {} and store.trajs == {}
         assert store.archived(first) and store.archived(second)
         with store.engine.connect() as conn:
@@ -164,7 +163,7 @@ def test_a_group_stays_live_until_its_last_member_is_done(url: str) -> None:
         with pytest.raises(StoreConflict) as freed:  # a freed batch asked again: gone, said so
             store.batch(group_ids)
         assert freed.value.code is ErrorCode.BATCH_FREED
-        assert store.returned([{"traj_id": members[0]}], "inst-0") == {members[0]: "unknown"}
+        assert store.returned([Generated(members[0])], "inst-0") == {members[0]: "unknown"}
         t, g = store.archived_trajectory(members[0])  # inspection reads it back
         assert (t.state, t.reward, t.tokens, g.group_id, g.state) == (
             TrajState.CONSUMED, 0.5, (), first, GroupState.CONSUMED)
@@ -343,7 +342,7 @@ def test_every_in_memory_collection_of_the_ledger_stays_bounded_however_long_the
     ledger = DurableLedger.open(url, PARAMS)
     try:
         assert {k: n for k, n in collection_sizes(ledger.ledger).items() if n > early[k]} == {}
-        assert ledger.fate("g3-0") is Fate.CONSUMED and ledger.fate("s3") is Fate.ABORTED
+        assert ledger.fate("g3-0") is GroupFate.CONSUMED and ledger.fate("s3") is GroupFate.ABORTED
         with pytest.raises(LedgerError) as again:  # consumed once, for good
             ledger.reserve("g3-0", 80)
         assert again.value.code is ErrorCode.DUPLICATE_GROUP

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config.manager import LedgerParams
-from staleflow.ledger import BufferState, EntryStatus, Fate, Ledger, LedgerError
+from staleflow.ledger import BufferState, EntryStatus, GroupFate, Ledger, LedgerError
 
 
 def states(ledger: Ledger) -> dict[int, str]:
@@ -76,7 +76,7 @@ def test_figure7_walkthrough_eta1() -> None:
     assert states(ledger)[1] == "ready"
     batch = ledger.consume()
     assert sorted(batch.consumed) == ["t2", "t3", "t6"]
-    assert all(ledger.fate(g) is Fate.CONSUMED for g in batch.consumed)
+    assert all(ledger.fate(g) is GroupFate.CONSUMED for g in batch.consumed)
     assert contents(ledger, 2) == {"t7": "reserved"}
 
 
@@ -105,7 +105,7 @@ def test_abort_moves_later_occupants_forward() -> None:
     ledger.abort("a")  # filtered (e.g. zero reward variance): c moves forward, buffer 0 stays Ready
     assert contents(ledger, 0) == {"b": "occupied", "c": "occupied"}
     assert states(ledger)[0] == "ready"
-    assert ledger.fate("a") is Fate.ABORTED
+    assert ledger.fate("a") is GroupFate.ABORTED
 
 
 def test_refusals_are_clear_and_leave_state_untouched() -> None:
@@ -158,7 +158,7 @@ def test_batch_redundancy_seals_and_cancels_surplus() -> None:
     assert ledger.occupy("b").cancelled == []
     sealed = ledger.occupy("c")
     assert sealed.cancelled == ["a"], "the still-running group is surplus once the buffer is Ready"
-    assert ledger.fate("a") is Fate.SURPLUS
+    assert ledger.fate("a") is GroupFate.SURPLUS
     assert ledger.buffers()[0].state is BufferState.READY
     assert ledger.admission() == {0: 0}, "a sealed buffer admits nothing more"
     assert ledger.consume().consumed == ["b", "c"]
@@ -204,7 +204,7 @@ def test_restore_round_trip() -> None:
         ledger.occupy(f"g{i}")
     ledger.abort("g5")
     restored = Ledger.restore(params, ledger.train_version, ledger.entries(),
-                              {"g5": Fate.ABORTED}, ledger.sealed)
+                              {"g5": GroupFate.ABORTED}, ledger.sealed)
     assert restored.buffers() == ledger.buffers()
     assert restored.admission() == ledger.admission()
     assert restored.consume().consumed == ledger.consume().consumed

@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from support import run_ledger_ops
 
 from staleflow.config.manager import LedgerParams
-from staleflow.ledger import EntryStatus, Fate, Ledger, LedgerError
+from staleflow.ledger import EntryStatus, GroupFate, Ledger, LedgerError
 
 
 def edf_feasible(windows: list[tuple[int, int]], capacities: dict[int, int]) -> bool:
@@ -176,9 +176,9 @@ class LedgerMachine(RuleBasedStateMachine):
         assert not (set(self.consumed) & self.aborted)
         assert live | set(self.consumed) | self.aborted == set(self.admitted)
         for g in self.consumed:
-            assert self.ledger.fate(g) is Fate.CONSUMED
+            assert self.ledger.fate(g) is GroupFate.CONSUMED
         for g in self.aborted:
-            assert self.ledger.fate(g) in (Fate.ABORTED, Fate.SURPLUS)
+            assert self.ledger.fate(g) in (GroupFate.ABORTED, GroupFate.SURPLUS)
 
     @invariant()
     def buffers_respect_windows(self) -> None:

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleflow.length_skew import (
-    Fate,
     LengthSkew,
+    TrajectoryFate,
     bucket_bounds,
     bucket_label,
     bucket_of,
@@ -37,9 +37,9 @@ def hand_computed_run() -> LengthSkew:
     skew.generated("b", 5)  # bucket 3 (4-7)
     skew.generated("c", 100)  # bucket 7 (64-127)
     skew.generated("c", 100)  # a redelivery: counted once
-    skew.stopped("d", 40, Fate.ABORTED)  # cut while running at 40 tokens: bucket 6 (32-63)
-    skew.stopped("e", 0, Fate.ABORTED)  # never generated anything: not counted
-    skew.settle("c", Fate.DROPPED)  # a surplus member
+    skew.stopped("d", 40, TrajectoryFate.ABORTED)  # cut while running at 40 tokens: bucket 6 (32-63)
+    skew.stopped("e", 0, TrajectoryFate.ABORTED)  # never generated anything: not counted
+    skew.settle("c", TrajectoryFate.DROPPED)  # a surplus member
     skew.regenerated(length=90, tokens=30)  # a trajectory at 90 tokens lost 30 to a failure
     skew.consumed(0, [("a", 0), ("b", 1)])
     # step 1's window
@@ -47,8 +47,8 @@ def hand_computed_run() -> LengthSkew:
     skew.admitted("g3", 14.0)
     skew.generated("f", 6)
     skew.generated("g", 6)
-    skew.settle("f", Fate.FILTERED)
-    skew.settle("unknown", Fate.FILTERED)  # generated before a restart: nothing to count
+    skew.settle("f", TrajectoryFate.FILTERED)
+    skew.settle("unknown", TrajectoryFate.FILTERED)  # generated before a restart: nothing to count
     skew.consumed(1, [("g", 2)])
     skew.generated("h", 1)  # in flight at the end
     return skew
@@ -98,9 +98,9 @@ def test_distances_against_hand_computed_values():
 
 EVENT = st.one_of(
     st.tuples(st.just("generated"), st.integers(0, 30), st.integers(0, 5000)),
-    st.tuples(st.just("settle"), st.integers(0, 30), st.sampled_from([f for f in Fate if f is not Fate.TRAINED])),
+    st.tuples(st.just("settle"), st.integers(0, 30), st.sampled_from([f for f in TrajectoryFate if f is not TrajectoryFate.TRAINED])),
     st.tuples(st.just("stopped"), st.integers(0, 30), st.integers(0, 5000),
-              st.sampled_from([Fate.ABORTED, Fate.DROPPED, Fate.FILTERED])),
+              st.sampled_from([TrajectoryFate.ABORTED, TrajectoryFate.DROPPED, TrajectoryFate.FILTERED])),
     st.tuples(st.just("consumed"), st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4)), max_size=6)),
 )
 
@@ -123,11 +123,11 @@ def test_every_generated_trajectory_has_one_fate_or_is_in_flight(events):
     total = skew.totals()
     in_flight = skew.in_flight()
     for bucket in set(total.generated) | set(in_flight):
-        fated = sum(total.fates[f][bucket] for f in Fate)
+        fated = sum(total.fates[f][bucket] for f in TrajectoryFate)
         assert total.generated[bucket] == fated + in_flight[bucket]
     assert sum(skew.generated_lengths.values()) == sum(total.generated.values())
-    assert sum(skew.trained_lengths.values()) == sum(total.fates[Fate.TRAINED].values())
-    assert sum(sum(h.values()) for h in total.staleness.values()) == sum(total.fates[Fate.TRAINED].values())
+    assert sum(skew.trained_lengths.values()) == sum(total.fates[TrajectoryFate.TRAINED].values())
+    assert sum(sum(h.values()) for h in total.staleness.values()) == sum(total.fates[TrajectoryFate.TRAINED].values())
     ks = skew.to_json()["ks_distance"]
     assert ks is None or 0.0 <= ks <= 1.0
 
@@ -149,13 +149,13 @@ def test_the_simulation_accounts_for_every_trajectory_it_generated(name):
     skew = simulation.skew
     total, in_flight = skew.totals(), skew.in_flight()
     for bucket in set(total.generated) | set(in_flight):
-        assert total.generated[bucket] == sum(total.fates[f][bucket] for f in Fate) + in_flight[bucket]
+        assert total.generated[bucket] == sum(total.fates[f][bucket] for f in TrajectoryFate) + in_flight[bucket]
     trained = sum(r.trajectories for r in result.step_records)
-    assert sum(total.fates[Fate.TRAINED].values()) == trained
+    assert sum(total.fates[TrajectoryFate.TRAINED].values()) == trained
     assert sum(n * k for k, n in skew.trained_lengths.items()) == result.response_tokens
     for record in result.step_records:  # each step trains what its batch held, with the batch's staleness
         window = skew.steps[record.buffer]
-        assert sum(window.fates[Fate.TRAINED].values()) == record.trajectories
+        assert sum(window.fates[TrajectoryFate.TRAINED].values()) == record.trajectories
         staleness = Counter()
         for hist in window.staleness.values():
             staleness.update(hist)
@@ -189,7 +189,7 @@ def test_the_trajectory_books_transitions_feed_it():
     book.rewarded({t: (1.0, "correct") for t in ("g0-m0", "g0-m1", "g1-m0", "g1-m1")})
     book.close_group("g0", GroupState.OCCUPIED)  # g0-m2 is cut on its instance: dropped
     book.completed([done("g0-m2", 11, ABORTED_ON_INSTANCE)])  # it had reached 11 tokens
-    book.close_group("g1", GroupState.ABORTED, Fate.FILTERED)  # g1-m2 never ran: not counted
+    book.close_group("g1", GroupState.ABORTED, TrajectoryFate.FILTERED)  # g1-m2 never ran: not counted
     book.mark_consumed(["g0"], buffer=2)
     book.free(["g0"], buffer=2)  # the same batch again: counted once
 

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from staleflow.errors import ErrorCode, StaleFlowError
-from staleflow.length_skew import Fate
+from staleflow.length_skew import TrajectoryFate
 from staleflow.trajectory_book import (
     GROUP_TRANSITIONS,
     TRAJ_TRANSITIONS,
-    Checkpoint,
     Generated,
     GroupState,
+    ProgressCheckpoint,
     SegmentLimits,
     StoreConflict,
     TrajectoryBook,
@@ -205,7 +205,7 @@ class BookMachine(RuleBasedStateMachine):
         version = v_traj - 1 if older_version and v_traj else v_traj
         owner = t.instance_id if from_owner else next(i for i in INSTANCES if i != t.instance_id)
         self._mark()
-        held, appended = self.book.checkpoint([Checkpoint(traj_id, owner, start, stream[start:end],
+        held, appended = self.book.checkpoint([ProgressCheckpoint(traj_id, owner, start, stream[start:end],
                                                           tuple(-1.0 for _ in range(start, end)),
                                                           ((version, 0, end),))], LIMITS)
         counts = (t.state is TrajState.ROUTED and from_owner and back > 0 and version == v_traj
@@ -301,7 +301,7 @@ class BookMachine(RuleBasedStateMachine):
             return  # nothing is older than V_traj 0
         self._mark()
         before = self._book_state()
-        held, appended = self.book.checkpoint([Checkpoint(t.traj_id, t.instance_id, 0, bad.tokens, bad.logprobs,
+        held, appended = self.book.checkpoint([ProgressCheckpoint(t.traj_id, t.instance_id, 0, bad.tokens, bad.logprobs,
                                                           bad.segments)], LIMITS)
         assert held == {} and appended == [] and self._book_state() == before
 
@@ -360,10 +360,10 @@ class BookMachine(RuleBasedStateMachine):
         group_id = data.draw(st.sampled_from(self._groups(GroupState.OCCUPIED)))
         needed = self.book.groups[group_id].needed
         self._mark()
-        trained = self.book.skew.totals().fates[Fate.TRAINED].total()
+        trained = self.book.skew.totals().fates[TrajectoryFate.TRAINED].total()
         buffer = self.book.groups[group_id].v_traj + staleness  # the ledger's bound: V_buf <= V_traj + eta
         self.book.mark_consumed([group_id], buffer)
-        assert self.book.skew.totals().fates[Fate.TRAINED].total() == trained + needed
+        assert self.book.skew.totals().fates[TrajectoryFate.TRAINED].total() == trained + needed
         batch = self.book.batch([group_id])
         assert len(batch) == needed and all(t.state is TrajState.REWARDED for t, _ in batch)
         for t, g in batch:  # the bound holds for every token trained, not only for V_traj
@@ -458,7 +458,7 @@ class BookMachine(RuleBasedStateMachine):
         skew = self.book.skew
         total, in_flight = skew.totals(), skew.in_flight()
         for bucket in set(total.generated) | set(in_flight):
-            assert total.generated[bucket] == sum(total.fates[f][bucket] for f in Fate) + in_flight[bucket]
+            assert total.generated[bucket] == sum(total.fates[f][bucket] for f in TrajectoryFate) + in_flight[bucket]
         for traj_id in skew._open:  # generated, fate unknown: finished and waiting for training
             t = self.book.trajs.get(traj_id)
             assert t is not None and t.state in (TrajState.COMPLETED, TrajState.REWARDED), traj_id
@@ -499,9 +499,9 @@ def test_stored_checkpoints_are_adopted_in_order_and_only_where_they_continue_th
     book.checkout("i0", ["g0-m0"])
     t = book.trajs["g0-m0"]
 
-    def part(start: int, tokens: tuple[int, ...]) -> Checkpoint:
+    def part(start: int, tokens: tuple[int, ...]) -> ProgressCheckpoint:
         end = start + len(tokens)
-        return Checkpoint("g0-m0", "i0", start, tokens, tuple(-0.5 for _ in tokens), ((0, 0, end),))
+        return ProgressCheckpoint("g0-m0", "i0", start, tokens, tuple(-0.5 for _ in tokens), ((0, 0, end),))
 
     assert book.adopt(part(0, (7, 8))) and t.tokens == (7, 8)
     assert not book.adopt(part(3, (9,))), "a gap: not adopted"

@@ -1,0 +1,104 @@
+"""A Pull of a version nobody can serve any more (its only holder died after the parameter server
+dropped its copy) is answered ``version_unavailable``; the coordinator then pulls the newest
+version that exists. Real services: the parameter server as reference server, a holder, and a sim
+instance whose engine pulls the version's bytes from the holders (``sources="ros"``) first."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+
+from staleflow.api.base import ServiceError
+from staleflow.api.params import ParamsRoutes as API
+from staleflow.config.coordinator import CoordinatorSettings
+from staleflow.config.strategy import StrategyConfig
+from staleflow.coordinator.service import Coordinator
+from staleflow.engines.base import EngineError, PartialTrajectory, WeightsFromParams, WeightsRef
+from staleflow.engines.sim import SimEngine
+from staleflow.errors import ErrorCode
+from staleflow.servers.http import serve_in_thread
+from staleflow.servers.instance import InstanceConfig, SimConfig
+from staleflow.servers.instance import create_app as instance_app
+from staleflow.servers.params import ParamsConfig
+from staleflow.servers.params import create_app as params_app
+from staleflow.transports.client import ParamsClient
+
+
+class PullingSimEngine(SimEngine):
+    """The sim engine, except that a Pull first pulls the version's bytes from its holders."""
+
+    pulled: list[int]
+
+    async def load_weights(self, weights: WeightsRef, keep_running: bool = False) -> list[PartialTrajectory]:
+        if isinstance(weights, WeightsFromParams):
+            await asyncio.to_thread(self._pull, weights)
+        return await super().load_weights(weights, keep_running)
+
+    def _pull(self, weights: WeightsFromParams) -> None:
+        try:
+            with ParamsClient(weights.url) as params:
+                params.pull(weights.version, sources="ros")
+        except ServiceError as exc:
+            raise EngineError(exc.code or ErrorCode.WEIGHTS_LOAD_FAILED, exc.detail) from None
+        self.pulled.append(weights.version)
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"still waiting for {what} after {timeout_s:g} s"
+        time.sleep(0.05)  # polling pace
+    return value
+
+
+def test_a_pull_of_a_version_nobody_holds_is_rerouted_to_one_that_exists(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        ps = stack.enter_context(serve_in_thread(params_app(ParamsConfig(
+            state_dir=tmp_path / "ps", port=0, persist=False, chunk_bytes=1 << 16, retain_replicas=1, holder_ttl_s=1.0))))
+        holder = serve_in_thread(params_app(ParamsConfig(
+            state_dir=tmp_path / "holder", port=0, persist=False, holder_of=ps.url, holder_id="only", holder_follows=False,
+            keep=1, holder_ttl_s=1.0)))
+        client = stack.enter_context(ParamsClient(ps.url))
+        client.push(0, {"w": np.arange(50_000, dtype=np.float32)})
+        client.push(1, {"w": np.arange(50_000, dtype=np.float32) + 1})
+        with ParamsClient(holder.url, timeout=60) as on_holder:
+            on_holder.json(API.holder_pull, "1")
+        wait_until(lambda: client.json(API.references)["ps_copies"] == [0], "the PS to drop its copy of version 1")
+        holder.stop()  # its only holder dies: nobody can serve version 1 once its record lapses
+        wait_until(lambda: client.json(API.references)["available"] == [0], "version 1 to become unavailable")
+        assert client.latest().version == 1, "still the newest version the reference server knows of"
+
+        engine = PullingSimEngine(instance_id="inst", clock="real")
+        engine.pulled = []
+        instance = stack.enter_context(serve_in_thread(instance_app(InstanceConfig(
+            instance_id="inst", sim=SimConfig(clock="real")), engine))).url
+        settings = CoordinatorSettings()
+        asyncio.run(_join_and_pull(ps.url, instance, settings, engine))
+        assert engine.pulled == [0]
+
+
+async def _join_and_pull(ps_url: str, instance_url: str, settings: CoordinatorSettings, engine: PullingSimEngine) -> None:
+    """An instance joins (elastically) and is told to pull the newest version, 1: refused with
+    version_unavailable, the coordinator pulls version 0 instead (its command worker runs it)."""
+    unused = "http://127.0.0.1:9"  # the manager and the trajectory server take no part in a Pull
+    coordinator = Coordinator(unused, unused, StrategyConfig(), params_url=ps_url, cycle_period=settings.cycle_period,
+                              command_timeout=settings.command_timeout, failure_timeout=settings.failure_timeout,
+                              stall_timeout=settings.stall_timeout, reconcile_after=settings.reconcile_after)
+    try:
+        record = coordinator.add_instance("inst", instance_url)
+        coordinator.ps_version = await coordinator._ps_version()
+        assert coordinator.ps_version == 1
+        reply = await coordinator._command(record, "pull", {"version": 1, **coordinator._weights(record)}, 1)
+        assert reply is None and "version_unavailable" in coordinator.commands[-1].outcome
+        assert coordinator.stats.rerouted_pulls == 1 and coordinator._pull_target() == 0
+        deadline = time.monotonic() + 60
+        while not engine.pulled or record.in_flight:
+            assert time.monotonic() < deadline, "the rerouted pull did not run"
+            await asyncio.sleep(0.05)  # polling pace
+        assert coordinator.commands[-1].kind == "pull" and coordinator.commands[-1].outcome == "ok"
+    finally:
+        await coordinator.close()
