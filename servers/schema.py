@@ -123,6 +123,15 @@ ledger_event_counts = Table(
     Column("count", Integer, nullable=False),
 )
 
+# groups retired, by fate, kept with each retirement: the ledger's statistics without counting
+# ``ledger_retired``, which holds every group of the run
+ledger_retired_counts = Table(
+    "ledger_retired_counts",
+    metadata,
+    Column("fate", String(16), primary_key=True),
+    Column("count", Integer, nullable=False),
+)
+
 ts_progress = Table(
     "ts_progress",
     metadata,

@@ -97,6 +97,34 @@ def wasserstein_distance(a: Mapping[int, int], b: Mapping[int, int]) -> float | 
 
 
 @dataclass
+class AdmissionWaits:
+    """How many admitted groups waited (a wait of 0: admitted as it was sampled), and for how long:
+    a tally, so that it costs the same however many groups it counts."""
+
+    admitted: int = 0
+    waited: int = 0
+    wait_s: float = 0.0  # the waits added up
+    max_wait_s: float = 0.0
+
+    def count(self, wait_s: float) -> None:
+        self.admitted += 1
+        if wait_s > 0:
+            self.waited += 1
+            self.wait_s += wait_s
+            self.max_wait_s = max(self.max_wait_s, wait_s)
+
+    def add(self, other: AdmissionWaits) -> None:
+        self.admitted += other.admitted
+        self.waited += other.waited
+        self.wait_s += other.wait_s
+        self.max_wait_s = max(self.max_wait_s, other.max_wait_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"admitted": self.admitted, "waited": self.waited,
+                "mean_wait_s": self.wait_s / self.waited if self.waited else 0.0, "max_wait_s": self.max_wait_s}
+
+
+@dataclass
 class StepSkew:
     """One training step's window: what ended generation in it, what it trained, what was cut."""
 
@@ -106,7 +134,7 @@ class StepSkew:
     staleness: dict[int, Counter[int]] = field(default_factory=dict[int, Counter[int]])  # bucket -> {staleness: trained}
     regenerated: Counter[int] = field(default_factory=Counter[int])  # bucket -> trajectories resumed after a failure
     regenerated_tokens: Counter[int] = field(default_factory=Counter[int])  # bucket -> tokens generated again
-    admission_waits: list[float] = field(default_factory=list[float])  # seconds each admitted group waited
+    admission: AdmissionWaits = field(default_factory=AdmissionWaits)  # how long admitted groups waited
     generated_tokens: int = 0
     trained_tokens: int = 0
 
@@ -119,7 +147,7 @@ class StepSkew:
             self.staleness.setdefault(b, Counter()).update(hist)
         self.regenerated.update(other.regenerated)
         self.regenerated_tokens.update(other.regenerated_tokens)
-        self.admission_waits.extend(other.admission_waits)
+        self.admission.add(other.admission)
         self.generated_tokens += other.generated_tokens
         self.trained_tokens += other.trained_tokens
 
@@ -133,14 +161,7 @@ class StepSkew:
                 "generated_tokens": self.generated_tokens, "trained_tokens": self.trained_tokens,
                 "generated_mean": self.generated_tokens / n if (n := sum(self.generated.values())) else None,
                 "trained_mean": self.trained_tokens / n if (n := sum(self.fates[TrajectoryFate.TRAINED].values())) else None,
-                "admission": admission_json(self.admission_waits)}
-
-
-def admission_json(waits: list[float]) -> dict[str, Any]:
-    """How many admitted groups waited (a wait of 0: admitted as it was sampled), and for how long."""
-    waited = [w for w in waits if w > 0]
-    return {"admitted": len(waits), "waited": len(waited),
-            "mean_wait_s": sum(waited) / len(waited) if waited else 0.0, "max_wait_s": max(waited, default=0.0)}
+                "admission": self.admission.to_json()}
 
 
 def _labelled(counts: Mapping[int, float]) -> dict[str, float]:
@@ -155,6 +176,11 @@ def _counts_json(generated: Counter[int], fates: Mapping[TrajectoryFate, Counter
             "regenerated": _labelled(regenerated), "regenerated_tokens": _labelled(regenerated_tokens)}
 
 
+WINDOWS_KEPT = 1_000
+"""The newest steps whose windows a ``LengthSkew`` keeps (some 5 KiB each): older ones leave memory,
+their counts stay in the totals (each window went to the tracker's step metrics as its step ended)."""
+
+
 class LengthSkew:
     """The accounting of one run (a trajectory server since it started, or a simulated job).
 
@@ -162,10 +188,17 @@ class LengthSkew:
     generated before a restart of the server, or already settled) changes nothing, so a transition
     replayed or redelivered is not counted twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, windows_kept: int = WINDOWS_KEPT) -> None:
+        if windows_kept < 1:
+            raise ValueError(f"windows_kept must be >= 1, got {windows_kept}")
+        self.windows_kept = windows_kept
+        self._kept_from = 0  # windows of steps before it were let go
         self.step = 0  # the window events go to: the buffer consumed next
         self._step_known = False  # False until a consumption says which step this is (a server may start late)
         self.steps: dict[int, StepSkew] = {}
+        # every window added up, kept as the events come: what is read on every health probe and
+        # step record must not cost the number of steps so far
+        self._total = StepSkew(-1)
         self._open: dict[str, int] = {}  # traj_id -> length: generated, fate not known yet
         self._sampled: dict[str, float] = {}  # group_id -> when it was sampled, until admitted
         self._cutting: dict[str, TrajectoryFate] = {}  # traj_id -> its fate, while its instance aborts it
@@ -179,6 +212,10 @@ class LengthSkew:
             window = self.steps[step] = StepSkew(step)
         return window
 
+    def _windows(self, step: int | None = None) -> tuple[StepSkew, StepSkew]:
+        """The step's window and the run's total: every count goes to both."""
+        return self._window(step), self._total
+
     # -- events
 
     def generated(self, traj_id: str, length: int) -> None:
@@ -189,9 +226,9 @@ class LengthSkew:
         self._open[traj_id] = length
 
     def _count_generated(self, length: int) -> None:
-        window = self._window()
-        window.generated[bucket_of(length)] += 1
-        window.generated_tokens += length
+        for window in self._windows():
+            window.generated[bucket_of(length)] += 1
+            window.generated_tokens += length
         self.generated_lengths[length] += 1
 
     def settle(self, traj_id: str, fate: TrajectoryFate) -> bool:
@@ -199,7 +236,8 @@ class LengthSkew:
         length = self._open.pop(traj_id, None)
         if length is None:
             return False
-        self._window().fates[fate][bucket_of(length)] += 1
+        for window in self._windows():
+            window.fates[fate][bucket_of(length)] += 1
         return True
 
     def settle_all(self, traj_ids: Iterable[str], fate: TrajectoryFate) -> None:
@@ -213,7 +251,8 @@ class LengthSkew:
         if self.settle(traj_id, fate) or length <= 0:
             return
         self._count_generated(length)
-        self._window().fates[fate][bucket_of(length)] += 1
+        for window in self._windows():
+            window.fates[fate][bucket_of(length)] += 1
 
     def cutting(self, traj_id: str, fate: TrajectoryFate) -> None:
         """A running trajectory is being aborted on its instance, with this fate; ``cut`` counts it
@@ -232,29 +271,34 @@ class LengthSkew:
         What came before the first consumption seen belongs to that consumption's step."""
         if not self._step_known:
             self._step_known = True
+            self._kept_from = buffer  # a server that started late has no window before it
             early = self.steps.pop(self.step, None)
             if early is not None:
                 self._window(buffer).add(early)
-        window = self._window(buffer)
+        windows = self._windows(buffer)
         for traj_id, staleness in trained:
             length = self._open.pop(traj_id, None)
             if length is None:
                 continue
             bucket = bucket_of(length)
-            window.fates[TrajectoryFate.TRAINED][bucket] += 1
-            window.staleness.setdefault(bucket, Counter())[staleness] += 1
-            window.trained_tokens += length
+            for window in windows:
+                window.fates[TrajectoryFate.TRAINED][bucket] += 1
+                window.staleness.setdefault(bucket, Counter())[staleness] += 1
+                window.trained_tokens += length
             self.trained_lengths[length] += 1
         self.step = max(self.step, buffer + 1)
+        for old in range(self._kept_from, self.step - self.windows_kept):
+            self.steps.pop(old, None)
+        self._kept_from = max(self._kept_from, self.step - self.windows_kept)
 
     def regenerated(self, length: int, tokens: int) -> None:
         """A trajectory that had reached ``length`` response tokens on a failed instance resumes
         elsewhere and generates ``tokens`` of them again (those beyond its last checkpoint)."""
         if tokens <= 0:
             return
-        window = self._window()
-        window.regenerated[bucket_of(length)] += 1
-        window.regenerated_tokens[bucket_of(length)] += tokens
+        for window in self._windows():
+            window.regenerated[bucket_of(length)] += 1
+            window.regenerated_tokens[bucket_of(length)] += tokens
 
     def sampled(self, group_ids: Iterable[str], at: float) -> None:
         """New groups, sampled at ``at``: they wait for the ledger to admit them."""
@@ -265,7 +309,8 @@ class LengthSkew:
         """The ledger admitted (reserved) a group sampled earlier: it waited from then to ``at``."""
         since = self._sampled.pop(group_id, None)
         if since is not None:
-            self._window().admission_waits.append(max(0.0, at - since))
+            for window in self._windows():
+                window.admission.count(max(0.0, at - since))
 
     def forget_group(self, group_id: str) -> None:
         """A group that leaves without being admitted (aborted while sampled)."""
@@ -278,11 +323,8 @@ class LengthSkew:
         return Counter(bucket_of(n) for n in self._open.values())
 
     def totals(self) -> StepSkew:
-        """Every window added up (``step`` -1)."""
-        total = StepSkew(-1)
-        for w in self.steps.values():
-            total.add(w)
-        return total
+        """Every window added up (``step`` -1); read-only, kept up to date as events come."""
+        return self._total
 
     def settled_lengths(self) -> Counter[int]:
         """The lengths of the generated trajectories whose fate is known (trained or cut)."""

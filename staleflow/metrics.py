@@ -209,15 +209,15 @@ def length_skew_families(total: StepSkew, in_flight: Mapping[int, int]) -> list[
     counts = [(("generated", bucket_label(b)), n) for b, n in sorted(total.generated.items())]
     counts += [((fate.value, bucket_label(b)), n) for fate in TrajectoryFate for b, n in sorted(total.fates[fate].items())]
     counts += [(("regenerated", bucket_label(b)), n) for b, n in sorted(total.regenerated.items())]
-    waits = total.admission_waits
+    waits = total.admission
     return [
         LENGTH_SKEW_TRAJECTORIES.family(counts),
         LENGTH_SKEW_REGENERATED_TOKENS.family([((bucket_label(b),), n) for b, n in sorted(total.regenerated_tokens.items())]),
         LENGTH_SKEW_IN_FLIGHT.family([((bucket_label(b),), n) for b, n in sorted(in_flight.items())]),
         LENGTH_SKEW_STALENESS.summary([((bucket_label(b),), sum(h.values()), sum(k * n for k, n in h.items()))
                                        for b, h in sorted(total.staleness.items())]),
-        ADMISSION_WAIT_SECONDS.summary([((), len(waits), sum(waits))]),
-        ADMISSION_WAITED.value(sum(w > 0 for w in waits)),
+        ADMISSION_WAIT_SECONDS.summary([((), waits.admitted, waits.wait_s)]),
+        ADMISSION_WAITED.value(waits.waited),
     ]
 
 

@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -52,7 +53,14 @@ from staleflow.ledger import (
     Transition,
 )
 from staleflow.servers import db
-from staleflow.servers.schema import ledger_entries, ledger_event_counts, ledger_events, ledger_retired, ledger_settings
+from staleflow.servers.schema import (
+    ledger_entries,
+    ledger_event_counts,
+    ledger_events,
+    ledger_retired,
+    ledger_retired_counts,
+    ledger_settings,
+)
 
 
 class StoreError(StaleFlowError, RuntimeError):
@@ -90,6 +98,9 @@ class DurableLedger:
     def __init__(self, engine: Engine, params: LedgerParams, owner_wait: float = 60.0, event_retention: int = 10_000):
         self.engine = engine
         self.event_retention = event_retention
+        # events up to this id were compacted (or are consume events, kept): the next compaction
+        # reads only what came after, not the run's every consume event again
+        self._compacted_through = 0
         self._lock = threading.Lock()
         db.wait_until_reachable(engine, "the staleness manager's ledger")
         db.upgrade(engine)
@@ -214,7 +225,7 @@ class DurableLedger:
         with self.engine.connect() as conn:
             ops = Counter(dict(conn.execute(select(ledger_events.c.op, func.count()).group_by(ledger_events.c.op)).all()))
             ops.update(dict(conn.execute(select(ledger_event_counts.c.op, ledger_event_counts.c.count)).all()))
-            fates = dict(conn.execute(select(ledger_retired.c.fate, func.count()).group_by(ledger_retired.c.fate)).all())
+            fates = dict(conn.execute(select(ledger_retired_counts.c.fate, ledger_retired_counts.c.count)).all())
         return LedgerStats(
             admitted=ops.get("reserve", 0),
             occupied=ops.get("occupy", 0),
@@ -306,6 +317,7 @@ class DurableLedger:
                         self._write(conn, list(done.values()))
             except Exception as exc:
                 self._stale = True  # memory holds the batch; reload before the next write
+                self._compacted_through = 0  # a compaction in the failed transaction did not happen
                 try:
                     self.ledger = self._load(self.params)
                     self._stale = False
@@ -377,6 +389,7 @@ class DurableLedger:
             conn.execute(self._delete_entry, deletes)
         if retired:
             conn.execute(insert(ledger_retired), retired)
+            _add_counts(conn, ledger_retired_counts, ledger_retired_counts.c.fate, Counter(r["fate"] for r in retired))
         conn.execute(insert(ledger_events), events)
         if settings:
             conn.execute(update(ledger_settings).where(ledger_settings.c.id == 1).values(**settings))
@@ -387,19 +400,20 @@ class DurableLedger:
         """Events of groups no longer live, older than the retention window, leave the log; their
         counts by op are kept. Consume events stay."""
         newest = conn.execute(select(func.max(ledger_events.c.id))).scalar_one() or 0
-        old = ((ledger_events.c.id <= newest - self.event_retention) & (ledger_events.c.op != "consume")
-               & ledger_events.c.group_id.not_in(select(ledger_entries.c.group_id)))
-        counts = dict(conn.execute(select(ledger_events.c.op, func.count()).where(old).group_by(ledger_events.c.op)).all())
-        if not counts:
+        through = newest - self.event_retention
+        if through <= self._compacted_through:
             return
-        kept = dict(conn.execute(select(ledger_event_counts.c.op, ledger_event_counts.c.count)
-                                 .where(ledger_event_counts.c.op.in_(list(counts)))).all())
-        for op, n in counts.items():
-            if op in kept:
-                conn.execute(update(ledger_event_counts).where(ledger_event_counts.c.op == op).values(count=kept[op] + n))
-            else:
-                conn.execute(insert(ledger_event_counts).values(op=op, count=n))
-        conn.execute(delete(ledger_events).where(old))
+        window = ((ledger_events.c.id > self._compacted_through) & (ledger_events.c.id <= through)
+                  & (ledger_events.c.op != "consume"))
+        old = window & ledger_events.c.group_id.not_in(select(ledger_entries.c.group_id))
+        counts = dict(conn.execute(select(ledger_events.c.op, func.count()).where(old).group_by(ledger_events.c.op)).all())
+        if counts:
+            _add_counts(conn, ledger_event_counts, ledger_event_counts.c.op, counts)
+            conn.execute(delete(ledger_events).where(old))
+        # the events of a group still live stay, and the next compaction starts at the first of them
+        held = conn.execute(select(func.min(ledger_events.c.id))
+                            .where(window & ledger_events.c.group_id.in_(select(ledger_entries.c.group_id)))).scalar()
+        self._compacted_through = through if held is None else held - 1
 
     def _flush(self, conn: Connection, inserts: list[dict], updates: list[dict] | None = None) -> None:
         if inserts:
@@ -467,6 +481,16 @@ class DurableLedger:
                 .order_by(ledger_retired.c.group_id)
             )
             return [r.group_id for r in rows]
+
+
+def _add_counts(conn: Connection, table, key, counts: Mapping[str, int]) -> None:
+    """Add ``counts`` to the (key, count) rows of ``table``."""
+    kept = dict(conn.execute(select(key, table.c.count).where(key.in_(list(counts)))).all())
+    for name, n in counts.items():
+        if name in kept:
+            conn.execute(update(table).where(key == name).values(count=kept[name] + n))
+        else:
+            conn.execute(insert(table).values({key.name: name, "count": n}))
 
 
 def consumption_record(url: str) -> tuple[list[str], list[tuple[str, int, int]]]:

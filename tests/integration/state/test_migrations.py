@@ -95,3 +95,16 @@ def test_upgrade_and_downgrade_with_rows_present(engine: sa.Engine) -> None:
 
     migrate(engine, "downgrade", "base")
     assert tables(engine) == set()
+
+
+def test_the_retired_counts_start_from_what_an_older_ledger_retired(engine: sa.Engine) -> None:
+    migrate(engine, "upgrade", "0006_carried")
+    with engine.begin() as conn:
+        conn.execute(schema.ledger_retired.insert(), [
+            {"group_id": f"g{i}", "v_traj": 0, "fate": fate, "buffer": 0, "retired_at": 1.0}
+            for i, fate in enumerate(["consumed"] * 5 + ["aborted"] * 2 + ["surplus"])])
+    migrate(engine, "upgrade", "head")
+    with engine.connect() as conn:
+        counts = dict(conn.execute(sa.select(schema.ledger_retired_counts.c.fate,
+                                             schema.ledger_retired_counts.c.count)).all())
+    assert counts == {"consumed": 5, "aborted": 2, "surplus": 1}

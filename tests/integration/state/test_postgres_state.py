@@ -18,7 +18,7 @@ from staleflow.servers.trajectories.store import StoreUnavailable, TrajectorySto
 PARAMS = LedgerParams(eta=1, batch_size=2, group_size=1)
 TABLES = {"ledger_settings", "ledger_entries", "ledger_retired", "ledger_events", "ledger_event_counts", "ts_groups",
           "ts_trajectories", "ts_groups_archive", "ts_trajectories_archive", "ts_progress",
-          "ts_finished_lengths",
+          "ts_finished_lengths", "ledger_retired_counts",
           "ts_meta", "alembic_version"}
 
 

@@ -4,11 +4,12 @@ nothing that is still needed leaves with them."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text
 
 from staleflow.errors import ErrorCode
 from staleflow.ledger import GroupFate, LedgerError, LedgerParams
@@ -370,3 +371,53 @@ def test_every_in_memory_collection_of_the_trajectory_store_stays_bounded_howeve
         assert store.archived_count() == 60 * BATCH * MEMBERS
     finally:
         store.close()
+
+
+def test_opening_a_ledger_counts_its_statistics_without_scanning_its_history(tmp_path: Path) -> None:
+    """A restart reads the retired groups' counts by fate from their own table: no statement it
+    makes scans ``ledger_retired`` (every group of the run), so it costs the same at any age."""
+    url = db.sqlite_url(tmp_path / "ledger.db")
+    ledger = DurableLedger.open(url, PARAMS, event_retention=20)
+    try:
+        ledger_steps(ledger, 0, 30)
+        before = ledger.stats
+    finally:
+        ledger.close()
+    engine = db.make_engine(url)
+    statements: list[tuple[str, object]] = []
+    event.listen(engine, "before_cursor_execute",
+                 lambda conn, cursor, statement, parameters, context, many: statements.append((statement, parameters)))
+    ledger = DurableLedger(engine, PARAMS, event_retention=20)
+    try:
+        assert ledger.stats == before
+        assert (before.consumed_groups, before.aborted) == (60, 30)
+        reads = [(s, p) for s, p in statements if "ledger_retired" in s and s.lstrip().upper().startswith("SELECT")]
+        assert reads, "the recently retired groups are read back"
+        with engine.connect() as conn:
+            for statement, parameters in reads:
+                plan = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters).all()
+                assert not [row for row in plan if re.search(r"SCAN ledger_retired\b", row[-1])], (statement, plan)
+    finally:
+        ledger.close()
+
+
+def test_each_compaction_reads_only_the_events_since_the_last(tmp_path: Path) -> None:
+    """The consume events stay for good (one a step): a compaction that read every event up to its
+    window again would cost the run's length at every consume. Each reads an id range bounded below
+    by where the last one stopped."""
+    engine = db.make_engine(db.sqlite_url(tmp_path / "ledger.db"))
+    counts: list[tuple[str, object]] = []
+    event.listen(engine, "before_cursor_execute", lambda conn, cursor, statement, parameters, context, many: counts.append(
+        (statement, parameters)) if "GROUP BY ledger_events.op" in statement and "WHERE" in statement else None)
+    ledger = DurableLedger(engine, PARAMS, event_retention=20)
+    try:
+        ledger_steps(ledger, 0, 30)
+        ledger_steps(ledger, 30, 1)
+        assert len(counts) >= 2
+        statement, parameters = counts[-1]
+        with engine.connect() as conn:
+            plan = " ".join(row[-1] for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters))
+        assert re.search(r"SEARCH ledger_events USING INTEGER PRIMARY KEY \(rowid>\? AND rowid<\?\)", plan), plan
+        assert event_count(ledger) <= 20 + 31 + 8
+    finally:
+        ledger.close()

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from staleflow.length_skew import (
     LengthSkew,
+    StepSkew,
     TrajectoryFate,
     bucket_bounds,
     bucket_label,
@@ -160,7 +161,7 @@ def test_the_simulation_accounts_for_every_trajectory_it_generated(name):
         for hist in window.staleness.values():
             staleness.update(hist)
         assert dict(staleness) == record.staleness
-    assert len(total.admission_waits) >= trained // 4  # every trained group was admitted once
+    assert total.admission.admitted >= trained // 4  # every trained group was admitted once
     assert result.length_skew["ks_distance"] is not None
 
 
@@ -226,3 +227,49 @@ def test_the_report_and_tracking_show_it(tmp_path):
     assert scalars["length_skew/regenerated_tokens"] == 30 and scalars["length_skew/admission_waited"] == 1
     assert scalars["length_skew/staleness_mean/4-7"] == 1.0
     assert histograms["length_skew/trained"] == {2: 1, 3: 1}  # bucket indexes: 2-3 and 4-7
+
+
+def _feed(skew: LengthSkew, steps: list[list[tuple[str, int, float]]]) -> None:
+    """Each step: trajectories (id, length, admission wait) sampled, generated and trained, a
+    third of them cut instead, one regenerated; then the step's buffer is consumed."""
+    for step, trajs in enumerate(steps):
+        trained = []
+        for i, (name, length, wait) in enumerate(trajs):
+            traj_id = f"{step}-{i}-{name}"
+            skew.sampled([traj_id], 0.0)
+            skew.admitted(traj_id, wait)
+            if i % 3 == 2:
+                skew.stopped(traj_id, length, TrajectoryFate.ABORTED)
+                continue
+            skew.generated(traj_id, length)
+            trained.append((traj_id, i % 2))
+        skew.regenerated(length=len(trajs) + 1, tokens=step)
+        skew.consumed(step, trained)
+
+
+@given(st.lists(st.lists(st.tuples(st.text("ab", max_size=2), st.integers(0, 300), st.sampled_from([0.0, 0.5, 2.0])),
+                         max_size=6), max_size=25),
+       st.integers(1, 4))
+@settings(max_examples=60, deadline=None)
+def test_only_the_newest_windows_stay_and_the_totals_keep_every_step(steps, kept):
+    bounded, every = LengthSkew(windows_kept=kept), LengthSkew(windows_kept=10**6)
+    _feed(bounded, steps)
+    _feed(every, steps)
+    assert sorted(bounded.steps) == sorted(every.steps)[-kept:]
+    for step in bounded.steps:
+        assert bounded.steps[step].to_json() == every.steps[step].to_json()
+    added = StepSkew(-1)  # the totals are every window added up, the ones let go included
+    for window in every.steps.values():
+        added.add(window)
+    assert bounded.totals().to_json() == every.totals().to_json() == added.to_json()
+    assert bounded.to_json() == {**every.to_json(), "per_step": every.to_json()["per_step"][-kept:]}
+
+
+def test_reading_the_totals_touches_no_window():
+    """Health and every metrics scrape read the totals: they cost the same at step 10 and at step 100,000."""
+    skew = LengthSkew(windows_kept=3)
+    _feed(skew, [[("x", 5, 1.0)] * 3] * 10)
+    skew.steps.clear()
+    assert skew.totals().fates[TrajectoryFate.TRAINED].total() == 20 and skew.totals().admission.admitted == 30
+    with pytest.raises(ValueError, match="windows_kept"):
+        LengthSkew(windows_kept=0)
