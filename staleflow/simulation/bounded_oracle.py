@@ -1,8 +1,10 @@
-"""``oracle-eta``: a clairvoyant schedule that respects the staleness bound exactly.
+"""``oracle-eta schedule``: a clairvoyant schedule that respects the staleness bound exactly.
 
 The ``oracle`` system has no bound at all, so the gap to it mixes what the bound costs with what
 coordination loses. This module schedules a job that knows every response length in advance,
 under the same bound, on instances whose pace follows their load as the simulated engine's does.
+It is a feasible schedule, a lower estimate of the best one; ``schedule_bound`` (``oracle-eta``)
+bounds the best one from above, and ``exact`` finds it on tiny jobs.
 
 The model (pure, no I/O):
 

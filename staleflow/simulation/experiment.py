@@ -25,6 +25,7 @@ from staleflow.simulation.cluster import simulate
 from staleflow.simulation.matched import MatchedRow, matched_row, matched_targets
 from staleflow.simulation.result import RunResult
 from staleflow.simulation.scenarios import Scenario
+from staleflow.simulation.schedule_bound import schedule_bound
 from staleflow.simulation.settings import SimulatedCluster
 from staleflow.simulation.systems import IN_FLIGHT_ON_PS, Family, SystemSpec, resolve
 from staleflow.transports.egress import GBIT
@@ -224,7 +225,8 @@ class PointResult:
     runs: dict[str, RunResult] = field(default_factory=dict)  # best run per system
     tried: dict[str, dict[int, float]] = field(default_factory=dict)  # system -> {instances: throughput}
     checks: dict[str, RunResult] = field(default_factory=dict)  # runs for checked properties, not rows
-    oracle_eta: float | None = None  # the bounded clairvoyant schedule's throughput (bounded_oracle)
+    oracle_eta: float | None = None  # the upper bound under the staleness bound (schedule_bound)
+    oracle_eta_schedule: float | None = None  # the best clairvoyant schedule found under it (bounded_oracle)
 
     def same_split_ratio(self, system: str, baseline: str) -> float | None:
         """``system`` over ``baseline`` run with the same rollout/training split (None if not run)."""
@@ -238,10 +240,17 @@ class PointResult:
         return run.throughput / oracle.throughput if run and oracle and oracle.throughput > 0 else None
 
     def oracle_eta_share(self, system: str) -> float | None:
-        """``system``'s throughput as a share of ``oracle-eta``'s, the clairvoyant schedule under
-        the same bound, at this point."""
+        """``system``'s throughput as a share of ``oracle-eta``'s, the upper bound under the same
+        staleness bound, at this point (never above 1 for a system that keeps the bound)."""
         run = self.runs.get(system)
         return run.throughput / self.oracle_eta if run and self.oracle_eta else None
+
+    def above_oracle_eta(self, systems: Iterable[SystemSpec]) -> list[str]:
+        """Those of ``systems`` that keep the bound and pass ``oracle-eta`` here: each one a flaw of
+        the bound (none is expected)."""
+        keep = {s.name for s in systems if s.keeps_bound}
+        return [name for name, run in self.runs.items()
+                if name in keep and self.oracle_eta and run.throughput > self.oracle_eta]
 
     def gap_recovered(self, system: str, baseline: str = IN_FLIGHT) -> float | None:
         """How much of ``baseline``'s gap to the upper bound ``system`` closes (1: all of it)."""
@@ -312,6 +321,8 @@ class ExperimentResult:
             if shares:
                 out["oracle_eta_share"][name] = {"mean": statistics.fmean(shares), "min": min(shares),
                                                  "max": max(shares)}
+        out["above_oracle_eta"] = [f"{name} at {p.point.label}" for p in self.points
+                                   for name in p.above_oracle_eta(self.spec.systems)]
         out["realised_staleness"] = {name: [r.realised_staleness() for p in self.points if (r := p.runs.get(name))]
                                      for name in self._systems()}
         out["matched"] = {"n": len(self.matched), "min_ratio": min(m.ratio for m in self.matched),
@@ -354,6 +365,7 @@ class ExperimentResult:
                     "ratios": {name: p.ratios(name) for name in p.runs},
                     "oracle_share": {name: p.oracle_share(name) for name in p.runs},
                     "oracle_eta": p.oracle_eta,
+                    "oracle_eta_schedule": p.oracle_eta_schedule,
                     "oracle_eta_share": {name: p.oracle_eta_share(name) for name in p.runs},
                     "checks": {name: r.to_dict(timeline=False) for name, r in p.checks.items()},
                 }
@@ -405,10 +417,21 @@ def plan_jobs(spec: ExperimentSpec) -> tuple[list[Point], list[SimulatedJob], li
     return points, now, later
 
 
+def _splits(point: Point) -> tuple[int, ...]:
+    return (point.instances,) if point.instances is not None else point.scenario.rollout_candidates
+
+
 def oracle_eta_throughput(spec: ExperimentSpec, point: Point) -> float:
-    """``oracle-eta`` at a point: the heuristic bounded clairvoyant schedule at its best split."""
-    splits = (point.instances,) if point.instances is not None else point.scenario.rollout_candidates
-    return max(heuristic(scenario_job(point.scenario, point.eta, spec.steps, n)).throughput for n in splits)
+    """``oracle-eta`` at a point: the upper bound on any schedule under the staleness bound
+    (``schedule_bound``), at its best split."""
+    return max(schedule_bound(scenario_job(point.scenario, point.eta, spec.steps, n)).throughput
+               for n in _splits(point))
+
+
+def oracle_eta_schedule_throughput(spec: ExperimentSpec, point: Point) -> float:
+    """The best clairvoyant schedule found under the staleness bound (``bounded_oracle.heuristic``),
+    at its best split: ``oracle-eta``'s lower partner, the best schedule lies between the two."""
+    return max(heuristic(scenario_job(point.scenario, point.eta, spec.steps, n)).throughput for n in _splits(point))
 
 
 def run_experiment(
@@ -479,6 +502,7 @@ def run_experiment(
     for pr in by_point.values():
         pr.runs = dict(sorted(pr.runs.items(), key=lambda kv: order[kv[0]]))
         pr.oracle_eta = oracle_eta_throughput(spec, pr.point)
+        pr.oracle_eta_schedule = oracle_eta_schedule_throughput(spec, pr.point)
     ordered = [by_point[p.index] for p in points]
     targets = matched_targets(ordered, [s for s in spec.systems if s.bound_breaking_peer], _staleflow_splits(spec, ordered))
     staleflow = next((s for s in spec.systems if s.name == REFERENCE), None) or resolve(REFERENCE)[0]

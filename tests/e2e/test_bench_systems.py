@@ -61,6 +61,8 @@ def test_smoke_run_completes_within_the_bound_with_every_system(smoke: tuple[dic
     assert summary["oracle_share"]["oracle"]["mean"] == 1.0
     assert set(summary["oracle_eta_share"]) == set(ALL)
     assert all(p["oracle_eta"] > 0 and set(p["oracle_eta_share"]) == set(ALL) for p in data["points"])
+    assert all(p["oracle_eta_schedule"] <= p["oracle_eta"] for p in data["points"])
+    assert summary["above_oracle_eta"] == [], "no system that keeps the bound passes its upper bound"
     assert {"vs", "steady_vs", "violations", "gap_recovered", "all_vanilla_vs_in_flight"} <= set(summary)
     assert set(summary["realised_staleness"]) == set(ALL)
     matched = data["matched"]  # StaleFlow at the completion-order peer's realised p99 and max, at every eta
@@ -155,7 +157,7 @@ def test_report_tables_have_a_row_per_system() -> None:
     assert [row[0] for row in matched.rows] == [m.peer for m in result.matched]
     assert {m.peer for m in result.matched} == {"in-flight-fifo", "laminar"}, "every peer that does not keep the bound"
     assert [row[0] for row in throughput.rows] == ["verl", "one-step", "in-flight", "in-flight-fifo", "sf-rsm", "laminar",
-                                                   "oracle", "oracle-eta"]
+                                                   "oracle", "oracle-eta", "oracle-eta schedule"]
     labels = [r[0] for r in gains.rows]
     assert sum(label.startswith("StaleFlow / ") for label in labels) == 10  # five peers, all steps and second half
     assert sum("/ oracle (" in label for label in labels) == 6, "every system's share of the upper bound"
