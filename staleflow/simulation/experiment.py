@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from staleflow.cost_model import CostModel
 from staleflow.simulation.bounded_oracle import heuristic, scenario_job
 from staleflow.simulation.cluster import simulate
-from staleflow.simulation.matched import MatchedRow, matched_row, matched_targets
+from staleflow.simulation.matched import MatchedRow, matched_row
 from staleflow.simulation.result import RunResult
 from staleflow.simulation.scenarios import Scenario
 from staleflow.simulation.schedule_bound import schedule_bound
@@ -434,6 +434,35 @@ def oracle_eta_schedule_throughput(spec: ExperimentSpec, point: Point) -> float:
     return max(heuristic(scenario_job(point.scenario, point.eta, spec.steps, n)).throughput for n in _splits(point))
 
 
+@dataclass(frozen=True)
+class MatchedTarget:
+    """A peer's run and the StaleFlow run that matches one of its realised staleness figures."""
+
+    peer: SystemSpec
+    run: RunResult
+    point: Point  # the peer's
+    staleflow_point: Point  # the peer's with eta set to its realised p99 or max
+    instances: int  # StaleFlow's split
+
+
+def matched_targets(points: list[PointResult], peers: list[SystemSpec],
+                    split_of: dict[float | None, int]) -> list[MatchedTarget]:
+    """For every run of a bound-breaking peer: StaleFlow at eta = its realised p99, then its max
+    (one job when they are equal), at StaleFlow's split for that sweep value (``split_of``; else
+    the peer's)."""
+    targets = []
+    for pr in points:
+        for peer in peers:
+            run = pr.runs.get(peer.name)
+            if run is None:
+                continue
+            realised = run.realised_staleness()
+            instances = split_of.get(pr.point.sweep_value, run.instances)
+            for eta in sorted({int(realised["p99"]), int(realised["max"])}):
+                targets.append(MatchedTarget(peer, run, pr.point, replace(pr.point, eta=eta), instances))
+    return targets
+
+
 def run_experiment(
     spec: ExperimentSpec,
     executor: Executor | None = None,
@@ -508,7 +537,8 @@ def run_experiment(
     staleflow = next((s for s in spec.systems if s.name == REFERENCE), None) or resolve(REFERENCE)[0]
     jobs = [SimulatedJob(t.staleflow_point, staleflow, t.instances, spec.steps) for t in targets]
     run_all(jobs)
-    matched = [matched_row(t, results[job.key()]) for t, job in zip(targets, jobs, strict=True)]
+    matched = [matched_row(t.run, t.peer.name, t.point.sweep_value, t.point.eta, t.staleflow_point.eta, results[job.key()])
+               for t, job in zip(targets, jobs, strict=True)]
     return ExperimentResult(spec, ordered, time.perf_counter() - started, matched)
 
 

@@ -5,19 +5,15 @@ order, AReaL / VeRL-Async-like) runs at a nominal eta but trains some trajectori
 Comparing it with StaleFlow at the same nominal eta compares a loose system with a strict one.
 For every run of such a peer this module reads its realised staleness (p99 and max of
 ``V_buf - V_traj`` over the trained trajectories) and runs StaleFlow with the bound set to each:
-the rows say who is faster at the staleness a user really gets.
+the rows say who is faster at the staleness a user really gets. Which runs are matched, and with
+which bound, is the experiment's (``staleflow.simulation.experiment.matched_targets``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from staleflow.simulation.result import RunResult
-from staleflow.simulation.systems import SystemSpec
-
-if TYPE_CHECKING:
-    from staleflow.simulation.experiment import Point, PointResult
 
 
 @dataclass(frozen=True)
@@ -49,37 +45,9 @@ class MatchedRow:
                 "staleflow_realised_p99": self.staleflow.realised_staleness()["p99"]}
 
 
-@dataclass(frozen=True)
-class MatchedTarget:
-    """A peer's run and the StaleFlow run that matches one of its realised staleness figures."""
-
-    peer: SystemSpec
-    run: RunResult
-    point: Point  # the peer's
-    staleflow_point: Point  # the peer's with eta set to its realised p99 or max
-    instances: int  # StaleFlow's split
-
-
-def matched_targets(points: list[PointResult], peers: list[SystemSpec],
-                    split_of: dict[float | None, int]) -> list[MatchedTarget]:
-    """For every run of a bound-breaking peer: StaleFlow at eta = its realised p99, then its max
-    (one job when they are equal), at StaleFlow's split for that sweep value (``split_of``; else
-    the peer's)."""
-    targets = []
-    for pr in points:
-        for peer in peers:
-            run = pr.runs.get(peer.name)
-            if run is None:
-                continue
-            realised = run.realised_staleness()
-            instances = split_of.get(pr.point.sweep_value, run.instances)
-            for eta in sorted({int(realised["p99"]), int(realised["max"])}):
-                targets.append(MatchedTarget(peer, run, pr.point, replace(pr.point, eta=eta), instances))
-    return targets
-
-
-def matched_row(target: MatchedTarget, staleflow_run: RunResult) -> MatchedRow:
-    realised = target.run.realised_staleness()
-    return MatchedRow(target.peer.name, target.point.sweep_value, target.point.eta, int(realised["p99"]),
-                      int(realised["max"]), realised["over_eta_share"], target.staleflow_point.eta,
-                      target.run.throughput, staleflow_run)
+def matched_row(peer_run: RunResult, peer: str, sweep_value: float | None, peer_eta: int, staleflow_eta: int,
+                staleflow_run: RunResult) -> MatchedRow:
+    """``peer``'s run at nominal ``peer_eta`` against StaleFlow's run with the bound ``staleflow_eta``."""
+    realised = peer_run.realised_staleness()
+    return MatchedRow(peer, sweep_value, peer_eta, int(realised["p99"]), int(realised["max"]), realised["over_eta_share"],
+                      staleflow_eta, peer_run.throughput, staleflow_run)
