@@ -92,7 +92,7 @@ async def _join_and_pull(ps_url: str, instance_url: str, settings: CoordinatorSe
         record = coordinator.add_instance("inst", instance_url)
         coordinator.ps_version = await coordinator._ps_version()
         assert coordinator.ps_version == 1
-        reply = await coordinator._command(record, "pull", {"version": 1, **coordinator._weights(record)}, 1)
+        reply = await coordinator._command(record, coordinator._pull(record))
         assert reply is None and "version_unavailable" in coordinator.commands[-1].outcome
         assert coordinator.stats.rerouted_pulls == 1 and coordinator._pull_target() == 0
         deadline = time.monotonic() + 60
