@@ -41,7 +41,7 @@ from staleflow.training.grpo import group_advantages, policy_loss
 from staleflow.training.layers import apply_liger_layers, checkpointing_for, fused_kernels_for, prepare_layers
 from staleflow.training.loading import decoder_layers, empty_causal_lm, load_sharded, materialize
 from staleflow.training.logprobs import HeadTimer, chunk_tokens_for, head_returns_logprobs, liger_available
-from staleflow.training.memory_model import CheckpointingPolicy, ModelShape, policy_of, resolve_token_budget
+from staleflow.training.memory_model import CheckpointingPolicy, DecoderShape, policy_of, resolve_token_budget
 from staleflow.training.schedule import learning_rate
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class FsdpBackend(TrainerBackend):
         self.chunk_tokens = chunk_tokens_for(self.model.config.vocab_size, self.settings.logprob_chunk_tokens,
                                              self.device)
         self.token_budget = resolve_token_budget(
-            cfg, self.device, ModelShape.of(self.model.config, sum(p.numel() for p in self.model.parameters())),
+            cfg, self.device, DecoderShape.of(self.model.config, sum(p.numel() for p in self.model.parameters())),
             policy_of(self.settings.activation_checkpointing), self.settings.mixed_precision, self.chunk_tokens, world)
         self.head_timer: HeadTimer | None = None  # the bench's: time spent in the log-prob head
         self.reference = self._sharded(model_dir, trainable=False, load=True) if self.algo.kl_coef > 0 else None

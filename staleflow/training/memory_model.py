@@ -50,7 +50,7 @@ BUDGET_GRANULE = 128
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class DecoderShape:
     """What the memory model needs of a decoder LM."""
 
     parameters: int
@@ -63,7 +63,7 @@ class ModelShape:
     tied: bool
 
     @classmethod
-    def of(cls, config: Any, parameters: int) -> ModelShape:
+    def of(cls, config: Any, parameters: int) -> DecoderShape:
         """From a Hugging Face config (Llama/Qwen2-style names) and the parameter count."""
         hidden = int(config.hidden_size)
         heads = int(config.num_attention_heads)
@@ -80,7 +80,7 @@ class ModelShape:
         return max(0, self.parameters - embeddings) // max(self.layers, 1)
 
 
-def saved_bytes_per_token_per_layer(shape: ModelShape, policy: CheckpointingPolicy, element_bytes: int = 2) -> int:
+def saved_bytes_per_token_per_layer(shape: DecoderShape, policy: CheckpointingPolicy, element_bytes: int = 2) -> int:
     """What one decoder layer keeps for its backward, per token, under ``policy``."""
     h, i, kv = shape.hidden, shape.intermediate, shape.kv_width
     scale = element_bytes / 2
@@ -93,7 +93,7 @@ def saved_bytes_per_token_per_layer(shape: ModelShape, policy: CheckpointingPoli
     raise ValueError(f"unknown checkpointing policy {policy!r}: one of {', '.join(CHECKPOINTING_POLICIES)}")
 
 
-def bytes_per_token(shape: ModelShape, policy: CheckpointingPolicy, element_bytes: int = 2) -> int:
+def bytes_per_token(shape: DecoderShape, policy: CheckpointingPolicy, element_bytes: int = 2) -> int:
     """A micro-batch's memory per token: every layer's saved activations, one layer recomputed and
     differentiated at a time (none when nothing is recomputed: its activations are counted), and
     the residual stream's gradients at the ends of the stack (four of ``H``)."""
@@ -102,7 +102,7 @@ def bytes_per_token(shape: ModelShape, policy: CheckpointingPolicy, element_byte
     return saved + recomputed + 4 * shape.hidden * element_bytes
 
 
-def fixed_bytes(shape: ModelShape, world: int, chunk_logit_bytes: int, element_bytes: int = 2,
+def fixed_bytes(shape: DecoderShape, world: int, chunk_logit_bytes: int, element_bytes: int = 2,
                 offload: bool = False, reference: bool = False) -> int:
     """A rank's memory that does not grow with the micro-batch (see the module's docstring)."""
     state = 0 if offload else STATE_BYTES_PER_PARAMETER * shape.parameters // world
@@ -115,7 +115,7 @@ def fixed_bytes(shape: ModelShape, world: int, chunk_logit_bytes: int, element_b
     return state + gathered_root + head_work + prefetched_layers + ALLOCATOR_SLACK_BYTES
 
 
-def token_budget(shape: ModelShape, policy: CheckpointingPolicy, memory_bytes: int, world: int = 1,
+def token_budget(shape: DecoderShape, policy: CheckpointingPolicy, memory_bytes: int, world: int = 1,
                  chunk_logit_bytes: int = 1 << 30, element_bytes: int = 2, offload: bool = False,
                  reference: bool = False) -> int:
     """Tokens per micro-batch whose planned peak fits ``memory_bytes`` (a multiple of
@@ -125,7 +125,7 @@ def token_budget(shape: ModelShape, policy: CheckpointingPolicy, memory_bytes: i
     return tokens // BUDGET_GRANULE * BUDGET_GRANULE
 
 
-def auto_token_budget(shape: ModelShape, policy: CheckpointingPolicy, device_memory: int, planned_memory: int,
+def auto_token_budget(shape: DecoderShape, policy: CheckpointingPolicy, device_memory: int, planned_memory: int,
                       world: int, chunk_logit_bytes: int, element_bytes: int = 2, offload: bool = False,
                       reference: bool = False) -> int:
     """The budget ``max_tokens_per_micro_batch: auto`` resolves to on a GPU with ``device_memory``
@@ -160,7 +160,7 @@ def policy_of(activation_checkpointing: bool | str) -> CheckpointingPolicy:
     return activation_checkpointing  # type: ignore[return-value]
 
 
-def resolve_token_budget(cfg: TrainerConfig, device: Any, shape: ModelShape, policy: CheckpointingPolicy,
+def resolve_token_budget(cfg: TrainerConfig, device: Any, shape: DecoderShape, policy: CheckpointingPolicy,
                          mixed_precision: bool, chunk_tokens: int, world: int,
                          device_memory: int | None = None) -> int | None:
     """``trainer.max_tokens_per_micro_batch`` for this rank: a number or none as set; ``auto``: none

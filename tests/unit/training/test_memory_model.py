@@ -14,7 +14,7 @@ import pytest
 from staleflow.config import TrainerConfig
 from staleflow.training.memory_model import (
     MIN_AUTO_TOKENS,
-    ModelShape,
+    DecoderShape,
     auto_token_budget,
     fixed_bytes,
     policy_of,
@@ -26,7 +26,7 @@ from staleflow.training.memory_model import (
 GIB = 2**30
 H200 = 141 * GIB
 QWEN_1_5B = json.loads((Path(__file__).parents[3] / "deploy/models/qwen2.5-1.5b/config.json").read_text())
-SHAPE = ModelShape.of(SimpleNamespace(**QWEN_1_5B), parameters=1_543_714_304)
+SHAPE = DecoderShape.of(SimpleNamespace(**QWEN_1_5B), parameters=1_543_714_304)
 CUDA = SimpleNamespace(type="cuda", index=0)
 CPU = SimpleNamespace(type="cpu", index=None)
 
