@@ -285,7 +285,7 @@ class Unpublished(_Answer):
     unpublished: Literal[True]
 
 
-class Released(_Answer):
+class PullerReleased(_Answer):
     puller: str
     released: bool
 
@@ -328,7 +328,7 @@ class ParamsRoutes:
     references = Route("GET", "/v1/ros", ReferenceDescription)
     reference_manifest = Route("GET", "/v1/ros/versions/{version}", ManifestOut)
     chunk_sources = Route("POST", "/v1/ros/versions/{version}/sources", ChunkSources, body=SourcesAsk)
-    release_puller = Route("DELETE", "/v1/ros/pullers/{puller}", Released)
+    release_puller = Route("DELETE", "/v1/ros/pullers/{puller}", PullerReleased)
     heartbeat = Route("PUT", "/v1/ros/holders/{holder_id}", HolderAck, body=HolderBeat)
     publish = Route("PUT", "/v1/ros/holders/{holder_id}/versions/{version}", HolderAck, body=HolderPublish)
     unpublish = Route("DELETE", "/v1/ros/holders/{holder_id}/versions/{version}", Unpublished, query=("wait_s",))

@@ -64,7 +64,7 @@ class WeightTransfer:
 
 
 @dataclass
-class _Sender:
+class _SimulatedSender:
     egress: float  # bytes/s
     busy: float = -math.inf  # when the bytes queued on it have left
     done: float = -math.inf  # when it holds the whole version (the PS: always)
@@ -88,8 +88,8 @@ class TransferSchedule:
     def __init__(self, transfer: WeightTransfer, keep_versions: int = 8):
         self.transfer = transfer
         self.keep_versions = keep_versions
-        self._ps = _Sender(transfer.ps_egress_bytes_per_s)  # one egress, whatever the version
-        self._holders: dict[int, dict[str, tuple[_Sender, float]]] = {}  # version -> instance -> (sender, link)
+        self._ps = _SimulatedSender(transfer.ps_egress_bytes_per_s)  # one egress, whatever the version
+        self._holders: dict[int, dict[str, tuple[_SimulatedSender, float]]] = {}  # version -> instance -> (sender, link)
 
     def pull(self, instance: str, version: int, start: float, size: float, link: float) -> float:
         """Seconds the transfer of ``size`` bytes of ``version`` to ``instance`` (link ``link``
@@ -108,5 +108,5 @@ class TransferSchedule:
                 if finish < end:
                     best, end = sender, finish
         best.take(start, size)
-        holders[instance] = (_Sender(link, done=end), link)
+        holders[instance] = (_SimulatedSender(link, done=end), link)
         return end - start
