@@ -16,10 +16,9 @@ source has holders it can lose.
 Sources are a registry (``BURST_SOURCES``, ``register_burst_source``): a ``BurstSource`` names
 what it measures, which cases it runs (``CASES``) and how to open a runner on a ``BurstSetup``
 (the PS's URL, the table, the link, the number of instance processes to hold). ``ps`` is today's
-fan-out: every instance pulls from the parameter server. A source that is planned but not built
-into this checkout is listed in ``PLANNED_SOURCES``, so asking for it is a clear error. A source
-defined in another module registers itself there when that module is imported (the CLI imports
-``burst_ros``, the ``ros`` source).
+fan-out: every instance pulls from the parameter server. A source defined in another module
+registers itself there when that module is imported (the CLI imports ``burst_ros``, the ``ros``
+source); asking for one that is not registered is a clear error naming those that are.
 """
 
 from __future__ import annotations
@@ -102,7 +101,6 @@ class BurstSource:
 
 
 BURST_SOURCES: dict[str, BurstSource] = {}
-PLANNED_SOURCES: dict[str, str] = {}  # name -> what it will measure, for sources not built yet
 
 
 def register_burst_source(source: BurstSource) -> None:
@@ -118,12 +116,8 @@ def unknown_sources(names: Sequence[str]) -> list[str]:
     """What is wrong with asking for ``names``, one sentence per name that cannot run here."""
     problems = []
     for name in names:
-        if name in BURST_SOURCES:
-            continue
-        if name in PLANNED_SOURCES:
-            problems.append(f"source {name!r} ({PLANNED_SOURCES[name]}) is not built into this version of StaleFlow")
-        else:
-            problems.append(f"unknown source {name!r}")
+        if name not in BURST_SOURCES:
+            problems.append(f"unknown source {name!r} (sources: {', '.join(sorted(BURST_SOURCES))})")
     return problems
 
 

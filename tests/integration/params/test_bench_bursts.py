@@ -17,7 +17,6 @@ from staleflow.transports.burst import (
     BURST_SOURCES,
     ELASTIC_JOIN,
     HOLDER_KILLED,
-    PLANNED_SOURCES,
     BurstSource,
     register_burst_source,
 )
@@ -50,8 +49,6 @@ def test_a_burst_run_reports_each_count_an_elastic_join_and_a_killed_holder_or_w
 
 
 @pytest.mark.parametrize("args, message", [
-    pytest.param(["--sources", "ros"], "is not built into this version",
-                 marks=pytest.mark.skipif("ros" in BURST_SOURCES, reason="ros is registered")),
     (["--sources", "carrier-pigeon"], "unknown source 'carrier-pigeon'"),
     (["--sources", ""], "at least one source"),
     (["--sources", "ps", "--sizes", "1MB,2MB"], "one version size at a time"),
@@ -64,7 +61,7 @@ def test_bad_burst_options_say_what_to_fix(args: list[str], message: str) -> Non
 
 
 def test_the_registry_refuses_a_second_source_of_one_name_and_one_without_bursts() -> None:
-    assert {"ps", "ros"} <= set(BURST_SOURCES) and not set(PLANNED_SOURCES) & set(BURST_SOURCES)
+    assert {"ps", "ros"} <= set(BURST_SOURCES)
 
     def never(_):  # pragma: no cover - never opened
         return contextlib.nullcontext()
