@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,11 @@ from staleflow.servers.http import serve_in_thread
 from staleflow.servers.manager import create_app
 
 TESTS = Path(__file__).parent
+
+# pytest-xdist's workers start with COLUMNS=80 set, and a rich Console made while it is set keeps
+# that width for good: the CLI's console (made at import) would then ignore the widths the CLI
+# tests give each command
+os.environ.pop("COLUMNS", None)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

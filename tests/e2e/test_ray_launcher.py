@@ -87,7 +87,9 @@ def job_file(tmp: Path, cluster: Any, namespace: str, **overrides: Any) -> Path:
             "ledger": {"eta": 1, "batch_size": 4, "group_size": 2},
             "cluster": {"address": cluster.address, "namespace": namespace, "ps_relay": "per_rollout_node",
                         "rollout": {"resource": "staleflow_rollout"}, "trainer": {"resource": "staleflow_trainer"},
-                        "gpus_per_instance": 1, "gpus_per_rank": 1},  # a sim job asks for none unless told
+                        "gpus_per_instance": 1, "gpus_per_rank": 1,  # a sim job asks for none unless told
+                        # the node the loss test removed rejoins slowly on two busy cores
+                        "placement_timeout_s": 180},
             **overrides}
     path = tmp / f"{namespace}.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -84,8 +84,8 @@ def test_no_simulated_system_that_keeps_the_bound_passes_it(seed: int, sigma: fl
     _check_no_system_passes_the_bound(cluster, system, eta, instances, cluster.steps)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.smoke  # paper-scale simulations, tens of minutes: run with -m smoke
+@pytest.mark.timeout(3600)
 @settings(max_examples=16, deadline=None)
 @given(st.sampled_from(["ci", "paper-20k", "paper-40k", "paper-dense-32b"]), st.integers(0, 1000),
        st.sampled_from([0.0, 0.25]), st.integers(1, 4), st.sampled_from(_bound_keepers()))
