@@ -28,7 +28,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -165,13 +165,8 @@ class _FanOutRunner:
         self.workers.close()
 
 
-@contextlib.contextmanager
-def _open_fan_out(setup: BurstSetup) -> Iterator[_FanOutRunner]:
-    runner = _FanOutRunner(setup)
-    try:
-        yield runner
-    finally:
-        runner.close()
+def _open_fan_out(setup: BurstSetup) -> contextlib.closing[_FanOutRunner]:
+    return contextlib.closing(_FanOutRunner(setup))
 
 
 register_burst_source(BurstSource(

@@ -15,7 +15,6 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,13 +133,8 @@ class _HolderRunner:
             holder.proc.wait(60)  # type: ignore[attr-defined]
 
 
-@contextlib.contextmanager
-def _open_holders(setup: BurstSetup) -> Iterator[_HolderRunner]:
-    runner = _HolderRunner(setup)
-    try:
-        yield runner
-    finally:
-        runner.close()
+def _open_holders(setup: BurstSetup) -> contextlib.closing[_HolderRunner]:
+    return contextlib.closing(_HolderRunner(setup))
 
 
 register_burst_source(BurstSource(
