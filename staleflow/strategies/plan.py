@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from staleflow.config.strategy import PullMode, StrategyConfig
+from staleflow.config.strategy import PullMode, StrategyConfig, SyncMode
 from staleflow.strategies.migration import plan_migrations
 from staleflow.strategies.repack import RepackMove, plan_repack
 from staleflow.strategies.routing import RouteDecision, reachable, route
@@ -78,6 +78,9 @@ def plan_cycle(
 
     plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions, routable)
     plan.kept = keeps_running(plan.syncs, instances, config)
+    held = held_kept_pulls(instances, plan.syncs, ps_version, config)
+    plan.syncs += held
+    plan.kept += held
     kept = set(plan.kept)
     pinned: list[RouteDecision] = []
     for instance_id in plan.syncs:
@@ -184,6 +187,26 @@ def keeps_running(syncs: Sequence[str], instances: Sequence[InstanceState], conf
         if here >= config.keep_share * float(elsewhere.max()):
             kept.append(instance_id)
     return kept
+
+
+def held_kept_pulls(instances: Sequence[InstanceState], syncs: Sequence[str], ps_version: int,
+                    config: StrategyConfig) -> list[str]:
+    """The lagging instances load-aware sync held back whose Pull would keep their trajectories.
+
+    Load-aware sync waits for a low load and for no waiting trajectory of the instance's version
+    so that the Pull interrupts little; a Pull that keeps the trajectories and their KV cache
+    interrupts nothing, so there is nothing to wait for. Held back, a busy lagging instance keeps
+    taking new groups at its old version (routing scans the oldest version first), and each gets
+    the earliest deadline the ledger still admits: a fleet that starts at one version stays there
+    until all ``(eta + 1) x B`` of that version's admissions are spent, then the first buffer that
+    needs a newer version waits for groups that all started at that moment (the larger eta, the
+    later: throughput was not monotone in eta). Pulled at once, new groups start at the newest
+    version, whose window reaches every buffer an older one does and one more."""
+    if config.sync is not SyncMode.LOAD_AWARE or config.pull is PullMode.INTERRUPT:
+        return []
+    synced = set(syncs)
+    held = [inst.instance_id for inst in instances if inst.version < ps_version and inst.instance_id not in synced]
+    return keeps_running(held, instances, config) if held else []
 
 
 def _keep_in_place(plan: CyclePlan, migrated: dict[str, str], kept: set[str]) -> None:

@@ -139,7 +139,7 @@ def plain_plan_cycle(instances, pending, ps_version, admission, config, on_insta
     """``plan_cycle`` as first written: every instance copied up front, sync, migration and repack
     each asking the waiting trajectories afresh, and the straightforward router."""
     from staleflow.strategies import AdmissionBudget, CyclePlan, plan_migrations, plan_syncs
-    from staleflow.strategies.plan import _keep_in_place, _repack, keeps_running
+    from staleflow.strategies.plan import _keep_in_place, _repack, held_kept_pulls, keeps_running
     from staleflow.strategies.routing import reachable
     from staleflow.strategies.sync import Routable
 
@@ -164,6 +164,9 @@ def plain_plan_cycle(instances, pending, ps_version, admission, config, on_insta
 
     plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions)
     plan.kept = keeps_running(plan.syncs, instances, config)
+    held = held_kept_pulls(instances, plan.syncs, ps_version, config)
+    plan.syncs += held
+    plan.kept += held
     pinned = []
     for instance_id in plan.syncs:
         inst = states[instance_id]
