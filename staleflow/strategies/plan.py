@@ -191,7 +191,7 @@ def keeps_running(syncs: Sequence[str], instances: Sequence[InstanceState], conf
 
 def held_kept_pulls(instances: Sequence[InstanceState], syncs: Sequence[str], ps_version: int,
                     config: StrategyConfig) -> list[str]:
-    """The lagging instances load-aware sync held back whose Pull would keep their trajectories.
+    """One lagging instance load-aware sync held back whose Pull would keep its trajectories.
 
     Load-aware sync waits for a low load and for no waiting trajectory of the instance's version
     so that the Pull interrupts little; a Pull that keeps the trajectories and their KV cache
@@ -200,13 +200,21 @@ def held_kept_pulls(instances: Sequence[InstanceState], syncs: Sequence[str], ps
     the earliest deadline the ledger still admits: a fleet that starts at one version stays there
     until all ``(eta + 1) x B`` of that version's admissions are spent, then the first buffer that
     needs a newer version waits for groups that all started at that moment (the larger eta, the
-    later: throughput was not monotone in eta). Pulled at once, new groups start at the newest
-    version, whose window reaches every buffer an older one does and one more."""
+    later: throughput was not monotone in eta). Pulled, new groups start at the newest version,
+    whose window reaches every buffer an older one does and one more.
+
+    One a cycle, the stalest and then the least loaded (its Pull stalls the fewest trajectories):
+    Pulls that share the parameter server's egress would all slow down together, so they are
+    spread over time as load-aware sync spreads its own."""
     if config.sync is not SyncMode.LOAD_AWARE or config.pull is PullMode.INTERRUPT:
         return []
     synced = set(syncs)
-    held = [inst.instance_id for inst in instances if inst.version < ps_version and inst.instance_id not in synced]
-    return keeps_running(held, instances, config) if held else []
+    held = sorted((inst for inst in instances if inst.version < ps_version and inst.instance_id not in synced),
+                  key=lambda inst: (inst.version, inst.kv_cache))
+    for inst in held:
+        if keeps_running([inst.instance_id], instances, config):
+            return [inst.instance_id]
+    return []
 
 
 def _keep_in_place(plan: CyclePlan, migrated: dict[str, str], kept: set[str]) -> None:
