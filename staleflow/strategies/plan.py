@@ -76,11 +76,8 @@ def plan_cycle(
             routable.include(back)
         inst.discard(set(traj_ids))
 
-    plan.syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions, routable)
-    plan.kept = keeps_running(plan.syncs, instances, config)
-    held = held_kept_pulls(instances, plan.syncs, ps_version, config)
-    plan.syncs += held
-    plan.kept += held
+    syncs = plan_syncs(list(states.values()), waiting, ps_version, budget, config, group_versions, routable)
+    plan.syncs, plan.kept = _with_held_kept_pulls(syncs, instances, ps_version, config)
     kept = set(plan.kept)
     pinned: list[RouteDecision] = []
     for instance_id in plan.syncs:
@@ -187,6 +184,13 @@ def keeps_running(syncs: Sequence[str], instances: Sequence[InstanceState], conf
         if here >= config.keep_share * float(elsewhere.max()):
             kept.append(instance_id)
     return kept
+
+
+def _with_held_kept_pulls(syncs: list[str], instances: Sequence[InstanceState], ps_version: int,
+                          config: StrategyConfig) -> tuple[list[str], list[str]]:
+    """The cycle's Pulls (the sync strategy's, then ``held_kept_pulls``) and those that keep."""
+    held = held_kept_pulls(instances, syncs, ps_version, config)
+    return syncs + held, keeps_running(syncs, instances, config) + held
 
 
 def held_kept_pulls(instances: Sequence[InstanceState], syncs: Sequence[str], ps_version: int,
