@@ -1,7 +1,8 @@
 """A Pull of a version nobody can serve any more (its only holder died after the parameter server
 dropped its copy) is answered ``version_unavailable``; the coordinator then pulls the newest
 version that exists. Real services: the parameter server as reference server, a holder, and a sim
-instance whose engine pulls the version's bytes from the holders (``sources="ros"``) first."""
+instance whose engine pulls each version's bytes for real (``sim.pull_weights``: from the PS, or
+from the holders where the PS dropped its copy)."""
 
 from __future__ import annotations
 
@@ -10,41 +11,20 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
 import numpy as np
 
-from staleflow.api.base import ServiceError
 from staleflow.api.params import ParamsRoutes as API
 from staleflow.config.coordinator import CoordinatorSettings
 from staleflow.config.strategy import StrategyConfig
 from staleflow.coordinator.service import Coordinator
-from staleflow.engines.base import EngineError, PartialTrajectory, WeightsFromParams, WeightsRef
 from staleflow.engines.sim import SimEngine
-from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
 from staleflow.servers.params import ParamsConfig
 from staleflow.servers.params import create_app as params_app
 from staleflow.transports.client import ParamsClient
-
-
-class PullingSimEngine(SimEngine):
-    """The sim engine, except that a Pull first pulls the version's bytes from its holders."""
-
-    pulled: list[int]
-
-    async def load_weights(self, weights: WeightsRef, keep_running: bool = False) -> list[PartialTrajectory]:
-        if isinstance(weights, WeightsFromParams):
-            await asyncio.to_thread(self._pull, weights)
-        return await super().load_weights(weights, keep_running)
-
-    def _pull(self, weights: WeightsFromParams) -> None:
-        try:
-            with ParamsClient(weights.url) as params:
-                params.pull(weights.version, sources="ros")
-        except ServiceError as exc:
-            raise EngineError(exc.code or ErrorCode.WEIGHTS_LOAD_FAILED, exc.detail) from None
-        self.pulled.append(weights.version)
 
 
 def wait_until(condition, what: str, timeout_s: float = 60.0):
@@ -72,16 +52,24 @@ def test_a_pull_of_a_version_nobody_holds_is_rerouted_to_one_that_exists(tmp_pat
         wait_until(lambda: client.json(API.references)["available"] == [0], "version 1 to become unavailable")
         assert client.latest().version == 1, "still the newest version the reference server knows of"
 
-        engine = PullingSimEngine(instance_id="inst", clock="real")
-        engine.pulled = []
+        engine = SimEngine(instance_id="inst", clock="real", pull_weights=True)
         instance = stack.enter_context(serve_in_thread(instance_app(InstanceConfig(
             instance_id="inst", sim=SimConfig(clock="real")), engine))).url
         settings = CoordinatorSettings()
+        pulls_before = _pulls_started(ps.url)
         asyncio.run(_join_and_pull(ps.url, instance, settings, engine))
-        assert engine.pulled == [0]
+        assert engine.core.version == 0
+        assert _pulls_started(ps.url) == pulls_before + 1, "the engine pulled version 0's bytes from the PS"
 
 
-async def _join_and_pull(ps_url: str, instance_url: str, settings: CoordinatorSettings, engine: PullingSimEngine) -> None:
+def _pulls_started(url: str) -> int:
+    """Pulls the parameter server started (its /metrics), over every transport."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("staleflow_params_pulls_total"))
+
+
+async def _join_and_pull(ps_url: str, instance_url: str, settings: CoordinatorSettings, engine: SimEngine) -> None:
     """An instance joins (elastically) and is told to pull the newest version, 1: refused with
     version_unavailable, the coordinator pulls version 0 instead (its command worker runs it)."""
     unused = "http://127.0.0.1:9"  # the manager and the trajectory server take no part in a Pull
@@ -96,7 +84,7 @@ async def _join_and_pull(ps_url: str, instance_url: str, settings: CoordinatorSe
         assert reply is None and "version_unavailable" in coordinator.commands[-1].outcome
         assert coordinator.stats.rerouted_pulls == 1 and coordinator._pull_target() == 0
         deadline = time.monotonic() + 60
-        while not engine.pulled or record.in_flight:
+        while engine.core.version != 0 or record.in_flight:
             assert time.monotonic() < deadline, "the rerouted pull did not run"
             await asyncio.sleep(0.05)  # polling pace
         assert coordinator.commands[-1].kind == "pull" and coordinator.commands[-1].outcome == "ok"
