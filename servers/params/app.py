@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from staleflow import metrics as m
+from staleflow.api.base import ServiceError
 from staleflow.api.params import (
     HolderBeat,
     HolderPublish,
@@ -174,7 +175,11 @@ def _add_reference_routes(app: FastAPI) -> None:
 
     @handles(app, ParamsRoutes.holder_pull)
     def holder_pull(version: VersionSpec) -> dict:
-        return _holder(app).pull(int(version) if version.isdigit() else version)
+        try:
+            return _holder(app).pull(int(version) if version.isdigit() else version)
+        except ServiceError as exc:  # the reference server's or a source's refusal, passed on with its code
+            raise ParamsError(exc.code or ErrorCode.UPSTREAM_ERROR, f"pulling version {version} from its holders: "
+                                                                    f"{exc.detail}") from None
 
     @handles(app, ParamsRoutes.holder_drop)
     def holder_drop(store: StoreDep, version: int) -> dict:

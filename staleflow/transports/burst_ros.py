@@ -15,6 +15,7 @@ import contextlib
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,7 @@ from staleflow.transports.burst import (
     BURST,
     ELASTIC_JOIN,
     HOLDER_KILLED,
+    PUSH_DURING_JOIN,
     BurstCase,
     BurstOutcome,
     BurstSetup,
@@ -94,11 +96,27 @@ class _HolderRunner:
             self.holders[self.holders.index(killed)] = self._start(self.holders.index(killed))
         return BurstOutcome(started, [held[h.name] for h in survivors], digests, joined_at, detail)
 
+    def join(self, version: int, index: int) -> Callable[[], tuple[float, str]]:
+        holder, held, replies = self.holders[index], {}, {}
+        thread = self._pull(holder, version, held, replies)
+
+        def wait() -> tuple[float, str]:
+            thread.join()
+            if holder.name not in held:
+                raise RuntimeError(f"{holder.name} could not pull version {version} from the holders: "
+                                   f"{replies.get(holder.name, {}).get('error')}")
+            return held[holder.name], self._digest(holder, version)
+
+        return wait
+
     def _pull(self, holder: _Holder, version: int, held: dict, replies: dict) -> threading.Thread:
         def pull() -> None:
-            with contextlib.suppress(Exception), ParamsClient(holder.url, timeout=600) as client:
-                replies[holder.name] = client.json(API.holder_pull, str(version))
-                held[holder.name] = time.monotonic()
+            try:
+                with ParamsClient(holder.url, timeout=600) as client:
+                    replies[holder.name] = client.json(API.holder_pull, str(version))
+                    held[holder.name] = time.monotonic()
+            except Exception as exc:  # the holder killed mid-burst; else reported as the pull's failure
+                replies[holder.name] = {"error": f"{exc.__class__.__name__}: {exc}"}
 
         thread = threading.Thread(target=pull, daemon=True)
         thread.start()
@@ -139,4 +157,5 @@ def _open_holders(setup: BurstSetup) -> contextlib.closing[_HolderRunner]:
 
 register_burst_source(BurstSource(
     "ros", "peers: every instance is a holder, pulling chunk by chunk from the holders the PS names and serving "
-           "what it holds (pipeline replication)", _open_holders, cases=frozenset({BURST, ELASTIC_JOIN, HOLDER_KILLED})))
+           "what it holds (pipeline replication)", _open_holders,
+    cases=frozenset({BURST, ELASTIC_JOIN, HOLDER_KILLED, PUSH_DURING_JOIN})))
