@@ -489,8 +489,10 @@ class ParamStore:
             self.sweep_locked()
             return {
                 "keep": self.config.keep,
-                "latest": max((v for v, s in self.versions.items() if s.retained), default=None),
+                # a version whose copy this store dropped for its holders (ROS) is still its latest
+                "latest": max((*(v for v, s in self.versions.items() if s.retained), *self.referenced), default=None),
                 "versions": [s.summary() for _, s in sorted(self.versions.items())],
+                "referenced": sorted(self.referenced),
                 "pushes": [p.progress() for _, p in sorted(self.pushes.pending.items())],
                 "readers": {"leases": len(self.leases), "streams": self.active_streams},
                 "writers": len(self.pushes.pending),

@@ -108,6 +108,8 @@ class StoreDescription(_Answer):
     keep: int
     latest: int | None
     versions: list[StoredSummary]
+    referenced: list[int] = Field(default_factory=list, description="versions whose copy the PS dropped: its holders "
+                                                                    "serve them (reference-oriented storage)")
     pushes: list[PushProgress]
     readers: dict[str, int]
     writers: int

@@ -142,11 +142,21 @@ def expected(version: int) -> np.ndarray:
     return np.full(PUSH_BYTES, version % 256, np.uint8)  # the sim trainer's blob of ``version``
 
 
-def routable_versions_pull(lost: list[dict]) -> int:
+def routable_versions_pull(job: RunningJob, lost: list[dict], errors: list[str]) -> int | None:
     """Pull every version the ledger may still route to (the ``retain`` newest) from its holders,
     byte-exact; a version refused ``version_unavailable`` that is still among the newest goes to
-    ``lost``. Returns the newest version pulled."""
-    with ParamsClient(url_of("params"), timeout=60) as ps:
+    ``lost``. Returns the newest version pulled; None, the error noted in ``errors``, where the PS
+    or a holder is not back yet."""
+    try:
+        return _pull_routable(job, lost)
+    except (OSError, httpx.HTTPError, ServiceError) as exc:
+        errors.append(f"{exc.__class__.__name__}: {exc}")
+        return None
+
+
+def _pull_routable(job: RunningJob, lost: list[dict]) -> int:
+    token = (job.state / "token").read_text().strip()  # asking the reference server for sources is a POST
+    with ParamsClient(url_of("params"), timeout=60, token=token) as ps:
         newest = ps.latest().version
         retain = references()["retain"]
         for version in range(max(0, newest - retain + 1), newest + 1):
@@ -233,7 +243,12 @@ def _kill_and_recover(job: RunningJob, victims: tuple[str, ...], lost: list[dict
     wait_for(lambda: set(RELAYS) <= {h["holder_id"].removeprefix(f"{NAMESPACE}-") for h in references()["holders"]},
              60, "both relays are holders again")
     wait_for(lambda: steps_trained(job) > steps, 120, f"a step trained after killing {victims}")
-    newest = wait_for(lambda: routable_versions_pull(lost) + 1, 120, "the routable versions pulled") - 1
+    errors: list[str] = []
+    try:
+        (newest,) = wait_for(lambda: (n := routable_versions_pull(job, lost, errors)) is not None and (n,), 120,
+                             "the routable versions pulled")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the last errors: {errors[-3:]}") from None
     return {"killed": list(victims), "at_step": steps, "ps_copies_before": refs["ps_copies"],
             "recovered_s": round(time.monotonic() - killed_at, 2), "newest_pulled": newest}
 

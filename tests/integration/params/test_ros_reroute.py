@@ -24,6 +24,7 @@ from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
 from staleflow.servers.params import ParamsConfig
 from staleflow.servers.params import create_app as params_app
+from staleflow.training.base import is_visible
 from staleflow.transports.client import ParamsClient
 
 
@@ -48,6 +49,9 @@ def test_a_pull_of_a_version_nobody_holds_is_rerouted_to_one_that_exists(tmp_pat
         with ParamsClient(holder.url, timeout=60) as on_holder:
             on_holder.json(API.holder_pull, "1")
         wait_until(lambda: client.json(API.references)["ps_copies"] == [0], "the PS to drop its copy of version 1")
+        state = client.versions()  # what a trainer reads to see whether its last push is still there
+        assert state.latest == 1 and state.referenced == [1] and is_visible(state, 1), \
+            "a version the PS dropped its copy of for its holder is still visible: the trainer must not push it again"
         holder.stop()  # its only holder dies: nobody can serve version 1 once its record lapses
         wait_until(lambda: client.json(API.references)["available"] == [0], "version 1 to become unavailable")
         assert client.latest().version == 1, "still the newest version the reference server knows of"
