@@ -205,6 +205,8 @@ def _add_version_routes(app: FastAPI) -> None:
         if app.state.references is not None and app.state.references.withdraw(version):
             return {"version": version, "deleted": True, "readers": 0}
         stored = store.delete_version(version)
+        if app.state.references is not None:
+            app.state.references.deleted(version)
         return {"version": version, "deleted": stored.leases == 0, "readers": stored.leases}
 
 

@@ -175,6 +175,13 @@ class ReferenceServer:
             self.withdrawn.add(version)
             return True
 
+    def deleted(self, version: int) -> None:
+        """``version`` was deleted from this store: it leaves the retained versions (it no longer
+        holds a newer one out of them), and holders' heartbeats do not bring it back."""
+        with self.cond:
+            self.table.forget(version)
+            self.withdrawn.add(version)
+
     def describe(self) -> dict:
         with self.cond:
             return self.table.describe(self.clock())

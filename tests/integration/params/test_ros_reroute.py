@@ -94,3 +94,17 @@ async def _join_and_pull(ps_url: str, instance_url: str, settings: CoordinatorSe
         assert coordinator.commands[-1].kind == "pull" and coordinator.commands[-1].outcome == "ok"
     finally:
         await coordinator.close()
+
+
+def test_a_deleted_version_leaves_the_retained_versions(tmp_path: Path) -> None:
+    """A version withdrawn from the PS (``DELETE /v1/params/{v}``) no longer counts among the
+    ``retain`` newest: an older one stays retained (available) instead of being let go for it."""
+    with serve_in_thread(params_app(ParamsConfig(state_dir=tmp_path / "ps", port=0, persist=False, keep=2,
+                                                 chunk_bytes=1 << 16))) as ps, ParamsClient(ps.url) as client:
+        for version in range(3):
+            client.push(version, {"w": np.full(1000, version, np.float32)})
+        assert client.json(API.references)["retained"] == [1, 2]
+        client.delete_version(2)
+        assert client.json(API.references)["retained"] == [1], "the deleted version 2 left the window"
+        client.push(3, {"w": np.full(1000, 3, np.float32)})
+        assert client.json(API.references)["retained"] == [1, 3]
