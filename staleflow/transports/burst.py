@@ -374,10 +374,10 @@ def run_burst_bench(sources: Sequence[str], instance_counts: Sequence[int], tota
     planned(len(sources) * repeats * steps)
     counter = iter(range(1, 1 << 30))
     with tempfile.TemporaryDirectory(prefix="staleflow-bench-burst-") as tmp:
-        # keep 3: the version being joined stays retained (available from its holders) while the trainer
-        # pushes two more (the push alone, withdrawn since, still counts towards the newest three)
+        # keep 2 (a job's retain with eta 1): the version being joined stays retained (available from
+        # its holders) while the trainer pushes the next one
         proc, url = start_params_server(Path(tmp) / "ps", ["http", "shm"], chunk_mb, persist=False, egress_gbps=link_gbps,
-                                        keep=3)
+                                        keep=2)
         publisher = None
         try:
             publisher = _Publisher(url, table)
