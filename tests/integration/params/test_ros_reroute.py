@@ -13,12 +13,15 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
+from staleflow.api.base import ServiceError
 from staleflow.api.params import ParamsRoutes as API
 from staleflow.config.coordinator import CoordinatorSettings
 from staleflow.config.strategy import StrategyConfig
 from staleflow.coordinator.service import Coordinator
 from staleflow.engines.sim import SimEngine
+from staleflow.errors import ErrorCode
 from staleflow.servers.http import serve_in_thread
 from staleflow.servers.instance import InstanceConfig, SimConfig
 from staleflow.servers.instance import create_app as instance_app
@@ -52,6 +55,9 @@ def test_a_pull_of_a_version_nobody_holds_is_rerouted_to_one_that_exists(tmp_pat
         state = client.versions()  # what a trainer reads to see whether its last push is still there
         assert state.latest == 1 and state.referenced == [1] and is_visible(state, 1), \
             "a version the PS dropped its copy of for its holder is still visible: the trainer must not push it again"
+        with pytest.raises(ServiceError) as pushed_again:
+            client.push(1, {"w": np.arange(50_000, dtype=np.float32) + 1})
+        assert pushed_again.value.code is ErrorCode.VERSION_EXISTS, "its holder serves it: versions are immutable"
         holder.stop()  # its only holder dies: nobody can serve version 1 once its record lapses
         wait_until(lambda: client.json(API.references)["available"] == [0], "version 1 to become unavailable")
         assert client.latest().version == 1, "still the newest version the reference server knows of"
