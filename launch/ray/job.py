@@ -495,7 +495,9 @@ class RayClusterJob(Supervised, JobViews):
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"{name} did not come back in {self._start_timeout():g} s") from None
         except ray.exceptions.RayActorError as exc:
-            raise RuntimeError(f"{name} died again while starting ({exc.__class__.__name__}); "
+            now = actor_views(ray, actor)
+            raise RuntimeError(f"{name} died again while starting ({exc.__class__.__name__}; Ray's restart "
+                               f"{now.get('NumRestarts')}, {now.get('State')}, counted from {since}); "
                                f"see {self.log_path(name)}") from None
         now = actor_views(ray, actor)
         if now.get("State") == "ALIVE" and now.get("Pid") == info["pid"]:
