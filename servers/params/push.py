@@ -54,6 +54,7 @@ class PushHost(Protocol):
     config: ParamsConfig
     cond: threading.Condition
     versions: dict[int, StoredVersion]
+    referenced: dict[int, Manifest]  # versions whose copy the store dropped: its holders serve them
     memory: ShmSlots
     nixl: NixlExporter | None
 

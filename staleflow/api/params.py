@@ -108,7 +108,7 @@ class StoreDescription(_Answer):
     keep: int
     latest: int | None
     versions: list[StoredSummary]
-    referenced: list[int] = Field(default_factory=list, description="versions whose copy the PS dropped: its holders "
+    referenced: list[int] = Field(default_factory=list[int], description="versions whose copy the PS dropped: its holders "
                                                                     "serve them (reference-oriented storage)")
     pushes: list[PushProgress]
     readers: dict[str, int]
