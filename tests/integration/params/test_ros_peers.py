@@ -18,8 +18,8 @@ from support import ParamsProcess
 from test_ros import CHUNK, pull_on, same, wait_until, weights
 
 from staleflow.api.base import ServiceError
-from staleflow.api.params import PeerRoutes
 from staleflow.api.params import ParamsRoutes as API
+from staleflow.api.params import PeerRoutes
 from staleflow.errors import ErrorCode
 from staleflow.transports import TensorSlice
 from staleflow.transports.base import PullLease
