@@ -200,12 +200,7 @@ class PeerTransport(Transport):
             conn = self._connections[url] = RawHttpConnection(url, self.timeout, self.headers)
         copy = self._copy_of(source, conn) if source.url is not None else None
         if copy is not None:
-            try:
-                copy.read(conn, chunk, into)
-            except BaseException:
-                if conn is not self._connections.get(url):
-                    self._connections.pop(url, None)
-                raise
+            copy.read(conn, chunk, into)  # a connection that broke closed itself: the next request opens another
             return copy.transport
         self._read_http(conn, url, version, chunk, into)
         return "http"
