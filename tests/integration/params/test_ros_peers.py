@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 from support import ParamsProcess
-from test_ros import CHUNK, pull_on, same, wait_until, weights
+from test_ros import CHUNK, holder, pull_on, reference, same, wait_until, weights
 
 from staleflow.api.base import ServiceError
 from staleflow.api.params import ParamsRoutes as API
@@ -135,44 +136,39 @@ def _suppressed(call: object, *args: object) -> None:
 
 
 def test_an_unpublished_copy_keeps_its_slot_while_a_peer_lease_reads_it(tmp_path: Path) -> None:
-    processes = servers(tmp_path, 1)
-    ps, only = processes
-    try:
-        start(processes)
+    with ExitStack() as stack:
+        ps = reference(stack, tmp_path)
+        only = holder(stack, tmp_path, ps.url, "only")
         first, second = weights(3), weights(4)
-        with ParamsClient(ps.url, timeout=120) as client, ParamsClient(only.url) as holder:
-            client.push(3, first)
-            pull_on(only.url, 3)
-            data_url = holder._data_url()
-            assert data_url is not None
-            with RawHttpConnection(data_url) as conn:
-                status, _, body = conn.request("POST", PeerRoutes.open_lease.target(3, transport="shm"))
-                assert status == 201, body
-                granted = json.loads(body)
-                assert granted["held"] is None
-                holder.json(API.holder_drop, 3)  # unpublished: the PS still holds a copy, so at once
-                status, _, body = conn.request("POST", PeerRoutes.open_lease.target(3, transport="shm"))
-                assert status == 404 and b"unknown_version" in body, "no new reads of an unpublished copy"
-                client.push(4, second)
-                pull_on(only.url, 4)  # keep 1: a new slot, not the one the lease reads
-                manifest = client.manifest(3)
-                lease = PullLease(granted["lease_id"], manifest, "shm", granted["details"], granted["ttl_s"])
-                out = np.empty(manifest.total_bytes, np.uint8)
-                reader = ShmTransport(workers=1)
-                try:
-                    for chunk in manifest.chunks:  # the stamp is checked after each chunk: the slot was not reused
-                        reader.read_chunk(lease, chunk, ByteRegions.flat(out), "auto")
-                finally:
-                    reader.close()
-                assert out.tobytes() == b"".join(first[name].tobytes() for name in ("embed.weight", "norm.weight"))
-                status, _, body = conn.request("DELETE", PeerRoutes.close_lease.target(granted["lease_id"]))
-                assert status == 200, body
-            assert same(holder.pull(4, "shm"), second)
-            with pytest.raises(ServiceError) as gone:
-                holder.pull(3, "shm")
-            assert gone.value.code is ErrorCode.UNKNOWN_VERSION
-    finally:
-        stop(processes)
+        client = stack.enter_context(ParamsClient(ps.url, timeout=120))
+        local = stack.enter_context(ParamsClient(only.url))
+        client.push(3, first)
+        pull_on(only.url, 3)
+        data_url = local._data_url()
+        assert data_url is not None
+        conn = stack.enter_context(RawHttpConnection(data_url))
+        status, _, body = conn.request("POST", PeerRoutes.open_lease.target(3, transport="shm"))
+        assert status == 201, body
+        granted = json.loads(body)
+        assert granted["held"] is None
+        local.json(API.holder_drop, 3)  # unpublished: the PS still holds a copy, so at once
+        status, _, body = conn.request("POST", PeerRoutes.open_lease.target(3, transport="shm"))
+        assert status == 404 and b"unknown_version" in body, "no new reads of an unpublished copy"
+        client.push(4, second)
+        pull_on(only.url, 4)  # keep 1: a slot of its own, not the one the lease reads
+        manifest = client.manifest(3)
+        lease = PullLease(granted["lease_id"], manifest, "shm", granted["details"], granted["ttl_s"])
+        out = np.empty(manifest.total_bytes, np.uint8)
+        reader = stack.enter_context(contextlib.closing(ShmTransport(workers=1)))
+        for chunk in manifest.chunks:  # the stamp is checked after each chunk: the slot was not reused
+            reader.read_chunk(lease, chunk, ByteRegions.flat(out), "auto")
+        assert out.tobytes() == b"".join(first[name].tobytes() for name in ("embed.weight", "norm.weight"))
+        status, _, body = conn.request("DELETE", PeerRoutes.close_lease.target(granted["lease_id"]))
+        assert status == 200, body
+        assert same(local.pull(4, "shm"), second)
+        with pytest.raises(ServiceError) as gone:
+            local.pull(3, "shm")
+        assert gone.value.code is ErrorCode.UNKNOWN_VERSION
 
 
 @pytest.mark.skipif(not nixl_available()[0], reason=nixl_available()[1])
