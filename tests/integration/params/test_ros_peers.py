@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -63,6 +64,22 @@ def held_chunks(client: ParamsClient, holder: str, version: int) -> int | None:
     return 0
 
 
+def join_mid_pull(client: ParamsClient, first: ParamsProcess, second: ParamsProcess, version: int) -> dict[str, dict]:
+    """``first`` pulls ``version`` (from the PS, through its slow link) and ``second`` joins while
+    it still pulls: the replies of both holders' pulls."""
+    replies: dict[str, dict] = {}
+    done: dict[str, float] = {}
+    leader = threading.Thread(target=lambda: (replies.update(first=pull_on(first.url, version)),
+                                              done.update(first=time.monotonic())))
+    leader.start()
+    wait_until(lambda: (held_chunks(client, "h0", version) or 0) >= 8, "the first holder to land chunks")
+    joined = time.monotonic()
+    replies["second"] = pull_on(second.url, version)
+    leader.join(60)
+    assert joined < done["first"], "the second holder joined while the first still pulled"
+    return replies
+
+
 def check_every_read(client: ParamsClient, version: int, pushed: dict, transport: str) -> None:
     """Whole, selected and tensor-parallel sliced pulls from the holders, byte-exact."""
     assert same(client.pull(version, transport, sources="ros"), pushed)
@@ -82,13 +99,7 @@ def test_a_holder_on_the_pullers_host_is_read_over_shm_also_while_it_pulls(tmp_p
         pushed = weights(1, floats=1_000_000)  # 4 MB, 62 chunks
         with ParamsClient(ps.url, timeout=120) as client:
             chunks = client.push(1, pushed)["chunks"]
-            replies: dict[str, dict] = {}
-            leader = threading.Thread(target=lambda: replies.update(first=pull_on(first.url, 1)))
-            leader.start()
-            landed = wait_until(lambda: (held_chunks(client, "h0", 1) or 0) >= 8, "the first holder to land chunks")
-            assert landed and held_chunks(client, "h0", 1) is not None, "the second holder joins while the first pulls"
-            replies["second"] = pull_on(second.url, 1)  # from the first, over shm, chunk by chunk as they land
-            leader.join(60)
+            replies = join_mid_pull(client, first, second, 1)  # from the first, over shm, as its chunks land
             assert replies["first"]["fetched"] == {"ps": chunks}
             assert replies["second"]["fetched"] == {"h0": chunks} and replies["second"]["via"] == {"shm": chunks}
             for holder in (first, second):
@@ -171,6 +182,7 @@ def test_an_unpublished_copy_keeps_its_slot_while_a_peer_lease_reads_it(tmp_path
         assert gone.value.code is ErrorCode.UNKNOWN_VERSION
 
 
+@pytest.mark.slow  # three server processes loading NIXL (and torch): about 20 s on the 2-core machine
 @pytest.mark.skipif(not nixl_available()[0], reason=nixl_available()[1])
 def test_holders_read_each_other_over_nixl_also_while_they_pull(tmp_path: Path) -> None:
     processes = servers(tmp_path, 2, "--transports", "http,shm,nixl", "--peer-transport", "nixl",
@@ -181,12 +193,7 @@ def test_holders_read_each_other_over_nixl_also_while_they_pull(tmp_path: Path) 
         pushed = weights(5, floats=1_000_000)
         with ParamsClient(ps.url, timeout=120) as client:
             chunks = client.push(5, pushed)["chunks"]
-            replies: dict[str, dict] = {}
-            leader = threading.Thread(target=lambda: replies.update(first=pull_on(first.url, 5)))
-            leader.start()
-            wait_until(lambda: (held_chunks(client, "h0", 5) or 0) >= 8, "the first holder to land chunks")
-            replies["second"] = pull_on(second.url, 5)
-            leader.join(60)
+            replies = join_mid_pull(client, first, second, 5)
             assert replies["second"]["fetched"] == {"h0": chunks} and replies["second"]["via"] == {"nixl": chunks}
             with ParamsClient(second.url) as local:
                 assert same(local.pull(5, "shm"), pushed)
