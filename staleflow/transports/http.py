@@ -210,10 +210,11 @@ def raise_for_status(status: int, body: bytes) -> None:
     if 200 <= status < 300:
         return
     try:
-        detail = json.loads(body).get("detail", body.decode(errors="replace"))
+        parsed = json.loads(body)
+        detail = parsed.get("detail", body.decode(errors="replace"))
     except (ValueError, AttributeError):
-        detail = body.decode(errors="replace")
-    raise ServiceError(status, str(detail))
+        parsed, detail = None, body.decode(errors="replace")
+    raise ServiceError(status, str(detail), parsed if isinstance(parsed, dict) else None)  # with its code
 
 
 class HttpTransport(Transport):

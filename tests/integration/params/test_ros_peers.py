@@ -27,8 +27,10 @@ from staleflow.servers.params.rules import shm_prefix
 from staleflow.transports import TensorSlice
 from staleflow.transports.base import PullLease
 from staleflow.transports.client import ParamsClient
-from staleflow.transports.http import RawHttpConnection
+from staleflow.transports.errors import TransportUnavailable
+from staleflow.transports.http import LANDED_THROUGH_HEADER, RawHttpConnection
 from staleflow.transports.nixl import nixl_available
+from staleflow.transports.peer_reads import PeerCopy
 from staleflow.transports.regions import ByteRegions
 from staleflow.transports.shm import ShmTransport
 
@@ -201,3 +203,32 @@ def test_holders_read_each_other_over_nixl_also_while_they_pull(tmp_path: Path) 
             assert set(client.transport("ros").fetched_via) == {"nixl"}  # type: ignore[attr-defined]
     finally:
         stop(processes)
+
+
+def test_the_peer_routes_answer_bad_requests_with_the_error_body_and_a_disabled_transport_means_http(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        ps = reference(stack, tmp_path)
+        plain = holder(stack, tmp_path, ps.url, "plain", transports=("http",))
+        client = stack.enter_context(ParamsClient(ps.url, timeout=120))
+        pushed = weights(6)
+        chunks = client.push(6, pushed)["chunks"]
+        pull_on(plain.url, 6)
+        data_url = stack.enter_context(ParamsClient(plain.url))._data_url()
+        assert data_url is not None
+        conn = stack.enter_context(RawHttpConnection(data_url))
+        manifest = client.manifest(6)
+        with pytest.raises(TransportUnavailable, match="shm"):  # the reader falls back to http for this holder
+            PeerCopy(conn, manifest, "shm", ShmTransport(workers=1), "auto")
+        status, _, body = conn.request("POST", PeerRoutes.open_lease.target(99, transport="shm"))
+        assert status == 422 and json.loads(body)["code"] == "transport_disabled"
+        status, _, body = conn.request("DELETE", PeerRoutes.close_lease.target("ab12"))
+        assert status == 404 and json.loads(body)["code"] == "unknown_lease"
+        conn.send("HEAD", PeerRoutes.chunk_landed.target(6, 0))  # a whole copy: every chunk has landed
+        status, headers = conn.read_head()
+        assert status == 200 and int(headers[LANDED_THROUGH_HEADER]) == chunks
+        status, _, body = conn.request("HEAD", PeerRoutes.chunk_landed.target(6, chunks))
+        assert status == 404 and json.loads(body)["code"] == "unknown_chunk"
+        # a pull asking for shm reads this holder over http: it offers no shm
+        assert same(client.pull(6, "shm", sources="ros"), pushed)
+        peers = client.transport("ros")
+        assert peers.fetched == {"plain": chunks} and peers.fetched_via == {"http": chunks}  # type: ignore[attr-defined]
