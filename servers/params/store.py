@@ -346,11 +346,15 @@ class ParamStore:
                     raise ParamsError(code, why + hint)
                 self.cond.wait(min(remaining, 1.0))
             stored = self._own_copy(version)
-            stored.leases += 1
-            lease = Lease(uuid.uuid4().hex, version, transport, time.monotonic() + self.config.lease_ttl_s)
-            self.leases[lease.lease_id] = lease
-            self.pulls_started[transport] = self.pulls_started.get(transport, 0) + 1
-            return lease, stored
+            return self._lease_on(stored, transport), stored
+
+    def _lease_on(self, stored: StoredVersion, transport: str) -> Lease:
+        """Under the lock: a new lease pinning ``stored`` (``transport``: what it is counted as)."""
+        stored.leases += 1
+        lease = Lease(uuid.uuid4().hex, stored.manifest.version, transport, time.monotonic() + self.config.lease_ttl_s)
+        self.leases[lease.lease_id] = lease
+        self.pulls_started[transport] = self.pulls_started.get(transport, 0) + 1
+        return lease
 
     def acquire_peer(self, version: int, transport: str) -> tuple[Lease, StoredVersion]:
         """A lease for a peer reading this store's copy of ``version`` straight out of its memory
@@ -369,11 +373,7 @@ class ParamStore:
             if stored is None:
                 raise ParamsError(ErrorCode.UNKNOWN_VERSION, f"version {version} is not held here (unpublished, or never "
                                                              "pulled); ask the reference server for another source")
-            stored.leases += 1
-            lease = Lease(uuid.uuid4().hex, version, transport, time.monotonic() + self.config.lease_ttl_s)
-            self.leases[lease.lease_id] = lease
-            self.pulls_started[f"peer-{transport}"] = self.pulls_started.get(f"peer-{transport}", 0) + 1
-            return lease, stored
+            return self._lease_on(stored, f"peer-{transport}"), stored
 
     def transport_details(self, stored: StoredVersion, transport: str) -> dict:
         """What a puller needs to read ``stored`` over ``transport`` (a lease holds it meanwhile)."""
