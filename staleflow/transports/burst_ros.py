@@ -67,8 +67,11 @@ class _HolderRunner:
     def _start(self, index: int) -> _Holder:
         name = f"holder-{index}"
         host = [] if self.one_host else ["--emulated-host", f"bench-host-{index}"]  # then no shm between them
+        # one state directory per holder: a holder SIGKILLed and started again there removes the
+        # shared memory the killed one left
         proc, url = start_params_server(
-            self.setup.workdir / f"{name}-{time.monotonic_ns()}", ["http", "shm"], self.setup.chunk_mb, persist=False,
+            self.setup.workdir / f"{name}{'-one-host' if self.one_host else ''}", ["http", "shm"], self.setup.chunk_mb,
+            persist=False,
             egress_gbps=self.setup.link_gbps,
             extra=["--holder-of", self.setup.ps_url, "--holder-id", name, "--no-holder-follows", "--holder-ttl", "4", *host])
         return _Holder(name, proc, url)
@@ -99,6 +102,7 @@ class _HolderRunner:
                   "ps_copies_after": self._settled_copies(version, len(survivors))}
         if killed is not None:
             detail["killed"] = killed.name
+            killed.proc.wait()  # type: ignore[attr-defined]  # its state directory is free again
             self.holders[self.holders.index(killed)] = self._start(self.holders.index(killed))
         return BurstOutcome(started, [held[h.name] for h in survivors], digests, joined_at, detail)
 

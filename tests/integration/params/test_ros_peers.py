@@ -17,13 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support import ParamsProcess
-from test_ros import CHUNK, holder, pull_on, reference, same, wait_until, weights
+from test_ros import CHUNK, holder, pull_on, reference, remove_left_segments, same, wait_until, weights
 
 from staleflow.api.base import ServiceError
 from staleflow.api.params import ParamsRoutes as API
 from staleflow.api.params import PeerRoutes
 from staleflow.errors import ErrorCode
-from staleflow.servers.params.rules import shm_prefix
 from staleflow.transports import TensorSlice
 from staleflow.transports.base import PullLease
 from staleflow.transports.client import ParamsClient
@@ -54,8 +53,7 @@ def start(processes: list[ParamsProcess]) -> None:
 def stop(processes: list[ParamsProcess]) -> None:
     for process in reversed(processes):
         process.stop()
-        for left in Path("/dev/shm").glob(f"{shm_prefix(process.state_dir)}-slot*"):  # what a SIGKILLed one left
-            left.unlink(missing_ok=True)
+        remove_left_segments(process)
 
 
 def held_chunks(client: ParamsClient, holder: str, version: int) -> int | None:
