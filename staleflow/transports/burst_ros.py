@@ -9,6 +9,8 @@ then read back over shm and their digest compared with the pushed version's.
 * ``ros-shm``: the holders are on one host (this one) and read each other over shared memory
   (``--peer-transport auto``), the PS's copy still over its limited link: a node's instances, or
   the relays of one node.
+* ``ros-nixl`` (where NIXL loads): as ``ros-shm``, the holders reading each other over NIXL
+  (``--peer-transport nixl``; UCX between processes of one host).
 
 Besides the burst seconds each outcome reports (``detail``): the chunks the PS itself sent, the
 chunks fetched again after a failure, and the PS's own copies at the end of the burst and once its
@@ -39,6 +41,7 @@ from staleflow.transports.burst import (
 )
 from staleflow.transports.checksums import checksum_algorithms, checksum_bytes
 from staleflow.transports.client import ParamsClient
+from staleflow.transports.nixl import nixl_available
 from staleflow.transports.tables import table_bytes
 
 SETTLE_S = 30.0
@@ -56,8 +59,8 @@ class _Holder:
 class _HolderRunner:
     """``max_instances`` holder processes of the bench's PS; a burst asks ``N`` of them to pull."""
 
-    def __init__(self, setup: BurstSetup, one_host: bool = False):
-        self.setup, self.one_host = setup, one_host
+    def __init__(self, setup: BurstSetup, one_host: bool = False, peers: str = "auto"):
+        self.setup, self.one_host, self.peers = setup, one_host, peers
         self.total = table_bytes(setup.table)
         self.buffer = aligned_array(self.total, np.uint8, 1)
         self.algorithm = checksum_algorithms()[0]
@@ -67,13 +70,14 @@ class _HolderRunner:
     def _start(self, index: int) -> _Holder:
         name = f"holder-{index}"
         host = [] if self.one_host else ["--emulated-host", f"bench-host-{index}"]  # then no shm between them
+        transports = ["http", "shm", "nixl"] if self.peers == "nixl" else ["http", "shm"]
         # one state directory per holder: a holder SIGKILLed and started again there removes the
         # shared memory the killed one left
         proc, url = start_params_server(
-            self.setup.workdir / f"{name}{'-one-host' if self.one_host else ''}", ["http", "shm"], self.setup.chunk_mb,
-            persist=False,
-            egress_gbps=self.setup.link_gbps,
-            extra=["--holder-of", self.setup.ps_url, "--holder-id", name, "--no-holder-follows", "--holder-ttl", "4", *host])
+            self.setup.workdir / f"{name}-{'one-host' if self.one_host else 'own-host'}-{self.peers}", transports,
+            self.setup.chunk_mb, persist=False, egress_gbps=self.setup.link_gbps,
+            extra=["--holder-of", self.setup.ps_url, "--holder-id", name, "--no-holder-follows", "--holder-ttl", "4",
+                   "--peer-transport", self.peers, *host])
         return _Holder(name, proc, url)
 
     def burst(self, version: int, case: BurstCase) -> BurstOutcome:
@@ -161,6 +165,10 @@ def _open_holders_on_one_host(setup: BurstSetup) -> contextlib.closing[_HolderRu
     return contextlib.closing(_HolderRunner(setup, one_host=True))
 
 
+def _open_nixl_holders_on_one_host(setup: BurstSetup) -> contextlib.closing[_HolderRunner]:
+    return contextlib.closing(_HolderRunner(setup, one_host=True, peers="nixl"))
+
+
 register_burst_source(BurstSource(
     "ros", "peers: every instance is a holder, pulling chunk by chunk from the holders the PS names and serving "
            "what it holds (pipeline replication); each holder on an emulated host of its own (http between them)",
@@ -169,3 +177,7 @@ register_burst_source(BurstSource(
     "ros-shm", "peers on one host: as ros, but the holders share this host and read each other over shared memory "
                "(the PS's copy still over its link)", _open_holders_on_one_host,
     cases=frozenset({BURST, ELASTIC_JOIN, HOLDER_KILLED})))
+if nixl_available()[0]:  # its holders enable NIXL, which a server without it refuses to start with
+    register_burst_source(BurstSource(
+        "ros-nixl", "peers on one host over NIXL: as ros-shm, the holders reading each other with NIXL READs (UCX)",
+        _open_nixl_holders_on_one_host, cases=frozenset({BURST, ELASTIC_JOIN, HOLDER_KILLED})))
