@@ -30,6 +30,7 @@ import numpy as np
 
 from staleflow.config.strategy import RoutingMode, StrategyConfig
 from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
+from staleflow.strategies.withheld_bounds import WithheldBounds
 
 
 class RouteDecision(NamedTuple):  # a tuple: a pass creates thousands, a frozen dataclass costs 10x more
@@ -174,6 +175,7 @@ class _Fleet:
         self.gains = np.zeros(len(insts))
         self._grown, self._denominator = np.empty(len(insts)), np.empty(len(insts))
         self._unfit = np.empty(len(insts), dtype=bool)
+        self.changed: list[int] | None = None  # the instances ``add_uniform`` changed, kept for ``WithheldBounds``
 
     def gains_for(self, lengths: np.ndarray | int) -> np.ndarray:
         """Eq. 3 for every instance (one row per length when ``lengths`` is a column). One length
@@ -252,6 +254,14 @@ class _Fleet:
             self.length = length
         return self.gains
 
+    def gain_of(self, i: int, length: int) -> float:
+        """``gains_for(length)[i]`` of a uniform fleet without speeds, in Python floats (the same
+        arithmetic, step for step)."""
+        grown = self.kv_list[i] + self.k5 * length
+        if grown > self.room.item(i):
+            return 0.0
+        return (self.n_list[i] + 1) / (self.k1 * grown + self.after_base.item(i) + self.k4) - self.before.item(i)
+
     def add(self, i: int, length: int) -> None:
         """``InstanceState.add`` on the arrays: it runs if it fits and nothing waits, else it waits."""
         if self.uniform:
@@ -290,6 +300,8 @@ class _Fleet:
         its queue, room and gain change."""
         k1, k2, k3, k4, k5 = self.coefficients
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
+        if self.changed is not None:
+            self.changed.append(i)
         if self.counts:
             self.count[i] = n + w + 1
         grow = k5 * length
@@ -417,6 +429,7 @@ def route(
     by_gain = config.versioned_by_gain and config.routing is RoutingMode.THROUGHPUT
     scan = _WithheldScan(lookahead and by_gain and config.scan_withheld)
     newer: dict[int, list[_VersionGroup]] = {}  # the candidates of a versioned trajectory, by its version
+    bounds = WithheldBounds(fleet) if by_gain and fleet.uniform and fleet.speed is None and config.mu > 0 else None
 
     while (head := queue.head()) is not None:
         traj, v = head
@@ -429,7 +442,8 @@ def route(
             continue
         if v is not None and by_gain and fleet.uniform and config.mu > 0:
             limit = None if config.max_in_flight is None else config.max_in_flight - in_flight
-            routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions)
+            routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions,
+                                         bounds)
             in_flight += routed
             if stopped:
                 break
@@ -566,7 +580,8 @@ def _withheld_run_uniform(fleet: _Fleet, candidates: list[_VersionGroup], length
 
 
 def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_VersionGroup], mu: float, limit: int | None,
-               stop_at_instance: str | None, decisions: list[RouteDecision]) -> tuple[int, bool]:
+               stop_at_instance: str | None, decisions: list[RouteDecision], bounds: WithheldBounds | None = None
+               ) -> tuple[int, bool]:
     """``_best_gain`` on a fleet of one cost model for the trajectories at the front of ``level``
     that share the head's length (a group's members bring the same prompt), routed one after the
     other without leaving this loop: the gains of that length are evaluated once and each route
@@ -577,6 +592,8 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     lo, hi = candidates[0].lo, candidates[-1].hi
     length = level[0].length
     threshold = mu * fleet.ideal_gain(length)
+    if bounds is not None and length != fleet.length and bounds.withholds(lo, length, threshold):
+        return 0, False
     gains = fleet.gains if length == fleet.length else fleet.at_length(length)
     view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]  # ``add`` updates ``gains`` in place
     ids, append, popleft = fleet.ids, decisions.append, level.popleft
@@ -590,6 +607,8 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     for routed in range(run):
         i = int(argmax())
         if not item(i) >= threshold:
+            if bounds is not None and routed == 0:
+                bounds.record(lo, length, item(i))
             return routed, False
         traj = popleft()
         i += lo
