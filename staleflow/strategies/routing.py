@@ -48,18 +48,27 @@ _new_tuple = cast("Callable[[type[RouteDecision], tuple[str, str, str, int, bool
 
 class _MultiLevelQueue:
     def __init__(self, pending: Iterable[PendingTrajectory], group_versions: dict[str, int],
-                 longest_first: bool = False):
-        self.levels: dict[int, deque[PendingTrajectory]] = {}
+                 longest_first: bool = False, in_order: bool = False):
+        """``in_order``: ``pending`` is a sequence in arrival order already (``reachable``'s)."""
         self.withheld = False  # a trajectory of the current level was passed over: the pass ends with it
         # by group, groups in arrival order (longest_first: by their first member's predicted remainder)
         self.initial: dict[str, deque[PendingTrajectory]] = {}
-        ordered = sorted(pending, key=_SEQ)
-        initial = [t for t in ordered if t.v_traj is None and t.group_id not in group_versions]
-        if len(initial) < len(ordered):
-            for t in ordered:
-                v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
-                if v is not None:
-                    self.levels.setdefault(v, deque()).append(t)
+        initial: list[PendingTrajectory] = []
+        levels: dict[int, list[PendingTrajectory]] = {}
+        add_initial, version_of = initial.append, group_versions.get
+        for t in pending if in_order else sorted(pending, key=_SEQ):
+            v = t.v_traj
+            if v is None:
+                v = version_of(t.group_id)
+                if v is None:
+                    add_initial(t)
+                    continue
+            level = levels.get(v)
+            if level is None:
+                levels[v] = [t]
+            else:
+                level.append(t)
+        self.levels = {v: deque(level) for v, level in levels.items()}
         # a group's members usually arrive together: one dict operation per run of them
         for group_id, members in itertools.groupby(initial, key=_GROUP):
             group = self.initial.get(group_id)
@@ -134,9 +143,10 @@ class _Fleet:
         self.speed = np.array(speeds) if any(s != 1.0 for s in speeds) else None
         self.speed_zero = 0.0 in speeds
         c = self.costs
-        uniform = len(set(c)) <= 1
-        k1, k2, k3, k4, k5, budget = (np.array([getattr(m, name) for m in c], dtype=float)
-                                      for name in ("k1", "k2", "k3", "k4", "k5", "kv_budget"))
+        uniform = len(set({id(m): m for m in c}.values())) <= 1  # equal models count as one; hash each object once
+        names = ("k1", "k2", "k3", "k4", "k5", "kv_budget")
+        k1, k2, k3, k4, k5, budget = (np.full(len(c), getattr(c[0], name), dtype=float) for name in names) \
+            if uniform and c else (np.array([getattr(m, name) for m in c], dtype=float) for name in names)
         self.uniform = uniform and bool(c)
         # a uniform fleet's coefficients as floats (``add_uniform``, ``ideal_gain``), and its KV budget
         self.coefficients = (c[0].k1, c[0].k2, c[0].k3, c[0].k4, c[0].k5) if self.uniform else (0.0,) * 5
@@ -387,12 +397,15 @@ def reachable(pending: Iterable[PendingTrajectory], budget: AdmissionBudget,
     limit = budget.max_new_groups()
     kept: list[PendingTrajectory] = []
     initial: set[str] = set()
+    keep = kept.append
     for t in sorted(pending, key=_SEQ):
-        if t.v_traj is None and t.group_id not in group_versions and t.group_id not in initial:
-            if len(initial) >= limit:
-                continue
-            initial.add(t.group_id)
-        kept.append(t)
+        if t.v_traj is None:
+            group_id = t.group_id
+            if group_id not in group_versions and group_id not in initial:
+                if len(initial) >= limit:
+                    continue
+                initial.add(group_id)
+        keep(t)
     return kept
 
 
@@ -409,6 +422,7 @@ def route(
     group_versions: dict[str, int] | None = None,
     stop_at_instance: str | None = None,
     lookahead: bool = True,
+    in_order: bool = False,
 ) -> list[RouteDecision]:
     """Decide where waiting trajectories go. Works on copies: the inputs are not modified.
 
@@ -417,12 +431,13 @@ def route(
     for that instance (the synchronization strategy's tentative update only needs to know
     whether one happens). ``lookahead``: when scanning past withheld versioned trajectories,
     test a run of them at once against the unchanged instances (same decisions; False: one at a
-    time, the reference the tests compare it with).
+    time, the reference the tests compare it with). ``in_order``: ``pending`` is a sequence in
+    arrival order already (``reachable``'s), not sorted again.
     """
     fleet, groups = _fleet_of(instances, config)
     budget = budget.copy()
     group_versions = dict(group_versions or {})
-    queue = _MultiLevelQueue(pending, group_versions, config.length_aware)
+    queue = _MultiLevelQueue(pending, group_versions, config.length_aware, in_order)
     in_flight = int(fleet.count.sum())
     choose = _waterfall if config.routing is RoutingMode.THROUGHPUT else _fewest_trajectories
     decisions: list[RouteDecision] = []

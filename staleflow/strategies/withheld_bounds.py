@@ -32,17 +32,17 @@ class _Bound:
 class WithheldBounds:
     """The bounds of one routing pass by the start ``lo`` of the candidates' slice of the fleet
     (its newest instances: those at least as new as V_traj). The fleet reports the instances it
-    changes in ``changed``. Only bounds no other one beats in both length and value are kept."""
+    changes in ``changed`` once a bound is taken. Only bounds no other one beats in both length and value are kept."""
 
     def __init__(self, fleet: _Fleet):
-        self.fleet = fleet
-        fleet.changed = []
+        self.fleet = fleet  # its ``changed`` list is started with the first bound: a fill withholds nothing
         self.kept: dict[int, list[_Bound]] = {}
 
     def record(self, lo: int, length: int, largest: float) -> None:
         """The largest gain of the candidates from ``lo`` at ``length``, now."""
         changed = self.fleet.changed
-        assert changed is not None
+        if changed is None:
+            changed = self.fleet.changed = []
         kept = self.kept.setdefault(lo, [])
         for bound in kept:
             self._current(lo, bound)
