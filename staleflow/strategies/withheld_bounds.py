@@ -44,8 +44,9 @@ class WithheldBounds:
         if changed is None:
             changed = self.fleet.changed = []
         kept = self.kept.setdefault(lo, [])
+        # kept bounds as last brought up to date (an older value only makes a bound look lower:
+        # a bound dropped or not taken for it costs an evaluation, never a decision)
         for bound in kept:
-            self._current(lo, bound)
             if bound.length <= length and bound.largest <= largest:
                 return  # one as short with no larger gain covers every length this one does
         kept[:] = [b for b in kept if not (b.length >= length and b.largest >= largest)]
