@@ -84,3 +84,24 @@ def test_a_long_trajectory_after_a_withheld_shorter_one_is_withheld_from_its_bou
     assert decided == straightforward_route(instances, pending, AdmissionBudget({}), config, {})
     assert [d.traj_id for d in decided] == ["t0", "t2"]
     assert answers.count(True) == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(loaded_fleets(), st.integers(1, 200_000))
+def test_the_approximate_gains_stay_within_their_error_of_the_exact_ones(state, length) -> None:
+    """``best_free`` rounds differently from the exact arithmetic; its decisions rest on the
+    difference staying below ``approximation_error`` (here a margin of 8 under it)."""
+    import numpy as np
+
+    from staleflow.strategies.routing import _Fleet
+
+    instances, _, config = state
+    fleet = _Fleet(instances, mu=config.mu)
+    assert fleet.approximate
+    exact = fleet.gains_for(length)
+    approximate = fleet.approximate_gains(length)
+    fits = (fleet.room < np.inf) & (fleet.kv + fleet.k5 * length <= fleet.room)
+    assert np.all(np.abs(approximate[fits] - exact[fits]) <= fleet.approximation_error / 8)
+    best = fleet.best_free(length, 0, len(instances), config.mu * fleet.ideal_gain(length))
+    if best is not None and best[1] >= config.mu * fleet.ideal_gain(length):
+        assert best == (int(exact.argmax()), float(exact.max()))
