@@ -494,6 +494,14 @@ def route(
             break
         if v is not None and v == scan.level and scan.skip(queue, v, candidates, config.mu):
             continue
+        if v is not None and by_gain and bounds is not None and fleet.approximate:
+            in_flight, handled, ended = _route_singles(queue, v, candidates, config, in_flight, stop_at_instance,
+                                                       decisions, bounds)
+            if ended:
+                break
+            if handled:
+                scan.routed()
+                continue
         if v is not None and by_gain and fleet.uniform and config.mu > 0:
             limit = None if config.max_in_flight is None else config.max_in_flight - in_flight
             routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions,
@@ -646,20 +654,8 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     lo, hi = candidates[0].lo, candidates[-1].hi
     length = level[0].length
     threshold = mu * fleet.ideal_gain(length)
-    if length != fleet.length:
-        if bounds is not None and bounds.withholds(lo, length, threshold):
-            return 0, False
-        best = fleet.best_free(length, lo, hi, threshold) if len(level) == 1 or level[1].length != length else None
-        if best is not None:  # one trajectory of this length: its best instance without every exact gain
-            i, gain = best
-            if not gain >= threshold:
-                if bounds is not None:
-                    bounds.record(lo, length, gain)
-                return 0, False
-            traj = level.popleft()
-            fleet.add_uniform(i, length)
-            decisions.append(_new_tuple(RouteDecision, (fleet.ids[i], traj.traj_id, traj.group_id, v, False)))
-            return 1, fleet.ids[i] == stop_at_instance
+    if bounds is not None and length != fleet.length and bounds.withholds(lo, length, threshold):
+        return 0, False
     gains = fleet.gains if length == fleet.length else fleet.at_length(length)
     view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]  # ``add`` updates ``gains`` in place
     ids, append, popleft = fleet.ids, decisions.append, level.popleft
@@ -683,6 +679,55 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
         if ids[i] == stop_at_instance:
             return routed + 1, True
     return run, False
+
+
+def _route_singles(queue: _MultiLevelQueue, v: int, candidates: list[_VersionGroup], config: StrategyConfig,
+                   in_flight: int, stop_at_instance: str | None, decisions: list[RouteDecision],
+                   bounds: WithheldBounds) -> tuple[int, int, bool]:
+    """``_route_run`` for the trajectories at the front of level ``v`` that each have a length of
+    their own (a steady fleet's partials), in one loop: withheld from a bound where one tells
+    (``WithheldBounds``), else routed to, or withheld from, the best instance ``best_free`` finds
+    (the exact gains where it cannot tell). Stops at the first that starts a run of one length, at
+    ``max_in_flight`` and when the level is done. Returns the trajectories in flight, how many it
+    decided and whether the pass ends (a route to ``stop_at_instance``, or a withheld one
+    without ``scan_withheld``)."""
+    level = queue.levels[v]
+    fleet = candidates[0].fleet
+    lo, hi = candidates[0].lo, candidates[-1].hi
+    whole = lo == 0 and hi == len(fleet.ids)
+    mu, limit = config.mu, config.max_in_flight
+    ids, append, popleft = fleet.ids, decisions.append, level.popleft
+    ideal_gain, best_free, add = fleet.ideal_gain, fleet.best_free, fleet.add_uniform
+    withholds, record = bounds.withholds, bounds.record
+    handled = 0
+    while level and (limit is None or in_flight < limit):
+        traj = level[0]
+        length = traj.length
+        if len(level) > 1 and level[1].length == length:
+            break
+        threshold = mu * ideal_gain(length)
+        if length == fleet.length or not withholds(lo, length, threshold):
+            best = None if length == fleet.length else best_free(length, lo, hi, threshold)
+            if best is None:
+                gains = fleet.gains if length == fleet.length else fleet.at_length(length)
+                i = int(gains.argmax()) if whole else lo + int(gains[lo:hi].argmax())
+                best = i, gains.item(i)
+            i, gain = best
+            if gain >= threshold:
+                popleft()
+                add(i, length)
+                append(_new_tuple(RouteDecision, (ids[i], traj.traj_id, traj.group_id, v, False)))
+                in_flight += 1
+                handled += 1
+                if ids[i] == stop_at_instance:
+                    return in_flight, handled, True
+                continue
+            record(lo, length, gain)
+        if not config.scan_withheld:
+            return in_flight, handled, True
+        queue.withhold(v)
+        handled += 1
+    return in_flight, handled, False
 
 
 def _waterfall(candidates: list[_VersionGroup], length: int, mu: float) -> tuple[_VersionGroup, int] | None:

@@ -54,7 +54,9 @@ def loaded_fleets(draw):
     longest = int(cost.kv_budget / cost.k5 / 2)
     pending = [PendingTrajectory(f"t{k}", f"g{k}", draw(st.integers(1, 2)), draw(st.integers(1, longest)), k)
                for k in range(draw(st.integers(1, 80)))]
-    return instances, pending, StrategyConfig(mu=draw(st.sampled_from([0.05, 0.3, 0.6, 0.9])))
+    config = StrategyConfig(mu=draw(st.sampled_from([0.05, 0.3, 0.6, 0.9])), scan_withheld=draw(st.booleans()),
+                            max_in_flight=draw(st.sampled_from([None, None, 200, 1_000])))
+    return instances, pending, config
 
 
 @settings(max_examples=300, deadline=None)
@@ -64,6 +66,18 @@ def test_withholding_from_shorter_lengths_decides_like_the_straightforward_one(s
     expected = straightforward_route(instances, pending, AdmissionBudget({}), config, {})
     for lookahead in (True, False):
         assert route(instances, pending, AdmissionBudget({}), config, {}, lookahead=lookahead) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(loaded_fleets(), st.integers(0, 11))
+def test_a_pass_stopped_at_an_instance_decides_the_first_decisions_of_a_whole_one(state, stop) -> None:
+    """``stop_at_instance`` (a tentative sync's question) ends the pass at its first route to that
+    instance: the whole pass's decisions up to that one."""
+    instances, pending, config = state
+    whole = route(instances, pending, AdmissionBudget({}), config, {})
+    stopped = route(instances, pending, AdmissionBudget({}), config, {}, stop_at_instance=f"i{stop}")
+    first = next((k for k, d in enumerate(whole) if d.instance_id == f"i{stop}"), len(whole) - 1)
+    assert stopped == whole[:first + 1]
 
 
 def test_a_long_trajectory_after_a_withheld_shorter_one_is_withheld_from_its_bound(monkeypatch) -> None:
