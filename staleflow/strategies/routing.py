@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import NamedTuple, cast
 
@@ -53,21 +53,22 @@ class _MultiLevelQueue:
         self.withheld = False  # a trajectory of the current level was passed over: the pass ends with it
         # by group, groups in arrival order (longest_first: by their first member's predicted remainder)
         self.initial: dict[str, deque[PendingTrajectory]] = {}
-        initial: list[PendingTrajectory] = []
+        ordered = cast("Sequence[PendingTrajectory]", pending) if in_order else sorted(pending, key=_SEQ)
+        initial = [t for t in ordered if t.v_traj is None and t.group_id not in group_versions]
         levels: dict[int, list[PendingTrajectory]] = {}
-        add_initial, version_of = initial.append, group_versions.get
-        for t in pending if in_order else sorted(pending, key=_SEQ):
-            v = t.v_traj
-            if v is None:
-                v = version_of(t.group_id)
+        if len(initial) < len(ordered):
+            version_of = group_versions.get
+            for t in ordered:
+                v = t.v_traj
                 if v is None:
-                    add_initial(t)
-                    continue
-            level = levels.get(v)
-            if level is None:
-                levels[v] = [t]
-            else:
-                level.append(t)
+                    v = version_of(t.group_id)
+                    if v is None:
+                        continue
+                level = levels.get(v)
+                if level is None:
+                    levels[v] = [t]
+                else:
+                    level.append(t)
         self.levels = {v: deque(level) for v, level in levels.items()}
         # a group's members usually arrive together: one dict operation per run of them
         for group_id, members in itertools.groupby(initial, key=_GROUP):
@@ -294,8 +295,10 @@ class _Fleet:
 
     def approximate_gains(self, length: int) -> np.ndarray:
         """``best_free``'s gains (in a buffer the next evaluation reuses)."""
-        if self.fixed is None:
+        if self.fixed is None:  # kept current by ``add_uniform`` from now on
             self.fixed = self.k1 * self.kv + self.after_base + self.k4
+            if self.changed is None:
+                self.changed = []
         gains = np.add(self.fixed, self.k1 * self.k5 * length, out=self._grown)
         np.divide(self.after_n, gains, out=gains)
         gains -= self.before
@@ -347,8 +350,9 @@ class _Fleet:
         its queue, room and gain change."""
         k1, k2, k3, k4, k5 = self.coefficients
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
-        if self.changed is not None:
-            self.changed.append(i)
+        changed = self.changed  # None until a steady scan needs it (with ``fixed``): a fill checks only this
+        if changed is not None:
+            changed.append(i)
         if self.counts:
             self.count[i] = n + w + 1
         grow = k5 * length
@@ -373,7 +377,7 @@ class _Fleet:
         self.before[i] = before
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
-        if self.fixed is not None:
+        if changed is not None and self.fixed is not None:
             self.fixed[i] = k1 * kv + after_base + k4
         at = self.length
         if at is not None:
@@ -494,22 +498,12 @@ def route(
             break
         if v is not None and v == scan.level and scan.skip(queue, v, candidates, config.mu):
             continue
-        if v is not None and by_gain and bounds is not None and fleet.approximate:
-            in_flight, handled, ended = _route_singles(queue, v, candidates, config, in_flight, stop_at_instance,
+        if v is not None and by_gain and fleet.uniform and config.mu > 0:
+            in_flight, decided, ended = _route_uniform(queue, v, candidates, config, in_flight, stop_at_instance,
                                                        decisions, bounds)
             if ended:
                 break
-            if handled:
-                scan.routed()
-                continue
-        if v is not None and by_gain and fleet.uniform and config.mu > 0:
-            limit = None if config.max_in_flight is None else config.max_in_flight - in_flight
-            routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions,
-                                         bounds)
-            in_flight += routed
-            if stopped:
-                break
-            if routed:
+            if decided:
                 scan.routed()
                 continue
             chosen = None
@@ -681,6 +675,30 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     return run, False
 
 
+def _route_uniform(queue: _MultiLevelQueue, v: int, candidates: list[_VersionGroup], config: StrategyConfig,
+                   in_flight: int, stop_at_instance: str | None, decisions: list[RouteDecision],
+                   bounds: WithheldBounds | None) -> tuple[int, bool, bool]:
+    """A versioned trajectory at the head of level ``v`` on a fleet of one cost model with
+    ``mu > 0``: those of a length of their own from there on (``_route_singles``), else the run of
+    a group's members (``_route_run``). Returns the trajectories in flight, whether any was
+    decided (False: the head is withheld) and whether the pass ends."""
+    fleet = candidates[0].fleet
+    if bounds is not None and fleet.approximate and _single(queue.levels[v]):
+        in_flight, handled, ended = _route_singles(queue, v, candidates, config, in_flight, stop_at_instance,
+                                                   decisions, bounds)
+        if ended or handled:
+            return in_flight, True, ended
+    limit = None if config.max_in_flight is None else config.max_in_flight - in_flight
+    routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions,
+                                 bounds)
+    return in_flight + routed, routed > 0, stopped
+
+
+def _single(level: deque[PendingTrajectory]) -> bool:
+    """The head of ``level`` has a length of its own (no run of a group's members starts there)."""
+    return len(level) == 1 or level[1].length != level[0].length
+
+
 def _route_singles(queue: _MultiLevelQueue, v: int, candidates: list[_VersionGroup], config: StrategyConfig,
                    in_flight: int, stop_at_instance: str | None, decisions: list[RouteDecision],
                    bounds: WithheldBounds) -> tuple[int, int, bool]:
@@ -703,7 +721,7 @@ def _route_singles(queue: _MultiLevelQueue, v: int, candidates: list[_VersionGro
     while level and (limit is None or in_flight < limit):
         traj = level[0]
         length = traj.length
-        if len(level) > 1 and level[1].length == length:
+        if not _single(level):
             break
         threshold = mu * ideal_gain(length)
         if length == fleet.length or not withholds(lo, length, threshold):
