@@ -21,20 +21,12 @@ TESTS = Path(__file__).parent
 os.environ.pop("COLUMNS", None)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/e2e/ runs whole jobs: it is marked ``slow``, so ``-m "not slow"`` is
-    the fast tier (tests/unit and tests/integration).
-
-    Each test module is one ``xdist_group`` (``pytest -n 2 --dist loadgroup``, the README's
-    command, hands a module to one worker whole, so its module-scoped fixtures start once), and
-    the modules that start a Ray cluster or install the wheel share one group: two Ray clusters
-    at once would share two cores, and the wheel is built once."""
+    the fast tier (tests/unit and tests/integration)."""
     for item in items:
         if (TESTS / "e2e") in item.path.parents:
             item.add_marker(pytest.mark.slow)
-        shared = item.get_closest_marker("ray") is not None or "installed_wheel" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("ray-and-wheel" if shared else str(item.path.relative_to(TESTS))))
 
 
 @pytest.fixture(scope="session")
