@@ -186,7 +186,7 @@ class _Fleet:
         self.gains = np.zeros(len(insts))
         self._grown, self._denominator = np.empty(len(insts)), np.empty(len(insts))
         self._unfit = np.empty(len(insts), dtype=bool)
-        self.changed: list[int] | None = None  # the instances ``add_uniform`` changed, kept for ``WithheldBounds``
+        self.changed: list[int] | None = None  # where ``add_uniform`` started a trajectory, for ``WithheldBounds``
         # ``best_free``'s denominators without the length term (built at its first call), and the
         # bound on the error of its gains: every gain and throughput before is below 1 / k3
         self.fixed: np.ndarray | None = None
@@ -350,9 +350,6 @@ class _Fleet:
         its queue, room and gain change."""
         k1, k2, k3, k4, k5 = self.coefficients
         kv, n, w = self.kv_list[i], self.n_list[i], self.w_list[i]
-        changed = self.changed  # None until a steady scan needs it (with ``fixed``): a fill checks only this
-        if changed is not None:
-            changed.append(i)
         if self.counts:
             self.count[i] = n + w + 1
         grow = k5 * length
@@ -377,8 +374,11 @@ class _Fleet:
         self.before[i] = before
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
-        if changed is not None and self.fixed is not None:
-            self.fixed[i] = k1 * kv + after_base + k4
+        changed = self.changed  # None until a steady scan needs it (a fill checks only this)
+        if changed is not None:  # a trajectory that waits only lowers the instance's gains: not reported
+            changed.append(i)
+            if self.fixed is not None:
+                self.fixed[i] = k1 * kv + after_base + k4
         at = self.length
         if at is not None:
             grown = kv + (grow if at == length else k5 * at)

@@ -6,8 +6,9 @@ instance's gain only falls as the length grows, in floating point too: every ste
 arithmetic (``kv + k5 l``, times ``k1``, plus constants, ``(n + 1) /`` that, less the throughput
 before) is monotone, and a length that does not fit where a longer one does cannot exist. So the
 largest gain at a length a trajectory was withheld at bounds every gain of a longer length while
-the instances stay as they were; an instance routed to since then is evaluated at that length
-(in Python floats, the arithmetic of the arrays) and raises the bound if it gains more. A
+the instances stay as they were; an instance a trajectory started on since then is evaluated at
+that length (in Python floats, the arithmetic of the arrays) and raises the bound if it gains
+more (one where a trajectory queued gains nothing any more: below every positive threshold). A
 trajectory whose threshold is above a bound of a length no longer than its own is withheld: the
 decision the full evaluation makes, without it. Most withheld trajectories of a steady fleet are
 long ones after a shorter one was withheld."""
