@@ -49,8 +49,10 @@ def register(bench_app: typer.Typer) -> None:
                                                            "with --sources 1,4,8,16)")] = None,
         sources: Annotated[str | None, typer.Option(help="bursts instead of push/pull cells: where the instances pull a "
                                                          "version from, comma-separated (ps: the parameter server's "
-                                                         "fan-out); each burst count, an elastic join and a holder "
-                                                         "killed mid-burst, side by side")] = None,
+                                                         "fan-out; ros: holders, each on an emulated host of its own; "
+                                                         "ros-shm: holders on this host, over shared memory; "
+                                                         "ros-nixl: the same over NIXL); each burst count, an elastic "
+                                                         "join and a holder killed mid-burst, side by side")] = None,
         link_gbps: Annotated[float | None, typer.Option("--link-gbps", help="egress limit of every server of the bench, "
                                                                             "in Gbit/s (a token bucket per endpoint: "
                                                                             "emulates a NIC; default: none)")] = None,

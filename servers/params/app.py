@@ -162,7 +162,8 @@ def _add_reference_routes(app: FastAPI) -> None:
 
     @handles(app, ParamsRoutes.heartbeat)
     def heartbeat(holder_id: str, body: HolderBeat) -> dict:
-        return _references(app).heartbeat(holder_id, body.url, body.host_id, body.zone, body.spot, body.holdings)
+        return _references(app).heartbeat(holder_id, body.url, body.host_id, body.zone, body.spot, body.holdings,
+                                          body.transports)
 
     @handles(app, ParamsRoutes.publish)
     def publish(holder_id: str, version: int, body: HolderPublish) -> dict:
@@ -288,7 +289,7 @@ def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
                                                              "more (the reference server said so); pull a version that exists")
         lease, stored = s.acquire(version, body.transport, body.wait_s)
         try:
-            details = _transport_details(s, stored, body.transport)
+            details = s.transport_details(stored, body.transport)
         except Exception:
             s.release(lease.lease_id)
             raise
@@ -360,19 +361,6 @@ def _stream(store: ParamStore, stored: StoredVersion, fd: int, offset: int, leng
 
     return StreamingResponse(body(), headers={"content-length": str(length), **headers},
                              media_type="application/octet-stream")
-
-
-def _transport_details(store: ParamStore, stored: StoredVersion, transport: str) -> dict:
-    version = stored.manifest.version
-    if transport == "shm":
-        slot = store.memory_slot(stored)  # a version recovered from disk is loaded on demand
-        # the stamp and generation let the puller check the slot was not reused under it (see shm.py)
-        return {"path": str(slot.path), "size": slot.size, "host_id": host_id(), "stamp_path": str(slot.stamp_path),
-                "generation": slot.generation}
-    if transport == "nixl":
-        assert store.nixl is not None
-        return store.nixl.lease_details(version, stored.fd, stored.file_size)
-    return {}
 
 
 async def _sweep_forever(store: ParamStore, period: float) -> None:
