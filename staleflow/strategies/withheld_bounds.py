@@ -15,10 +15,16 @@ long ones after a shorter one was withheld."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from staleflow.strategies.routing import _Fleet  # pyright: ignore[reportPrivateUsage]
+
+class ChangingFleet(Protocol):
+    """What the bounds read of routing's fleet: the instances changed since the first bound was
+    taken, and one instance's gain at a length."""
+
+    changed: list[int] | None
+
+    def gain_of(self, i: int, length: int) -> float: ...
 
 _KEPT = 4  # bounds kept per slice of the fleet: each one is brought up to date after every route
 
@@ -35,7 +41,7 @@ class WithheldBounds:
     (its newest instances: those at least as new as V_traj). The fleet reports the instances it
     changes in ``changed`` once a bound is taken. Only bounds no other one beats in both length and value are kept."""
 
-    def __init__(self, fleet: _Fleet):
+    def __init__(self, fleet: ChangingFleet):
         self.fleet = fleet  # its ``changed`` list is started with the first bound: a fill withholds nothing
         self.kept: dict[int, list[_Bound]] = {}
 
