@@ -49,8 +49,13 @@ def register(bench_app: typer.Typer) -> None:
                                                            "with --sources 1,4,8,16)")] = None,
         sources: Annotated[str | None, typer.Option(help="bursts instead of push/pull cells: where the instances pull a "
                                                          "version from, comma-separated (ps: the parameter server's "
-                                                         "fan-out); each burst count, an elastic join and a holder "
-                                                         "killed mid-burst, side by side")] = None,
+                                                         "fan-out; ros: holders, each on an emulated host of its own; "
+                                                         "ros-shm: holders on this host, over shared memory; "
+                                                         "ros-nixl: the same over NIXL); each burst count, an elastic "
+                                                         "join, a holder killed mid-burst and the trainer's push "
+                                                         "during a join, side by side")] = None,
+        cases: Annotated[str | None, typer.Option(help="with --sources: which cases, comma-separated (burst, elastic_join, "
+                                                       "holder_killed, push_during_join; default all)")] = None,
         link_gbps: Annotated[float | None, typer.Option("--link-gbps", help="egress limit of every server of the bench, "
                                                                             "in Gbit/s (a token bucket per endpoint: "
                                                                             "emulates a NIC; default: none)")] = None,
@@ -75,7 +80,7 @@ def register(bench_app: typer.Typer) -> None:
         if link_gbps is not None and not link_gbps > 0:
             raise fail(f"--link-gbps {link_gbps:g}: give a positive speed in Gbit/s, e.g. --link-gbps 1")
         if sources is not None:
-            _bursts(sources, sizes, instances or "1,4,8,16", link_gbps, repeats, chunk_mb, plot, as_json, output)
+            _bursts(sources, sizes, instances or "1,4,8,16", link_gbps, repeats, chunk_mb, plot, as_json, output, cases)
             return
         instances = instances or "1,2,4"
         if sizes is None:
@@ -127,10 +132,16 @@ def register(bench_app: typer.Typer) -> None:
 
 
 def _bursts(sources: str, sizes: str | None, instances: str, link_gbps: float | None, repeats: int, chunk_mb: int,
-            plot: Path | None, as_json: bool, output: Path | None) -> None:
+            plot: Path | None, as_json: bool, output: Path | None, cases: str | None = None) -> None:
     """``bench params --sources``: bursts per source (``staleflow.transports.burst``)."""
     from staleflow.transports import burst_ros  # noqa: F401 - registers the ros source
-    from staleflow.transports.burst import DEFAULT_BURST_BYTES, plot_bursts, run_burst_bench, unknown_sources
+    from staleflow.transports.burst import BURST, CASES, DEFAULT_BURST_BYTES, plot_bursts, run_burst_bench, unknown_sources
+
+    case_list = [c.strip() for c in (cases or ",".join(CASES)).split(",") if c.strip()]
+    if not case_list or set(case_list) - set(CASES):
+        raise fail(f"--cases {cases!r}: choose from {', '.join(CASES)}, comma-separated")
+    if plot is not None and BURST not in case_list:
+        raise fail("--plot draws the bursts: add burst to --cases, or drop --plot")
 
     names = [s.strip() for s in sources.split(",") if s.strip()]
     if not names:
@@ -154,7 +165,7 @@ def _bursts(sources: str, sizes: str | None, instances: str, link_gbps: float | 
         try:
             results = run_burst_bench(names, counts, size_list[0], link_gbps, repeats, chunk_mb,
                                       planned=lambda steps: progress.update(task, total=steps),
-                                      advance=lambda steps: progress.advance(task, steps))
+                                      advance=lambda steps: progress.advance(task, steps), cases=case_list)
         except RuntimeError as exc:  # a worker that died, or bytes that are not the version's
             raise fail(f"the burst bench failed: {exc}") from None
     if plot is not None:
@@ -172,13 +183,35 @@ def _print_bursts(results: dict) -> None:
         table.add_column(column, justify="left" if column in ("source", "case") else "right")
     for c in results["cells"]:
         table.add_row(c["source"], c["kind"].replace("_", " "), str(c["instances"]), f"{c['burst_seconds']:.3f}",
-                      f"{c['vs_single']:.2f}", f"{c['vs_wire_time']:.2f}" if "vs_wire_time" in c else "-",
+                      f"{c['vs_single']:.2f}" if c["vs_single"] is not None else "-",
+                      f"{c['vs_wire_time']:.2f}" if "vs_wire_time" in c else "-",
                       f"{c['pull_seconds_mean']:.3f}", f"{c['delivered_gb_per_s']:.3f}",
                       f"{c['links_worth']:.2f}" if "links_worth" in c else "-",
                       f"{c['join_seconds']:.3f}" if "join_seconds" in c else "-")
-    console.print(table)
+    if results["cells"]:
+        console.print(table)
+    if results["pushes"]:
+        _print_pushes(results)
     for skipped in results["skipped"]:
         console.print(f"  [yellow]{skipped['source']}: {skipped['kind'].replace('_', ' ')} not run: {skipped['why']}[/]")
+
+
+def _print_pushes(results: dict) -> None:
+    table = Table(title=f"The trainer's push of a new {results['bytes'] / 1e6:.0f} MB version over http, alone and while "
+                        "one more instance pulls the previous one (an elastic join); median of "
+                        f"{results['repeats']}")
+    for column in ("source", "instances holding it", "push s alone (runs)", "push s during the join (runs)",
+                   "during / alone", "joiner's pull s", "push within the join"):
+        table.add_column(column, justify="left" if column == "source" else "right")
+    for p in results["pushes"]:
+        table.add_row(p["source"], str(p["instances"]), f"{p['push_seconds']:.3f} ({_span(p['push_seconds_all'])})",
+                      f"{p['push_seconds_with_join']:.3f} ({_span(p['push_seconds_with_join_all'])})",
+                      f"{p['push_ratio']:.2f}", f"{p['join_seconds']:.3f}", f"{p['join_overlap']:.0%}")
+    console.print(table)
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 def _print(results: dict) -> None:

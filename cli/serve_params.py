@@ -15,7 +15,8 @@ from staleflow.cli.common import fail, flag_names, validation_failure
 from staleflow.config import ParamsConfig, default_of
 
 OPTIONS = ("state_dir", "keep", "transports", "host", "port", "data_port", "shm_dir", "fsync", "holder_of", "holder_id",
-           "zone", "spot", "retain", "retain_replicas", "holder_follows", "egress_gbps")
+           "zone", "spot", "retain", "retain_replicas", "holder_follows", "egress_gbps",
+           "peer_transport", "emulated_host")
 """Options named after the setting they set; ``--chunk-mb`` and ``--lease-ttl`` are named apart."""
 NO_DATA_PLANE = -1
 
@@ -93,6 +94,11 @@ def register(serve_app: typer.Typer) -> None:
         = default_of(ParamsConfig, "retain_replicas"),
         holder_ttl_s: Annotated[float, typer.Option("--holder-ttl", help="seconds a silent holder lives")]
         = default_of(ParamsConfig, "holder_ttl_s"),
+        peer_transport: Annotated[str, typer.Option("--peer-transport", help="how a holder reads other holders' chunks: "
+                                                    "auto (shm on its host, else nixl where both offer it, else http), "
+                                                    "shm, nixl or http")] = default_of(ParamsConfig, "peer_transport"),
+        emulated_host: Annotated[str | None, typer.Option("--emulated-host", help="the host a holder says it runs on "
+                                                          "(benchmarks: hosts of their own on one machine)")] = None,
     ) -> None:
         """The parameter server: versioned model weights, pushed by the trainer, pulled by instances."""
         from staleflow.servers.params import ParamStore, create_app
@@ -101,7 +107,7 @@ def register(serve_app: typer.Typer) -> None:
         config = params_config(state_dir, keep, chunk_mb, transports, host, port, shm_dir, fsync, lease_ttl_s, persist, data_port,
                                egress_gbps=egress_gbps, holder_of=holder_of, holder_id=holder_id, zone=zone, spot=spot,
                                holder_follows=holder_follows, retain=retain, retain_replicas=retain_replicas,
-                               holder_ttl_s=holder_ttl_s)
+                               holder_ttl_s=holder_ttl_s, peer_transport=peer_transport, emulated_host=emulated_host)
         if "nixl" in config.transports:
             from staleflow.transports.nixl import nixl_available
 

@@ -485,12 +485,19 @@ class RayClusterJob(Supervised, JobViews):
                     raise RuntimeError(f"{name} did not stop when killed")
                 self.stop.wait(0.05)  # kill pacing: Ray marks the actor restarting
             view = v
+        # the restart that counts is the one after the process the supervisor last saw alive: a view
+        # taken while Ray has not yet counted the restart it is making (or could not answer) would
+        # make that restart look like a second death
+        known = self._incarnations.get(name, (None, None))[0]
+        since = known + 1 if known is not None else view.get("NumRestarts", 0)
         try:
-            info = self._ask(actor, "info", deadline, attempts=1, since=view.get("NumRestarts", 0))
+            info = self._ask(actor, "info", deadline, attempts=1, since=since)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"{name} did not come back in {self._start_timeout():g} s") from None
         except ray.exceptions.RayActorError as exc:
-            raise RuntimeError(f"{name} died again while starting ({exc.__class__.__name__}); "
+            now = actor_views(ray, actor)
+            raise RuntimeError(f"{name} died again while starting ({exc.__class__.__name__}; Ray's restart "
+                               f"{now.get('NumRestarts')}, {now.get('State')}, counted from {since}); "
                                f"see {self.log_path(name)}") from None
         now = actor_views(ray, actor)
         if now.get("State") == "ALIVE" and now.get("Pid") == info["pid"]:

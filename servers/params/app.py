@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from staleflow import metrics as m
+from staleflow.api.base import ServiceError
 from staleflow.api.params import (
     HolderBeat,
     HolderPublish,
@@ -162,7 +163,8 @@ def _add_reference_routes(app: FastAPI) -> None:
 
     @handles(app, ParamsRoutes.heartbeat)
     def heartbeat(holder_id: str, body: HolderBeat) -> dict:
-        return _references(app).heartbeat(holder_id, body.url, body.host_id, body.zone, body.spot, body.holdings)
+        return _references(app).heartbeat(holder_id, body.url, body.host_id, body.zone, body.spot, body.holdings,
+                                          body.transports)
 
     @handles(app, ParamsRoutes.publish)
     def publish(holder_id: str, version: int, body: HolderPublish) -> dict:
@@ -174,7 +176,11 @@ def _add_reference_routes(app: FastAPI) -> None:
 
     @handles(app, ParamsRoutes.holder_pull)
     def holder_pull(version: VersionSpec) -> dict:
-        return _holder(app).pull(int(version) if version.isdigit() else version)
+        try:
+            return _holder(app).pull(int(version) if version.isdigit() else version)
+        except ServiceError as exc:  # the reference server's or a source's refusal, passed on with its code
+            raise ParamsError(exc.code or ErrorCode.UPSTREAM_ERROR, f"pulling version {version} from its holders: "
+                                                                    f"{exc.detail}") from None
 
     @handles(app, ParamsRoutes.holder_drop)
     def holder_drop(store: StoreDep, version: int) -> dict:
@@ -200,6 +206,8 @@ def _add_version_routes(app: FastAPI) -> None:
         if app.state.references is not None and app.state.references.withdraw(version):
             return {"version": version, "deleted": True, "readers": 0}
         stored = store.delete_version(version)
+        if app.state.references is not None:
+            app.state.references.deleted(version)
         return {"version": version, "deleted": stored.leases == 0, "readers": stored.leases}
 
 
@@ -288,7 +296,7 @@ def _add_pull_routes(app: FastAPI, config: ParamsConfig) -> None:
                                                              "more (the reference server said so); pull a version that exists")
         lease, stored = s.acquire(version, body.transport, body.wait_s)
         try:
-            details = _transport_details(s, stored, body.transport)
+            details = s.transport_details(stored, body.transport)
         except Exception:
             s.release(lease.lease_id)
             raise
@@ -360,19 +368,6 @@ def _stream(store: ParamStore, stored: StoredVersion, fd: int, offset: int, leng
 
     return StreamingResponse(body(), headers={"content-length": str(length), **headers},
                              media_type="application/octet-stream")
-
-
-def _transport_details(store: ParamStore, stored: StoredVersion, transport: str) -> dict:
-    version = stored.manifest.version
-    if transport == "shm":
-        slot = store.memory_slot(stored)  # a version recovered from disk is loaded on demand
-        # the stamp and generation let the puller check the slot was not reused under it (see shm.py)
-        return {"path": str(slot.path), "size": slot.size, "host_id": host_id(), "stamp_path": str(slot.stamp_path),
-                "generation": slot.generation}
-    if transport == "nixl":
-        assert store.nixl is not None
-        return store.nixl.lease_details(version, stored.fd, stored.file_size)
-    return {}
 
 
 async def _sweep_forever(store: ParamStore, period: float) -> None:

@@ -14,6 +14,12 @@ It serves the REST API's chunk routes, with the same paths, rules, bearer token 
 * ``PUT /v1/params/{version}/parts/{part}/chunks/{index}?push_id=...``
 * ``GET /v1/params/{version}/chunks/{index}?lease=...``
 
+and what peers of a holder read its copies with besides (``PeerRoutes``): a lease on a copy for
+shm or nixl reads (``POST /v1/params/{version}/peer-leases?transport=...``, ended with ``DELETE
+/v1/peer-leases/{lease_id}``), and ``HEAD /v1/params/{version}/chunks/{index}?lease=...``, which
+answers once the chunk landed verified in a copy still being pulled (the request a shm or nixl
+reader waits on: it cannot wait on the memory itself).
+
 Leases, joins and commits stay on the API port; clients find this port in ``/v1/health``
 (``data_port``) and fall back to the API port when it is not reachable. At most
 ``max_connections`` are served at once (one more is answered 503 ``too_many_connections`` and
@@ -49,11 +55,13 @@ from staleflow.servers.auth import bearer_refusal
 from staleflow.servers.http import ConnectionLimits, bind_socket
 from staleflow.servers.params.store import ParamStore
 from staleflow.transports.egress import EgressLimiter
-from staleflow.transports.http import CHECKSUM_HEADER, PIECE_BYTES, SocketReader
+from staleflow.transports.http import CHECKSUM_HEADER, LANDED_THROUGH_HEADER, PIECE_BYTES, SocketReader
 
 log = logging.getLogger(__name__)
 
 _CHUNK_ROUTE = re.compile(r"^/v1/params/(\d{1,18})/(?:parts/(\d{1,9})/)?chunks/(\d{1,9})$")
+_PEER_LEASE_ROUTE = re.compile(r"^/v1/params/(\d{1,18})/peer-leases$")
+_PEER_LEASE_END_ROUTE = re.compile(r"^/v1/peer-leases/([0-9a-f]{1,64})$")
 _SEND_STEP = 64 << 20  # bytes per send or sendfile call
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _TRANSIENT = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR})  # the connection, not the listener
@@ -269,13 +277,18 @@ class ChunkDataPlane:
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
         route = _CHUNK_ROUTE.match(parts.path)
         # an unread body leaves the connection unusable: refuse, then close it
-        refuse = _Refused if "content-length" in headers or "transfer-encoding" in headers else StaleFlowError
+        bodiless = headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
+        refuse = StaleFlowError if bodiless else _Refused
+        if route is None and bodiless and self._answer_peer(conn, method, parts.path, query):
+            return
         if route is None:
             raise refuse(ErrorCode.NOT_FOUND, f"{parts.path}: the data plane serves chunk bodies only "
                                                 "(/v1/params/{version}[/parts/{part}]/chunks/{index}); use the API port")
         version, part, index = int(route.group(1)), int(route.group(2) or 0), int(route.group(3))
         if method == "GET" and route.group(2) is None:
             self._send_chunk(conn, version, index, query.get("lease"))
+        elif method == "HEAD" and route.group(2) is None:
+            self._confirm_chunk(conn, version, index, query.get("lease"))
         elif method == "PUT":
             self._receive_chunk(conn, reader, version, part, index, query, headers)
         else:
@@ -335,6 +348,48 @@ class ChunkDataPlane:
             os.close(fd)
             self.store.stream_done(stored)
 
+    def _answer_peer(self, conn: socket.socket, method: str, path: str, query: dict[str, str]) -> bool:
+        """A peer's lease request (``PeerRoutes``); False: not one."""
+        opened, ended = _PEER_LEASE_ROUTE.match(path), _PEER_LEASE_END_ROUTE.match(path)
+        if method == "POST" and opened is not None:
+            self._send_json(conn, 201, self._open_peer_lease(int(opened.group(1)), query.get("transport", "")), False)
+        elif method == "DELETE" and ended is not None:
+            released = self.store.release(ended.group(1))
+            if not released:
+                raise StaleFlowError(ErrorCode.UNKNOWN_LEASE, f"lease {ended.group(1)!r} is unknown or lapsed")
+            self._send_json(conn, 200, {"lease_id": ended.group(1), "released": True}, False)
+        else:
+            return False
+        return True
+
+    def _open_peer_lease(self, version: int, transport: str) -> dict:
+        lease, stored = self.store.acquire_peer(version, transport)
+        try:
+            details = self.store.transport_details(stored, transport)
+        except Exception:
+            self.store.release(lease.lease_id)
+            raise
+        with self.store.cond:
+            held = None if stored.held is None else sorted(stored.held)
+        return {"lease_id": lease.lease_id, "version": version, "transport": transport,
+                "ttl_s": self.store.config.lease_ttl_s, "details": details, "held": held}
+
+    def _confirm_chunk(self, conn: socket.socket, version: int, index: int, lease: str | None) -> None:
+        """Answers (no body) once chunk ``index`` landed verified; renews ``lease``."""
+        fd, stored = self.store.open_range(version, lease)
+        try:
+            os.close(fd)
+            chunks = stored.manifest.chunks
+            if not 0 <= index < len(chunks):
+                raise StaleFlowError(ErrorCode.UNKNOWN_CHUNK, f"version {version} has chunks 0..{len(chunks) - 1}, not {index}")
+            if stored.held is not None:
+                self.store.wait_chunk(stored, index, self.store.config.holder_ttl_s)
+            self._send(conn, _head(200, {"Content-Length": str(chunks[index].length),
+                                         CHECKSUM_HEADER: chunks[index].checksum or "",
+                                         LANDED_THROUGH_HEADER: str(self.store.landed_through(stored, index))}))
+        finally:
+            self.store.stream_done(stored)
+
     def _send(self, conn: socket.socket, data: bytes) -> None:
         sender = _Sender(conn, self.limits)
         try:
@@ -373,5 +428,5 @@ def _json_response(status: int, body: dict, close: bool) -> bytes:
     return _head(status, headers) + data
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+_REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
             409: "Conflict", 410: "Gone", 413: "Payload Too Large", 422: "Unprocessable Entity", 503: "Service Unavailable"}

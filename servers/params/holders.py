@@ -103,9 +103,9 @@ class ReferenceServer:
     # -- the routes' work
 
     def heartbeat(self, holder_id: str, url: str, host: str, zone: str, spot: bool,
-                  holdings: dict[int, list[int] | None]) -> dict:
+                  holdings: dict[int, list[int] | None], transports: list[str]) -> dict:
         with self.cond:
-            self.table.heartbeat(holder_id, url, host, zone, spot, holdings, self.clock())
+            self.table.heartbeat(holder_id, url, host, zone, spot, holdings, self.clock(), transports)
             self.cond.notify_all()
             missing = sorted(v for v, c in holdings.items()
                              if c is None and v not in self.table.chunk_counts and v not in self.withdrawn)
@@ -138,7 +138,8 @@ class ReferenceServer:
                 self.table.publish(puller, version, held, now)
             found = self.table.sources(version, chunk, puller, host, zone, now, exclude, count)
         return {"version": version, "chunk": chunk,
-                "sources": [{"holder_id": s.holder_id, "url": s.url, "has_chunk": s.has_chunk, "tier": s.tier} for s in found]}
+                "sources": [{"holder_id": s.holder_id, "url": s.url, "has_chunk": s.has_chunk, "tier": s.tier,
+                             "transports": list(s.transports)} for s in found]}
 
     def release(self, puller: str) -> dict:
         with self.cond:
@@ -174,6 +175,13 @@ class ReferenceServer:
             self.table.forget(version)
             self.withdrawn.add(version)
             return True
+
+    def deleted(self, version: int) -> None:
+        """``version`` was deleted from this store: it leaves the retained versions (it no longer
+        holds a newer one out of them), and holders' heartbeats do not bring it back."""
+        with self.cond:
+            self.table.forget(version)
+            self.withdrawn.add(version)
 
     def describe(self) -> dict:
         with self.cond:
@@ -249,6 +257,7 @@ class HolderAgent:
         assert config.holder_of is not None
         self.store, self.config, self.data_url = store, config, data_url
         self.holder_id = config.holder_id or f"holder-{uuid.uuid4().hex[:12]}"
+        self.host = config.emulated_host or host_id()  # where the reference server places it (tiers, shm between peers)
         self.reference = ParamsClient(config.holder_of, timeout=600, token=token, puller_id=self.holder_id, zone=config.zone)
         self.token, self.follow = token, follow
         self.fetched: dict[str, int] = {}  # source -> chunks, over every pull
@@ -272,8 +281,9 @@ class HolderAgent:
 
     def heartbeat(self) -> None:
         holdings = self.holdings()
-        reply = self.reference.json(API.heartbeat, self.holder_id, url=self.data_url, host_id=host_id(),
-                                    zone=self.config.zone, spot=self.config.spot, holdings=holdings)
+        reply = self.reference.json(API.heartbeat, self.holder_id, url=self.data_url, host_id=self.host,
+                                    zone=self.config.zone, spot=self.config.spot, holdings=holdings,
+                                    transports=list(self.config.transports))
         for version in reply.get("missing", []):
             with self.store.cond:
                 stored = self.store.versions.get(version)
@@ -315,10 +325,9 @@ class HolderAgent:
                     raise
                 self.heartbeat()
                 self.reference.json(API.publish, self.holder_id, number, chunks=[])
-            transport = PeerTransport(reference_sources(self.reference, self.holder_id, host_id(), self.config.zone),
+            transport = PeerTransport(reference_sources(self.reference, self.holder_id, self.host, self.config.zone),
                                       lambda refresh: self.reference._data_url(refresh) or self.reference.url, 600,
-                                      _bearer(self.token),
-                                      report=True)
+                                      _bearer(self.token), report=True, peers=self.config.peer_transport)
             try:
                 copy_into(self.store, manifest, transport)
             except ServiceError as exc:
@@ -333,7 +342,7 @@ class HolderAgent:
                 self._release()
             self.reference.json(API.publish, self.holder_id, number, chunks=None)
             return {"version": number, "fetched": transport.fetched, "seconds": time.monotonic() - started,
-                    "failures": len(transport.failures)}
+                    "failures": len(transport.failures), "via": transport.fetched_via}
 
     def _release(self) -> None:
         try:

@@ -54,6 +54,7 @@ class PushHost(Protocol):
     config: ParamsConfig
     cond: threading.Condition
     versions: dict[int, StoredVersion]
+    referenced: dict[int, Manifest]  # versions whose copy the store dropped: its holders serve them
     memory: ShmSlots
     nixl: NixlExporter | None
 
@@ -167,11 +168,11 @@ class PushTable:
             raise ParamsError(ErrorCode.INVALID_PART, f"part {part}'s ranges overlap themselves at {overlaps[:3]}")
         with self._cond:
             self.store.sweep_locked()
-            if version in self.store.versions:
+            if version in self.store.versions or version in self.store.referenced:  # held here, or by holders (ROS)
                 raise ParamsError(ErrorCode.VERSION_EXISTS, f"version {version} already exists; versions are immutable, push a new number")
             push = self.pending.get(version)
             if push is None:
-                newest = max(self.store.versions, default=None)
+                newest = max((*self.store.versions, *self.store.referenced), default=None)
                 if newest is not None and version < newest:
                     raise ParamsError(ErrorCode.VERSION_TOO_OLD, f"version {version} is older than the newest complete version {newest}")
                 push = self._start_push(version, laid, total, metadata, parts)

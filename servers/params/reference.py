@@ -57,6 +57,7 @@ class HolderRecord:
     joined: dict[int, int] = field(default_factory=dict)
     withdrawing: set[int] = field(default_factory=set)  # unpublished, waiting for retention to be safe
     suspect: bool = False  # a puller reported a failed transfer from it: no source, not counted, until its next heartbeat
+    transports: tuple[str, ...] = ("http",)  # what it serves peers over
 
     def holds_whole(self, version: int) -> bool:
         return version in self.holdings and self.holdings[version] is None
@@ -67,7 +68,8 @@ class HolderRecord:
 
     def summary(self) -> dict:
         return {"holder_id": self.holder_id, "url": self.url, "host_id": self.host_id, "zone": self.zone,
-                "spot": self.spot, "versions": {str(v): (None if c is None else len(c)) for v, c in sorted(self.holdings.items())},
+                "spot": self.spot, "transports": list(self.transports),
+                "versions": {str(v): (None if c is None else len(c)) for v, c in sorted(self.holdings.items())},
                 "withdrawing": sorted(self.withdrawing)}
 
 
@@ -79,6 +81,7 @@ class Source:
     url: str | None  # None for the PS: the puller reaches it at the URL it already has
     has_chunk: bool  # False: a holder still pulling; it serves the chunk once it lands
     tier: str  # "host", "zone", "other" or "ps"
+    transports: tuple[str, ...] = ("http",)  # what the source serves peers over
 
 
 @dataclass
@@ -125,12 +128,15 @@ class ReferenceTable:
     # -- holders
 
     def heartbeat(self, holder_id: str, url: str, host_id: str, zone: str, spot: bool,
-                  holdings: Mapping[int, Iterable[int] | None], now: float) -> HolderRecord:
-        """A holder says it is alive and what it holds; its record is replaced (soft state)."""
+                  holdings: Mapping[int, Iterable[int] | None], now: float,
+                  transports: Iterable[str] = ("http",)) -> HolderRecord:
+        """A holder says it is alive, what it holds and what it serves over; its record is
+        replaced (soft state)."""
         record = self.holders.get(holder_id)
         if record is None:
             record = self.holders[holder_id] = HolderRecord(holder_id, url, host_id)
         record.url, record.host_id, record.zone, record.spot, record.last_seen = url, host_id, zone, spot, now
+        record.transports = tuple(transports)
         record.suspect = False  # it is alive
         previous = record.holdings
         # an unpublish in progress keeps what it withdraws: the PS may still copy it back from there
@@ -223,7 +229,7 @@ class ReferenceTable:
             # picks first, whatever order the asks arrive in (a chain, not a tree of shared links)
             key = ({"host": 0, "zone": 1, "other": 2}[tier], self.load(record.holder_id), not has,
                    -record.joined.get(version, 0))
-            ranked.append((key, Source(record.holder_id, record.url, has, tier)))
+            ranked.append((key, Source(record.holder_id, record.url, has, tier, record.transports)))
         ranked.sort(key=lambda pair: pair[0])
         found = [source for _, source in ranked]
         if version in self.ps_copies and PS not in exclude:

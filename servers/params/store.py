@@ -38,7 +38,7 @@ from staleflow.transports.checksums import (
     checksum_algorithm,
 )
 from staleflow.transports.layout import Manifest, safetensors_header
-from staleflow.transports.shm import ShmSlot, ShmSlots
+from staleflow.transports.shm import ShmSlot, ShmSlots, host_id
 
 log = logging.getLogger(__name__)
 
@@ -346,11 +346,58 @@ class ParamStore:
                     raise ParamsError(code, why + hint)
                 self.cond.wait(min(remaining, 1.0))
             stored = self._own_copy(version)
-            stored.leases += 1
-            lease = Lease(uuid.uuid4().hex, version, transport, time.monotonic() + self.config.lease_ttl_s)
-            self.leases[lease.lease_id] = lease
-            self.pulls_started[transport] = self.pulls_started.get(transport, 0) + 1
-            return lease, stored
+            return self._lease_on(stored, transport), stored
+
+    def _lease_on(self, stored: StoredVersion, transport: str) -> Lease:
+        """Under the lock: a new lease pinning ``stored`` (``transport``: what it is counted as)."""
+        stored.leases += 1
+        lease = Lease(uuid.uuid4().hex, stored.manifest.version, transport, time.monotonic() + self.config.lease_ttl_s)
+        self.leases[lease.lease_id] = lease
+        self.pulls_started[transport] = self.pulls_started.get(transport, 0) + 1
+        return lease
+
+    def acquire_peer(self, version: int, transport: str) -> tuple[Lease, StoredVersion]:
+        """A lease for a peer reading this store's copy of ``version`` straight out of its memory
+        (shm, nixl), a copy still being pulled from holders included (``held`` says which chunks
+        landed; ``wait_chunk`` waits for the others). While it is open the copy's slot is not
+        reused, even once the version is unpublished or the copy given up."""
+        if transport not in ("shm", "nixl") or transport not in self.config.transports:
+            raise ParamsError(ErrorCode.TRANSPORT_DISABLED, f"peers read this copy over {transport!r} only where it is "
+                                                            f"enabled here (enabled: {', '.join(self.config.transports)}); "
+                                                            "read its chunks over http")
+        with self.cond:
+            self.sweep_locked()
+            stored = self.versions.get(version)
+            if stored is None or not stored.retained:
+                stored = self.replicas.get(version)
+            if stored is None:
+                raise ParamsError(ErrorCode.UNKNOWN_VERSION, f"version {version} is not held here (unpublished, or never "
+                                                             "pulled); ask the reference server for another source")
+            return self._lease_on(stored, f"peer-{transport}"), stored
+
+    def transport_details(self, stored: StoredVersion, transport: str) -> dict:
+        """What a puller needs to read ``stored`` over ``transport`` (a lease holds it meanwhile)."""
+        if transport == "shm":
+            slot = self.memory_slot(stored)  # a version recovered from disk is loaded on demand
+            # the stamp and generation let the puller check the slot was not reused under it (see shm.py)
+            return {"path": str(slot.path), "size": slot.size, "host_id": host_id(), "stamp_path": str(slot.stamp_path),
+                    "generation": slot.generation}
+        if transport == "nixl":
+            assert self.nixl is not None
+            return self.nixl.lease_details(stored.manifest.version, stored.fd, stored.file_size)
+        return {}
+
+    def landed_through(self, stored: StoredVersion, index: int) -> int:
+        """The end of the run of landed chunks from ``index`` on (all of them for a complete copy)."""
+        total = len(stored.manifest.chunks)
+        with self.cond:
+            held = stored.held
+            if held is None:
+                return total
+            end = index
+            while end < total and end in held:
+                end += 1
+            return end
 
     def release(self, lease_id: str) -> bool:
         with self.cond:
@@ -489,8 +536,10 @@ class ParamStore:
             self.sweep_locked()
             return {
                 "keep": self.config.keep,
-                "latest": max((v for v, s in self.versions.items() if s.retained), default=None),
+                # a version whose copy this store dropped for its holders (ROS) is still its latest
+                "latest": max((*(v for v, s in self.versions.items() if s.retained), *self.referenced), default=None),
                 "versions": [s.summary() for _, s in sorted(self.versions.items())],
+                "referenced": sorted(self.referenced),
                 "pushes": [p.progress() for _, p in sorted(self.pushes.pending.items())],
                 "readers": {"leases": len(self.leases), "streams": self.active_streams},
                 "writers": len(self.pushes.pending),
@@ -574,6 +623,8 @@ class ParamStore:
 
     def _drop_replica(self, stored: StoredVersion) -> None:
         self._abandoned.pop(stored.manifest.version, None)
+        if self.nixl is not None:  # its export maps the discarded slot: a later copy of the version maps its own
+            self.nixl.release(stored.manifest.version)
         self.memory.release(stored.manifest.version, discard=True)
 
     def wait_chunk(self, stored: StoredVersion, index: int, timeout_s: float) -> None:

@@ -108,6 +108,8 @@ class StoreDescription(_Answer):
     keep: int
     latest: int | None
     versions: list[StoredSummary]
+    referenced: list[int] = Field(default_factory=list[int], description="versions whose copy the PS dropped: its holders "
+                                                                    "serve them (reference-oriented storage)")
     pushes: list[PushProgress]
     readers: dict[str, int]
     writers: int
@@ -228,6 +230,8 @@ class HolderBeat(BaseModel):
     host_id: str = Field(min_length=1, max_length=256, description="the holder's host (``/proc/sys/kernel/random/boot_id``)")
     zone: str = Field(default="", max_length=256, description="a rack or zone label: pullers in it are served from it first")
     spot: bool = Field(default=False, description="a spot (preemptible) holder: serves, never counts for retention")
+    transports: list[str] = Field(default_factory=lambda: ["http"], max_length=8,
+                                  description="what its data plane serves peers over (http always; shm, nixl)")
     holdings: dict[int, list[int] | None] = Field(default_factory=dict[int, list[int] | None],
                                                   description="version -> the chunk indices held (null: all of them)")
 
@@ -257,6 +261,8 @@ class ChunkSource(_Answer):
     url: str | None = Field(description="where to GET the chunk (a holder's data plane); null: the parameter server")
     has_chunk: bool = Field(description="false: a holder still pulling the version; it answers once the chunk lands")
     tier: str = Field(description="host, zone, other or ps")
+    transports: list[str] = Field(default_factory=lambda: ["http"], description="what the source serves peers over "
+                                                                                "(http always; shm, nixl)")
 
 
 class ChunkSources(_Answer):
@@ -277,6 +283,7 @@ class HolderPulled(_Answer):
     seconds: float
     fetched: dict[str, int] = Field(description="source -> chunks fetched from it")
     failures: int = Field(default=0, description="chunk fetches that failed and were retried from another source")
+    via: dict[str, int] = Field(default_factory=dict[str, int], description="transport (http, shm, nixl) -> chunks read over it")
 
 
 class Unpublished(_Answer):
@@ -335,6 +342,27 @@ class ParamsRoutes:
     # on a parameter server that is a holder (``holder_of``): pull a version from its holders, drop one
     holder_pull = Route("POST", "/v1/ros/held/{version}", HolderPulled)
     holder_drop = Route("DELETE", "/v1/ros/held/{version}", VersionDeleted)
+
+
+class PeerLease(_Answer):
+    lease_id: str
+    version: int
+    transport: str
+    ttl_s: float
+    details: dict[str, Any] = Field(description="what the transport needs: the slot's path and stamp, NIXL's agent, ...")
+    held: list[int] | None = Field(description="the chunks landed when the lease was granted (null: all of them; a holder "
+                                               "still pulling the version serves the rest as they land)")
+
+
+class PeerRoutes:
+    """What a holder's data plane (only) serves its peers besides chunk bodies: a lease on its copy
+    of a version for reading it over shm or nixl (a copy still being pulled included), and a chunk
+    ``HEAD`` that answers once the chunk landed verified (header ``X-StaleFlow-Landed-Through``:
+    the end of the run of landed chunks from it). Raw requests, no body."""
+
+    open_lease = Route("POST", "/v1/params/{version}/peer-leases", PeerLease, query=("transport",))
+    close_lease = Route("DELETE", "/v1/peer-leases/{lease_id}", PullEnded)
+    chunk_landed: Route[None] = Route("HEAD", "/v1/params/{version}/chunks/{index}", None, query=("lease",))
 
 
 class AsyncParamsClient(ParamsRoutes, AsyncClient):

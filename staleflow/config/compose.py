@@ -97,7 +97,8 @@ class ComponentConfigs:
             engine = {"vllm": VllmConfig(**{"seed": self.seed + index, **self.vllm_args, "model": str(model)})}
         else:  # on the real clock, each instance its own seed, all of them the job's workload
             engine = {"sim": SimConfig(workload=self.workload, workload_seed=self.seed, seed=self.seed + index,
-                                       clock=Clock.REAL, speed=self.speed, kv_budget=self.kv_budget)}
+                                       clock=Clock.REAL, speed=self.speed, kv_budget=self.kv_budget,
+                                       pull_weights=self.params.sources == "ros")}
         return InstanceConfig(**dict(self.instance), instance_id=name, engine=self.engine,
                               completion_callback_url=f"{urls['ts']}/v1/completed",
                               progress_url=f"{urls['ts']}/v1/progress", **engine)

@@ -32,6 +32,10 @@ class SimConfig(CostCoefficients):
     initial_version: int = Field(default=0, ge=0)
     clock: Clock = Clock.VIRTUAL
     speed: float = Field(default=1.0, gt=0)
+    pull_weights: bool = Field(default=False, description="a Pull of a version on a parameter server also pulls its bytes "
+                               "from there (verified, then dropped), so holders, relays and reroutes act as for a real "
+                               "engine; a refused pull fails the Pull with the server's code. Jobs with "
+                               "params.sources: ros turn it on")
 
     @field_validator("workload")
     @classmethod
@@ -43,7 +47,7 @@ class SimConfig(CostCoefficients):
     def params(self) -> SimParams:
         cost = self.cost_model()
         rest = self.model_dump(exclude={"k1", "k2", "k3", "k4", "k5", "kv_budget", "workload", "workload_seed",
-                                        "clock", "speed"})
+                                        "clock", "speed", "pull_weights"})
         return SimParams(cost=cost, workload=preset(self.workload, self.workload_seed), **rest)
 
 

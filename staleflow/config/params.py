@@ -11,6 +11,7 @@ from staleflow.config.common import ServiceConfig
 from staleflow.strict import StrictModel
 
 TransportName = Literal["http", "shm", "nixl"]
+PeerTransportName = Literal["auto", "shm", "nixl", "http"]
 
 
 def default_retain(eta: int) -> int:
@@ -76,6 +77,14 @@ class ParamsConfig(ParamsSettings, ServiceConfig):
     spot: bool = Field(default=False, description="this holder is preemptible: it serves but never counts for retention")
     holder_follows: bool = Field(default=True, description="a holder pulls each new version as the reference server learns "
                                                            "of it (off: only when asked, POST /v1/ros/held/{version})")
+    peer_transport: PeerTransportName = Field(default="auto", description="how a holder reads chunks from other holders: "
+                                                                          "'auto' shm from a holder on its host, else nixl "
+                                                                          "where both offer it, else http; 'shm' or 'nixl': "
+                                                                          "that one where the holder offers it, else http")
+    emulated_host: str | None = Field(default=None, max_length=256, description="the host this holder tells the reference "
+                                                                                "server it runs on, instead of this boot's id "
+                                                                                "(a bench's emulated hosts: no shm between "
+                                                                                "them); null: the real one")
 
     def retained_versions(self) -> int:
         """The newest versions kept available under ROS (``retain``, else ``keep``)."""

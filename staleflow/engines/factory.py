@@ -25,7 +25,8 @@ def create_engine(config: InstanceConfig) -> RolloutEngine:
         return getattr(importlib.import_module(module), name)(config)
     if config.engine == "sim":
         sim = config.sim
-        return SimEngine(sim.params(), instance_id=config.instance_id, clock=sim.clock, speed=sim.speed)
+        return SimEngine(sim.params(), instance_id=config.instance_id, clock=sim.clock, speed=sim.speed,
+                         pull_weights=sim.pull_weights)
     from staleflow.config.engines import VllmEngineParams
     from staleflow.engines.vllm_engine import VllmEngine
 

@@ -76,6 +76,34 @@ from staleflow.engines.base import (
 )
 from staleflow.workload import WorkloadModel, pseudo_tokens, stable_normal
 
+PULL_WAIT_S = 120.0
+"""How long a pull waits for a version its server is still receiving (a relay copying it)."""
+
+
+def pull_version_bytes(weights: WeightsFromParams) -> None:
+    """Pull ``weights``' version from its server, every chunk verified, and drop the bytes. A
+    version the server's copy was dropped of is pulled from its holders (``sources="ros"``); a
+    refusal raises ``EngineError`` with the server's code (``version_unavailable``: nobody holds
+    it any more, the coordinator then names a version that exists)."""
+    import httpx
+
+    from staleflow.api.base import ServiceError
+    from staleflow.errors import ErrorCode
+    from staleflow.transports.client import ParamsClient
+
+    try:
+        with ParamsClient(weights.url, timeout=PULL_WAIT_S + 30) as params:
+            try:
+                params.pull(weights.version, weights.transport, wait_s=PULL_WAIT_S)
+            except ServiceError as exc:
+                if exc.code is not ErrorCode.VERSION_HELD_BY_PEERS:
+                    raise
+                params.pull(weights.version, "http", sources="ros")
+    except ServiceError as exc:
+        raise EngineError(exc.code or ErrorCode.WEIGHTS_LOAD_FAILED, exc.detail) from None
+    except (OSError, httpx.HTTPError) as exc:  # the server is down or restarting: the coordinator pulls again
+        raise EngineError(ErrorCode.WEIGHTS_LOAD_FAILED, f"pulling version {weights.version} from {weights.url}: {exc}") from None
+
 
 class _Live:
     """A trajectory on the instance. Its token count advances lazily with the step counter."""
@@ -567,12 +595,14 @@ class SimEngine(RolloutEngine):
         instance_id: str = "sim",
         clock: Clock | str = Clock.VIRTUAL,
         speed: float = 1.0,
+        pull_weights: bool = False,
     ):
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         self.core = SimCore(params, instance_id)
         self.clock = Clock(clock)
         self.speed = speed
+        self.pull_weights = pull_weights
         self._stream = CompletionStream()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -621,6 +651,8 @@ class SimEngine(RolloutEngine):
 
     async def load_weights(self, weights: WeightsRef, keep_running: bool = False) -> list[PartialTrajectory]:
         if isinstance(weights, WeightsFromParams):  # simulated: the transfer of the configured model size
+            if self.pull_weights:  # and the version's bytes for real, from where the Pull says
+                await asyncio.to_thread(pull_version_bytes, weights)
             weights = SimWeights(weights.version)
         if not isinstance(weights, SimWeights):
             raise EngineError("invalid_weights", f"the sim engine takes SimWeights, got {type(weights).__name__}")

@@ -58,7 +58,7 @@ def plan_cycle(
     budget = AdmissionBudget(dict(admission))
     on_instances = on_instances or {}
     group_versions = dict(group_versions or {})
-    waiting = reachable(pending, budget, group_versions)
+    reached = len(waiting := reachable(pending, budget, group_versions))  # as many at routing: in arrival order
     routable = Routable(waiting, group_versions)  # kept current as trajectories are handed back
     plan = CyclePlan()
 
@@ -106,7 +106,7 @@ def plan_cycle(
     if repack_previous is not None and config.migration.repacks:
         idle = [s for s in states.values() if s.instance_id not in plan.syncs and not routable.on(s, budget)]
         pinned += _repack(plan, mutable, idle, repack_previous, on_instances, ps_version, config)
-    plan.routes = pinned + route(states.values(), waiting, budget, config, group_versions)
+    plan.routes = pinned + route(states.values(), waiting, budget, config, group_versions, in_order=len(waiting) == reached)
     if migrated:
         _keep_in_place(plan, migrated, kept)
     return plan

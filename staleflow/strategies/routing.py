@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import NamedTuple, cast
 
@@ -30,6 +30,7 @@ import numpy as np
 
 from staleflow.config.strategy import RoutingMode, StrategyConfig
 from staleflow.strategies.state import AdmissionBudget, InstanceState, PendingTrajectory
+from staleflow.strategies.withheld_bounds import WithheldBounds
 
 
 class RouteDecision(NamedTuple):  # a tuple: a pass creates thousands, a frozen dataclass costs 10x more
@@ -47,18 +48,28 @@ _new_tuple = cast("Callable[[type[RouteDecision], tuple[str, str, str, int, bool
 
 class _MultiLevelQueue:
     def __init__(self, pending: Iterable[PendingTrajectory], group_versions: dict[str, int],
-                 longest_first: bool = False):
-        self.levels: dict[int, deque[PendingTrajectory]] = {}
+                 longest_first: bool = False, in_order: bool = False):
+        """``in_order``: ``pending`` is a sequence in arrival order already (``reachable``'s)."""
         self.withheld = False  # a trajectory of the current level was passed over: the pass ends with it
         # by group, groups in arrival order (longest_first: by their first member's predicted remainder)
         self.initial: dict[str, deque[PendingTrajectory]] = {}
-        ordered = sorted(pending, key=_SEQ)
+        ordered = cast("Sequence[PendingTrajectory]", pending) if in_order else sorted(pending, key=_SEQ)
         initial = [t for t in ordered if t.v_traj is None and t.group_id not in group_versions]
+        levels: dict[int, list[PendingTrajectory]] = {}
         if len(initial) < len(ordered):
+            version_of = group_versions.get
             for t in ordered:
-                v = t.v_traj if t.v_traj is not None else group_versions.get(t.group_id)
-                if v is not None:
-                    self.levels.setdefault(v, deque()).append(t)
+                v = t.v_traj
+                if v is None:
+                    v = version_of(t.group_id)
+                    if v is None:
+                        continue
+                level = levels.get(v)
+                if level is None:
+                    levels[v] = [t]
+                else:
+                    level.append(t)
+        self.levels = {v: deque(level) for v, level in levels.items()}
         # a group's members usually arrive together: one dict operation per run of them
         for group_id, members in itertools.groupby(initial, key=_GROUP):
             group = self.initial.get(group_id)
@@ -133,9 +144,10 @@ class _Fleet:
         self.speed = np.array(speeds) if any(s != 1.0 for s in speeds) else None
         self.speed_zero = 0.0 in speeds
         c = self.costs
-        uniform = len(set(c)) <= 1
-        k1, k2, k3, k4, k5, budget = (np.array([getattr(m, name) for m in c], dtype=float)
-                                      for name in ("k1", "k2", "k3", "k4", "k5", "kv_budget"))
+        uniform = len(set({id(m): m for m in c}.values())) <= 1  # equal models count as one; hash each object once
+        names = ("k1", "k2", "k3", "k4", "k5", "kv_budget")
+        k1, k2, k3, k4, k5, budget = (np.full(len(c), getattr(c[0], name), dtype=float) for name in names) \
+            if uniform and c else (np.array([getattr(m, name) for m in c], dtype=float) for name in names)
         self.uniform = uniform and bool(c)
         # a uniform fleet's coefficients as floats (``add_uniform``, ``ideal_gain``), and its KV budget
         self.coefficients = (c[0].k1, c[0].k2, c[0].k3, c[0].k4, c[0].k5) if self.uniform else (0.0,) * 5
@@ -174,6 +186,13 @@ class _Fleet:
         self.gains = np.zeros(len(insts))
         self._grown, self._denominator = np.empty(len(insts)), np.empty(len(insts))
         self._unfit = np.empty(len(insts), dtype=bool)
+        self.changed: list[int] | None = None  # where ``add_uniform`` started a trajectory, for ``WithheldBounds``
+        # ``best_free``'s denominators without the length term (built at its first call), and the
+        # bound on the error of its gains: every gain and throughput before is below 1 / k3
+        self.fixed: np.ndarray | None = None
+        k3_scalar = self.coefficients[2]
+        self.approximate = self.free and self.speed is None and k3_scalar > 0
+        self.approximation_error = 512 * 2.0 ** -53 / k3_scalar if self.approximate else 0.0
 
     def gains_for(self, lengths: np.ndarray | int) -> np.ndarray:
         """Eq. 3 for every instance (one row per length when ``lengths`` is a column). One length
@@ -252,6 +271,47 @@ class _Fleet:
             self.length = length
         return self.gains
 
+    def best_free(self, length: int, lo: int, hi: int, threshold: float) -> tuple[int, float] | None:
+        """The first instance of ``[lo, hi)`` with the largest gain for ``length`` and that gain,
+        from three array operations instead of six: ``(n + 1) / (fixed + k1 k5 l) - before``
+        rounds differently from ``gains_for``'s arithmetic, by less than ``approximation_error``
+        (every term is positive, a few roundings of relative 2^-53 each, on values below 1 / k3).
+        So where the largest is clear of the runner-up by twice that, it is the largest of the
+        exact gains too, and its exact gain is computed alone; a largest below ``threshold`` by
+        that margin is withheld, with that upper bound as its gain. None: too close to tell (or
+        this fleet has no such bound), for ``gains_for`` to decide."""
+        if not self.approximate or not self.kv_free_max + self.k5 * length <= self.kv_budget:
+            return None
+        gains = self.approximate_gains(length)
+        view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]
+        i = int(view.argmax())
+        largest, error = view.item(i), self.approximation_error
+        if largest + error < threshold:
+            return lo + i, largest + error
+        view[i] = -np.inf
+        if not view.max() + error < largest - error:
+            return None
+        return lo + i, self.gain_of(lo + i, length)
+
+    def approximate_gains(self, length: int) -> np.ndarray:
+        """``best_free``'s gains (in a buffer the next evaluation reuses)."""
+        if self.fixed is None:  # kept current by ``add_uniform`` from now on
+            self.fixed = self.k1 * self.kv + self.after_base + self.k4
+            if self.changed is None:
+                self.changed = []
+        gains = np.add(self.fixed, self.k1 * self.k5 * length, out=self._grown)
+        np.divide(self.after_n, gains, out=gains)
+        gains -= self.before
+        return gains
+
+    def gain_of(self, i: int, length: int) -> float:
+        """``gains_for(length)[i]`` of a uniform fleet without speeds, in Python floats (the same
+        arithmetic, step for step)."""
+        grown = self.kv_list[i] + self.k5 * length
+        if grown > self.room.item(i):
+            return 0.0
+        return (self.n_list[i] + 1) / (self.k1 * grown + self.after_base.item(i) + self.k4) - self.before.item(i)
+
     def add(self, i: int, length: int) -> None:
         """``InstanceState.add`` on the arrays: it runs if it fits and nothing waits, else it waits."""
         if self.uniform:
@@ -314,6 +374,11 @@ class _Fleet:
         self.before[i] = before
         self.after_n[i] = n + 1
         self.after_base[i] = after_base
+        changed = self.changed  # None until a steady scan needs it (a fill checks only this)
+        if changed is not None:  # a trajectory that waits only lowers the instance's gains: not reported
+            changed.append(i)
+            if self.fixed is not None:
+                self.fixed[i] = k1 * kv + after_base + k4
         at = self.length
         if at is not None:
             grown = kv + (grow if at == length else k5 * at)
@@ -375,12 +440,15 @@ def reachable(pending: Iterable[PendingTrajectory], budget: AdmissionBudget,
     limit = budget.max_new_groups()
     kept: list[PendingTrajectory] = []
     initial: set[str] = set()
+    keep = kept.append
     for t in sorted(pending, key=_SEQ):
-        if t.v_traj is None and t.group_id not in group_versions and t.group_id not in initial:
-            if len(initial) >= limit:
-                continue
-            initial.add(t.group_id)
-        kept.append(t)
+        if t.v_traj is None:
+            group_id = t.group_id
+            if group_id not in group_versions and group_id not in initial:
+                if len(initial) >= limit:
+                    continue
+                initial.add(group_id)
+        keep(t)
     return kept
 
 
@@ -397,6 +465,7 @@ def route(
     group_versions: dict[str, int] | None = None,
     stop_at_instance: str | None = None,
     lookahead: bool = True,
+    in_order: bool = False,
 ) -> list[RouteDecision]:
     """Decide where waiting trajectories go. Works on copies: the inputs are not modified.
 
@@ -405,18 +474,20 @@ def route(
     for that instance (the synchronization strategy's tentative update only needs to know
     whether one happens). ``lookahead``: when scanning past withheld versioned trajectories,
     test a run of them at once against the unchanged instances (same decisions; False: one at a
-    time, the reference the tests compare it with).
+    time, the reference the tests compare it with). ``in_order``: ``pending`` is a sequence in
+    arrival order already (``reachable``'s), not sorted again.
     """
     fleet, groups = _fleet_of(instances, config)
     budget = budget.copy()
     group_versions = dict(group_versions or {})
-    queue = _MultiLevelQueue(pending, group_versions, config.length_aware)
+    queue = _MultiLevelQueue(pending, group_versions, config.length_aware, in_order)
     in_flight = int(fleet.count.sum())
     choose = _waterfall if config.routing is RoutingMode.THROUGHPUT else _fewest_trajectories
     decisions: list[RouteDecision] = []
     by_gain = config.versioned_by_gain and config.routing is RoutingMode.THROUGHPUT
     scan = _WithheldScan(lookahead and by_gain and config.scan_withheld)
     newer: dict[int, list[_VersionGroup]] = {}  # the candidates of a versioned trajectory, by its version
+    bounds = WithheldBounds(fleet) if by_gain and fleet.uniform and fleet.speed is None and config.mu > 0 else None
 
     while (head := queue.head()) is not None:
         traj, v = head
@@ -428,12 +499,11 @@ def route(
         if v is not None and v == scan.level and scan.skip(queue, v, candidates, config.mu):
             continue
         if v is not None and by_gain and fleet.uniform and config.mu > 0:
-            limit = None if config.max_in_flight is None else config.max_in_flight - in_flight
-            routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions)
-            in_flight += routed
-            if stopped:
+            in_flight, decided, ended = _route_uniform(queue, v, candidates, config, in_flight, stop_at_instance,
+                                                       decisions, bounds)
+            if ended:
                 break
-            if routed:
+            if decided:
                 scan.routed()
                 continue
             chosen = None
@@ -566,7 +636,8 @@ def _withheld_run_uniform(fleet: _Fleet, candidates: list[_VersionGroup], length
 
 
 def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_VersionGroup], mu: float, limit: int | None,
-               stop_at_instance: str | None, decisions: list[RouteDecision]) -> tuple[int, bool]:
+               stop_at_instance: str | None, decisions: list[RouteDecision], bounds: WithheldBounds | None = None
+               ) -> tuple[int, bool]:
     """``_best_gain`` on a fleet of one cost model for the trajectories at the front of ``level``
     that share the head's length (a group's members bring the same prompt), routed one after the
     other without leaving this loop: the gains of that length are evaluated once and each route
@@ -577,6 +648,8 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     lo, hi = candidates[0].lo, candidates[-1].hi
     length = level[0].length
     threshold = mu * fleet.ideal_gain(length)
+    if bounds is not None and length != fleet.length and bounds.withholds(lo, length, threshold):
+        return 0, False
     gains = fleet.gains if length == fleet.length else fleet.at_length(length)
     view = gains if lo == 0 and hi == len(gains) else gains[lo:hi]  # ``add`` updates ``gains`` in place
     ids, append, popleft = fleet.ids, decisions.append, level.popleft
@@ -590,6 +663,8 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
     for routed in range(run):
         i = int(argmax())
         if not item(i) >= threshold:
+            if bounds is not None and routed == 0:
+                bounds.record(lo, length, item(i))
             return routed, False
         traj = popleft()
         i += lo
@@ -598,6 +673,79 @@ def _route_run(level: deque[PendingTrajectory], v: int, candidates: list[_Versio
         if ids[i] == stop_at_instance:
             return routed + 1, True
     return run, False
+
+
+def _route_uniform(queue: _MultiLevelQueue, v: int, candidates: list[_VersionGroup], config: StrategyConfig,
+                   in_flight: int, stop_at_instance: str | None, decisions: list[RouteDecision],
+                   bounds: WithheldBounds | None) -> tuple[int, bool, bool]:
+    """A versioned trajectory at the head of level ``v`` on a fleet of one cost model with
+    ``mu > 0``: those of a length of their own from there on (``_route_singles``), else the run of
+    a group's members (``_route_run``). Returns the trajectories in flight, whether any was
+    decided (False: the head is withheld) and whether the pass ends."""
+    fleet = candidates[0].fleet
+    if bounds is not None and fleet.approximate and _single(queue.levels[v]):
+        in_flight, handled, ended = _route_singles(queue, v, candidates, config, in_flight, stop_at_instance,
+                                                   decisions, bounds)
+        if ended or handled:
+            return in_flight, True, ended
+    limit = None if config.max_in_flight is None else config.max_in_flight - in_flight
+    routed, stopped = _route_run(queue.levels[v], v, candidates, config.mu, limit, stop_at_instance, decisions,
+                                 bounds)
+    return in_flight + routed, routed > 0, stopped
+
+
+def _single(level: deque[PendingTrajectory]) -> bool:
+    """The head of ``level`` has a length of its own (no run of a group's members starts there)."""
+    return len(level) == 1 or level[1].length != level[0].length
+
+
+def _route_singles(queue: _MultiLevelQueue, v: int, candidates: list[_VersionGroup], config: StrategyConfig,
+                   in_flight: int, stop_at_instance: str | None, decisions: list[RouteDecision],
+                   bounds: WithheldBounds) -> tuple[int, int, bool]:
+    """``_route_run`` for the trajectories at the front of level ``v`` that each have a length of
+    their own (a steady fleet's partials), in one loop: withheld from a bound where one tells
+    (``WithheldBounds``), else routed to, or withheld from, the best instance ``best_free`` finds
+    (the exact gains where it cannot tell). Stops at the first that starts a run of one length, at
+    ``max_in_flight`` and when the level is done. Returns the trajectories in flight, how many it
+    decided and whether the pass ends (a route to ``stop_at_instance``, or a withheld one
+    without ``scan_withheld``)."""
+    level = queue.levels[v]
+    fleet = candidates[0].fleet
+    lo, hi = candidates[0].lo, candidates[-1].hi
+    whole = lo == 0 and hi == len(fleet.ids)
+    mu, limit = config.mu, config.max_in_flight
+    ids, append, popleft = fleet.ids, decisions.append, level.popleft
+    ideal_gain, best_free, add = fleet.ideal_gain, fleet.best_free, fleet.add_uniform
+    withholds, record = bounds.withholds, bounds.record
+    handled = 0
+    while level and (limit is None or in_flight < limit):
+        traj = level[0]
+        length = traj.length
+        if not _single(level):
+            break
+        threshold = mu * ideal_gain(length)
+        if length == fleet.length or not withholds(lo, length, threshold):
+            best = None if length == fleet.length else best_free(length, lo, hi, threshold)
+            if best is None:
+                gains = fleet.gains if length == fleet.length else fleet.at_length(length)
+                i = int(gains.argmax()) if whole else lo + int(gains[lo:hi].argmax())
+                best = i, gains.item(i)
+            i, gain = best
+            if gain >= threshold:
+                popleft()
+                add(i, length)
+                append(_new_tuple(RouteDecision, (ids[i], traj.traj_id, traj.group_id, v, False)))
+                in_flight += 1
+                handled += 1
+                if ids[i] == stop_at_instance:
+                    return in_flight, handled, True
+                continue
+            record(lo, length, gain)
+        if not config.scan_withheld:
+            return in_flight, handled, True
+        queue.withhold(v)
+        handled += 1
+    return in_flight, handled, False
 
 
 def _waterfall(candidates: list[_VersionGroup], length: int, mu: float) -> tuple[_VersionGroup, int] | None:

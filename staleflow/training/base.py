@@ -101,8 +101,10 @@ class PushStopped(Exception):
 
 
 def is_visible(state: StoreDescription, version: int) -> bool:
-    """``version`` is visible on the PS (``GET /v1/params``), or superseded by a newer visible one."""
-    return any(v.version == version for v in state.versions) or newer_visible(state, version)
+    """``version`` is visible on the PS (``GET /v1/params``; its holders serving it where the PS
+    dropped its copy), or superseded by a newer visible one."""
+    return (any(v.version == version for v in state.versions) or version in state.referenced
+            or newer_visible(state, version))
 
 
 def newer_visible(state: StoreDescription, version: int) -> bool:

@@ -251,6 +251,10 @@ class Workers:
     def gather(self, count: int | None = None) -> list[dict]:
         return [self._recv(c, p) for c, p in list(zip(self.conns, self.procs, strict=True))[:count]]
 
+    def answer(self, index: int) -> dict:
+        """Worker ``index``'s next answer."""
+        return self._recv(self.conns[index], self.procs[index])
+
     def close(self) -> None:
         for conn in self.conns:
             with contextlib.suppress(OSError):
@@ -319,15 +323,17 @@ def measure_copy_bound(total_bytes: int, repeats: int, device: str) -> dict:
 
 
 def start_params_server(state_dir: Path, transports: list[str], chunk_mb: int, persist: bool,
-                        egress_gbps: float | None = None, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+                        egress_gbps: float | None = None, extra: Sequence[str] = (),
+                        keep: int = 1) -> tuple[subprocess.Popen, str]:
     """A PS in its own process, as an operator starts one (``staleflow serve params``);
     ``egress_gbps``: its egress limit (a link of that speed), None for none; ``extra``: more
-    options (a holder's ``--holder-of``, ...)."""
+    options (a holder's ``--holder-of``, ...); ``keep``: the versions it keeps (and, with
+    holders, keeps available)."""
     # -P as this process was started: a checkout's folders must not shadow the installed package
     safe_path = ["-P"] if sys.flags.safe_path else []
     egress = [] if egress_gbps is None else ["--egress-gbps", str(egress_gbps)]
     proc = subprocess.Popen([sys.executable, *safe_path, "-m", "staleflow.cli", "serve", "params", "--state-dir", str(state_dir),
-                             "--port", "0", "--keep", "1", "--no-fsync", "--persist" if persist else "--no-persist",
+                             "--port", "0", "--keep", str(keep), "--no-fsync", "--persist" if persist else "--no-persist",
                              "--transports", ",".join(transports), "--chunk-mb", str(chunk_mb), *egress, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said: list[str] = []

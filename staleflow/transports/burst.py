@@ -10,8 +10,12 @@ pushes a new version (not timed), asks ``N`` instance processes to pull it at on
 against the manifest's checksum as it lands. The bench then checks each instance's whole-version
 digest against the pushed bytes' (a cell whose digests differ is an error, not a number). Besides
 the bursts of ``N``: an **elastic join** (one more instance asks for the version halfway through a
-single pull's time into a burst of the largest ``N``) and a **holder killed mid-burst**, where the
-source has holders it can lose.
+single pull's time into a burst of the largest ``N``), a **holder killed mid-burst**, where the
+source has holders it can lose, and the **trainer's push during an elastic join**: once the
+largest ``N`` hold version ``v``, the trainer pushes ``v+1`` over http alone and, in turn, while
+one more instance pulls ``v`` (from the PS with ``ps``, from the holders with ``ros``); push
+seconds with and without the join and their ratio (``pushes`` in the results: does a join stall
+the trainer?).
 
 Sources are a registry (``BURST_SOURCES``, ``register_burst_source``): a ``BurstSource`` names
 what it measures, which cases it runs (``CASES``) and how to open a runner on a ``BurstSetup``
@@ -42,8 +46,8 @@ from staleflow.transports.checksums import checksum_algorithms, checksum_bytes
 from staleflow.transports.egress import bytes_per_s_of_gbps
 from staleflow.transports.tables import table_bytes
 
-BURST, ELASTIC_JOIN, HOLDER_KILLED = "burst", "elastic_join", "holder_killed"
-CASES = (BURST, ELASTIC_JOIN, HOLDER_KILLED)
+BURST, ELASTIC_JOIN, HOLDER_KILLED, PUSH_DURING_JOIN = "burst", "elastic_join", "holder_killed", "push_during_join"
+CASES = (BURST, ELASTIC_JOIN, HOLDER_KILLED, PUSH_DURING_JOIN)
 JOIN_AT = 0.5  # the joiner asks this fraction of one instance's pull time into the burst
 DEFAULT_BURST_BYTES = 128 * 10**6  # about 1 s per pull at 1 Gbit/s
 
@@ -90,13 +94,18 @@ class BurstOutcome:
 class BurstRunner(Protocol):
     def burst(self, version: int, case: BurstCase) -> BurstOutcome: ...
 
+    def join(self, version: int, index: int) -> Callable[[], tuple[float, str]]:
+        """Instance ``index`` starts pulling ``version`` now; the call returned waits until it
+        holds it and returns when (this host's monotonic clock) and the digest of what it holds."""
+        ...
+
 
 @dataclass(frozen=True)
 class BurstSource:
     name: str
     summary: str
     open: Callable[[BurstSetup], AbstractContextManager[BurstRunner]]
-    cases: frozenset[str] = frozenset({BURST, ELASTIC_JOIN})
+    cases: frozenset[str] = frozenset({BURST, ELASTIC_JOIN, PUSH_DURING_JOIN})
     unsupported: dict[str, str] = field(default_factory=dict)  # case -> why this source cannot run it
 
 
@@ -161,6 +170,15 @@ class _FanOutRunner:
         answers = self.workers.gather(case.instances + (case.join_after_s is not None))
         return BurstOutcome(started, [a["held"] for a in answers], [a["digest"] for a in answers], joined_at)
 
+    def join(self, version: int, index: int) -> Callable[[], tuple[float, str]]:
+        self.workers.conns[index].send(("pull", version))
+
+        def held() -> tuple[float, str]:
+            answer = self.workers.answer(index)
+            return answer["held"], answer["digest"]
+
+        return held
+
     def close(self) -> None:
         self.workers.close()
 
@@ -189,8 +207,11 @@ class _Publisher:
         self.flat = aligned_array(self.total, np.uint8, 0)
         self.client = ParamsClient(url, timeout=600)
         self.algorithm = checksum_algorithms()[0]
+        self.push_seconds = 0.0
 
-    def publish(self, version: int) -> str:
+    def publish(self, version: int, transport: str = "auto") -> str:
+        """Push ``version`` (its bytes made first, untimed; ``push_seconds``: the push itself) and
+        return its digest."""
         words = self.flat[:self.total - self.total % 4].view(np.uint32)
         np.multiply(np.arange(words.size, dtype=np.uint32), np.uint32(2 * version + 1), out=words)
         tensors, at = {}, 0
@@ -198,7 +219,9 @@ class _Publisher:
             n = int(np.prod(shape)) * 4
             tensors[name] = self.flat[at:at + n].view(np.uint32).reshape(shape)
             at += n
-        self.client.push(version, tensors, transport="auto")
+        started = time.monotonic()
+        self.client.push(version, tensors, transport=transport)
+        self.push_seconds = time.monotonic() - started
         return checksum_bytes(self.algorithm, self.flat)
 
     def withdraw(self, version: int) -> None:
@@ -239,41 +262,89 @@ def _run_case(runner: BurstRunner, publisher: _Publisher, case: BurstCase, repea
         expected = publisher.publish(version)
         outcome = runner.burst(version, case)
         publisher.withdraw(version)
-        wrong = [i for i, digest in enumerate(outcome.digests) if digest != expected]
-        if wrong or len(outcome.digests) != len(outcome.held):
-            raise RuntimeError(f"{case.kind} of {case.instances}: instance(s) {wrong} hold bytes other than version "
-                               f"{version}'s (digest {expected})")
+        _check_digests(outcome, expected, f"{case.kind} of {case.instances}, version {version}")
         outcomes.append(outcome)
         advance()
     return outcomes
 
 
 def _source_cells(source: BurstSource, setup: BurstSetup, publisher: _Publisher, instance_counts: Sequence[int],
-                  repeats: int, next_version: Callable[[], int], advance: Callable[[int], None]) -> tuple[list, list]:
-    """Every cell of one source: bursts of each count, then the elastic join and the holder kill."""
+                  repeats: int, next_version: Callable[[], int], advance: Callable[[int], None],
+                  cases: Sequence[str] = CASES) -> tuple[list, list, list]:
+    """Every cell of one source: bursts of each count, then the elastic join, the holder kill and
+    the push during a join (of those ``cases`` asks for); the cells, the push rows, the skipped."""
     total = table_bytes(setup.table)
     link = bytes_per_s_of_gbps(setup.link_gbps) if setup.link_gbps else None
-    cells, skipped = [], []
+    cells, pushes, skipped = [], [], []
+    biggest = max(instance_counts)
     with source.open(setup) as runner:
-        for n in instance_counts:
+        for n in instance_counts if BURST in cases else ():
             case = BurstCase(BURST, n)
             cells.append(_cell(source.name, case, _run_case(runner, publisher, case, repeats, next_version,
                                                             lambda: advance(1)), total, link))
-        single = next((c for c in cells if c["instances"] == 1), None) or _single(runner, publisher, next_version, total, link)
-        biggest = max(instance_counts)
-        extra = {ELASTIC_JOIN: BurstCase(ELASTIC_JOIN, biggest, join_after_s=JOIN_AT * single["burst_seconds"]),
-                 HOLDER_KILLED: BurstCase(HOLDER_KILLED, biggest, kill_after_s=JOIN_AT * single["burst_seconds"])}
-        for kind, case in extra.items():
+        single = next((c for c in cells if c["instances"] == 1), None)
+        for kind in (k for k in (ELASTIC_JOIN, HOLDER_KILLED, PUSH_DURING_JOIN) if k in cases):
             if kind not in source.cases:
                 why = source.unsupported.get(kind, "this source does not run it")
                 skipped.append({"source": source.name, "kind": kind, "instances": biggest, "why": why})
                 advance(repeats)
                 continue
+            if kind == PUSH_DURING_JOIN:
+                pushes.append(_push_row(source.name, runner, publisher, biggest, repeats, next_version, advance))
+                continue
+            single = single or _single(runner, publisher, next_version, total, link)
+            after = JOIN_AT * single["burst_seconds"]
+            case = BurstCase(kind, biggest, join_after_s=after if kind == ELASTIC_JOIN else None,
+                             kill_after_s=after if kind == HOLDER_KILLED else None)
             cells.append(_cell(source.name, case, _run_case(runner, publisher, case, repeats, next_version,
                                                             lambda: advance(1)), total, link))
     for cell in cells:
-        cell["vs_single"] = cell["burst_seconds"] / single["burst_seconds"]
-    return cells, skipped
+        cell["vs_single"] = cell["burst_seconds"] / single["burst_seconds"] if single else None
+    return cells, pushes, skipped
+
+
+def _push_row(source: str, runner: BurstRunner, publisher: _Publisher, instances: int, repeats: int,
+              next_version: Callable[[], int], advance: Callable[[int], None]) -> dict:
+    """The trainer's push of a new version alone and during an elastic join, ``repeats`` times:
+    ``instances`` hold version ``v`` (a burst, untimed); then ``v+1`` is pushed over http alone and
+    ``v+2`` while one more instance pulls ``v`` (in turn which comes first)."""
+    alone, joined, joins, overlaps = [], [], [], []
+    for repeat in range(repeats):
+        version = next_version()
+        expected = publisher.publish(version)
+        held = runner.burst(version, BurstCase(BURST, instances))
+        _check_digests(held, expected, f"the burst of {instances} before a push")
+        for with_join in (repeat % 2 == 1, repeat % 2 == 0):
+            pushed = next_version()
+            wait = runner.join(version, instances) if with_join else None
+            join_started = time.monotonic()
+            publisher.publish(pushed, transport="http")
+            push_ended = time.monotonic()
+            publisher.withdraw(pushed)
+            if wait is None:
+                alone.append(publisher.push_seconds)
+                continue
+            joined.append(publisher.push_seconds)
+            held_at, digest = wait()
+            if digest != expected:
+                raise RuntimeError(f"the joiner holds bytes other than version {version}'s (digest {expected})")
+            joins.append(held_at - join_started)
+            push_started = push_ended - publisher.push_seconds
+            overlaps.append(max(0.0, min(push_ended, held_at) - push_started) / publisher.push_seconds)
+        publisher.withdraw(version)
+        advance(1)
+    with_join, without = statistics.median(joined), statistics.median(alone)
+    return {"source": source, "kind": PUSH_DURING_JOIN, "instances": instances, "runs": repeats,
+            "push_transport": "http", "push_seconds": without, "push_seconds_all": alone,
+            "push_seconds_with_join": with_join, "push_seconds_with_join_all": joined,
+            "push_ratio": with_join / without, "join_seconds": statistics.median(joins),
+            "join_overlap": statistics.median(overlaps), "verified": True}
+
+
+def _check_digests(outcome: BurstOutcome, expected: str, what: str) -> None:
+    wrong = [i for i, digest in enumerate(outcome.digests) if digest != expected]
+    if wrong or len(outcome.digests) != len(outcome.held):
+        raise RuntimeError(f"{what}: instance(s) {wrong} hold bytes other than the version's (digest {expected})")
 
 
 def _single(runner: BurstRunner, publisher: _Publisher, next_version: Callable[[], int], total: int,
@@ -285,10 +356,12 @@ def _single(runner: BurstRunner, publisher: _Publisher, next_version: Callable[[
 
 def run_burst_bench(sources: Sequence[str], instance_counts: Sequence[int], total_bytes: int = DEFAULT_BURST_BYTES,
                     link_gbps: float | None = None, repeats: int = 3, chunk_mb: int = 64,
-                    planned: Callable[[int], None] = lambda _: None, advance: Callable[[int], None] = lambda _: None) -> dict:
-    """Each source's bursts side by side against one parameter server (see the module docstring).
-    Progress: ``planned(steps)`` once, then ``advance(steps)``."""
-    problems = unknown_sources(sources)
+                    planned: Callable[[int], None] = lambda _: None, advance: Callable[[int], None] = lambda _: None,
+                    cases: Sequence[str] = CASES) -> dict:
+    """Each source's bursts side by side against one parameter server (see the module docstring),
+    of the ``cases`` asked for. Progress: ``planned(steps)`` once, then ``advance(steps)``."""
+    problems = unknown_sources(sources) + [f"unknown case {c!r} (cases: {', '.join(CASES)})" for c in cases
+                                           if c not in CASES]
     if problems:
         raise ValueError("; ".join(problems))
     table = tensor_table(total_bytes)
@@ -296,20 +369,25 @@ def run_burst_bench(sources: Sequence[str], instance_counts: Sequence[int], tota
     results: dict = {"mode": "burst", "sources": list(sources), "instances": list(instance_counts), "bytes": total,
                      "tensors": len(table), "chunk_mb": chunk_mb, "link_gbps": link_gbps, "repeats": repeats,
                      "transport": "http", "cpus": os.cpu_count(), "load_average_before": os.getloadavg()[0],
-                     "cells": [], "skipped": []}
-    planned(len(sources) * repeats * (len(instance_counts) + 2))
+                     "cases": list(cases), "cells": [], "pushes": [], "skipped": []}
+    steps = (len(instance_counts) if BURST in cases else 0) + sum(c in cases for c in CASES if c != BURST)
+    planned(len(sources) * repeats * steps)
     counter = iter(range(1, 1 << 30))
     with tempfile.TemporaryDirectory(prefix="staleflow-bench-burst-") as tmp:
-        proc, url = start_params_server(Path(tmp) / "ps", ["http", "shm"], chunk_mb, persist=False, egress_gbps=link_gbps)
+        # keep 2 (a job's retain with eta 1): the version being joined stays retained (available from
+        # its holders) while the trainer pushes the next one
+        proc, url = start_params_server(Path(tmp) / "ps", ["http", "shm"], chunk_mb, persist=False, egress_gbps=link_gbps,
+                                        keep=2)
         publisher = None
         try:
             publisher = _Publisher(url, table)
             results["ps_egress_gbps"] = publisher.client.health().egress_gbps  # what the PS says it applies
             setup = BurstSetup(url, table, link_gbps, chunk_mb, max(instance_counts) + 1, Path(tmp))
             for name in sources:
-                cells, skipped = _source_cells(BURST_SOURCES[name], setup, publisher, instance_counts, repeats,
-                                               lambda: next(counter), advance)
+                cells, pushes, skipped = _source_cells(BURST_SOURCES[name], setup, publisher, instance_counts, repeats,
+                                                       lambda: next(counter), advance, cases)
                 results["cells"] += cells
+                results["pushes"] += pushes
                 results["skipped"] += skipped
         finally:
             if publisher is not None:

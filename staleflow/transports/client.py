@@ -328,9 +328,11 @@ class ParamsClient(Client):
     def open_pull(self, version: int | str = "latest", transport: str = "http", wait_s: float = 0.0,
                   sources: str = "ps") -> PullLease:
         """A lease on ``version`` for ``receive``; ``transport="auto"`` as in ``iter_pull``.
-        ``sources="ros"``: from the version's holders, chunk by chunk (``transport`` is then moot)."""
+        ``sources="ros"``: from the version's holders, chunk by chunk, each holder read over
+        ``transport`` where it can (``auto``: shm on its host, else nixl where both offer it; see
+        ``peer_reads``), else over http."""
         if sources == "ros":
-            return ros_lease(self.json(API.reference_manifest, version), self.puller_id)
+            return ros_lease(self.json(API.reference_manifest, version), self.puller_id, peers=transport)
         if sources != "ps":
             raise ValueError(f"sources {sources!r}: use ps or ros")
         if transport == "auto":
@@ -487,7 +489,7 @@ def _verified_prefixes(transport: Transport, lease: PullLease, into: ByteRegions
         yield from transport.pull_verified(lease, into, verify)
         return
     if isinstance(transport, PeerTransport):  # verifies every chunk itself: a bad one is fetched again elsewhere
-        yield from transport.pull_verified(lease, into)
+        yield from transport.pull_verified(lease, into, verify=verify)
         return
     index, landed = 0, 0
     hasher = chunk_hasher(chunks[0]) if verify != "none" else None

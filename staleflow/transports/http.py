@@ -34,6 +34,7 @@ from staleflow.transports.regions import ByteRegions
 log = logging.getLogger(__name__)
 
 CHECKSUM_HEADER = "x-staleflow-checksum"
+LANDED_THROUGH_HEADER = "x-staleflow-landed-through"  # a peer's HEAD of a chunk: the end of the run of landed chunks from it
 # bytes per send / receive step and per verified piece: 0.5-1 MiB pieces measured ~2x faster than
 # 4 MiB (asyncio copies what the socket does not take at once; the verifier hashes in cache)
 PIECE_BYTES = 1 << 20
@@ -209,10 +210,11 @@ def raise_for_status(status: int, body: bytes) -> None:
     if 200 <= status < 300:
         return
     try:
-        detail = json.loads(body).get("detail", body.decode(errors="replace"))
+        parsed = json.loads(body)
+        detail = parsed.get("detail", body.decode(errors="replace"))
     except (ValueError, AttributeError):
-        detail = body.decode(errors="replace")
-    raise ServiceError(status, str(detail))
+        parsed, detail = None, body.decode(errors="replace")
+    raise ServiceError(status, str(detail), parsed if isinstance(parsed, dict) else None)  # with its code
 
 
 class HttpTransport(Transport):

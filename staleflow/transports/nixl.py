@@ -40,6 +40,7 @@ import numpy as np
 from staleflow.transports.base import PullLease, PushSession, Transport
 from staleflow.transports.checksums import chunk_checksums
 from staleflow.transports.errors import TransportUnavailable
+from staleflow.transports.layout import ChunkSpec
 from staleflow.transports.regions import ByteRegions
 
 INSTALL_HINT = "install the optional extra: pip install torch==2.13.0 'staleflow[nixl]'"
@@ -220,6 +221,7 @@ class NixlTransport(Transport):
         self._agent = _new_agent("staleflow-client")
         self._remote_metadata: dict[str, bytes] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._read_target: tuple[ByteRegions, Any] | None = None  # read_chunk's buffers and their registration
 
     def _remote(self, details: dict) -> str:
         name, metadata = details["agent_name"], base64.b64decode(details["agent_metadata_b64"])
@@ -253,6 +255,24 @@ class NixlTransport(Transport):
                 self._transfer("READ", remote, *self._descriptors(into.views(chunk.offset, chunk.length), remote_base + chunk.offset))
                 yield chunk.offset, chunk.length
         finally:
+            if registration is not None:
+                self._agent.deregister_memory(registration)
+
+    def read_chunk(self, lease: PullLease, chunk: ChunkSpec, into: ByteRegions) -> None:
+        """READ one chunk of the lease's memory into ``into`` (a peer's copy read chunk by chunk as
+        its chunks land). ``into`` is registered once, on its first chunk, until ``forget_reads``."""
+        details = dict(lease.details)
+        remote = self._remote(details)
+        if self._read_target is None or self._read_target[0] is not into:
+            self.forget_reads()
+            self._read_target = (into, self._register(into.views(0, lease.manifest.total_bytes)))
+        remote_base = int(details["base_address"]) + lease.manifest.data_offset
+        self._transfer("READ", remote, *self._descriptors(into.views(chunk.offset, chunk.length), remote_base + chunk.offset))
+
+    def forget_reads(self) -> None:
+        """``read_chunk``'s buffers are registered no more (the pull ended: they may be freed)."""
+        if self._read_target is not None:
+            registration, self._read_target = self._read_target[1], None
             if registration is not None:
                 self._agent.deregister_memory(registration)
 
@@ -304,6 +324,7 @@ class NixlTransport(Transport):
             self._agent.release_xfer_handle(handle)
 
     def close(self) -> None:
+        self.forget_reads()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -444,6 +444,21 @@ class ShmTransport(Transport):
 
         yield from _checked(_in_order(self._executor(), batch, batches_of(lease.manifest.chunks), self.workers * 2), stamp)
 
+    def read_chunk(self, lease: PullLease, chunk: ChunkSpec, into: ByteRegions, verify: bool | str) -> None:
+        """One chunk of the lease's slot into ``into`` on this thread, verified as ``verify`` says:
+        the stamp read before the copy and again after it, or (``checksum``) the chunk hashed as it
+        is copied. For a peer's copy read chunk by chunk as its chunks land (``peer_reads``)."""
+        self._check_host(lease.details)
+        stamp, hashing = self._guard(lease, verify)
+        mapping = self._slot(lease, stamp)
+        start = lease.manifest.data_offset + chunk.offset
+        hasher = chunk_hasher(chunk) if hashing and chunk.checksum else None
+        actual = scatter_and_hash(mapping.array[start:start + chunk.length], into, chunk.offset, hasher)
+        if hasher is not None and actual != chunk.checksum:
+            raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual or "")
+        if stamp is not None:
+            stamp.check()
+
     def pull_selected(self, lease: PullLease, plan: SelectionPlan, targets: Sequence[np.ndarray],
                       verify: bool | str) -> Iterator[int]:
         """Copies only the selected bytes out of the slot (strided copies for slices along dim > 0)

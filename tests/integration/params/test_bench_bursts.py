@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from staleflow.transports.burst import (
     BURST_SOURCES,
     ELASTIC_JOIN,
     HOLDER_KILLED,
+    PUSH_DURING_JOIN,
     BurstSource,
     register_burst_source,
 )
@@ -45,7 +47,32 @@ def test_a_burst_run_reports_each_count_an_elastic_join_and_a_killed_holder_or_w
     if not runs_kill:
         (skipped,) = data["skipped"]
         assert skipped["kind"] == HOLDER_KILLED and skipped["why"]
+    (push,) = data["pushes"]
+    assert push["source"] == source and push["instances"] == 2 and push["push_ratio"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("source", sorted(BURST_SOURCES))
+def test_the_push_during_a_join_reports_push_seconds_alone_and_during_it(tmp_path: Path, source: str) -> None:
+    """The trainer's push of a new version, alone and while one more instance pulls the previous
+    one: both push times, their ratio, the joiner's pull, on a tiny version."""
+    output = tmp_path / "pushes.json"
+    result = CliRunner().invoke(app, ["bench", "params", "--sources", source, "--sizes", "2MB", "--instances", "1",
+                                      "--repeats", "2", "--chunk-mb", "1", "--link-gbps", "1", "--cases",
+                                      PUSH_DURING_JOIN, "--output", str(output)], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "during / alone" in result.output
+    data = json.loads(output.read_text())
+    assert data["cases"] == [PUSH_DURING_JOIN] and data["cells"] == [] and data["skipped"] == []
+    (push,) = data["pushes"]
+    assert push["source"] == source and push["kind"] == PUSH_DURING_JOIN and push["instances"] == 1
+    assert push["runs"] == 2 and push["push_transport"] == "http" and push["verified"]
+    assert len(push["push_seconds_all"]) == len(push["push_seconds_with_join_all"]) == 2
+    assert push["push_seconds"] == pytest.approx(statistics.median(push["push_seconds_all"]))
+    assert push["push_seconds_with_join"] == pytest.approx(statistics.median(push["push_seconds_with_join_all"]))
+    assert min(push["push_seconds_all"] + push["push_seconds_with_join_all"]) > 0
+    assert push["push_ratio"] == pytest.approx(push["push_seconds_with_join"] / push["push_seconds"])
+    assert push["join_seconds"] > 0 and 0 <= push["join_overlap"] <= 1
 
 
 @pytest.mark.parametrize("args, message", [
@@ -53,6 +80,8 @@ def test_a_burst_run_reports_each_count_an_elastic_join_and_a_killed_holder_or_w
     (["--sources", ""], "at least one source"),
     (["--sources", "ps", "--sizes", "1MB,2MB"], "one version size at a time"),
     (["--sources", "ps", "--link-gbps", "0"], "positive speed"),
+    (["--sources", "ps", "--cases", "burst,teleport"], "choose from burst, elastic_join"),
+    (["--sources", "ps", "--cases", "push_during_join", "--plot", "x.png"], "add burst to --cases"),
 ])
 def test_bad_burst_options_say_what_to_fix(args: list[str], message: str) -> None:
     result = CliRunner().invoke(app, ["bench", "params", *args])

@@ -21,6 +21,7 @@ from staleflow.api.params import ParamsRoutes as API
 from staleflow.errors import ErrorCode
 from staleflow.servers.http import RunningServer, serve_in_thread
 from staleflow.servers.params import ParamsConfig, create_app
+from staleflow.servers.params.rules import shm_prefix
 from staleflow.transports import TensorSlice
 from staleflow.transports.client import ParamsClient
 from staleflow.transports.http import RawHttpConnection
@@ -174,6 +175,7 @@ def test_a_holder_sigkilled_mid_pull_costs_a_retry_never_a_corrupt_byte(tmp_path
     finally:
         victim.stop()
         ps.stop()
+        remove_left_segments(victim)
 
 
 def test_a_restarted_ps_rebuilds_its_holders_from_their_heartbeats(tmp_path: Path) -> None:
@@ -202,6 +204,12 @@ def test_a_restarted_ps_rebuilds_its_holders_from_their_heartbeats(tmp_path: Pat
         for h in holders:
             h.stop()
         ps.stop()
+
+
+def remove_left_segments(process: ParamsProcess) -> None:
+    """The shared memory a SIGKILLed server left (a start on its state directory would remove it)."""
+    for left in Path("/dev/shm").glob(f"{shm_prefix(process.state_dir)}-slot*"):
+        left.unlink(missing_ok=True)
 
 
 def _holders_of(client: ParamsClient, version: int) -> set[str]:
