@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from staleflow.transports.errors import FormatError
+from staleflow.transports.errors import ChecksumMismatch, FormatError
 from staleflow.transports.layout import ChunkSpec
 from staleflow.transports.regions import ByteRegions
 
@@ -124,6 +124,14 @@ def chunk_checksum(chunk: ChunkSpec, algorithm: str | None, pieces: Iterable[Any
     for piece in pieces:
         hasher.update(piece)
     return hasher.hexdigest()
+
+
+def verify_chunk(chunk: ChunkSpec, pieces: Iterable[Any]) -> None:
+    """Raises ``ChecksumMismatch`` unless ``chunk``'s bytes, given in pieces in order, hash to its
+    checksum."""
+    actual = chunk_checksum(chunk, None, pieces)
+    if actual != chunk.checksum:
+        raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual)
 
 
 _CHECKSUM = re.compile(r"(xxh3_64|crc32):[0-9a-f]+")

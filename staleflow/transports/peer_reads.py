@@ -26,8 +26,8 @@ from staleflow.api.base import ServiceError
 from staleflow.api.params import PeerRoutes
 from staleflow.errors import ErrorCode
 from staleflow.transports.base import PullLease
-from staleflow.transports.checksums import chunk_hasher
-from staleflow.transports.errors import ChecksumMismatch, TransportUnavailable
+from staleflow.transports.checksums import verify_chunk
+from staleflow.transports.errors import TransportUnavailable
 from staleflow.transports.http import LANDED_THROUGH_HEADER, RawHttpConnection, raise_for_status
 from staleflow.transports.layout import ChunkSpec, Manifest
 from staleflow.transports.regions import ByteRegions
@@ -94,12 +94,7 @@ class PeerCopy:
             self.mover.read_chunk(self.lease, chunk, into, self.verify)
             return
         self.mover.read_chunk(self.lease, chunk, into)  # type: ignore[attr-defined]
-        hasher = chunk_hasher(chunk)
-        for view in into.views(chunk.offset, chunk.length):
-            hasher.update(view)
-        actual = hasher.hexdigest()
-        if actual != chunk.checksum:
-            raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual)
+        verify_chunk(chunk, into.views(chunk.offset, chunk.length))
 
     def _wait(self, conn: RawHttpConnection, index: int) -> None:
         assert self.landed is not None

@@ -27,7 +27,7 @@ from staleflow.api.params import ChunkSource
 from staleflow.api.params import ParamsRoutes as API
 from staleflow.errors import ErrorCode
 from staleflow.transports.base import PullLease, Transport
-from staleflow.transports.checksums import chunk_hasher
+from staleflow.transports.checksums import verify_chunk
 from staleflow.transports.errors import ChecksumMismatch, SlotReused, TransportUnavailable
 from staleflow.transports.http import RawHttpConnection, raise_for_status
 from staleflow.transports.layout import ChunkSpec, Manifest
@@ -251,16 +251,10 @@ class PeerTransport(Transport):
                 raise_for_status(status, conn.read_body(length))
             if length != chunk.length:
                 raise ConnectionError(f"{length} bytes announced, the manifest says {chunk.length}")
-            hasher = chunk_hasher(chunk)
             views = into.views(chunk.offset, chunk.length)
             for _ in conn.read_into(views):
                 pass
-            for view in views:
-                hasher.update(view)
-            actual = hasher.hexdigest()
-            if actual != chunk.checksum:
-                conn.close()
-                raise ChecksumMismatch(chunk.index, chunk.checksum or "", actual)
+            verify_chunk(chunk, views)
         except BaseException:
             self._connections.pop(url, None)
             conn.close()
