@@ -151,9 +151,11 @@ def test_a_corrupt_chunk_from_a_holder_is_fetched_again_from_another_source(tmp_
 
 
 def test_a_holder_sigkilled_mid_pull_costs_a_retry_never_a_corrupt_byte(tmp_path: Path) -> None:
-    ps = ParamsProcess(tmp_path / "ps", "--chunk-mb", str(CHUNK / (1 << 20)), "--holder-ttl", "4", "--retain-replicas", "2")
+    # a ttl no heartbeat misses on a loaded machine: a victim declared failed before the pull would
+    # never be offered as a source (its death is found by the connection it breaks, not by the ttl)
+    ps = ParamsProcess(tmp_path / "ps", "--chunk-mb", str(CHUNK / (1 << 20)), "--holder-ttl", "60", "--retain-replicas", "2")
     victim = ParamsProcess(tmp_path / "victim", "--holder-of", ps.url, "--holder-id", "victim", "--no-holder-follows",
-                           "--keep", "1", "--holder-ttl", "4")
+                           "--keep", "1", "--holder-ttl", "60")
     try:
         ps.start(persist=False)
         victim.start(persist=False)
